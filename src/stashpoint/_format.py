@@ -1,0 +1,355 @@
+"""The on-disk format: shard headers (safetensors layout) and the manifest (versioned JSON).
+
+Everything read from a file is validated here before use; a malformed input raises
+:class:`CorruptCheckpointError` naming the file. See docs/FORMAT.md for the specification.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import CorruptCheckpointError
+
+FORMAT_NAME = "stashpoint"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+CHECKSUM_ALGORITHM = "xxh3_64"
+HEADER_ALIGN = 4096
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_MANIFEST_BYTES = 1024 * 1024 * 1024
+MAX_DIMS = 64
+
+# torch dtype -> safetensors dtype string, for the dtypes that safetensors readers know.
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
+
+_DTYPES_BY_NAME: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (getattr(torch, n) for n in dir(torch))
+    if isinstance(d, torch.dtype)
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: object, where: str) -> torch.dtype:
+    if not isinstance(name, str) or name not in _DTYPES_BY_NAME:
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in {where}")
+    return _DTYPES_BY_NAME[name]
+
+
+def safetensors_view(dtype: torch.dtype, shape: Sequence[int], nbytes: int) -> tuple[str, list[int]]:
+    """The (dtype, shape) under which a tensor is listed in a shard's safetensors header.
+
+    Dtypes that safetensors readers do not know are listed as raw bytes (``U8``, 1-D); the
+    manifest always holds the true dtype and shape.
+    """
+    st = _ST_DTYPES.get(dtype)
+    if st is None:
+        return "U8", [nbytes]
+    return st, list(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Records
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored piece of a tensor: its place in the global tensor and its bytes in a file."""
+
+    file: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor of the state: global dtype and shape, its chunks, or the key it aliases."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...] = ()
+    alias_of: str | None = None
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A shard file: total size, where its data starts, and the checksum of its header."""
+
+    name: str
+    size: int
+    data_start: int
+    header_checksum: str
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The commit record of a checkpoint. A checkpoint exists if and only if this exists."""
+
+    save_id: str
+    created: str
+    library_version: str
+    torch_version: str
+    files: tuple[FileEntry, ...]
+    tensors: Mapping[str, TensorEntry]
+    tree: dict[str, Any]
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    world_size: int = 1
+    format_version: int = FORMAT_VERSION
+    checksum_algorithm: str = CHECKSUM_ALGORITHM
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "save_id": self.save_id,
+            "created": self.created,
+            "library_version": self.library_version,
+            "torch_version": self.torch_version,
+            "world_size": self.world_size,
+            "checksum_algorithm": self.checksum_algorithm,
+            "metadata": dict(self.metadata),
+            "files": [asdict(f) for f in self.files],
+            "tensors": {k: _entry_doc(e) for k, e in self.tensors.items()},
+            "tree": self.tree,
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+    def resolve(self, key: str) -> TensorEntry:
+        """The entry holding the bytes of ``key`` (following an alias)."""
+        entry = self.tensors[key]
+        return self.tensors[entry.alias_of] if entry.alias_of is not None else entry
+
+
+def _entry_doc(e: TensorEntry) -> dict[str, Any]:
+    if e.alias_of is not None:
+        return {"dtype": e.dtype, "shape": list(e.shape), "alias_of": e.alias_of}
+    return {
+        "dtype": e.dtype,
+        "shape": list(e.shape),
+        "chunks": [
+            {
+                "file": c.file,
+                "offsets": list(c.offsets),
+                "shape": list(c.shape),
+                "start": c.start,
+                "end": c.end,
+                "checksum": c.checksum,
+            }
+            for c in e.chunks
+        ],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifest parsing (every field validated)
+
+
+def _want(cond: bool, where: str, what: str) -> None:
+    if not cond:
+        raise CorruptCheckpointError(f"malformed manifest {where}: {what}")
+
+
+def _int(v: object, where: str, what: str, lo: int = 0) -> int:
+    _want(isinstance(v, int) and not isinstance(v, bool) and v >= lo, where, f"{what} must be an int >= {lo}")
+    assert isinstance(v, int)
+    return v
+
+
+def _ints(v: object, where: str, what: str) -> tuple[int, ...]:
+    _want(isinstance(v, list) and len(v) <= MAX_DIMS, where, f"{what} must be a list of at most {MAX_DIMS} ints")
+    assert isinstance(v, list)
+    return tuple(_int(x, where, what) for x in v)
+
+
+def safe_file_name(name: object, where: str) -> str:
+    """A shard file name must be a plain name inside the checkpoint directory."""
+    ok = (
+        isinstance(name, str)
+        and 0 < len(name) <= 255
+        and name not in (".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\x00" not in name
+    )
+    _want(ok, where, f"file name {name!r} points outside the checkpoint (only plain names are allowed)")
+    assert isinstance(name, str)
+    return name
+
+
+def parse_manifest(raw: bytes, where: str) -> Manifest:
+    """Parse and validate manifest bytes; raise :class:`CorruptCheckpointError` if malformed."""
+    _want(len(raw) <= MAX_MANIFEST_BYTES, where, "larger than the size cap")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"malformed manifest {where}: not valid JSON ({e})") from None
+    _want(isinstance(doc, dict), where, "top level is not an object")
+    _want(doc.get("format") == FORMAT_NAME, where, "not a stashpoint manifest")
+    version = _int(doc.get("format_version"), where, "format_version", 1)
+    if version > FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"manifest {where} has format version {version}, newer than this stashpoint reads "
+            f"({FORMAT_VERSION}); upgrade stashpoint (pip install -U stashpoint)."
+        )
+    _want(doc.get("checksum_algorithm") == CHECKSUM_ALGORITHM, where, "unknown checksum_algorithm")
+    for k in ("save_id", "created", "library_version", "torch_version"):
+        _want(isinstance(doc.get(k), str), where, f"{k} must be a string")
+    meta = doc.get("metadata", {})
+    _want(isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values()), where, "metadata must map to strings")
+    files_doc = doc.get("files")
+    _want(isinstance(files_doc, list), where, "files must be a list")
+    files: dict[str, FileEntry] = {}
+    for f in files_doc:
+        _want(isinstance(f, dict), where, "file entry must be an object")
+        name = safe_file_name(f.get("name"), where)
+        _want(name not in files, where, f"file {name!r} listed twice")
+        hc = f.get("header_checksum")
+        _want(isinstance(hc, str), where, f"header_checksum of {name!r} must be a string")
+        size = _int(f.get("size"), where, f"size of {name!r}")
+        start = _int(f.get("data_start"), where, f"data_start of {name!r}", 8)
+        _want(start <= size, where, f"data_start of {name!r} is past its end")
+        files[name] = FileEntry(name, size, start, str(hc), _int(f.get("rank", 0), where, "rank"))
+    tensors_doc = doc.get("tensors")
+    _want(isinstance(tensors_doc, dict), where, "tensors must be an object")
+    tensors: dict[str, TensorEntry] = {}
+    for key, e in tensors_doc.items():
+        tensors[key] = _parse_entry(key, e, files, where)
+    for key, e in tensors.items():
+        if e.alias_of is not None:
+            target = tensors.get(e.alias_of)
+            _want(target is not None and target.alias_of is None, where, f"{key!r} aliases a missing entry")
+    tree = doc.get("tree")
+    _want(isinstance(tree, dict), where, "tree must be an object")
+    return Manifest(
+        save_id=doc["save_id"],
+        created=doc["created"],
+        library_version=doc["library_version"],
+        torch_version=doc["torch_version"],
+        files=tuple(files.values()),
+        tensors=tensors,
+        tree=tree,
+        metadata=meta,
+        world_size=_int(doc.get("world_size", 1), where, "world_size", 1),
+        format_version=version,
+    )
+
+
+def _parse_entry(key: str, e: object, files: Mapping[str, FileEntry], where: str) -> TensorEntry:
+    _want(isinstance(e, dict), where, f"entry {key!r} must be an object")
+    assert isinstance(e, dict)
+    dtype = dtype_from_name(e.get("dtype"), f"entry {key!r} of manifest {where}")
+    shape = _ints(e.get("shape"), where, f"shape of {key!r}")
+    if "alias_of" in e:
+        _want(isinstance(e["alias_of"], str), where, f"alias_of of {key!r} must be a string")
+        return TensorEntry(key, dtype_name(dtype), shape, (), e["alias_of"])
+    chunks_doc = e.get("chunks")
+    _want(isinstance(chunks_doc, list) and len(chunks_doc) > 0, where, f"{key!r} has no chunks")
+    chunks = []
+    item = torch.empty((), dtype=dtype).element_size()
+    for c in chunks_doc:
+        _want(isinstance(c, dict), where, f"chunk of {key!r} must be an object")
+        fname = safe_file_name(c.get("file"), where)
+        _want(fname in files, where, f"{key!r} refers to unlisted file {fname!r}")
+        offsets = _ints(c.get("offsets"), where, f"offsets of {key!r}")
+        cshape = _ints(c.get("shape"), where, f"chunk shape of {key!r}")
+        _want(len(offsets) == len(shape) == len(cshape), where, f"rank mismatch in {key!r}")
+        _want(all(o + n <= s for o, n, s in zip(offsets, cshape, shape)), where, f"chunk of {key!r} out of bounds")
+        start = _int(c.get("start"), where, f"start of {key!r}")
+        end = _int(c.get("end"), where, f"end of {key!r}")
+        numel = 1
+        for n in cshape:
+            numel *= n
+        fe = files[fname]
+        _want(end - start == numel * item, where, f"byte range of {key!r} does not match its shape")
+        _want(fe.data_start <= start <= end <= fe.size, where, f"byte range of {key!r} is outside {fname!r}")
+        _want(isinstance(c.get("checksum"), str), where, f"checksum of {key!r} must be a string")
+        chunks.append(Chunk(fname, offsets, cshape, start, end, c["checksum"]))
+    return TensorEntry(key, dtype_name(dtype), shape, tuple(chunks))
+
+
+# ---------------------------------------------------------------------------------------------
+# Shard headers (safetensors layout)
+
+
+def encode_header(
+    entries: Sequence[tuple[str, str, Sequence[int], int, int]],
+    metadata: Mapping[str, str],
+    *,
+    align: int = HEADER_ALIGN,
+) -> bytes:
+    """Encode a safetensors header: 8-byte little-endian length, JSON, padded with spaces.
+
+    ``entries`` are ``(name, st_dtype, shape, begin, end)`` with offsets relative to the data
+    section. The result's length is a multiple of ``align``, so the data section starts aligned.
+    """
+    doc: dict[str, Any] = {"__metadata__": dict(metadata)}
+    for name, st_dtype, shape, begin, end in entries:
+        doc[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [begin, end]}
+    body = json.dumps(doc, separators=(",", ":")).encode("utf-8")
+    total = -(-(8 + len(body)) // align) * align
+    body += b" " * (total - 8 - len(body))
+    return struct.pack("<Q", len(body)) + body
+
+
+def header_length(prefix: bytes, file_size: int, where: str) -> int:
+    """Validate the 8-byte length prefix of a shard; return the header's JSON length."""
+    if len(prefix) < 8:
+        raise CorruptCheckpointError(f"shard {where} is truncated: shorter than its 8-byte header length")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > MAX_HEADER_BYTES or 8 + n > file_size:
+        raise CorruptCheckpointError(f"shard {where} has an invalid header length {n} (file is {file_size} bytes)")
+    return int(n)
+
+
+def parse_header(raw: bytes, file_size: int, where: str) -> dict[str, Any]:
+    """Parse a shard's header (``raw`` holds at least the prefix and JSON) and check its offsets."""
+    n = header_length(raw, file_size, where)
+    try:
+        doc = json.loads(raw[8 : 8 + n])
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"shard {where} has a malformed header: {e}") from None
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"shard {where} has a malformed header: not an object")
+    data_len = file_size - 8 - n
+    for name, e in doc.items():
+        if name == "__metadata__":
+            continue
+        if not (isinstance(e, dict) and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2):
+            raise CorruptCheckpointError(f"shard {where}: header entry {name!r} is malformed")
+        b, end = e["data_offsets"]
+        if not (isinstance(b, int) and isinstance(end, int) and 0 <= b <= end <= data_len):
+            raise CorruptCheckpointError(f"shard {where}: header entry {name!r} points outside the file")
+    return doc

@@ -1,0 +1,248 @@
+"""Planning a load: match the saved tree against the live state, before any byte is read.
+
+The planner walks both trees together and produces, without modifying anything:
+
+* ``reads``: which stored tensor goes into which destination tensor;
+* ``setters``: plain values to put back into containers (applied after the reads);
+* ``finalizers``: ``load_state_dict`` calls, innermost first;
+* ``problems``: every mismatch found (missing or unexpected keys, shapes, dtypes, types).
+
+Rules: tensors load in place into the state's tensors. Plain values (and containers holding
+only plain values) come back whole from the checkpoint. Inside a stateful object that is not a
+module (optimizers, schedulers, user objects) the saved state is authoritative: tensors the live
+object lacks are allocated. Modules and the top-level containers are matched key by key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _stateful
+from ._format import Manifest, dtype_from_name, dtype_name
+from ._tree import Node, decode_plain, is_plain, join, tensor_keys
+from .errors import CorruptCheckpointError
+
+Setter = Callable[[Any], None] | None
+
+
+@dataclass
+class Read:
+    """Read stored tensor ``key`` (never an alias) into ``dest``."""
+
+    key: str
+    dest: torch.Tensor
+
+
+@dataclass
+class RestorePlan:
+    reads: list[Read] = field(default_factory=list)
+    setters: list[Callable[[], None]] = field(default_factory=list)
+    finalizers: list[Callable[[], None]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def _holds_tensors(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor) or _stateful.kind_of(obj) is not None:
+        return True
+    if isinstance(obj, MutableMapping):
+        return any(_holds_tensors(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_tensors(v) for v in obj)
+    return False
+
+
+class Planner:
+    def __init__(self, manifest: Manifest, root: Any, *, allow_pickle: bool, where: str) -> None:
+        self.m = manifest
+        self.root = root
+        self.allow_pickle = allow_pickle
+        self.where = where
+        self.plan = RestorePlan()
+        self._materialized: dict[str, torch.Tensor] = {}
+
+    def run(self) -> RestorePlan:
+        self.restore(self.m.tree, self.root, "", None, materialize=False)
+        return self.plan
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _name(self, key: str) -> str:
+        return repr(key) if key else "<root>"
+
+    def _set(self, setter: Setter, value: Any) -> None:
+        if setter is not None:
+            self.plan.setters.append(lambda: setter(value))
+
+    def _entry(self, key: str) -> Any:
+        entry = self.m.tensors.get(key)
+        if entry is None:
+            raise CorruptCheckpointError(f"the manifest of {self.where} names tensor {key!r} in its tree but lists no entry for it")
+        return entry
+
+    def _materialize(self, key: str) -> torch.Tensor:
+        entry = self.m.resolve(self._entry(key).key)
+        t = self._materialized.get(entry.key)
+        if t is None:  # tensors saved once for several keys come back as one tensor (tied)
+            t = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype, entry.key))
+            self._materialized[entry.key] = t
+            self.plan.reads.append(Read(entry.key, t))
+        return t
+
+    def build(self, node: Node, where: str) -> Any:
+        """A fresh Python value for ``node``: tensors allocated on the CPU, containers rebuilt."""
+        if "tensor" in node:
+            return self._materialize(node["tensor"])
+        if "stateful" in node:
+            return self.build(node["state"], where)
+        if "dict" in node:
+            return {k: self.build(v, join(where, k)) for k, v in node["dict"]}
+        if "list" in node:
+            return [self.build(v, join(where, i)) for i, v in enumerate(node["list"])]
+        if "tuple" in node:
+            return tuple(self.build(v, join(where, i)) for i, v in enumerate(node["tuple"]))
+        return decode_plain(node, allow_pickle=self.allow_pickle, where=self.where)
+
+    # -- the walk ------------------------------------------------------------------------------
+
+    def restore(self, saved: Node, live: Any, where: str, setter: Setter, *, materialize: bool) -> None:
+        if "tensor" in saved:
+            self._tensor(saved["tensor"], live, where, setter, materialize)
+        elif is_plain(saved):
+            if _holds_tensors(live):
+                self.plan.problems.append(
+                    f"{self._name(where)}: the checkpoint holds a plain value, the state holds {type(live).__name__}"
+                )
+            else:
+                self._set(setter, self.build(saved, where))
+        elif "stateful" in saved:
+            self._stateful(saved, live, where, setter)
+        elif "dict" in saved:
+            self._dict(saved, live, where, setter, materialize)
+        else:
+            items = saved.get("list", saved.get("tuple"))
+            if isinstance(live, (list, tuple)) and len(live) == len(items):
+                for i, child in enumerate(items):
+                    child_setter = live.__setitem__ if isinstance(live, list) else None
+                    self.restore(
+                        child, live[i], join(where, i), _bind(child_setter, i), materialize=materialize
+                    )
+            elif materialize or live is None:
+                self._set(setter, self.build(saved, where))
+            else:
+                n = len(live) if isinstance(live, (list, tuple)) else None
+                self.plan.problems.append(
+                    f"{self._name(where)}: the checkpoint holds a sequence of {len(items)} items, the state "
+                    f"holds {type(live).__name__}" + (f" of {n} items" if n is not None else "")
+                )
+
+    def _tensor(self, key: str, live: Any, where: str, setter: Setter, materialize: bool) -> None:
+        entry = self._entry(key)
+        if isinstance(live, torch.Tensor):
+            if entry.dtype != dtype_name(live.dtype) or tuple(entry.shape) != tuple(live.shape):
+                self.plan.problems.append(
+                    f"{self._name(key)}: the checkpoint holds {entry.dtype}{list(entry.shape)}, "
+                    f"the state holds {dtype_name(live.dtype)}{list(live.shape)}"
+                )
+                return
+            self.plan.reads.append(Read(self.m.resolve(key).key, live))
+        elif materialize or live is None:
+            self._set(setter, self._materialize(key))
+        else:
+            self.plan.problems.append(
+                f"{self._name(key)}: the checkpoint holds a tensor, the state holds {type(live).__name__}"
+            )
+
+    def _dict(self, saved: Node, live: Any, where: str, setter: Setter, materialize: bool) -> None:
+        if not isinstance(live, MutableMapping):
+            if materialize or live is None:
+                self._set(setter, self.build(saved, where))
+                return
+            self.plan.problems.append(
+                f"{self._name(where)}: the checkpoint holds a dict, the state holds {type(live).__name__}"
+            )
+            return
+        seen = set()
+        for k, child in saved["dict"]:
+            seen.add(k)
+            cw = join(where, k)
+            if k in live:
+                self.restore(child, live[k], cw, _bind(live.__setitem__, k), materialize=materialize)
+            elif materialize or is_plain(child):
+                self._set(_bind(live.__setitem__, k), self.build(child, cw))
+            else:
+                keys = tensor_keys(child)
+                self.plan.problems.append(
+                    f"unexpected key {self._name(cw)}: in the checkpoint, not in the state"
+                    + (f" ({len(keys)} tensor(s))" if len(keys) > 1 else "")
+                )
+        for k, v in live.items():
+            if k not in seen and _holds_tensors(v):
+                self.plan.problems.append(f"missing key {self._name(join(where, k))}: in the state, not in the checkpoint")
+
+    def _stateful(self, saved: Node, live: Any, where: str, setter: Setter) -> None:
+        kind = _stateful.kind_of(live)
+        if kind is None:
+            if isinstance(live, MutableMapping) or live is None:  # a placeholder: rebuild the raw state
+                self._dict(saved["state"], live, where, setter, materialize=True)
+            else:
+                self.plan.problems.append(
+                    f"{self._name(where)}: the checkpoint holds a {saved['stateful']} state, "
+                    f"the state holds {type(live).__name__} (which has no load_state_dict)"
+                )
+            return
+        if kind == "optimizer" or saved["stateful"] == "optimizer":
+            if kind != saved["stateful"]:
+                self.plan.problems.append(
+                    f"{self._name(where)}: the checkpoint holds a {saved['stateful']} state, the state holds {type(live).__name__}"
+                )
+                return
+            self._optimizer(saved, live, where)
+            return
+        box = [live.state_dict()]  # a plain saved state replaces the live one whole
+        n_before = len(self.plan.problems)
+        self.restore(saved["state"], box[0], where, _bind(box.__setitem__, 0), materialize=(kind == "object"))
+        if kind == "module":
+            self.plan.finalizers.append(lambda: live.load_state_dict(box[0], strict=False))
+        elif len(self.plan.problems) == n_before:
+            self.plan.finalizers.append(lambda: live.load_state_dict(box[0]))
+
+    def _optimizer(self, saved: Node, optim: torch.optim.Optimizer, where: str) -> None:
+        n_before = len(self.plan.problems)
+        built = self.build(saved["state"], where)
+        if not (isinstance(built, dict) and isinstance(built.get("param_groups"), list)):
+            raise CorruptCheckpointError(f"the optimizer state at {self._name(where)} in {self.where} is malformed")
+        if saved.get("keyed_by") != "name":
+            self.plan.finalizers.append(lambda: optim.load_state_dict(built))
+            return
+        names = _stateful.param_names(_stateful.find_modules(self.root))
+        current = _stateful.optimizer_current_names(optim, names)
+        if any(n is None for n in current):
+            self.plan.problems.append(
+                f"{self._name(where)}: the checkpoint keys this optimizer's state by parameter name, but some "
+                "of its parameters belong to no module in the state; put the model in the state too"
+            )
+            return
+        saved_names = [n for g in built["param_groups"] for n in g["params"]]
+        for n in sorted(set(saved_names) - set(current), key=str):
+            self.plan.problems.append(f"unexpected optimizer parameter {n!r} at {self._name(where)}: not in the optimizer")
+        for n in sorted(set(current) - set(saved_names), key=str):
+            self.plan.problems.append(f"missing optimizer parameter {n!r} at {self._name(where)}: not in the checkpoint")
+        if len(built["param_groups"]) != len(optim.param_groups):
+            self.plan.problems.append(
+                f"{self._name(where)}: the checkpoint has {len(built['param_groups'])} parameter group(s), "
+                f"the optimizer {len(optim.param_groups)}"
+            )
+        if len(self.plan.problems) == n_before:
+            self.plan.finalizers.append(
+                lambda: optim.load_state_dict(_stateful.optimizer_from_named(built, optim, names))
+            )
+
+
+def _bind(fn: Callable[[Any, Any], None] | None, key: Any) -> Setter:
+    if fn is None:
+        return None
+    return lambda value: fn(key, value)

@@ -1,0 +1,206 @@
+"""The storage interface a checkpoint is written through, and the local-filesystem backend.
+
+A :class:`Storage` is rooted at one checkpoint (a directory, or a prefix in an object store).
+Call order during a save, on each rank:
+
+1. ``prepare()`` — create the root if needed;
+2. ``open_writer(name, size)`` per shard, ``write()`` its bytes in order, ``close()`` makes the
+   file durable (or ``abort()`` removes it);
+3. ``sync()`` — make the new files' names durable;
+4. on the committing rank only, ``commit(MANIFEST_NAME, data)`` — atomically publish the manifest;
+   the checkpoint exists from that moment.
+
+Loads use ``read``/``read_into`` (ranged), ``size``, ``exists`` and ``list``.
+"""
+
+from __future__ import annotations
+
+import abc
+import errno
+import os
+import uuid
+from pathlib import Path
+
+
+class FileWriter(abc.ABC):
+    """A file being written in order. ``close()`` returns once it is durable."""
+
+    @abc.abstractmethod
+    def write(self, data: memoryview | bytes) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def abort(self) -> None: ...
+
+
+class Storage(abc.ABC):
+    """Where one checkpoint's files live. See the module docstring for the call order."""
+
+    #: Whether ``commit`` is an atomic rename (True) or a write whose presence commits (False).
+    atomic_rename: bool = True
+
+    @property
+    @abc.abstractmethod
+    def location(self) -> str:
+        """A human-readable location, used in messages."""
+
+    @abc.abstractmethod
+    def prepare(self) -> None: ...
+
+    @abc.abstractmethod
+    def open_writer(self, name: str, size: int) -> FileWriter: ...
+
+    @abc.abstractmethod
+    def sync(self) -> None: ...
+
+    @abc.abstractmethod
+    def commit(self, name: str, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes: ...
+
+    @abc.abstractmethod
+    def read_into(self, name: str, offset: int, out: memoryview) -> None: ...
+
+    @abc.abstractmethod
+    def size(self, name: str) -> int: ...
+
+    @abc.abstractmethod
+    def exists(self, name: str | None = None) -> bool:
+        """Whether the file ``name`` exists, or (``None``) whether the root exists."""
+
+    @abc.abstractmethod
+    def list(self) -> list[str]: ...
+
+    @abc.abstractmethod
+    def delete(self, name: str) -> None: ...
+
+
+_BLOCK = 64 * 1024 * 1024
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _LocalWriter(FileWriter):
+    def __init__(self, path: Path, size: int) -> None:
+        self._path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            if size > 0 and hasattr(os, "posix_fallocate"):
+                try:  # reserve the space up front: a full disk fails now, not half-way through
+                    os.posix_fallocate(self._fd, 0, size)
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                        raise
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, data: memoryview | bytes) -> None:
+        mv = memoryview(data).cast("B")
+        while len(mv):
+            n = os.write(self._fd, mv[:_BLOCK])
+            mv = mv[n:]
+
+    def close(self) -> None:
+        try:
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        try:
+            self._path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class LocalStorage(Storage):
+    """A checkpoint directory on a local or shared POSIX filesystem."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    @property
+    def location(self) -> str:
+        return str(self.root)
+
+    def prepare(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def open_writer(self, name: str, size: int) -> FileWriter:
+        return _LocalWriter(self.root / name, size)
+
+    def sync(self) -> None:
+        _fsync_dir(self.root)
+
+    def commit(self, name: str, data: bytes) -> None:
+        tmp = self.root / f".{name}.{uuid.uuid4().hex}.partial"
+        try:
+            w = _LocalWriter(tmp, len(data))
+            w.write(data)
+            w.close()
+            os.replace(tmp, self.root / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(self.root)
+
+    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
+        with open(self.root / name, "rb") as f:
+            f.seek(offset)
+            return f.read() if length is None else f.read(length)
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        fd = os.open(self.root / name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            mv = out.cast("B")
+            pos = offset
+            while len(mv):
+                n = os.preadv(fd, [mv[:_BLOCK]], pos)
+                if n == 0:
+                    raise EOFError(f"{self.root / name} ended at byte {pos}, before the data it should hold")
+                mv = mv[n:]
+                pos += n
+        finally:
+            os.close(fd)
+
+    def size(self, name: str) -> int:
+        return (self.root / name).stat().st_size
+
+    def exists(self, name: str | None = None) -> bool:
+        return (self.root if name is None else self.root / name).exists()
+
+    def list(self) -> list[str]:
+        try:
+            return sorted(p.name for p in self.root.iterdir())
+        except FileNotFoundError:
+            return []
+
+    def delete(self, name: str) -> None:
+        (self.root / name).unlink(missing_ok=True)
+
+
+def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
+    """The storage backend for a user-given path."""
+    if isinstance(path, Storage):
+        return path
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str, os.PathLike or Storage, got {type(path).__name__}")
+    text = os.fspath(path)
+    if "://" in text:
+        scheme = text.split("://", 1)[0]
+        raise ValueError(f"unsupported storage scheme {scheme!r} in {text!r}; use a local path")
+    return LocalStorage(text)

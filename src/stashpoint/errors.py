@@ -1,0 +1,56 @@
+"""The exception hierarchy of stashpoint.
+
+Every error raised on purpose by stashpoint derives from :class:`CheckpointError`, and its
+message names the key, path or value at fault and says how to fix it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "StateMismatchError",
+    "UnsupportedStateError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error stashpoint raises on purpose."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint exists at the given path (also a :class:`FileNotFoundError`)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's bytes are damaged: checksum mismatch, truncation, malformed header or manifest."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """The path exists but the save that created it never committed (no manifest)."""
+
+
+class UnsupportedStateError(CheckpointError, TypeError):
+    """The state holds a value stashpoint cannot save without pickling."""
+
+
+class StateMismatchError(CheckpointError):
+    """The checkpoint and the state to load into disagree.
+
+    Every problem is listed, not only the first; they are also available as :attr:`problems`.
+    """
+
+    def __init__(self, path: str, problems: Sequence[str]) -> None:
+        self.path = path
+        self.problems = list(problems)
+        shown = "\n  - ".join(self.problems[:50])
+        more = f"\n  ... and {len(self.problems) - 50} more" if len(self.problems) > 50 else ""
+        super().__init__(
+            f"the state does not match the checkpoint at {path} "
+            f"({len(self.problems)} problem(s)):\n  - {shown}{more}\n"
+            "Fix the state to match, or pass strict=False to load what matches and skip the rest."
+        )
