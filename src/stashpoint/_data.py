@@ -57,7 +57,13 @@ class StatefulSampler(Sampler[int]):
         self.epoch, self.index = epoch, 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "shuffle": self.shuffle, "num_samples": self.num_samples}
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_samples": self.num_samples,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict["num_samples"] != self.num_samples:

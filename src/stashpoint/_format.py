@@ -48,9 +48,7 @@ _ST_DTYPES: dict[torch.dtype, str] = {
 }
 
 _DTYPES_BY_NAME: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (getattr(torch, n) for n in dir(torch))
-    if isinstance(d, torch.dtype)
+    str(d).removeprefix("torch."): d for d in (getattr(torch, n) for n in dir(torch)) if isinstance(d, torch.dtype)
 }
 
 
@@ -228,7 +226,9 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
     for k in ("save_id", "created", "library_version", "torch_version"):
         _want(isinstance(doc.get(k), str), where, f"{k} must be a string")
     meta = doc.get("metadata", {})
-    _want(isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values()), where, "metadata must map to strings")
+    _want(
+        isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values()), where, "metadata must map to strings"
+    )
     files_doc = doc.get("files")
     _want(isinstance(files_doc, list), where, "files must be a list")
     files: dict[str, FileEntry] = {}
@@ -245,14 +245,19 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
     tensors_doc = doc.get("tensors")
     _want(isinstance(tensors_doc, dict), where, "tensors must be an object")
     tensors: dict[str, TensorEntry] = {}
-    for key, e in tensors_doc.items():
-        tensors[key] = _parse_entry(key, e, files, where)
-    for key, e in tensors.items():
-        if e.alias_of is not None:
-            target = tensors.get(e.alias_of)
+    assert isinstance(tensors_doc, dict)
+    for key, e_doc in tensors_doc.items():
+        tensors[key] = _parse_entry(key, e_doc, files, where)
+    for key, entry in tensors.items():
+        if entry.alias_of is not None:
+            target = tensors.get(entry.alias_of)
             _want(target is not None and target.alias_of is None, where, f"{key!r} aliases a missing entry")
     tree = doc.get("tree")
     _want(isinstance(tree, dict), where, "tree must be an object")
+    try:
+        _check_tree(tree, tensors, where)
+    except RecursionError:
+        raise CorruptCheckpointError(f"malformed manifest {where}: tree nested too deeply") from None
     return Manifest(
         save_id=doc["save_id"],
         created=doc["created"],
@@ -267,6 +272,47 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
     )
 
 
+_LEAF_TYPES: dict[str, tuple[type, ...]] = {
+    "value": (type(None), bool, int, float, str),
+    "float": (str,),
+    "bytes": (str,),
+    "pickle": (str,),
+}
+
+
+def _check_tree(node: object, tensors: Mapping[str, TensorEntry], where: str) -> None:
+    """Every tree node has one known form; every tensor it names has an entry."""
+    _want(isinstance(node, dict), where, "tree node must be an object")
+    assert isinstance(node, dict)
+    if "stateful" in node:
+        _want(node["stateful"] in ("module", "optimizer", "object"), where, "unknown stateful kind")
+        _want(node.get("keyed_by", "name") in ("name", "index"), where, "unknown optimizer keying")
+        _check_tree(node.get("state"), tensors, where)
+        return
+    _want(len(node) == 1, where, f"tree node {str(node)[:80]!r} must have exactly one field")
+    ((kind, value),) = node.items()
+    if kind == "tensor":
+        _want(
+            isinstance(value, str) and value in tensors, where, f"tree names tensor {str(value)[:80]!r} with no entry"
+        )
+    elif kind in _LEAF_TYPES:
+        _want(isinstance(value, _LEAF_TYPES[kind]), where, f"malformed {kind} node")
+        if kind == "float":
+            _want(value in ("nan", "inf", "-inf"), where, "malformed float node")
+    elif kind == "dict":
+        _want(isinstance(value, list), where, "dict node must hold a list of [key, node] pairs")
+        for item in value:
+            ok = isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))
+            _want(ok and not isinstance(item[0], bool), where, "dict node must hold [key, node] pairs")
+            _check_tree(item[1], tensors, where)
+    elif kind in ("list", "tuple"):
+        _want(isinstance(value, list), where, f"{kind} node must hold a list")
+        for item in value:
+            _check_tree(item, tensors, where)
+    else:
+        _want(False, where, f"unknown tree node kind {kind!r}")
+
+
 def _parse_entry(key: str, e: object, files: Mapping[str, FileEntry], where: str) -> TensorEntry:
     _want(isinstance(e, dict), where, f"entry {key!r} must be an object")
     assert isinstance(e, dict)
@@ -277,8 +323,9 @@ def _parse_entry(key: str, e: object, files: Mapping[str, FileEntry], where: str
         return TensorEntry(key, dtype_name(dtype), shape, (), e["alias_of"])
     chunks_doc = e.get("chunks")
     _want(isinstance(chunks_doc, list) and len(chunks_doc) > 0, where, f"{key!r} has no chunks")
+    assert isinstance(chunks_doc, list)
     chunks = []
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     for c in chunks_doc:
         _want(isinstance(c, dict), where, f"chunk of {key!r} must be an object")
         fname = safe_file_name(c.get("file"), where)
@@ -344,12 +391,13 @@ def parse_header(raw: bytes, file_size: int, where: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"shard {where} has a malformed header: not an object")
     data_len = file_size - 8 - n
-    for name, e in doc.items():
+    for name, entry in doc.items():
         if name == "__metadata__":
             continue
-        if not (isinstance(e, dict) and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2):
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2):
             raise CorruptCheckpointError(f"shard {where}: header entry {name!r} is malformed")
-        b, end = e["data_offsets"]
+        b, end = offsets
         if not (isinstance(b, int) and isinstance(end, int) and 0 <= b <= end <= data_len):
             raise CorruptCheckpointError(f"shard {where}: header entry {name!r} points outside the file")
     return doc

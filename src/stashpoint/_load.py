@@ -89,7 +89,9 @@ def _read_chunk(storage: Storage, key: str, chunk: Chunk, dest: torch.Tensor, ve
     try:
         storage.read_into(chunk.file, chunk.start, mv)
     except EOFError as e:
-        raise CorruptCheckpointError(f"shard {storage.location}/{chunk.file} is truncated inside key {key!r}: {e}") from None
+        raise CorruptCheckpointError(
+            f"shard {storage.location}/{chunk.file} is truncated inside key {key!r}: {e}"
+        ) from None
     if verify and checksum(mv) != chunk.checksum:
         raise CorruptCheckpointError(
             f"checksum mismatch for key {key!r} in shard {storage.location}/{chunk.file}: the data is "
@@ -155,7 +157,10 @@ def load(
     if plan.problems:
         if strict:
             raise StateMismatchError(storage.location, plan.problems)
-        msg = f"stashpoint: loading {storage.location} skipped {len(plan.problems)} mismatch(es):\n  - " + "\n  - ".join(plan.problems)
+        msg = (
+            f"stashpoint: loading {storage.location} skipped {len(plan.problems)} mismatch(es):\n  - "
+            + "\n  - ".join(plan.problems)
+        )
         warnings.warn(msg, stacklevel=2)
         log.warning(msg)
     execute_reads(storage, manifest, plan.reads, verify=verify)

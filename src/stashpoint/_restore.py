@@ -65,7 +65,10 @@ class Planner:
         self._materialized: dict[str, torch.Tensor] = {}
 
     def run(self) -> RestorePlan:
-        self.restore(self.m.tree, self.root, "", None, materialize=False)
+        if "dict" in self.m.tree and isinstance(self.root, MutableMapping):
+            self._dict(self.m.tree, self.root, "", None, materialize=False)  # the root is updated in place
+        else:
+            self.restore(self.m.tree, self.root, "", None, materialize=False)
         return self.plan
 
     # -- helpers -------------------------------------------------------------------------------
@@ -80,7 +83,9 @@ class Planner:
     def _entry(self, key: str) -> Any:
         entry = self.m.tensors.get(key)
         if entry is None:
-            raise CorruptCheckpointError(f"the manifest of {self.where} names tensor {key!r} in its tree but lists no entry for it")
+            raise CorruptCheckpointError(
+                f"the manifest of {self.where} names tensor {key!r} in its tree but lists no entry for it"
+            )
         return entry
 
     def _materialize(self, key: str) -> torch.Tensor:
@@ -123,13 +128,14 @@ class Planner:
         elif "dict" in saved:
             self._dict(saved, live, where, setter, materialize)
         else:
-            items = saved.get("list", saved.get("tuple"))
+            items: list[Node] = saved["list"] if "list" in saved else saved["tuple"]
             if isinstance(live, (list, tuple)) and len(live) == len(items):
+                # a tuple is rebuilt from a list copy once its items are back, then set in its parent
+                seq = live if isinstance(live, list) else list(live)
                 for i, child in enumerate(items):
-                    child_setter = live.__setitem__ if isinstance(live, list) else None
-                    self.restore(
-                        child, live[i], join(where, i), _bind(child_setter, i), materialize=materialize
-                    )
+                    self.restore(child, seq[i], join(where, i), _bind(seq.__setitem__, i), materialize=materialize)
+                if isinstance(live, tuple) and setter is not None:
+                    self.plan.setters.append(lambda: setter(type(live)(seq)))
             elif materialize or live is None:
                 self._set(setter, self.build(saved, where))
             else:
@@ -181,7 +187,9 @@ class Planner:
                 )
         for k, v in live.items():
             if k not in seen and _holds_tensors(v):
-                self.plan.problems.append(f"missing key {self._name(join(where, k))}: in the state, not in the checkpoint")
+                self.plan.problems.append(
+                    f"missing key {self._name(join(where, k))}: in the state, not in the checkpoint"
+                )
 
     def _stateful(self, saved: Node, live: Any, where: str, setter: Setter) -> None:
         kind = _stateful.kind_of(live)
@@ -197,7 +205,8 @@ class Planner:
         if kind == "optimizer" or saved["stateful"] == "optimizer":
             if kind != saved["stateful"]:
                 self.plan.problems.append(
-                    f"{self._name(where)}: the checkpoint holds a {saved['stateful']} state, the state holds {type(live).__name__}"
+                    f"{self._name(where)}: the checkpoint holds a {saved['stateful']} state, "
+                    f"the state holds {type(live).__name__}"
                 )
                 return
             self._optimizer(saved, live, where)
@@ -228,9 +237,13 @@ class Planner:
             return
         saved_names = [n for g in built["param_groups"] for n in g["params"]]
         for n in sorted(set(saved_names) - set(current), key=str):
-            self.plan.problems.append(f"unexpected optimizer parameter {n!r} at {self._name(where)}: not in the optimizer")
+            self.plan.problems.append(
+                f"unexpected optimizer parameter {n!r} at {self._name(where)}: not in the optimizer"
+            )
         for n in sorted(set(current) - set(saved_names), key=str):
-            self.plan.problems.append(f"missing optimizer parameter {n!r} at {self._name(where)}: not in the checkpoint")
+            self.plan.problems.append(
+                f"missing optimizer parameter {n!r} at {self._name(where)}: not in the checkpoint"
+            )
         if len(built["param_groups"]) != len(optim.param_groups):
             self.plan.problems.append(
                 f"{self._name(where)}: the checkpoint has {len(built['param_groups'])} parameter group(s), "

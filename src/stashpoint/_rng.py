@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+_np: Any
 try:  # NumPy is optional
     import numpy as _np
 except ImportError:  # pragma: no cover - exercised only without NumPy
@@ -34,7 +35,7 @@ class RNGState:
                 "has_gauss": int(st["has_gauss"]),
                 "gauss": float(st["gauss"]),
             }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             sd["cuda"] = list(torch.cuda.get_rng_state_all())
         return sd
 

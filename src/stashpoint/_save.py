@@ -190,7 +190,7 @@ def async_save(
         specs = tuple(TensorSpec(k, dtype_name(t.dtype), tuple(t.shape), t.element_size()) for k, t in canonical)
         plan = engine.plan(specs, max_shard_bytes)
         pinned = torch.cuda.is_available() and any(t.device.type == "cuda" for _, t in canonical)
-        staged = engine.pool.acquire(plan, {s.key: s.dtype for s in specs}, dict(shapes), pinned)
+        staged = engine.pool.acquire(plan, specs, pinned)
         t_stage = time.perf_counter()
         try:
             stage([(t, staged.views[k]) for k, t in canonical])

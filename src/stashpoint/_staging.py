@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._format import dtype_from_name
-from ._plan import SavePlan
+from ._plan import SavePlan, TensorSpec
 
 
 def as_memoryview(t: torch.Tensor) -> memoryview:
@@ -49,6 +49,7 @@ class StagingBuffers:
     """One host buffer per shard file of a plan, and typed views of each tensor's bytes."""
 
     plan: SavePlan
+    specs: tuple[TensorSpec, ...]
     pinned: bool
     buffers: list[torch.Tensor]
     views: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -58,14 +59,16 @@ class StagingBuffers:
         return sum(b.numel() for b in self.buffers)
 
     @classmethod
-    def allocate(cls, plan: SavePlan, dtypes: dict[str, str], shapes: dict[str, tuple[int, ...]], pinned: bool) -> StagingBuffers:
+    def allocate(cls, plan: SavePlan, specs: tuple[TensorSpec, ...], pinned: bool) -> StagingBuffers:
         buffers = [_host_buffer(f.data_size, pinned) for f in plan.files]
+        by_key = {s.key: s for s in specs}
         views: dict[str, torch.Tensor] = {}
         for f, buf in zip(plan.files, buffers):
             for p in f.placements:
-                dtype = dtype_from_name(dtypes[p.key], p.key)
-                views[p.key] = buf[p.begin : p.end].view(dtype).reshape(shapes[p.key])
-        return cls(plan, pinned, buffers, views)
+                spec = by_key[p.key]
+                dtype = dtype_from_name(spec.dtype, p.key)
+                views[p.key] = buf[p.begin : p.end].view(dtype).reshape(spec.shape)
+        return cls(plan, specs, pinned, buffers, views)
 
 
 class StagingPool:
@@ -76,16 +79,15 @@ class StagingPool:
         self._free: list[StagingBuffers] = []
         self._lock = threading.Lock()
 
-    def acquire(
-        self, plan: SavePlan, dtypes: dict[str, str], shapes: dict[str, tuple[int, ...]], pinned: bool
-    ) -> StagingBuffers:
+    def acquire(self, plan: SavePlan, specs: tuple[TensorSpec, ...], pinned: bool) -> StagingBuffers:
+        """Buffers laid out for ``plan`` and ``specs``: reused when an idle set matches."""
         with self._lock:
             for i, b in enumerate(self._free):
-                if b.plan == plan and b.pinned == pinned:
+                if b.plan == plan and b.specs == specs and b.pinned == pinned:
                     return self._free.pop(i)
             # A different structure: drop idle buffers first so memory never grows.
             self._free.clear()
-        return StagingBuffers.allocate(plan, dtypes, shapes, pinned)
+        return StagingBuffers.allocate(plan, specs, pinned)
 
     def release(self, buffers: StagingBuffers) -> None:
         with self._lock:
@@ -102,7 +104,7 @@ _streams: dict[torch.device, torch.cuda.Stream] = {}
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _streams:
-        _streams[device] = torch.cuda.Stream(device=device)
+        _streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
     return _streams[device]
 
 

@@ -87,7 +87,9 @@ def optimizer_current_names(optim: torch.optim.Optimizer, names: Mapping[int, st
     return [names.get(id(p)) for group in optim.param_groups for p in group["params"]]
 
 
-def optimizer_from_named(sd: Mapping[str, Any], optim: torch.optim.Optimizer, names: Mapping[int, str]) -> dict[str, Any]:
+def optimizer_from_named(
+    sd: Mapping[str, Any], optim: torch.optim.Optimizer, names: Mapping[int, str]
+) -> dict[str, Any]:
     """Turn a name-keyed optimizer state dict into the integer-keyed form ``optim`` loads.
 
     Integer ids follow the optimizer's *current* parameter order, and each current group takes

@@ -170,7 +170,10 @@ def decode_plain(node: Node, *, allow_pickle: bool, where: str) -> Any:
     if "float" in node:
         return float(node["float"])
     if "bytes" in node:
-        return base64.b64decode(node["bytes"])
+        try:
+            return base64.b64decode(node["bytes"], validate=True)
+        except ValueError:
+            raise CorruptCheckpointError(f"malformed bytes value in the manifest of {where}") from None
     if "dict" in node:
         return {k: decode_plain(v, allow_pickle=allow_pickle, where=where) for k, v in node["dict"]}
     if "list" in node:

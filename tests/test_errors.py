@@ -1,0 +1,251 @@
+"""Every error a user can meet, with its message; failures never harm earlier checkpoints."""
+
+from __future__ import annotations
+
+import errno
+import json
+import threading
+import warnings
+
+import pytest
+import torch
+
+import stashpoint
+from stashpoint._format import MANIFEST_NAME
+from stashpoint._storage import FileWriter, LocalStorage
+
+
+def test_missing_checkpoint_is_a_file_not_found_error(tmp_path):
+    with pytest.raises(stashpoint.CheckpointNotFoundError, match=r"no checkpoint at .*nope") as info:
+        stashpoint.load({}, tmp_path / "nope")
+    assert isinstance(info.value, FileNotFoundError)
+    assert isinstance(info.value, stashpoint.CheckpointError)
+
+
+def test_uncommitted_directory_is_incomplete(tmp_path):
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "shard-r00000-0000-abc.safetensors").write_bytes(b"partial")
+    with pytest.raises(stashpoint.IncompleteCheckpointError, match=r"no committed checkpoint.*did not finish"):
+        stashpoint.load({}, tmp_path / "ck")
+
+
+def test_a_torch_save_file_is_refused_with_a_hint(tmp_path):
+    torch.save({"a": torch.ones(1)}, tmp_path / "model.pt")
+    with pytest.raises(stashpoint.CheckpointError, match="is a file, not a stashpoint checkpoint"):
+        stashpoint.load({}, tmp_path / "model.pt")
+
+
+def test_saving_over_a_committed_checkpoint_needs_overwrite(tmp_path):
+    stashpoint.save({"a": torch.ones(2)}, tmp_path / "ck")
+    with pytest.raises(stashpoint.CheckpointError, match="overwrite=True"):
+        stashpoint.save({"a": torch.zeros(2)}, tmp_path / "ck")
+    stashpoint.save({"a": torch.full((2,), 5.0)}, tmp_path / "ck", overwrite=True)
+    shards = list((tmp_path / "ck").glob("shard-*"))
+    assert len(shards) == 1, "the old shards are removed once the new checkpoint commits"
+    out = {"a": torch.zeros(2)}
+    stashpoint.load(out, tmp_path / "ck")
+    assert out["a"].tolist() == [5.0, 5.0]
+
+
+def test_unsupported_values_name_their_key_path_and_type(tmp_path):
+    with pytest.raises(stashpoint.UnsupportedStateError, match=r"_thread.lock at key 'cfg/locks/1'"):
+        stashpoint.save({"cfg": {"locks": [1, threading.Lock()]}}, tmp_path / "ck")
+    with pytest.raises(stashpoint.UnsupportedStateError, match=r"dict key \(1, 2\) of type tuple"):
+        stashpoint.save({"x": {(1, 2): 3}}, tmp_path / "ck")
+    with pytest.raises(stashpoint.UnsupportedStateError, match=r"layout torch.sparse_coo at key 'sp'.*to_dense"):
+        stashpoint.save({"sp": torch.eye(3).to_sparse()}, tmp_path / "ck")
+    q = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+    with pytest.raises(stashpoint.UnsupportedStateError, match="quantized tensor at key 'q'"):
+        stashpoint.save({"q": q}, tmp_path / "ck")
+    with pytest.raises(TypeError, match="metadata must map str to str"):
+        stashpoint.save({}, tmp_path / "ck", metadata={"a": 1})
+    assert not (tmp_path / "ck").exists(), "a refused save writes nothing"
+
+
+def test_state_mismatch_lists_every_problem_at_once(tmp_path):
+    stashpoint.save(
+        {"a": torch.ones(2), "b": torch.ones(3), "c": torch.ones(4), "extra": torch.ones(1)}, tmp_path / "ck"
+    )
+    target = {"a": torch.zeros(5), "b": torch.zeros(3, dtype=torch.float64), "c": torch.zeros(4), "new": torch.zeros(1)}
+    with pytest.raises(stashpoint.StateMismatchError) as info:
+        stashpoint.load(target, tmp_path / "ck")
+    msg = str(info.value)
+    assert "'a': the checkpoint holds float32[2], the state holds float32[5]" in msg
+    assert "'b': the checkpoint holds float32[3], the state holds float64[3]" in msg
+    assert "unexpected key 'extra'" in msg and "missing key 'new'" in msg
+    assert "strict=False" in msg
+    assert len(info.value.problems) == 4
+    assert torch.equal(target["c"], torch.zeros(4)), "a refused load changes nothing"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stashpoint.load(target, tmp_path / "ck", strict=False)
+    assert torch.equal(target["c"], torch.ones(4)), "strict=False loads what matches"
+    assert any("4 mismatch" in str(w.message) for w in caught)
+
+
+def test_module_mismatch_names_module_keys(tmp_path):
+    stashpoint.save({"model": torch.nn.Linear(3, 2)}, tmp_path / "ck")
+    with pytest.raises(stashpoint.StateMismatchError, match=r"'model/weight'.*float32\[2, 3\].*float32\[4, 3\]"):
+        stashpoint.load({"model": torch.nn.Linear(3, 4)}, tmp_path / "ck")
+    with pytest.raises(stashpoint.StateMismatchError, match="unexpected key 'model/bias'"):
+        stashpoint.load({"model": torch.nn.Linear(3, 2, bias=False)}, tmp_path / "ck")
+
+
+def _one_shard(path):
+    (shard,) = path.glob("shard-*")
+    return shard
+
+
+def _flip(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_bit_in_tensor_data_is_detected_with_key_and_file(tmp_path):
+    stashpoint.save({"good": torch.ones(100), "bad": torch.ones(100)}, tmp_path / "ck")
+    shard = _one_shard(tmp_path / "ck")
+    manifest = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_text())
+    _flip(shard, manifest["tensors"]["bad"]["chunks"][0]["start"] + 17)
+    with pytest.raises(stashpoint.CorruptCheckpointError, match=rf"key 'bad' in shard .*{shard.name}"):
+        stashpoint.load({"good": torch.zeros(100), "bad": torch.zeros(100)}, tmp_path / "ck")
+    out = {"good": torch.zeros(100), "bad": torch.zeros(100)}
+    stashpoint.load(out, tmp_path / "ck", verify=False)  # the user may opt out of checking
+    assert torch.equal(out["good"], torch.ones(100)) and not torch.equal(out["bad"], torch.ones(100))
+
+
+def test_truncated_shard_is_detected(tmp_path):
+    stashpoint.save({"a": torch.ones(1000)}, tmp_path / "ck")
+    shard = _one_shard(tmp_path / "ck")
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(stashpoint.CorruptCheckpointError, match="is truncated"):
+        stashpoint.load({"a": torch.zeros(1000)}, tmp_path / "ck")
+
+
+def test_damaged_header_is_detected(tmp_path):
+    stashpoint.save({"a": torch.ones(10)}, tmp_path / "ck")
+    _flip(_one_shard(tmp_path / "ck"), 20)
+    with pytest.raises(stashpoint.CorruptCheckpointError, match=r"header of shard .* does not match the manifest"):
+        stashpoint.load({"a": torch.zeros(10)}, tmp_path / "ck")
+
+
+def test_missing_shard_and_broken_manifest_are_detected(tmp_path):
+    stashpoint.save({"a": torch.ones(10)}, tmp_path / "ck")
+    (tmp_path / "ck" / MANIFEST_NAME).write_bytes(b"{not json")
+    with pytest.raises(stashpoint.CorruptCheckpointError, match="not valid JSON"):
+        stashpoint.load({"a": torch.zeros(10)}, tmp_path / "ck")
+    stashpoint.save({"a": torch.ones(10)}, tmp_path / "ck2")
+    _one_shard(tmp_path / "ck2").unlink()
+    with pytest.raises(stashpoint.CorruptCheckpointError, match="listed in the manifest is missing"):
+        stashpoint.load({"a": torch.zeros(10)}, tmp_path / "ck2")
+
+
+def test_manifest_from_another_checkpoint_is_detected(tmp_path):
+    stashpoint.save({"a": torch.ones(10)}, tmp_path / "one")
+    stashpoint.save({"a": torch.ones(10)}, tmp_path / "two")
+    (tmp_path / "two" / MANIFEST_NAME).write_bytes((tmp_path / "one" / MANIFEST_NAME).read_bytes())
+    _one_shard(tmp_path / "two").rename(tmp_path / "two" / _one_shard(tmp_path / "one").name)
+    with pytest.raises(stashpoint.CorruptCheckpointError, match="does not match the manifest"):
+        stashpoint.load({"a": torch.zeros(10)}, tmp_path / "two")
+
+
+# ----------------------------------------------------------------------------- fault injection
+
+
+class _FailingWriter(FileWriter):
+    def __init__(self, inner: FileWriter, budget: list[int]) -> None:
+        self.inner, self.budget = inner, budget
+
+    def write(self, data):
+        n = len(memoryview(data).cast("B"))
+        if self.budget[0] < n:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        self.budget[0] -= n
+        self.inner.write(data)
+
+    def close(self):
+        self.inner.close()
+
+    def abort(self):
+        self.inner.abort()
+
+
+class FailingStorage(LocalStorage):
+    """A local directory whose writes fail once ``budget`` bytes have been written."""
+
+    def __init__(self, root, budget: int) -> None:
+        super().__init__(root)
+        self.budget = [budget]
+
+    def open_writer(self, name, size):
+        return _FailingWriter(super().open_writer(name, size), self.budget)
+
+
+def test_a_write_failing_mid_save_commits_nothing_and_keeps_the_previous_checkpoint(tmp_path):
+    old = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(3)}
+    stashpoint.save(old, tmp_path / "ck", max_shard_bytes=600_000)
+    before = sorted(p.name for p in (tmp_path / "ck").iterdir())
+
+    new = {"w": torch.zeros(300_000), "b": torch.zeros(3)}
+    handle = stashpoint.async_save(
+        new, FailingStorage(tmp_path / "ck", budget=700_000), overwrite=True, max_shard_bytes=600_000
+    )
+    with pytest.raises(
+        stashpoint.CheckpointError, match=r"saving the checkpoint to .*ck failed: OSError.*No space left"
+    ) as info:
+        handle.wait()
+    assert isinstance(info.value.__cause__, OSError)
+    assert isinstance(handle.exception(), stashpoint.CheckpointError)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before, "partial files are removed"
+    out = {"w": torch.zeros(300_000), "b": torch.zeros(3)}
+    stashpoint.load(out, tmp_path / "ck")
+    assert torch.equal(out["w"], old["w"]), "the previous checkpoint is intact"
+    # training goes on: the next save works
+    stashpoint.save(new, tmp_path / "ck", overwrite=True)
+    stashpoint.load(out, tmp_path / "ck")
+    assert torch.equal(out["w"], new["w"])
+
+
+def test_a_failed_first_save_leaves_no_manifest(tmp_path):
+    h = stashpoint.async_save({"w": torch.ones(1000)}, FailingStorage(tmp_path / "ck", budget=100))
+    assert isinstance(h.exception(), stashpoint.CheckpointError)
+    assert not (tmp_path / "ck" / MANIFEST_NAME).exists()
+    with pytest.raises(stashpoint.IncompleteCheckpointError):
+        stashpoint.load({"w": torch.ones(1000)}, tmp_path / "ck")
+
+
+class SlowStorage(LocalStorage):
+    def __init__(self, root, gate: threading.Event) -> None:
+        super().__init__(root)
+        self.gate = gate
+
+    def sync(self):
+        assert self.gate.wait(30)
+        super().sync()
+
+
+def test_async_save_returns_once_staged_and_later_changes_do_not_leak_in(tmp_path):
+    gate = threading.Event()
+    state = {"w": torch.ones(1000)}
+    h = stashpoint.async_save(state, SlowStorage(tmp_path / "ck", gate))
+    state["w"].add_(1)  # training changes the state while the save persists
+    assert not h.done() and h.stats is None
+    with pytest.raises(TimeoutError, match="still running"):
+        h.wait(timeout=0.05)
+    gate.set()
+    stats = h.wait(timeout=30)
+    assert h.done() and h.exception() is None and h.stats == stats
+    assert stats.bytes_written > 4000 and stats.blocking_s <= stats.total_s
+    out = {"w": torch.zeros(1000)}
+    stashpoint.load(out, tmp_path / "ck")
+    assert torch.equal(out["w"], torch.ones(1000))
+
+
+def test_a_second_async_save_waits_for_the_first(tmp_path):
+    gate = threading.Event()
+    h1 = stashpoint.async_save({"w": torch.ones(10)}, SlowStorage(tmp_path / "a", gate))
+    threading.Timer(0.2, gate.set).start()
+    h2 = stashpoint.async_save({"w": torch.ones(10)}, tmp_path / "b")
+    assert h1.done(), "only one staged copy is in flight"
+    assert h2.blocking_s >= 0.1
+    h2.wait()

@@ -1,0 +1,220 @@
+"""The on-disk format: golden bytes, manifest validation, safetensors interop."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import stashpoint
+from stashpoint._format import (
+    MANIFEST_NAME,
+    encode_header,
+    parse_header,
+    parse_manifest,
+)
+from stashpoint.errors import CheckpointError, CorruptCheckpointError
+
+
+def test_header_golden_bytes():
+    raw = encode_header([("w", "F32", [2], 0, 8)], {"format": "stashpoint", "save_id": "00"}, align=64)
+    body = (
+        b'{"__metadata__":{"format":"stashpoint","save_id":"00"},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    )
+    assert len(body) == 108
+    expected = struct.pack("<Q", 120) + body + b" " * 12
+    assert raw == expected
+    assert len(raw) % 64 == 0
+
+
+def test_shard_file_golden_bytes(tmp_path):
+    """A whole checkpoint of one tensor, byte for byte (save_id and checksums aside)."""
+    stashpoint.save({"w": torch.tensor([1.0, 2.0])}, tmp_path / "ck")
+    shards = sorted((tmp_path / "ck").glob("shard-*.safetensors"))
+    assert len(shards) == 1
+    data = shards[0].read_bytes()
+    save_id = shards[0].name.split("-")[-1].split(".")[0]
+    body = (
+        '{"__metadata__":{"format":"stashpoint","save_id":"' + save_id + '"},'
+        '"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    ).encode()
+    n = 4096 - 8
+    assert data[:8] == struct.pack("<Q", n)
+    assert data[8 : 8 + len(body)] == body
+    assert data[8 + len(body) : 4096] == b" " * (n - len(body))
+    assert data[4096:] == b"\x00\x00\x80\x3f\x00\x00\x00\x40"  # 1.0f, 2.0f little-endian
+    manifest = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_bytes())
+    assert manifest["format"] == "stashpoint" and manifest["format_version"] == 1
+    assert manifest["tree"] == {"dict": [["w", {"tensor": "w"}]]}
+    chunk = manifest["tensors"]["w"]["chunks"][0]
+    assert (chunk["start"], chunk["end"], chunk["offsets"], chunk["shape"]) == (4096, 4104, [0], [2])
+
+
+ALL_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex32,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu,
+    torch.float4_e2m1fn_x2,
+    torch.bits8,
+    torch.bits16,
+]
+
+
+def _random_tensor(dtype: torch.dtype, shape=(3, 5)) -> torch.Tensor:
+    n = math.prod(shape)
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8)
+    if dtype == torch.bool:
+        return (raw % 2 == 1).reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+def test_any_safetensors_reader_opens_the_shards(tmp_path):
+    from safetensors import safe_open
+
+    state = {f"t{i}": _random_tensor(d) for i, d in enumerate(ALL_DTYPES)}
+    stashpoint.save(state, tmp_path / "ck")
+    (shard,) = (tmp_path / "ck").glob("shard-*.safetensors")
+    with safe_open(str(shard), framework="pt") as f:
+        keys = set(f.keys())
+        assert keys == set(state)
+        for k, t in state.items():
+            got = f.get_tensor(k)
+            raw = t.contiguous().view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+            # dtypes safetensors does not know are listed as raw bytes
+            assert got.view(torch.uint8).flatten().tolist() == raw.flatten().tolist(), k
+
+
+def _manifest(tmp_path) -> bytes:
+    stashpoint.save({"a": torch.ones(3), "b": {"c": 1}}, tmp_path / "m")
+    return (tmp_path / "m" / MANIFEST_NAME).read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.update(format="other"), "not a stashpoint manifest"),
+        (lambda d: d.update(format_version=99), "upgrade stashpoint"),
+        (lambda d: d["files"][0].update(name="../evil"), "points outside the checkpoint"),
+        (lambda d: d["files"][0].update(name="/etc/passwd"), "points outside the checkpoint"),
+        (lambda d: d["tensors"]["a"]["chunks"][0].update(end=10**12), "does not match its shape"),
+        (lambda d: d["tensors"]["a"]["chunks"][0].update(file="nope"), "unlisted file"),
+        (lambda d: d["tensors"]["a"].update(dtype="evil"), "unknown dtype"),
+        (lambda d: d["tensors"]["a"].update(shape=[1] * 100), "at most 64"),
+        (lambda d: d.pop("tree"), "tree must be an object"),
+    ],
+)
+def test_manifest_validation_names_the_problem(tmp_path, mutate, message):
+    doc = json.loads(_manifest(tmp_path))
+    mutate(doc)
+    with pytest.raises(CorruptCheckpointError, match=message):
+        parse_manifest(json.dumps(doc).encode(), "x")
+
+
+@given(st.binary(max_size=300))
+@settings(max_examples=300, deadline=None)
+def test_manifest_parser_fuzz_raises_only_checkpoint_errors(data):
+    try:
+        parse_manifest(data, "fuzz")
+    except CheckpointError:
+        pass
+
+
+@given(st.binary(max_size=200), st.integers(0, 10**6))
+@settings(max_examples=300, deadline=None)
+def test_header_parser_fuzz_raises_only_checkpoint_errors(data, size):
+    try:
+        parse_header(data, size, "fuzz")
+    except CheckpointError:
+        pass
+
+
+def test_header_claiming_huge_size_is_refused_without_allocating():
+    raw = struct.pack("<Q", 2**62) + b"{}"
+    with pytest.raises(CorruptCheckpointError, match="invalid header length"):
+        parse_header(raw, 10, "x")
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4),
+    max_leaves=12,
+)
+
+
+def _paths(doc, prefix=()):
+    yield prefix
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _paths(v, (*prefix, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _paths(v, (*prefix, i))
+
+
+@pytest.fixture(scope="module")
+def valid_manifest(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fuzz")
+    stashpoint.save({"a": torch.ones(3), "m": torch.nn.Linear(2, 2), "b": {"c": [1, 2.5, "x"]}}, d / "ck")
+    return json.loads((d / "ck" / MANIFEST_NAME).read_bytes()), d / "ck"
+
+
+@given(st.data())
+@settings(max_examples=500, deadline=None)
+def test_structured_manifest_fuzz_raises_only_checkpoint_errors(valid_manifest, data):
+    """Replace any node of a valid manifest by arbitrary JSON: only CheckpointError may escape."""
+    doc = json.loads(json.dumps(valid_manifest[0]))
+    paths = [p for p in _paths(doc) if p]
+    path = data.draw(st.sampled_from(paths))
+    parent = doc
+    for part in path[:-1]:
+        parent = parent[part]
+    parent[path[-1]] = data.draw(json_values)
+    try:
+        parse_manifest(json.dumps(doc).encode(), "fuzz")
+    except CheckpointError:
+        pass
+
+
+@given(st.data())
+@settings(max_examples=150, deadline=None)
+def test_loading_a_fuzzed_manifest_raises_only_checkpoint_errors(valid_manifest, tmp_path_factory, data):
+    """The same, through a whole load: planner and reader must not crash on a hostile manifest."""
+    doc = json.loads(json.dumps(valid_manifest[0]))
+    path = data.draw(st.sampled_from([p for p in _paths(doc) if p]))
+    parent = doc
+    for part in path[:-1]:
+        parent = parent[part]
+    parent[path[-1]] = data.draw(json_values)
+    d = tmp_path_factory.mktemp("fz")
+    for shard in valid_manifest[1].glob("shard-*"):
+        shutil.copy(shard, d / shard.name)
+    (d / MANIFEST_NAME).write_text(json.dumps(doc))
+    for target in ({}, {"a": torch.zeros(3), "m": torch.nn.Linear(2, 2), "b": {}}):
+        try:
+            stashpoint.load(target, d)
+        except CheckpointError:
+            pass

@@ -1,0 +1,234 @@
+"""Round trips: whatever a state may hold comes back bit for bit."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import stashpoint
+from conftest import small_model, train_steps
+from stashpoint._format import MANIFEST_NAME, parse_manifest
+from test_format import ALL_DTYPES, _random_tensor
+
+
+def _bits(t: torch.Tensor) -> list[int]:
+    t = t.detach().contiguous().cpu()
+    return t.reshape(-1).view(torch.uint8).tolist() if t.numel() else []
+
+
+def assert_same(a, b, where="<root>"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert _bits(a) == _bits(b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}/{i}")
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), where
+    else:
+        assert a == b and type(a) is type(b), where
+
+
+@st.composite
+def tensors(draw):
+    dtype = draw(st.sampled_from(ALL_DTYPES))
+    shape = tuple(draw(st.lists(st.integers(0, 5), min_size=0, max_size=3)))
+    if not shape:
+        return _random_tensor(dtype, (1,)).reshape(())
+    t = _random_tensor(dtype, shape)
+    if len(shape) >= 2 and draw(st.booleans()):
+        t = t.transpose(0, 1)  # non-contiguous
+    return t
+
+
+plain = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=10)
+    | st.binary(max_size=10)
+)
+states = st.recursive(
+    tensors() | plain,
+    lambda kids: (
+        st.lists(kids, max_size=4)
+        | st.lists(kids, max_size=3).map(tuple)
+        | st.dictionaries(st.text(min_size=1, max_size=6) | st.integers(0, 9), kids, max_size=4)
+    ),
+    max_leaves=10,
+)
+
+
+def _zeros_like(obj):
+    if isinstance(obj, torch.Tensor):
+        return torch.empty(obj.shape, dtype=obj.dtype)
+    if isinstance(obj, dict):
+        return {k: _zeros_like(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_zeros_like(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_zeros_like(v) for v in obj)
+    return None  # plain values come back from the checkpoint
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=6), states, max_size=5))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_hypothesis_round_trip(tmp_path, state):
+    path = tmp_path / f"ck-{uuid.uuid4().hex}"
+    stashpoint.save(state, path, overwrite=True)
+    target = _zeros_like(state)
+    stashpoint.load(target, path)
+    assert_same(state, target)
+
+
+def test_all_dtypes_round_trip(tmp_path):
+    state = {str(d): _random_tensor(d, (4, 6)) for d in ALL_DTYPES}
+    state["scalars"] = {str(d): _random_tensor(d, (1,)).reshape(()) for d in ALL_DTYPES}
+    stashpoint.save(state, tmp_path / "ck")
+    target = _zeros_like(state)
+    stashpoint.load(target, tmp_path / "ck")
+    assert_same(state, target)
+
+
+def test_views_and_non_contiguous_tensors(tmp_path):
+    base = torch.arange(60.0).reshape(6, 10)
+    state = {"t": base.t(), "slice": base[2:4, 3:7], "step": base[::2, ::3], "expanded": torch.ones(3, 1).expand(3, 5)}
+    stashpoint.save(state, tmp_path / "ck")
+    target = {k: torch.empty(v.shape) for k, v in state.items()}
+    stashpoint.load(target, tmp_path / "ck")
+    assert_same({k: v.contiguous() for k, v in state.items()}, target)
+    # loading into non-contiguous destinations writes through the views
+    dest = torch.zeros(6, 10)
+    stashpoint.load(
+        {"t": dest.t(), "slice": torch.empty(2, 4), "step": torch.empty(3, 4), "expanded": torch.empty(3, 5)},
+        tmp_path / "ck",
+    )
+    assert torch.equal(dest.t(), base.t())
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_tied_weights_are_saved_once_and_come_back_tied(tmp_path):
+    torch.manual_seed(0)
+    model = Tied()
+    stats = stashpoint.save({"model": model}, tmp_path / "ck")
+    manifest = parse_manifest((tmp_path / "ck" / MANIFEST_NAME).read_bytes(), "x")
+    aliased = [e for e in manifest.tensors.values() if e.alias_of is not None]
+    assert [e.key for e in aliased] == ["model/head.weight"]
+    (shard,) = (tmp_path / "ck").glob("shard-*")
+    assert shard.stat().st_size == 4096 + 10 * 4 * 4  # the weight is stored once
+    assert stats.num_tensors == 2 and stats.num_files == 1
+    fresh = Tied()
+    stashpoint.load({"model": fresh}, tmp_path / "ck")
+    assert fresh.head.weight is fresh.emb.weight
+    assert torch.equal(fresh.emb.weight, model.emb.weight)
+    raw: dict = {"model": {}}
+    stashpoint.load(raw, tmp_path / "ck")
+    assert raw["model"]["emb.weight"] is raw["model"]["head.weight"]
+
+
+def test_training_objects_round_trip(tmp_path):
+    model = small_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    train_steps(model, optim, 3)
+    sched.step()
+    state = {"model": model, "optim": optim, "sched": sched, "scaler": scaler, "step": 3}
+    stashpoint.save(state, tmp_path / "ck")
+
+    model2 = small_model(seed=5)
+    optim2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    sched2 = torch.optim.lr_scheduler.CosineAnnealingLR(optim2, T_max=10)
+    scaler2 = torch.amp.GradScaler("cpu", init_scale=2.0)
+    state2 = {"model": model2, "optim": optim2, "sched": sched2, "scaler": scaler2, "step": 0}
+    stashpoint.load(state2, tmp_path / "ck")
+    assert_same(model.state_dict(), model2.state_dict())
+    assert_same(optim.state_dict(), optim2.state_dict())
+    assert sched.state_dict() == sched2.state_dict()
+    assert scaler.state_dict() == scaler2.state_dict()
+    assert state2["step"] == 3
+    # training continues identically
+    train_steps(model, optim, 2, seed=9)
+    train_steps(model2, optim2, 2, seed=9)
+    assert_same(model.state_dict(), model2.state_dict())
+
+
+def test_optimizer_state_survives_a_change_in_parameter_order(tmp_path):
+    model = small_model()
+    params = dict(model.named_parameters())
+    optim = torch.optim.Adam([params["2.bias"], params["0.weight"], params["2.weight"], params["0.bias"]], lr=0.1)
+    train_steps(model, optim, 2)
+    stashpoint.save({"model": model, "optim": optim}, tmp_path / "ck")
+    manifest = parse_manifest((tmp_path / "ck" / MANIFEST_NAME).read_bytes(), "x")
+    assert "optim/state/0.weight/exp_avg" in manifest.tensors  # keyed by name, not id
+
+    model2 = small_model(seed=3)
+    optim2 = torch.optim.Adam(model2.parameters(), lr=0.5)  # natural order this time
+    stashpoint.load({"model": model2, "optim": optim2}, tmp_path / "ck")
+    by_name = dict(model2.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(optim.state[p]["exp_avg"], optim2.state[by_name[name]]["exp_avg"]), name
+    assert optim2.param_groups[0]["lr"] == 0.1
+
+
+def test_optimizer_without_model_falls_back_to_integer_ids(tmp_path):
+    model = small_model()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train_steps(model, optim, 2)
+    stashpoint.save({"optim": optim}, tmp_path / "ck")
+    model2 = small_model()
+    optim2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    stashpoint.load({"optim": optim2}, tmp_path / "ck")
+    assert_same(optim.state_dict(), optim2.state_dict())
+
+
+def test_plain_values_come_back_into_placeholders(tmp_path):
+    state = {"meta": {"epoch": 3, "name": "run", "lrs": [0.1, 0.01], "t": (1, None)}, "step": 7, "w": torch.ones(2)}
+    stashpoint.save(state, tmp_path / "ck")
+    target = {"meta": {}, "w": torch.zeros(2)}
+    stashpoint.load(target, tmp_path / "ck")
+    assert target == {"meta": state["meta"], "step": 7, "w": target["w"]}
+    assert torch.equal(target["w"], torch.ones(2))
+
+
+def test_pickle_is_opt_in_on_both_sides(tmp_path):
+    from fractions import Fraction
+
+    with pytest.raises(stashpoint.UnsupportedStateError, match=r"'cfg'.*allow_pickle=True"):
+        stashpoint.save({"cfg": Fraction(1, 3)}, tmp_path / "ck")
+    stashpoint.save({"cfg": Fraction(1, 3)}, tmp_path / "ck", allow_pickle=True)
+    with pytest.raises(stashpoint.CheckpointError, match="pickled value"):
+        stashpoint.load({}, tmp_path / "ck")
+    target: dict = {}
+    stashpoint.load(target, tmp_path / "ck", allow_pickle=True)
+    assert target["cfg"] == Fraction(1, 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA path: needs a GPU (run benchmarks/gpu_check.py there)")
+def test_cuda_tensors_round_trip_through_pinned_staging(tmp_path):
+    state = {"w": torch.randn(1000, device="cuda"), "b": torch.randn(10, dtype=torch.bfloat16, device="cuda")}
+    h = stashpoint.async_save(state, tmp_path / "ck")
+    state["w"].add_(1)  # the staged copy is already taken
+    h.wait()
+    target = {"w": torch.zeros(1000, device="cuda"), "b": torch.zeros(10, dtype=torch.bfloat16, device="cuda")}
+    stashpoint.load(target, tmp_path / "ck")
+    assert torch.equal(target["w"], state["w"] - 1)
