@@ -60,16 +60,16 @@ def write_shards(
         writer: FileWriter = storage.open_writer(name, size)
         try:
             writer.write(header)
-            pending = 0  # data bytes checksummed but not yet written
+            # Checksums per tensor; writes in fixed aligned blocks as soon as checksums cover them,
+            # so every write but the last starts and ends on a direct-I/O boundary.
             done = 0
             for p in fplan.placements:
                 chunks[p.key] = (name, len(header) + p.begin, len(header) + p.end, checksum(mv[p.begin : p.end]))
-                pending = p.end - done
-                if pending >= _WRITE_BLOCK:
-                    writer.write(mv[done : p.end])
-                    done = p.end
+                while p.end - done >= _WRITE_BLOCK:
+                    writer.write(mv[done : done + _WRITE_BLOCK])
+                    done += _WRITE_BLOCK
                     if on_progress:
-                        on_progress(pending)
+                        on_progress(_WRITE_BLOCK)
             if done < fplan.data_size:
                 writer.write(mv[done : fplan.data_size])
                 if on_progress:

@@ -16,6 +16,7 @@ Loads use ``read``/``read_into`` (ranged), ``size``, ``exists`` and ``list``.
 from __future__ import annotations
 
 import abc
+import ctypes
 import errno
 import os
 import uuid
@@ -89,10 +90,26 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+DIRECT_ALIGN = 4096
+
+
+def _address(mv: memoryview) -> int | None:
+    """The address of a writable buffer's first byte (None for read-only buffers)."""
+    if mv.readonly or not len(mv):
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(mv))
+
+
 class _LocalWriter(FileWriter):
-    def __init__(self, path: Path, size: int) -> None:
+    """Writes a file in order. Aligned spans go through O_DIRECT where the filesystem allows it
+    (steady bandwidth, no CPU spent copying into the page cache); the rest is buffered."""
+
+    def __init__(self, path: Path, size: int, *, direct: bool = False) -> None:
         self._path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._pos = 0
+        self._dfd = -1
+        cloexec = getattr(os, "O_CLOEXEC", 0)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | cloexec, 0o644)
         try:
             if size > 0 and hasattr(os, "posix_fallocate"):
                 try:  # reserve the space up front: a full disk fails now, not half-way through
@@ -100,27 +117,54 @@ class _LocalWriter(FileWriter):
                 except OSError as e:
                     if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                         raise
+            if direct and hasattr(os, "O_DIRECT"):
+                try:
+                    self._dfd = os.open(path, os.O_WRONLY | os.O_DIRECT | cloexec)
+                except OSError:  # e.g. tmpfs: no direct I/O, buffered writes only
+                    self._dfd = -1
         except BaseException:
             self.abort()
             raise
 
+    def _pwrite_all(self, fd: int, mv: memoryview) -> None:
+        while len(mv):
+            n = os.pwrite(fd, mv[:_BLOCK], self._pos)
+            mv = mv[n:]
+            self._pos += n
+
     def write(self, data: memoryview | bytes) -> None:
         mv = memoryview(data).cast("B")
-        while len(mv):
-            n = os.write(self._fd, mv[:_BLOCK])
-            mv = mv[n:]
+        if self._dfd >= 0 and self._pos % DIRECT_ALIGN == 0:
+            addr = _address(mv)
+            aligned = len(mv) // DIRECT_ALIGN * DIRECT_ALIGN
+            if addr is not None and addr % DIRECT_ALIGN == 0 and aligned:
+                start = self._pos
+                try:
+                    self._pwrite_all(self._dfd, mv[:aligned])
+                    mv = mv[aligned:]
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    os.close(self._dfd)  # this filesystem refuses the alignment: buffered from now on
+                    self._dfd = -1
+                    mv = mv[self._pos - start :]
+        if len(mv):
+            self._pwrite_all(self._fd, mv)
 
     def close(self) -> None:
         try:
             os.fsync(self._fd)
         finally:
-            os.close(self._fd)
-            self._fd = -1
+            self._close_fds()
+
+    def _close_fds(self) -> None:
+        for fd in (self._fd, self._dfd):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._dfd = -1
 
     def abort(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._close_fds()
         try:
             self._path.unlink()
         except FileNotFoundError:
@@ -130,8 +174,9 @@ class _LocalWriter(FileWriter):
 class LocalStorage(Storage):
     """A checkpoint directory on a local or shared POSIX filesystem."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, direct_io: bool = True) -> None:
         self.root = Path(root)
+        self.direct_io = direct_io
 
     @property
     def location(self) -> str:
@@ -141,7 +186,7 @@ class LocalStorage(Storage):
         self.root.mkdir(parents=True, exist_ok=True)
 
     def open_writer(self, name: str, size: int) -> FileWriter:
-        return _LocalWriter(self.root / name, size)
+        return _LocalWriter(self.root / name, size, direct=self.direct_io)
 
     def sync(self) -> None:
         _fsync_dir(self.root)

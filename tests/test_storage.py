@@ -1,0 +1,146 @@
+"""Conformance tests for storage backends: every backend subclasses StorageSuite and passes it."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stashpoint._staging import as_memoryview
+from stashpoint._storage import DIRECT_ALIGN, LocalStorage, Storage, storage_for
+
+
+def _aligned(n: int) -> memoryview:
+    m = mmap.mmap(-1, max(n, 1))
+    return memoryview(m)[:n]
+
+
+class StorageSuite:
+    """Behaviour every backend must have. Subclasses provide ``make(path)``."""
+
+    def make(self, path: Path) -> Storage:
+        raise NotImplementedError
+
+    def test_write_in_pieces_then_read_back(self, tmp_path):
+        s = self.make(tmp_path / "ck")
+        s.prepare()
+        payload = os.urandom(3 * DIRECT_ALIGN + 123)
+        buf = _aligned(len(payload))
+        buf[:] = payload
+        w = s.open_writer("f.bin", len(payload))
+        w.write(b"abc")  # unaligned start, then aligned memory at an unaligned offset
+        w.write(buf[3 : 2 * DIRECT_ALIGN])
+        w.write(buf[2 * DIRECT_ALIGN :])
+        w.close()
+        assert s.size("f.bin") == len(payload) - 3 + 3
+        assert s.read("f.bin") == b"abc" + payload[3:]
+        out = bytearray(100)
+        s.read_into("f.bin", 50, memoryview(out))
+        assert bytes(out) == (b"abc" + payload[3:])[50:150]
+        assert s.read("f.bin", 10, 5) == (b"abc" + payload[3:])[10:15]
+
+    def test_read_past_the_end_raises(self, tmp_path):
+        s = self.make(tmp_path / "ck")
+        s.prepare()
+        w = s.open_writer("f", 4)
+        w.write(b"1234")
+        w.close()
+        with pytest.raises(EOFError):
+            s.read_into("f", 2, memoryview(bytearray(10)))
+
+    def test_abort_removes_the_file(self, tmp_path):
+        s = self.make(tmp_path / "ck")
+        s.prepare()
+        w = s.open_writer("f", 100)
+        w.write(b"x" * 50)
+        w.abort()
+        assert not s.exists("f")
+        assert s.list() == []
+
+    def test_commit_publishes_whole_and_leaves_no_temporaries(self, tmp_path):
+        s = self.make(tmp_path / "ck")
+        assert not s.exists(None)
+        s.prepare()
+        assert s.exists(None) and not s.exists("manifest.json")
+        s.commit("manifest.json", b"{}")
+        s.commit("manifest.json", b'{"v":2}')
+        assert s.read("manifest.json") == b'{"v":2}'
+        assert s.list() == ["manifest.json"]
+        s.delete("manifest.json")
+        s.delete("manifest.json")  # deleting twice is fine
+        assert s.list() == []
+
+    def test_missing_file_raises_file_not_found(self, tmp_path):
+        s = self.make(tmp_path / "ck")
+        s.prepare()
+        with pytest.raises(FileNotFoundError):
+            s.read("nope")
+        with pytest.raises(FileNotFoundError):
+            s.size("nope")
+
+    @given(st.lists(st.integers(0, 3 * DIRECT_ALIGN), max_size=6))
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.differing_executors])
+    def test_any_sequence_of_writes_reads_back(self, tmp_path, sizes):
+        s = self.make(tmp_path / f"ck-{uuid.uuid4().hex}")
+        s.prepare()
+        data = os.urandom(sum(sizes))
+        buf = _aligned(len(data))
+        buf[:] = data
+        w = s.open_writer("f", len(data))
+        pos = 0
+        for n in sizes:
+            w.write(buf[pos : pos + n])
+            pos += n
+        w.close()
+        assert s.read("f") == data
+
+
+class TestLocalStorage(StorageSuite):
+    def make(self, path: Path) -> Storage:
+        return LocalStorage(path)
+
+
+class TestLocalStorageBuffered(StorageSuite):
+    def make(self, path: Path) -> Storage:
+        return LocalStorage(path, direct_io=False)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no tmpfs at /dev/shm on this machine")
+class TestLocalStorageOnTmpfs(StorageSuite):
+    """tmpfs refuses O_DIRECT: the writer must fall back to buffered writes."""
+
+    @pytest.fixture(autouse=True)
+    def _shm(self):
+        import shutil
+        import tempfile
+
+        self.shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
+        yield
+        shutil.rmtree(self.shm)
+
+    def make(self, path: Path) -> Storage:
+        return LocalStorage(self.shm / path.parent.name / path.name)
+
+
+def test_storage_for_paths():
+    assert isinstance(storage_for("x"), LocalStorage)
+    s = LocalStorage("y")
+    assert storage_for(s) is s
+    with pytest.raises(ValueError, match="unsupported storage scheme 'gs'"):
+        storage_for("gs://bucket/x")
+    with pytest.raises(TypeError, match="path must be"):
+        storage_for(3)  # type: ignore[arg-type]
+
+
+def test_as_memoryview_is_zero_copy():
+    import torch
+
+    t = torch.zeros(4, dtype=torch.float32)
+    mv = as_memoryview(t)
+    mv[0:4] = b"\x00\x00\x80\x3f"
+    assert t[0].item() == 1.0
