@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Sets up .venv and runs the checks and the default test tier (under 15 minutes on 2 cores).
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m slow` for the long tiers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+ruff check src tests benchmarks
+mypy
+python -m pytest "$@"
