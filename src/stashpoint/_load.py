@@ -7,6 +7,7 @@ import logging
 import os
 import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -81,28 +82,58 @@ def _chunk_view(dest: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     return view
 
 
-def _read_chunk(storage: Storage, key: str, chunk: Chunk, dest: torch.Tensor, verify: bool) -> None:
-    target = _chunk_view(dest, chunk)
-    direct = target.device.type == "cpu" and target.is_contiguous()
-    buf = target if direct else torch.empty(chunk.shape, dtype=dest.dtype)
-    mv = as_memoryview(buf)
-    try:
-        storage.read_into(chunk.file, chunk.start, mv)
-    except EOFError as e:
-        raise CorruptCheckpointError(
-            f"shard {storage.location}/{chunk.file} is truncated inside key {key!r}: {e}"
-        ) from None
-    if verify and checksum(mv) != chunk.checksum:
-        raise CorruptCheckpointError(
-            f"checksum mismatch for key {key!r} in shard {storage.location}/{chunk.file}: the data is "
-            "damaged. Load an earlier checkpoint or a copy of this one."
-        )
-    if not direct:
-        target.copy_(buf)
+_PIECE = 64 * 1024 * 1024
+
+
+@dataclass
+class _ChunkRead:
+    """One chunk on its way into its destination: read in pieces, then verified and placed."""
+
+    key: str
+    chunk: Chunk
+    target: torch.Tensor  # the destination region
+    buf: torch.Tensor  # where the bytes land: the target itself, or a bounce buffer
+
+    @classmethod
+    def make(cls, key: str, chunk: Chunk, dest: torch.Tensor) -> _ChunkRead:
+        target = _chunk_view(dest, chunk)
+        direct = target.device.type == "cpu" and target.is_contiguous()
+        return cls(key, chunk, target, target if direct else torch.empty(chunk.shape, dtype=dest.dtype))
+
+    def pieces(self) -> list[tuple[int, int]]:
+        n = self.chunk.end - self.chunk.start
+        return [(b, min(b + _PIECE, n)) for b in range(0, n, _PIECE)]
+
+    def read(self, storage: Storage, begin: int, end: int) -> None:
+        mv = as_memoryview(self.buf)[begin:end]
+        try:
+            storage.read_into(self.chunk.file, self.chunk.start + begin, mv)
+        except EOFError as e:
+            raise CorruptCheckpointError(
+                f"shard {storage.location}/{self.chunk.file} is truncated inside key {self.key!r}: {e}"
+            ) from None
+
+    def finish(self, storage: Storage, verify: bool) -> None:
+        if verify and checksum(as_memoryview(self.buf)) != self.chunk.checksum:
+            raise CorruptCheckpointError(
+                f"checksum mismatch for key {self.key!r} in shard {storage.location}/{self.chunk.file}: the "
+                "data is damaged. Load an earlier checkpoint or a copy of this one."
+            )
+        if self.buf is not self.target:
+            self.target.copy_(self.buf)
+
+
+def _gather(futures: list[cf.Future[None]], storage: Storage, errors: list[str]) -> None:
+    for f in futures:
+        e = f.exception()
+        if isinstance(e, CorruptCheckpointError):
+            errors.append(str(e))
+        elif e is not None:
+            raise CheckpointError(f"reading the checkpoint at {storage.location} failed: {e}") from e
 
 
 def execute_reads(storage: Storage, manifest: Manifest, reads: list[Read], *, verify: bool) -> None:
-    """Run every read (in parallel); raise one error listing every damaged key."""
+    """Run every read in parallel pieces, then verify; raise one error listing every damaged key."""
     unique: list[Read] = []
     seen: set[tuple[str, int, tuple[int, ...], tuple[int, ...], str]] = set()
     for r in reads:  # tied destinations that share memory are read once
@@ -111,19 +142,14 @@ def execute_reads(storage: Storage, manifest: Manifest, reads: list[Read], *, ve
             continue
         seen.add(sig)
         unique.append(r)
-    jobs = [(r.key, c, r.dest) for r in unique for c in manifest.tensors[r.key].chunks]
-    check_files(storage, manifest, (c.file for _, c, _ in jobs))
-    jobs.sort(key=lambda j: (j[1].file, j[1].start))
+    jobs = [_ChunkRead.make(r.key, c, r.dest) for r in unique for c in manifest.tensors[r.key].chunks]
+    check_files(storage, manifest, (j.chunk.file for j in jobs))
+    jobs.sort(key=lambda j: (j.chunk.file, j.chunk.start))
     errors: list[str] = []
-    workers = min(_READ_THREADS, max(1, os.cpu_count() or 1) * 2, max(1, len(jobs)))
-    with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stashpoint-reader") as pool:
-        futures = [pool.submit(_read_chunk, storage, k, c, d, verify) for k, c, d in jobs]
-        for f in futures:
-            e = f.exception()
-            if isinstance(e, CorruptCheckpointError):
-                errors.append(str(e))
-            elif e is not None:
-                raise CheckpointError(f"reading the checkpoint at {storage.location} failed: {e}") from e
+    with cf.ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="stashpoint-reader") as pool:
+        _gather([pool.submit(j.read, storage, b, e) for j in jobs for b, e in j.pieces()], storage, errors)
+        if not errors:
+            _gather([pool.submit(j.finish, storage, verify) for j in jobs], storage, errors)
     if errors:
         raise CorruptCheckpointError("\n".join(errors))
 
