@@ -232,3 +232,19 @@ def test_cuda_tensors_round_trip_through_pinned_staging(tmp_path):
     target = {"w": torch.zeros(1000, device="cuda"), "b": torch.zeros(10, dtype=torch.bfloat16, device="cuda")}
     stashpoint.load(target, tmp_path / "ck")
     assert torch.equal(target["w"], state["w"] - 1)
+
+
+def test_optimizer_state_loads_in_place_when_it_exists(tmp_path):
+    model = small_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, optim, 2)
+    stashpoint.save({"model": model, "optim": optim}, tmp_path / "ck")
+    train_steps(model, optim, 3, seed=4)  # the live state moves on
+    before = {id(p): {k: v.data_ptr() for k, v in st.items()} for p, st in optim.state.items()}
+    stashpoint.load({"model": model, "optim": optim}, tmp_path / "ck")
+    after = {id(p): {k: v.data_ptr() for k, v in st.items()} for p, st in optim.state.items()}
+    assert before == after, "exp_avg / exp_avg_sq / step were read into the existing tensors"
+    model2 = small_model()
+    optim2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    stashpoint.load({"model": model2, "optim": optim2}, tmp_path / "ck")  # fresh optimizer: allocated
+    assert_same(optim.state_dict(), optim2.state_dict())

@@ -15,14 +15,14 @@ object lacks are allocated. Modules and the top-level containers are matched key
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from . import _stateful
-from ._format import Manifest, dtype_from_name, dtype_name
+from ._format import Manifest, TensorEntry, dtype_from_name, dtype_name
 from ._tree import Node, decode_plain, is_plain, join, tensor_keys
 from .errors import CorruptCheckpointError
 
@@ -97,18 +97,28 @@ class Planner:
             self.plan.reads.append(Read(entry.key, t))
         return t
 
-    def build(self, node: Node, where: str) -> Any:
-        """A fresh Python value for ``node``: tensors allocated on the CPU, containers rebuilt."""
+    def build(self, node: Node, where: str, like: Any = None) -> Any:
+        """A fresh Python value for ``node``; containers are rebuilt.
+
+        A tensor is read into the matching tensor of ``like`` (same place, dtype and shape) when
+        there is one, so live tensors are reused; otherwise it is allocated on the CPU.
+        """
         if "tensor" in node:
+            entry = self._entry(node["tensor"])
+            if isinstance(like, torch.Tensor) and not _mismatch(entry, like):
+                self.plan.reads.append(Read(self.m.resolve(entry.key).key, like))
+                return like
             return self._materialize(node["tensor"])
         if "stateful" in node:
-            return self.build(node["state"], where)
+            return self.build(node["state"], where, like)
         if "dict" in node:
-            return {k: self.build(v, join(where, k)) for k, v in node["dict"]}
-        if "list" in node:
-            return [self.build(v, join(where, i)) for i, v in enumerate(node["list"])]
-        if "tuple" in node:
-            return tuple(self.build(v, join(where, i)) for i, v in enumerate(node["tuple"]))
+            sub = like if isinstance(like, Mapping) else {}
+            return {k: self.build(v, join(where, k), sub.get(k)) for k, v in node["dict"]}
+        if "list" in node or "tuple" in node:
+            items = node["list"] if "list" in node else node["tuple"]
+            seq = like if isinstance(like, (list, tuple)) and len(like) == len(items) else [None] * len(items)
+            out = [self.build(v, join(where, i), x) for i, (v, x) in enumerate(zip(items, seq))]
+            return out if "list" in node else tuple(out)
         return decode_plain(node, allow_pickle=self.allow_pickle, where=self.where)
 
     # -- the walk ------------------------------------------------------------------------------
@@ -148,7 +158,7 @@ class Planner:
     def _tensor(self, key: str, live: Any, where: str, setter: Setter, materialize: bool) -> None:
         entry = self._entry(key)
         if isinstance(live, torch.Tensor):
-            if entry.dtype != dtype_name(live.dtype) or tuple(entry.shape) != tuple(live.shape):
+            if _mismatch(entry, live):
                 self.plan.problems.append(
                     f"{self._name(key)}: the checkpoint holds {entry.dtype}{list(entry.shape)}, "
                     f"the state holds {dtype_name(live.dtype)}{list(live.shape)}"
@@ -221,13 +231,16 @@ class Planner:
 
     def _optimizer(self, saved: Node, optim: torch.optim.Optimizer, where: str) -> None:
         n_before = len(self.plan.problems)
-        built = self.build(saved["state"], where)
+        names = _stateful.param_names(_stateful.find_modules(self.root))
+        by_name = saved.get("keyed_by") == "name"
+        # the optimizer's current state (same keying) lends its tensors: loaded in place
+        live = _stateful.optimizer_to_tree(optim, names)[1] if by_name else optim.state_dict()
+        built = self.build(saved["state"], where, like=live)
         if not (isinstance(built, dict) and isinstance(built.get("param_groups"), list)):
             raise CorruptCheckpointError(f"the optimizer state at {self._name(where)} in {self.where} is malformed")
-        if saved.get("keyed_by") != "name":
+        if not by_name:
             self.plan.finalizers.append(lambda: optim.load_state_dict(built))
             return
-        names = _stateful.param_names(_stateful.find_modules(self.root))
         current = _stateful.optimizer_current_names(optim, names)
         if any(n is None for n in current):
             self.plan.problems.append(
@@ -253,6 +266,10 @@ class Planner:
             self.plan.finalizers.append(
                 lambda: optim.load_state_dict(_stateful.optimizer_from_named(built, optim, names))
             )
+
+
+def _mismatch(entry: TensorEntry, t: torch.Tensor) -> bool:
+    return entry.dtype != dtype_name(t.dtype) or tuple(entry.shape) != tuple(t.shape)
 
 
 def _bind(fn: Callable[[Any, Any], None] | None, key: Any) -> Setter:
