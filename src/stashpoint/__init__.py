@@ -14,9 +14,10 @@ Public API::
 """
 
 from ._data import StatefulSampler
+from ._handle import SaveHandle, SaveStats
 from ._load import load
 from ._rng import RNGState
-from ._save import SaveHandle, SaveStats, async_save, save
+from ._save import async_save, save
 from ._version import __version__
 from .errors import (
     CheckpointError,

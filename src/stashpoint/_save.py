@@ -11,12 +11,13 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ._format import MANIFEST_NAME, Chunk, Manifest, TensorEntry, dtype_name
+from ._handle import SaveHandle, SaveStats
 from ._persist import write_shards
 from ._plan import SavePlan, TensorSpec, group_aliases, plan_files
 from ._staging import StagingBuffers, StagingPool, stage
@@ -31,82 +32,13 @@ DEFAULT_MAX_SHARD_BYTES = 1 << 30
 _SHARD_RE = re.compile(r"^shard-r\d+-\d+-[0-9a-f]+\.safetensors$")
 
 
-@dataclass(frozen=True)
-class SaveStats:
-    """Figures of one save. Times are in seconds."""
-
-    path: str
-    bytes_written: int
-    num_tensors: int
-    num_files: int
-    blocking_s: float
-    staging_s: float
-    persist_s: float
-    total_s: float
-
-    @property
-    def throughput_gbps(self) -> float:
-        """Persist throughput in GB/s (10^9 bytes per second)."""
-        return self.bytes_written / self.persist_s / 1e9 if self.persist_s > 0 else float("inf")
-
-    def __str__(self) -> str:
-        return (
-            f"{self.bytes_written / 1e9:.3f} GB to {self.path}: blocked {self.blocking_s * 1e3:.1f} ms "
-            f"(staging {self.staging_s * 1e3:.1f} ms), persisted in {self.persist_s:.2f} s "
-            f"({self.throughput_gbps:.2f} GB/s)"
-        )
-
-
-class SaveHandle:
-    """A save in progress. The state was staged when this handle was returned."""
-
-    def __init__(self, path: str, future: cf.Future[SaveStats], blocking_s: float, staging_s: float) -> None:
-        self.path = path
-        self._future = future
-        self.blocking_s = blocking_s
-        self.staging_s = staging_s
-
-    def wait(self, timeout: float | None = None) -> SaveStats:
-        """Block until the checkpoint is committed and durable; return its figures.
-
-        Raises :class:`CheckpointError` (with the path and the cause) if the background write
-        failed, and :class:`TimeoutError` if ``timeout`` seconds pass first.
-        """
-        try:
-            return self._future.result(timeout)
-        except cf.TimeoutError:
-            raise TimeoutError(f"the save to {self.path} is still running after {timeout} s") from None
-
-    def done(self) -> bool:
-        """True once the save has committed or failed."""
-        return self._future.done()
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        """The background failure, or None if the save succeeded (waits like :meth:`wait`)."""
-        try:
-            return self._future.exception(timeout)
-        except cf.TimeoutError:
-            raise TimeoutError(f"the save to {self.path} is still running after {timeout} s") from None
-
-    @property
-    def stats(self) -> SaveStats | None:
-        """The figures once the save has succeeded, else None."""
-        if self._future.done() and self._future.exception() is None:
-            return self._future.result()
-        return None
-
-    def __repr__(self) -> str:
-        state = "running" if not self.done() else ("failed" if self._future.exception() else "committed")
-        return f"<SaveHandle {self.path} {state}>"
-
-
 class _Engine:
-    """Per-process state: the writer thread, the staging pool and the plan cache."""
+    """Per-process state: the writer thread, the staging pool, the plan cache, saves in flight."""
 
     def __init__(self) -> None:
         self.executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-writer")
         self.pool = StagingPool(max_free=1)
-        self.inflight: SaveHandle | None = None
+        self.inflight: list[SaveHandle] = []
         self.lock = threading.Lock()
         self._plans: dict[tuple[Any, ...], SavePlan] = {}
 
@@ -119,6 +51,62 @@ class _Engine:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[key] = plan
         return plan
+
+    def make_room(self, max_inflight: int, on_busy: str) -> bool:
+        """Wait until fewer than ``max_inflight`` saves are in flight; False to skip instead."""
+        while True:
+            self.inflight = [h for h in self.inflight if not h.done()]
+            if len(self.inflight) < max_inflight:
+                return True
+            if on_busy == "skip":
+                return False
+            cf.wait([h._future for h in self.inflight], return_when=cf.FIRST_COMPLETED)
+
+    def submit(self, state: Any, storage: Storage, opts: SaveOptions) -> SaveHandle:
+        """Stage ``state`` (blocking) and queue its persist; see :func:`async_save`."""
+        t_start = time.perf_counter()
+        with self.lock:
+            if not self.make_room(opts.max_inflight, opts.on_busy):
+                log.warning(
+                    "stashpoint: skipped the save to %s: the previous save is still persisting", storage.location
+                )
+                return SaveHandle.skipped(storage.location, opts.step, time.perf_counter() - t_start)
+            if storage.exists(MANIFEST_NAME) and not opts.overwrite:
+                raise CheckpointError(
+                    f"a committed checkpoint already exists at {storage.location}; pass overwrite=True to "
+                    "replace it (it stays loadable until the new one commits) or save to a new path."
+                )
+            tree, tensors = flatten(state, allow_pickle=opts.allow_pickle)
+            firsts = group_aliases([_signature(t) for _, t in tensors])
+            canonical = [(k, t) for (k, t), a in zip(tensors, firsts) if a is None]
+            aliases = {k: tensors[a][0] for (k, _), a in zip(tensors, firsts) if a is not None}
+            specs = tuple(TensorSpec(k, dtype_name(t.dtype), tuple(t.shape), t.element_size()) for k, t in canonical)
+            plan = self.plan(specs, opts.max_shard_bytes)
+            pinned = torch.cuda.is_available() and any(t.device.type == "cuda" for _, t in canonical)
+            self.pool.max_free = max(self.pool.max_free, opts.max_inflight)
+            staged = self.pool.acquire(plan, specs, pinned)
+            t_stage = time.perf_counter()
+            try:
+                stage([(t, staged.views[k]) for k, t in canonical])
+            except BaseException:
+                self.pool.release(staged)
+                raise
+            staging_s = time.perf_counter() - t_stage
+            job = _PersistJob(
+                storage,
+                staged,
+                self.pool,
+                tree,
+                {k: t.dtype for k, t in tensors},
+                {k: tuple(t.shape) for k, t in tensors},
+                aliases,
+                opts,
+            )
+            job.blocking_s = time.perf_counter() - t_start
+            future = self.executor.submit(job.run, t_start, staging_s)
+            handle = SaveHandle(storage.location, future, job.blocking_s, staging_s)
+            self.inflight.append(handle)
+        return handle
 
 
 _engine: _Engine | None = None
@@ -137,6 +125,29 @@ def _signature(t: torch.Tensor) -> tuple[Any, ...] | None:
     if t.numel() == 0:
         return None
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """Options of one save (the public ones are documented on :func:`async_save`)."""
+
+    overwrite: bool = False
+    allow_pickle: bool = False
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    max_inflight: int = 1
+    on_busy: str = "wait"
+    step: int | None = None
+
+    def __post_init__(self) -> None:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.metadata.items()):
+            raise TypeError("metadata must map str to str; convert the values with str() or json.dumps()")
+        if self.on_busy not in ("wait", "skip"):
+            raise ValueError(f"on_busy must be 'wait' or 'skip', got {self.on_busy!r}")
+        if self.max_inflight < 1:
+            raise ValueError(f"max_inflight must be at least 1, got {self.max_inflight}")
+        if self.max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes must be positive, got {self.max_shard_bytes}")
 
 
 def async_save(
@@ -167,46 +178,8 @@ def async_save(
     Returns:
         a :class:`SaveHandle`; ``wait()`` returns :class:`SaveStats` or raises the failure.
     """
-    t_start = time.perf_counter()
-    engine = _get_engine()
-    storage = storage_for(path)
-    with engine.lock:
-        previous = engine.inflight
-        if previous is not None:
-            cf.wait([previous._future])
-        if storage.exists(MANIFEST_NAME) and not overwrite:
-            raise CheckpointError(
-                f"a committed checkpoint already exists at {storage.location}; pass overwrite=True to "
-                "replace it (it stays loadable until the new one commits) or save to a new path."
-            )
-        if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise TypeError("metadata must map str to str; convert the values with str() or json.dumps()")
-        tree, tensors = flatten(state, allow_pickle=allow_pickle)
-        firsts = group_aliases([_signature(t) for _, t in tensors])
-        canonical = [(k, t) for (k, t), a in zip(tensors, firsts) if a is None]
-        aliases = {k: tensors[a][0] for (k, _), a in zip(tensors, firsts) if a is not None}
-        all_dtypes = {k: t.dtype for k, t in tensors}
-        shapes = {k: tuple(t.shape) for k, t in tensors}
-        specs = tuple(TensorSpec(k, dtype_name(t.dtype), tuple(t.shape), t.element_size()) for k, t in canonical)
-        plan = engine.plan(specs, max_shard_bytes)
-        pinned = torch.cuda.is_available() and any(t.device.type == "cuda" for _, t in canonical)
-        staged = engine.pool.acquire(plan, specs, pinned)
-        t_stage = time.perf_counter()
-        try:
-            stage([(t, staged.views[k]) for k, t in canonical])
-        except BaseException:
-            engine.pool.release(staged)
-            raise
-        staging_s = time.perf_counter() - t_stage
-        job = _PersistJob(
-            storage, staged, engine.pool, tree, all_dtypes, shapes, aliases, dict(metadata or {}), overwrite
-        )
-        future = engine.executor.submit(job.run, t_start, staging_s)
-        blocking_s = time.perf_counter() - t_start
-        job.blocking_s = blocking_s
-        handle = SaveHandle(storage.location, future, blocking_s, staging_s)
-        engine.inflight = handle
-    return handle
+    opts = SaveOptions(overwrite, allow_pickle, dict(metadata or {}), max_shard_bytes)
+    return _get_engine().submit(state, storage_for(path), opts)
 
 
 def save(state: Any, path: str | os.PathLike[str] | Storage, **options: Any) -> SaveStats:
@@ -226,8 +199,7 @@ class _PersistJob:
     dtypes: dict[str, torch.dtype]
     shapes: dict[str, tuple[int, ...]]
     aliases: dict[str, str]
-    metadata: dict[str, str]
-    overwrite: bool
+    opts: SaveOptions
     blocking_s: float = 0.0
 
     def run(self, t_start: float, staging_s: float) -> SaveStats:
@@ -238,10 +210,10 @@ class _PersistJob:
             self.storage.prepare()
             written = write_shards(self.storage, self.staged, save_id, self.dtypes, self.shapes)
             self.storage.sync()
-            manifest = self._manifest(save_id, written.files, written.chunks)
-            self.storage.commit(MANIFEST_NAME, manifest.to_json())
-            if self.overwrite:
-                self._remove_stale(manifest)
+            manifest_bytes = self._manifest(save_id, written.files, written.chunks).to_json()
+            self.storage.commit(MANIFEST_NAME, manifest_bytes)
+            if self.opts.overwrite:
+                self._remove_stale({f.name for f in written.files})
         except BaseException as e:
             log.error("stashpoint: saving %s failed: %s", loc, e)
             self._remove_own_files(save_id)
@@ -254,13 +226,14 @@ class _PersistJob:
         t1 = time.perf_counter()
         stats = SaveStats(
             path=loc,
-            bytes_written=written.bytes_written + len(manifest.to_json()),
+            bytes_written=written.bytes_written + len(manifest_bytes),
             num_tensors=len(self.dtypes),
             num_files=len(written.files),
             blocking_s=self.blocking_s,
             staging_s=staging_s,
             persist_s=t1 - t0,
             total_s=t1 - t_start,
+            step=self.opts.step,
         )
         log.info("stashpoint: saved %s", stats)
         return stats
@@ -283,7 +256,7 @@ class _PersistJob:
             files=tuple(files),
             tensors=tensors,
             tree=self.tree,
-            metadata=self.metadata,
+            metadata=self.opts.metadata,
         )
 
     def _remove_own_files(self, save_id: str) -> None:
@@ -294,8 +267,7 @@ class _PersistJob:
         except OSError as e:  # best effort: the save already failed for a reason of its own
             log.warning("stashpoint: could not remove partial files of %s: %s", self.storage.location, e)
 
-    def _remove_stale(self, manifest: Manifest) -> None:
-        keep = {f.name for f in manifest.files}
+    def _remove_stale(self, keep: set[str]) -> None:
         for name in self.storage.list():
             if _SHARD_RE.match(name) and name not in keep:
                 self.storage.delete(name)
@@ -304,5 +276,5 @@ class _PersistJob:
 def wait_all() -> None:
     """Wait for the save in flight in this process, if any (failures are not raised here)."""
     engine = _engine
-    if engine is not None and engine.inflight is not None:
-        cf.wait([engine.inflight._future])
+    if engine is not None:
+        cf.wait([h._future for h in list(engine.inflight)])
