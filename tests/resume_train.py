@@ -96,6 +96,15 @@ def main() -> None:
         handle = stashpoint.async_save(state, ckpt)
         train(state, loader, 3)  # training goes on while the save persists
         handle.wait()
+    elif mode == "managed":
+        root, out, n = sys.argv[2], sys.argv[3], int(sys.argv[4])
+        stop_at = int(sys.argv[5]) if len(sys.argv) > 5 else 2 * n
+        with stashpoint.CheckpointManager(root, keep_last=2, every_steps=5) as mgr:
+            mgr.restore(state)
+            while state["step"] < stop_at:
+                train(state, loader, 1)
+                mgr.maybe_save(state["step"], state)
+        dump(state, out)
     elif mode == "resume":
         ckpt, out, n = sys.argv[2], sys.argv[3], int(sys.argv[4])
         stashpoint.load(state, ckpt)

@@ -48,3 +48,14 @@ def test_exact_resume_in_a_fresh_process(tmp_path):
     _assert_bitwise_equal(straight, resumed)
     # and the run that went on training after the save really diverged from the checkpoint
     assert (tmp_path / "ckpt" / "manifest.json").exists()
+
+
+def test_exact_resume_through_the_manager(tmp_path):
+    n = 15
+    _run("straight", str(tmp_path / "straight.pt"), str(n))
+    _run("managed", str(tmp_path / "run"), str(tmp_path / "part.pt"), str(n), "17")  # stops at 17, saved 15
+    _run("managed", str(tmp_path / "run"), str(tmp_path / "resumed.pt"), str(n))  # resumes at 15
+    straight = torch.load(tmp_path / "straight.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    assert torch.load(tmp_path / "part.pt", weights_only=True)["step"] == 17
+    _assert_bitwise_equal(straight, resumed)

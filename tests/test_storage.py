@@ -84,7 +84,11 @@ class StorageSuite:
             s.size("nope")
 
     @given(st.lists(st.integers(0, 3 * DIRECT_ALIGN), max_size=6))
-    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.differing_executors])
+    @settings(
+        max_examples=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.differing_executors],
+    )
     def test_any_sequence_of_writes_reads_back(self, tmp_path, sizes):
         s = self.make(tmp_path / f"ck-{uuid.uuid4().hex}")
         s.prepare()

@@ -16,6 +16,7 @@ Public API::
 from ._data import StatefulSampler
 from ._handle import SaveHandle, SaveStats
 from ._load import load
+from ._manager import CheckpointManager
 from ._rng import RNGState
 from ._save import async_save, save
 from ._version import __version__
@@ -30,6 +31,7 @@ from .errors import (
 
 __all__ = [
     "CheckpointError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",

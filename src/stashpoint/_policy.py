@@ -1,0 +1,99 @@
+"""Pure policies of the checkpoint manager: step naming, retention, and when to save."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+
+
+def step_dir(step: int) -> str:
+    """The directory name of ``step``: ``step-`` and the step zero-padded to at least 8 digits."""
+    if step < 0:
+        raise ValueError(f"steps are non-negative integers, got {step}")
+    return f"step-{step:08d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step a directory name stands for, or None if it is not a step directory."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Which committed steps to keep. The rules add up; the newest step is always kept.
+
+    ``keep_last``: the newest N. ``keep_every``: every step that is a multiple of K, forever.
+    ``keep_best``: the K best by ``metric`` (``mode`` ``"min"`` or ``"max"``); steps saved
+    without that metric do not compete. With no rule set, every step is kept.
+    """
+
+    keep_last: int | None = 3
+    keep_every: int | None = None
+    keep_best: int | None = None
+    metric: str = "loss"
+    mode: str = "min"
+
+    def __post_init__(self) -> None:
+        for name in ("keep_last", "keep_every", "keep_best"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be None or a positive integer, got {v!r}")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"the keep_best mode must be 'min' or 'max', got {self.mode!r}")
+
+    @property
+    def keeps_all(self) -> bool:
+        return self.keep_last is None and self.keep_every is None and self.keep_best is None
+
+
+def steps_to_keep(
+    steps: Sequence[int], metrics: Mapping[int, Mapping[str, float]], policy: Retention
+) -> frozenset[int]:
+    """The subset of committed ``steps`` that ``policy`` keeps."""
+    ordered = sorted(set(steps))
+    if not ordered or policy.keeps_all:
+        return frozenset(ordered)
+    keep = {ordered[-1]}
+    if policy.keep_last is not None:
+        keep.update(ordered[-policy.keep_last :])
+    if policy.keep_every is not None:
+        keep.update(s for s in ordered if s % policy.keep_every == 0)
+    if policy.keep_best is not None:
+        scored = []
+        for s in ordered:
+            value = metrics.get(s, {}).get(policy.metric)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                scored.append((value if policy.mode == "min" else -value, -s))  # ties: newer first
+        keep.update(-neg_step for _, neg_step in sorted(scored)[: policy.keep_best])
+    return frozenset(keep)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When a save is due: every ``every_steps`` steps and/or every ``every_seconds`` seconds."""
+
+    every_steps: int | None = None
+    every_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.every_steps is not None and self.every_steps < 1:
+            raise ValueError(f"every_steps must be a positive integer, got {self.every_steps}")
+        if self.every_seconds is not None and not self.every_seconds > 0:
+            raise ValueError(f"every_seconds must be positive, got {self.every_seconds}")
+
+    @property
+    def configured(self) -> bool:
+        return self.every_steps is not None or self.every_seconds is not None
+
+    def due(self, step: int, now: float, last_save_time: float | None) -> bool:
+        """Whether a save is due at ``step`` (``now`` and ``last_save_time`` in seconds)."""
+        if self.every_steps is not None and step % self.every_steps == 0:
+            return True
+        if self.every_seconds is not None:
+            return last_save_time is None or now - last_save_time >= self.every_seconds
+        return False

@@ -1,0 +1,241 @@
+"""CheckpointManager: listing, retention, backpressure, crash recovery, memory bound, resume."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import stashpoint
+import stashpoint._storage
+from stashpoint._save import _get_engine
+
+ROOT = Path(__file__).resolve().parents[1]
+CHILD = Path(__file__).with_name("manager_child.py")
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+
+
+def _state(v: float = 0.0) -> dict:
+    return {"w": torch.full((1000,), float(v)), "step": 0}
+
+
+def test_save_restore_and_listing(tmp_path):
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=None) as mgr:
+        assert mgr.latest_step() is None and mgr.steps() == []
+        assert mgr.restore(_state()) is None, "a fresh root restores nothing"
+        for step in (5, 10, 15):
+            s = _state(step)
+            s["step"] = step
+            h = mgr.save(step, s)
+            assert h.wait().step == step
+        assert mgr.steps() == [5, 10, 15] and mgr.latest_step() == 15
+        assert sorted(p.name for p in (tmp_path / "run").glob("step-*")) == [
+            "step-00000005",
+            "step-00000010",
+            "step-00000015",
+        ]
+        target = _state()
+        assert mgr.restore(target) == 15 and target["step"] == 15 and target["w"][0] == 15
+        assert mgr.restore(target, step=5) == 5 and target["w"][0] == 5
+        with pytest.raises(stashpoint.CheckpointError, match="step 10 already has a committed checkpoint"):
+            mgr.save(10, _state())
+        assert [s.step for s in mgr.history] == [5, 10, 15]
+
+
+def test_retention_keep_last_every_and_best(tmp_path):
+    losses = {1: 5.0, 2: 1.0, 3: 4.0, 4: 3.0, 5: 2.5, 6: 6.0, 7: 7.0, 8: 8.0}
+    with stashpoint.CheckpointManager(tmp_path / "r", keep_last=2, keep_every=4, keep_best=(1, "loss")) as mgr:
+        for step, loss in losses.items():
+            mgr.save(step, _state(step), metrics={"loss": loss})
+            mgr.wait()
+        # last 2: 7, 8; every 4th: 4, 8; best loss: 2
+        assert mgr.steps() == [2, 4, 7, 8]
+    # a new manager reads the metrics back from the manifests
+    with stashpoint.CheckpointManager(tmp_path / "r", keep_last=1, keep_best=(1, "loss", "max")) as mgr:
+        mgr.save(9, _state(9), metrics={"loss": 0.5})
+        mgr.wait()
+        assert mgr.steps() == [8, 9], "max mode keeps the highest loss (8.0) and the newest"
+
+
+def test_second_manager_on_the_same_root_is_refused(tmp_path):
+    with (
+        stashpoint.CheckpointManager(tmp_path / "r"),
+        pytest.raises(stashpoint.CheckpointError, match=r"another CheckpointManager .* already owns"),
+    ):
+        stashpoint.CheckpointManager(tmp_path / "r")
+    stashpoint.CheckpointManager(tmp_path / "r").close()  # released on close
+
+
+def test_leftovers_of_a_crashed_save_are_removed_and_committed_steps_kept(tmp_path, caplog):
+    with stashpoint.CheckpointManager(tmp_path / "r") as mgr:
+        mgr.save(1, _state(1)).wait()
+    partial = tmp_path / "r" / "step-00000002"
+    partial.mkdir()
+    (partial / "shard-r00000-0000-abcd.safetensors").write_bytes(b"half")
+    (tmp_path / "r" / "notes.txt").write_text("user file")
+    with caplog.at_level(logging.WARNING, logger="stashpoint"), stashpoint.CheckpointManager(tmp_path / "r") as mgr:
+        assert mgr.steps() == [1]
+    assert not partial.exists() and (tmp_path / "r" / "notes.txt").exists()
+    assert "never committed" in caplog.text
+
+
+def _block_writer() -> threading.Event:
+    gate = threading.Event()
+    _get_engine().executor.submit(gate.wait, 30)
+    return gate
+
+
+def test_on_busy_skip_skips_and_counts(tmp_path):
+    seen = []
+    with stashpoint.CheckpointManager(tmp_path / "r", on_busy="skip", on_save=seen.append) as mgr:
+        gate = _block_writer()
+        try:
+            h1 = mgr.save(1, _state(1))
+            h2 = mgr.save(2, _state(2))
+            assert h2.done() and h2.wait().skipped and mgr.skipped == 1
+            assert not h1.done()
+        finally:
+            gate.set()
+        h1.wait()
+        mgr.wait()
+        assert mgr.steps() == [1]
+        assert sorted((s.step, s.skipped) for s in seen) == [(1, False), (2, True)]
+
+
+def test_on_busy_wait_applies_backpressure(tmp_path):
+    with stashpoint.CheckpointManager(tmp_path / "r", on_busy="wait") as mgr:
+        gate = _block_writer()
+        h1 = mgr.save(1, _state(1))
+        threading.Timer(0.3, gate.set).start()
+        t0 = time.perf_counter()
+        h2 = mgr.save(2, _state(2))
+        assert time.perf_counter() - t0 >= 0.25 and h1.done()
+        assert h2.blocking_s >= 0.25
+        mgr.wait()
+        assert mgr.steps() == [1, 2]
+
+
+def test_max_inflight_two_stages_while_the_first_persists(tmp_path):
+    with stashpoint.CheckpointManager(tmp_path / "r", max_inflight=2, on_busy="skip") as mgr:
+        gate = _block_writer()
+        try:
+            h1, h2, h3 = (mgr.save(s, _state(s)) for s in (1, 2, 3))
+            assert not h1.done() and not h2.done() and h3.wait().skipped
+        finally:
+            gate.set()
+        mgr.wait()
+        assert mgr.steps() == [1, 2]
+        out = _state()
+        mgr.restore(out, step=1)
+        assert out["w"][0] == 1, "each in-flight save has its own staging buffers"
+
+
+def test_restore_falls_back_when_the_newest_is_damaged(tmp_path):
+    with stashpoint.CheckpointManager(tmp_path / "r", keep_last=None) as mgr:
+        mgr.save(1, _state(1)).wait()
+        mgr.save(2, _state(2)).wait()
+        (shard,) = mgr.path(2).glob("shard-*")
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        out = _state()
+        assert mgr.restore(out) == 1 and out["w"][0] == 1
+        with pytest.raises(stashpoint.CorruptCheckpointError):
+            mgr.restore(out, step=2)
+
+
+def test_save_schedule(tmp_path):
+    with stashpoint.CheckpointManager(tmp_path / "r", keep_last=None, every_steps=3) as mgr:
+        handles = [mgr.maybe_save(step, _state(step)) for step in range(1, 10)]
+        assert [h is not None for h in handles] == [s % 3 == 0 for s in range(1, 10)]
+        mgr.wait()
+        assert mgr.steps() == [3, 6, 9]
+    with stashpoint.CheckpointManager(tmp_path / "r2") as mgr, pytest.raises(ValueError, match="every_steps"):
+        mgr.should_save(1)
+
+
+def test_a_failed_save_raises_from_wait_leaves_nothing_and_training_goes_on(tmp_path):
+    from test_errors import FailingStorage
+
+    class Failing(FailingStorage):
+        def __init__(self, root):
+            super().__init__(root, budget=100)
+
+    with stashpoint.CheckpointManager(tmp_path / "r", keep_last=1) as mgr:
+        mgr.save(1, _state(1)).wait()
+        mgr.storage_class = Failing
+        h = mgr.save(2, _state(2))
+        with pytest.raises(stashpoint.CheckpointError, match=r"step-00000002 failed: OSError.*No space left"):
+            mgr.wait()
+        assert isinstance(h.exception(), stashpoint.CheckpointError)
+        assert mgr.steps() == [1] and not mgr.path(2).exists(), "nothing committed, partial files removed"
+        mgr.storage_class = stashpoint._storage.LocalStorage
+        mgr.save(2, _state(2)).wait()  # the next save works
+        mgr.wait()
+        assert mgr.steps() == [2]
+    with stashpoint.CheckpointManager(tmp_path / "r3") as mgr, pytest.raises(stashpoint.UnsupportedStateError):
+        mgr.save(1, {"cfg": object()})  # refused at once, on the caller's thread
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_in_the_middle_of_saves_then_a_new_manager_recovers(tmp_path):
+    root = tmp_path / "run"
+    rng = random.Random(1234)
+    for trial in range(3):
+        proc = subprocess.Popen(
+            [sys.executable, str(CHILD), "crash", str(root), "24"], stdout=subprocess.PIPE, text=True, env=_env()
+        )
+        committed = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            committed.append(int(line.split()[1]))
+            if len(committed) >= 2:
+                break
+        time.sleep(rng.uniform(0.0, 0.3))  # land somewhere inside a later save
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        with stashpoint.CheckpointManager(root, keep_last=2) as mgr:
+            latest = mgr.latest_step()
+            assert latest is not None and latest >= committed[-1], (trial, latest, committed)
+            for d in root.glob("step-*"):
+                assert (d / "manifest.json").exists(), f"leftover {d} was not removed"
+            n = 24 * 1024 * 1024 // 4
+            out = {"w": torch.zeros(n), "b": torch.zeros(1000), "step": 0}
+            assert mgr.restore(out) == latest
+            assert out["step"] == latest and out["w"][0] == latest and out["w"][-1] == latest
+            assert out["b"][0] == -latest
+            for step in mgr.steps():  # every listed step is whole
+                stashpoint.load(out, mgr.path(step))
+
+
+@pytest.mark.timeout(300)
+def test_host_memory_and_fds_stay_flat_over_hundreds_of_saves(tmp_path):
+    mb, total = 8, 200
+    r = subprocess.run(
+        [sys.executable, str(CHILD), "memory", str(tmp_path / "r"), str(mb), str(total)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=_env(),
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [line.split() for line in r.stdout.splitlines() if line.startswith("rss")]
+    (_, _, rss20, _, fds20), (_, _, rss_end, _, fds_end) = lines
+    growth = int(rss_end) - int(rss20)
+    print(f"RSS after 20 saves {int(rss20) / 2**20:.1f} MiB, after {total}: {int(rss_end) / 2**20:.1f} MiB")
+    assert growth < 16 * 2**20, f"host memory grew by {growth / 2**20:.1f} MiB over {total - 20} saves"
+    assert int(fds_end) <= int(fds20), "file descriptors leaked"
+    assert len(list((tmp_path / "r").glob("step-*"))) == 2

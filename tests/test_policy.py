@@ -1,0 +1,84 @@
+"""Property tests for the manager's pure policies."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stashpoint._policy import Retention, Schedule, parse_step_dir, step_dir, steps_to_keep
+
+steps_st = st.lists(st.integers(0, 500), max_size=30, unique=True)
+opt = st.none() | st.integers(1, 6)
+policies = st.builds(
+    Retention,
+    keep_last=opt,
+    keep_every=opt,
+    keep_best=opt,
+    metric=st.just("loss"),
+    mode=st.sampled_from(["min", "max"]),
+)
+metrics_st = st.dictionaries(st.integers(0, 500), st.fixed_dictionaries({"loss": st.floats(-10, 10)}))
+
+
+@given(steps_st, metrics_st, policies)
+def test_retention_keeps_exactly_the_union_of_its_rules(steps, metrics, policy):
+    keep = steps_to_keep(steps, metrics, policy)
+    assert keep <= set(steps)
+    if not steps:
+        return
+    ordered = sorted(steps)
+    assert ordered[-1] in keep, "the newest step is never deleted"
+    if policy.keeps_all:
+        assert keep == set(steps)
+        return
+    expected = {ordered[-1]}
+    if policy.keep_last:
+        expected |= set(ordered[-policy.keep_last :])
+    if policy.keep_every:
+        expected |= {s for s in steps if s % policy.keep_every == 0}
+    if policy.keep_best:
+        scored = [s for s in steps if s in metrics]
+        sign = 1 if policy.mode == "min" else -1
+        best = sorted(scored, key=lambda s: (sign * metrics[s]["loss"], -s))[: policy.keep_best]
+        expected |= set(best)
+        # nothing outside the best k scores better than the worst kept one
+        if best:
+            worst = max(sign * metrics[s]["loss"] for s in best)
+            assert all(sign * metrics[s]["loss"] >= worst for s in scored if s not in best)
+    assert keep == expected
+
+
+@given(steps_st, metrics_st, policies)
+def test_retention_is_idempotent(steps, metrics, policy):
+    keep = steps_to_keep(steps, metrics, policy)
+    assert steps_to_keep(sorted(keep), metrics, policy) == keep
+
+
+@given(st.integers(0, 10**12))
+def test_step_dir_round_trips_and_sorts(step):
+    assert parse_step_dir(step_dir(step)) == step
+    assert step_dir(step).startswith("step-")
+
+
+def test_step_dir_rejects_foreign_names():
+    assert parse_step_dir("step-12") is None  # too short to be ours
+    assert parse_step_dir("step-00000012.tmp") is None
+    assert parse_step_dir("other") is None
+    with pytest.raises(ValueError, match="non-negative"):
+        step_dir(-1)
+
+
+def test_schedule():
+    s = Schedule(every_steps=10)
+    assert [x for x in range(1, 31) if s.due(x, 0.0, None)] == [10, 20, 30]
+    t = Schedule(every_seconds=5)
+    assert t.due(1, 100.0, None) and not t.due(2, 103.0, 100.0) and t.due(3, 105.0, 100.0)
+    both = Schedule(every_steps=100, every_seconds=60)
+    assert both.due(100, 1.0, 0.5) and both.due(7, 61.0, 0.5) and not both.due(7, 2.0, 0.5)
+    with pytest.raises(ValueError):
+        Schedule(every_steps=0)
+    with pytest.raises(ValueError, match="keep_last"):
+        Retention(keep_last=0)
+    with pytest.raises(ValueError, match="mode"):
+        Retention(mode="median")
