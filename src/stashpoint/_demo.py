@@ -2,11 +2,11 @@
 
 The demo runs in two processes that train the same model the same way:
 
-1. a training child saves with :func:`stashpoint.async_save` every K steps (and, for comparison,
-   times a plain ``torch.save`` + fsync of the same state) until the parent kills it with SIGKILL,
-   preferably while a save is still being written;
-2. a second child finds the latest *committed* checkpoint (a ``step-*`` directory holding
-   ``manifest.json``), loads it with :func:`stashpoint.load` and trains on.
+1. a training child saves through a :class:`stashpoint.CheckpointManager` (asynchronous saves)
+   every K steps (and, for comparison, times a plain ``torch.save`` + fsync of the same state)
+   until the parent kills it with SIGKILL, preferably while a save is still being written;
+2. a second child opens a manager on the same directory (which removes what an interrupted save
+   left), restores the latest *committed* checkpoint and trains on.
 
 Each child writes one JSON line per step to a log in the demo directory; the parent then checks
 that the resumed run's losses equal the killed run's, bit for bit, for the steps both ran.
@@ -39,13 +39,15 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import stashpoint
+from stashpoint._manager import LOCK_NAME
 
 MANIFEST = "manifest.json"
+KEEP_LAST = 3
 CKPT_RE = re.compile(r"^step-(\d{8})$")
 LOG_KILLED = "phase1-killed.jsonl"
 LOG_RESUMED = "phase2-resumed.jsonl"
 BASELINE_FILE = ".torch-save-baseline.pt"
-_DEMO_FILES = {LOG_KILLED, LOG_RESUMED, BASELINE_FILE}
+_DEMO_FILES = {LOG_KILLED, LOG_RESUMED, BASELINE_FILE, LOCK_NAME}
 _EVENT = "@stashpoint-demo "  # prefix of the children's event lines on stdout
 THREADS = 1  # the same in every run: CPU results are bitwise reproducible for a fixed thread count
 SEED = 1234
@@ -296,14 +298,29 @@ def train(cfg: ChildConfig) -> int:
     n_params = sum(t.numel() for t in model.parameters())
     _emit("ready", params=n_params, threads=torch.get_num_threads())
 
-    if cfg.resume:
-        found = latest_committed(directory)
-        if found is None:
-            _emit("error", message=f"no committed checkpoint in {directory}")
-            return 1
-        t0 = time.perf_counter()
-        stashpoint.load(state, found[1])
-        _emit("resumed", path=found[1].name, step=state["step"], load_ms=(time.perf_counter() - t0) * 1e3)
+    # The manager owns the run directory: step-XXXXXXXX directories, the newest KEEP_LAST kept,
+    # and (on opening) the removal of directories left by a save that never committed.
+    with stashpoint.CheckpointManager(directory, keep_last=KEEP_LAST) as mgr:
+        if cfg.resume:
+            t0 = time.perf_counter()
+            resumed = mgr.restore(state)
+            if resumed is None:
+                _emit("error", message=f"no committed checkpoint in {directory}")
+                return 1
+            _emit("resumed", path=ckpt_name(resumed), step=state["step"], load_ms=(time.perf_counter() - t0) * 1e3)
+        return _train_loop(cfg, p, state, loader, mgr, t_start)
+
+
+def _train_loop(  # noqa: PLR0917
+    cfg: ChildConfig,
+    p: Preset,
+    state: dict[str, Any],
+    loader: DataLoader[torch.Tensor],
+    mgr: stashpoint.CheckpointManager,
+    t_start: float,
+) -> int:
+    model, optim, sched = state["model"], state["optim"], state["sched"]
+    directory = Path(cfg.directory)
 
     every = cfg.every
     step: int = state["step"]
@@ -362,7 +379,7 @@ def train(cfg: ChildConfig) -> int:
                         report_commit()
                     state["step"] = step
                     torch_s = _torch_save_fsync(state, directory / BASELINE_FILE)
-                    handle = stashpoint.async_save(state, directory / ckpt_name(step))
+                    handle = mgr.save(step, state)
                     staged_at = step
                     record(
                         step=step,
@@ -542,7 +559,10 @@ class _Demo:
         return self.compare(resumed_from)
 
     def _saving_line(self) -> str:
-        return f"stashpoint.async_save every {self.every} steps into {self.where}/step-<step>"
+        return (
+            f"CheckpointManager.save (asynchronous) every {self.every} steps into {self.where}/step-<step>, "
+            f"keeping the newest {KEEP_LAST}"
+        )
 
     def train_and_kill(self) -> tuple[int, int | None]:
         """Phase 1: train until a few checkpoints exist, then SIGKILL the trainer.
@@ -620,8 +640,8 @@ class _Demo:
         assert self.every is not None
         stop = max(read_log(self.dir / LOG_KILLED), default=killed_at) + max(2, self.every // 2)
         echo(
-            f"  a new process resumes from {latest[1].name}, the newest committed checkpoint, "
-            f"and trains through step {stop}"
+            f"  a new process opens a CheckpointManager on it (which removes incomplete saves), restores "
+            f"{latest[1].name}, the newest committed step, and trains through step {stop}"
         )
         self.fresh_process = True
         child = _Child(self._config(LOG_RESUMED, resume=True, stop_step=stop))
