@@ -82,12 +82,13 @@ def _chunk_view(dest: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     return view
 
 
-_PIECE = 64 * 1024 * 1024
+_JOB_BYTES = 64 * 1024 * 1024
+_JOB_BUFFERS = 256
 
 
 @dataclass
 class _ChunkRead:
-    """One chunk on its way into its destination: read in pieces, then verified and placed."""
+    """One chunk on its way into its destination: read, then verified and placed."""
 
     key: str
     chunk: Chunk
@@ -100,19 +101,6 @@ class _ChunkRead:
         direct = target.device.type == "cpu" and target.is_contiguous()
         return cls(key, chunk, target, target if direct else torch.empty(chunk.shape, dtype=dest.dtype))
 
-    def pieces(self) -> list[tuple[int, int]]:
-        n = self.chunk.end - self.chunk.start
-        return [(b, min(b + _PIECE, n)) for b in range(0, n, _PIECE)]
-
-    def read(self, storage: Storage, begin: int, end: int) -> None:
-        mv = as_memoryview(self.buf)[begin:end]
-        try:
-            storage.read_into(self.chunk.file, self.chunk.start + begin, mv)
-        except EOFError as e:
-            raise CorruptCheckpointError(
-                f"shard {storage.location}/{self.chunk.file} is truncated inside key {self.key!r}: {e}"
-            ) from None
-
     def finish(self, storage: Storage, verify: bool) -> None:
         if verify and checksum(as_memoryview(self.buf)) != self.chunk.checksum:
             raise CorruptCheckpointError(
@@ -121,6 +109,51 @@ class _ChunkRead:
             )
         if self.buf is not self.target:
             self.target.copy_(self.buf)
+
+
+@dataclass
+class _ReadJob:
+    """One vectored read: a contiguous byte range of a file into a list of buffers."""
+
+    file: str
+    offset: int
+    buffers: list[memoryview]
+    keys: list[str]
+
+    @property
+    def end(self) -> int:
+        return self.offset + sum(len(b) for b in self.buffers)
+
+    def run(self, storage: Storage) -> None:
+        try:
+            storage.readv(self.file, self.offset, self.buffers)
+        except EOFError as e:
+            keys = ", ".join(repr(k) for k in sorted(set(self.keys))[:5])
+            raise CorruptCheckpointError(
+                f"shard {storage.location}/{self.file} is truncated inside {keys}: {e}"
+            ) from None
+
+
+def _read_jobs(reads: list[_ChunkRead]) -> list[_ReadJob]:
+    """Coalesce reads of adjacent byte ranges into large vectored reads (the layout is gap-free)."""
+    jobs: list[_ReadJob] = []
+    for r in sorted(reads, key=lambda r: (r.chunk.file, r.chunk.start)):
+        mv = as_memoryview(r.buf)
+        for b in range(0, len(mv), _JOB_BYTES):
+            piece = mv[b : b + _JOB_BYTES]
+            last = jobs[-1] if jobs else None
+            if (
+                last is not None
+                and last.file == r.chunk.file
+                and last.end == r.chunk.start + b
+                and last.end - last.offset + len(piece) <= _JOB_BYTES
+                and len(last.buffers) < _JOB_BUFFERS
+            ):
+                last.buffers.append(piece)
+                last.keys.append(r.key)
+            else:
+                jobs.append(_ReadJob(r.chunk.file, r.chunk.start + b, [piece], [r.key]))
+    return jobs
 
 
 def _gather(futures: list[cf.Future[None]], storage: Storage, errors: list[str]) -> None:
@@ -133,7 +166,7 @@ def _gather(futures: list[cf.Future[None]], storage: Storage, errors: list[str])
 
 
 def execute_reads(storage: Storage, manifest: Manifest, reads: list[Read], *, verify: bool) -> None:
-    """Run every read in parallel pieces, then verify; raise one error listing every damaged key."""
+    """Run every read as large parallel vectored reads, then verify; one error lists every damaged key."""
     unique: list[Read] = []
     seen: set[tuple[str, int, tuple[int, ...], tuple[int, ...], str]] = set()
     for r in reads:  # tied destinations that share memory are read once
@@ -142,14 +175,13 @@ def execute_reads(storage: Storage, manifest: Manifest, reads: list[Read], *, ve
             continue
         seen.add(sig)
         unique.append(r)
-    jobs = [_ChunkRead.make(r.key, c, r.dest) for r in unique for c in manifest.tensors[r.key].chunks]
-    check_files(storage, manifest, (j.chunk.file for j in jobs))
-    jobs.sort(key=lambda j: (j.chunk.file, j.chunk.start))
+    chunks = [_ChunkRead.make(r.key, c, r.dest) for r in unique for c in manifest.tensors[r.key].chunks]
+    check_files(storage, manifest, (c.chunk.file for c in chunks))
     errors: list[str] = []
     with cf.ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="stashpoint-reader") as pool:
-        _gather([pool.submit(j.read, storage, b, e) for j in jobs for b, e in j.pieces()], storage, errors)
+        _gather([pool.submit(j.run, storage) for j in _read_jobs(chunks)], storage, errors)
         if not errors:
-            _gather([pool.submit(j.finish, storage, verify) for j in jobs], storage, errors)
+            _gather([pool.submit(c.finish, storage, verify) for c in chunks], storage, errors)
     if errors:
         raise CorruptCheckpointError("\n".join(errors))
 

@@ -20,6 +20,7 @@ import ctypes
 import errno
 import os
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -63,7 +64,15 @@ class Storage(abc.ABC):
     def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes: ...
 
     @abc.abstractmethod
-    def read_into(self, name: str, offset: int, out: memoryview) -> None: ...
+    def readv(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Fill ``buffers`` in order from the contiguous range starting at ``offset``.
+
+        Raises :class:`EOFError` if the file ends first.
+        """
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from the file's bytes starting at ``offset``."""
+        self.readv(name, offset, [out])
 
     @abc.abstractmethod
     def size(self, name: str) -> int: ...
@@ -80,6 +89,7 @@ class Storage(abc.ABC):
 
 
 _BLOCK = 64 * 1024 * 1024
+_IOV_MAX = 512
 
 
 def _fsync_dir(path: Path) -> None:
@@ -208,17 +218,22 @@ class LocalStorage(Storage):
             f.seek(offset)
             return f.read() if length is None else f.read(length)
 
-    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+    def readv(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
         fd = os.open(self.root / name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            mv = out.cast("B")
+            pending = [b.cast("B") for b in buffers if len(b)]
             pos = offset
-            while len(mv):
-                n = os.preadv(fd, [mv[:_BLOCK]], pos)
+            while pending:
+                n = os.preadv(fd, pending[:_IOV_MAX], pos)
                 if n == 0:
                     raise EOFError(f"{self.root / name} ended at byte {pos}, before the data it should hold")
-                mv = mv[n:]
                 pos += n
+                while n and pending:  # drop what was filled; keep the rest of a partly filled buffer
+                    if n >= len(pending[0]):
+                        n -= len(pending.pop(0))
+                    else:
+                        pending[0] = pending[0][n:]
+                        n = 0
         finally:
             os.close(fd)
 
