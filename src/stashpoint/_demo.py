@@ -706,7 +706,7 @@ class _Demo:
             plain = statistics.median(t for _, t, _ in later)
             first = [b for b, _, f in self.saves if f]
             echo(
-                f"               stashpoint.async_save  median {_ms(blocked):>8}"
+                f"               stashpoint (async)    median {_ms(blocked):>8}"
                 + (f"  (the first save of each process: {', '.join(_ms(b) for b in first)})" if first else "")
             )
             echo(f"               torch.save + fsync     median {_ms(plain):>8}  ({plain / blocked:.1f}x longer)")
