@@ -13,13 +13,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 
+from ._reshard import block_count
 from .errors import CorruptCheckpointError
 
 FORMAT_NAME = "stashpoint"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "xxh3_64"
+CHECKSUM_BLOCK_BYTES = 4 * 1024 * 1024
 HEADER_ALIGN = 4096
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_MANIFEST_BYTES = 1024 * 1024 * 1024
@@ -74,6 +77,19 @@ def safetensors_view(dtype: torch.dtype, shape: Sequence[int], nbytes: int) -> t
     return st, list(shape)
 
 
+def checksum(data: memoryview | bytes) -> str:
+    """The checksum stashpoint records for a byte range (xxh3_64, hex)."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def block_checksums(data: memoryview) -> tuple[str, ...]:
+    """Checksums of each CHECKSUM_BLOCK_BYTES block of ``data`` (one for empty data)."""
+    n = len(data)
+    if n == 0:
+        return (checksum(data),)
+    return tuple(checksum(data[b : b + CHECKSUM_BLOCK_BYTES]) for b in range(0, n, CHECKSUM_BLOCK_BYTES))
+
+
 # ---------------------------------------------------------------------------------------------
 # Records
 
@@ -87,7 +103,7 @@ class Chunk:
     shape: tuple[int, ...]
     start: int
     end: int
-    checksum: str
+    checksums: tuple[str, ...]  # one per CHECKSUM_BLOCK_BYTES block of [start, end)
 
 
 @dataclass(frozen=True)
@@ -138,6 +154,7 @@ class Manifest:
             "torch_version": self.torch_version,
             "world_size": self.world_size,
             "checksum_algorithm": self.checksum_algorithm,
+            "checksum_block_bytes": CHECKSUM_BLOCK_BYTES,
             "metadata": dict(self.metadata),
             "files": [asdict(f) for f in self.files],
             "tensors": {k: _entry_doc(e) for k, e in self.tensors.items()},
@@ -164,7 +181,7 @@ def _entry_doc(e: TensorEntry) -> dict[str, Any]:
                 "shape": list(c.shape),
                 "start": c.start,
                 "end": c.end,
-                "checksum": c.checksum,
+                "checksums": list(c.checksums),
             }
             for c in e.chunks
         ],
@@ -223,6 +240,7 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
             f"({FORMAT_VERSION}); upgrade stashpoint (pip install -U stashpoint)."
         )
     _want(doc.get("checksum_algorithm") == CHECKSUM_ALGORITHM, where, "unknown checksum_algorithm")
+    _want(doc.get("checksum_block_bytes") == CHECKSUM_BLOCK_BYTES, where, "unsupported checksum_block_bytes")
     for k in ("save_id", "created", "library_version", "torch_version"):
         _want(isinstance(doc.get(k), str), where, f"{k} must be a string")
     meta = doc.get("metadata", {})
@@ -342,8 +360,10 @@ def _parse_entry(key: str, e: object, files: Mapping[str, FileEntry], where: str
         fe = files[fname]
         _want(end - start == numel * item, where, f"byte range of {key!r} does not match its shape")
         _want(fe.data_start <= start <= end <= fe.size, where, f"byte range of {key!r} is outside {fname!r}")
-        _want(isinstance(c.get("checksum"), str), where, f"checksum of {key!r} must be a string")
-        chunks.append(Chunk(fname, offsets, cshape, start, end, c["checksum"]))
+        sums = c.get("checksums")
+        ok = isinstance(sums, list) and len(sums) == block_count(end - start, CHECKSUM_BLOCK_BYTES)
+        _want(ok and all(isinstance(x, str) for x in sums), where, f"checksums of {key!r} do not match its size")
+        chunks.append(Chunk(fname, offsets, cshape, start, end, tuple(sums)))
     return TensorEntry(key, dtype_name(dtype), shape, tuple(chunks))
 
 

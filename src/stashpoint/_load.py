@@ -12,8 +12,18 @@ from typing import Any
 
 import torch
 
-from ._format import MANIFEST_NAME, Chunk, FileEntry, Manifest, parse_header, parse_manifest
-from ._persist import checksum
+from ._format import (
+    CHECKSUM_BLOCK_BYTES,
+    MANIFEST_NAME,
+    Chunk,
+    FileEntry,
+    Manifest,
+    block_checksums,
+    checksum,
+    parse_header,
+    parse_manifest,
+)
+from ._reshard import Box, block_spans, intersect, local, runs
 from ._restore import Planner, Read
 from ._staging import as_memoryview
 from ._storage import LocalStorage, Storage, storage_for
@@ -74,39 +84,69 @@ def check_files(storage: Storage, manifest: Manifest, names: Iterable[str]) -> N
             raise CorruptCheckpointError(f"shard {where} belongs to another save than its manifest")
 
 
-def _chunk_view(dest: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-    view = dest
-    for dim, (off, n) in enumerate(zip(chunk.offsets, chunk.shape)):
-        if off != 0 or n != dest.shape[dim]:
-            view = view.narrow(dim, off, n)
-    return view
-
-
 _JOB_BYTES = 64 * 1024 * 1024
 _JOB_BUFFERS = 256
 
 
 @dataclass
-class _ChunkRead:
-    """One chunk on its way into its destination: read, then verified and placed."""
+class _Piece:
+    """The intersection of one stored chunk with one destination region, on its way in."""
 
     key: str
     chunk: Chunk
-    target: torch.Tensor  # the destination region
-    buf: torch.Tensor  # where the bytes land: the target itself, or a bounce buffer
+    inter: Box  # global coordinates
+    target: torch.Tensor  # the destination's view of ``inter``
+    buf: torch.Tensor  # where the bytes land: ``target`` itself, or a bounce buffer
+    whole: bool  # the piece is the whole chunk (read and verified in one go)
 
     @classmethod
-    def make(cls, key: str, chunk: Chunk, dest: torch.Tensor) -> _ChunkRead:
-        target = _chunk_view(dest, chunk)
-        direct = target.device.type == "cpu" and target.is_contiguous()
-        return cls(key, chunk, target, target if direct else torch.empty(chunk.shape, dtype=dest.dtype))
+    def make(cls, key: str, chunk: Chunk, read: Read) -> _Piece | None:
+        cbox = Box(chunk.offsets, chunk.shape)
+        inter = intersect(cbox, read.region)
+        if inter is None:
+            return None
+        view = read.dest[tuple(slice(o, o + n) for o, n in zip(local(inter, read.region).offsets, inter.shape))]
+        whole = inter == cbox
+        direct = whole and view.device.type == "cpu" and view.is_contiguous()
+        return cls(key, chunk, inter, view, view if direct else torch.empty(inter.shape, dtype=view.dtype), whole)
+
+    def bad(self, storage: Storage) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"checksum mismatch for key {self.key!r} in shard {storage.location}/{self.chunk.file}: the "
+            "data is damaged. Load an earlier checkpoint or a copy of this one."
+        )
+
+    def read_partial(self, storage: Storage, verify: bool) -> None:
+        """Read only the byte ranges of the chunk that hold ``inter`` (whole checksum blocks
+        around them when verifying), then place them."""
+        cbox = Box(self.chunk.offsets, self.chunk.shape)
+        item = self.buf.element_size()
+        ranges = list(runs(cbox, self.inter, item))
+        out = as_memoryview(self.buf)
+        total = self.chunk.end - self.chunk.start
+        if not verify:
+            pos = 0
+            for b, e in ranges:
+                storage.read_into(self.chunk.file, self.chunk.start + b, out[pos : pos + e - b])
+                pos += e - b
+            return
+        pos = 0
+        spans = block_spans(ranges, CHECKSUM_BLOCK_BYTES, total)
+        for lo, hi in spans:
+            span = bytearray(hi - lo)
+            storage.read_into(self.chunk.file, self.chunk.start + lo, memoryview(span))
+            for i in range(lo // CHECKSUM_BLOCK_BYTES, -(-hi // CHECKSUM_BLOCK_BYTES)):
+                b0 = i * CHECKSUM_BLOCK_BYTES - lo
+                if checksum(memoryview(span)[b0 : b0 + CHECKSUM_BLOCK_BYTES]) != self.chunk.checksums[i]:
+                    raise self.bad(storage)
+            for b, e in ranges:
+                if lo <= b and e <= hi:
+                    out[pos : pos + e - b] = memoryview(span)[b - lo : e - lo]
+                    pos += e - b
 
     def finish(self, storage: Storage, verify: bool) -> None:
-        if verify and checksum(as_memoryview(self.buf)) != self.chunk.checksum:
-            raise CorruptCheckpointError(
-                f"checksum mismatch for key {self.key!r} in shard {storage.location}/{self.chunk.file}: the "
-                "data is damaged. Load an earlier checkpoint or a copy of this one."
-            )
+        if self.whole and verify and block_checksums(as_memoryview(self.buf)) != self.chunk.checksums:
+            raise self.bad(storage)
         if self.buf is not self.target:
             self.target.copy_(self.buf)
 
@@ -117,12 +157,9 @@ class _ReadJob:
 
     file: str
     offset: int
+    size: int
     buffers: list[memoryview]
     keys: list[str]
-
-    @property
-    def end(self) -> int:
-        return self.offset + sum(len(b) for b in self.buffers)
 
     def run(self, storage: Storage) -> None:
         try:
@@ -134,25 +171,26 @@ class _ReadJob:
             ) from None
 
 
-def _read_jobs(reads: list[_ChunkRead]) -> list[_ReadJob]:
-    """Coalesce reads of adjacent byte ranges into large vectored reads (the layout is gap-free)."""
+def _read_jobs(pieces: list[_Piece]) -> list[_ReadJob]:
+    """Coalesce whole-chunk reads of adjacent byte ranges into large vectored reads."""
     jobs: list[_ReadJob] = []
-    for r in sorted(reads, key=lambda r: (r.chunk.file, r.chunk.start)):
-        mv = as_memoryview(r.buf)
+    for p in sorted(pieces, key=lambda p: (p.chunk.file, p.chunk.start)):
+        mv = as_memoryview(p.buf)
         for b in range(0, len(mv), _JOB_BYTES):
-            piece = mv[b : b + _JOB_BYTES]
+            part = mv[b : b + _JOB_BYTES]
             last = jobs[-1] if jobs else None
             if (
                 last is not None
-                and last.file == r.chunk.file
-                and last.end == r.chunk.start + b
-                and last.end - last.offset + len(piece) <= _JOB_BYTES
+                and last.file == p.chunk.file
+                and last.offset + last.size == p.chunk.start + b
+                and last.size + len(part) <= _JOB_BYTES
                 and len(last.buffers) < _JOB_BUFFERS
             ):
-                last.buffers.append(piece)
-                last.keys.append(r.key)
+                last.buffers.append(part)
+                last.keys.append(p.key)
+                last.size += len(part)
             else:
-                jobs.append(_ReadJob(r.chunk.file, r.chunk.start + b, [piece], [r.key]))
+                jobs.append(_ReadJob(p.chunk.file, p.chunk.start + b, len(part), [part], [p.key]))
     return jobs
 
 
@@ -165,23 +203,40 @@ def _gather(futures: list[cf.Future[None]], storage: Storage, errors: list[str])
             raise CheckpointError(f"reading the checkpoint at {storage.location} failed: {e}") from e
 
 
-def execute_reads(storage: Storage, manifest: Manifest, reads: list[Read], *, verify: bool) -> None:
-    """Run every read as large parallel vectored reads, then verify; one error lists every damaged key."""
-    unique: list[Read] = []
-    seen: set[tuple[str, int, tuple[int, ...], tuple[int, ...], str]] = set()
+def plan_pieces(manifest: Manifest, reads: list[Read]) -> list[_Piece]:
+    """Every (stored chunk, destination) intersection; raise if some wanted region is not stored."""
+    pieces: list[_Piece] = []
+    seen: set[tuple[str, int, tuple[int, ...], tuple[int, ...], str, Box]] = set()
+    missing = []
     for r in reads:  # tied destinations that share memory are read once
-        sig = (r.key, r.dest.data_ptr(), tuple(r.dest.shape), r.dest.stride(), str(r.dest.device))
-        if r.dest.numel() == 0 or sig in seen:
+        sig = (r.key, r.dest.data_ptr(), tuple(r.dest.shape), r.dest.stride(), str(r.dest.device), r.region)
+        if r.region.numel == 0 or sig in seen:
             continue
         seen.add(sig)
-        unique.append(r)
-    chunks = [_ChunkRead.make(r.key, c, r.dest) for r in unique for c in manifest.tensors[r.key].chunks]
-    check_files(storage, manifest, (c.chunk.file for c in chunks))
+        found = [p for c in manifest.tensors[r.key].chunks if (p := _Piece.make(r.key, c, r)) is not None]
+        if sum(p.inter.numel for p in found) != r.region.numel:
+            missing.append(f"{r.key!r} {r.region}")
+        pieces.extend(found)
+    if missing:
+        raise CorruptCheckpointError(
+            f"the checkpoint does not hold every part of: {', '.join(missing[:5])}; some rank's shards are missing"
+        )
+    return pieces
+
+
+def execute_reads(storage: Storage, manifest: Manifest, reads: list[Read], *, verify: bool) -> None:
+    """Read every needed byte range in parallel (large vectored reads for whole chunks), verify
+    checksums, and place the data; one error lists every damaged key."""
+    pieces = plan_pieces(manifest, reads)
+    check_files(storage, manifest, (p.chunk.file for p in pieces))
+    whole = [p for p in pieces if p.whole]
     errors: list[str] = []
     with cf.ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="stashpoint-reader") as pool:
-        _gather([pool.submit(j.run, storage) for j in _read_jobs(chunks)], storage, errors)
+        futures = [pool.submit(j.run, storage) for j in _read_jobs(whole)]
+        futures += [pool.submit(p.read_partial, storage, verify) for p in pieces if not p.whole]
+        _gather(futures, storage, errors)
         if not errors:
-            _gather([pool.submit(c.finish, storage, verify) for c in chunks], storage, errors)
+            _gather([pool.submit(p.finish, storage, verify) for p in pieces], storage, errors)
     if errors:
         raise CorruptCheckpointError("\n".join(errors))
 

@@ -7,9 +7,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
-from ._format import FileEntry, encode_header, safetensors_view
+from ._format import FileEntry, block_checksums, checksum, encode_header, safetensors_view
 from ._plan import SavePlan, shard_name
 from ._staging import StagingBuffers, as_memoryview
 from ._storage import FileWriter, Storage
@@ -17,18 +16,13 @@ from ._storage import FileWriter, Storage
 _WRITE_BLOCK = 64 * 1024 * 1024
 
 
-def checksum(data: memoryview | bytes) -> str:
-    """The checksum stashpoint records for a byte range (xxh3_64, hex)."""
-    return xxhash.xxh3_64_hexdigest(data)
-
-
 @dataclass(frozen=True)
 class WrittenShards:
     """What the persist phase of one rank produced."""
 
     files: tuple[FileEntry, ...]
-    # key -> (file name, absolute start, absolute end, checksum)
-    chunks: Mapping[str, tuple[str, int, int, str]]
+    # key -> (file name, absolute start, absolute end, block checksums)
+    chunks: Mapping[str, tuple[str, int, int, tuple[str, ...]]]
     bytes_written: int
     seconds: float
 
@@ -46,7 +40,7 @@ def write_shards(
     t0 = time.perf_counter()
     plan: SavePlan = staged.plan
     files: list[FileEntry] = []
-    chunks: dict[str, tuple[str, int, int, str]] = {}
+    chunks: dict[str, tuple[str, int, int, tuple[str, ...]]] = {}
     written = 0
     for fplan, buf in zip(plan.files, staged.buffers):
         name = shard_name(plan.rank, fplan.index, save_id)
@@ -64,7 +58,7 @@ def write_shards(
             # so every write but the last starts and ends on a direct-I/O boundary.
             done = 0
             for p in fplan.placements:
-                chunks[p.key] = (name, len(header) + p.begin, len(header) + p.end, checksum(mv[p.begin : p.end]))
+                chunks[p.key] = (name, len(header) + p.begin, len(header) + p.end, block_checksums(mv[p.begin : p.end]))
                 while p.end - done >= _WRITE_BLOCK:
                     writer.write(mv[done : done + _WRITE_BLOCK])
                     done += _WRITE_BLOCK

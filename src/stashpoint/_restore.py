@@ -22,7 +22,9 @@ from typing import Any
 import torch
 
 from . import _stateful
+from ._dtensor import local_part
 from ._format import Manifest, TensorEntry, dtype_from_name, dtype_name
+from ._reshard import Box
 from ._tree import Node, decode_plain, is_plain, join, tensor_keys
 from .errors import CorruptCheckpointError
 
@@ -31,10 +33,17 @@ Setter = Callable[[Any], None] | None
 
 @dataclass
 class Read:
-    """Read stored tensor ``key`` (never an alias) into ``dest``."""
+    """Read the ``region`` (global coordinates) of stored tensor ``key`` (never an alias) into
+    ``dest``, a tensor of the region's shape (a rank's local shard, or the whole tensor)."""
 
     key: str
     dest: torch.Tensor
+    region: Box
+
+    @classmethod
+    def into(cls, key: str, live: torch.Tensor) -> Read:
+        dest, region, _ = local_part(live)
+        return cls(key, dest, region)
 
 
 @dataclass
@@ -94,7 +103,7 @@ class Planner:
         if t is None:  # tensors saved once for several keys come back as one tensor (tied)
             t = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype, entry.key))
             self._materialized[entry.key] = t
-            self.plan.reads.append(Read(entry.key, t))
+            self.plan.reads.append(Read.into(entry.key, t))
         return t
 
     def build(self, node: Node, where: str, like: Any = None) -> Any:
@@ -106,7 +115,7 @@ class Planner:
         if "tensor" in node:
             entry = self._entry(node["tensor"])
             if isinstance(like, torch.Tensor) and not _mismatch(entry, like):
-                self.plan.reads.append(Read(self.m.resolve(entry.key).key, like))
+                self.plan.reads.append(Read.into(self.m.resolve(entry.key).key, like))
                 return like
             return self._materialize(node["tensor"])
         if "stateful" in node:
@@ -164,7 +173,7 @@ class Planner:
                     f"the state holds {dtype_name(live.dtype)}{list(live.shape)}"
                 )
                 return
-            self.plan.reads.append(Read(self.m.resolve(key).key, live))
+            self.plan.reads.append(Read.into(self.m.resolve(key).key, live))
         elif materialize or live is None:
             self._set(setter, self._materialize(key))
         else:

@@ -238,7 +238,9 @@ class _PersistJob:
         log.info("stashpoint: saved %s", stats)
         return stats
 
-    def _manifest(self, save_id: str, files: Any, chunks: Mapping[str, tuple[str, int, int, str]]) -> Manifest:
+    def _manifest(
+        self, save_id: str, files: Any, chunks: Mapping[str, tuple[str, int, int, tuple[str, ...]]]
+    ) -> Manifest:
         tensors: dict[str, TensorEntry] = {}
         for key, dtype in self.dtypes.items():
             shape = self.shapes[key]
