@@ -9,6 +9,7 @@ import struct
 
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,9 +52,11 @@ def test_shard_file_golden_bytes(tmp_path):
     assert data[4096:] == b"\x00\x00\x80\x3f\x00\x00\x00\x40"  # 1.0f, 2.0f little-endian
     manifest = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_bytes())
     assert manifest["format"] == "stashpoint" and manifest["format_version"] == 1
-    assert manifest["tree"] == {"dict": [["w", {"tensor": "w"}]]}
+    assert manifest["trees"] == [{"dict": [["w", {"tensor": "w"}]]}] and manifest["tree_of_rank"] == [0]
     chunk = manifest["tensors"]["w"]["chunks"][0]
     assert (chunk["start"], chunk["end"], chunk["offsets"], chunk["shape"]) == (4096, 4104, [0], [2])
+    assert chunk["checksums"] == [xxhash.xxh3_64_hexdigest(b"\x00\x00\x80\x3f\x00\x00\x00\x40")]
+    assert manifest["checksum_block_bytes"] == 4 * 1024 * 1024
 
 
 ALL_DTYPES = [
@@ -124,7 +127,8 @@ def _manifest(tmp_path) -> bytes:
         (lambda d: d["tensors"]["a"]["chunks"][0].update(file="nope"), "unlisted file"),
         (lambda d: d["tensors"]["a"].update(dtype="evil"), "unknown dtype"),
         (lambda d: d["tensors"]["a"].update(shape=[1] * 100), "at most 64"),
-        (lambda d: d.pop("tree"), "tree must be an object"),
+        (lambda d: d.pop("trees"), "trees must be a non-empty list"),
+        (lambda d: d.update(tree_of_rank=[3]), "tree_of_rank"),
     ],
 )
 def test_manifest_validation_names_the_problem(tmp_path, mutate, message):

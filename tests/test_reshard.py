@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -47,10 +48,10 @@ def test_runs_read_exactly_the_intersection(pair, itemsize):
     expected = full[tuple(slice(o, o + n) for o, n in zip(inter.offsets, inter.shape))]
     assert torch.equal(got, expected.contiguous().reshape(-1).repeat_interleave(itemsize))
     ranges = list(runs(chunk, inter, itemsize))
-    assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:])), "runs are sorted and merged"
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(ranges)), "runs are sorted and merged"
     assert sum(e - b for b, e in ranges) == inter.numel * itemsize, "nothing read beyond what is needed"
     loc = local(inter, chunk)
-    assert all(0 <= o and o + n <= c for o, n, c in zip(loc.offsets, loc.shape, chunk.shape))
+    assert all(o >= 0 and o + n <= c for o, n, c in zip(loc.offsets, loc.shape, chunk.shape))
 
 
 @given(st.lists(st.tuples(st.integers(0, 100), st.integers(0, 40)), max_size=6), st.integers(1, 16))
@@ -63,7 +64,7 @@ def test_block_spans_cover_every_range_with_whole_blocks(raw, block):
             assert any(s <= b and e <= t for s, t in spans)
     for s, t in spans:
         assert s % block == 0 and (t % block == 0 or t == total)
-    assert all(a[1] < b[0] for a, b in zip(spans, spans[1:]))
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(spans))
 
 
 def test_examples():

@@ -138,9 +138,10 @@ class Manifest:
     torch_version: str
     files: tuple[FileEntry, ...]
     tensors: Mapping[str, TensorEntry]
-    tree: dict[str, Any]
+    trees: tuple[dict[str, Any], ...]  # distinct state trees (plain values differ per rank)
     metadata: Mapping[str, str] = field(default_factory=dict)
     world_size: int = 1
+    tree_of_rank: tuple[int, ...] = (0,)  # rank -> index into trees
     format_version: int = FORMAT_VERSION
     checksum_algorithm: str = CHECKSUM_ALGORITHM
 
@@ -158,9 +159,18 @@ class Manifest:
             "metadata": dict(self.metadata),
             "files": [asdict(f) for f in self.files],
             "tensors": {k: _entry_doc(e) for k, e in self.tensors.items()},
-            "tree": self.tree,
+            "trees": list(self.trees),
+            "tree_of_rank": list(self.tree_of_rank),
         }
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+    def tree_for(self, rank: int) -> dict[str, Any]:
+        """The state tree saved by ``rank``; rank ``r`` of a larger world gets that of ``r mod N``."""
+        return self.trees[self.tree_of_rank[rank % len(self.tree_of_rank)]]
+
+    @property
+    def tree(self) -> dict[str, Any]:
+        return self.tree_for(0)
 
     def resolve(self, key: str) -> TensorEntry:
         """The entry holding the bytes of ``key`` (following an alias)."""
@@ -270,12 +280,24 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         if entry.alias_of is not None:
             target = tensors.get(entry.alias_of)
             _want(target is not None and target.alias_of is None, where, f"{key!r} aliases a missing entry")
-    tree = doc.get("tree")
-    _want(isinstance(tree, dict), where, "tree must be an object")
+    trees = doc.get("trees")
+    _want(isinstance(trees, list) and len(trees) > 0, where, "trees must be a non-empty list")
+    assert isinstance(trees, list)
     try:
-        _check_tree(tree, tensors, where)
+        for tree in trees:
+            _check_tree(tree, tensors, where)
     except RecursionError:
         raise CorruptCheckpointError(f"malformed manifest {where}: tree nested too deeply") from None
+    world = _int(doc.get("world_size", 1), where, "world_size", 1)
+    of_rank = doc.get("tree_of_rank")
+    _want(
+        isinstance(of_rank, list)
+        and len(of_rank) == world
+        and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(trees) for i in of_rank),
+        where,
+        "tree_of_rank must give a valid tree index for every rank",
+    )
+    assert isinstance(of_rank, list)
     return Manifest(
         save_id=doc["save_id"],
         created=doc["created"],
@@ -283,9 +305,10 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         torch_version=doc["torch_version"],
         files=tuple(files.values()),
         tensors=tensors,
-        tree=tree,
+        trees=tuple(trees),
         metadata=meta,
-        world_size=_int(doc.get("world_size", 1), where, "world_size", 1),
+        world_size=world,
+        tree_of_rank=tuple(of_rank),
         format_version=version,
     )
 

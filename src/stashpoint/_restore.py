@@ -65,8 +65,9 @@ def _holds_tensors(obj: Any) -> bool:
 
 
 class Planner:
-    def __init__(self, manifest: Manifest, root: Any, *, allow_pickle: bool, where: str) -> None:
+    def __init__(self, manifest: Manifest, root: Any, *, allow_pickle: bool, where: str, rank: int = 0) -> None:
         self.m = manifest
+        self.tree = manifest.tree_for(rank)
         self.root = root
         self.allow_pickle = allow_pickle
         self.where = where
@@ -74,10 +75,10 @@ class Planner:
         self._materialized: dict[str, torch.Tensor] = {}
 
     def run(self) -> RestorePlan:
-        if "dict" in self.m.tree and isinstance(self.root, MutableMapping):
-            self._dict(self.m.tree, self.root, "", None, materialize=False)  # the root is updated in place
+        if "dict" in self.tree and isinstance(self.root, MutableMapping):
+            self._dict(self.tree, self.root, "", None, materialize=False)  # the root is updated in place
         else:
-            self.restore(self.m.tree, self.root, "", None, materialize=False)
+            self.restore(self.tree, self.root, "", None, materialize=False)
         return self.plan
 
     # -- helpers -------------------------------------------------------------------------------

@@ -25,30 +25,35 @@ class RNGState:
     """
 
     def state_dict(self) -> dict[str, Any]:
-        sd: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        # Only plain values (bytes, ints, ...): they differ between ranks, and per-rank plain
+        # values are kept per rank, where tensors under one key would be taken as replicas.
+        sd: dict[str, Any] = {"python": random.getstate(), "torch": _to_bytes(torch.get_rng_state())}
         if _np is not None:
             st = _np.random.get_state(legacy=False)
             sd["numpy"] = {
                 "bit_generator": st["bit_generator"],
-                "key": torch.from_numpy(st["state"]["key"].astype(_np.int64)),
+                "key": st["state"]["key"].astype("<u4").tobytes(),
                 "pos": int(st["state"]["pos"]),
                 "has_gauss": int(st["has_gauss"]),
                 "gauss": float(st["gauss"]),
             }
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            sd["cuda"] = list(torch.cuda.get_rng_state_all())
+            sd["cuda"] = [_to_bytes(t) for t in torch.cuda.get_rng_state_all()]
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         py = state_dict["python"]
         random.setstate((py[0], tuple(py[1]), py[2]))
-        torch.set_rng_state(state_dict["torch"].to(torch.uint8).cpu())
+        torch.set_rng_state(_from_bytes(state_dict["torch"]))
         np_state = state_dict.get("numpy")
         if np_state is not None and _np is not None:
             _np.random.set_state(
                 {
                     "bit_generator": np_state["bit_generator"],
-                    "state": {"key": np_state["key"].numpy().astype(_np.uint32), "pos": np_state["pos"]},
+                    "state": {
+                        "key": _np.frombuffer(np_state["key"], dtype="<u4").astype(_np.uint32),
+                        "pos": np_state["pos"],
+                    },
                     "has_gauss": np_state["has_gauss"],
                     "gauss": np_state["gauss"],
                 }
@@ -56,4 +61,14 @@ class RNGState:
         cuda = state_dict.get("cuda")
         if cuda and torch.cuda.is_available():
             for i, s in enumerate(cuda[: torch.cuda.device_count()]):
-                torch.cuda.set_rng_state(s.to(torch.uint8).cpu(), i)
+                torch.cuda.set_rng_state(_from_bytes(s), i)
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.cpu().contiguous().view(torch.uint8).numpy().tobytes()) if _np is not None else bytes(t.tolist())
+
+
+def _from_bytes(b: bytes | torch.Tensor) -> torch.Tensor:
+    if isinstance(b, torch.Tensor):  # tolerate states saved as tensors
+        return b.to(torch.uint8).cpu()
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)

@@ -257,7 +257,7 @@ class _PersistJob:
             torch_version=torch.__version__,
             files=tuple(files),
             tensors=tensors,
-            tree=self.tree,
+            trees=(self.tree,),
             metadata=self.opts.metadata,
         )
 
