@@ -23,6 +23,7 @@ from ._format import (
     parse_header,
     parse_manifest,
 )
+from ._dist import rank_of
 from ._reshard import Box, block_spans, intersect, local, runs
 from ._restore import Planner, Read
 from ._staging import as_memoryview
@@ -248,6 +249,7 @@ def load(
     strict: bool = True,
     verify: bool = True,
     allow_pickle: bool = False,
+    process_group: Any = None,
 ) -> None:
     """Restore the checkpoint at ``path`` in place into the objects held by ``state``.
 
@@ -263,10 +265,25 @@ def load(
         verify: check every tensor's checksum (:class:`CorruptCheckpointError` on mismatch).
         allow_pickle: unpickle values saved with ``allow_pickle=True``. Unpickling runs code
             from the file: only for files you trust.
+        process_group: in a distributed run, the group whose ranks load (default: the world).
+            Each rank reads only the byte ranges its tensors (or DTensor shards) need, whatever
+            the world size and sharding at save time, and gets back the plain values its rank
+            saved (rank ``r`` gets those of rank ``r mod N`` when N ranks saved).
     """
     storage = storage_for(path)
     manifest = read_manifest(storage)
-    plan = Planner(manifest, state, allow_pickle=allow_pickle, where=storage.location).run()
+    rank, world = rank_of(process_group)
+    if world != manifest.world_size and len(manifest.trees) > 1:
+        log.warning(
+            "stashpoint: %s was saved by %d ranks and is loaded by %d; rank %d restores the per-rank values "
+            "(RNG states, ...) of saved rank %d",
+            storage.location,
+            manifest.world_size,
+            world,
+            rank,
+            rank % manifest.world_size,
+        )
+    plan = Planner(manifest, state, allow_pickle=allow_pickle, where=storage.location, rank=rank).run()
     if plan.problems:
         if strict:
             raise StateMismatchError(storage.location, plan.problems)

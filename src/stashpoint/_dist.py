@@ -1,0 +1,210 @@
+"""Collective saves across ranks, coordinated on a dedicated gloo process group.
+
+stashpoint never issues a collective on the training's process group. It creates, once and
+lazily, its own gloo group over the same ranks, and every collective of a save runs on the
+background writer thread, which owns that group: the caller's thread (the training loop) issues
+none, so a background save cannot interleave with the training's all-reduce, and no two threads
+ever use the same group.
+
+One save, on every rank's writer thread:
+
+1. exchange a hash of each rank's tensor layout (and, when it changed, the layout itself) and
+   compute who writes which chunk — replicated chunks once in total, balanced over their holders;
+2. write this rank's shards and make them durable;
+3. exchange each rank's outcome and state tree; if any rank failed, every rank raises an error
+   naming the failed ranks, and nothing is committed;
+4. rank 0 writes the manifest (the commit) and tells the others whether it succeeded.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from .errors import CheckpointError
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """A chunk one rank holds: its place in the global tensor."""
+
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        n = self.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def ident(self) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        return (self.key, self.offsets, self.shape)
+
+
+def assign_writers(per_rank: Sequence[Sequence[ChunkMeta]]) -> dict[tuple[str, tuple[int, ...], tuple[int, ...]], int]:
+    """Who writes each distinct chunk: one holder each, balancing the bytes written per rank.
+
+    Chunks held by several ranks (replicated tensors, ``Replicate`` placements) are written once.
+    Biggest chunks are placed first, each on the holder that has the least to write so far
+    (ties: the lowest rank), so N ranks holding S replicated bytes write about S/N each.
+    Raises :class:`CheckpointError` when ranks disagree on a key's dtype or global shape.
+    """
+    holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    meta: dict[tuple[str, tuple[int, ...], tuple[int, ...]], ChunkMeta] = {}
+    seen: dict[str, tuple[int, ChunkMeta]] = {}
+    problems = []
+    for rank, chunks in enumerate(per_rank):
+        for c in chunks:
+            first = seen.setdefault(c.key, (rank, c))
+            if (first[1].dtype, first[1].global_shape) != (c.dtype, c.global_shape):
+                problems.append(
+                    f"{c.key!r} is {first[1].dtype}{list(first[1].global_shape)} on rank {first[0]} but "
+                    f"{c.dtype}{list(c.global_shape)} on rank {rank}"
+                )
+            holders.setdefault(c.ident, []).append(rank)
+            meta.setdefault(c.ident, c)
+    if problems:
+        raise CheckpointError(
+            "ranks disagree on tensors saved under the same key (a tensor under one key on several ranks is "
+            "taken as a replica; give per-rank tensors per-rank keys): " + "; ".join(problems[:10])
+        )
+    load = [0] * len(per_rank)
+    out = {}
+    for ident in sorted(holders, key=lambda i: (-meta[i].nbytes, i)):
+        rank = min(holders[ident], key=lambda r: (load[r], r))
+        out[ident] = rank
+        load[rank] += meta[ident].nbytes
+    return out
+
+
+def layout_hash(chunks: Sequence[ChunkMeta], aliases: dict[str, str]) -> str:
+    return xxhash.xxh3_128_hexdigest(repr((list(chunks), sorted(aliases.items()))).encode())
+
+
+def merge_trees(trees: Sequence[dict[str, Any]]) -> tuple[tuple[dict[str, Any], ...], tuple[int, ...]]:
+    """Distinct trees and, per rank, the index of its tree (identical trees are stored once)."""
+    distinct: list[dict[str, Any]] = []
+    index: dict[str, int] = {}
+    of_rank = []
+    for t in trees:
+        h = xxhash.xxh3_128_hexdigest(repr(t).encode())
+        if h not in index:
+            index[h] = len(distinct)
+            distinct.append(t)
+        of_rank.append(index[h])
+    return tuple(distinct), tuple(of_rank)
+
+
+@dataclass
+class DistContext:
+    """The checkpoint group a collective save or load runs on."""
+
+    group: Any
+    ranks: tuple[int, ...]
+    rank: int
+    world: int
+    timeout_s: float
+    # The last plan: every rank's layout hash, every rank's layout, and who writes which chunk.
+    # Set on every rank at the same point of the same save, so all ranks decide alike whether
+    # it can be reused (the hashes of this save equal its hashes) and skip the layout exchange.
+    last_plan: tuple[tuple[str, ...], list[Any], dict[Any, int]] | None = None
+
+    @classmethod
+    def solo(cls) -> DistContext:
+        """A world of one process: collectives are trivial."""
+        return cls(None, (0,), 0, 1, DEFAULT_TIMEOUT_S)
+
+    def collective(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a collective on the checkpoint group; turn failures into a clear error."""
+        try:
+            return fn(*args, group=self.group, **kwargs)
+        except Exception as e:
+            raise CheckpointError(
+                f"rank {self.rank}: the checkpoint collective '{what}' failed after at most {self.timeout_s:.0f} s "
+                f"(a peer rank died, stalled, or left the save): {type(e).__name__}: {str(e)[:300]}"
+            ) from e
+
+    def all_gather(self, what: str, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        self.collective(what, dist.all_gather_object, out, obj)
+        return out
+
+    def broadcast(self, what: str, obj: Any) -> Any:
+        import torch.distributed as dist
+
+        if self.world == 1:
+            return obj
+        box = [obj]
+        self.collective(what, dist.broadcast_object_list, box, src=self.ranks[0])
+        return box[0]
+
+
+_contexts: dict[tuple[tuple[int, ...], float], DistContext] = {}
+_lock = threading.Lock()
+
+
+def forget(ctx: DistContext) -> None:
+    """Drop a context whose group failed; the next collective save creates a fresh group."""
+    with _lock:
+        for k, v in list(_contexts.items()):
+            if v is ctx:
+                del _contexts[k]
+
+
+def context(process_group: Any = None, timeout_s: float | None = None) -> DistContext | None:
+    """The checkpoint context for ``process_group`` (default: the world), or None when not
+    distributed. Creates stashpoint's own gloo group over the same ranks on first use; every
+    member rank must call this (it happens in the first collective save or load)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise CheckpointError(
+                "a process_group was given but torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group first"
+            )
+        return None
+    src = process_group if process_group is not None else dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(src))
+    if len(ranks) == 1:
+        return None
+    timeout = float(timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
+    with _lock:
+        ctx = _contexts.get((ranks, timeout))
+        if ctx is None:
+            group = dist.new_group(
+                ranks=list(ranks),
+                backend="gloo",
+                timeout=_dt.timedelta(seconds=timeout),
+                use_local_synchronization=True,
+            )
+            ctx = DistContext(group, ranks, dist.get_rank(group), len(ranks), timeout)
+            _contexts[(ranks, timeout)] = ctx
+    return ctx
+
+
+def rank_of(process_group: Any = None) -> tuple[int, int]:
+    """``(rank, world size)`` in ``process_group`` (default: the world); ``(0, 1)`` when not distributed."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    src = process_group if process_group is not None else dist.group.WORLD
+    return dist.get_rank(src), dist.get_world_size(src)

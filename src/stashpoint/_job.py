@@ -1,0 +1,232 @@
+"""The background half of a save: plan who writes what, write, agree, commit.
+
+Runs on the writer thread, which owns the checkpoint process group (see ``_dist``). In a single
+process the same code runs against a trivial one-rank context.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import re
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import _dist
+from ._dist import ChunkMeta, DistContext, assign_writers, layout_hash, merge_trees
+from ._dtensor import local_part
+from ._format import MANIFEST_NAME, Chunk, FileEntry, Manifest, TensorEntry, dtype_name
+from ._handle import SaveStats
+from ._persist import write_shards
+from ._plan import TensorSpec, group_aliases, plan_files
+from ._staging import StagingBuffers, StagingPool
+from ._storage import Storage
+from ._version import __version__
+from .errors import CheckpointError
+
+if TYPE_CHECKING:
+    from ._save import SaveOptions
+
+log = logging.getLogger("stashpoint")
+
+SHARD_RE = re.compile(r"^shard-r\d+-\d+-[0-9a-f]+\.safetensors$")
+
+
+def _signature(t: torch.Tensor) -> tuple[Any, ...] | None:
+    if t.numel() == 0:
+        return None
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+@dataclass
+class Layout:
+    """A rank's tensors as chunks of global tensors, with tied tensors stored once."""
+
+    chunks: list[ChunkMeta]  # the stored ones, in traversal order
+    sources: dict[str, torch.Tensor]  # key -> local tensor to stage
+    aliases: dict[str, str]  # key -> the key whose bytes it shares
+    keyinfo: dict[str, tuple[str, tuple[int, ...]]]  # every key -> (dtype name, global shape)
+    hash: str
+
+    @classmethod
+    def of(cls, tensors: Sequence[tuple[str, torch.Tensor]]) -> Layout:
+        parts = [(k, *local_part(t)) for k, t in tensors]
+        firsts = group_aliases([_signature(loc) for _, loc, _, _ in parts])
+        chunks, sources, aliases, keyinfo = [], {}, {}, {}
+        for (key, loc, box, gshape), first in zip(parts, firsts):
+            keyinfo[key] = (dtype_name(loc.dtype), gshape)
+            if first is not None:
+                aliases[key] = parts[first][0]
+                continue
+            chunks.append(ChunkMeta(key, dtype_name(loc.dtype), gshape, box.offsets, box.shape, loc.element_size()))
+            sources[key] = loc
+        return cls(chunks, sources, aliases, keyinfo, layout_hash(chunks, aliases))
+
+    def expected_writes(self, ctx: DistContext) -> frozenset[str]:
+        """The keys this rank wrote the last time this layout was saved (empty if unknown)."""
+        last = ctx.last_plan
+        if last is None or ctx.rank >= len(last[0]) or last[0][ctx.rank] != self.hash:
+            return frozenset()
+        return frozenset(c.key for c in self.chunks if last[2].get(c.ident) == ctx.rank)
+
+    def meta(self) -> tuple[list[ChunkMeta], dict[str, str], dict[str, tuple[str, tuple[int, ...]]]]:
+        return self.chunks, self.aliases, self.keyinfo
+
+
+class _RankFailure(Exception):
+    def __init__(self, failed: list[tuple[int, str]]) -> None:
+        self.failed = failed
+        super().__init__("; ".join(f"rank {r}: {cause}" for r, cause in failed))
+
+
+@dataclass
+class PersistJob:
+    storage: Storage
+    staged: StagingBuffers
+    pool: StagingPool
+    tree: dict[str, Any]
+    layout: Layout
+    opts: SaveOptions
+    ctx: DistContext
+    blocking_s: float = 0.0
+
+    def _plan(self) -> tuple[str, dict[Any, int], list[Any]]:
+        ctx = self.ctx
+        hashes = ctx.all_gather("layout hashes", (self.layout.hash, uuid.uuid4().hex[:16]))
+        save_id = hashes[0][1]
+        all_hashes = tuple(h for h, _ in hashes)
+        if ctx.last_plan is not None and ctx.last_plan[0] == all_hashes:  # same on every rank
+            return save_id, ctx.last_plan[2], ctx.last_plan[1]
+        layouts = ctx.all_gather("layouts", self.layout.meta())
+        writers = assign_writers([chunks for chunks, _, _ in layouts])
+        ctx.last_plan = (all_hashes, layouts, writers)
+        return save_id, writers, layouts
+
+    def run(self, t_start: float, staging_s: float) -> SaveStats:
+        t0 = time.perf_counter()
+        ctx, loc = self.ctx, self.storage.location
+        save_id = ""
+        local_error: BaseException | None = None
+        try:
+            save_id, writers, layouts = self._plan()
+            mine = [c for c in self.layout.chunks if writers[c.ident] == ctx.rank]
+            specs = [TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in mine]
+            files = plan_files(specs, max_file_bytes=self.opts.max_shard_bytes, rank=ctx.rank).files if mine else ()
+            try:
+                self.storage.prepare()
+                written = write_shards(
+                    self.storage,
+                    files,
+                    self.staged.views,
+                    rank=ctx.rank,
+                    save_id=save_id,
+                    dtypes={c.key: self.staged.views[c.key].dtype for c in mine},
+                    shapes={c.key: c.shape for c in mine},
+                )
+                self.storage.sync()
+                outcome: tuple[Any, ...] = ("ok", written.files, dict(written.chunks), self.tree, written.bytes_written)
+            except Exception as e:
+                local_error = e
+                outcome = ("error", f"{type(e).__name__}: {e}", None, None, 0)
+            outcomes = ctx.all_gather("outcomes", outcome)
+            failed = [(r, o[1]) for r, o in enumerate(outcomes) if o[0] == "error"]
+            if failed:
+                raise _RankFailure(failed)
+            result = None
+            if ctx.rank == 0:
+                try:
+                    manifest_bytes = self._manifest(save_id, layouts, outcomes).to_json()
+                    self.storage.commit(MANIFEST_NAME, manifest_bytes)
+                    if self.opts.overwrite:
+                        keep = {f.name for o in outcomes for f in o[1]}
+                        self._remove(lambda name: name not in keep)
+                except Exception as e:
+                    local_error = e
+                    result = f"{type(e).__name__}: {e}"
+            result = ctx.broadcast("commit", result)
+            if result is not None:
+                raise _RankFailure([(0, f"writing the manifest: {result}")])
+            bytes_written = sum(o[4] for o in outcomes)
+        except BaseException as e:
+            self._fail(e, save_id, local_error)
+        finally:
+            self.pool.release(self.staged)
+        t1 = time.perf_counter()
+        stats = SaveStats(
+            path=loc,
+            bytes_written=bytes_written,
+            num_tensors=len(self.layout.keyinfo),
+            num_files=sum(len(o[1]) for o in outcomes),
+            blocking_s=self.blocking_s,
+            staging_s=staging_s,
+            persist_s=t1 - t0,
+            total_s=t1 - t_start,
+            step=self.opts.step,
+        )
+        log.info("stashpoint: saved %s", stats)
+        return stats
+
+    def _fail(self, e: BaseException, save_id: str, local_error: BaseException | None) -> None:
+        loc = self.storage.location
+        if save_id:
+            self._remove(lambda name: save_id in name)
+        if isinstance(e, CheckpointError) and "checkpoint collective" in str(e):
+            _dist.forget(self.ctx)
+        if isinstance(e, _RankFailure):
+            where = "" if self.ctx.world == 1 else f" on rank(s) {', '.join(str(r) for r, _ in e.failed)}"
+            causes = e.failed[0][1] if self.ctx.world == 1 else str(e)
+            msg = f"saving the checkpoint to {loc} failed{where}: {causes}"
+        else:
+            msg = f"saving the checkpoint to {loc} failed on rank {self.ctx.rank}: {type(e).__name__}: {e}"
+            local_error = e
+        log.error("stashpoint: %s", msg)
+        raise CheckpointError(
+            f"{msg}. Nothing was committed there and earlier checkpoints are untouched; fix the cause and save again."
+        ) from local_error
+
+    def _remove(self, doomed: Any) -> None:
+        try:
+            for name in self.storage.list():
+                if SHARD_RE.match(name) and doomed(name):
+                    self.storage.delete(name)
+        except OSError as e:  # best effort
+            log.warning("stashpoint: could not remove files in %s: %s", self.storage.location, e)
+
+    def _manifest(self, save_id: str, layouts: list[Any], outcomes: list[Any]) -> Manifest:
+        keyinfo: dict[str, tuple[str, tuple[int, ...]]] = {}
+        aliases: dict[str, str] = {}
+        chunks: dict[str, list[Chunk]] = {}
+        for (rank_chunks, rank_aliases, rank_keys), outcome in zip(layouts, outcomes):
+            for key, info in rank_keys.items():
+                keyinfo.setdefault(key, info)
+            for key, target in rank_aliases.items():
+                aliases.setdefault(key, target)
+            where = {c.key: c for c in rank_chunks}
+            for key, (fname, start, end, sums) in outcome[2].items():
+                c = where[key]
+                chunks.setdefault(key, []).append(Chunk(fname, c.offsets, c.shape, start, end, sums))
+        tensors: dict[str, TensorEntry] = {}
+        for key, (dtype, shape) in keyinfo.items():
+            if key in chunks:
+                tensors[key] = TensorEntry(key, dtype, shape, tuple(sorted(chunks[key], key=lambda c: c.offsets)))
+            else:
+                tensors[key] = TensorEntry(key, dtype, shape, (), aliases[key])
+        files: list[FileEntry] = [f for o in outcomes for f in o[1]]
+        trees, of_rank = merge_trees([o[3] for o in outcomes])
+        return Manifest(
+            save_id=save_id,
+            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            library_version=__version__,
+            torch_version=torch.__version__,
+            files=tuple(files),
+            tensors=tensors,
+            trees=trees,
+            metadata=self.opts.metadata,
+            world_size=self.ctx.world,
+            tree_of_rank=of_rank,
+        )
