@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ._dist import rank_of
 from ._format import (
     CHECKSUM_BLOCK_BYTES,
     MANIFEST_NAME,
@@ -23,7 +24,6 @@ from ._format import (
     parse_header,
     parse_manifest,
 )
-from ._dist import rank_of
 from ._reshard import Box, block_spans, intersect, local, runs
 from ._restore import Planner, Read
 from ._staging import as_memoryview
