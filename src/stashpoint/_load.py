@@ -99,6 +99,9 @@ class _Piece:
     target: torch.Tensor  # the destination's view of ``inter``
     buf: torch.Tensor  # where the bytes land: ``target`` itself, or a bounce buffer
     whole: bool  # the piece is the whole chunk (read and verified in one go)
+    mv: memoryview  # ``buf``'s bytes. Reader threads touch only this: no torch calls off the
+    # caller's thread (torch ops on short-lived threads have crashed process-group teardown)
+    itemsize: int
 
     @classmethod
     def make(cls, key: str, chunk: Chunk, read: Read) -> _Piece | None:
@@ -109,7 +112,8 @@ class _Piece:
         view = read.dest[tuple(slice(o, o + n) for o, n in zip(local(inter, read.region).offsets, inter.shape))]
         whole = inter == cbox
         direct = whole and view.device.type == "cpu" and view.is_contiguous()
-        return cls(key, chunk, inter, view, view if direct else torch.empty(inter.shape, dtype=view.dtype), whole)
+        buf = view if direct else torch.empty(inter.shape, dtype=view.dtype)
+        return cls(key, chunk, inter, view, buf, whole, as_memoryview(buf), buf.element_size())
 
     def bad(self, storage: Storage) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -121,9 +125,8 @@ class _Piece:
         """Read only the byte ranges of the chunk that hold ``inter`` (whole checksum blocks
         around them when verifying), then place them."""
         cbox = Box(self.chunk.offsets, self.chunk.shape)
-        item = self.buf.element_size()
-        ranges = list(runs(cbox, self.inter, item))
-        out = as_memoryview(self.buf)
+        ranges = list(runs(cbox, self.inter, self.itemsize))
+        out = self.mv
         total = self.chunk.end - self.chunk.start
         if not verify:
             pos = 0
@@ -145,9 +148,11 @@ class _Piece:
                     out[pos : pos + e - b] = memoryview(span)[b - lo : e - lo]
                     pos += e - b
 
-    def finish(self, storage: Storage, verify: bool) -> None:
-        if self.whole and verify and block_checksums(as_memoryview(self.buf)) != self.chunk.checksums:
+    def verify(self, storage: Storage) -> None:
+        if self.whole and block_checksums(self.mv) != self.chunk.checksums:
             raise self.bad(storage)
+
+    def place(self) -> None:
         if self.buf is not self.target:
             self.target.copy_(self.buf)
 
@@ -176,7 +181,7 @@ def _read_jobs(pieces: list[_Piece]) -> list[_ReadJob]:
     """Coalesce whole-chunk reads of adjacent byte ranges into large vectored reads."""
     jobs: list[_ReadJob] = []
     for p in sorted(pieces, key=lambda p: (p.chunk.file, p.chunk.start)):
-        mv = as_memoryview(p.buf)
+        mv = p.mv
         for b in range(0, len(mv), _JOB_BYTES):
             part = mv[b : b + _JOB_BYTES]
             last = jobs[-1] if jobs else None
@@ -236,10 +241,12 @@ def execute_reads(storage: Storage, manifest: Manifest, reads: list[Read], *, ve
         futures = [pool.submit(j.run, storage) for j in _read_jobs(whole)]
         futures += [pool.submit(p.read_partial, storage, verify) for p in pieces if not p.whole]
         _gather(futures, storage, errors)
-        if not errors:
-            _gather([pool.submit(p.finish, storage, verify) for p in pieces], storage, errors)
+        if not errors and verify:
+            _gather([pool.submit(p.verify, storage) for p in pieces], storage, errors)
     if errors:
         raise CorruptCheckpointError("\n".join(errors))
+    for p in pieces:
+        p.place()
 
 
 def load(

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ._dist import rank_of
 from ._format import MANIFEST_NAME
 from ._handle import SaveHandle, SaveStats
 from ._load import load, read_manifest
@@ -56,6 +57,11 @@ class CheckpointManager:
 
     Only one manager may own a root at a time; a second one is refused with an error. On
     opening, directories of saves that never committed (a crash) are removed.
+
+    In a distributed run every rank creates a manager on the same root and calls ``save`` /
+    ``maybe_save`` / ``restore`` at the same steps (saves are collective); rank 0 owns the root
+    (lock, cleanup, retention). Save options such as ``process_group`` and ``timeout`` pass
+    through ``save(..., **options)``.
     """
 
     #: The storage backend of each step (tests inject faults by subclassing it).
@@ -91,9 +97,12 @@ class CheckpointManager:
         self._deleter = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-retention")
         self._deletions: list[cf.Future[None]] = []
         self._closed = False
+        self.rank, self.world = rank_of()
         self.root.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = _acquire_root_lock(self.root)
-        self._remove_leftovers()
+        # In a distributed run rank 0 owns the root: the lock, the cleanup and the retention.
+        self._lock_fd = _acquire_root_lock(self.root) if self.rank == 0 else -1
+        if self.rank == 0:
+            self._remove_leftovers()
 
     # -- listing -------------------------------------------------------------------------------
 
@@ -121,6 +130,11 @@ class CheckpointManager:
         """Whether a save is due at ``step`` by ``every_steps`` / ``every_seconds``."""
         if not self.schedule.configured:
             raise ValueError("should_save needs every_steps and/or every_seconds on the CheckpointManager")
+        if self.world > 1 and self.schedule.every_seconds is not None:
+            raise ValueError(
+                "every_seconds would let ranks decide differently in a distributed run (their clocks differ); "
+                "use every_steps, or decide on rank 0 and broadcast the decision on your own group"
+            )
         return self.schedule.due(step, time.monotonic(), self._last_save_time)
 
     def maybe_save(
@@ -145,7 +159,7 @@ class CheckpointManager:
                 f"step {step} already has a committed checkpoint at {target}; save under a new step, or "
                 "delete that directory first."
             )
-        if target.exists():  # the remains of an earlier failed save of this step
+        if target.exists() and self.rank == 0:  # the remains of an earlier failed save of this step
             shutil.rmtree(target)
         metrics = dict(metrics or {})
         meta = dict(options.pop("metadata", None) or {})
@@ -164,7 +178,7 @@ class CheckpointManager:
     ) -> None:
         try:
             if future.exception() is not None:
-                if not (self.path(step) / MANIFEST_NAME).exists():
+                if self.rank == 0 and not (self.path(step) / MANIFEST_NAME).exists():
                     shutil.rmtree(self.path(step), ignore_errors=True)
                 return
             stats = future.result()
@@ -174,7 +188,8 @@ class CheckpointManager:
                     self.skipped += 1
                 else:
                     self._metrics[step] = metrics
-                    self._deletions.append(self._deleter.submit(self._apply_retention))
+                    if self.rank == 0:
+                        self._deletions.append(self._deleter.submit(self._apply_retention))
             if self.on_save is not None:
                 try:
                     self.on_save(stats)
@@ -274,7 +289,8 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._deleter.shutdown(wait=True)
-            os.close(self._lock_fd)
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -231,6 +231,8 @@ class Planner:
                 return
             self._optimizer(saved, live, where)
             return
+        if kind == "module":
+            live = _stateful.unwrap(live)
         box = [live.state_dict()]  # a plain saved state replaces the live one whole
         n_before = len(self.plan.problems)
         self.restore(saved["state"], box[0], where, _bind(box.__setitem__, 0), materialize=(kind == "object"))

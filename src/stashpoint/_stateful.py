@@ -31,6 +31,20 @@ def kind_of(obj: Any) -> str | None:
     return None
 
 
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The module inside wrappers that only prefix its keys: DistributedDataParallel (``module.``)
+    and ``torch.compile`` (``_orig_mod.``), so a checkpoint's keys do not depend on them."""
+    while True:
+        inner = (
+            getattr(module, "module", None) if isinstance(module, torch.nn.parallel.DistributedDataParallel) else None
+        )
+        if inner is None and type(module).__name__ == "OptimizedModule":
+            inner = getattr(module, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return module
+        module = inner
+
+
 def find_modules(state: Any) -> list[torch.nn.Module]:
     """Every ``nn.Module`` reachable through the containers of ``state``, in traversal order."""
     found: list[torch.nn.Module] = []

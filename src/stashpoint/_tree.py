@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from . import _stateful
+from ._dtensor import is_dtensor
 from .errors import UnsupportedStateError
 
 Node = dict[str, Any]
@@ -71,10 +72,14 @@ def check_tensor(key: str, t: torch.Tensor) -> None:
         raise UnsupportedStateError(f"meta tensor {where} holds no data; materialize it before saving.")
     if t.dtype in _SUB_BYTE:
         raise UnsupportedStateError(f"tensor of sub-byte dtype {t.dtype} {where} holds no addressable bytes.")
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(t, torch.nn.Parameter):
+    if (
+        type(t) not in (torch.Tensor, torch.nn.Parameter)
+        and not isinstance(t, torch.nn.Parameter)
+        and not is_dtensor(t)
+    ):
         raise UnsupportedStateError(
-            f"tensor subclass {type(t).__name__} {where} is not supported yet; "
-            "convert it to a plain tensor (for DTensor: .full_tensor() or .to_local())."
+            f"tensor subclass {type(t).__name__} {where} is not supported; convert it to a plain tensor "
+            "(DTensor is supported)."
         )
 
 
@@ -118,6 +123,8 @@ class Flattener:
         if kind == "optimizer":
             keyed_by, sd = _stateful.optimizer_to_tree(obj, self._param_names())
             return {"stateful": kind, "keyed_by": keyed_by, "state": self._node(sd, key)}
+        if kind == "module":
+            obj = _stateful.unwrap(obj)
         if kind is not None:
             return {"stateful": kind, "state": self._node(obj.state_dict(), key)}
         if isinstance(obj, Mapping):

@@ -1,0 +1,53 @@
+"""Launch N real processes joined in a real gloo process group (the test's own small torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("dist_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_world(n: int, *args: str, timeout: float = 180, allow_fail: bool = False) -> list[dict]:
+    """Run ``dist_worker.py ARGS`` on ``n`` ranks; return each rank's RESULT dict (or {})."""
+    port = free_port()
+    procs = []
+    for rank in range(n):
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT / "src"),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(n),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    results = []
+    for rank, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"rank {rank} of {args} hung for {timeout} s") from None
+        if p.returncode != 0 and not allow_fail:
+            raise AssertionError(f"rank {rank} of {args} exited {p.returncode}:\n{err[-3000:]}")
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        results.append(json.loads(lines[-1][7:]) if lines else {})
+    return results

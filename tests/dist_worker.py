@@ -1,0 +1,257 @@
+"""One rank of a multi-process test (run by tests/dist_util.run_world as a real process).
+
+    python dist_worker.py SCENARIO ARGS...   (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment)
+
+Each scenario prints one JSON line "RESULT {...}" with what the test checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import stashpoint
+from stashpoint._storage import LocalStorage
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+
+
+def result(**kw) -> None:
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+
+
+def full_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Global tensors every rank can rebuild (uneven sizes on purpose)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a": torch.randn(13, 7, generator=g),
+        "b": torch.randn(10, 9, generator=g, dtype=torch.float64),
+        "c": torch.randint(0, 100, (5,), generator=g),
+        "d": torch.randn(6, 8, generator=g).to(torch.bfloat16),
+    }
+
+
+def placements(kind: str):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return {
+        "s0": [Shard(0)],
+        "s1": [Shard(1)],
+        "rep": [Replicate()],
+        "s0s1": [Shard(0), Shard(1)],
+        "s1rep": [Shard(1), Replicate()],
+        "reps0": [Replicate(), Shard(0)],
+    }[kind]
+
+
+def mesh_for(kind: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, WORLD // 2) if len(placements(kind)) == 2 else (WORLD,))
+
+
+def dtensor_state(kind: str, seed: int = 0) -> dict:
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = mesh_for(kind)
+    pl = placements(kind)
+    # "c" is 1-D: shard it on dim 0 only
+    out = {}
+    for k, t in full_tensors(seed).items():
+        p = [q if (t.dim() > 1 or getattr(q, "dim", 0) == 0) else placements("rep")[0] for q in pl]
+        out[k] = distribute_tensor(t, mesh, p)
+    return out
+
+
+def main() -> None:
+    scenario, args = sys.argv[1], sys.argv[2:]
+    dist.init_process_group("gloo")
+    globals()["scenario_" + scenario](*args)
+    sys.stdout.flush()
+    # torch 2.13 sometimes aborts ("terminate called without an active exception") while tearing
+    # down gloo groups after DTensor collectives, even without stashpoint; the scenario's result
+    # is already out, so leave without the teardown.
+    os._exit(0)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def scenario_ddp_save(path: str) -> None:
+    m = model()
+    ddp = torch.nn.parallel.DistributedDataParallel(m)
+    optim = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    for i in range(3):
+        torch.manual_seed(100 + RANK * 7 + i)
+        ddp(torch.randn(4, 16)).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    rng = stashpoint.RNGState()
+    torch.manual_seed(1000 + RANK)  # per-rank RNG state
+    state = {"model": ddp, "optim": optim, "rng": rng, "step": 3, "rank_note": f"rank {RANK}"}
+    ref = {k: v.clone() for k, v in m.state_dict().items()}  # the state at the moment of the save
+    h = stashpoint.async_save(state, path, timeout=60)
+    expected_next = torch.rand(3).tolist()
+    ddp(torch.randn(4, 16)).sum().backward()  # training goes on (an all-reduce on the default group)
+    optim.step()
+    stats = h.wait()
+    if RANK == 0:
+        torch.save({"model": ref}, path + ".ref.pt")
+    result(bytes=stats.bytes_written, rng_next=expected_next)
+
+
+def scenario_ddp_load(path: str) -> None:
+    m = model(seed=99)
+    optim = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    state = {"model": m, "optim": optim, "rng": stashpoint.RNGState(), "step": 0, "rank_note": ""}
+    stashpoint.load(state, path)
+    ref = torch.load(path + ".ref.pt", weights_only=True)["model"]
+    same = all(torch.equal(ref[k], v) for k, v in m.state_dict().items())
+    result(
+        same=same,
+        step=state["step"],
+        note=state["rank_note"],
+        rng_next=torch.rand(3).tolist(),
+        has_optim_state=len(optim.state) == 4,
+    )
+
+
+def scenario_dtensor_save(path: str, kind: str) -> None:
+    state = {"t": dtensor_state(kind), "step": 1}
+    stats = stashpoint.save(state, path, timeout=60)
+    result(bytes=stats.bytes_written)
+
+
+def scenario_dtensor_load(path: str, kind: str) -> None:
+    state = {"t": dtensor_state(kind, seed=5), "step": 0}  # different values, same shapes
+    stashpoint.load(state, path)
+    ok = {k: torch.equal(v.full_tensor(), full_tensors()[k]) for k, v in state["t"].items()}
+    result(ok=ok, step=state["step"])
+
+
+def scenario_plain_load(path: str) -> None:
+    """Load a sharded checkpoint into plain (unsharded) tensors, e.g. on one process."""
+    full = full_tensors()
+    state = {"t": {k: torch.zeros_like(v) for k, v in full.items()}, "step": 0}
+    stashpoint.load(state, path)
+    result(ok={k: torch.equal(v, full[k]) for k, v in state["t"].items()})
+
+
+def scenario_plain_save(path: str) -> None:
+    stashpoint.save({"t": full_tensors(), "step": 1}, path)
+    result()
+
+
+def _fsdp_model():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    m = model()
+    for layer in m:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def scenario_fsdp_save(path: str) -> None:
+    m = _fsdp_model()
+    optim = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    torch.manual_seed(3)
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        m(x).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    stashpoint.save({"model": m, "optim": optim}, path)
+    full = {k: v.full_tensor() for k, v in m.state_dict().items()}
+    moments = {n: optim.state[p]["exp_avg"].full_tensor() for n, p in m.named_parameters()}
+    if RANK == 0:
+        torch.save({"model": full, "exp_avg": moments}, path + ".ref.pt")
+    result()
+
+
+def scenario_fsdp_to_plain(path: str) -> None:
+    """FSDP2 on N ranks -> a plain model and optimizer on this (single) process."""
+    m = model(seed=42)
+    optim = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    stashpoint.load({"model": m, "optim": optim}, path)
+    ref = torch.load(path + ".ref.pt", weights_only=True)
+    same_model = all(torch.equal(ref["model"][k], v) for k, v in m.state_dict().items())
+    same_moments = all(torch.equal(ref["exp_avg"][n], optim.state[p]["exp_avg"]) for n, p in m.named_parameters())
+    result(same_model=same_model, same_moments=same_moments)
+
+
+def scenario_train_loop(root: str, steps: str) -> None:
+    """All-reduce on the default group every step while saves coordinate in the background."""
+    m = torch.nn.parallel.DistributedDataParallel(model())
+    optim = torch.optim.SGD(m.parameters(), lr=0.01)
+    with stashpoint.CheckpointManager(root, keep_last=2, every_steps=3) as mgr:
+        for step in range(1, int(steps) + 1):
+            torch.manual_seed(step * 10 + RANK)
+            m(torch.randn(8, 16)).pow(2).mean().backward()
+            optim.step()
+            optim.zero_grad()
+            t = torch.tensor([float(step)])
+            dist.all_reduce(t)  # the training's own collective, every step
+            assert t.item() == step * WORLD
+            mgr.maybe_save(step, {"model": m, "optim": optim, "step": step})
+    steps_seen = mgr.steps()
+    # every rank holds identical parameters (DDP) after training
+    flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    gathered = [torch.zeros_like(flat) for _ in range(WORLD)]
+    dist.all_gather(gathered, flat)
+    result(replicas_equal=all(torch.equal(g, gathered[0]) for g in gathered), steps=steps_seen)
+
+
+class _KillOnWrite(LocalStorage):
+    def open_writer(self, name, size):
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable")
+
+
+def scenario_kill_mid_save(path: str, victim: str) -> None:
+    state = {"w": torch.full((1000,), float(RANK)), "x": torch.ones(10)}
+    storage = _KillOnWrite(path) if int(victim) == RANK else LocalStorage(path)
+    t0 = time.perf_counter()
+    h = stashpoint.async_save(state, storage, timeout=10)
+    try:
+        h.wait(timeout=120)
+        result(raised=False)
+    except stashpoint.CheckpointError as e:
+        result(raised=True, seconds=time.perf_counter() - t0, message=str(e))
+    os._exit(0)  # the group lost a member: skip the orderly shutdown
+
+
+def scenario_mesh_only(path: str, kind: str) -> None:
+    st = dtensor_state(kind)
+    if "pythreads" in path:
+        import concurrent.futures as cf
+
+        with cf.ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda v: sum(range(1000)), st.values()))
+    elif "threads" in path:
+        import concurrent.futures as cf
+
+        with cf.ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda v: v.to_local().copy_(torch.zeros_like(v.to_local())), st.values()))
+    if "full" in path:
+        [v.full_tensor() for v in st.values()]
+    result()
+
+
+if __name__ == "__main__":
+    main()

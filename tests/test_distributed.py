@@ -1,0 +1,107 @@
+"""Collective saves and loads with real processes in a real gloo process group."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dist_util import run_world
+from stashpoint._format import MANIFEST_NAME
+
+
+def _manifest(path):
+    return json.loads((path / MANIFEST_NAME).read_text())
+
+
+def _bytes_per_rank(path) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for f in _manifest(path)["files"]:
+        out[f["rank"]] = out.get(f["rank"], 0) + f["size"] - f["data_start"]
+    return out
+
+
+@pytest.mark.parametrize("n_save", [2, 3])
+def test_ddp_replicated_state_is_written_once_spread_over_ranks_and_loads_on_any_world(tmp_path, n_save):
+    ck = tmp_path / "ck"
+    saved = run_world(n_save, "ddp_save", str(ck))
+    m = _manifest(ck)
+    assert m["world_size"] == n_save
+    # replicated tensors are written once in total, and spread: every rank writes some
+    per_rank = _bytes_per_rank(ck)
+    assert sorted(per_rank) == list(range(n_save))
+    model_and_optim = sum(per_rank.values())
+    assert max(per_rank.values()) < 0.75 * model_and_optim, per_rank
+    for key, entry in m["tensors"].items():
+        assert len(entry.get("chunks", [])) <= 1, f"{key} written more than once"
+    # per-rank plain values (RNG, notes) are kept per rank
+    assert len(m["trees"]) == n_save
+    for n_load in (1, n_save, n_save + 1):
+        loaded = run_world(n_load, "ddp_load", str(ck))
+        for rank, r in enumerate(loaded):
+            src = rank % n_save
+            assert r["same"] and r["step"] == 3 and r["has_optim_state"]
+            assert r["note"] == f"rank {src}", "each rank gets back what its rank saved"
+            assert r["rng_next"] == saved[src]["rng_next"], "the RNG streams continue per rank"
+
+
+DTENSOR_CASES = [
+    (2, "s0", 3, "s1"),
+    (2, "s1", 2, "rep"),
+    (3, "s0", 2, "s0"),
+    (2, "rep", 3, "s0"),
+    (4, "s0s1", 2, "s1"),
+    (4, "s1rep", 4, "reps0"),
+]
+
+
+@pytest.mark.parametrize(("n_save", "save_kind", "n_load", "load_kind"), DTENSOR_CASES)
+def test_dtensor_save_on_n_load_on_m_with_another_sharding(tmp_path, n_save, save_kind, n_load, load_kind):
+    ck = tmp_path / "ck"
+    run_world(n_save, "dtensor_save", str(ck), save_kind)
+    m = _manifest(ck)
+    for entry in m["tensors"].values():  # chunks tile the global tensor exactly once
+        numel = 1
+        for d in entry["shape"]:
+            numel *= d
+        got = 0
+        for c in entry["chunks"]:
+            n = 1
+            for d in c["shape"]:
+                n *= d
+            got += n
+        assert got == numel, entry
+    for r in run_world(n_load, "dtensor_load", str(ck), load_kind):
+        assert all(r["ok"].values()), r
+        assert r["step"] == 1
+    for r in run_world(1, "plain_load", str(ck)):  # and onto one process, unsharded
+        assert all(r["ok"].values()), r
+
+
+def test_plain_checkpoint_loads_into_dtensors(tmp_path):
+    run_world(1, "plain_save", str(tmp_path / "ck"))
+    for r in run_world(2, "dtensor_load", str(tmp_path / "ck"), "s1"):
+        assert all(r["ok"].values()), r
+
+
+def test_fsdp2_on_two_ranks_loads_into_a_plain_model_on_one(tmp_path):
+    run_world(2, "fsdp_save", str(tmp_path / "ck"))
+    (r,) = run_world(1, "fsdp_to_plain", str(tmp_path / "ck"))
+    assert r["same_model"] and r["same_moments"]
+
+
+def test_training_all_reduces_while_background_saves_coordinate(tmp_path):
+    results = run_world(2, "train_loop", str(tmp_path / "run"), "30", timeout=240)
+    for r in results:
+        assert r["replicas_equal"]
+        assert r["steps"][-2:] == [27, 30]
+    assert results[0]["steps"] == [27, 30], "rank 0 applied the retention (keep_last=2) before closing"
+
+
+def test_a_rank_killed_mid_save_fails_the_save_on_the_others_and_commits_nothing(tmp_path):
+    results = run_world(2, "kill_mid_save", str(tmp_path / "ck"), "1", timeout=120, allow_fail=True)
+    survivor = results[0]
+    assert survivor["raised"], survivor
+    assert survivor["seconds"] < 60
+    assert "peer rank died" in survivor["message"] or "rank(s) 1" in survivor["message"], survivor["message"]
+    assert not (tmp_path / "ck" / MANIFEST_NAME).exists()
