@@ -128,6 +128,25 @@ def scenario_ddp_load(path: str) -> None:
     )
 
 
+class _CountingStorage(LocalStorage):
+    read_bytes = 0
+
+    def readv(self, name, offset, buffers):
+        type(self).read_bytes += sum(len(b) for b in buffers)
+        super().readv(name, offset, buffers)
+
+
+def scenario_ddp_load_count(path: str, exchange: str) -> None:
+    m = model(seed=99)
+    optim = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    state = {"model": m, "optim": optim, "rng": stashpoint.RNGState(), "step": 0, "rank_note": ""}
+    stashpoint.load(state, _CountingStorage(path), exchange=exchange == "1", timeout=60)
+    ref = torch.load(path + ".ref.pt", weights_only=True)["model"]
+    same = all(torch.equal(ref[k], v) for k, v in m.state_dict().items())
+    exp_avg = [optim.state[p]["exp_avg"].sum().item() for p in m.parameters()]
+    result(same=same, read=_CountingStorage.read_bytes, exp_avg=exp_avg, note=state["rank_note"])
+
+
 def scenario_dtensor_save(path: str, kind: str) -> None:
     state = {"t": dtensor_state(kind), "step": 1}
     stats = stashpoint.save(state, path, timeout=60)
@@ -234,6 +253,31 @@ def scenario_kill_mid_save(path: str, victim: str) -> None:
     except stashpoint.CheckpointError as e:
         result(raised=True, seconds=time.perf_counter() - t0, message=str(e))
     os._exit(0)  # the group lost a member: skip the orderly shutdown
+
+
+def scenario_plan_cache(root: str) -> None:
+    """Saves of one structure plan once; the caller's thread never runs a collective."""
+    import threading
+
+    from stashpoint import _dist
+
+    m = model()
+    calls = []
+    real = _dist.DistContext.collective
+
+    def spy(self, what, fn, *a, **kw):
+        calls.append((what, threading.current_thread().name))
+        return real(self, what, fn, *a, **kw)
+
+    _dist.DistContext.collective = spy
+    state = {"model": m, "step": 0}
+    for i in range(3):
+        state["step"] = i
+        stashpoint.save(state, f"{root}/a{i}", timeout=60)
+    state["extra"] = torch.ones(3)  # a new structure: planned again
+    stashpoint.save(state, f"{root}/b", timeout=60)
+    ctx = next(iter(_dist._contexts.values()))
+    result(plans=ctx.plans_made, threads=sorted({t for _, t in calls}), kinds=sorted({w for w, _ in calls}))
 
 
 def scenario_mesh_only(path: str, kind: str) -> None:

@@ -105,3 +105,27 @@ def test_a_rank_killed_mid_save_fails_the_save_on_the_others_and_commits_nothing
     assert survivor["seconds"] < 60
     assert "peer rank died" in survivor["message"] or "rank(s) 1" in survivor["message"], survivor["message"]
     assert not (tmp_path / "ck" / MANIFEST_NAME).exists()
+
+
+def test_replicated_state_is_read_once_and_exchanged_or_read_directly(tmp_path):
+    ck = tmp_path / "ck"
+    run_world(2, "ddp_save", str(ck))
+    data = sum(_bytes_per_rank(ck).values())
+    shared = run_world(3, "ddp_load_count", str(ck), "1")
+    direct = run_world(3, "ddp_load_count", str(ck), "0")
+    for r in shared + direct:
+        assert r["same"]
+        assert r["exp_avg"] == shared[0]["exp_avg"]
+    assert [r["note"] for r in shared] == ["rank 0", "rank 1", "rank 0"]
+    for r in direct:
+        assert r["read"] >= data, "without exchange every rank reads everything"
+    total_shared = sum(r["read"] for r in shared)
+    assert total_shared < 1.3 * data, (total_shared, data)  # storage sees each byte about once
+    assert max(r["read"] for r in shared) < 0.6 * data
+
+
+def test_planning_runs_once_per_structure_and_never_on_the_callers_thread(tmp_path):
+    for r in run_world(2, "plan_cache", str(tmp_path)):
+        assert r["plans"] == 2, r
+        assert all(t.startswith("stashpoint-writer") for t in r["threads"]), r
+        assert "layouts" in r["kinds"]

@@ -121,6 +121,7 @@ class DistContext:
     # Set on every rank at the same point of the same save, so all ranks decide alike whether
     # it can be reused (the hashes of this save equal its hashes) and skip the layout exchange.
     last_plan: tuple[tuple[str, ...], list[Any], dict[Any, int]] | None = None
+    plans_made: int = 0  # how many times the layouts were exchanged and a plan computed
 
     @classmethod
     def solo(cls) -> DistContext:

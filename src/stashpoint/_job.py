@@ -105,6 +105,7 @@ class PersistJob:
         layouts = ctx.all_gather("layouts", self.layout.meta())
         writers = assign_writers([chunks for chunks, _, _ in layouts])
         ctx.last_plan = (all_hashes, layouts, writers)
+        ctx.plans_made += 1
         return save_id, writers, layouts
 
     def run(self, t_start: float, staging_s: float) -> SaveStats:

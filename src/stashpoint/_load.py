@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
+from . import _dist
 from ._dist import rank_of
+from ._exchange import Item, agree, assign_readers, broadcast_shares
 from ._format import (
     CHECKSUM_BLOCK_BYTES,
     MANIFEST_NAME,
@@ -257,6 +259,8 @@ def load(
     verify: bool = True,
     allow_pickle: bool = False,
     process_group: Any = None,
+    exchange: bool = True,
+    timeout: float | None = None,
 ) -> None:
     """Restore the checkpoint at ``path`` in place into the objects held by ``state``.
 
@@ -272,10 +276,15 @@ def load(
         verify: check every tensor's checksum (:class:`CorruptCheckpointError` on mismatch).
         allow_pickle: unpickle values saved with ``allow_pickle=True``. Unpickling runs code
             from the file: only for files you trust.
-        process_group: in a distributed run, the group whose ranks load (default: the world).
-            Each rank reads only the byte ranges its tensors (or DTensor shards) need, whatever
-            the world size and sharding at save time, and gets back the plain values its rank
-            saved (rank ``r`` gets those of rank ``r mod N`` when N ranks saved).
+        process_group: in a distributed run, the group whose ranks load (default: the world);
+            every rank of it calls ``load``. Each rank reads only the byte ranges its tensors
+            (or DTensor shards) need, whatever the world size and sharding at save time, and
+            gets back the plain values its rank saved (rank ``r`` gets those of rank ``r mod N``
+            when N ranks saved).
+        exchange: in a distributed run, regions that every rank needs (replicated tensors) are
+            read from storage once in total — each rank reads a share and broadcasts it on the
+            checkpoint group. ``False`` makes every rank read everything it needs directly.
+        timeout: seconds a collective step may wait for the other ranks (default 600).
     """
     storage = storage_for(path)
     manifest = read_manifest(storage)
@@ -291,16 +300,56 @@ def load(
             rank % manifest.world_size,
         )
     plan = Planner(manifest, state, allow_pickle=allow_pickle, where=storage.location, rank=rank).run()
+    fatal = StateMismatchError(storage.location, plan.problems) if plan.problems and strict else None
+    ctx = None
+    if world > 1 and exchange:
+        from ._save import wait_all
+
+        wait_all()  # the checkpoint group is used by one thread at a time: saves in flight first
+        ctx = _dist.context(process_group, timeout)
+    reads = plan.reads
+    readers: dict[Item, int] = {}
+    if ctx is not None:
+        wanted = {(r.key, r.region): r.region.numel * r.dest.element_size() for r in reads}
+        try:
+            statuses = agree(ctx, "load plans", str(fatal) if fatal else wanted)
+        except CheckpointError:
+            if fatal:
+                raise fatal from None
+            raise
+        readers = assign_readers(statuses)
+        reads = [r for r in reads if readers.get((r.key, r.region), ctx.rank) == ctx.rank]
+    elif fatal:
+        raise fatal
     if plan.problems:
-        if strict:
-            raise StateMismatchError(storage.location, plan.problems)
         msg = (
             f"stashpoint: loading {storage.location} skipped {len(plan.problems)} mismatch(es):\n  - "
             + "\n  - ".join(plan.problems)
         )
         warnings.warn(msg, stacklevel=2)
         log.warning(msg)
-    execute_reads(storage, manifest, plan.reads, verify=verify)
+    error: CheckpointError | None = None
+    try:
+        execute_reads(storage, manifest, reads, verify=verify)
+    except CheckpointError as e:
+        error = e
+    if ctx is not None:
+        try:
+            agree(ctx, "load reads", str(error) if error else 0)
+        except CheckpointError:
+            if error:
+                raise error from None
+            raise
+        dests: dict[Item, torch.Tensor] = {}
+        for r in plan.reads:
+            dests.setdefault((r.key, r.region), r.dest)
+        broadcast_shares(ctx, readers, dests)
+        for r in plan.reads:  # a second destination of the same region (rare): copy it over
+            first = dests[(r.key, r.region)]
+            if (r.key, r.region) in readers and r.dest is not first:
+                r.dest.copy_(first)
+    elif error:
+        raise error
     for s in plan.setters:
         s()
     for fin in plan.finalizers:

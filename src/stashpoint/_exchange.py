@@ -1,0 +1,83 @@
+"""Loading replicated data at scale: each rank reads a share and the ranks exchange the rest.
+
+When every rank needs the same tensors (a DDP model, replicated optimizer state), reading them
+from storage on every rank multiplies the traffic by the world size. Instead the wanted regions
+that all ranks share are split over the ranks (balanced by bytes); each rank reads its share
+from storage and broadcasts it on the checkpoint group, so storage sees each byte once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._dist import DistContext
+from ._reshard import Box
+from .errors import CheckpointError
+
+Item = tuple[str, Box]  # (key, region)
+
+
+def assign_readers(wanted: Sequence[dict[Item, int]]) -> dict[Item, int]:
+    """For each region every rank wants (``wanted[r]`` maps item -> bytes), the rank that reads
+    it: biggest first, each to the rank with the fewest bytes so far (ties: lowest rank)."""
+    if not wanted:
+        return {}
+    common = set(wanted[0])
+    for w in wanted[1:]:
+        common &= set(w)
+    load = [0] * len(wanted)
+    out: dict[Item, int] = {}
+    for item in sorted(common, key=lambda i: (-wanted[0][i], i[0], i[1].offsets, i[1].shape)):
+        rank = min(range(len(wanted)), key=lambda r: (load[r], r))
+        out[item] = rank
+        load[rank] += wanted[0][item]
+    return out
+
+
+def _order(items: list[tuple[Item, torch.Tensor]]) -> list[tuple[Item, torch.Tensor]]:
+    # widest elements first: every tensor starts aligned to its element size in the flat buffer
+    return sorted(items, key=lambda it: (-it[1].element_size(), it[0][0], it[0][1].offsets))
+
+
+def broadcast_shares(ctx: DistContext, readers: dict[Item, int], dests: dict[Item, torch.Tensor]) -> int:
+    """After each rank has read its items into ``dests``, send them to the others (one
+    broadcast of a flat buffer per reader). Returns the bytes this rank received."""
+    import torch.distributed as dist
+
+    received = 0
+    for src in range(ctx.world):
+        items = _order([(item, dests[item]) for item, r in readers.items() if r == src])
+        total = sum(t.numel() * t.element_size() for _, t in items)
+        if total == 0:
+            continue
+        flat = torch.empty(total, dtype=torch.uint8)
+        offset = 0
+        if ctx.rank == src:
+            for _, t in items:
+                n = t.numel() * t.element_size()
+                flat[offset : offset + n].copy_(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+                offset += n
+        ctx.collective("broadcast a read share", dist.broadcast, flat, src=ctx.ranks[src])
+        if ctx.rank != src:
+            offset = 0
+            for _, t in items:
+                n = t.numel() * t.element_size()
+                t.copy_(flat[offset : offset + n].view(t.dtype).reshape(t.shape))
+                offset += n
+            received += total
+    return received
+
+
+def agree(ctx: DistContext, what: str, status: Any) -> list[Any]:
+    """Exchange one status per rank; raise on every rank if any rank reported an error string."""
+    statuses = ctx.all_gather(what, status)
+    failed = [(r, s) for r, s in enumerate(statuses) if isinstance(s, str)]
+    if failed:
+        raise CheckpointError(
+            f"loading failed on rank(s) {', '.join(str(r) for r, _ in failed)}: "
+            + "; ".join(f"rank {r}: {s}" for r, s in failed)[:4000]
+        )
+    return statuses
