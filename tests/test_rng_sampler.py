@@ -43,7 +43,14 @@ def test_sampler_resumes_mid_epoch_and_across_epochs(tmp_path):
 
     fresh = stashpoint.StatefulSampler(data, seed=0)
     stashpoint.load({"sampler": fresh}, tmp_path / "ck")
-    assert fresh.state_dict() == {"epoch": 0, "index": 12, "seed": 5, "shuffle": True, "num_samples": 23}
+    assert fresh.state_dict() == {
+        "epoch": 0,
+        "index": 12,
+        "seed": 5,
+        "shuffle": True,
+        "num_samples": 23,
+        "world_size": 1,
+    }
     loader2 = DataLoader(data, batch_size=4, sampler=fresh, generator=torch.Generator())
     assert [b.tolist() for b in loader2] + [b.tolist() for b in loader2] == rest
     assert sorted(x for b in rest[-6:] for x in b) == data, "epoch 1 is a full permutation"
@@ -54,3 +61,23 @@ def test_sampler_refuses_another_dataset_size():
     with pytest.raises(ValueError, match="covered 10 samples, this one covers 11"):
         stashpoint.StatefulSampler(11).load_state_dict(s.state_dict())
     assert list(stashpoint.StatefulSampler(4, shuffle=False)) == [0, 1, 2, 3]
+
+
+def test_sampler_splits_over_ranks_and_resumes_on_another_world_size():
+    n = 40
+    full = list(stashpoint.StatefulSampler(n, seed=3))
+    two = [stashpoint.StatefulSampler(n, seed=3, rank=r, world_size=2) for r in range(2)]
+    its = [iter(s) for s in two]
+    taken = [next(its[r]) for _ in range(5) for r in range(2)]  # 5 samples per rank, in lockstep
+    assert sorted(taken) == sorted(full[:10])
+    saved = two[0].state_dict()
+    assert saved["index"] == 10, "the position counts samples of all ranks together"
+    three = [stashpoint.StatefulSampler(n, seed=0, rank=r, world_size=3) for r in range(3)]
+    for s in three:
+        s.load_state_dict(saved)
+    assert len(three[0]) == 9, "(39 usable - 10 taken) // 3 ranks"
+    rest = [i for s in three for i in s]
+    assert len(rest) == 27 and set(rest) <= set(full[10:]), "nothing skipped twice or repeated"
+    assert sorted(rest) == sorted(full[10:37]), "the tail that does not split over 3 ranks is dropped"
+    with pytest.raises(ValueError, match="rank must be in"):
+        stashpoint.StatefulSampler(4, rank=2, world_size=2)

@@ -1,4 +1,4 @@
-"""StatefulSampler: a shuffling sampler whose position in the data can be checkpointed."""
+"""StatefulSampler: a shuffling (and rank-splitting) sampler whose position can be checkpointed."""
 
 from __future__ import annotations
 
@@ -12,26 +12,55 @@ from torch.utils.data import Sampler
 class StatefulSampler(Sampler[int]):
     """Yields a seeded permutation of ``range(len(data))`` per epoch and remembers where it is.
 
-    Its order depends only on ``(seed, epoch)``, so restoring ``state_dict()`` resumes the data
+    The order depends only on ``(seed, epoch)``, so restoring ``state_dict()`` resumes the data
     stream exactly: the next index yielded after a load is the one that would have come next.
+
+    In a distributed run each rank takes every ``world_size``-th index of the epoch's permutation
+    (starting at its rank), like ``DistributedSampler``; the tail that does not split evenly is
+    dropped, so every rank yields the same number of samples. The position is kept as the number
+    of samples all ranks together have taken (``index``), so a checkpoint restored on a different
+    number of ranks continues the same permutation from the same point: no sample of the epoch
+    is skipped or repeated, they are only dealt out over the new ranks.
+
+    ``rank`` and ``world_size`` default to the ``torch.distributed`` world when it is initialized.
     Put the sampler in the saved state beside the model::
 
         sampler = stashpoint.StatefulSampler(dataset, seed=0)
-        loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+        loader = DataLoader(dataset, batch_size=32, sampler=sampler, generator=torch.Generator())
         state = {"model": model, "optim": optim, "sampler": sampler}
 
-    The position counts the indices the DataLoader has taken from the sampler. With
-    ``num_workers=0`` that is exactly what the training loop consumed. Worker processes prefetch
-    batches ahead, so with ``num_workers > 0`` restore with
-    ``sampler.load_state_dict({**sd, "index": batches_consumed * batch_size})``.
+    Give the DataLoader its own ``generator``: each new iterator draws a seed from it, and from
+    torch's global generator (which dropout uses) otherwise, so a resumed run would drift. The
+    position counts the indices the DataLoader has taken from the sampler: with
+    ``num_workers=0`` that is exactly what the loop consumed. Worker processes prefetch ahead, so
+    with ``num_workers > 0`` set the position from the step count after restoring:
+    ``sampler.load_state_dict({**sd, "index": steps_in_epoch * batch_size * world_size})``.
     """
 
-    def __init__(self, data: Sized | int, *, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(
+        self,
+        data: Sized | int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
         self.num_samples = data if isinstance(data, int) else len(data)
         self.shuffle = shuffle
         self.seed = seed
+        if rank is None or world_size is None:
+            import torch.distributed as dist
+
+            dist_on = dist.is_available() and dist.is_initialized()
+            rank = rank if rank is not None else (dist.get_rank() if dist_on else 0)
+            world_size = world_size if world_size is not None else (dist.get_world_size() if dist_on else 1)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size), got rank={rank} world_size={world_size}")
+        self.rank = rank
+        self.world_size = world_size
         self.epoch = 0
-        self.index = 0
+        self.index = 0  # samples of this epoch taken by all ranks together
 
     def _order(self) -> torch.Tensor:
         if not self.shuffle:
@@ -40,17 +69,21 @@ class StatefulSampler(Sampler[int]):
         g.manual_seed(self.seed + self.epoch)
         return torch.randperm(self.num_samples, generator=g)
 
+    @property
+    def _usable(self) -> int:
+        return self.num_samples // self.world_size * self.world_size
+
     def __iter__(self) -> Iterator[int]:
         order = self._order().tolist()
-        while self.index < self.num_samples:
-            i = order[self.index]
-            self.index += 1
+        while self.index + self.world_size <= self._usable:
+            i = order[self.index + self.rank]
+            self.index += self.world_size
             yield i
         self.epoch += 1
         self.index = 0
 
     def __len__(self) -> int:
-        return self.num_samples - self.index
+        return max(0, self._usable - self.index) // self.world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning."""
@@ -63,6 +96,7 @@ class StatefulSampler(Sampler[int]):
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_samples": self.num_samples,
+            "world_size": self.world_size,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
