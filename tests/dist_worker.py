@@ -242,9 +242,18 @@ class _KillOnWrite(LocalStorage):
         raise AssertionError("unreachable")
 
 
-def scenario_kill_mid_save(path: str, victim: str) -> None:
+class _StallOnWrite(LocalStorage):
+    def open_writer(self, name, size):
+        time.sleep(20)
+        return super().open_writer(name, size)
+
+
+def scenario_fail_mid_save(path: str, victim: str, how: str) -> None:
+    """A save whose rank ``victim`` dies (how=kill) or stalls (how=stall) while writing."""
     state = {"w": torch.full((1000,), float(RANK)), "x": torch.ones(10)}
-    storage = _KillOnWrite(path) if int(victim) == RANK else LocalStorage(path)
+    stashpoint.save(state, path + "-prev", timeout=10)  # an earlier checkpoint that must survive
+    faulty = {"kill": _KillOnWrite, "stall": _StallOnWrite}[how]
+    storage = faulty(path) if int(victim) == RANK else LocalStorage(path)
     t0 = time.perf_counter()
     h = stashpoint.async_save(state, storage, timeout=10)
     try:
