@@ -19,6 +19,7 @@ One save, on every rank's writer thread:
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,10 +45,7 @@ class ChunkMeta:
 
     @property
     def nbytes(self) -> int:
-        n = self.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape) * self.itemsize
 
     @property
     def ident(self) -> tuple[str, tuple[int, ...], tuple[int, ...]]:

@@ -6,6 +6,7 @@ they are cheap to cache per state structure and easy to property-test.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -21,10 +22,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = self.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape) * self.itemsize
 
 
 @dataclass(frozen=True)
