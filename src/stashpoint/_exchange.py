@@ -71,12 +71,13 @@ def broadcast_shares(ctx: DistContext, readers: dict[Item, int], dests: dict[Ite
     return received
 
 
-def agree(ctx: DistContext, what: str, status: Any) -> list[Any]:
-    """Exchange one status per rank; raise on every rank if any rank reported an error string."""
+def agree(ctx: DistContext, what: str, status: Any, error: type[CheckpointError] = CheckpointError) -> list[Any]:
+    """Exchange one status per rank; raise ``error`` on every rank if any rank reported an error
+    string, so that all ranks take the same path (e.g. all fall back to an older checkpoint)."""
     statuses = ctx.all_gather(what, status)
     failed = [(r, s) for r, s in enumerate(statuses) if isinstance(s, str)]
     if failed:
-        raise CheckpointError(
+        raise error(
             f"loading failed on rank(s) {', '.join(str(r) for r, _ in failed)}: "
             + "; ".join(f"rank {r}: {s}" for r, s in failed)[:4000]
         )

@@ -335,7 +335,7 @@ def load(
         error = e
     if ctx is not None:
         try:
-            agree(ctx, "load reads", str(error) if error else 0)
+            agree(ctx, "load reads", str(error) if error else 0, CorruptCheckpointError)
         except CheckpointError:
             if error:
                 raise error from None
