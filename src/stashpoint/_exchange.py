@@ -42,32 +42,60 @@ def _order(items: list[tuple[Item, torch.Tensor]]) -> list[tuple[Item, torch.Ten
     return sorted(items, key=lambda it: (-it[1].element_size(), it[0][0], it[0][1].offsets))
 
 
+_WINDOW = 64 * 1024 * 1024
+
+
 def broadcast_shares(ctx: DistContext, readers: dict[Item, int], dests: dict[Item, torch.Tensor]) -> int:
-    """After each rank has read its items into ``dests``, send them to the others (one
-    broadcast of a flat buffer per reader). Returns the bytes this rank received."""
+    """After each rank has read its items into ``dests``, send them to the others.
+
+    Small tensors travel packed in one reused 64 MiB window per broadcast; a tensor larger than
+    the window is broadcast on its own, straight from and into its memory when it is contiguous
+    on the CPU. Returns the bytes this rank received.
+    """
     import torch.distributed as dist
 
+    window = torch.empty(_WINDOW, dtype=torch.uint8)
     received = 0
-    for src in range(ctx.world):
-        items = _order([(item, dests[item]) for item, r in readers.items() if r == src])
-        total = sum(t.numel() * t.element_size() for _, t in items)
-        if total == 0:
-            continue
-        flat = torch.empty(total, dtype=torch.uint8)
-        offset = 0
+
+    def send(src: int, batch: list[torch.Tensor], used: int) -> None:
+        nonlocal received
+        if not batch:
+            return
         if ctx.rank == src:
-            for _, t in items:
+            off = 0
+            for t in batch:
                 n = t.numel() * t.element_size()
-                flat[offset : offset + n].copy_(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
-                offset += n
-        ctx.collective("broadcast a read share", dist.broadcast, flat, src=ctx.ranks[src])
+                window[off : off + n].copy_(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+                off += n
+        ctx.collective("broadcast a read share", dist.broadcast, window[:used], src=ctx.ranks[src])
         if ctx.rank != src:
-            offset = 0
-            for _, t in items:
+            off = 0
+            for t in batch:
                 n = t.numel() * t.element_size()
-                t.copy_(flat[offset : offset + n].view(t.dtype).reshape(t.shape))
-                offset += n
-            received += total
+                t.copy_(window[off : off + n].view(t.dtype).reshape(t.shape))
+                off += n
+            received += used
+
+    for src in range(ctx.world):
+        batch: list[torch.Tensor] = []
+        used = 0
+        for _, t in _order([(item, dests[item]) for item, r in readers.items() if r == src]):
+            n = t.numel() * t.element_size()
+            if n > _WINDOW:
+                direct = t.device.type == "cpu" and t.is_contiguous() and t.dim() > 0
+                buf = t if direct else t.detach().cpu().contiguous()
+                ctx.collective("broadcast a read share", dist.broadcast, buf, src=ctx.ranks[src])
+                if ctx.rank != src:
+                    if not direct:
+                        t.copy_(buf)
+                    received += n
+                continue
+            if used + n > _WINDOW:
+                send(src, batch, used)
+                batch, used = [], 0
+            batch.append(t)
+            used += n
+        send(src, batch, used)
     return received
 
 

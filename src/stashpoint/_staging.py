@@ -42,35 +42,58 @@ def _host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
     return torch.frombuffer(m, dtype=torch.uint8)
 
 
+_PAGE = 4096
+
+
+def _layout_bytes(plan: SavePlan) -> int:
+    """Bytes of one buffer holding every file's data, each file starting page-aligned."""
+    return sum(-(-f.data_size // _PAGE) * _PAGE for f in plan.files)
+
+
 @dataclass
 class StagingBuffers:
-    """One host buffer per shard file of a plan, and typed views of each tensor's bytes."""
+    """One host buffer holding the data of every shard file of a plan (each file's region
+    page-aligned), and typed views of each tensor's bytes in it."""
 
     plan: SavePlan
     specs: tuple[TensorSpec, ...]
     pinned: bool
-    buffers: list[torch.Tensor]
+    buffer: torch.Tensor
     views: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() for b in self.buffers)
+        return self.buffer.numel()
 
     @classmethod
     def allocate(cls, plan: SavePlan, specs: tuple[TensorSpec, ...], pinned: bool) -> StagingBuffers:
-        buffers = [_host_buffer(f.data_size, pinned) for f in plan.files]
+        return cls.layout(_host_buffer(_layout_bytes(plan), pinned), plan, specs, pinned)
+
+    @classmethod
+    def layout(
+        cls, buffer: torch.Tensor, plan: SavePlan, specs: tuple[TensorSpec, ...], pinned: bool
+    ) -> StagingBuffers:
+        """Lay ``plan`` out in ``buffer`` (at least :func:`_layout_bytes` long)."""
         by_key = {s.key: s for s in specs}
         views: dict[str, torch.Tensor] = {}
-        for f, buf in zip(plan.files, buffers):
+        base = 0
+        for f in plan.files:
             for p in f.placements:
                 spec = by_key[p.key]
                 dtype = dtype_from_name(spec.dtype, p.key)
-                views[p.key] = buf[p.begin : p.end].view(dtype).reshape(spec.shape)
-        return cls(plan, specs, pinned, buffers, views)
+                views[p.key] = buffer[base + p.begin : base + p.end].view(dtype).reshape(spec.shape)
+            base += -(-f.data_size // _PAGE) * _PAGE
+        return cls(plan, specs, pinned, buffer, views)
 
 
 class StagingPool:
-    """Keeps free staging buffers for reuse; at most ``max_free`` sets are kept idle."""
+    """Keeps idle staging memory for reuse (at most ``max_free`` buffers).
+
+    A buffer laid out for the same plan is reused as is. Otherwise an idle buffer that is large
+    enough (and not much larger) is laid out anew: its pages are already touched, which is what
+    makes a copy fast. Only when none fits is fresh memory allocated, and idle buffers are
+    dropped first so memory never grows.
+    """
 
     def __init__(self, max_free: int = 1) -> None:
         self.max_free = max_free
@@ -78,12 +101,15 @@ class StagingPool:
         self._lock = threading.Lock()
 
     def acquire(self, plan: SavePlan, specs: tuple[TensorSpec, ...], pinned: bool) -> StagingBuffers:
-        """Buffers laid out for ``plan`` and ``specs``: reused when an idle set matches."""
+        """Buffers laid out for ``plan`` and ``specs``."""
+        need = _layout_bytes(plan)
         with self._lock:
             for i, b in enumerate(self._free):
                 if b.plan == plan and b.specs == specs and b.pinned == pinned:
                     return self._free.pop(i)
-            # A different structure: drop idle buffers first so memory never grows.
+            for i, b in enumerate(self._free):
+                if b.pinned == pinned and need <= b.nbytes <= need + need // 4 + _PAGE:
+                    return StagingBuffers.layout(self._free.pop(i).buffer, plan, specs, pinned)
             self._free.clear()
         return StagingBuffers.allocate(plan, specs, pinned)
 
