@@ -121,6 +121,16 @@ class DistContext:
     last_plan: tuple[tuple[str, ...], list[Any], dict[Any, int]] | None = None
     plans_made: int = 0  # how many times the layouts were exchanged and a plan computed
 
+    hosts: tuple[str, ...] | None = None
+
+    def multi_host(self) -> bool:
+        """Whether the ranks run on more than one host (asked once, then remembered)."""
+        if self.hosts is None:
+            import socket
+
+            self.hosts = tuple(self.all_gather("host names", socket.gethostname()))
+        return len(set(self.hosts)) > 1
+
     @classmethod
     def solo(cls) -> DistContext:
         """A world of one process: collectives are trivial."""

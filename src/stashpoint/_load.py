@@ -259,7 +259,7 @@ def load(
     verify: bool = True,
     allow_pickle: bool = False,
     process_group: Any = None,
-    exchange: bool = True,
+    exchange: bool | None = None,
     timeout: float | None = None,
 ) -> None:
     """Restore the checkpoint at ``path`` in place into the objects held by ``state``.
@@ -281,9 +281,12 @@ def load(
             (or DTensor shards) need, whatever the world size and sharding at save time, and
             gets back the plain values its rank saved (rank ``r`` gets those of rank ``r mod N``
             when N ranks saved).
-        exchange: in a distributed run, regions that every rank needs (replicated tensors) are
-            read from storage once in total — each rank reads a share and broadcasts it on the
-            checkpoint group. ``False`` makes every rank read everything it needs directly.
+        exchange: in a distributed run, read regions that every rank needs (replicated tensors)
+            from storage once in total — each rank reads a share and broadcasts it on the
+            checkpoint group — instead of every rank reading everything it needs directly. The
+            default (None) exchanges when the ranks span several hosts: ranks on one host share
+            its page cache, so there storage sees each byte about once anyway and direct reads
+            are faster (see benchmarks/RESULTS.md).
         timeout: seconds a collective step may wait for the other ranks (default 600).
     """
     storage = storage_for(path)
@@ -302,11 +305,13 @@ def load(
     plan = Planner(manifest, state, allow_pickle=allow_pickle, where=storage.location, rank=rank).run()
     fatal = StateMismatchError(storage.location, plan.problems) if plan.problems and strict else None
     ctx = None
-    if world > 1 and exchange:
+    if world > 1 and exchange is not False:
         from ._save import wait_all
 
         wait_all()  # the checkpoint group is used by one thread at a time: saves in flight first
         ctx = _dist.context(process_group, timeout)
+        if ctx is not None and exchange is None and not ctx.multi_host():
+            ctx = None
     reads = plan.reads
     readers: dict[Item, int] = {}
     if ctx is not None:
