@@ -8,7 +8,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SaveStats:
-    """Figures of one save. Times are in seconds."""
+    """Figures of one save. Times are in seconds.
+
+    ``bytes_written``, ``num_tensors`` and ``num_files`` describe the whole checkpoint (all ranks
+    of a distributed save); ``rank_bytes_written`` is this rank's share. ``blocking_s`` (the
+    training stall), ``staging_s`` and ``persist_s`` are this rank's.
+    """
 
     path: str
     bytes_written: int
@@ -20,6 +25,7 @@ class SaveStats:
     total_s: float
     step: int | None = None
     skipped: bool = False
+    rank_bytes_written: int = 0
 
     @property
     def throughput_gbps(self) -> float:

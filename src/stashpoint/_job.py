@@ -168,6 +168,7 @@ class PersistJob:
             persist_s=t1 - t0,
             total_s=t1 - t_start,
             step=self.opts.step,
+            rank_bytes_written=outcomes[ctx.rank][4],
         )
         log.info("stashpoint: saved %s", stats)
         return stats
