@@ -223,7 +223,7 @@ def test_pickle_is_opt_in_on_both_sides(tmp_path):
     assert target["cfg"] == Fraction(1, 3)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA path: needs a GPU (run benchmarks/gpu_check.py there)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA path (pinned staging, side stream): needs a GPU")
 def test_cuda_tensors_round_trip_through_pinned_staging(tmp_path):
     state = {"w": torch.randn(1000, device="cuda"), "b": torch.randn(10, dtype=torch.bfloat16, device="cuda")}
     h = stashpoint.async_save(state, tmp_path / "ck")
