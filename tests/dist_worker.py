@@ -289,6 +289,50 @@ def scenario_plan_cache(root: str) -> None:
     result(plans=ctx.plans_made, threads=sorted({t for _, t in calls}), kinds=sorted({w for w, _ in calls}))
 
 
+def scenario_asym_error(root: str) -> None:
+    """Rank 1 alone refuses a value: every rank fails that save, and the next one commits."""
+    bad = {"w": torch.ones(4), "cfg": object() if RANK == 1 else 1}
+    outcome = {}
+    try:
+        stashpoint.async_save(bad, f"{root}/a", timeout=30).wait()
+        outcome["a"] = "ok"
+    except stashpoint.CheckpointError as e:
+        outcome["a"] = type(e).__name__ + ": " + str(e)[:200]
+    stashpoint.save({"w": torch.full((4,), 2.0)}, f"{root}/b", timeout=30)
+    try:
+        with stashpoint.CheckpointManager(f"{root}/run", on_busy="skip") as mgr:
+            mgr.save(1, {"w": torch.ones(4)})
+        outcome["skip"] = "accepted"
+    except ValueError as e:
+        outcome["skip"] = str(e)
+    result(**outcome)
+
+
+def scenario_fallback(root: str) -> None:
+    """Rank 1's shard of the newest step is damaged: every rank falls back to the same step."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from stashpoint._policy import step_dir
+
+    mesh = mesh_for("s0")
+    with stashpoint.CheckpointManager(root, keep_last=None) as mgr:
+        for step in (1, 2):
+            w = distribute_tensor(torch.full((8, 4), float(step)), mesh, [Shard(0)])
+            mgr.save(step, {"w": w, "step": step}).wait()
+        dist.barrier()
+        if RANK == 1:
+            from pathlib import Path
+
+            shard = next(p for p in Path(root, step_dir(2)).iterdir() if p.name.startswith("shard-r00001"))
+            data = bytearray(shard.read_bytes())
+            data[-1] ^= 0xFF
+            shard.write_bytes(bytes(data))
+        dist.barrier()
+        state = {"w": distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)]), "step": 0}
+        got = mgr.restore(state)
+    result(step=got, value=float(state["w"].to_local()[0, 0]), state_step=state["step"])
+
+
 def scenario_mesh_only(path: str, kind: str) -> None:
     st = dtensor_state(kind)
     if "pythreads" in path:

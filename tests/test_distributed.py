@@ -138,3 +138,18 @@ def test_planning_runs_once_per_structure_and_never_on_the_callers_thread(tmp_pa
         assert r["plans"] == 2, r
         assert all(t.startswith("stashpoint-writer") for t in r["threads"]), r
         assert "layouts" in r["kinds"]
+
+
+def test_an_error_on_one_rank_fails_that_save_on_all_and_the_ranks_stay_in_step(tmp_path):
+    results = run_world(2, "asym_error", str(tmp_path))
+    for r in results:
+        assert r["a"].startswith(("UnsupportedStateError", "CheckpointError")), r
+        assert "skip" in r["skip"] and "distributed" in r["skip"], r
+    assert ("rank(s) 1" in results[0]["a"] and "_thread" not in results[0]["a"]) or "object" in results[0]["a"]
+    assert not (tmp_path / "a" / MANIFEST_NAME).exists()
+    assert (tmp_path / "b" / MANIFEST_NAME).exists(), "the next save commits: the ranks are still in step"
+
+
+def test_all_ranks_fall_back_to_the_same_step_when_one_rank_finds_damage(tmp_path):
+    for r in run_world(2, "fallback", str(tmp_path / "run")):
+        assert r == {"step": 1, "value": 1.0, "state_step": 1}, r

@@ -128,6 +128,8 @@ def _manifest(tmp_path) -> bytes:
         (lambda d: d["tensors"]["a"].update(dtype="evil"), "unknown dtype"),
         (lambda d: d["tensors"]["a"].update(shape=[1] * 100), "at most 64"),
         (lambda d: d.pop("trees"), "trees must be a non-empty list"),
+        (lambda d: d["tensors"]["a"]["chunks"][0].update(shape=[2], end=4096 + 8, checksums=["0"]), "hold 2 elements"),
+        (lambda d: d["tensors"]["a"]["chunks"].append(dict(d["tensors"]["a"]["chunks"][0])), "hold 6 elements"),
         (lambda d: d.update(tree_of_rank=[3]), "tree_of_rank"),
     ],
 )

@@ -150,10 +150,13 @@ def test_restore_falls_back_when_the_newest_is_damaged(tmp_path):
         data = bytearray(shard.read_bytes())
         data[-1] ^= 0xFF
         shard.write_bytes(bytes(data))
+        with pytest.raises(stashpoint.CorruptCheckpointError):
+            mgr.restore(_state(), step=2)  # asked for by number: the error, no fallback
         out = _state()
         assert mgr.restore(out) == 1 and out["w"][0] == 1
-        with pytest.raises(stashpoint.CorruptCheckpointError):
-            mgr.restore(out, step=2)
+        assert mgr.steps() == [1], "the damaged step is moved aside"
+        assert len(list(mgr.root.glob("step-00000002.damaged-*"))) == 1, "and kept for inspection"
+        mgr.save(2, _state(2)).wait()  # training can save that step again
 
 
 def test_save_schedule(tmp_path):

@@ -248,3 +248,44 @@ def test_optimizer_state_loads_in_place_when_it_exists(tmp_path):
     optim2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
     stashpoint.load({"model": model2, "optim": optim2}, tmp_path / "ck")  # fresh optimizer: allocated
     assert_same(optim.state_dict(), optim2.state_dict())
+
+
+class Untied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+
+
+def test_a_tied_model_loads_an_untied_checkpoint_without_false_corruption(tmp_path):
+    src = Untied()
+    stashpoint.save({"model": src}, tmp_path / "ck")
+    tied = Tied()
+    stashpoint.load({"model": tied}, tmp_path / "ck")  # two keys, one memory: no concurrent reads into it
+    assert tied.head.weight is tied.emb.weight
+    assert torch.equal(tied.emb.weight, src.emb.weight) or torch.equal(tied.emb.weight, src.head.weight)
+
+
+def test_conjugate_views_are_not_aliased_and_load_right(tmp_path):
+    x = torch.randn(4, dtype=torch.complex64)
+    stashpoint.save({"a": x, "b": x.conj()}, tmp_path / "ck")
+    out = {"a": torch.zeros(4, dtype=torch.complex64), "b": torch.zeros(4, dtype=torch.complex64)}
+    stashpoint.load(out, tmp_path / "ck")
+    assert torch.equal(out["a"], x) and torch.equal(out["b"], x.conj().resolve_conj())
+    dest = torch.zeros(4, dtype=torch.complex64)
+    stashpoint.load({"a": dest.conj(), "b": torch.zeros(4, dtype=torch.complex64)}, tmp_path / "ck")
+    assert torch.equal(dest.conj().resolve_conj(), x)
+
+
+def test_odd_destinations_get_clear_answers(tmp_path):
+    stashpoint.save({"p": torch.arange(6.0).reshape(2, 3), "n": 5}, tmp_path / "ck")
+    param = torch.nn.Parameter(torch.zeros(3, 2))
+    stashpoint.load({"p": param.t(), "n": 0}, tmp_path / "ck")  # a view of a leaf that requires grad
+    assert torch.equal(param.t(), torch.arange(6.0).reshape(2, 3))
+    with pytest.raises(stashpoint.StateMismatchError, match="meta device.*to_empty"):
+        stashpoint.load({"p": torch.empty(2, 3, device="meta"), "n": 0}, tmp_path / "ck")
+    stashpoint.save((torch.ones(2), 5), tmp_path / "tup")
+    with pytest.raises(stashpoint.StateMismatchError, match="tuple at the root"):
+        stashpoint.load((torch.zeros(2), 0), tmp_path / "tup")
+    with pytest.raises(stashpoint.UnsupportedStateError, match="reserved by the safetensors layout"):
+        stashpoint.save({"__metadata__": torch.ones(1)}, tmp_path / "meta")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,10 @@ import xxhash
 from .errors import CheckpointError
 
 DEFAULT_TIMEOUT_S = 600.0
+
+
+class CollectiveError(CheckpointError):
+    """A collective on the checkpoint group failed (a peer died, stalled or left)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,7 @@ class DistContext:
     # it can be reused (the hashes of this save equal its hashes) and skip the layout exchange.
     last_plan: tuple[tuple[str, ...], list[Any], dict[Any, int]] | None = None
     plans_made: int = 0  # how many times the layouts were exchanged and a plan computed
+    saves: int = 0  # collective saves started on this rank: every rank must agree on the count
 
     hosts: tuple[str, ...] | None = None
 
@@ -138,12 +144,14 @@ class DistContext:
 
     def collective(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a collective on the checkpoint group; turn failures into a clear error."""
+        t0 = time.monotonic()
         try:
             return fn(*args, group=self.group, **kwargs)
         except Exception as e:
-            raise CheckpointError(
-                f"rank {self.rank}: the checkpoint collective '{what}' failed after at most {self.timeout_s:.0f} s "
-                f"(a peer rank died, stalled, or left the save): {type(e).__name__}: {str(e)[:300]}"
+            raise CollectiveError(
+                f"rank {self.rank}: the checkpoint collective '{what}' failed after {time.monotonic() - t0:.1f} s "
+                f"(timeout {self.timeout_s:.0f} s; a peer rank died, stalled, or left the save): "
+                f"{type(e).__name__}: {str(e)[:300]}"
             ) from e
 
     def all_gather(self, what: str, obj: Any) -> list[Any]:

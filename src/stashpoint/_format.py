@@ -7,6 +7,7 @@ Everything read from a file is validated here before use; a malformed input rais
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -50,8 +51,13 @@ _ST_DTYPES: dict[torch.dtype, str] = {
     torch.uint64: "U64",
 }
 
+_UNSAVABLE = {"qint8", "qint32", "quint8", "quint4x2", "quint2x4"} | {
+    f"{p}int{i}" for p in ("", "u") for i in range(1, 8)
+}
 _DTYPES_BY_NAME: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d for d in (getattr(torch, n) for n in dir(torch)) if isinstance(d, torch.dtype)
+    name: d
+    for d in (getattr(torch, n) for n in dir(torch))
+    if isinstance(d, torch.dtype) and (name := str(d).removeprefix("torch.")) not in _UNSAVABLE
 }
 
 
@@ -269,6 +275,7 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         size = _int(f.get("size"), where, f"size of {name!r}")
         start = _int(f.get("data_start"), where, f"data_start of {name!r}", 8)
         _want(start <= size, where, f"data_start of {name!r} is past its end")
+        _want(start <= 8 + MAX_HEADER_BYTES + HEADER_ALIGN, where, f"the header of {name!r} is over the size cap")
         files[name] = FileEntry(name, size, start, str(hc), _int(f.get("rank", 0), where, "rank"))
     tensors_doc = doc.get("tensors")
     _want(isinstance(tensors_doc, dict), where, "tensors must be an object")
@@ -280,6 +287,14 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         if entry.alias_of is not None:
             target = tensors.get(entry.alias_of)
             _want(target is not None and target.alias_of is None, where, f"{key!r} aliases a missing entry")
+            assert target is not None
+            _want(
+                (target.dtype, target.shape) == (entry.dtype, entry.shape),
+                where,
+                f"{key!r} aliases {entry.alias_of!r} of another dtype or shape",
+            )
+        else:
+            _check_tiling(entry, where)
     trees = doc.get("trees")
     _want(isinstance(trees, list) and len(trees) > 0, where, "trees must be a non-empty list")
     assert isinstance(trees, list)
@@ -311,6 +326,20 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         tree_of_rank=tuple(of_rank),
         format_version=version,
     )
+
+
+def _check_tiling(entry: TensorEntry, where: str) -> None:
+    """A tensor's chunks cover it exactly once: no holes (reads would leave memory unset), no
+    overlaps; this also bounds what a load allocates by the bytes the files really hold."""
+    total = math.prod(entry.shape)
+    got = sum(math.prod(c.shape) for c in entry.chunks)
+    _want(got == total, where, f"the chunks of {entry.key!r} hold {got} elements, its shape {total}")
+    boxes = [(c.offsets, c.shape) for c in entry.chunks]
+    if 1 < len(boxes) <= 512:
+        for i, (ao, an) in enumerate(boxes):
+            for bo, bn in boxes[i + 1 :]:
+                overlap = all(max(a, b) < min(a + x, b + y) for a, x, b, y in zip(ao, an, bo, bn))
+                _want(not overlap or total == 0, where, f"two chunks of {entry.key!r} overlap")
 
 
 _LEAF_TYPES: dict[str, tuple[type, ...]] = {

@@ -45,8 +45,11 @@ class SaveStats:
 class SaveHandle:
     """A save in progress. The state was staged when this handle was returned."""
 
-    def __init__(self, path: str, future: cf.Future[SaveStats], blocking_s: float, staging_s: float) -> None:
+    def __init__(
+        self, path: str, future: cf.Future[SaveStats], blocking_s: float, staging_s: float, step: int | None = None
+    ) -> None:
         self.path = path
+        self.step = step
         self._future = future
         self.blocking_s = blocking_s
         self.staging_s = staging_s
@@ -78,7 +81,7 @@ class SaveHandle:
         """A handle for a save that was skipped (already done, nothing written)."""
         future: cf.Future[SaveStats] = cf.Future()
         future.set_result(SaveStats(path, 0, 0, 0, blocking_s, 0.0, 0.0, blocking_s, step=step, skipped=True))
-        return cls(path, future, blocking_s, 0.0)
+        return cls(path, future, blocking_s, 0.0, step)
 
     @property
     def stats(self) -> SaveStats | None:

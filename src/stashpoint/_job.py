@@ -7,6 +7,7 @@ process the same code runs against a trivial one-rank context.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import logging
 import re
 import time
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _dist
-from ._dist import ChunkMeta, DistContext, assign_writers, layout_hash, merge_trees
+from ._dist import ChunkMeta, CollectiveError, DistContext, assign_writers, layout_hash, merge_trees
 from ._dtensor import local_part
 from ._format import MANIFEST_NAME, Chunk, FileEntry, Manifest, TensorEntry, dtype_name
 from ._handle import SaveStats
@@ -40,7 +41,16 @@ SHARD_RE = re.compile(r"^shard-r\d+-\d+-[0-9a-f]+\.safetensors$")
 def _signature(t: torch.Tensor) -> tuple[Any, ...] | None:
     if t.numel() == 0:
         return None
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+    return (
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        t.stride(),
+        t.dtype,
+        t.device,
+        t.is_conj(),
+        t.is_neg(),
+    )
 
 
 @dataclass
@@ -87,19 +97,37 @@ class _RankFailure(Exception):
 @dataclass
 class PersistJob:
     storage: Storage
-    staged: StagingBuffers
+    staged: StagingBuffers | None
     pool: StagingPool
     tree: dict[str, Any]
     layout: Layout
     opts: SaveOptions
     ctx: DistContext
     blocking_s: float = 0.0
+    seq: int = 0  # this rank's count of collective saves: every rank must be at the same one
+    early_error: BaseException | None = None  # this rank failed before staging
+
+    @classmethod
+    def failed(
+        cls, storage: Storage, pool: StagingPool, opts: SaveOptions, ctx: DistContext, e: BaseException
+    ) -> PersistJob:
+        """A save this rank could not stage: it still joins the collectives, to fail them all."""
+        empty = Layout([], {}, {}, {}, "")
+        return cls(storage, None, pool, {}, empty, opts, ctx, early_error=e)
 
     def _plan(self) -> tuple[str, dict[Any, int], list[Any]]:
         ctx = self.ctx
-        hashes = ctx.all_gather("layout hashes", (self.layout.hash, uuid.uuid4().hex[:16]))
+        err = None if self.early_error is None else f"{type(self.early_error).__name__}: {self.early_error}"
+        mine = (self.layout.hash, uuid.uuid4().hex[:16], self.seq, self.storage.location, err)
+        hashes = ctx.all_gather("layout hashes", mine)
+        failed = [(r, h[4]) for r, h in enumerate(hashes) if h[4] is not None]
+        if failed:
+            raise _RankFailure(failed)
+        if len({(h[2], h[3]) for h in hashes}) > 1:
+            seen = ", ".join(f"rank {r}: save #{h[2]} to {h[3]}" for r, h in enumerate(hashes))
+            raise _RankFailure([(ctx.rank, f"the ranks are out of step ({seen}); every rank must make the same saves")])
         save_id = hashes[0][1]
-        all_hashes = tuple(h for h, _ in hashes)
+        all_hashes = tuple(h[0] for h in hashes)
         if ctx.last_plan is not None and ctx.last_plan[0] == all_hashes:  # same on every rank
             return save_id, ctx.last_plan[2], ctx.last_plan[1]
         layouts = ctx.all_gather("layouts", self.layout.meta())
@@ -115,6 +143,7 @@ class PersistJob:
         local_error: BaseException | None = None
         try:
             save_id, writers, layouts = self._plan()
+            assert self.staged is not None
             mine = [c for c in self.layout.chunks if writers[c.ident] == ctx.rank]
             specs = [TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in mine]
             files = plan_files(specs, max_file_bytes=self.opts.max_shard_bytes, rank=ctx.rank).files if mine else ()
@@ -154,14 +183,15 @@ class PersistJob:
                 raise _RankFailure([(0, f"writing the manifest: {result}")])
             bytes_written = sum(o[4] for o in outcomes)
         except BaseException as e:
-            self._fail(e, save_id, local_error)
+            self._fail(e, save_id, local_error or self.early_error)
         finally:
-            self.pool.release(self.staged)
+            if self.staged is not None:
+                self.pool.release(self.staged)
         t1 = time.perf_counter()
         stats = SaveStats(
             path=loc,
             bytes_written=bytes_written,
-            num_tensors=len(self.layout.keyinfo),
+            num_tensors=len({k for _, _, keys in layouts for k in keys}),
             num_files=sum(len(o[1]) for o in outcomes),
             blocking_s=self.blocking_s,
             staging_s=staging_s,
@@ -174,22 +204,36 @@ class PersistJob:
         return stats
 
     def _fail(self, e: BaseException, save_id: str, local_error: BaseException | None) -> None:
-        loc = self.storage.location
+        loc, rank = self.storage.location, self.ctx.rank
+        if save_id and self._committed(save_id):
+            # rank 0 wrote the manifest but the confirmation did not arrive: the checkpoint is whole
+            raise CheckpointError(
+                f"rank {rank}: the checkpoint at {loc} was committed, but confirming it across the ranks failed "
+                f"({type(e).__name__}: {e}); it is complete and loadable"
+            ) from e
         if save_id:
-            self._remove(lambda name: save_id in name)
-        if isinstance(e, CheckpointError) and "checkpoint collective" in str(e):
+            own = f"shard-r{rank:05d}-"
+            self._remove(lambda name: name.startswith(own) and save_id in name)
+        if isinstance(e, CollectiveError):
             _dist.forget(self.ctx)
         if isinstance(e, _RankFailure):
             where = "" if self.ctx.world == 1 else f" on rank(s) {', '.join(str(r) for r, _ in e.failed)}"
             causes = e.failed[0][1] if self.ctx.world == 1 else str(e)
             msg = f"saving the checkpoint to {loc} failed{where}: {causes}"
         else:
-            msg = f"saving the checkpoint to {loc} failed on rank {self.ctx.rank}: {type(e).__name__}: {e}"
+            msg = f"saving the checkpoint to {loc} failed on rank {rank}: {type(e).__name__}: {e}"
             local_error = e
         log.error("stashpoint: %s", msg)
         raise CheckpointError(
             f"{msg}. Nothing was committed there and earlier checkpoints are untouched; fix the cause and save again."
         ) from local_error
+
+    def _committed(self, save_id: str) -> bool:
+        try:
+            doc = json.loads(self.storage.read(MANIFEST_NAME))
+        except (OSError, ValueError):
+            return False
+        return isinstance(doc, dict) and doc.get("save_id") == save_id
 
     def _remove(self, doomed: Any) -> None:
         try:

@@ -18,6 +18,7 @@ from ._exchange import Item, agree, assign_readers, broadcast_shares
 from ._format import (
     CHECKSUM_BLOCK_BYTES,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     Chunk,
     FileEntry,
     Manifest,
@@ -52,6 +53,8 @@ def read_manifest(storage: Storage) -> Manifest:
             "load it with torch.load(weights_only=True) and save the result with stashpoint.save."
         )
     try:
+        if storage.size(MANIFEST_NAME) > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"the manifest of {loc} is larger than the {MAX_MANIFEST_BYTES} byte cap")
         raw = storage.read(MANIFEST_NAME)
     except FileNotFoundError:
         if storage.exists(None):
@@ -113,7 +116,9 @@ class _Piece:
             return None
         view = read.dest[tuple(slice(o, o + n) for o, n in zip(local(inter, read.region).offsets, inter.shape))]
         whole = inter == cbox
-        direct = whole and view.device.type == "cpu" and view.is_contiguous()
+        direct = (
+            whole and view.device.type == "cpu" and view.is_contiguous() and not view.is_conj() and not view.is_neg()
+        )
         buf = view if direct else torch.empty(inter.shape, dtype=view.dtype)
         return cls(key, chunk, inter, view, buf, whole, as_memoryview(buf), buf.element_size())
 
@@ -156,7 +161,14 @@ class _Piece:
 
     def place(self) -> None:
         if self.buf is not self.target:
-            self.target.copy_(self.buf)
+            with torch.no_grad():  # the destination may be a view of a parameter
+                self.target.copy_(self.buf)
+
+    def bounce(self) -> None:
+        """Read into a buffer of its own (its destination shares memory with another's)."""
+        if self.buf is self.target:
+            self.buf = torch.empty(self.inter.shape, dtype=self.target.dtype)
+            self.mv = as_memoryview(self.buf)
 
 
 @dataclass
@@ -225,6 +237,17 @@ def plan_pieces(manifest: Manifest, reads: list[Read]) -> list[_Piece]:
         if sum(p.inter.numel for p in found) != r.region.numel:
             missing.append(f"{r.key!r} {r.region}")
         pieces.extend(found)
+    # Destinations that share memory under different keys (a tied model loading an untied
+    # checkpoint) must not be read into concurrently: all but the first go through a buffer.
+    spans: list[tuple[int, int]] = []
+    for p in pieces:
+        if p.buf is p.target and p.target.numel():
+            lo = p.target.data_ptr()
+            hi = lo + p.target.numel() * p.target.element_size()
+            if any(a < hi and lo < b for a, b in spans):
+                p.bounce()
+            else:
+                spans.append((lo, hi))
     if missing:
         raise CorruptCheckpointError(
             f"the checkpoint does not hold every part of: {', '.join(missing[:5])}; some rank's shards are missing"
@@ -302,30 +325,35 @@ def load(
             rank,
             rank % manifest.world_size,
         )
-    plan = Planner(manifest, state, allow_pickle=allow_pickle, where=storage.location, rank=rank).run()
-    fatal = StateMismatchError(storage.location, plan.problems) if plan.problems and strict else None
     ctx = None
-    if world > 1 and exchange is not False:
+    if world > 1:
         from ._save import wait_all
 
         wait_all()  # the checkpoint group is used by one thread at a time: saves in flight first
         ctx = _dist.context(process_group, timeout)
-        if ctx is not None and exchange is None and not ctx.multi_host():
-            ctx = None
-    reads = plan.reads
+    share = ctx is not None and (exchange if exchange is not None else ctx.multi_host())
+    plan_error: CheckpointError | None = None
+    try:
+        plan = Planner(manifest, state, allow_pickle=allow_pickle, where=storage.location, rank=rank).run()
+        if plan.problems and strict:
+            plan_error = StateMismatchError(storage.location, plan.problems)
+    except CheckpointError as e:
+        plan_error = e
+    reads: list[Read] = [] if plan_error else plan.reads
     readers: dict[Item, int] = {}
-    if ctx is not None:
-        wanted = {(r.key, r.region): r.region.numel * r.dest.element_size() for r in reads}
+    if ctx is not None:  # every rank takes the same path: all load, or all raise
+        wanted = {(r.key, r.region): r.region.numel * r.dest.element_size() for r in reads} if share else {}
         try:
-            statuses = agree(ctx, "load plans", str(fatal) if fatal else wanted)
+            statuses = agree(ctx, "load plans", str(plan_error) if plan_error else wanted)
         except CheckpointError:
-            if fatal:
-                raise fatal from None
+            if plan_error:
+                raise plan_error from None
             raise
-        readers = assign_readers(statuses)
-        reads = [r for r in reads if readers.get((r.key, r.region), ctx.rank) == ctx.rank]
-    elif fatal:
-        raise fatal
+        if share:
+            readers = assign_readers(statuses)
+            reads = [r for r in reads if readers.get((r.key, r.region), ctx.rank) == ctx.rank]
+    elif plan_error:
+        raise plan_error
     if plan.problems:
         msg = (
             f"stashpoint: loading {storage.location} skipped {len(plan.problems)} mismatch(es):\n  - "
@@ -345,14 +373,16 @@ def load(
             if error:
                 raise error from None
             raise
-        dests: dict[Item, torch.Tensor] = {}
-        for r in plan.reads:
-            dests.setdefault((r.key, r.region), r.dest)
-        broadcast_shares(ctx, readers, dests)
-        for r in plan.reads:  # a second destination of the same region (rare): copy it over
-            first = dests[(r.key, r.region)]
-            if (r.key, r.region) in readers and r.dest is not first:
-                r.dest.copy_(first)
+        if readers:
+            dests: dict[Item, torch.Tensor] = {}
+            for r in plan.reads:
+                dests.setdefault((r.key, r.region), r.dest)
+            with torch.no_grad():
+                broadcast_shares(ctx, readers, dests)
+                for r in plan.reads:  # a second destination of the same region (rare): copy it over
+                    first = dests[(r.key, r.region)]
+                    if (r.key, r.region) in readers and r.dest is not first:
+                        r.dest.copy_(first)
     elif error:
         raise error
     for s in plan.setters:

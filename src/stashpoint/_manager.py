@@ -154,6 +154,11 @@ class CheckpointManager:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         target = self.path(step)
+        with self._lock:
+            if any(h.step == step and not a.done() for h, a in self._handles):
+                raise CheckpointError(
+                    f"step {step} is still being saved to {target}; wait for that save (mgr.wait()) first"
+                )
         if (target / MANIFEST_NAME).exists():
             raise CheckpointError(
                 f"step {step} already has a committed checkpoint at {target}; save under a new step, or "
@@ -164,12 +169,16 @@ class CheckpointManager:
         metrics = dict(metrics or {})
         meta = dict(options.pop("metadata", None) or {})
         meta[_METRICS_KEY] = json.dumps(metrics)
+        if "timeout" in options:
+            options["timeout_s"] = options.pop("timeout")
         opts = SaveOptions(metadata=meta, max_inflight=self.max_inflight, on_busy=self.on_busy, step=step, **options)
         self._last_save_time = time.monotonic()
         handle = _get_engine().submit(state, self.storage_class(target), opts)
         after: cf.Future[None] = cf.Future()  # done once the bookkeeping below has run too
         with self._lock:
-            self._handles = [(h, a) for h, a in self._handles if not a.done()] + [(handle, after)]
+            # keep saves in flight, and failed ones until wait() has reported them
+            self._handles = [(h, a) for h, a in self._handles if not a.done() or h.exception() is not None]
+            self._handles.append((handle, after))
         handle._future.add_done_callback(lambda f: self._after_save(step, metrics, f, after))
         return handle
 
@@ -238,28 +247,43 @@ class CheckpointManager:
 
     # -- restoring -----------------------------------------------------------------------------
 
-    def restore(self, state: Any, step: int | None = None, *, strict: bool = True) -> int | None:
+    def restore(self, state: Any, step: int | None = None, *, strict: bool = True, **options: Any) -> int | None:
         """Load ``step`` (default: the newest committed one) into ``state``; return the step.
 
         Returns None when the root holds no committed checkpoint, so resuming is one line. When
-        no step is given and the newest checkpoint turns out damaged, the error is logged and the
-        next older one is tried.
+        no step is given and the newest checkpoint turns out damaged, the error is logged, the
+        next older one is tried, and the damaged steps are moved aside (renamed
+        ``step-XXXXXXXX.damaged-<time>``, kept for inspection, never listed again) so that
+        training can save those steps anew. ``options`` are those of :func:`stashpoint.load`
+        (``verify``, ``allow_pickle``, ``exchange``, ``timeout``, ``process_group``).
         """
         if step is not None:
-            load(state, self.path(step), strict=strict)
+            load(state, self.path(step), strict=strict, **options)
             return step
+        damaged: list[int] = []
         errors: list[CheckpointError] = []
         for candidate in reversed(self.steps()):
             try:
-                load(state, self.path(candidate), strict=strict)
+                load(state, self.path(candidate), strict=strict, **options)
             except (CorruptCheckpointError, IncompleteCheckpointError) as e:
                 log.error("stashpoint: step %d is unusable (%s); trying an older one", candidate, e)
                 errors.append(e)
+                damaged.append(candidate)
                 continue
+            self._move_aside(damaged)
             return candidate
         if errors:
             raise errors[0]
         return None
+
+    def _move_aside(self, steps: list[int]) -> None:
+        if self.rank != 0:
+            return
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for s in steps:
+            target = self.root / f"{step_dir(s)}.damaged-{stamp}"
+            self.path(s).rename(target)
+            log.warning("stashpoint: moved the damaged step %d aside to %s", s, target)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -86,9 +86,14 @@ class Planner:
     def _name(self, key: str) -> str:
         return repr(key) if key else "<root>"
 
-    def _set(self, setter: Setter, value: Any) -> None:
+    def _set(self, setter: Setter, value: Any, where: str = "") -> None:
         if setter is not None:
             self.plan.setters.append(lambda: setter(value))
+        else:
+            self.plan.problems.append(
+                f"{self._name(where)}: a plain value cannot be put back into a tuple at the root of the state; "
+                "make the root a dict or a list"
+            )
 
     def _entry(self, key: str) -> Any:
         entry = self.m.tensors.get(key)
@@ -142,7 +147,7 @@ class Planner:
                     f"{self._name(where)}: the checkpoint holds a plain value, the state holds {type(live).__name__}"
                 )
             else:
-                self._set(setter, self.build(saved, where))
+                self._set(setter, self.build(saved, where), where)
         elif "stateful" in saved:
             self._stateful(saved, live, where, setter)
         elif "dict" in saved:
@@ -156,6 +161,8 @@ class Planner:
                     self.restore(child, seq[i], join(where, i), _bind(seq.__setitem__, i), materialize=materialize)
                 if isinstance(live, tuple) and setter is not None:
                     self.plan.setters.append(lambda: setter(type(live)(seq)))
+                elif isinstance(live, tuple) and any(is_plain(c) for c in items):
+                    self._set(None, None, where)  # a root tuple cannot take plain values back
             elif materialize or live is None:
                 self._set(setter, self.build(saved, where))
             else:
@@ -168,6 +175,12 @@ class Planner:
     def _tensor(self, key: str, live: Any, where: str, setter: Setter, materialize: bool) -> None:
         entry = self._entry(key)
         if isinstance(live, torch.Tensor):
+            if live.device.type == "meta":
+                self.plan.problems.append(
+                    f"{self._name(key)}: the state's tensor is on the meta device and has no memory to load into; "
+                    "materialize it first (module.to_empty(device=...))"
+                )
+                return
             if _mismatch(entry, live):
                 self.plan.problems.append(
                     f"{self._name(key)}: the checkpoint holds {entry.dtype}{list(entry.shape)}, "

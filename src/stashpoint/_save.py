@@ -62,40 +62,60 @@ class _Engine:
             cf.wait([h._future for h in self.inflight], return_when=cf.FIRST_COMPLETED)
 
     def submit(self, state: Any, storage: Storage, opts: SaveOptions) -> SaveHandle:
-        """Stage ``state`` (blocking) and queue its persist; see :func:`async_save`."""
+        """Stage ``state`` (blocking) and queue its persist; see :func:`async_save`.
+
+        In a distributed save a failure here on one rank (a refused value, an existing
+        checkpoint, no memory) still queues the save's collectives with the error, so that every
+        rank fails this save together instead of pairing their next saves out of step.
+        """
         t_start = time.perf_counter()
         ctx = _dist.context(opts.process_group, opts.timeout_s) or DistContext.solo()
+        if ctx.world > 1 and opts.on_busy == "skip":
+            raise ValueError(
+                "on_busy='skip' would let ranks skip different saves in a distributed run; use on_busy='wait'"
+            )
         with self.lock:
             if not self.make_room(opts.max_inflight, opts.on_busy):
                 log.warning(
                     "stashpoint: skipped the save to %s: the previous save is still persisting", storage.location
                 )
                 return SaveHandle.skipped(storage.location, opts.step, time.perf_counter() - t_start)
-            if storage.exists(MANIFEST_NAME) and not opts.overwrite:
-                raise CheckpointError(
-                    f"a committed checkpoint already exists at {storage.location}; pass overwrite=True to "
-                    "replace it (it stays loadable until the new one commits) or save to a new path."
-                )
-            tree, tensors = flatten(state, allow_pickle=opts.allow_pickle)
-            layout = Layout.of(tensors)
-            specs = tuple(TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in layout.chunks)
-            plan = self.plan(specs, layout.expected_writes(ctx), opts.max_shard_bytes, ctx.rank)
-            pinned = torch.cuda.is_available() and any(t.device.type == "cuda" for t in layout.sources.values())
-            self.pool.max_free = max(self.pool.max_free, opts.max_inflight)
-            staged = self.pool.acquire(plan, specs, pinned)
-            t_stage = time.perf_counter()
+            ctx.saves += 1
             try:
-                stage([(layout.sources[k], staged.views[k]) for k in layout.sources])
-            except BaseException:
-                self.pool.release(staged)
-                raise
-            staging_s = time.perf_counter() - t_stage
-            job = PersistJob(storage, staged, self.pool, tree, layout, opts, ctx)
+                job, staging_s = self._stage(state, storage, opts, ctx)
+            except BaseException as e:
+                if ctx.world == 1:
+                    raise
+                job, staging_s = PersistJob.failed(storage, self.pool, opts, ctx, e), 0.0
+            job.seq = ctx.saves
             job.blocking_s = time.perf_counter() - t_start
             future = self.executor.submit(job.run, t_start, staging_s)
-            handle = SaveHandle(storage.location, future, job.blocking_s, staging_s)
+            handle = SaveHandle(storage.location, future, job.blocking_s, staging_s, opts.step)
             self.inflight.append(handle)
+            if job.early_error is not None:  # this rank's own error, raised here as in one process
+                raise job.early_error
         return handle
+
+    def _stage(self, state: Any, storage: Storage, opts: SaveOptions, ctx: DistContext) -> tuple[PersistJob, float]:
+        if storage.exists(MANIFEST_NAME) and not opts.overwrite:
+            raise CheckpointError(
+                f"a committed checkpoint already exists at {storage.location}; pass overwrite=True to "
+                "replace it (it stays loadable until the new one commits) or save to a new path."
+            )
+        tree, tensors = flatten(state, allow_pickle=opts.allow_pickle)
+        layout = Layout.of(tensors)
+        specs = tuple(TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in layout.chunks)
+        plan = self.plan(specs, layout.expected_writes(ctx), opts.max_shard_bytes, ctx.rank)
+        pinned = torch.cuda.is_available() and any(t.device.type == "cuda" for t in layout.sources.values())
+        self.pool.max_free = max(self.pool.max_free, opts.max_inflight)
+        staged = self.pool.acquire(plan, specs, pinned)
+        t_stage = time.perf_counter()
+        try:
+            stage([(layout.sources[k], staged.views[k]) for k in layout.sources])
+        except BaseException:
+            self.pool.release(staged)
+            raise
+        return PersistJob(storage, staged, self.pool, tree, layout, opts, ctx), time.perf_counter() - t_stage
 
 
 _engine: _Engine | None = None

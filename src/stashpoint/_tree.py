@@ -70,6 +70,17 @@ def check_tensor(key: str, t: torch.Tensor) -> None:
         )
     if t.device.type == "meta":
         raise UnsupportedStateError(f"meta tensor {where} holds no data; materialize it before saving.")
+    if key.split("/")[-1:] == ["__metadata__"] or key == "__metadata__":
+        raise UnsupportedStateError(f"the key {key!r} is reserved by the safetensors layout of the shards; rename it")
+    if is_dtensor(t):
+        from torch.distributed.tensor import Replicate, Shard
+
+        odd = [p for p in t.placements if type(p) not in (Shard, Replicate)]  # type: ignore[attr-defined]
+        if odd:
+            raise UnsupportedStateError(
+                f"DTensor {where} has placement(s) {odd}; only Shard(dim) and Replicate are saved as they are. "
+                "Redistribute it first (t.redistribute(placements=[Replicate()]) for a Partial sum)."
+            )
     if t.dtype in _SUB_BYTE:
         raise UnsupportedStateError(f"tensor of sub-byte dtype {t.dtype} {where} holds no addressable bytes.")
     if (
