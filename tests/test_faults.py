@@ -31,7 +31,9 @@ def _state(mb: int, v: float) -> dict:
 def test_a_full_disk_fails_the_save_cleanly_and_keeps_the_previous_checkpoint(small_fs: Path):
     stashpoint.save(_state(4, 1.0), small_fs / "a")
     h = stashpoint.async_save(_state(9, 2.0), small_fs / "b")  # does not fit beside "a"
-    with pytest.raises(stashpoint.CheckpointError, match=r"saving the checkpoint to .*b failed: OSError.*No space left"):
+    with pytest.raises(
+        stashpoint.CheckpointError, match=r"saving the checkpoint to .*b failed: OSError.*No space left"
+    ):
         h.wait()
     assert not (small_fs / "b" / "manifest.json").exists()
     assert list((small_fs / "b").glob("shard-*")) == [], "partial files are removed"

@@ -282,7 +282,7 @@ def test_odd_destinations_get_clear_answers(tmp_path):
     param = torch.nn.Parameter(torch.zeros(3, 2))
     stashpoint.load({"p": param.t(), "n": 0}, tmp_path / "ck")  # a view of a leaf that requires grad
     assert torch.equal(param.t(), torch.arange(6.0).reshape(2, 3))
-    with pytest.raises(stashpoint.StateMismatchError, match="meta device.*to_empty"):
+    with pytest.raises(stashpoint.StateMismatchError, match=r"meta device.*to_empty"):
         stashpoint.load({"p": torch.empty(2, 3, device="meta"), "n": 0}, tmp_path / "ck")
     stashpoint.save((torch.ones(2), 5), tmp_path / "tup")
     with pytest.raises(stashpoint.StateMismatchError, match="tuple at the root"):
