@@ -249,3 +249,14 @@ def test_a_second_async_save_waits_for_the_first(tmp_path):
     assert h1.done(), "only one staged copy is in flight"
     assert h2.blocking_s >= 0.1
     h2.wait()
+
+
+def test_directories_that_are_not_checkpoints_get_their_own_hint(tmp_path):
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("hi")
+    with pytest.raises(stashpoint.CheckpointError, match=r"not a stashpoint checkpoint .*check the path"):
+        stashpoint.load({}, tmp_path / "other")
+    with stashpoint.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"w": torch.ones(2)}).wait()
+    with pytest.raises(stashpoint.CheckpointError, match=r"run directory .*pass a step directory"):
+        stashpoint.load({}, tmp_path / "run")

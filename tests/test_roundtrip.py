@@ -289,3 +289,16 @@ def test_odd_destinations_get_clear_answers(tmp_path):
         stashpoint.load((torch.zeros(2), 0), tmp_path / "tup")
     with pytest.raises(stashpoint.UnsupportedStateError, match="reserved by the safetensors layout"):
         stashpoint.save({"__metadata__": torch.ones(1)}, tmp_path / "meta")
+
+
+def test_raw_state_dicts_load_into_live_objects(tmp_path):
+    """What `stashpoint import` makes of a torch.save file: plain dicts of tensors."""
+    model = small_model()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train_steps(model, optim, 2)
+    stashpoint.save({"model": model.state_dict(), "optim": optim.state_dict()}, tmp_path / "ck")
+    model2 = small_model(seed=9)
+    optim2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    stashpoint.load({"model": model2, "optim": optim2}, tmp_path / "ck")
+    assert_same(model.state_dict(), model2.state_dict())
+    assert_same(optim.state_dict(), optim2.state_dict())

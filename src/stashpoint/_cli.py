@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
@@ -61,3 +66,261 @@ def demo(directory: Path, seconds: float, every: int | None, quick: bool) -> Non
         click.echo("interrupted", err=True)
         sys.exit(130)
     sys.exit(code)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tools: ls, inspect, verify, diff, export, import. The logic is in _inspect, _diff and _convert;
+# these commands print. A path that is not what the command needs: one line on stderr, exit code 2.
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _fails_cleanly(fn: F) -> F:
+    """Print a stashpoint error (or bad argument) as one line on stderr and exit 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from .errors import CheckpointError
+
+        try:
+            return fn(*args, **kwargs)
+        except BrokenPipeError:  # the output went to `head` or the like
+            sys.exit(1)
+        except (CheckpointError, ValueError, OSError) as e:
+            msg = "; ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+            click.echo(f"stashpoint {click.get_current_context().info_name}: error: {msg}", err=True)
+            sys.exit(2)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{max(seconds, 0):.0f}s ago"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [list(headers), *([str(c) for c in r] for r in rows)]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def _short(value: object, width: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _echo_json(doc: object) -> None:
+    from ._inspect import jsonable  # NaN and inf as strings: strict JSON
+
+    click.echo(json.dumps(jsonable(doc), indent=2, default=str, allow_nan=False))
+
+
+_json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+_dir = click.Path(path_type=Path)
+
+
+@main.command("ls", short_help="List a run directory's checkpoints: status, size, age, metrics.")
+@click.argument("root", type=_dir)
+@_json_option
+@_fails_cleanly
+def ls_command(*, root: Path, as_json: bool) -> None:
+    """List the step directories of a run directory: committed or partial, size, age, metrics."""
+    from ._inspect import human_bytes, list_steps
+
+    steps = list_steps(root)
+    if as_json:
+        _echo_json([dataclasses.asdict(s) for s in steps])
+        return
+    if not steps:
+        click.echo(f"no step directories (step-XXXXXXXX) in {root}")
+        return
+    rows = []
+    for s in steps:
+        metrics = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in s.metrics.items())
+        rows.append((s.step, s.status, human_bytes(s.size), _age(s.age_s), metrics or s.error or ""))
+    click.echo(_table(("STEP", "STATUS", "SIZE", "AGE", "METRICS"), rows))
+
+
+@main.command("inspect", short_help="Show a checkpoint's tensors, values, metadata and files.")
+@click.argument("path", type=_dir)
+@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True, help="Whose plain values to show.")
+@_json_option
+@_fails_cleanly
+def inspect_command(*, path: Path, rank: int, as_json: bool) -> None:
+    """Show a checkpoint: its tensors, plain values, metadata and files.
+
+    Pickled values are shown as "<pickled, not loaded>": nothing is unpickled.
+    """
+    from ._inspect import describe, human_bytes
+
+    d = describe(path, rank)
+    if as_json:
+        _echo_json(d)
+        return
+    click.echo(f"checkpoint  {d['path']}")
+    click.echo(
+        f"format      stashpoint v{d['format_version']} (save {d['save_id']}, stashpoint "
+        f"{d['library_version']}, torch {d['torch_version']})"
+    )
+    click.echo(f"created     {d['created']}")
+    click.echo(
+        f"world size  {d['world_size']}"
+        + (f" ({d['distinct_rank_trees']} distinct per-rank value sets)" if d["distinct_rank_trees"] > 1 else "")
+    )
+    click.echo(f"\ntensors: {len(d['tensors'])}, {human_bytes(d['total_bytes'])}")
+    rows = [
+        (t["key"], t["dtype"], t["shape"], t["sharding"], human_bytes(t["bytes"]) if t["bytes"] else "-")
+        for t in d["tensors"]
+    ]
+    click.echo(_table(("KEY", "DTYPE", "SHAPE", "SHARDING", "BYTES"), rows))
+    who = f" (rank {d['rank']})" if d["world_size"] > 1 else ""
+    click.echo(f"\nvalues{who}: {len(d['values'])}")
+    for k, v in d["values"].items():
+        click.echo(f"  {k} = {_short(v)}")
+    click.echo(f"\nmetadata: {len(d['metadata'])}")
+    for k, v in d["metadata"].items():
+        click.echo(f"  {k} = {v}")
+    click.echo(f"\nfiles: {len(d['files'])}")
+    click.echo(_table(("NAME", "RANK", "SIZE"), [(f["name"], f["rank"], human_bytes(f["size"])) for f in d["files"]]))
+
+
+@main.command("verify", short_help="Check every byte of a checkpoint; exit 1 on any problem.")
+@click.argument("path", type=_dir)
+@click.option("-q", "--quiet", is_flag=True, help="Print the problems and the verdict only, not the progress.")
+@_json_option
+@_fails_cleanly
+def verify_command(*, path: Path, quiet: bool, as_json: bool) -> None:
+    """Check every byte of a checkpoint against its checksums and its manifest.
+
+    Exit code 0 if it is intact, 1 if any problem is found (all are printed), 2 if PATH is not
+    a checkpoint.
+    """
+    from ._inspect import human_bytes, verify
+
+    rep = verify(path, progress=None if quiet or as_json else click.echo)
+    if as_json:
+        _echo_json({**dataclasses.asdict(rep), "ok": rep.ok})
+    else:
+        for w in rep.warnings:
+            click.echo(f"warning: {w}")
+        for p in rep.problems:
+            click.echo(f"problem: {p}")
+        if rep.ok:
+            click.echo(f"OK: {rep.files} file(s), {rep.tensors} tensor(s), {human_bytes(rep.bytes_checked)} verified")
+        else:
+            click.echo(f"FAILED: {len(rep.problems)} problem(s) in {rep.path}")
+    sys.exit(0 if rep.ok else 1)
+
+
+@main.command("diff", short_help="Show which tensors and values differ between two checkpoints.")
+@click.argument("a", type=_dir)
+@click.argument("b", type=_dir)
+@_json_option
+@_fails_cleanly
+def diff_command(*, a: Path, b: Path, as_json: bool) -> None:
+    """Show which tensors and values differ between checkpoints A and B.
+
+    For tensors of the same shape the maximum absolute difference is shown. Exit code 0 if
+    identical, 1 if they differ.
+    """
+    from ._diff import diff
+    from ._inspect import jsonable
+
+    rep = diff(a, b)
+    if as_json:
+        doc = dataclasses.asdict(rep)
+        doc["plain"] = [{"key": k, "a": jsonable(x), "b": jsonable(y)} for k, x, y in rep.plain]
+        _echo_json({**doc, "identical": rep.identical})
+    else:
+        for k in rep.only_a:
+            click.echo(f"only in A: {k}")
+        for k in rep.only_b:
+            click.echo(f"only in B: {k}")
+        for k, (x, y) in rep.dtype.items():
+            click.echo(f"dtype:     {k}: {x} -> {y}")
+        for k, (sx, sy) in rep.shape.items():
+            click.echo(f"shape:     {k}: {sx} -> {sy}")
+        for k, d in rep.values.items():
+            click.echo(f"values:    {k}: " + ("bytes differ" if d is None else f"max |a-b| = {d:.6g}"))
+        for k, x, y in rep.plain:
+            click.echo(f"value:     {k}: {_short(x, 40)} -> {_short(y, 40)}")
+        n = len(rep.only_a) + len(rep.only_b) + len(set(rep.dtype) | set(rep.shape) | set(rep.values))
+        verdict = "identical" if rep.identical else f"{n} tensor(s) and {len(rep.plain)} value(s) differ"
+        click.echo(f"{rep.compared} tensor(s) compared: {verdict}")
+    sys.exit(0 if rep.identical else 1)
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    from ._convert import parse_size
+
+    try:
+        return None if value is None else parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+@main.command("export", short_help="Consolidate a checkpoint into safetensors (Hugging Face layout).")
+@click.argument("path", type=_dir)
+@click.argument("out", type=_dir)
+@click.option("--select", default="", metavar="PREFIX", help='Export only the key paths under PREFIX, e.g. "model".')
+@click.option(
+    "--max-shard-size",
+    callback=_size,
+    metavar="SIZE",
+    help="Split into Hugging Face-style shards of at most SIZE (e.g. 5GB, 500MiB). Default: none for a "
+    ".safetensors OUT, 5GB for a directory.",
+)
+@click.option(
+    "--tied",
+    type=click.Choice(["drop", "clone"]),
+    default="drop",
+    show_default=True,
+    help="Tied tensors: leave out the aliases (as transformers' save_pretrained does) or write copies.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace an earlier export at OUT.")
+@_fails_cleanly
+def export_command(
+    *, path: Path, out: Path, select: str, max_shard_size: int | None, tied: str, overwrite: bool
+) -> None:
+    """Consolidate a checkpoint (any world size and sharding) into safetensors.
+
+    OUT ending in .safetensors is one file; any other OUT is a directory that gets
+    model.safetensors, or model-0000i-of-0000N.safetensors and model.safetensors.index.json
+    when it exceeds --max-shard-size. Tensor names are the key paths below --select with "/"
+    replaced by ".": with --select model, "model/encoder.layers.0.weight" becomes
+    "encoder.layers.0.weight". The tensors of each output file are held in memory while it is
+    written.
+    """
+    from ._convert import export
+    from ._inspect import human_bytes
+
+    res = export(
+        path, out, select=select, max_shard_size=max_shard_size, tied=tied, overwrite=overwrite, progress=click.echo
+    )
+    for name, target in res.dropped.items():
+        click.echo(f"left out {name}: tied to {target} (pass --tied clone to write a copy)")
+    where = res.index or res.files[0]
+    click.echo(f"exported {res.tensors} tensor(s), {human_bytes(res.total_size)}, to {where}")
+
+
+@main.command("import", short_help="Convert a torch.save file or a DCP checkpoint to stashpoint.")
+@click.argument("src", type=_dir)
+@click.argument("path", type=_dir)
+@click.option("--overwrite", is_flag=True, help="Replace a committed checkpoint at PATH.")
+@_fails_cleanly
+def import_command(*, src: Path, path: Path, overwrite: bool) -> None:
+    """Convert a torch.save file or a DCP checkpoint directory into a stashpoint checkpoint.
+
+    A torch.save file is read with torch.load(weights_only=True). A DCP checkpoint's .metadata
+    file is a pickle that torch unpickles: import only DCP checkpoints you trust.
+    """
+    from ._convert import import_checkpoint
+    from ._inspect import human_bytes
+
+    res = import_checkpoint(src, path, overwrite=overwrite)
+    click.echo(f"imported {res.kind} {src}: {res.tensors} tensor(s), {human_bytes(res.bytes)}, to {res.path}")

@@ -27,6 +27,7 @@ from ._format import (
     parse_header,
     parse_manifest,
 )
+from ._policy import parse_step_dir
 from ._reshard import Box, block_spans, intersect, local, runs
 from ._restore import Planner, Read
 from ._staging import as_memoryview
@@ -57,6 +58,17 @@ def read_manifest(storage: Storage) -> Manifest:
             raise CorruptCheckpointError(f"the manifest of {loc} is larger than the {MAX_MANIFEST_BYTES} byte cap")
         raw = storage.read(MANIFEST_NAME)
     except FileNotFoundError:
+        names = storage.list() if storage.exists(None) else []
+        if any(parse_step_dir(n) is not None for n in names):
+            raise CheckpointError(
+                f"{loc} is a run directory of step checkpoints, not one checkpoint; pass a step directory "
+                "(e.g. the newest), or use CheckpointManager(...).restore(state)"
+            ) from None
+        ours = [n for n in names if n.startswith("shard-") or n.startswith(f".{MANIFEST_NAME}")]
+        if names and not ours:
+            raise CheckpointError(
+                f"{loc} is not a stashpoint checkpoint (no {MANIFEST_NAME} and no shard files); check the path"
+            ) from None
         if storage.exists(None):
             raise IncompleteCheckpointError(
                 f"{loc} exists but holds no committed checkpoint (no {MANIFEST_NAME}): the save that "

@@ -196,6 +196,14 @@ class Planner:
             )
 
     def _dict(self, saved: Node, live: Any, where: str, setter: Setter, materialize: bool) -> None:
+        kind = _stateful.kind_of(live)
+        if kind is not None and not isinstance(live, MutableMapping):
+            # a raw state dict (e.g. imported from torch.save) loads into the live object
+            wrapped: Node = {"stateful": kind, "state": saved}
+            if kind == "optimizer":
+                wrapped["keyed_by"] = "index"
+            self._stateful(wrapped, live, where, setter)
+            return
         if not isinstance(live, MutableMapping):
             if materialize or live is None:
                 self._set(setter, self.build(saved, where))

@@ -1,0 +1,463 @@
+"""The tool commands (ls, inspect, verify, diff, export, import) on real checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from safetensors.torch import load_file
+
+import stashpoint
+from conftest import ROOT, small_model, train_steps
+from dist_util import run_world
+from stashpoint._cli import main
+
+
+def cli(*args: object) -> Result:
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def one_line_error(r: Result, *needles: str) -> None:
+    """Exit 2 with one line on stderr that says what is wrong."""
+    assert r.exit_code == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = small_model()
+        self.emb = torch.nn.Embedding(4, 8)
+        self.head = torch.nn.Linear(8, 4, bias=False)
+        self.head.weight = self.emb.weight  # tied: stored once, an alias in the manifest
+
+
+class _Trap:
+    """Unpickling this creates a directory: the tools must never unpickle."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, Path]:
+    """A one-process checkpoint: a model with tied weights, its optimizer, plain and pickled values."""
+    d = tmp_path_factory.mktemp("single")
+    torch.manual_seed(0)
+    model = Tied()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model.body, optim, 2)
+    extra = {"nan": float("nan"), "raw": b"\x00\x01", "pair": (1, "two")}
+    state = {"model": model, "optim": optim, "step": 7, "extra": extra, "obj": _Trap(str(d / "UNPICKLED"))}
+    stashpoint.save(state, d / "ck", allow_pickle=True, metadata={"note": "hello"})
+    return d / "ck", state, d / "UNPICKLED"
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """A 2-rank FSDP2 checkpoint: every parameter and moment is 2 chunks, one per rank's shard."""
+    path = tmp_path_factory.mktemp("fsdp") / "ck"
+    run_world(2, "fsdp_save", str(path))
+    return path, torch.load(str(path) + ".ref.pt", weights_only=True)
+
+
+def manifest(path: Path) -> dict:
+    return json.loads((path / "manifest.json").read_text())
+
+
+def copy(src: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(src, tmp_path / "ck"))
+
+
+def flip_byte(path: Path, key: str, chunk: int = 0, at: int = 0) -> str:
+    c = manifest(path)["tensors"][key]["chunks"][chunk]
+    with open(path / c["file"], "r+b") as f:
+        f.seek(c["start"] + at)
+        b = f.read(1)
+        f.seek(c["start"] + at)
+        f.write(bytes([b[0] ^ 0x55]))
+    return c["file"]
+
+
+# -- ls -----------------------------------------------------------------------------------------
+
+
+def test_ls_lists_committed_and_partial_steps(tmp_path: Path) -> None:
+    model = small_model()
+    with stashpoint.CheckpointManager(tmp_path, keep_last=None) as mgr:
+        for step in (10, 20):
+            mgr.save(step, {"model": model, "step": step}, metrics={"loss": 1 / step})
+    partial = tmp_path / "step-00000030"
+    partial.mkdir()
+    (partial / "shard-r00000-0000-abc.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / "notes.txt").write_text("not a step")
+    (tmp_path / "step-00000040").mkdir()
+    (tmp_path / "step-00000040" / "manifest.json").write_text("{damaged")
+
+    r = cli("ls", tmp_path)
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].split() == ["STEP", "STATUS", "SIZE", "AGE", "METRICS"]
+    statuses = [ln.split()[:2] for ln in lines[1:]]
+    assert statuses == [["10", "committed"], ["20", "committed"], ["30", "partial"], ["40", "unreadable"]]
+    assert "malformed manifest" in lines[4]
+    assert "loss=0.1" in lines[1] and "loss=0.05" in lines[2]
+    assert "100 B" in lines[3]
+
+    steps = json.loads(cli("ls", tmp_path, "--json").stdout)
+    assert [s["step"] for s in steps] == [10, 20, 30, 40]
+    assert steps[0]["metrics"] == {"loss": 0.1} and steps[2]["metrics"] == {}
+    assert steps[0]["created"] and steps[2]["created"] is None
+    assert steps[2]["size"] == 100
+    assert steps[0]["size"] == sum(f.stat().st_size for f in (tmp_path / "step-00000010").iterdir())
+    assert all(0 <= s["age_s"] < 600 for s in steps)
+
+
+def test_ls_errors_and_empty_runs(tmp_path: Path, single) -> None:
+    one_line_error(cli("ls", tmp_path / "nope"), str(tmp_path / "nope"), "does not exist")
+    one_line_error(cli("ls", single[0]), "is a checkpoint", "stashpoint inspect")
+    r = cli("ls", tmp_path)
+    assert r.exit_code == 0 and "no step directories" in r.stdout
+
+
+# -- inspect ------------------------------------------------------------------------------------
+
+
+def test_inspect_shows_tensors_values_metadata_without_unpickling(single) -> None:
+    path, _, sentinel = single
+    r = cli("inspect", path)
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    assert "model/body.0.weight" in out and "float32" in out and "[16, 8]" in out and "1 chunk" in out
+    assert "alias of model/emb.weight" in out  # model/head.weight, tied
+    assert "step = 7" in out and "extra/pair = [1, 'two']" in out and "extra/nan = nan" in out
+    assert "obj = <pickled, not loaded>" in out and "note = hello" in out
+    assert "world size  1" in out and "stashpoint v1" in out
+
+    d = json.loads(cli("inspect", path, "--json").stdout)
+    tensors = {t["key"]: t for t in d["tensors"]}
+    assert tensors["model/body.0.weight"]["bytes"] == 16 * 8 * 4
+    assert tensors["model/head.weight"]["sharding"] == "alias of model/emb.weight"
+    assert set(tensors) == set(manifest(path)["tensors"])
+    assert d["values"]["step"] == 7 and d["values"]["obj"] == "<pickled, not loaded>"
+    assert d["values"]["optim/param_groups/0/lr"] == 0.01 and d["metadata"] == {"note": "hello"}
+    assert d["world_size"] == 1 and d["format_version"] == 1
+    assert [f["name"] for f in d["files"]] == [p.name for p in sorted(path.glob("shard-*"))]
+    assert not sentinel.exists()
+
+
+def test_inspect_multi_rank(fsdp) -> None:
+    path, _ = fsdp
+    d = json.loads(cli("inspect", path, "--json").stdout)
+    tensors = {t["key"]: t for t in d["tensors"]}
+    assert d["world_size"] == 2 and tensors["model/0.weight"]["shape"] == [64, 16]
+    assert tensors["model/0.weight"]["sharding"] == "2 chunks"
+    assert sorted(f["rank"] for f in d["files"]) == [0, 1]
+    assert "2 chunks" in cli("inspect", path).stdout
+    one_line_error(cli("inspect", path, "--rank", "2"), "rank 2", "2 rank(s)")
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "export", "diff"])
+def test_not_a_checkpoint_is_one_line_exit_2(tmp_path: Path, single, command: str) -> None:
+    extra = {"export": [tmp_path / "o.safetensors"], "diff": [single[0]]}.get(command, [])
+    one_line_error(cli(command, tmp_path / "nope", *extra), str(tmp_path / "nope"), "does not exist")
+    one_line_error(cli(command, tmp_path, *extra), "not a stashpoint checkpoint")
+    partial = tmp_path / "step-00000005"
+    partial.mkdir()
+    (partial / "shard-r00000-0000-x.safetensors").write_bytes(b"")
+    one_line_error(cli(command, partial, *extra), "no committed checkpoint")
+    one_line_error(cli(command, tmp_path, *extra), "run directory", "step-00000005")
+    f = tmp_path / "model.pt"
+    f.write_bytes(b"x")
+    one_line_error(cli(command, f, *extra), "is a file", "stashpoint import")
+
+
+# -- verify -------------------------------------------------------------------------------------
+
+
+def test_verify_clean_checkpoints(single, fsdp) -> None:
+    for path in (single[0], fsdp[0]):
+        r = cli("verify", path)
+        assert r.exit_code == 0, r.output
+        n = len(manifest(path)["files"])
+        assert f"[{n}/{n}]" in r.stdout and r.stdout.strip().splitlines()[-1].startswith("OK:")
+    rep = json.loads(cli("verify", "--json", fsdp[0]).stdout)
+    assert rep["ok"] and rep["problems"] == [] and rep["files"] == 2
+    assert rep["bytes_checked"] == sum(
+        t["bytes"] for t in json.loads(cli("inspect", fsdp[0], "--json").stdout)["tensors"]
+    )
+
+
+def test_verify_flipped_bytes_names_every_key_and_file(fsdp, tmp_path: Path) -> None:
+    path = copy(fsdp[0], tmp_path)
+    f1 = flip_byte(path, "model/0.weight", chunk=1, at=5)
+    f2 = flip_byte(path, "optim/state/2.bias/exp_avg_sq", chunk=0)
+    (path / "shard-r00000-0001-0123456789abcdef.safetensors").write_bytes(b"old")
+    r = cli("verify", path)
+    assert r.exit_code == 1, r.output
+    problems = [ln for ln in r.stdout.splitlines() if ln.startswith("problem:")]
+    assert len(problems) == 2, r.stdout
+    assert any("'model/0.weight'" in p and f1 in p for p in problems)
+    assert any("'optim/state/2.bias/exp_avg_sq'" in p and f2 in p for p in problems)
+    assert "warning:" in r.stdout and "shard-r00000-0001-0123456789abcdef" in r.stdout
+    assert "FAILED: 2 problem(s)" in r.stdout
+    with pytest.raises(stashpoint.CorruptCheckpointError):
+        stashpoint.load({"model": None, "optim": None}, path)
+
+
+def test_verify_truncated_and_deleted_shards(fsdp, tmp_path: Path) -> None:
+    path = copy(fsdp[0], tmp_path)
+    files = manifest(path)["files"]
+    os.truncate(path / files[0]["name"], files[0]["size"] - 100)
+    r = cli("verify", "-q", path)
+    assert r.exit_code == 1
+    assert "[1/2]" not in r.stdout  # --quiet: no progress
+    assert f"{files[0]['name']} is truncated: {files[0]['size'] - 100} bytes" in r.stdout
+    assert "ends before the data of" in r.stdout
+    (path / files[1]["name"]).unlink()
+    r = cli("verify", path)
+    assert r.exit_code == 1
+    assert f"{files[1]['name']} listed in the manifest is missing" in r.stdout
+    assert "model/" in r.stdout.split("is missing", 1)[1]  # names the keys it held
+    assert "FAILED: 3 problem(s)" in r.stdout
+
+
+def test_verify_damaged_manifest_and_header(single, tmp_path: Path) -> None:
+    path = copy(single[0], tmp_path)
+    shard = next(path.glob("shard-*"))
+    with open(shard, "r+b") as f:  # inside the JSON header
+        f.seek(20)
+        f.write(b"#")
+    r = cli("verify", path)
+    assert r.exit_code == 1 and "header of shard" in r.stdout and shard.name in r.stdout
+    (path / "manifest.json").write_text("{not json")
+    r = cli("verify", path)
+    assert r.exit_code == 1 and "malformed manifest" in r.stdout
+    one_line_error(cli("inspect", path), "malformed manifest", "use an earlier one")
+
+
+def test_verify_multi_block_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk of several checksum blocks, read a few blocks at a time: the damaged block is named."""
+    from stashpoint import _inspect
+    from stashpoint._format import CHECKSUM_BLOCK_BYTES as BLOCK
+
+    monkeypatch.setattr(_inspect, "_SPAN", 2 * BLOCK)
+    stashpoint.save({"big": torch.arange(BLOCK * 9 // 32, dtype=torch.int64), "small": torch.ones(3)}, tmp_path / "ck")
+    r = cli("verify", tmp_path / "ck")
+    assert r.exit_code == 0 and "9.0 MiB verified" in r.stdout, r.stdout
+    flip_byte(tmp_path / "ck", "big", at=2 * BLOCK + 7)
+    start = manifest(tmp_path / "ck")["tensors"]["big"]["chunks"][0]["start"]
+    r = cli("verify", tmp_path / "ck")
+    assert r.exit_code == 1
+    assert f"'big' in shard {tmp_path / 'ck'}/shard-" in r.stdout and "1 of 3 block(s) damaged" in r.stdout
+    assert f"at file bytes {start + 2 * BLOCK}-{start + 9 * BLOCK // 4}" in r.stdout
+
+
+def test_verify_entry_point_exit_codes(single, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    run = [sys.executable, "-m", "stashpoint", "verify"]
+    ok = subprocess.run([*run, str(single[0])], capture_output=True, text=True, env=env, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    path = copy(single[0], tmp_path)
+    flip_byte(path, "model/emb.weight")
+    bad = subprocess.run([*run, str(path)], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 1 and "'model/emb.weight'" in bad.stdout
+    usage = subprocess.run([*run, str(tmp_path / "nope")], capture_output=True, text=True, env=env, timeout=120)
+    assert usage.returncode == 2 and "does not exist" in usage.stderr
+
+
+# -- diff ---------------------------------------------------------------------------------------
+
+
+def test_diff_identical_and_different(tmp_path: Path) -> None:
+    def state(**changes):
+        torch.manual_seed(0)
+        s = {"w": torch.randn(4, 4), "b": torch.zeros(3), "i": torch.arange(5), "h": torch.ones(2, dtype=torch.float16)}
+        s.update({"nanny": torch.tensor([float("nan"), 1.0]), "step": 3, "name": "run"})
+        s.update(changes)
+        return {k: v for k, v in s.items() if v is not None}
+
+    stashpoint.save(state(), tmp_path / "a")
+    stashpoint.save(state(), tmp_path / "a2")
+    r = cli("diff", tmp_path / "a", tmp_path / "a2")
+    assert r.exit_code == 0 and r.stdout.strip() == "5 tensor(s) compared: identical", r.output
+
+    w = state()["w"].clone()
+    w[1, 2] += 0.5
+    stashpoint.save(state(w=w, b=None, extra=torch.ones(1), i=torch.arange(6), h=torch.ones(2), step=4), tmp_path / "b")
+    r = cli("diff", tmp_path / "a", tmp_path / "b")
+    assert r.exit_code == 1
+    out = r.stdout
+    assert "only in A: b" in out and "only in B: extra" in out and "shape:     i: [5] -> [6]" in out
+    assert "dtype:     h: float16 -> float32" in out and "values:    w: max |a-b| = 0.5" in out
+    assert "nanny" not in out  # NaN in the same place in both counts as equal
+    assert "value:     step: 3 -> 4" in out
+    d = json.loads(cli("diff", tmp_path / "a", tmp_path / "b", "--json").stdout)
+    assert not d["identical"] and d["values"] == {"w": 0.5} and (d["only_a"], d["only_b"]) == (["b"], ["extra"])
+    assert d["plain"] == [{"key": "step", "a": 3, "b": 4}]
+
+
+def test_diff_multi_rank_against_its_import(fsdp, tmp_path: Path) -> None:
+    """A 2-rank sharded checkpoint and a one-process copy of its model: the tensors are equal."""
+    path, ref = fsdp
+    torch.save({"model": ref["model"]}, tmp_path / "ref.pt")
+    assert cli("import", tmp_path / "ref.pt", tmp_path / "one").exit_code == 0
+    r = cli("diff", path, tmp_path / "one", "--json")
+    d = json.loads(r.stdout)
+    assert r.exit_code == 1 and not d["identical"]
+    assert d["values"] == {} and d["only_b"] == []  # every model tensor identical, across 2 chunks
+    assert all(k.startswith("optim/") for k in d["only_a"])
+
+
+# -- export -------------------------------------------------------------------------------------
+
+
+def test_export_single_file_round_trip(single, tmp_path: Path) -> None:
+    path, state, sentinel = single
+    sd = state["model"].state_dict()
+    r = cli("export", path, tmp_path / "m.safetensors", "--select", "model")
+    assert r.exit_code == 0 and "left out head.weight: tied to emb.weight" in r.stdout, r.output
+    got = load_file(tmp_path / "m.safetensors")
+    assert set(got) == set(sd) - {"head.weight"} and all(torch.equal(got[k], sd[k]) for k in got)
+
+    assert cli("export", path, tmp_path / "c.safetensors", "--select", "model", "--tied", "clone").exit_code == 0
+    got = load_file(tmp_path / "c.safetensors")
+    assert set(got) == set(sd) and torch.equal(got["head.weight"], sd["emb.weight"])
+
+    # everything, names from the full key paths
+    assert cli("export", path, tmp_path / "all.safetensors").exit_code == 0
+    got = load_file(tmp_path / "all.safetensors")
+    assert "model.body.0.weight" in got and "optim.state.body.0.weight.exp_avg" in got
+    assert not sentinel.exists()
+
+
+def test_export_refusals(single, tmp_path: Path) -> None:
+    path = single[0]
+    out = tmp_path / "m.safetensors"
+    assert cli("export", path, out, "--select", "model").exit_code == 0
+    one_line_error(cli("export", path, out, "--select", "model"), "already exists", "--overwrite")
+    assert cli("export", path, out, "--select", "model", "--overwrite").exit_code == 0
+    one_line_error(
+        cli("export", path, tmp_path / "x.safetensors", "--select", "nope"), "no tensor under 'nope'", "model"
+    )
+    r = cli("export", path, tmp_path / "x.safetensors", "--max-shard-size", "5XB")
+    assert r.exit_code == 2 and "invalid size" in r.stderr
+    stashpoint.save({"c": torch.ones(2, dtype=torch.complex128), "x": torch.ones(2)}, tmp_path / "cx")
+    one_line_error(cli("export", tmp_path / "cx", tmp_path / "x.safetensors"), "'c' has dtype complex128", "--select")
+    assert cli("export", tmp_path / "cx", tmp_path / "x.safetensors", "--select", "x").exit_code == 0
+
+
+def test_export_multi_rank_consolidates_and_shards(fsdp, tmp_path: Path) -> None:
+    path, ref = fsdp
+    assert cli("export", path, tmp_path / "m.safetensors", "--select", "model").exit_code == 0
+    got = load_file(tmp_path / "m.safetensors")
+    assert set(got) == set(ref["model"]) and all(torch.equal(got[k], v) for k, v in ref["model"].items())
+
+    out = tmp_path / "hf"
+    r = cli("export", path, out, "--max-shard-size", "5KB")
+    assert r.exit_code == 0, r.output
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted({*index["weight_map"].values()})
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert sorted(p.name for p in out.glob("*.safetensors")) == files
+    merged = {}
+    for f in files:
+        part = load_file(out / f)
+        assert all(index["weight_map"][k] == f for k in part)
+        merged.update(part)
+    assert set(merged) == set(index["weight_map"])
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in merged.values())
+    assert all(torch.equal(merged[f"model.{k}"], v) for k, v in ref["model"].items())
+    assert all(torch.equal(merged[f"optim.state.{k}.exp_avg"], v) for k, v in ref["exp_avg"].items())
+
+    # a directory that fits in one shard: model.safetensors (Hugging Face's single-file layout)
+    assert cli("export", path, out, "--overwrite").exit_code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+
+def test_export_loads_in_transformers(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    stashpoint.save({"model": model, "step": 1}, tmp_path / "ck")
+    out = tmp_path / "hf"
+    r = cli("export", tmp_path / "ck", out, "--select", "model")
+    assert r.exit_code == 0, r.output
+    model.config.save_pretrained(out)
+    loaded, info = transformers.GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids).logits, model(ids).logits)
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # tied again
+
+
+# -- import -------------------------------------------------------------------------------------
+
+
+def test_import_torch_save(tmp_path: Path) -> None:
+    model = small_model(seed=1)
+    optim = torch.optim.AdamW(model.parameters())
+    train_steps(model, optim, 2)
+    torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "epoch": 3}, tmp_path / "ck.pt")
+    r = cli("import", tmp_path / "ck.pt", tmp_path / "sp")
+    assert r.exit_code == 0 and "imported torch.save" in r.stdout, r.output
+    assert cli("verify", "-q", tmp_path / "sp").exit_code == 0
+    fresh = small_model(seed=2)
+    state = {"model": fresh.state_dict(), "optim": None, "epoch": 0}
+    stashpoint.load(state, tmp_path / "sp")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items()) and state["epoch"] == 3
+    assert torch.equal(state["optim"]["state"][0]["exp_avg"], optim.state_dict()["state"][0]["exp_avg"])
+
+    one_line_error(cli("import", tmp_path / "ck.pt", tmp_path / "sp"), "already exists", "--overwrite")
+    assert cli("import", tmp_path / "ck.pt", tmp_path / "sp", "--overwrite").exit_code == 0
+
+
+def test_import_dcp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict_loader
+
+    model = small_model(seed=3)
+    dcp.save({"model": model.state_dict(), "step": 5, "tags": ["a", "b"]}, checkpoint_id=str(tmp_path / "dcp"))
+    r = cli("import", tmp_path / "dcp", tmp_path / "sp")
+    assert r.exit_code == 0 and "imported dcp" in r.stdout, r.output
+    d = json.loads(cli("inspect", tmp_path / "sp", "--json").stdout)
+    assert d["values"]["step"] == 5 and d["values"]["tags"] == ["a", "b"]
+    fresh = small_model(seed=4)  # the imported "model" is a plain dict: load it into the state dict's tensors
+    stashpoint.load({"model": fresh.state_dict(), "step": 0, "tags": None}, tmp_path / "sp")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+
+    # without torch's private loader: the public converter, through a temporary file
+    monkeypatch.delattr(state_dict_loader, "_load_state_dict_from_keys")
+    assert cli("import", tmp_path / "dcp", tmp_path / "sp2").exit_code == 0
+    assert cli("diff", tmp_path / "sp", tmp_path / "sp2").exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp", "sp", "sp2"]  # no temporary left
+
+
+def test_import_refusals(tmp_path: Path, single) -> None:
+    torch.save(small_model(), tmp_path / "module.pt")  # a pickled module: weights_only refuses it
+    one_line_error(cli("import", tmp_path / "module.pt", tmp_path / "o"), "weights_only=True", "never runs code")
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    one_line_error(cli("import", tmp_path / "junk.pt", tmp_path / "o"), "not a readable torch.save file")
+    one_line_error(cli("import", tmp_path / "nope.pt", tmp_path / "o"), "nope.pt", "torch.save file or a DCP")
+    one_line_error(cli("import", single[0], tmp_path / "o"), "already a stashpoint checkpoint")
+    (tmp_path / "empty").mkdir()
+    one_line_error(cli("import", tmp_path / "empty", tmp_path / "o"), "not a DCP checkpoint")
+    assert not (tmp_path / "o").exists()
