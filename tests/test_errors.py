@@ -260,3 +260,30 @@ def test_directories_that_are_not_checkpoints_get_their_own_hint(tmp_path):
         mgr.save(1, {"w": torch.ones(2)}).wait()
     with pytest.raises(stashpoint.CheckpointError, match=r"run directory .*pass a step directory"):
         stashpoint.load({}, tmp_path / "run")
+
+
+def test_a_shard_that_is_a_symbolic_link_is_refused(tmp_path):
+    stashpoint.save({"a": torch.ones(10)}, tmp_path / "ck")
+    shard = _one_shard(tmp_path / "ck")
+    outside = tmp_path / "elsewhere.bin"
+    outside.write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(outside)
+    with pytest.raises(stashpoint.CorruptCheckpointError, match="symbolic link; refused"):
+        stashpoint.load({"a": torch.zeros(10)}, tmp_path / "ck")
+
+
+def test_verify_reports_every_problem(tmp_path):
+    stashpoint.save(
+        {"a": torch.ones(100), "b": torch.ones(100), "c": torch.ones(2_000_000)}, tmp_path / "ck", max_shard_bytes=1000
+    )
+    assert stashpoint.verify(tmp_path / "ck").ok
+    manifest = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_text())
+    for key in ("a", "b"):
+        chunk = manifest["tensors"][key]["chunks"][0]
+        _flip(tmp_path / "ck" / chunk["file"], chunk["start"] + 3)
+    (tmp_path / "ck" / manifest["tensors"]["c"]["chunks"][0]["file"]).unlink()
+    report = stashpoint.verify(tmp_path / "ck")
+    text = "\n".join(report.problems)
+    assert not report.ok and len(report.problems) >= 3, text
+    assert "'a'" in text and "'b'" in text and "missing" in text

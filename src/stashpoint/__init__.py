@@ -9,12 +9,14 @@ Public API::
     stashpoint.save(state, path)            # blocking, durable on return
     stashpoint.async_save(state, path)      # returns once staged -> SaveHandle
     stashpoint.load(state, path)            # in place, verified
+    stashpoint.verify(path)                 # every checksum and the structure -> VerifyReport
     stashpoint.RNGState()                   # every RNG, as a stateful object
     stashpoint.StatefulSampler(dataset)     # a resumable data position
 """
 
 from ._data import StatefulSampler
 from ._handle import SaveHandle, SaveStats
+from ._inspect import VerifyReport, verify
 from ._load import load
 from ._manager import CheckpointManager
 from ._rng import RNGState
@@ -41,8 +43,10 @@ __all__ = [
     "StateMismatchError",
     "StatefulSampler",
     "UnsupportedStateError",
+    "VerifyReport",
     "__version__",
     "async_save",
     "load",
     "save",
+    "verify",
 ]

@@ -88,6 +88,8 @@ def check_files(storage: Storage, manifest: Manifest, names: Iterable[str]) -> N
             size = storage.size(name)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"shard {where} listed in the manifest is missing") from None
+        except OSError as e:
+            raise CorruptCheckpointError(f"shard {where} is refused: {e.strerror or e}") from None
         if size != fe.size:
             what = "truncated" if size < fe.size else "larger than recorded"
             raise CorruptCheckpointError(f"shard {where} is {what}: {size} bytes, the manifest says {fe.size}")

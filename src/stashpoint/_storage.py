@@ -19,6 +19,7 @@ import abc
 import ctypes
 import errno
 import os
+import stat
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -213,13 +214,18 @@ class LocalStorage(Storage):
             raise
         _fsync_dir(self.root)
 
+    def _open_read(self, name: str) -> int:
+        """Open a file of the checkpoint for reading; a symbolic link is refused (it could point
+        anywhere outside the checkpoint)."""
+        return os.open(self.root / name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+
     def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
-        with open(self.root / name, "rb") as f:
+        with os.fdopen(self._open_read(name), "rb") as f:
             f.seek(offset)
             return f.read() if length is None else f.read(length)
 
     def readv(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
-        fd = os.open(self.root / name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = self._open_read(name)
         try:
             pending = [b.cast("B") for b in buffers if len(b)]
             pos = offset
@@ -238,7 +244,10 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def size(self, name: str) -> int:
-        return (self.root / name).stat().st_size
+        st = (self.root / name).lstat()
+        if stat.S_ISLNK(st.st_mode):
+            raise OSError(errno.ELOOP, f"{self.root / name} is a symbolic link; refused")
+        return st.st_size
 
     def exists(self, name: str | None = None) -> bool:
         return (self.root if name is None else self.root / name).exists()
