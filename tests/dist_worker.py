@@ -333,6 +333,27 @@ def scenario_fallback(root: str) -> None:
     result(step=got, value=float(state["w"].to_local()[0, 0]), state_step=state["step"])
 
 
+def scenario_torture_loop(root: str) -> None:
+    """Save forever through a manager (rank 0 prints each commit) until a rank is killed."""
+    state = {"w": torch.zeros(256 * 1024), "step": 0}
+
+    def report(stats: stashpoint.SaveStats) -> None:
+        if RANK == 0:
+            print(f"committed {stats.step}", flush=True)
+
+    try:
+        with stashpoint.CheckpointManager(root, keep_last=2, on_save=report) as mgr:
+            step = (mgr.latest_step() or 0) + 1
+            while True:
+                state["w"].fill_(step)
+                state["step"] = step
+                mgr.save(step, state, timeout=10)
+                step += 1
+    except stashpoint.CheckpointError as e:
+        result(error=str(e)[:300])
+    os._exit(0)
+
+
 def scenario_mesh_only(path: str, kind: str) -> None:
     st = dtensor_state(kind)
     if "pythreads" in path:

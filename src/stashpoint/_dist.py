@@ -206,12 +206,18 @@ def context(process_group: Any = None, timeout_s: float | None = None) -> DistCo
     with _lock:
         ctx = _contexts.get((ranks, timeout))
         if ctx is None:
-            group = dist.new_group(
-                ranks=list(ranks),
-                backend="gloo",
-                timeout=_dt.timedelta(seconds=timeout),
-                use_local_synchronization=True,
-            )
+            try:
+                group = dist.new_group(
+                    ranks=list(ranks),
+                    backend="gloo",
+                    timeout=_dt.timedelta(seconds=timeout),
+                    use_local_synchronization=True,
+                )
+            except Exception as e:
+                raise CollectiveError(
+                    f"could not create stashpoint's checkpoint process group over ranks {list(ranks)} (is every "
+                    f"rank alive and saving?): {type(e).__name__}: {str(e)[:300]}"
+                ) from e
             ctx = DistContext(group, ranks, dist.get_rank(group), len(ranks), timeout)
             _contexts[(ranks, timeout)] = ctx
     return ctx
