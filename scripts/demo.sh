@@ -2,6 +2,6 @@
 # Sets up .venv and runs the demo: train, checkpoint in the background, crash, resume exactly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+EXTRAS= bash scripts/setup.sh
 . .venv/bin/activate
 exec stashpoint demo "$@"

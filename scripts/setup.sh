@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (if needed) and installs stashpoint with its test tools into it.
+# Creates .venv (if needed) and installs stashpoint (with its test tools unless EXTRAS="") into it.
 # torch==2.13.0 is installed first, explicitly: a bare `torch` requirement in a fresh
 # environment can pull a multi-GB CUDA build instead of the CPU wheel.
 set -euo pipefail
@@ -13,4 +13,6 @@ python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 if ! python -c "import torch" >/dev/null 2>&1; then
   python -m pip install -q "torch==2.13.0"
 fi
-python -m pip install -q -e ".[test]"
+# EXTRAS: "test" (default) for the test tools; empty for the library alone (the demo).
+EXTRAS=${EXTRAS-test}
+python -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
