@@ -19,6 +19,7 @@ from stashpoint._format import (
     encode_header,
     parse_header,
     parse_manifest,
+    seal,
 )
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
@@ -137,7 +138,7 @@ def test_manifest_validation_names_the_problem(tmp_path, mutate, message):
     doc = json.loads(_manifest(tmp_path))
     mutate(doc)
     with pytest.raises(CorruptCheckpointError, match=message):
-        parse_manifest(json.dumps(doc).encode(), "x")
+        parse_manifest(seal(doc), "x")
 
 
 @given(st.binary(max_size=300))
@@ -165,7 +166,11 @@ def test_header_claiming_huge_size_is_refused_without_allocating():
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4),
     max_leaves=12,
 )
@@ -200,7 +205,7 @@ def test_structured_manifest_fuzz_raises_only_checkpoint_errors(valid_manifest, 
         parent = parent[part]
     parent[path[-1]] = data.draw(json_values)
     try:
-        parse_manifest(json.dumps(doc).encode(), "fuzz")
+        parse_manifest(seal(doc), "fuzz")
     except CheckpointError:
         pass
 
@@ -218,9 +223,20 @@ def test_loading_a_fuzzed_manifest_raises_only_checkpoint_errors(valid_manifest,
     d = tmp_path_factory.mktemp("fz")
     for shard in valid_manifest[1].glob("shard-*"):
         shutil.copy(shard, d / shard.name)
-    (d / MANIFEST_NAME).write_text(json.dumps(doc))
+    (d / MANIFEST_NAME).write_bytes(seal(doc) if isinstance(doc, dict) else json.dumps(doc).encode())
     for target in ({}, {"a": torch.zeros(3), "m": torch.nn.Linear(2, 2), "b": {}}):
         try:
             stashpoint.load(target, d)
         except CheckpointError:
             pass
+
+
+def test_any_damage_to_the_manifest_is_detected(tmp_path):
+    stashpoint.save({"w": torch.ones(2), "step": 1234, "name": "run"}, tmp_path / "ck")
+    path = tmp_path / "ck" / MANIFEST_NAME
+    raw = path.read_bytes()
+    assert json.loads(raw)["checksum"]
+    i = raw.index(b"1234")
+    path.write_bytes(raw[:i] + b"1235" + raw[i + 4 :])  # a plain value, nothing else would notice
+    with pytest.raises(CorruptCheckpointError, match="checksum does not match its contents"):
+        stashpoint.load({"w": torch.zeros(2)}, tmp_path / "ck")

@@ -168,7 +168,7 @@ class Manifest:
             "trees": list(self.trees),
             "tree_of_rank": list(self.tree_of_rank),
         }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        return seal(doc)
 
     def tree_for(self, rank: int) -> dict[str, Any]:
         """The state tree saved by ``rank``; rank ``r`` of a larger world gets that of ``r mod N``."""
@@ -202,6 +202,18 @@ def _entry_doc(e: TensorEntry) -> dict[str, Any]:
             for c in e.chunks
         ],
     }
+
+
+def _body(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def seal(doc: dict[str, Any]) -> bytes:
+    """The manifest's bytes: compact JSON whose last field, ``checksum``, is the xxh3-64 of the
+    same JSON without it, so that damage anywhere in the manifest is detected."""
+    doc = {k: v for k, v in doc.items() if k != "checksum"}
+    doc["checksum"] = checksum(_body(doc))
+    return _body(doc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,6 +261,12 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         raise CorruptCheckpointError(f"malformed manifest {where}: not valid JSON ({e})") from None
     _want(isinstance(doc, dict), where, "top level is not an object")
     _want(doc.get("format") == FORMAT_NAME, where, "not a stashpoint manifest")
+    claimed = doc.pop("checksum", None)
+    try:
+        actual = checksum(_body(doc))
+    except (ValueError, RecursionError):
+        actual = None
+    _want(claimed == actual, where, "its checksum does not match its contents (the manifest is damaged)")
     version = _int(doc.get("format_version"), where, "format_version", 1)
     if version > FORMAT_VERSION:
         raise CorruptCheckpointError(
