@@ -243,8 +243,10 @@ class _KillOnWrite(LocalStorage):
 
 
 class _StallOnWrite(LocalStorage):
+    seconds = 20.0
+
     def open_writer(self, name, size):
-        time.sleep(20)
+        time.sleep(self.seconds)
         return super().open_writer(name, size)
 
 
@@ -351,6 +353,22 @@ def scenario_torture_loop(root: str) -> None:
                 step += 1
     except stashpoint.CheckpointError as e:
         result(error=str(e)[:300])
+    os._exit(0)
+
+
+def scenario_recover(root: str) -> None:
+    """Rank 1 stalls past the timeout: the save fails on both; once both are back, the next works."""
+    state = {f"w{RANK}": torch.full((1000,), float(RANK))}  # each rank writes its own tensor
+    _StallOnWrite.seconds = 8.0
+    first = _StallOnWrite(f"{root}/a") if RANK == 1 else LocalStorage(f"{root}/a")
+    try:
+        stashpoint.async_save(state, first, timeout=4).wait()
+        outcome = "ok"
+    except stashpoint.CheckpointError as e:
+        outcome = str(e)[:200]
+    dist.barrier()  # the training's own group: the ranks are together again
+    stashpoint.save(state, f"{root}/b", timeout=30)
+    result(first=outcome, second="ok")
     os._exit(0)
 
 

@@ -110,6 +110,7 @@ def test_a_rank_dying_or_stalling_mid_save_fails_it_on_the_others_within_the_tim
     assert survivor["raised"], survivor
     assert survivor["seconds"] < 40, "failed within the 10 s timeout (plus teardown), not after the stall"
     assert "rank 0" in survivor["message"] and "peer rank died, stalled" in survivor["message"]
+    assert "rank(s) 1 never reached it" in survivor["message"], survivor["message"]
     assert not (tmp_path / "ck" / MANIFEST_NAME).exists(), "nothing committed"
     prev = {"w": torch.zeros(1000), "x": torch.zeros(10)}
     stashpoint.load(prev, ck + "-prev")  # the earlier checkpoint stays loadable
@@ -153,3 +154,11 @@ def test_an_error_on_one_rank_fails_that_save_on_all_and_the_ranks_stay_in_step(
 def test_all_ranks_fall_back_to_the_same_step_when_one_rank_finds_damage(tmp_path):
     for r in run_world(2, "fallback", str(tmp_path / "run")):
         assert r == {"step": 1, "value": 1.0, "state_step": 1}, r
+
+
+def test_the_next_save_works_once_the_ranks_are_back_together(tmp_path):
+    results = run_world(2, "recover", str(tmp_path), timeout=120)
+    for r in results:
+        assert r["first"] != "ok" and r["second"] == "ok", r
+    assert not (tmp_path / "a" / MANIFEST_NAME).exists()
+    assert (tmp_path / "b" / MANIFEST_NAME).exists()

@@ -287,3 +287,31 @@ def test_verify_reports_every_problem(tmp_path):
     text = "\n".join(report.problems)
     assert not report.ok and len(report.problems) >= 3, text
     assert "'a'" in text and "'b'" in text and "missing" in text
+
+
+class DeniedStorage(LocalStorage):
+    def open_writer(self, name, size):
+        raise PermissionError(errno.EACCES, "Permission denied (injected)", str(self.root / name))
+
+
+def test_permission_denied_fails_the_save_clearly_and_training_goes_on(tmp_path):
+    stashpoint.save({"w": torch.ones(3)}, tmp_path / "ok")
+    with pytest.raises(stashpoint.CheckpointError, match=r"failed: PermissionError.*Permission denied"):
+        stashpoint.save({"w": torch.ones(3)}, DeniedStorage(tmp_path / "denied"))
+    stashpoint.save({"w": torch.ones(3)}, tmp_path / "next")  # the next save works
+    out = {"w": torch.zeros(3)}
+    stashpoint.load(out, tmp_path / "ok")
+    assert out["w"].sum() == 3
+
+
+def test_loading_a_step_while_a_newer_one_is_being_saved(tmp_path):
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=None) as mgr:
+        mgr.save(1, {"w": torch.full((100,), 1.0)}).wait()
+        gate = threading.Event()
+        mgr.storage_class = lambda root: SlowStorage(root, gate)  # type: ignore[assignment]
+        h = mgr.save(2, {"w": torch.full((100,), 2.0)})
+        out = {"w": torch.zeros(100)}
+        assert mgr.restore(out) == 1 and out["w"][0] == 1.0, "the save in flight is not visible yet"
+        gate.set()
+        h.wait()
+        assert mgr.restore(out) == 2 and out["w"][0] == 2.0

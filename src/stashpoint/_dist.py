@@ -126,6 +126,7 @@ class DistContext:
     last_plan: tuple[tuple[str, ...], list[Any], dict[Any, int]] | None = None
     plans_made: int = 0  # how many times the layouts were exchanged and a plan computed
     saves: int = 0  # collective saves started on this rank: every rank must agree on the count
+    calls: int = 0  # collectives issued on this group by this rank (the same count on every rank)
 
     hosts: tuple[str, ...] | None = None
 
@@ -143,14 +144,27 @@ class DistContext:
         return cls(None, (0,), 0, 1, DEFAULT_TIMEOUT_S)
 
     def collective(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run a collective on the checkpoint group; turn failures into a clear error."""
+        """Run a collective on the checkpoint group; turn failures into a clear error that names
+        the ranks that never reached it (each rank marks its arrival in the job's store)."""
+        self.calls += 1
+        mark = f"stashpoint/{self.ranks}/{self.calls}"
+        store = _store()
+        if store is not None:
+            try:
+                store.set(f"{mark}/{self.rank}", "1")
+                if self.calls > 2:  # forget this rank's marks of two collectives ago
+                    store.delete_key(f"stashpoint/{self.ranks}/{self.calls - 2}/{self.rank}")
+            except Exception:
+                store = None
         t0 = time.monotonic()
         try:
             return fn(*args, group=self.group, **kwargs)
         except Exception as e:
+            absent = _absent(store, mark, self.world)
+            who = f"rank(s) {', '.join(map(str, absent))} never reached it" if absent else "a peer rank left it"
             raise CollectiveError(
                 f"rank {self.rank}: the checkpoint collective '{what}' failed after {time.monotonic() - t0:.1f} s "
-                f"(timeout {self.timeout_s:.0f} s; a peer rank died, stalled, or left the save): "
+                f"(timeout {self.timeout_s:.0f} s; a peer rank died, stalled, or left the save: {who}): "
                 f"{type(e).__name__}: {str(e)[:300]}"
             ) from e
 
@@ -175,6 +189,26 @@ class DistContext:
 
 _contexts: dict[tuple[tuple[int, ...], float], DistContext] = {}
 _lock = threading.Lock()
+
+
+def _store() -> Any:
+    """The job's key-value store (the one ``init_process_group`` rendezvoused on), if any."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def _absent(store: Any, mark: str, world: int) -> list[int]:
+    """Group ranks that did not mark their arrival at a collective (empty if unknown)."""
+    if store is None:
+        return []
+    try:
+        return [r for r in range(world) if not store.check([f"{mark}/{r}"])]
+    except Exception:
+        return []
 
 
 def forget(ctx: DistContext) -> None:
