@@ -315,3 +315,44 @@ def test_loading_a_step_while_a_newer_one_is_being_saved(tmp_path):
         gate.set()
         h.wait()
         assert mgr.restore(out) == 2 and out["w"][0] == 2.0
+
+
+def test_the_manifest_is_published_only_after_every_shard_and_the_directory_are_durable(tmp_path, monkeypatch):
+    """The order of the system calls of a save: fsync each shard, fsync the directory, then write
+    the manifest to a temporary name, fsync it, rename it, fsync the directory again."""
+    import os as os_module
+
+    from stashpoint import _storage
+
+    events: list[str] = []
+    real_fsync, real_replace = os_module.fsync, os_module.replace
+
+    def fsync(fd):
+        target = os_module.readlink(f"/proc/self/fd/{fd}")
+        events.append("fsync " + ("dir" if os_module.path.isdir(target) else os_module.path.basename(target)))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(f"rename {os_module.path.basename(dst)}")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(_storage.os, "fsync", fsync)
+    monkeypatch.setattr(_storage.os, "replace", replace)
+    stashpoint.save({"a": torch.ones(300_000), "b": torch.ones(10)}, tmp_path / "ck", max_shard_bytes=600_000)
+    shards = [e for e in events if e.startswith("fsync shard-")]
+    assert len(shards) == 2
+    rename = events.index("rename manifest.json")
+    last_shard = max(events.index(e) for e in shards)
+    assert last_shard < events.index("fsync dir") < rename, events
+    assert events[rename - 1].startswith("fsync .manifest.json."), "the manifest's own bytes are durable first"
+    assert events[rename + 1] == "fsync dir", "and its name is made durable right after the rename"
+
+
+def test_an_extra_file_is_reported_by_verify_and_does_not_affect_loading(tmp_path):
+    stashpoint.save({"a": torch.ones(10)}, tmp_path / "ck")
+    (tmp_path / "ck" / "shard-r00000-0000-0123456789abcdef.safetensors").write_bytes(b"leftover")
+    report = stashpoint.verify(tmp_path / "ck")
+    assert report.ok and any("not listed in the manifest" in w for w in report.warnings)
+    out = {"a": torch.zeros(10)}
+    stashpoint.load(out, tmp_path / "ck")
+    assert out["a"].sum() == 10

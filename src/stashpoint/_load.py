@@ -81,9 +81,15 @@ def read_manifest(storage: Storage) -> Manifest:
 def check_files(storage: Storage, manifest: Manifest, names: Iterable[str]) -> None:
     """Check that each shard exists with its recorded size and an intact header of this save."""
     files = {f.name: f for f in manifest.files}
+    held: dict[str, list[str]] = {}
+    for key, entry in manifest.tensors.items():
+        for c in entry.chunks:
+            held.setdefault(c.file, []).append(key)
     for name in sorted(set(names)):
         fe: FileEntry = files[name]
-        where = f"{storage.location}/{name}"
+        keys = held.get(name, [])
+        shown = ", ".join(repr(k) for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+        where = f"{storage.location}/{name} (holding {shown or 'no tensor'})"
         try:
             size = storage.size(name)
         except FileNotFoundError:
