@@ -146,4 +146,4 @@ def test_crash_torture_two_ranks_one_killed(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_crash_torture_two_ranks_many(tmp_path):
-    _two_ranks(tmp_path, trials=30, seed=4)
+    _two_ranks(tmp_path, trials=100, seed=4)
