@@ -356,3 +356,13 @@ def test_an_extra_file_is_reported_by_verify_and_does_not_affect_loading(tmp_pat
     out = {"a": torch.zeros(10)}
     stashpoint.load(out, tmp_path / "ck")
     assert out["a"].sum() == 10
+
+
+def test_an_unlisted_shard_of_the_same_save_is_corruption(tmp_path):
+    stashpoint.save({"a": torch.ones(10)}, tmp_path / "ck")
+    save_id = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_text())["save_id"]
+    shard = _one_shard(tmp_path / "ck")
+    (tmp_path / "ck" / f"shard-r00000-0009-{save_id}.safetensors").write_bytes(shard.read_bytes())
+    with pytest.raises(stashpoint.CorruptCheckpointError, match=r"belongs to this checkpoint's save but its manifest"):
+        stashpoint.load({"a": torch.zeros(10)}, tmp_path / "ck")
+    assert any("does not list" in p for p in stashpoint.verify(tmp_path / "ck").problems)

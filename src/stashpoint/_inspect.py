@@ -31,7 +31,7 @@ from ._format import (
     dtype_from_name,
     parse_header,
 )
-from ._load import execute_reads, read_manifest
+from ._load import execute_reads, read_manifest, unlisted_shards
 from ._manager import _METRICS_KEY
 from ._policy import parse_step_dir
 from ._reshard import Box
@@ -295,7 +295,13 @@ def verify(path: str | os.PathLike[str], progress: Progress | None = None) -> Ve
         found = len(rep.problems) - before
         status = "ok" if not found else f"{found} problem(s)"
         say(f"[{i}/{len(m.files)}] {fe.name} ({human_bytes(fe.size)}): {status}")
-    listed = {f.name for f in m.files} | {MANIFEST_NAME}
+    own = set(unlisted_shards(storage, m))
+    for name in sorted(own):
+        rep.problems.append(
+            f"{storage.location}/{name}: a shard of this checkpoint's save that the manifest does not list "
+            "(the manifest is damaged or incomplete)"
+        )
+    listed = {f.name for f in m.files} | {MANIFEST_NAME} | own
     for name in storage.list():
         if name not in listed:
             rep.warnings.append(

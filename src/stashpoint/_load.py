@@ -78,6 +78,16 @@ def read_manifest(storage: Storage) -> Manifest:
     return parse_manifest(raw, f"{loc}/{MANIFEST_NAME}")
 
 
+def unlisted_shards(storage: Storage, manifest: Manifest) -> list[str]:
+    """Shard files of *this* save that its manifest does not list: the manifest lost entries.
+
+    (Shards of other saves — leftovers of an interrupted overwrite — are not part of the
+    checkpoint and do not count.)"""
+    listed = {f.name for f in manifest.files}
+    tail = f"-{manifest.save_id}.safetensors"
+    return sorted(n for n in storage.list() if n.startswith("shard-") and n.endswith(tail) and n not in listed)
+
+
 def check_files(storage: Storage, manifest: Manifest, names: Iterable[str]) -> None:
     """Check that each shard exists with its recorded size and an intact header of this save."""
     files = {f.name: f for f in manifest.files}
@@ -334,6 +344,12 @@ def load(
     """
     storage = storage_for(path)
     manifest = read_manifest(storage)
+    extra = unlisted_shards(storage, manifest)
+    if extra:
+        raise CorruptCheckpointError(
+            f"shard {storage.location}/{extra[0]} belongs to this checkpoint's save but its manifest does not list it "
+            f"({len(extra)} such file(s)): the manifest is damaged or incomplete. Load an earlier checkpoint."
+        )
     rank, world = rank_of(process_group)
     if world != manifest.world_size and len(manifest.trees) > 1:
         log.warning(
