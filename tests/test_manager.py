@@ -242,3 +242,18 @@ def test_host_memory_and_fds_stay_flat_over_hundreds_of_saves(tmp_path):
     assert growth < 16 * 2**20, f"host memory grew by {growth / 2**20:.1f} MiB over {total - 20} saves"
     assert int(fds_end) <= int(fds20), "file descriptors leaked"
     assert len(list((tmp_path / "r").glob("step-*"))) == 2
+
+
+def test_saving_a_step_that_is_still_being_saved_is_refused(tmp_path):
+    with stashpoint.CheckpointManager(tmp_path / "r", keep_last=None) as mgr:
+        gate = _block_writer()
+        try:
+            h = mgr.save(5, _state(5))
+            with pytest.raises(stashpoint.CheckpointError, match="step 5 is still being saved"):
+                mgr.save(5, _state(6))
+            assert mgr.path(5).exists() or not h.done(), "the save in flight was not disturbed"
+        finally:
+            gate.set()
+        h.wait()
+        out = _state()
+        assert mgr.restore(out) == 5 and out["w"][0] == 5
