@@ -4,7 +4,7 @@ After every kill a new manager opens the root: the newest committed step is at l
 one reported committed (no checkpoint lost), every listed step verifies and loads with the values
 it was saved with (no corruption missed), and no leftover of the killed save remains.
 
-The default run does a few dozen trials (24 + 3); the slow tier (``bash scripts/test.sh -m slow``) does
+The default run does a few dozen trials (24 + 3); the slow tier (200 + 100) (``bash scripts/test.sh -m slow``) does
 hundreds. Set STASHPOINT_TORTURE_REPORT=path.json to record the figures (docs/GUARANTEES.md).
 """
 
