@@ -174,10 +174,6 @@ class Manifest:
         """The state tree saved by ``rank``; rank ``r`` of a larger world gets that of ``r mod N``."""
         return self.trees[self.tree_of_rank[rank % len(self.tree_of_rank)]]
 
-    @property
-    def tree(self) -> dict[str, Any]:
-        return self.tree_for(0)
-
     def resolve(self, key: str) -> TensorEntry:
         """The entry holding the bytes of ``key`` (following an alias)."""
         entry = self.tensors[key]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -25,7 +24,6 @@ class WrittenShards:
     # key -> (file name, absolute start, absolute end, block checksums)
     chunks: Mapping[str, tuple[str, int, int, tuple[str, ...]]]
     bytes_written: int
-    seconds: float
 
 
 def _span(addr: int, n: int) -> memoryview:
@@ -52,7 +50,6 @@ def write_shards(
     Tensors that lie back to back in staging memory are written as one run in large aligned
     blocks (direct I/O where the storage allows); checksums are computed in the same pass.
     """
-    t0 = time.perf_counter()
     entries_out: list[FileEntry] = []
     chunks: dict[str, tuple[str, int, int, tuple[str, ...]]] = {}
     written = 0
@@ -88,4 +85,4 @@ def write_shards(
             raise
         written += size
         entries_out.append(FileEntry(name, size, len(header), checksum(header), rank))
-    return WrittenShards(tuple(entries_out), chunks, written, time.perf_counter() - t0)
+    return WrittenShards(tuple(entries_out), chunks, written)

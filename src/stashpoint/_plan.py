@@ -50,10 +50,6 @@ class SavePlan:
     rank: int
     files: tuple[FilePlan, ...]
 
-    @property
-    def data_bytes(self) -> int:
-        return sum(f.data_size for f in self.files)
-
 
 def group_aliases(signatures: Sequence[Hashable | None]) -> list[int | None]:
     """For each item, the index of the first earlier item with the same signature, else None.

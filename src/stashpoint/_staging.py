@@ -118,10 +118,6 @@ class StagingPool:
             self._free.append(buffers)
             del self._free[: max(0, len(self._free) - self.max_free)]
 
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-
 
 _streams: dict[torch.device, torch.cuda.Stream] = {}
 
