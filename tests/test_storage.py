@@ -103,6 +103,38 @@ class StorageSuite:
         w.close()
         assert s.read("f") == data
 
+    def test_run_directory_level(self, tmp_path):
+        run = self.make(tmp_path / "run")
+        assert run.children() == [] and run.list() == []
+        a = run.child("step-1")
+        a.prepare()
+        _write(a, "shard", b"payload")
+        a.commit("manifest.json", b"{}")
+        nested = a.child("sub")
+        nested.prepare()
+        _write(nested, "deep", b"d")
+        run.child("step-2").prepare()
+        _write(run.child("step-2"), "x", b"2")
+        _write(run, "top-level-file", b"t")
+        assert run.children() == ["step-1", "step-2"]
+        assert run.list() == ["top-level-file"]  # files only, never the sub-roots
+        assert a.list() == ["manifest.json", "shard"]
+        moved = a.move("step-1.damaged")
+        assert not run.child("step-1").exists("manifest.json")
+        assert moved.read("shard") == b"payload" and moved.read("manifest.json") == b"{}"
+        assert moved.child("sub").read("deep") == b"d"
+        assert run.children() == ["step-1.damaged", "step-2"]
+        moved.remove_tree()
+        moved.remove_tree()  # removing twice is fine
+        assert run.children() == ["step-2"]
+        assert run.child("step-2").read("x") == b"2"
+
+
+def _write(s: Storage, name: str, data: bytes) -> None:
+    w = s.open_writer(name, len(data))
+    w.write(data)
+    w.close()
+
 
 class TestLocalStorage(StorageSuite):
     def make(self, path: Path) -> Storage:

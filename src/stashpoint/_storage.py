@@ -11,6 +11,10 @@ Call order during a save, on each rank:
    the checkpoint exists from that moment.
 
 Loads use ``read``/``read_into`` (ranged), ``size``, ``exists`` and ``list``.
+
+A run directory (the :class:`~stashpoint.CheckpointManager`'s root) is a storage too: its steps
+are ``child(name)`` storages, listed by ``children()``, removed by ``remove_tree()`` and moved
+aside by ``move()``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import abc
 import ctypes
 import errno
 import os
+import shutil
 import stat
 import uuid
 from collections.abc import Sequence
@@ -86,7 +91,27 @@ class Storage(abc.ABC):
     def list(self) -> list[str]: ...
 
     @abc.abstractmethod
-    def delete(self, name: str) -> None: ...
+    def delete(self, name: str) -> None:
+        """Delete the file ``name``; a missing file is fine."""
+
+    # -- the run-directory level ---------------------------------------------------------------
+
+    @abc.abstractmethod
+    def child(self, name: str) -> Storage:
+        """The storage rooted at ``name`` under this root (same backend and options)."""
+
+    @abc.abstractmethod
+    def children(self) -> list[str]:
+        """The names of the sub-roots directly under this root (directories, or common prefixes)."""
+
+    @abc.abstractmethod
+    def remove_tree(self) -> None:
+        """Delete this root and everything under it; a missing root is fine."""
+
+    @abc.abstractmethod
+    def move(self, name: str) -> Storage:
+        """Give this root the sibling name ``name`` and return the storage there. Object stores,
+        which cannot rename, copy every object and then delete the originals."""
 
 
 _BLOCK = 64 * 1024 * 1024
@@ -254,12 +279,33 @@ class LocalStorage(Storage):
 
     def list(self) -> list[str]:
         try:
-            return sorted(p.name for p in self.root.iterdir())
+            return sorted(p.name for p in self.root.iterdir() if not p.is_dir())
         except FileNotFoundError:
             return []
 
     def delete(self, name: str) -> None:
         (self.root / name).unlink(missing_ok=True)
+
+    def child(self, name: str) -> LocalStorage:
+        return type(self)(self.root / name, direct_io=self.direct_io)
+
+    def children(self) -> list[str]:
+        try:
+            return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.is_symlink())
+        except FileNotFoundError:
+            return []
+
+    def remove_tree(self) -> None:
+        try:
+            shutil.rmtree(self.root)
+        except FileNotFoundError:
+            pass
+
+    def move(self, name: str) -> LocalStorage:
+        target = self.root.parent / name
+        self.root.rename(target)
+        _fsync_dir(self.root.parent)
+        return type(self)(target, direct_io=self.direct_io)
 
 
 def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
