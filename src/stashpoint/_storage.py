@@ -20,6 +20,7 @@ aside by ``move()``.
 from __future__ import annotations
 
 import abc
+import builtins
 import ctypes
 import errno
 import os
@@ -101,7 +102,7 @@ class Storage(abc.ABC):
         """The storage rooted at ``name`` under this root (same backend and options)."""
 
     @abc.abstractmethod
-    def children(self) -> list[str]:
+    def children(self) -> builtins.list[str]:
         """The names of the sub-roots directly under this root (directories, or common prefixes)."""
 
     @abc.abstractmethod
@@ -289,7 +290,7 @@ class LocalStorage(Storage):
     def child(self, name: str) -> LocalStorage:
         return type(self)(self.root / name, direct_io=self.direct_io)
 
-    def children(self) -> list[str]:
+    def children(self) -> builtins.list[str]:
         try:
             return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.is_symlink())
         except FileNotFoundError:
