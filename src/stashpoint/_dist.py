@@ -129,6 +129,7 @@ class DistContext:
     calls: int = 0  # collectives issued on this group by this rank (the same count on every rank)
 
     hosts: tuple[str, ...] | None = None
+    purpose: str = "save"  # contexts of other purposes (tier uploads) have their own group
 
     def multi_host(self) -> bool:
         """Whether the ranks run on more than one host (asked once, then remembered)."""
@@ -147,13 +148,13 @@ class DistContext:
         """Run a collective on the checkpoint group; turn failures into a clear error that names
         the ranks that never reached it (each rank marks its arrival in the job's store)."""
         self.calls += 1
-        mark = f"stashpoint/{self.ranks}/{self.calls}"
+        mark = f"stashpoint/{self.purpose}/{self.ranks}/{self.calls}"
         store = _store()
         if store is not None:
             try:
                 store.set(f"{mark}/{self.rank}", "1")
                 if self.calls > 2:  # forget this rank's marks of two collectives ago
-                    store.delete_key(f"stashpoint/{self.ranks}/{self.calls - 2}/{self.rank}")
+                    store.delete_key(f"stashpoint/{self.purpose}/{self.ranks}/{self.calls - 2}/{self.rank}")
             except Exception:
                 store = None
         t0 = time.monotonic()
@@ -187,7 +188,7 @@ class DistContext:
         return box[0]
 
 
-_contexts: dict[tuple[tuple[int, ...], float], DistContext] = {}
+_contexts: dict[tuple[tuple[int, ...], float, str], DistContext] = {}
 _lock = threading.Lock()
 
 
@@ -219,10 +220,13 @@ def forget(ctx: DistContext) -> None:
                 del _contexts[k]
 
 
-def context(process_group: Any = None, timeout_s: float | None = None) -> DistContext | None:
+def context(process_group: Any = None, timeout_s: float | None = None, purpose: str = "save") -> DistContext | None:
     """The checkpoint context for ``process_group`` (default: the world), or None when not
     distributed. Creates stashpoint's own gloo group over the same ranks on first use; every
-    member rank must call this (it happens in the first collective save or load)."""
+    member rank must call this (it happens in the first collective save or load).
+
+    Each ``purpose`` gets its own group, for a thread of its own: ``"save"`` (the writer thread,
+    and loads once saves are done) and ``"upload"`` (the tier uploader)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -238,7 +242,7 @@ def context(process_group: Any = None, timeout_s: float | None = None) -> DistCo
         return None
     timeout = float(timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
     with _lock:
-        ctx = _contexts.get((ranks, timeout))
+        ctx = _contexts.get((ranks, timeout, purpose))
         if ctx is None:
             try:
                 group = dist.new_group(
@@ -252,8 +256,8 @@ def context(process_group: Any = None, timeout_s: float | None = None) -> DistCo
                     f"could not create stashpoint's checkpoint process group over ranks {list(ranks)} (is every "
                     f"rank alive and saving?): {type(e).__name__}: {str(e)[:300]}"
                 ) from e
-            ctx = DistContext(group, ranks, dist.get_rank(group), len(ranks), timeout)
-            _contexts[(ranks, timeout)] = ctx
+            ctx = DistContext(group, ranks, dist.get_rank(group), len(ranks), timeout, purpose=purpose)
+            _contexts[(ranks, timeout, purpose)] = ctx
     return ctx
 
 

@@ -8,7 +8,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -22,7 +21,7 @@ from ._handle import SaveHandle, SaveStats
 from ._load import load, read_manifest
 from ._policy import Retention, Schedule, parse_step_dir, step_dir, steps_to_keep
 from ._save import SaveOptions, _get_engine
-from ._storage import LocalStorage, _fsync_dir
+from ._storage import LocalStorage, Storage, storage_for
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 log = logging.getLogger("stashpoint")
@@ -64,12 +63,12 @@ class CheckpointManager:
     through ``save(..., **options)``.
     """
 
-    #: The storage backend of each step (tests inject faults by subclassing it).
+    #: The backend of each step under a local root (tests inject faults by subclassing it).
     storage_class: type[LocalStorage] = LocalStorage
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: str | os.PathLike[str] | Storage,
         *,
         keep_last: int | None = 3,
         keep_every: int | None = None,
@@ -84,7 +83,8 @@ class CheckpointManager:
         self.retention = Retention(keep_last, keep_every, best_k, metric, mode)
         self.schedule = Schedule(every_steps, every_seconds)
         SaveOptions(max_inflight=max_inflight, on_busy=on_busy)  # validates
-        self.root = Path(root)
+        self.storage = storage_for(root)
+        self.root: Path | str = self.storage.root if isinstance(self.storage, LocalStorage) else self.storage.location
         self.max_inflight = max_inflight
         self.on_busy = on_busy
         self.on_save = on_save
@@ -98,26 +98,30 @@ class CheckpointManager:
         self._deletions: list[cf.Future[None]] = []
         self._closed = False
         self.rank, self.world = rank_of()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.storage.prepare()
         # In a distributed run rank 0 owns the root: the lock, the cleanup and the retention.
-        self._lock_fd = _acquire_root_lock(self.root) if self.rank == 0 else -1
+        # (Object stores offer no lock: there, one manager per root is the user's to ensure.)
+        self._lock_fd = -1
+        if self.rank == 0 and isinstance(self.storage, LocalStorage):
+            self._lock_fd = _acquire_root_lock(self.storage.root)
         if self.rank == 0:
-            self._remove_leftovers()
+            _remove_leftovers(self.storage)
 
     # -- listing -------------------------------------------------------------------------------
 
-    def path(self, step: int) -> Path:
-        """The directory of ``step`` under the root."""
-        return self.root / step_dir(step)
+    def path(self, step: int) -> Path | str:
+        """Where ``step`` lives: a directory under a local root, a URL under a remote one."""
+        target = self._at(step)
+        return target.root if isinstance(target, LocalStorage) else target.location
+
+    def _at(self, step: int) -> Storage:
+        if isinstance(self.storage, LocalStorage):
+            return self.storage_class(self.storage.root / step_dir(step))
+        return self.storage.child(step_dir(step))
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first. Saves in progress and crashed saves are not listed."""
-        found = []
-        for entry in self.root.iterdir():
-            step = parse_step_dir(entry.name)
-            if step is not None and (entry / MANIFEST_NAME).is_file():
-                found.append(step)
-        return sorted(found)
+        return committed_steps(self.storage)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when the root holds none."""
@@ -153,19 +157,19 @@ class CheckpointManager:
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        target = self.path(step)
+        target = self._at(step)
         with self._lock:
             if any(h.step == step and not a.done() for h, a in self._handles):
                 raise CheckpointError(
-                    f"step {step} is still being saved to {target}; wait for that save (mgr.wait()) first"
+                    f"step {step} is still being saved to {target.location}; wait for that save (mgr.wait()) first"
                 )
-        if (target / MANIFEST_NAME).exists():
+        if target.exists(MANIFEST_NAME):
             raise CheckpointError(
-                f"step {step} already has a committed checkpoint at {target}; save under a new step, or "
+                f"step {step} already has a committed checkpoint at {target.location}; save under a new step, or "
                 "delete that directory first."
             )
-        if target.exists() and self.rank == 0:  # the remains of an earlier failed save of this step
-            shutil.rmtree(target)
+        if self.rank == 0:  # the remains of an earlier failed save of this step, if any
+            target.remove_tree()
         metrics = dict(metrics or {})
         meta = dict(options.pop("metadata", None) or {})
         meta[_METRICS_KEY] = json.dumps(metrics)
@@ -173,7 +177,7 @@ class CheckpointManager:
             options["timeout_s"] = options.pop("timeout")
         opts = SaveOptions(metadata=meta, max_inflight=self.max_inflight, on_busy=self.on_busy, step=step, **options)
         self._last_save_time = time.monotonic()
-        handle = _get_engine().submit(state, self.storage_class(target), opts)
+        handle = _get_engine().submit(state, target, opts)
         after: cf.Future[None] = cf.Future()  # done once the bookkeeping below has run too
         with self._lock:
             # keep saves in flight, and failed ones until wait() has reported them
@@ -187,8 +191,8 @@ class CheckpointManager:
     ) -> None:
         try:
             if future.exception() is not None:
-                if self.rank == 0 and not (self.path(step) / MANIFEST_NAME).exists():
-                    shutil.rmtree(self.path(step), ignore_errors=True)
+                if self.rank == 0 and not self._at(step).exists(MANIFEST_NAME):
+                    _quietly(self._at(step).remove_tree)
                 return
             stats = future.result()
             with self._lock:
@@ -211,12 +215,7 @@ class CheckpointManager:
 
     def _metrics_of(self, step: int) -> dict[str, float]:
         if step not in self._metrics:
-            try:
-                raw = read_manifest(LocalStorage(self.path(step))).metadata.get(_METRICS_KEY, "{}")
-                value = json.loads(raw)
-                self._metrics[step] = value if isinstance(value, dict) else {}
-            except (CheckpointError, ValueError):
-                self._metrics[step] = {}
+            self._metrics[step] = read_metrics(self._at(step))
         return self._metrics[step]
 
     def _apply_retention(self) -> None:
@@ -224,26 +223,8 @@ class CheckpointManager:
         keep = steps_to_keep(steps, {s: self._metrics_of(s) for s in steps}, self.retention)
         for step in steps:
             if step not in keep:
-                self._delete(step)
-
-    def _delete(self, step: int) -> None:
-        """Uncommit first (the manifest goes), then remove the rest: a crash leaves a leftover."""
-        d = self.path(step)
-        try:
-            (d / MANIFEST_NAME).unlink(missing_ok=True)
-            _fsync_dir(d)
-            shutil.rmtree(d)
-            self._metrics.pop(step, None)
-            log.info("stashpoint: removed step %d (retention)", step)
-        except OSError as e:
-            log.warning("stashpoint: could not remove %s: %s", d, e)
-
-    def _remove_leftovers(self) -> None:
-        for entry in self.root.iterdir():
-            step = parse_step_dir(entry.name)
-            if step is not None and entry.is_dir() and not (entry / MANIFEST_NAME).exists():
-                log.warning("stashpoint: removing %s, left by a save that never committed", entry)
-                shutil.rmtree(entry, ignore_errors=True)
+                delete_step(self.storage, step)
+                self._metrics.pop(step, None)
 
     # -- restoring -----------------------------------------------------------------------------
 
@@ -258,13 +239,13 @@ class CheckpointManager:
         (``verify``, ``allow_pickle``, ``exchange``, ``timeout``, ``process_group``).
         """
         if step is not None:
-            load(state, self.path(step), strict=strict, **options)
+            load(state, self._at(step), strict=strict, **options)
             return step
         damaged: list[int] = []
         errors: list[CheckpointError] = []
         for candidate in reversed(self.steps()):
             try:
-                load(state, self.path(candidate), strict=strict, **options)
+                load(state, self._at(candidate), strict=strict, **options)
             except (CorruptCheckpointError, IncompleteCheckpointError) as e:
                 log.error("stashpoint: step %d is unusable (%s); trying an older one", candidate, e)
                 errors.append(e)
@@ -277,13 +258,9 @@ class CheckpointManager:
         return None
 
     def _move_aside(self, steps: list[int]) -> None:
-        if self.rank != 0:
-            return
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        for s in steps:
-            target = self.root / f"{step_dir(s)}.damaged-{stamp}"
-            self.path(s).rename(target)
-            log.warning("stashpoint: moved the damaged step %d aside to %s", s, target)
+        if self.rank == 0:
+            for s in steps:
+                move_aside(self.storage, s)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -334,6 +311,63 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"<CheckpointManager {self.root} steps={self.steps()}>"
+
+
+def committed_steps(root: Storage) -> list[int]:
+    """The committed steps under a run root, oldest first."""
+    found = []
+    for name in root.children():
+        step = parse_step_dir(name)
+        if step is not None and root.child(name).exists(MANIFEST_NAME):
+            found.append(step)
+    return sorted(found)
+
+
+def read_metrics(step: Storage) -> dict[str, float]:
+    """The metrics a step was saved with ({} when unreadable)."""
+    try:
+        value = json.loads(read_manifest(step).metadata.get(_METRICS_KEY, "{}"))
+    except (CheckpointError, OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def delete_step(root: Storage, step: int) -> None:
+    """Uncommit first (the manifest goes), then remove the rest: a crash leaves a leftover."""
+    target = root.child(step_dir(step))
+    try:
+        target.delete(MANIFEST_NAME)
+        target.sync()
+        target.remove_tree()
+        log.info("stashpoint: removed step %d from %s (retention)", step, root.location)
+    except OSError as e:
+        log.warning("stashpoint: could not remove %s: %s", target.location, e)
+
+
+def _remove_leftovers(root: Storage) -> None:
+    for name in root.children():
+        step = parse_step_dir(name)
+        target = root.child(name)
+        if step is not None and not target.exists(MANIFEST_NAME):
+            log.warning("stashpoint: removing %s, left by a save that never committed", target.location)
+            _quietly(target.remove_tree)
+
+
+def move_aside(root: Storage, step: int) -> None:
+    """Rename a damaged step ``step-XXXXXXXX.damaged-<time>``: kept for inspection, never listed."""
+    name = f"{step_dir(step)}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        moved = root.child(step_dir(step)).move(name)
+        log.warning("stashpoint: moved the damaged step %d aside to %s", step, moved.location)
+    except OSError as e:
+        log.warning("stashpoint: could not move the damaged step %d aside: %s", step, e)
+
+
+def _quietly(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except OSError as e:
+        log.warning("stashpoint: cleanup failed: %s", e)
 
 
 def _parse_keep_best(value: Any) -> tuple[int | None, str, str]:
