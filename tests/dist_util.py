@@ -19,14 +19,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_world(n: int, *args: str, timeout: float = 180, allow_fail: bool = False) -> list[dict]:
-    """Run ``dist_worker.py ARGS`` on ``n`` ranks; return each rank's RESULT dict (or {})."""
+def run_world(
+    n: int, *args: str, timeout: float = 180, allow_fail: bool = False, worker: Path = WORKER
+) -> list[dict]:
+    """Run ``worker ARGS`` (default ``dist_worker.py``) on ``n`` ranks; return each rank's RESULT dict (or {})."""
     port = free_port()
     procs = []
     for rank in range(n):
         env = {
             **os.environ,
-            "PYTHONPATH": str(ROOT / "src"),
+            "PYTHONPATH": str(ROOT / "src") + os.pathsep + str(ROOT / "tests"),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "RANK": str(rank),
@@ -35,7 +37,7 @@ def run_world(n: int, *args: str, timeout: float = 180, allow_fail: bool = False
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                [sys.executable, str(worker), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
         )
     results = []
