@@ -32,10 +32,10 @@ from ._format import (
     parse_header,
 )
 from ._load import execute_reads, read_manifest, unlisted_shards
-from ._manager import _METRICS_KEY
 from ._policy import parse_step_dir
 from ._reshard import Box
 from ._restore import Read
+from ._steps import METRICS_KEY
 from ._storage import LocalStorage
 from ._tree import Node, decode_plain, join
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
@@ -142,7 +142,7 @@ def list_steps(root: str | os.PathLike[str]) -> list[StepInfo]:
                 info.status, info.created = "committed", m.created
                 try:
                     info.age_s = now - datetime.fromisoformat(m.created).timestamp()
-                    metrics = json.loads(m.metadata.get(_METRICS_KEY, "{}"))
+                    metrics = json.loads(m.metadata.get(METRICS_KEY, "{}"))
                     info.metrics = metrics if isinstance(metrics, dict) else {}
                 except ValueError:  # a foreign "created" or metrics string: shown without
                     pass

@@ -18,16 +18,17 @@ from typing import Any
 from ._dist import rank_of
 from ._format import MANIFEST_NAME
 from ._handle import SaveHandle, SaveStats
-from ._load import load, read_manifest
-from ._policy import Retention, Schedule, parse_step_dir, step_dir, steps_to_keep
+from ._load import load
+from ._policy import Retention, Schedule, step_dir, steps_to_keep
 from ._save import SaveOptions, _get_engine
+from ._steps import METRICS_KEY, committed_steps, delete_step, move_aside, quietly, read_metrics, remove_leftovers
 from ._storage import LocalStorage, Storage, storage_for
+from ._tiers import Uploader, restore_order
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 log = logging.getLogger("stashpoint")
 
 LOCK_NAME = ".stashpoint-manager.lock"
-_METRICS_KEY = "stashpoint.metrics"
 
 
 class CheckpointManager:
@@ -53,6 +54,13 @@ class CheckpointManager:
             (backpressure) and ``"skip"`` skips the new save (logged and counted).
         every_steps, every_seconds: when :meth:`maybe_save` saves.
         on_save: called with the :class:`SaveStats` of every save once it commits or is skipped.
+        remote_root: a second, durable tier (e.g. ``"s3://bucket/run"`` or a shared filesystem).
+            Each step commits to ``root`` first (fast, local), then is copied there in the
+            background; steps a crash left un-copied are copied when a manager opens the root
+            again. :meth:`restore` prefers a valid local copy and falls back to the remote one.
+        remote_keep_last: keep the newest N steps in the remote tier (None: all of them);
+            ``keep_every`` and ``keep_best`` apply to both tiers, ``keep_last`` to the local one.
+        overlap: save with ``overlap=True`` (see :func:`stashpoint.async_save`) by default.
 
     Only one manager may own a root at a time; a second one is refused with an error. On
     opening, directories of saves that never committed (a crash) are removed.
@@ -78,9 +86,14 @@ class CheckpointManager:
         every_steps: int | None = None,
         every_seconds: float | None = None,
         on_save: Callable[[SaveStats], None] | None = None,
+        remote_root: str | os.PathLike[str] | Storage | None = None,
+        remote_keep_last: int | None = None,
+        overlap: bool = False,
     ) -> None:
         best_k, metric, mode = _parse_keep_best(keep_best)
         self.retention = Retention(keep_last, keep_every, best_k, metric, mode)
+        self.remote_retention = Retention(remote_keep_last, keep_every, best_k, metric, mode)
+        self.overlap = overlap
         self.schedule = Schedule(every_steps, every_seconds)
         SaveOptions(max_inflight=max_inflight, on_busy=on_busy)  # validates
         self.storage = storage_for(root)
@@ -105,7 +118,23 @@ class CheckpointManager:
         if self.rank == 0 and isinstance(self.storage, LocalStorage):
             self._lock_fd = _acquire_root_lock(self.storage.root)
         if self.rank == 0:
-            _remove_leftovers(self.storage)
+            remove_leftovers(self.storage)
+        self.remote: Storage | None = None
+        self._uploader: Uploader | None = None
+        self._uploads: list[cf.Future[Any]] = []
+        self._pending_uploads: set[int] = set()
+        if remote_root is not None:
+            self._open_remote(remote_root)
+
+    def _open_remote(self, remote_root: str | os.PathLike[str] | Storage) -> None:
+        self.remote = storage_for(remote_root)
+        if self.remote.location == self.storage.location:
+            raise ValueError(f"remote_root must differ from root (both are {self.storage.location})")
+        self.remote.prepare()
+        if self.rank == 0:
+            remove_leftovers(self.remote)
+        self._uploader = Uploader(self.storage, self.remote, on_uploaded=self._after_upload)
+        self._track_upload(self._uploader.catch_up(self.steps))
 
     # -- listing -------------------------------------------------------------------------------
 
@@ -122,6 +151,10 @@ class CheckpointManager:
     def steps(self) -> list[int]:
         """Committed steps, oldest first. Saves in progress and crashed saves are not listed."""
         return committed_steps(self.storage)
+
+    def remote_steps(self) -> list[int]:
+        """Committed steps in the remote tier, oldest first ([] without a ``remote_root``)."""
+        return committed_steps(self.remote) if self.remote is not None else []
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when the root holds none."""
@@ -151,8 +184,9 @@ class CheckpointManager:
         """Start an asynchronous save of ``state`` as ``step``; returns once the state is staged.
 
         ``options`` are those of :func:`stashpoint.async_save` (``allow_pickle``, ``metadata``,
-        ``max_shard_bytes``). Older steps are deleted by the retention rules in the background
-        once this one has committed.
+        ``max_shard_bytes``, ``overlap``). Older steps are deleted by the retention rules in the
+        background once this one has committed. With a ``remote_root``, the step is then copied
+        to the remote tier in the background.
         """
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -172,9 +206,11 @@ class CheckpointManager:
             target.remove_tree()
         metrics = dict(metrics or {})
         meta = dict(options.pop("metadata", None) or {})
-        meta[_METRICS_KEY] = json.dumps(metrics)
+        meta[METRICS_KEY] = json.dumps(metrics)
         if "timeout" in options:
             options["timeout_s"] = options.pop("timeout")
+        if self.overlap:
+            options.setdefault("overlap", True)
         opts = SaveOptions(metadata=meta, max_inflight=self.max_inflight, on_busy=self.on_busy, step=step, **options)
         self._last_save_time = time.monotonic()
         handle = _get_engine().submit(state, target, opts)
@@ -184,6 +220,12 @@ class CheckpointManager:
             self._handles = [(h, a) for h, a in self._handles if not a.done() or h.exception() is not None]
             self._handles.append((handle, after))
         handle._future.add_done_callback(lambda f: self._after_save(step, metrics, f, after))
+        if self._uploader is not None:
+            with self._lock:
+                self._pending_uploads.add(step)
+            upload = self._uploader.submit(step, handle._future)
+            upload.add_done_callback(lambda _: self._upload_ended(step))
+            self._track_upload(upload)
         return handle
 
     def _after_save(
@@ -192,7 +234,7 @@ class CheckpointManager:
         try:
             if future.exception() is not None:
                 if self.rank == 0 and not self._at(step).exists(MANIFEST_NAME):
-                    _quietly(self._at(step).remove_tree)
+                    quietly(self._at(step).remove_tree)
                 return
             stats = future.result()
             with self._lock:
@@ -213,18 +255,43 @@ class CheckpointManager:
 
     # -- retention -----------------------------------------------------------------------------
 
-    def _metrics_of(self, step: int) -> dict[str, float]:
+    def _metrics_of(self, step: int, root: Storage | None = None) -> dict[str, float]:
         if step not in self._metrics:
-            self._metrics[step] = read_metrics(self._at(step))
+            where = self._at(step) if root is None else root.child(step_dir(step))
+            self._metrics[step] = read_metrics(where)
         return self._metrics[step]
 
     def _apply_retention(self) -> None:
         steps = self.steps()
         keep = steps_to_keep(steps, {s: self._metrics_of(s) for s in steps}, self.retention)
+        with self._lock:
+            keep |= self._pending_uploads  # the uploader still reads them
         for step in steps:
             if step not in keep:
                 delete_step(self.storage, step)
-                self._metrics.pop(step, None)
+
+    # -- the remote tier -----------------------------------------------------------------------
+
+    def _track_upload(self, future: cf.Future[Any]) -> None:
+        with self._lock:
+            self._uploads = [u for u in self._uploads if not u.done() or u.exception() is not None]
+            self._uploads.append(future)
+
+    def _after_upload(self, step: int) -> None:
+        """On the uploader thread, once ``step`` is committed remotely: the remote retention."""
+        if self.rank != 0 or self.remote is None:
+            return
+        steps = committed_steps(self.remote)
+        keep = steps_to_keep(steps, {s: self._metrics_of(s, self.remote) for s in steps}, self.remote_retention)
+        for s in steps:
+            if s not in keep:
+                delete_step(self.remote, s)
+
+    def _upload_ended(self, step: int) -> None:
+        with self._lock:
+            self._pending_uploads.discard(step)
+            if self.rank == 0 and not self._closed:
+                self._deletions.append(self._deleter.submit(self._apply_retention))
 
     # -- restoring -----------------------------------------------------------------------------
 
@@ -237,39 +304,70 @@ class CheckpointManager:
         ``step-XXXXXXXX.damaged-<time>``, kept for inspection, never listed again) so that
         training can save those steps anew. ``options`` are those of :func:`stashpoint.load`
         (``verify``, ``allow_pickle``, ``exchange``, ``timeout``, ``process_group``).
+
+        With a ``remote_root``, a step's local copy is preferred when every rank has it, and
+        the remote copy is used otherwise (a fresh node) or when the local one is damaged.
         """
-        if step is not None:
+        if self.remote is None and step is not None:
             load(state, self._at(step), strict=strict, **options)
             return step
-        damaged: list[int] = []
+        order = self._restore_order(step, options)
+        if step is not None and not order:
+            order = [(step, "local")]  # raises CheckpointNotFoundError, naming the path
+        damaged: list[tuple[int, str]] = []
         errors: list[CheckpointError] = []
-        for candidate in reversed(self.steps()):
+        for candidate, tier in order:
+            where = self._at(candidate) if tier == "local" else self._remote_at(candidate)
             try:
-                load(state, self._at(candidate), strict=strict, **options)
+                load(state, where, strict=strict, **options)
             except (CorruptCheckpointError, IncompleteCheckpointError) as e:
-                log.error("stashpoint: step %d is unusable (%s); trying an older one", candidate, e)
+                if step is not None and (candidate, tier) == order[-1] and not errors:
+                    raise
+                log.error("stashpoint: the %s copy of step %d is unusable (%s); trying another", tier, candidate, e)
                 errors.append(e)
-                damaged.append(candidate)
+                damaged.append((candidate, tier))
                 continue
-            self._move_aside(damaged)
+            if step is None and self.rank == 0:
+                for s, t in damaged:
+                    move_aside(self.storage if t == "local" else self._remote_storage(), s)
             return candidate
         if errors:
             raise errors[0]
         return None
 
-    def _move_aside(self, steps: list[int]) -> None:
-        if self.rank == 0:
-            for s in steps:
-                move_aside(self.storage, s)
+    def _remote_storage(self) -> Storage:
+        assert self.remote is not None
+        return self.remote
+
+    def _remote_at(self, step: int) -> Storage:
+        return self._remote_storage().child(step_dir(step))
+
+    def _restore_order(self, step: int | None, options: dict[str, Any]) -> list[tuple[int, str]]:
+        local, remote = self.steps(), self.remote_steps()
+        if self.remote is not None and self.world > 1:
+            # every rank must pick the same copy: local only where every rank has it
+            from . import _dist, _save
+
+            _save.wait_all()
+            ctx = _dist.context(options.get("process_group"), options.get("timeout"))
+            if ctx is not None:
+                seen = ctx.all_gather("restore: the steps each rank has", (local, remote))
+                local = sorted(set.intersection(*(set(loc) for loc, _ in seen)))
+                remote = seen[0][1]
+        return restore_order(local, remote, step)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Wait for this manager's saves and deletions; raise the first save failure, if any."""
+        """Wait for this manager's saves, uploads and deletions; raise the first failure, if any
+        (a save's first, then an upload's)."""
         with self._lock:
             pairs, self._handles = self._handles, []
         cf.wait([a for _, a in pairs])
         handles = [h for h, _ in pairs]
+        with self._lock:
+            uploads, self._uploads = self._uploads, []
+        cf.wait(uploads)
         while True:
             with self._lock:
                 pending, self._deletions = self._deletions, []
@@ -280,6 +378,10 @@ class CheckpointManager:
             exc = h.exception()
             if exc is not None:
                 raise exc
+        for u in uploads:
+            err = u.exception()
+            if err is not None:
+                raise err
 
     def close(self) -> None:
         """Wait for pending saves and deletions, then release the root."""
@@ -288,7 +390,10 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            self._closed = True
+            if self._uploader is not None:
+                self._uploader.shutdown()
+            with self._lock:
+                self._closed = True
             self._deleter.shutdown(wait=True)
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
@@ -311,63 +416,6 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"<CheckpointManager {self.root} steps={self.steps()}>"
-
-
-def committed_steps(root: Storage) -> list[int]:
-    """The committed steps under a run root, oldest first."""
-    found = []
-    for name in root.children():
-        step = parse_step_dir(name)
-        if step is not None and root.child(name).exists(MANIFEST_NAME):
-            found.append(step)
-    return sorted(found)
-
-
-def read_metrics(step: Storage) -> dict[str, float]:
-    """The metrics a step was saved with ({} when unreadable)."""
-    try:
-        value = json.loads(read_manifest(step).metadata.get(_METRICS_KEY, "{}"))
-    except (CheckpointError, OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def delete_step(root: Storage, step: int) -> None:
-    """Uncommit first (the manifest goes), then remove the rest: a crash leaves a leftover."""
-    target = root.child(step_dir(step))
-    try:
-        target.delete(MANIFEST_NAME)
-        target.sync()
-        target.remove_tree()
-        log.info("stashpoint: removed step %d from %s (retention)", step, root.location)
-    except OSError as e:
-        log.warning("stashpoint: could not remove %s: %s", target.location, e)
-
-
-def _remove_leftovers(root: Storage) -> None:
-    for name in root.children():
-        step = parse_step_dir(name)
-        target = root.child(name)
-        if step is not None and not target.exists(MANIFEST_NAME):
-            log.warning("stashpoint: removing %s, left by a save that never committed", target.location)
-            _quietly(target.remove_tree)
-
-
-def move_aside(root: Storage, step: int) -> None:
-    """Rename a damaged step ``step-XXXXXXXX.damaged-<time>``: kept for inspection, never listed."""
-    name = f"{step_dir(step)}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
-    try:
-        moved = root.child(step_dir(step)).move(name)
-        log.warning("stashpoint: moved the damaged step %d aside to %s", step, moved.location)
-    except OSError as e:
-        log.warning("stashpoint: could not move the damaged step %d aside: %s", step, e)
-
-
-def _quietly(fn: Callable[[], None]) -> None:
-    try:
-        fn()
-    except OSError as e:
-        log.warning("stashpoint: cleanup failed: %s", e)
 
 
 def _parse_keep_best(value: Any) -> tuple[int | None, str, str]:

@@ -1,0 +1,150 @@
+"""Local-plus-remote tiers: commit locally, copy to the remote tier in the background, restore
+from the best copy. The remote tier here is a second directory (a shared filesystem); the same
+manager on an S3 remote is tested in test_s3_manager.py."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import stashpoint
+from stashpoint._storage import LocalStorage
+from stashpoint._tiers import restore_order
+from test_errors import FailingStorage
+
+
+def _state(v: float) -> dict:
+    torch.manual_seed(int(v))
+    return {"w": torch.randn(50_000), "b": torch.full((10,), float(v)), "step": int(v)}
+
+
+def _steps(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
+
+
+def test_restore_order():
+    want = [(5, "local"), (4, "remote"), (3, "local"), (3, "remote"), (1, "remote")]
+    assert restore_order([3, 5], [1, 3, 4], None) == want
+    assert restore_order([3], [3], 3) == [(3, "local"), (3, "remote")]
+    assert restore_order([], [2], 3) == []
+    assert restore_order([], [], None) == []
+
+
+def test_each_tier_keeps_its_own_steps_and_a_fresh_node_restores_from_remote(tmp_path):
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    with stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote, remote_keep_last=3) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, _state(step))
+        mgr.wait()
+        assert mgr.steps() == [5]
+        assert mgr.remote_steps() == [3, 4, 5]
+    for step in (3, 4, 5):  # every remote copy is whole and verifies
+        assert stashpoint.verify(remote / f"step-{step:08d}").ok
+    shutil.rmtree(local)  # a fresh node: no local tier at all
+    with stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote) as mgr:
+        out = {"w": torch.zeros(50_000), "b": torch.zeros(10), "step": 0}
+        assert mgr.restore(out) == 5
+        want = _state(5)
+        assert torch.equal(out["w"], want["w"]) and out["step"] == 5
+        out2 = {"w": torch.zeros(50_000), "b": torch.zeros(10), "step": 0}
+        assert mgr.restore(out2, step=3) == 3 and torch.equal(out2["w"], _state(3)["w"])
+
+
+def test_restore_prefers_the_local_copy_and_falls_back_when_it_is_damaged(tmp_path, caplog):
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    with stashpoint.CheckpointManager(local, keep_last=2, remote_root=remote) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+        mgr.wait()
+    # prove which copy is read: make the remote copy of step 2 differ... by damaging the local one
+    (shard,) = (local / "step-00000002").glob("shard-*")
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with stashpoint.CheckpointManager(local, keep_last=2, remote_root=remote) as mgr:
+        out = _state(0)
+        assert mgr.restore(out) == 2, "the remote copy of the same step, not the older local one"
+        assert torch.equal(out["w"], _state(2)["w"])
+        assert "local copy of step 2 is unusable" in caplog.text
+        assert mgr.steps() == [1], "the damaged local copy was moved aside"
+        assert len(list(local.glob("step-00000002.damaged-*"))) == 1
+        assert mgr.remote_steps() == [1, 2]
+        out = _state(0)
+        assert mgr.restore(out) == 2, "now from the remote tier"
+
+
+class _FailingRemote(FailingStorage):
+    """A remote tier whose disk fills up after a few bytes (fault injection by subclassing)."""
+
+    def __init__(self, root, direct_io: bool = True):
+        super().__init__(root, budget=1000)
+
+    def child(self, name):
+        return _FailingRemote(self.root / name)
+
+
+def test_a_failed_upload_keeps_the_local_copy_and_is_retried_when_the_root_opens_again(tmp_path):
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    with stashpoint.CheckpointManager(local, keep_last=1, remote_root=_FailingRemote(remote)) as mgr:
+        mgr.save(1, _state(1)).wait()  # the local save itself succeeds
+        with pytest.raises(stashpoint.CheckpointError, match=r"uploading step 1 to .* failed.*local copy .* is intact"):
+            mgr.wait()
+        assert mgr.steps() == [1] and mgr.remote_steps() == []
+        mgr.save(2, _state(2))
+        with pytest.raises(stashpoint.CheckpointError, match="uploading step 2"):
+            mgr.wait()
+        assert mgr.steps() == [2], "local retention works; nothing is deleted before it was uploaded"
+    assert _steps(remote) == [], "a failed upload removes what it copied; nothing committed"
+    with stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote) as mgr:
+        mgr.wait()  # the catch-up upload at open
+        assert mgr.remote_steps() == [2]
+    assert stashpoint.verify(remote / "step-00000002").ok
+
+
+def test_local_retention_never_deletes_a_step_before_it_is_uploaded(tmp_path):
+    import threading
+
+    gate = threading.Event()
+
+    class SlowRemote(LocalStorage):
+        def child(self, name):
+            return SlowRemote(self.root / name)
+
+        def open_writer(self, name, size):
+            gate.wait(30)
+            return super().open_writer(name, size)
+
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    with stashpoint.CheckpointManager(local, keep_last=1, remote_root=SlowRemote(remote)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step)).wait()
+        assert mgr.steps() == [1, 2, 3], "keep_last=1, but 1 and 2 are still waiting for their upload"
+        gate.set()
+        mgr.wait()
+        assert mgr.steps() == [3] and mgr.remote_steps() == [1, 2, 3]
+
+
+def test_remote_root_must_differ(tmp_path):
+    with pytest.raises(ValueError, match="remote_root must differ"):
+        stashpoint.CheckpointManager(tmp_path / "a", remote_root=tmp_path / "a")
+
+
+def test_two_ranks_upload_their_own_files_and_restore_agrees_on_the_copy(tmp_path):
+    from dist_util import run_world
+
+    worker = Path(__file__).with_name("tier_worker.py")
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    for r in run_world(2, "save", str(local), str(remote), worker=worker):
+        assert r == {"local": [3], "remote": [2, 3]}
+    manifest = stashpoint._inspect.open_checkpoint(remote / "step-00000003")[1]
+    assert {f.rank for f in manifest.files} == {0, 1}, "both ranks wrote (and uploaded) shards"
+    assert stashpoint.verify(remote / "step-00000003").ok
+    # both ranks see the local tier: the local copy
+    for r in run_world(2, "restore", str(local), str(remote), worker=worker):
+        assert r["step"] == 3 and r["ok"]
+    # rank 1 is a fresh node (an empty local root of its own): every rank takes the remote copy
+    for r in run_world(2, "restore", str(tmp_path / "node{rank}"), str(remote), worker=worker):
+        assert r["step"] == 3 and r["ok"]
