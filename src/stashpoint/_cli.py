@@ -121,14 +121,15 @@ def _echo_json(doc: object) -> None:
 
 
 _json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
-_dir = click.Path(path_type=Path)
+# A local path or a URL such as s3://bucket/run/step-00000100 (a click.Path would fold its "//").
+_dir = click.STRING
 
 
 @main.command("ls", short_help="List a run directory's checkpoints: status, size, age, metrics.")
 @click.argument("root", type=_dir)
 @_json_option
 @_fails_cleanly
-def ls_command(*, root: Path, as_json: bool) -> None:
+def ls_command(*, root: str, as_json: bool) -> None:
     """List the step directories of a run directory: committed or partial, size, age, metrics."""
     from ._inspect import human_bytes, list_steps
 
@@ -151,7 +152,7 @@ def ls_command(*, root: Path, as_json: bool) -> None:
 @click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True, help="Whose plain values to show.")
 @_json_option
 @_fails_cleanly
-def inspect_command(*, path: Path, rank: int, as_json: bool) -> None:
+def inspect_command(*, path: str, rank: int, as_json: bool) -> None:
     """Show a checkpoint: its tensors, plain values, metadata and files.
 
     Pickled values are shown as "<pickled, not loaded>": nothing is unpickled.
@@ -194,7 +195,7 @@ def inspect_command(*, path: Path, rank: int, as_json: bool) -> None:
 @click.option("-q", "--quiet", is_flag=True, help="Print the problems and the verdict only, not the progress.")
 @_json_option
 @_fails_cleanly
-def verify_command(*, path: Path, quiet: bool, as_json: bool) -> None:
+def verify_command(*, path: str, quiet: bool, as_json: bool) -> None:
     """Check every byte of a checkpoint against its checksums and its manifest.
 
     Exit code 0 if it is intact, 1 if any problem is found (all are printed), 2 if PATH is not
@@ -222,7 +223,7 @@ def verify_command(*, path: Path, quiet: bool, as_json: bool) -> None:
 @click.argument("b", type=_dir)
 @_json_option
 @_fails_cleanly
-def diff_command(*, a: Path, b: Path, as_json: bool) -> None:
+def diff_command(*, a: str, b: str, as_json: bool) -> None:
     """Show which tensors and values differ between checkpoints A and B.
 
     For tensors of the same shape the maximum absolute difference is shown. Exit code 0 if
@@ -285,7 +286,7 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
 @click.option("--overwrite", is_flag=True, help="Replace an earlier export at OUT.")
 @_fails_cleanly
 def export_command(
-    *, path: Path, out: Path, select: str, max_shard_size: int | None, tied: str, overwrite: bool
+    *, path: str, out: str, select: str, max_shard_size: int | None, tied: str, overwrite: bool
 ) -> None:
     """Consolidate a checkpoint (any world size and sharding) into safetensors.
 
@@ -313,7 +314,7 @@ def export_command(
 @click.argument("path", type=_dir)
 @click.option("--overwrite", is_flag=True, help="Replace a committed checkpoint at PATH.")
 @_fails_cleanly
-def import_command(*, src: Path, path: Path, overwrite: bool) -> None:
+def import_command(*, src: Path, path: str, overwrite: bool) -> None:
     """Convert a torch.save file or a DCP checkpoint directory into a stashpoint checkpoint.
 
     A torch.save file is read with torch.load(weights_only=True). A DCP checkpoint's .metadata

@@ -23,6 +23,7 @@ import torch
 from ._format import MANIFEST_NAME, dtype_from_name
 from ._inspect import open_checkpoint, read_tensors
 from ._save import save
+from ._storage import storage_for
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
 DEFAULT_DIR_SHARD_BYTES = 5 * 10**9  # the Hugging Face default ("5GB")
@@ -218,7 +219,7 @@ def import_checkpoint(
     p = Path(src)
     if not p.exists():
         raise CheckpointNotFoundError(f"nothing at {p}: give a torch.save file or a DCP checkpoint directory")
-    if (Path(path) / MANIFEST_NAME).exists() and not overwrite:
+    if storage_for(path).exists(MANIFEST_NAME) and not overwrite:
         raise CheckpointError(f"a committed checkpoint already exists at {path}; pass --overwrite to replace it")
     if p.is_dir():
         if (p / MANIFEST_NAME).exists():

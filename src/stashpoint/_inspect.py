@@ -36,7 +36,7 @@ from ._policy import parse_step_dir
 from ._reshard import Box
 from ._restore import Read
 from ._steps import METRICS_KEY
-from ._storage import LocalStorage
+from ._storage import LocalStorage, Storage, storage_for
 from ._tree import Node, decode_plain, join
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
@@ -56,8 +56,13 @@ Progress = Callable[[str], None]
 # Opening
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> tuple[LocalStorage, Manifest]:
-    """The storage and validated manifest of the checkpoint directory ``path``."""
+def open_checkpoint(path: str | os.PathLike[str]) -> tuple[Storage, Manifest]:
+    """The storage and validated manifest of the checkpoint at ``path`` (a directory or URL)."""
+    storage = storage_for(path)
+    if not isinstance(storage, LocalStorage):
+        if not storage.exists(MANIFEST_NAME):
+            _not_a_checkpoint(storage)
+        return storage, _manifest(storage)
     p = Path(path)
     if not p.exists():
         raise CheckpointNotFoundError(f"no checkpoint at {p}: the path does not exist (check the spelling)")
@@ -82,10 +87,28 @@ def open_checkpoint(path: str | os.PathLike[str]) -> tuple[LocalStorage, Manifes
         if not any(n.startswith("shard-") for n in names):
             raise CheckpointError(f"{p} is not a stashpoint checkpoint (it has no {MANIFEST_NAME}); check the path")
     storage = LocalStorage(p)
+    return storage, _manifest(storage)
+
+
+def _manifest(storage: Storage) -> Manifest:
     try:
-        return storage, read_manifest(storage)
+        return read_manifest(storage)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(f"{e} (the checkpoint is damaged: use an earlier one or a copy)") from None
+
+
+def _not_a_checkpoint(storage: Storage) -> None:
+    """Raise the clearest error for a remote location that holds no manifest."""
+    loc = storage.location
+    steps = sorted(n for n in storage.children() if parse_step_dir(n) is not None)
+    if steps:
+        raise CheckpointError(
+            f"{loc} is a run directory with {len(steps)} step directories, not a checkpoint: give one of them, "
+            f"e.g. {loc.rstrip('/')}/{steps[-1]} (stashpoint ls {loc} lists them)"
+        )
+    if not storage.list():
+        raise CheckpointNotFoundError(f"no checkpoint at {loc}: nothing is stored there (check the spelling)")
+    raise CheckpointError(f"{loc} is not a stashpoint checkpoint (it has no {MANIFEST_NAME}); check the path")
 
 
 def human_bytes(n: float) -> str:
@@ -118,6 +141,9 @@ class StepInfo:
 
 def list_steps(root: str | os.PathLike[str]) -> list[StepInfo]:
     """The step directories under the run directory ``root``, oldest step first."""
+    storage = storage_for(root)
+    if not isinstance(storage, LocalStorage):
+        return _list_remote_steps(storage)
     r = Path(root)
     if not r.is_dir():
         what = "does not exist" if not r.exists() else "is a file"
@@ -134,20 +160,47 @@ def list_steps(root: str | os.PathLike[str]) -> list[StepInfo]:
         info = StepInfo(step, str(d), "partial", sum(f.stat().st_size for f in files), None, None)
         info.age_s = now - max([d.stat().st_mtime] + [f.stat().st_mtime for f in files])
         if (d / MANIFEST_NAME).exists():
-            try:
-                m = read_manifest(LocalStorage(d))
-            except CheckpointError as e:
-                info.status, info.error = "unreadable", str(e)
-            else:
-                info.status, info.created = "committed", m.created
-                try:
-                    info.age_s = now - datetime.fromisoformat(m.created).timestamp()
-                    metrics = json.loads(m.metadata.get(METRICS_KEY, "{}"))
-                    info.metrics = metrics if isinstance(metrics, dict) else {}
-                except ValueError:  # a foreign "created" or metrics string: shown without
-                    pass
+            _describe_committed(info, LocalStorage(d), now)
         out.append(info)
     return sorted(out, key=lambda s: s.step)
+
+
+def _list_remote_steps(root: Storage) -> list[StepInfo]:
+    if root.exists(MANIFEST_NAME):
+        raise CheckpointError(
+            f"{root.location} is a checkpoint, not a run directory; show it with: stashpoint inspect {root.location}"
+        )
+    names = root.children()
+    if not names and not root.list():
+        raise CheckpointNotFoundError(f"no run directory at {root.location}: nothing is stored there")
+    now = time.time()
+    out = []
+    for name in names:
+        step = parse_step_dir(name)
+        if step is None:
+            continue
+        d = root.child(name)
+        files = d.list()
+        info = StepInfo(step, d.location, "partial", sum(d.size(f) for f in files), None, None)
+        if MANIFEST_NAME in files:
+            _describe_committed(info, d, now)
+        out.append(info)
+    return sorted(out, key=lambda s: s.step)
+
+
+def _describe_committed(info: StepInfo, d: Storage, now: float) -> None:
+    try:
+        m = read_manifest(d)
+    except CheckpointError as e:
+        info.status, info.error = "unreadable", str(e)
+        return
+    info.status, info.created = "committed", m.created
+    try:
+        info.age_s = now - datetime.fromisoformat(m.created).timestamp()
+        metrics = json.loads(m.metadata.get(METRICS_KEY, "{}"))
+        info.metrics = metrics if isinstance(metrics, dict) else {}
+    except ValueError:  # a foreign "created" or metrics string: shown without
+        pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,7 +365,7 @@ def verify(path: str | os.PathLike[str], progress: Progress | None = None) -> Ve
 
 
 def _verify_file(
-    storage: LocalStorage, m: Manifest, fe: FileEntry, chunks: list[tuple[str, Chunk]], rep: VerifyReport
+    storage: Storage, m: Manifest, fe: FileEntry, chunks: list[tuple[str, Chunk]], rep: VerifyReport
 ) -> None:
     where = f"{storage.location}/{fe.name}"
     keys = [k for k, _ in chunks]
@@ -368,7 +421,7 @@ def _verify_file(
 # Reading tensors (diff, export)
 
 
-def read_tensors(storage: LocalStorage, m: Manifest, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+def read_tensors(storage: Storage, m: Manifest, keys: Sequence[str]) -> dict[str, torch.Tensor]:
     """Each key's whole tensor (an alias gets its own copy of its target), on the CPU, verified."""
     out: dict[str, torch.Tensor] = {}
     reads = []
