@@ -461,3 +461,20 @@ def test_import_refusals(tmp_path: Path, single) -> None:
     (tmp_path / "empty").mkdir()
     one_line_error(cli("import", tmp_path / "empty", tmp_path / "o"), "not a DCP checkpoint")
     assert not (tmp_path / "o").exists()
+
+
+def test_progress_bar_counts_every_byte_and_prints_the_messages_above_it(tmp_path):
+    import io
+
+    from stashpoint._inspect import verify
+    from stashpoint._progress import Reporter
+
+    ck = tmp_path / "ck"
+    stashpoint.save({"a": torch.randn(100_000), "b": torch.randn(50_000)}, ck, max_shard_bytes=300_000)
+    out = io.StringIO()
+    with Reporter("verifying", stream=out, bar=True) as progress:
+        rep = verify(ck, progress=progress)
+    assert rep.ok
+    sizes = sum(p.stat().st_size for p in ck.glob("shard-*"))
+    assert progress.total == progress.done == sizes
+    assert "verifying" in out.getvalue() and "[2/2]" in out.getvalue()

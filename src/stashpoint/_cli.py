@@ -202,8 +202,13 @@ def verify_command(*, path: str, quiet: bool, as_json: bool) -> None:
     a checkpoint.
     """
     from ._inspect import human_bytes, verify
+    from ._progress import Reporter
 
-    rep = verify(path, progress=None if quiet or as_json else click.echo)
+    if quiet or as_json:
+        rep = verify(path)
+    else:
+        with Reporter("verifying", stream=sys.stdout) as progress:
+            rep = verify(path, progress=progress)
     if as_json:
         _echo_json({**dataclasses.asdict(rep), "ok": rep.ok})
     else:
@@ -299,10 +304,12 @@ def export_command(
     """
     from ._convert import export
     from ._inspect import human_bytes
+    from ._progress import Reporter
 
-    res = export(
-        path, out, select=select, max_shard_size=max_shard_size, tied=tied, overwrite=overwrite, progress=click.echo
-    )
+    with Reporter("exporting", stream=sys.stdout) as progress:
+        res = export(
+            path, out, select=select, max_shard_size=max_shard_size, tied=tied, overwrite=overwrite, progress=progress
+        )
     for name, target in res.dropped.items():
         click.echo(f"left out {name}: tied to {target} (pass --tied clone to write a copy)")
     where = res.index or res.files[0]

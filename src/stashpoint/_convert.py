@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import _progress
 from ._format import MANIFEST_NAME, dtype_from_name
 from ._inspect import open_checkpoint, read_tensors
 from ._save import save
@@ -142,6 +143,7 @@ def export(
     base.mkdir(parents=True, exist_ok=True)
     for p in old:
         p.unlink()
+    _progress.start(progress, sum(sizes.values()))
     for i, (shard, f) in enumerate(zip(shards, files), 1):
         loaded = read_tensors(storage, m, [names[n] for n in shard])
         tmp = f.with_name(f".{f.name}.partial")
@@ -149,6 +151,7 @@ def export(
         tmp.replace(f)
         res.files.append(str(f))
         say(f"[{i}/{len(files)}] {f.name}: {len(shard)} tensor(s)")
+        _progress.advance(progress, sum(sizes[n] for n in shard))
     res.tensors, res.total_size = len(names), sum(sizes.values())
     if index is not None:
         weight_map = {n: f.name for shard, f in zip(shards, files) for n in shard}

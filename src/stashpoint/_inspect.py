@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import _progress
 from ._format import (
     CHECKSUM_BLOCK_BYTES,
     MANIFEST_NAME,
@@ -342,12 +343,14 @@ def verify(path: str | os.PathLike[str], progress: Progress | None = None) -> Ve
             )
     total = sum(f.size for f in m.files)
     say(f"verifying {storage.location}: {len(m.files)} file(s), {len(m.tensors)} tensor(s), {human_bytes(total)}")
+    _progress.start(progress, total)
     for i, fe in enumerate(m.files, 1):
         before = len(rep.problems)
         _verify_file(storage, m, fe, sorted(chunks[fe.name], key=lambda kc: kc[1].start), rep)
         found = len(rep.problems) - before
         status = "ok" if not found else f"{found} problem(s)"
         say(f"[{i}/{len(m.files)}] {fe.name} ({human_bytes(fe.size)}): {status}")
+        _progress.advance(progress, fe.size)
     own = set(unlisted_shards(storage, m))
     for name in sorted(own):
         rep.problems.append(
