@@ -148,3 +148,69 @@ def test_two_ranks_upload_their_own_files_and_restore_agrees_on_the_copy(tmp_pat
     # rank 1 is a fresh node (an empty local root of its own): every rank takes the remote copy
     for r in run_world(2, "restore", str(tmp_path / "node{rank}"), str(remote), worker=worker):
         assert r["step"] == 3 and r["ok"]
+
+
+_CRASHING_UPLOADER = r"""
+import sys, time, torch, stashpoint
+from stashpoint._storage import LocalStorage
+
+class SlowRemote(LocalStorage):  # a slow network: each block of the copy takes a while
+    def child(self, name):
+        return SlowRemote(self.root / name)
+    def open_writer(self, name, size):
+        inner = super().open_writer(name, size)
+        class Slow:
+            def write(self, data):
+                time.sleep(0.2)
+                inner.write(data)
+            def close(self):
+                inner.close()
+            def abort(self):
+                inner.abort()
+        return Slow()
+
+local, remote = sys.argv[1], sys.argv[2]
+mgr = stashpoint.CheckpointManager(local, keep_last=2, remote_root=SlowRemote(remote))
+torch.manual_seed(0)
+state = {"w": torch.randn(3_000_000), "step": 1}  # 12 MB: a few copy blocks of 4 MB
+import stashpoint._tiers as tiers
+tiers.COPY_BLOCK = 4 * 1024 * 1024
+mgr.save(1, state).wait()
+print("COMMITTED", flush=True)
+time.sleep(60)  # the upload goes on in the background until the parent kills us
+"""
+
+
+def test_a_crash_mid_upload_leaves_the_remote_tier_clean_and_the_next_manager_uploads_again(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")}
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CRASHING_UPLOADER, str(local), str(remote)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "COMMITTED"
+        deadline = time.monotonic() + 30
+        while not list(remote.glob("step-00000001/shard-*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(remote.glob("step-00000001/shard-*")), "the upload had started"
+        child.send_signal(signal.SIGKILL)  # kill -9 in the middle of the upload
+        child.wait(10)
+    finally:
+        child.kill()
+    assert not (remote / "step-00000001" / "manifest.json").exists(), "never a committed partial copy"
+    with stashpoint.CheckpointManager(local, keep_last=2, remote_root=remote) as mgr:
+        mgr.wait()
+        assert mgr.steps() == [1] and mgr.remote_steps() == [1], "the catch-up upload at open"
+    assert stashpoint.verify(remote / "step-00000001").ok
+    torch.manual_seed(0)
+    out = {"w": torch.zeros(3_000_000), "step": 0}
+    stashpoint.load(out, remote / "step-00000001")
+    torch.manual_seed(0)
+    assert torch.equal(out["w"], torch.randn(3_000_000))
