@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 from dataclasses import dataclass
+from typing import Protocol
+
+
+class _Copies(Protocol):
+    """The background copies of an ``overlap=True`` save (``_overlap.PendingCopies``)."""
+
+    def wait(self, timeout: float | None = None) -> None: ...
+
+    def done(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -11,8 +20,17 @@ class SaveStats:
     """Figures of one save. Times are in seconds.
 
     ``bytes_written``, ``num_tensors`` and ``num_files`` describe the whole checkpoint (all ranks
-    of a distributed save); ``rank_bytes_written`` is this rank's share. ``blocking_s`` (the
-    training stall), ``staging_s`` and ``persist_s`` are this rank's.
+    of a distributed save); ``rank_bytes_written`` is this rank's share. The times are this
+    rank's:
+
+    - ``blocking_s``: the call (``async_save``, ``save``'s staging part): the training stall;
+    - ``staging_s``: the copies made inside the call (all of them unless ``overlap=True``);
+    - ``staged_s``: from the start of the call until every tensor had been copied out of the
+      live state (with ``overlap=True`` the background copies end after the call returns);
+    - ``step_wait_s``: with ``overlap=True``, how long optimizer steps were held back waiting
+      for the background copies (the rest of the stall the save caused);
+    - ``persist_s``: the background part (waiting for the copies, writing, fsync, commit);
+    - ``total_s``: from the start of the call until the checkpoint was committed.
     """
 
     path: str
@@ -26,6 +44,8 @@ class SaveStats:
     step: int | None = None
     skipped: bool = False
     rank_bytes_written: int = 0
+    staged_s: float = 0.0
+    step_wait_s: float = 0.0
 
     @property
     def throughput_gbps(self) -> float:
@@ -35,22 +55,35 @@ class SaveStats:
     def __str__(self) -> str:
         if self.skipped:
             return f"save of step {self.step} to {self.path} skipped: the previous save was still persisting"
+        overlap = ""
+        if self.staged_s > self.blocking_s:
+            overlap = f", all copied after {self.staged_s * 1e3:.1f} ms, steps held {self.step_wait_s * 1e3:.1f} ms"
         return (
             f"{self.bytes_written / 1e9:.3f} GB to {self.path}: blocked {self.blocking_s * 1e3:.1f} ms "
-            f"(staging {self.staging_s * 1e3:.1f} ms), persisted in {self.persist_s:.2f} s "
+            f"(staging {self.staging_s * 1e3:.1f} ms{overlap}), persisted in {self.persist_s:.2f} s "
             f"({self.throughput_gbps:.2f} GB/s)"
         )
 
 
 class SaveHandle:
-    """A save in progress. The state was staged when this handle was returned."""
+    """A save in progress. The state was staged when this handle was returned — except, with
+    ``overlap=True``, the tensors the optimizers' next ``step()`` will update (see
+    :meth:`wait_staged`)."""
 
     def __init__(
-        self, path: str, future: cf.Future[SaveStats], blocking_s: float, staging_s: float, step: int | None = None
+        self,
+        path: str,
+        future: cf.Future[SaveStats],
+        blocking_s: float,
+        staging_s: float,
+        step: int | None = None,
+        *,
+        copies: _Copies | None = None,
     ) -> None:
         self.path = path
         self.step = step
         self._future = future
+        self._copies = copies
         self.blocking_s = blocking_s
         self.staging_s = staging_s
 
@@ -58,12 +91,35 @@ class SaveHandle:
         """Block until the checkpoint is committed and durable; return its figures.
 
         Raises :class:`CheckpointError` (with the path and the cause) if the background write
-        failed, and :class:`TimeoutError` if ``timeout`` seconds pass first.
+        (or, with ``overlap=True``, a background copy) failed, and :class:`TimeoutError` if
+        ``timeout`` seconds pass first.
         """
         try:
             return self._future.result(timeout)
         except cf.TimeoutError:
             raise TimeoutError(f"the save to {self.path} is still running after {timeout} s") from None
+        finally:
+            if self._copies is not None and self._future.done():
+                self._copies.wait()  # already done: removes what step hooks are left, from this thread
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until every tensor of this save has been copied out of the live state.
+
+        Only an ``overlap=True`` save copies after the call returns; for any other save this
+        returns at once. Once it returns, the state may be changed in any way without affecting
+        this checkpoint: call it before changing, outside an optimizer's ``step()``, a tensor that
+        an optimizer of the state holds (its parameters and their optimizer state) — an EMA or
+        weight update under ``torch.no_grad()``, ``load_state_dict``, ``stashpoint.load``.
+
+        A failed copy is not raised here (the save fails, and :meth:`wait` raises it).
+        :class:`TimeoutError` if ``timeout`` seconds pass first.
+        """
+        if self._copies is not None:
+            self._copies.wait(timeout)
+
+    def staged(self) -> bool:
+        """True once every tensor of this save has been copied out of the live state."""
+        return self._copies is None or self._copies.done()
 
     def done(self) -> bool:
         """True once the save has committed or failed."""

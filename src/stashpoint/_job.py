@@ -31,6 +31,7 @@ from ._version import __version__
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
+    from ._overlap import PendingCopies
     from ._save import SaveOptions
 
 log = logging.getLogger("stashpoint")
@@ -106,6 +107,8 @@ class PersistJob:
     blocking_s: float = 0.0
     seq: int = 0  # this rank's count of collective saves: every rank must be at the same one
     early_error: BaseException | None = None  # this rank failed before staging
+    pending: PendingCopies | None = None  # overlap mode: copies still running into ``staged``
+    staged_at: float = 0.0  # perf_counter() when the call's own copies were done
 
     @classmethod
     def failed(
@@ -148,6 +151,8 @@ class PersistJob:
             specs = [TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in mine]
             files = plan_files(specs, max_file_bytes=self.opts.max_shard_bytes, rank=ctx.rank).files if mine else ()
             try:
+                if self.pending is not None:  # write only what has been copied (overlap mode)
+                    self.pending.result()
                 self.storage.prepare()
                 written = write_shards(
                     self.storage,
@@ -185,9 +190,13 @@ class PersistJob:
         except BaseException as e:
             self._fail(e, save_id, local_error or self.early_error)
         finally:
+            if self.pending is not None:
+                self.pending.wait()  # no copy may still write into buffers another save reuses
             if self.staged is not None:
                 self.pool.release(self.staged)
         t1 = time.perf_counter()
+        pending = self.pending
+        staged_at = pending.done_at if pending is not None and pending.done_at is not None else self.staged_at
         stats = SaveStats(
             path=loc,
             bytes_written=bytes_written,
@@ -199,6 +208,8 @@ class PersistJob:
             total_s=t1 - t_start,
             step=self.opts.step,
             rank_bytes_written=outcomes[ctx.rank][4],
+            staged_s=max(0.0, staged_at - t_start),
+            step_wait_s=pending.step_wait_s if pending is not None else 0.0,
         )
         log.info("stashpoint: saved %s", stats)
         return stats

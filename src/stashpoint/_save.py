@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import _dist
+from . import _dist, _overlap
 from ._dist import DistContext
 from ._format import MANIFEST_NAME
 from ._handle import SaveHandle, SaveStats
@@ -34,6 +34,8 @@ class _Engine:
 
     def __init__(self) -> None:
         self.executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-writer")
+        # overlap mode's background copies: never queued behind a persist, never on the writer thread
+        self.copier = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-copy")
         self.pool = StagingPool(max_free=1)
         self.inflight: list[SaveHandle] = []
         self.lock = threading.Lock()
@@ -75,6 +77,7 @@ class _Engine:
                 "on_busy='skip' would let ranks skip different saves in a distributed run; use on_busy='wait'"
             )
         with self.lock:
+            _overlap.wait_pending()  # the previous save's copies first: one set of copies at a time
             if not self.make_room(opts.max_inflight, opts.on_busy):
                 log.warning(
                     "stashpoint: skipped the save to %s: the previous save is still persisting", storage.location
@@ -90,7 +93,7 @@ class _Engine:
             job.seq = ctx.saves
             job.blocking_s = time.perf_counter() - t_start
             future = self.executor.submit(job.run, t_start, staging_s)
-            handle = SaveHandle(storage.location, future, job.blocking_s, staging_s, opts.step)
+            handle = SaveHandle(storage.location, future, job.blocking_s, staging_s, opts.step, copies=job.pending)
             self.inflight.append(handle)
             if job.early_error is not None:  # this rank's own error, raised here as in one process
                 raise job.early_error
@@ -110,12 +113,19 @@ class _Engine:
         self.pool.max_free = max(self.pool.max_free, opts.max_inflight)
         staged = self.pool.acquire(plan, specs, pinned)
         t_stage = time.perf_counter()
+        pending = None
         try:
-            stage([(layout.sources[k], staged.views[k]) for k in layout.sources])
+            if opts.overlap:
+                triples = [(k, layout.sources[k], staged.views[k]) for k in layout.sources]
+                pending = _overlap.start(state, triples, self.copier, storage.location)
+            else:
+                stage([(layout.sources[k], staged.views[k]) for k in layout.sources])
         except BaseException:
             self.pool.release(staged)
             raise
-        return PersistJob(storage, staged, self.pool, tree, layout, opts, ctx), time.perf_counter() - t_stage
+        t_staged = time.perf_counter()
+        job = PersistJob(storage, staged, self.pool, tree, layout, opts, ctx, pending=pending, staged_at=t_staged)
+        return job, t_staged - t_stage
 
 
 _engine: _Engine | None = None
@@ -143,6 +153,7 @@ class SaveOptions:
     step: int | None = None
     process_group: Any = None
     timeout_s: float | None = None
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.metadata.items()):
@@ -165,11 +176,13 @@ def async_save(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     process_group: Any = None,
     timeout: float | None = None,
+    overlap: bool = False,
 ) -> SaveHandle:
     """Stage ``state`` into host buffers and return; write, checksum, fsync and commit in the background.
 
-    Training may change the state as soon as this returns. A save still in flight in this
-    process is waited for first (one staged copy of the state at a time).
+    Training may change the state as soon as this returns (with ``overlap=True``: within the
+    limits below). A save still in flight in this process is waited for first (one staged copy of
+    the state at a time).
 
     Args:
         state: a dict (or list/tuple) of tensors, plain values and objects with
@@ -186,6 +199,14 @@ def async_save(
             stashpoint coordinates on its own gloo group over the same ranks, never on this one.
         timeout: seconds a collective step may wait for the other ranks before the save fails
             (default 600).
+        overlap: copy the parameters and state tensors of the optimizers in ``state`` in the
+            background, while the next forward and backward run, instead of before returning.
+            Everything else (buffers such as BatchNorm statistics, plain tensors, parameters no
+            optimizer of the state holds) is still copied before returning. Each optimizer's
+            ``step()`` waits for the background copies, so the checkpoint is the state at the
+            time of the call. Code that changes those tensors in place outside ``step()``
+            (``load_state_dict``, EMA or weight updates under ``torch.no_grad``, ...) must call
+            ``handle.wait_staged()`` first. See docs/TRAINING.md, "Overlap mode".
 
     Returns:
         a :class:`SaveHandle`; ``wait()`` returns :class:`SaveStats` or raises the failure.
@@ -197,6 +218,7 @@ def async_save(
         max_shard_bytes,
         process_group=process_group,
         timeout_s=timeout,
+        overlap=overlap,
     )
     return _get_engine().submit(state, storage_for(path), opts)
 
@@ -209,8 +231,18 @@ def save(state: Any, path: str | os.PathLike[str] | Storage, **options: Any) -> 
     return async_save(state, path, **options).wait()
 
 
+def wait_staged(timeout: float | None = None) -> None:
+    """Wait until no save of this process is still copying from the live state (``overlap=True``).
+
+    Call before changing the state's tensors in place outside an optimizer step, e.g. before
+    loading into them. Failures are not raised here (``SaveHandle.wait()`` raises them).
+    """
+    _overlap.wait_pending(timeout)
+
+
 def wait_all() -> None:
     """Wait for the save in flight in this process, if any (failures are not raised here)."""
     engine = _engine
     if engine is not None:
         cf.wait([h._future for h in list(engine.inflight)])
+    _overlap.wait_pending()

@@ -150,3 +150,28 @@ def stage(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         streams.append(stream)
     for stream in streams:
         stream.synchronize()
+
+
+def launch_cuda(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.device, torch.cuda.Event]]:
+    """Queue the copies of CUDA sources without waiting for them; return one event per device.
+
+    Each device's copies run on its side stream after the work already queued on the current
+    stream (so they see the values at the time of the call); the event is recorded after them.
+    Every source is marked as used by the side stream, so that its memory is not handed to
+    another tensor before the copy has read it, even if the caller drops it.
+    """
+    by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for src, dst in pairs:
+        by_device.setdefault(src.device, []).append((src, dst))
+    events = []
+    for device, items in by_device.items():
+        stream = _side_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for src, dst in items:
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(stream)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        events.append((device, event))
+    return events
