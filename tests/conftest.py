@@ -23,6 +23,53 @@ def _quiet_engine():
     _save.wait_all()
 
 
+# -- S3: a real SeaweedFS server (tests/s3_server.py) ------------------------------------------
+
+S3_BUCKET = "stashpoint-test"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One ``weed mini`` S3 server for the session (started on first use, stopped with SIGINT)."""
+    from s3_server import SeaweedServer
+
+    server = SeaweedServer(tmp_path_factory.mktemp("s3"), [S3_BUCKET])
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server):
+    """The AWS_* variables of the session server, for this test and the processes it starts."""
+    with s3_server.applied_env():
+        yield s3_server
+
+
+@pytest.fixture
+def s3_url(s3_env, request) -> str:
+    """A fresh prefix in the session bucket for this test."""
+    import re
+    import uuid
+
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name)[:60]
+    return f"s3://{S3_BUCKET}/{name}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def s3_own_server(tmp_path):
+    """A server of this test's own, for destructive tests (stopped, killed, restarted)."""
+    from s3_server import SeaweedServer
+
+    server = SeaweedServer(tmp_path / "s3", [S3_BUCKET])
+    server.start()
+    try:
+        with server.applied_env():
+            yield server
+    finally:
+        server.stop()
+
+
 def run_python(code: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh Python process (the real thing: no shared module state)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + str(ROOT / "tests")}
@@ -45,4 +92,4 @@ def train_steps(model: torch.nn.Module, optim: torch.optim.Optimizer, n: int, se
         optim.zero_grad()
 
 
-__all__ = ["ROOT", "run_python", "small_model", "stashpoint", "train_steps"]
+__all__ = ["ROOT", "S3_BUCKET", "run_python", "small_model", "stashpoint", "train_steps"]

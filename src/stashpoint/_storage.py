@@ -49,6 +49,9 @@ class Storage(abc.ABC):
 
     #: Whether ``commit`` is an atomic rename (True) or a write whose presence commits (False).
     atomic_rename: bool = True
+    #: Whether a root exists on its own once ``prepare()`` made it (a directory: True), or only
+    #: while it holds a file (an object-store prefix, where ``prepare()`` creates nothing: False).
+    has_directories: bool = True
 
     @property
     @abc.abstractmethod
@@ -318,5 +321,9 @@ def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
     text = os.fspath(path)
     if "://" in text:
         scheme = text.split("://", 1)[0]
-        raise ValueError(f"unsupported storage scheme {scheme!r} in {text!r}; use a local path")
+        if scheme == "s3":
+            from ._s3 import S3Storage
+
+            return S3Storage(text)
+        raise ValueError(f"unsupported storage scheme {scheme!r} in {text!r}; use a local path or s3://bucket/prefix")
     return LocalStorage(text)
