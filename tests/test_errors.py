@@ -366,3 +366,18 @@ def test_an_unlisted_shard_of_the_same_save_is_corruption(tmp_path):
     with pytest.raises(stashpoint.CorruptCheckpointError, match=r"belongs to this checkpoint's save but its manifest"):
         stashpoint.load({"a": torch.zeros(10)}, tmp_path / "ck")
     assert any("does not list" in p for p in stashpoint.verify(tmp_path / "ck").problems)
+
+
+def test_loading_the_checkpoint_being_saved_waits_for_it(tmp_path):
+    gate = threading.Event()
+    h = stashpoint.async_save({"w": torch.full((100,), 3.0)}, SlowStorage(tmp_path / "ck", gate))
+    out = {"w": torch.zeros(100)}
+    threading.Timer(0.5, gate.set).start()
+    stashpoint.load(out, tmp_path / "ck")  # not "no checkpoint": the save in flight commits first
+    assert h.done() and out["w"][0] == 3.0
+
+
+def test_strict_load_lists_plain_values_missing_from_the_checkpoint(tmp_path):
+    stashpoint.save({"w": torch.ones(3)}, tmp_path / "ck")
+    with pytest.raises(stashpoint.StateMismatchError, match="missing key 'step'"):
+        stashpoint.load({"w": torch.zeros(3), "step": 0}, tmp_path / "ck")

@@ -377,3 +377,27 @@ def test_cuda_training_goes_on_during_the_copies(tmp_path):
     assert stats.staged_s >= stats.blocking_s
     assert changed_tensors(snapshot(state), ref) == tensor_keys(ref)
     assert_bitwise(loaded(tmp_path / "ck", BIG, device="cuda"), ref)
+
+
+def test_load_into_the_same_objects_waits_for_the_pending_copies(tmp_path, gate):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(200, 200)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 200)).sum().backward()
+    opt.step()
+    stashpoint.save({"model": model, "optim": opt}, tmp_path / "other")
+    want = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    at_call = [p.detach().clone() for p in model.parameters()]
+    h = stashpoint.async_save({"model": model, "optim": opt}, tmp_path / "ck", overlap=True)
+    assert gate.entered.wait(30), "the background copies started"
+    gate.release_after(0.3)
+    stashpoint.load({"model": model, "optim": opt}, tmp_path / "other")  # must wait for the copies
+    h.wait()
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), want))
+    m2 = torch.nn.Linear(200, 200)
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+    stashpoint.load({"model": m2, "optim": o2}, tmp_path / "ck")
+    assert all(torch.equal(p, w) for p, w in zip(m2.parameters(), at_call)), "the save kept the values at its call"

@@ -58,7 +58,7 @@ def read_manifest(storage: Storage) -> Manifest:
             raise CorruptCheckpointError(f"the manifest of {loc} is larger than the {MAX_MANIFEST_BYTES} byte cap")
         raw = storage.read(MANIFEST_NAME)
     except FileNotFoundError:
-        names = storage.list() if storage.exists(None) else []
+        names = storage.list() + storage.children() if storage.exists(None) else []
         if any(parse_step_dir(n) is not None for n in names):
             raise CheckpointError(
                 f"{loc} is a run directory of step checkpoints, not one checkpoint; pass a step directory "
@@ -304,6 +304,15 @@ def execute_reads(storage: Storage, manifest: Manifest, reads: list[Read], *, ve
         p.place()
 
 
+def _wait_for_saves_to(location: str) -> None:
+    """Wait for this process's saves in flight to ``location`` (loading it must see the result)."""
+    from . import _save
+
+    engine = _save._engine
+    if engine is not None:
+        cf.wait([h._future for h in list(engine.inflight) if h.path == location])
+
+
 def load(
     state: Any,
     path: str | os.PathLike[str] | Storage,
@@ -341,8 +350,14 @@ def load(
             its page cache, so there storage sees each byte about once anyway and direct reads
             are faster (see benchmarks/RESULTS.md).
         timeout: seconds a collective step may wait for the other ranks (default 600).
+
+    A save to ``path`` still in flight in this process (``async_save``) is waited for first.
     """
+    from ._save import wait_staged
+
+    wait_staged()  # an overlap=True save still copying these objects must not see loaded values
     storage = storage_for(path)
+    _wait_for_saves_to(storage.location)
     manifest = read_manifest(storage)
     extra = unlisted_shards(storage, manifest)
     if extra:

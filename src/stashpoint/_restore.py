@@ -226,8 +226,8 @@ class Planner:
                     f"unexpected key {self._name(cw)}: in the checkpoint, not in the state"
                     + (f" ({len(keys)} tensor(s))" if len(keys) > 1 else "")
                 )
-        for k, v in live.items():
-            if k not in seen and _holds_tensors(v):
+        for k in live:
+            if k not in seen:  # plain values too: a silently kept value (a step counter) is a wrong resume
                 self.plan.problems.append(
                     f"missing key {self._name(join(where, k))}: in the state, not in the checkpoint"
                 )
