@@ -67,7 +67,7 @@ def s3_own_server(tmp_path):
         with server.applied_env():
             yield server
     finally:
-        server.stop()
+        server.stop(timeout=5)  # its data is thrown away: no need to wait long for a clean stop
 
 
 def run_python(code: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -185,7 +185,6 @@ class TestS3Storage(StorageSuite):
 
     def make(self, path: Path) -> Storage:
         from conftest import S3_BUCKET
-
         from stashpoint._s3 import S3Storage
         from stashpoint._s3config import S3Options
 

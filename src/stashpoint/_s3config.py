@@ -107,9 +107,16 @@ class S3Client:
         return f"is {self.endpoint} reachable? For MinIO, SeaweedFS, R2 and the like set AWS_ENDPOINT_URL"
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: blocked (sys.modules[module] is None)
+        return False
+
+
 def check_installed() -> None:
     """Raise a clear ImportError, naming the extra to install, if the S3 clients are missing."""
-    missing = [m for m in ("obstore", "boto3") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("obstore", "boto3") if not _importable(m)]
     if missing:
         raise ImportError(f"s3:// paths need the S3 extra: {INSTALL_HINT} (missing: {', '.join(missing)})")
 

@@ -119,6 +119,7 @@ class S3Writer(FileWriter):
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._closed = False
 
     def _feed(self) -> Iterator[object]:
         while True:
@@ -159,6 +160,7 @@ class S3Writer(FileWriter):
         self._queue.put(mv)
 
     def close(self) -> None:
+        self._closed = True
         if self._thread is None:
             import obstore
 
@@ -170,6 +172,7 @@ class S3Writer(FileWriter):
         self._queue.put(_END)
         self._thread.join()
         if self._error is not None:
+            self._thread = None  # cleaned up here: abort() need not do it again
             self._storage.abort_uploads(self._key)
             raise self._storage.error("uploading", self._name, self._error)
 
@@ -179,6 +182,8 @@ class S3Writer(FileWriter):
             self._queue.put(_ABORT)
             self._thread.join()
             self._storage.abort_uploads(self._key)
+        if not self._closed:  # the object was never completed: nothing to delete
+            return
         try:  # close() may have failed after the object was complete (a lost response)
             self._storage.delete(self._name)
         except OSError as e:
