@@ -46,6 +46,7 @@ def main() -> None:
                 t = torch.ones(1)
                 dist.all_reduce(t)
             mgr.wait()
+            dist.barrier()  # rank 0 applies the retention: list once it is done
             out = {"local": mgr.steps(), "remote": mgr.remote_steps()}
     elif scenario == "restore":
         # LOCAL may differ per rank ("{rank}" in it): a rank without a local copy forces the remote one

@@ -1,0 +1,136 @@
+"""The CheckpointManager, the tiers and the command line on s3:// roots, against a real
+S3-compatible server (SeaweedFS, started by the tests: see tests/s3_server.py)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import torch
+
+import stashpoint
+from conftest import ROOT
+from stashpoint._format import MANIFEST_NAME
+from stashpoint._storage import storage_for
+
+
+def _state(v: int) -> dict:
+    g = torch.Generator().manual_seed(v)
+    return {"w": torch.randn(200_000, generator=g), "b": torch.full((7,), float(v)), "step": v}
+
+
+def _empty() -> dict:
+    return {"w": torch.zeros(200_000), "b": torch.zeros(7), "step": -1}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return torch.equal(a["w"], b["w"]) and torch.equal(a["b"], b["b"]) and a["step"] == b["step"]
+
+
+def test_manager_on_an_s3_root_lists_retains_restores_and_cleans_leftovers(s3_url):
+    with stashpoint.CheckpointManager(s3_url, keep_last=2, keep_best=(1, "loss")) as mgr:
+        assert mgr.restore(_empty()) is None and mgr.latest_step() is None
+        for step, loss in ((1, 0.5), (2, 3.0), (3, 2.0), (4, 1.0)):
+            mgr.save(step, _state(step), metrics={"loss": loss})
+            mgr.wait()
+        assert mgr.steps() == [1, 3, 4], "newest two + the best loss"
+        assert mgr.path(4) == f"{s3_url}/step-00000004"
+        out = _empty()
+        assert mgr.restore(out) == 4 and _same(out, _state(4))
+    # a crash leftover under the root (shards, no manifest) is removed by the next manager
+    leftover = storage_for(s3_url).child("step-00000009")
+    w = leftover.open_writer("shard-r00000-0000-deadbeef.safetensors", 3)
+    w.write(b"abc")
+    w.close()
+    with stashpoint.CheckpointManager(s3_url, keep_last=2) as mgr:
+        assert "step-00000009" not in storage_for(s3_url).children()
+        assert mgr.steps() == [1, 3, 4]
+
+
+def test_a_damaged_s3_step_is_skipped_and_moved_aside(s3_url):
+    with stashpoint.CheckpointManager(s3_url, keep_last=None) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+        mgr.wait()
+    step2 = storage_for(s3_url).child("step-00000002")
+    (shard,) = [n for n in step2.list() if n.startswith("shard-")]
+    data = bytearray(step2.read(shard))
+    data[-50] ^= 0xFF
+    w = step2.open_writer(shard, len(data))
+    w.write(bytes(data))
+    w.close()
+    with stashpoint.CheckpointManager(s3_url, keep_last=None) as mgr:
+        out = _empty()
+        assert mgr.restore(out) == 1 and _same(out, _state(1))
+        assert mgr.steps() == [1]
+        assert any(n.startswith("step-00000002.damaged-") for n in storage_for(s3_url).children())
+
+
+def test_local_tier_with_an_s3_remote_and_a_fresh_node(tmp_path, s3_url):
+    local = tmp_path / "nvme"
+    with stashpoint.CheckpointManager(local, keep_last=1, remote_root=s3_url, remote_keep_last=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+        mgr.wait()
+        assert mgr.steps() == [3] and mgr.remote_steps() == [2, 3]
+    assert stashpoint.verify(f"{s3_url}/step-00000003").ok
+    shutil.rmtree(local)  # a fresh node
+    with stashpoint.CheckpointManager(local, keep_last=1, remote_root=s3_url) as mgr:
+        out = _empty()
+        assert mgr.restore(out) == 3 and _same(out, _state(3))
+        mgr.save(4, _state(4))
+        mgr.wait()
+        assert mgr.steps() == [3, 4] or mgr.steps() == [4]
+        assert 4 in mgr.remote_steps()
+        assert storage_for(f"{s3_url}/step-00000004").exists(MANIFEST_NAME)
+
+
+def test_two_ranks_tiered_to_s3_and_restored_on_a_fresh_node(tmp_path, s3_url):
+    from dist_util import run_world
+
+    worker = ROOT / "tests" / "tier_worker.py"
+    for r in run_world(2, "save", str(tmp_path / "nvme"), s3_url, worker=worker):
+        assert r == {"local": [3], "remote": [2, 3]}
+    for r in run_world(2, "restore", str(tmp_path / "fresh{rank}"), s3_url, worker=worker):
+        assert r["step"] == 3 and r["ok"]
+
+
+def test_the_command_line_on_s3_urls(s3_url):
+    with stashpoint.CheckpointManager(s3_url) as mgr:
+        mgr.save(5, _state(5), metrics={"loss": 0.25})
+        mgr.wait()
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "stashpoint", *args], capture_output=True, text=True, timeout=120, check=False
+        )
+
+    ls = cli("ls", s3_url)
+    assert ls.returncode == 0, ls.stderr
+    assert "5" in ls.stdout and "committed" in ls.stdout and "0.25" in ls.stdout
+    step = f"{s3_url}/step-00000005"
+    ins = cli("inspect", step, "--json")
+    assert ins.returncode == 0, ins.stderr
+    assert "w" in ins.stdout
+    ver = cli("verify", step)
+    assert ver.returncode == 0 and "OK" in ver.stdout, ver.stdout + ver.stderr
+    run_dir = cli("inspect", s3_url)
+    assert run_dir.returncode == 2 and "run directory" in run_dir.stderr
+    missing = cli("verify", f"{s3_url}/step-00000099")
+    assert missing.returncode == 2 and "no checkpoint" in missing.stderr
+
+
+def test_manager_save_on_s3_from_a_fresh_process(s3_url):
+    """The configuration comes from the environment alone: a new process needs nothing else."""
+    code = (
+        "import sys, torch, stashpoint\n"
+        "with stashpoint.CheckpointManager(sys.argv[1]) as m:\n"
+        "    m.save(1, {'w': torch.arange(10.0)}).wait()\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, s3_url], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    out = {"w": torch.zeros(10)}
+    stashpoint.load(out, f"{s3_url}/step-00000001")
+    assert torch.equal(out["w"], torch.arange(10.0))
