@@ -96,7 +96,8 @@ def test_two_ranks_tiered_to_s3_and_restored_on_a_fresh_node(tmp_path, s3_url):
         assert r["step"] == 3 and r["ok"]
 
 
-def test_the_command_line_on_s3_urls(s3_url):
+def test_the_command_line_on_s3_urls(s3_url, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     with stashpoint.CheckpointManager(s3_url) as mgr:
         mgr.save(5, _state(5), metrics={"loss": 0.25})
         mgr.wait()
@@ -119,6 +120,18 @@ def test_the_command_line_on_s3_urls(s3_url):
     assert run_dir.returncode == 2 and "run directory" in run_dir.stderr
     missing = cli("verify", f"{s3_url}/step-00000099")
     assert missing.returncode == 2 and "no checkpoint" in missing.stderr
+    # export from S3, import to S3, diff across local and S3
+    export = cli("export", step, "w.safetensors")
+    assert export.returncode == 0, export.stderr
+    torch.save({"w": _state(5)["w"]}, "w.pt")
+    imported = cli("import", "w.pt", f"{s3_url}/imported")
+    assert imported.returncode == 0, imported.stderr
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file("w.safetensors")["w"], _state(5)["w"])
+    stashpoint.save({"w": _state(5)["w"]}, "local-w")
+    same = cli("diff", "local-w", f"{s3_url}/imported")
+    assert same.returncode == 0, same.stdout + same.stderr
 
 
 def test_manager_save_on_s3_from_a_fresh_process(s3_url):
