@@ -96,6 +96,14 @@ def test_two_ranks_tiered_to_s3_and_restored_on_a_fresh_node(tmp_path, s3_url):
         assert r["step"] == 3 and r["ok"]
 
 
+def test_two_ranks_save_and_restore_with_the_manager_on_an_s3_root(s3_url):
+    from dist_util import run_world
+
+    worker = ROOT / "tests" / "tier_worker.py"
+    for r in run_world(2, "single-root", s3_url, "-", worker=worker):
+        assert r == {"steps": [2, 3], "step": 3, "ok": True}
+
+
 def test_the_command_line_on_s3_urls(s3_url, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with stashpoint.CheckpointManager(s3_url) as mgr:

@@ -48,6 +48,14 @@ def main() -> None:
             mgr.wait()
             dist.barrier()  # rank 0 applies the retention: list once it is done
             out = {"local": mgr.steps(), "remote": mgr.remote_steps()}
+    elif scenario == "single-root":  # no tiers: the manager's root itself is LOCAL (a path or s3:// URL)
+        with stashpoint.CheckpointManager(local, keep_last=2) as mgr:
+            for step in (1, 2, 3):
+                mgr.save(step, state(step))
+            mgr.wait()
+            dist.barrier()
+            got = empty()
+            out = {"steps": mgr.steps(), "step": mgr.restore(got), "ok": same(got, state(3))}
     elif scenario == "restore":
         # LOCAL may differ per rank ("{rank}" in it): a rank without a local copy forces the remote one
         with stashpoint.CheckpointManager(local.format(rank=RANK), remote_root=remote) as mgr:
