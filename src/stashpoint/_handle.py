@@ -31,6 +31,9 @@ class SaveStats:
       for the background copies (the rest of the stall the save caused);
     - ``persist_s``: the background part (waiting for the copies, writing, fsync, commit);
     - ``total_s``: from the start of the call until the checkpoint was committed.
+
+    ``writer`` says where this rank's shard files were written: ``"thread"`` (the writer thread)
+    or ``"process"`` (the writer process).
     """
 
     path: str
@@ -46,6 +49,7 @@ class SaveStats:
     rank_bytes_written: int = 0
     staged_s: float = 0.0
     step_wait_s: float = 0.0
+    writer: str = "thread"
 
     @property
     def throughput_gbps(self) -> float:

@@ -23,7 +23,7 @@ from ._dist import ChunkMeta, CollectiveError, DistContext, assign_writers, layo
 from ._dtensor import local_part
 from ._format import MANIFEST_NAME, Chunk, FileEntry, Manifest, TensorEntry, dtype_name
 from ._handle import SaveStats
-from ._persist import write_shards
+from ._persist import Writer, write_shards
 from ._plan import TensorSpec, group_aliases, plan_files
 from ._staging import StagingBuffers, StagingPool
 from ._storage import Storage
@@ -109,6 +109,7 @@ class PersistJob:
     early_error: BaseException | None = None  # this rank failed before staging
     pending: PendingCopies | None = None  # overlap mode: copies still running into ``staged``
     staged_at: float = 0.0  # perf_counter() when the call's own copies were done
+    writer: Writer | None = None  # the writer process; None: write on this (the writer) thread
 
     @classmethod
     def failed(
@@ -155,13 +156,7 @@ class PersistJob:
                     self.pending.result()
                 self.storage.prepare()
                 written = write_shards(
-                    self.storage,
-                    files,
-                    self.staged.views,
-                    rank=ctx.rank,
-                    save_id=save_id,
-                    dtypes={c.key: self.staged.views[c.key].dtype for c in mine},
-                    shapes={c.key: c.shape for c in mine},
+                    self.storage, files, self.staged, rank=ctx.rank, save_id=save_id, writer=self.writer
                 )
                 self.storage.sync()
                 outcome: tuple[Any, ...] = ("ok", written.files, dict(written.chunks), self.tree, written.bytes_written)
@@ -210,6 +205,7 @@ class PersistJob:
             rank_bytes_written=outcomes[ctx.rank][4],
             staged_s=max(0.0, staged_at - t_start),
             step_wait_s=pending.step_wait_s if pending is not None else 0.0,
+            writer="thread" if self.writer is None else "process",
         )
         log.info("stashpoint: saved %s", stats)
         return stats

@@ -1,19 +1,21 @@
-"""The persist phase: write staged bytes to shard files with checksums, durably."""
+"""The persist phase: write staged bytes to shard files with checksums, durably.
+
+The shard files' contents are decided here, in the training process (headers, which bytes of
+staging memory go where); the bytes are then written by ``_shardio.write_files`` — on the writer
+thread, or in the writer process (``_writerproc``), which maps the same staging memory.
+"""
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-import torch
-
-from ._format import FileEntry, block_checksums, checksum, encode_header, safetensors_view
+from ._format import CHECKSUM_BLOCK_BYTES, FileEntry, checksum, encode_header, safetensors_view
 from ._plan import FilePlan, shard_name
-from ._staging import as_memoryview
-from ._storage import FileWriter, Storage
-
-_WRITE_BLOCK = 64 * 1024 * 1024
+from ._shardio import Piece, ShardWrite, write_files
+from ._staging import StagingBuffers
+from ._storage import Storage
 
 
 @dataclass(frozen=True)
@@ -26,63 +28,56 @@ class WrittenShards:
     bytes_written: int
 
 
-def _span(addr: int, n: int) -> memoryview:
-    return memoryview((ctypes.c_char * n).from_address(addr)).cast("B") if n else memoryview(b"")
+class Writer(Protocol):
+    """Writes planned shard files out of staging memory somewhere else (the writer process)."""
+
+    def write(
+        self, storage: Storage, writes: Sequence[ShardWrite], staged: StagingBuffers, *, block: int
+    ) -> dict[str, tuple[str, ...]]:
+        """Like ``_shardio.write_files`` on ``staged``'s memory: the block checksums by key."""
+        ...
 
 
-def _write_run(writer: FileWriter, mv: memoryview) -> None:
-    for b in range(0, len(mv), _WRITE_BLOCK):
-        writer.write(mv[b : b + _WRITE_BLOCK])
+def shard_writes(files: Sequence[FilePlan], staged: StagingBuffers, *, rank: int, save_id: str) -> list[ShardWrite]:
+    """The shard files of ``files``: each one's safetensors header, and where each tensor's
+    bytes lie in ``staged`` (any plan's layout of the same tensors)."""
+    writes = []
+    for fplan in files:
+        entries = []
+        for p in fplan.placements:
+            view = staged.views[p.key]
+            st_dtype, st_shape = safetensors_view(view.dtype, tuple(view.shape), p.end - p.begin)
+            entries.append((p.key, st_dtype, st_shape, p.begin, p.end))
+        header = encode_header(entries, {"format": "stashpoint", "save_id": save_id})
+        pieces = tuple(Piece(p.key, staged.offsets[p.key], p.end - p.begin) for p in fplan.placements)
+        writes.append(ShardWrite(shard_name(rank, fplan.index, save_id), header, pieces))
+    return writes
 
 
 def write_shards(
     storage: Storage,
     files: Sequence[FilePlan],
-    views: Mapping[str, torch.Tensor],
+    staged: StagingBuffers,
     *,
     rank: int,
     save_id: str,
-    dtypes: Mapping[str, torch.dtype],
-    shapes: Mapping[str, tuple[int, ...]],
+    writer: Writer | None = None,
 ) -> WrittenShards:
-    """Write each planned shard durably from the staged ``views`` (contiguous host tensors).
+    """Write each planned shard durably from ``staged``, on this thread or with ``writer``.
 
     Tensors that lie back to back in staging memory are written as one run in large aligned
     blocks (direct I/O where the storage allows); checksums are computed in the same pass.
     """
-    entries_out: list[FileEntry] = []
+    writes = shard_writes(files, staged, rank=rank, save_id=save_id)
+    if writer is None:
+        sums = write_files(storage, writes, staged.memoryview(), block=CHECKSUM_BLOCK_BYTES)
+    else:
+        sums = writer.write(storage, writes, staged, block=CHECKSUM_BLOCK_BYTES)
+    entries: list[FileEntry] = []
     chunks: dict[str, tuple[str, int, int, tuple[str, ...]]] = {}
-    written = 0
-    for fplan in files:
-        name = shard_name(rank, fplan.index, save_id)
-        entries = []
+    for w, fplan in zip(writes, files):
+        hlen = len(w.header)
         for p in fplan.placements:
-            st_dtype, st_shape = safetensors_view(dtypes[p.key], shapes[p.key], p.end - p.begin)
-            entries.append((p.key, st_dtype, st_shape, p.begin, p.end))
-        header = encode_header(entries, {"format": "stashpoint", "save_id": save_id})
-        size = len(header) + fplan.data_size
-        writer = storage.open_writer(name, size)
-        try:
-            writer.write(header)
-            run_addr = run_end = 0
-            for p in fplan.placements:
-                mv = as_memoryview(views[p.key])
-                chunks[p.key] = (name, len(header) + p.begin, len(header) + p.end, block_checksums(mv))
-                addr = views[p.key].data_ptr()
-                if run_end and addr == run_end:
-                    run_end += len(mv)
-                    continue
-                if run_end:
-                    _write_run(writer, _span(run_addr, run_end - run_addr))
-                run_addr, run_end = addr, addr + len(mv)
-                if not len(mv):
-                    run_addr = run_end = 0
-            if run_end:
-                _write_run(writer, _span(run_addr, run_end - run_addr))
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        written += size
-        entries_out.append(FileEntry(name, size, len(header), checksum(header), rank))
-    return WrittenShards(tuple(entries_out), chunks, written)
+            chunks[p.key] = (w.name, hlen + p.begin, hlen + p.end, sums[p.key])
+        entries.append(FileEntry(w.name, w.size, hlen, checksum(w.header), rank))
+    return WrittenShards(tuple(entries), chunks, sum(w.size for w in writes))

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import _dist, _overlap
+from . import _dist, _overlap, _writerproc
 from ._dist import DistContext
 from ._format import MANIFEST_NAME
 from ._handle import SaveHandle, SaveStats
@@ -27,6 +27,7 @@ from .errors import CheckpointError
 log = logging.getLogger("stashpoint")
 
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
+DEFAULT_WRITER = "thread"
 
 
 class _Engine:
@@ -37,6 +38,7 @@ class _Engine:
         # overlap mode's background copies: never queued behind a persist, never on the writer thread
         self.copier = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-copy")
         self.pool = StagingPool(max_free=1)
+        self.pool.on_drop = _writerproc.forget_freed  # dropped buffers: the writer process unmaps them
         self.inflight: list[SaveHandle] = []
         self.lock = threading.Lock()
         self._plans: dict[tuple[Any, ...], SavePlan] = {}
@@ -124,7 +126,10 @@ class _Engine:
             self.pool.release(staged)
             raise
         t_staged = time.perf_counter()
-        job = PersistJob(storage, staged, self.pool, tree, layout, opts, ctx, pending=pending, staged_at=t_staged)
+        writer = _writerproc.choose(opts.writer, storage, staged)
+        job = PersistJob(
+            storage, staged, self.pool, tree, layout, opts, ctx, pending=pending, staged_at=t_staged, writer=writer
+        )
         return job, t_staged - t_stage
 
 
@@ -154,6 +159,7 @@ class SaveOptions:
     process_group: Any = None
     timeout_s: float | None = None
     overlap: bool = False
+    writer: str = DEFAULT_WRITER
 
     def __post_init__(self) -> None:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.metadata.items()):
@@ -162,6 +168,8 @@ class SaveOptions:
             raise ValueError(f"on_busy must be 'wait' or 'skip', got {self.on_busy!r}")
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be at least 1, got {self.max_inflight}")
+        if self.writer not in _writerproc.WRITERS:
+            raise ValueError(f"writer must be 'thread' or 'process', got {self.writer!r}")
         if self.max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be positive, got {self.max_shard_bytes}")
 
@@ -177,6 +185,7 @@ def async_save(
     process_group: Any = None,
     timeout: float | None = None,
     overlap: bool = False,
+    writer: str = DEFAULT_WRITER,
 ) -> SaveHandle:
     """Stage ``state`` into host buffers and return; write, checksum, fsync and commit in the background.
 
@@ -207,6 +216,12 @@ def async_save(
             time of the call. Code that changes those tensors in place outside ``step()``
             (``load_state_dict``, EMA or weight updates under ``torch.no_grad``, ...) must call
             ``handle.wait_staged()`` first. See docs/TRAINING.md, "Overlap mode".
+        writer: where this rank's shard files are written and checksummed: ``"thread"`` (the
+            writer thread of this process) or ``"process"`` (one persistent writer process per
+            training process, started on first use, which maps the staging memory: no copy,
+            and no GIL time taken from training). The collectives and the commit stay on the
+            writer thread either way. Storages other than the built-in local and S3 backends
+            are written on the thread. See docs/TRAINING.md, "Writer process".
 
     Returns:
         a :class:`SaveHandle`; ``wait()`` returns :class:`SaveStats` or raises the failure.
@@ -219,6 +234,7 @@ def async_save(
         process_group=process_group,
         timeout_s=timeout,
         overlap=overlap,
+        writer=writer,
     )
     return _get_engine().submit(state, storage_for(path), opts)
 

@@ -1,23 +1,35 @@
 """Host staging buffers: allocated once per state structure, reused by later saves.
 
-On the CPU a buffer is page-aligned anonymous memory (so writes can use direct I/O from it). The
-first save of a structure pays for touching fresh memory; later saves copy into touched pages at
-memory bandwidth. When any tensor lives on a CUDA device the buffers are pinned, and copies run
-on a side stream.
+A buffer is page-aligned shared memory: an anonymous memory file (``memfd_create``) mapped
+``MAP_SHARED``, so that the writer process (``_writerproc``) can map the same pages from the
+file descriptor and write the staged bytes without a copy, and shard writes can use direct I/O
+from it. The first save of a structure pays for touching fresh memory; later saves copy into
+touched pages at memory bandwidth. When any tensor lives on a CUDA device the buffers are
+pinned in place (``cudaHostRegister``), and copies run on a side stream.
+
+Where ``memfd_create`` is missing (not Linux) the buffer is private anonymous memory, pinned by
+torch's allocator on CUDA, and saves use the writer thread.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
+import logging
 import mmap
+import os
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ._format import dtype_from_name
 from ._plan import SavePlan, TensorSpec
+
+log = logging.getLogger("stashpoint")
 
 
 def as_memoryview(t: torch.Tensor) -> memoryview:
@@ -31,15 +43,84 @@ def as_memoryview(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def _host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
-    if pinned:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def _host_register(ptr: int, nbytes: int) -> bool:
+    """Pin ``nbytes`` at ``ptr`` for fast, asynchronous device copies; False (logged) if CUDA refuses."""
+    try:
+        torch.cuda.check_error(_cudart().cudaHostRegister(ptr, nbytes, 0))
+    except Exception as e:  # staging still works unpinned, only slower
+        log.warning("stashpoint: could not pin %d bytes of staging memory (cudaHostRegister: %s)", nbytes, e)
+        return False
+    return True
+
+
+def _release(fd: int, ptr: int, registered: bool, token: int) -> None:
+    """Finalizer of a :class:`SharedRegion`: unpin, close the descriptor, tell the writer process."""
+    if registered:
+        try:
+            torch.cuda.check_error(_cudart().cudaHostUnregister(ptr))
+        except Exception as e:  # at interpreter exit CUDA may already be gone
+            log.debug("stashpoint: cudaHostUnregister failed: %s", e)
+    os.close(fd)
+    if report_freed:
+        freed.append(token)
+
+
+#: Tokens of regions freed since the writer process last heard of it (it unmaps them); kept
+#: once a writer process has been started (``report_freed``).
+freed: list[int] = []
+report_freed = False
+_tokens = itertools.count(1)
+
+
+class SharedRegion:
+    """``nbytes`` of page-aligned ``MAP_SHARED`` memory backed by an anonymous memory file.
+
+    ``fd`` is what another process maps to see the same pages; ``token`` names the region in
+    messages to it. With ``pinned`` the pages are registered with CUDA (page-locked) and
+    unregistered when the region is freed. The mapping itself lives as long as any tensor made
+    from :attr:`mm` does; the descriptor is closed (and the pages unpinned) when the region is
+    dropped.
+    """
+
+    def __init__(self, nbytes: int, pinned: bool) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"a shared region needs a positive size, got {nbytes}")
+        self.token = next(_tokens)
+        self.nbytes = nbytes
+        fd = os.memfd_create(f"stashpoint-staging-{self.token}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            self.mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.pinned = pinned and _host_register(self.tensor.data_ptr(), nbytes)
+        finalizer = weakref.finalize(self, _release, fd, self.tensor.data_ptr(), self.pinned, self.token)
+        finalizer.atexit = False  # the process is ending: nothing to unpin or tell
+
+    def memoryview(self) -> memoryview:
+        """A writable byte view of the whole region (no copy)."""
+        return memoryview(self.mm)
+
+
+def _host_buffer(nbytes: int, pinned: bool) -> tuple[torch.Tensor, SharedRegion | None]:
     if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8), None
+    if hasattr(os, "memfd_create"):
+        region = SharedRegion(nbytes, pinned)
+        return region.tensor, region
+    if pinned:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None
     # Page-aligned anonymous memory, so shard writes can use direct I/O straight from it.
     # (Transparent huge pages were measured slower to first-touch here: the kernel compacts.)
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(m, dtype=torch.uint8)
+    return torch.frombuffer(m, dtype=torch.uint8), None
 
 
 _PAGE = 4096
@@ -53,37 +134,55 @@ def _layout_bytes(plan: SavePlan) -> int:
 @dataclass
 class StagingBuffers:
     """One host buffer holding the data of every shard file of a plan (each file's region
-    page-aligned), and typed views of each tensor's bytes in it."""
+    page-aligned), and typed views of each tensor's bytes in it.
+
+    ``region`` is the shared memory behind ``buffer`` (None where there is none: an empty
+    buffer, or no ``memfd_create``); ``offsets`` is where each view starts in ``buffer``.
+    """
 
     plan: SavePlan
     specs: tuple[TensorSpec, ...]
     pinned: bool
     buffer: torch.Tensor
     views: dict[str, torch.Tensor] = field(default_factory=dict)
+    region: SharedRegion | None = None
+    offsets: dict[str, int] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()
 
+    def memoryview(self) -> memoryview:
+        """A writable byte view of the whole buffer (no copy)."""
+        return self.region.memoryview() if self.region is not None else as_memoryview(self.buffer)
+
     @classmethod
     def allocate(cls, plan: SavePlan, specs: tuple[TensorSpec, ...], pinned: bool) -> StagingBuffers:
-        return cls.layout(_host_buffer(_layout_bytes(plan), pinned), plan, specs, pinned)
+        buffer, region = _host_buffer(_layout_bytes(plan), pinned)
+        return cls.layout(buffer, plan, specs, pinned, region)
 
     @classmethod
     def layout(
-        cls, buffer: torch.Tensor, plan: SavePlan, specs: tuple[TensorSpec, ...], pinned: bool
+        cls,
+        buffer: torch.Tensor,
+        plan: SavePlan,
+        specs: tuple[TensorSpec, ...],
+        pinned: bool,
+        region: SharedRegion | None = None,
     ) -> StagingBuffers:
         """Lay ``plan`` out in ``buffer`` (at least :func:`_layout_bytes` long)."""
         by_key = {s.key: s for s in specs}
         views: dict[str, torch.Tensor] = {}
+        offsets: dict[str, int] = {}
         base = 0
         for f in plan.files:
             for p in f.placements:
                 spec = by_key[p.key]
                 dtype = dtype_from_name(spec.dtype, p.key)
                 views[p.key] = buffer[base + p.begin : base + p.end].view(dtype).reshape(spec.shape)
+                offsets[p.key] = base + p.begin
             base += -(-f.data_size // _PAGE) * _PAGE
-        return cls(plan, specs, pinned, buffer, views)
+        return cls(plan, specs, pinned, buffer, views, region, offsets)
 
 
 class StagingPool:
@@ -93,12 +192,20 @@ class StagingPool:
     enough (and not much larger) is laid out anew: its pages are already touched, which is what
     makes a copy fast. Only when none fits is fresh memory allocated, and idle buffers are
     dropped first so memory never grows.
+
+    ``on_drop`` is called (outside the pool's lock) after idle buffers were dropped: the engine
+    uses it to have the writer process unmap them at once, so that their memory is returned.
     """
 
     def __init__(self, max_free: int = 1) -> None:
         self.max_free = max_free
         self._free: list[StagingBuffers] = []
         self._lock = threading.Lock()
+        self.on_drop: Callable[[], None] | None = None
+
+    def _dropped(self) -> None:
+        if self.on_drop is not None:
+            self.on_drop()
 
     def acquire(self, plan: SavePlan, specs: tuple[TensorSpec, ...], pinned: bool) -> StagingBuffers:
         """Buffers laid out for ``plan`` and ``specs``."""
@@ -109,14 +216,21 @@ class StagingPool:
                     return self._free.pop(i)
             for i, b in enumerate(self._free):
                 if b.pinned == pinned and need <= b.nbytes <= need + need // 4 + _PAGE:
-                    return StagingBuffers.layout(self._free.pop(i).buffer, plan, specs, pinned)
+                    old = self._free.pop(i)
+                    return StagingBuffers.layout(old.buffer, plan, specs, pinned, old.region)
+            dropped = bool(self._free)
             self._free.clear()
+        if dropped:
+            self._dropped()
         return StagingBuffers.allocate(plan, specs, pinned)
 
     def release(self, buffers: StagingBuffers) -> None:
         with self._lock:
             self._free.append(buffers)
-            del self._free[: max(0, len(self._free) - self.max_free)]
+            extra = max(0, len(self._free) - self.max_free)
+            del self._free[:extra]
+        if extra:
+            self._dropped()
 
 
 _streams: dict[torch.device, torch.cuda.Stream] = {}
