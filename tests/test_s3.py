@@ -179,6 +179,31 @@ def test_storage_url_round_trips_and_pickles(s3_url):
         S3Options(part_size=1024)
 
 
+def _read_in_child(url: str, q) -> None:
+    try:
+        storage_for(url).read(MANIFEST_NAME)
+        q.put("read")
+    except S3Error as e:
+        q.put(str(e))
+
+
+def test_a_child_forked_after_s3_use_gets_a_clear_error_not_a_hang(s3_url):
+    import multiprocessing as mp
+
+    stashpoint.save(_trained(), s3_url)
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_read_in_child, args=(s3_url, q))
+    p.start()
+    try:
+        msg = q.get(timeout=60)
+    finally:
+        p.join(10)
+        p.kill()
+    assert "forked" in msg and "spawn" in msg, msg
+    assert storage_for(s3_url).exists(MANIFEST_NAME), "the parent goes on working"
+
+
 def test_without_the_s3_extra_import_works_and_s3_paths_name_the_extra(tmp_path):
     code = (
         "import sys; sys.modules['obstore'] = None; sys.modules['boto3'] = None\n"

@@ -220,6 +220,19 @@ def _make_client(bucket: str, opts: S3Options) -> S3Client:
 
 _clients: dict[tuple[Any, ...], S3Client] = {}
 _lock = threading.Lock()
+_used_in_pid: int | None = None  # the process whose obstore I/O runtime exists
+
+
+def _check_not_forked() -> None:
+    """obstore's I/O runtime (its threads) does not survive ``fork``: a forked child that used it
+    would hang. Say so instead."""
+    if _used_in_pid is not None and _used_in_pid != os.getpid():
+        raise S3Error(
+            f"this process (pid {os.getpid()}) was forked from one that had already used s3:// paths "
+            f"(pid {_used_in_pid}), and the S3 client's I/O threads do not survive a fork. Start such "
+            "processes with the 'spawn' or 'forkserver' method (multiprocessing.get_context('spawn'), "
+            "torch.multiprocessing.spawn, torchrun), or fork them before the first s3:// call"
+        )
 
 
 def client_for(bucket: str, opts: S3Options) -> S3Client:
@@ -228,10 +241,13 @@ def client_for(bucket: str, opts: S3Options) -> S3Client:
     request."""
     aws_env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
     key = (os.getpid(), bucket, opts, aws_env)
+    global _used_in_pid
     with _lock:
         client = _clients.get(key)
         if client is None:
+            _check_not_forked()
             if len(_clients) > 64:  # environments that keep changing: do not grow forever
                 _clients.clear()
             client = _clients[key] = _make_client(bucket, opts)
+            _used_in_pid = os.getpid()
     return client
