@@ -220,7 +220,7 @@ class PersistJob:
             ) from e
         if save_id:
             own = f"shard-r{rank:05d}-"
-            self._remove(lambda name: name.startswith(own) and save_id in name)
+            self._remove(lambda name: name.startswith(own) and save_id in name, self.storage.best_effort())
         if isinstance(e, CollectiveError):
             _dist.forget(self.ctx)
         if isinstance(e, _RankFailure):
@@ -237,18 +237,19 @@ class PersistJob:
 
     def _committed(self, save_id: str) -> bool:
         try:
-            doc = json.loads(self.storage.read(MANIFEST_NAME))
+            doc = json.loads(self.storage.best_effort().read(MANIFEST_NAME))
         except (OSError, ValueError):
             return False
         return isinstance(doc, dict) and doc.get("save_id") == save_id
 
-    def _remove(self, doomed: Any) -> None:
+    def _remove(self, doomed: Any, storage: Storage | None = None) -> None:
+        storage = storage or self.storage
         try:
-            for name in self.storage.list():
+            for name in storage.list():
                 if SHARD_RE.match(name) and doomed(name):
-                    self.storage.delete(name)
+                    storage.delete(name)
         except OSError as e:  # best effort
-            log.warning("stashpoint: could not remove files in %s: %s", self.storage.location, e)
+            log.warning("stashpoint: could not remove files in %s: %s", storage.location, e)
 
     def _manifest(self, save_id: str, layouts: list[Any], outcomes: list[Any]) -> Manifest:
         keyinfo: dict[str, tuple[str, tuple[int, ...]]] = {}

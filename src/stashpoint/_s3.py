@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import builtins
 import concurrent.futures as cf
+import dataclasses
 import errno
 import logging
 import re
@@ -60,6 +61,9 @@ _pending_aborts: set[tuple[str, str, str]] = set()  # (endpoint, bucket, key) wh
 _pending_lock = threading.Lock()
 
 
+_BEST_EFFORT_RETRY_S = 3.0
+
+
 class S3Storage(Storage):
     """A checkpoint (or a run directory of them) under ``s3://bucket/prefix``."""
 
@@ -70,6 +74,13 @@ class S3Storage(Storage):
         check_installed()
         self.bucket, self.prefix = parse_url(url)
         self.options = options if options is not None else S3Options.from_env()
+
+    def best_effort(self) -> S3Storage:
+        """A copy that retries transient errors for at most a few seconds (clean-up after a failure:
+        a server that is down should fail the save in seconds, not after every delete's budget)."""
+        if self.options.retry_seconds <= _BEST_EFFORT_RETRY_S:
+            return self
+        return S3Storage(self.url, dataclasses.replace(self.options, retry_seconds=_BEST_EFFORT_RETRY_S))
 
     # -- naming ---------------------------------------------------------------------------------
 

@@ -98,6 +98,11 @@ class Storage(abc.ABC):
     def delete(self, name: str) -> None:
         """Delete the file ``name``; a missing file is fine."""
 
+    def best_effort(self) -> Storage:
+        """This storage for clean-up after a failure: the same files, but giving up quickly
+        instead of retrying (a backend with long retries returns a copy with short ones)."""
+        return self
+
     # -- the run-directory level ---------------------------------------------------------------
 
     @abc.abstractmethod
