@@ -1,0 +1,163 @@
+"""The markdown report: per configuration, the raw disk, the saves per regime, the loads, the
+training loop and the targets; methods that did not run are listed with the reason."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .common import GB
+from .methods import OK
+
+
+def _f(x: float | None, fmt: str = ".3f", suffix: str = "") -> str:
+    return "n/a" if x is None else f"{x:{fmt}}{suffix}"
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else (f"{x * 1e3:.0f} ms" if x < 1 else f"{x:.2f} s")
+
+
+def _unavailable_row(e: dict[str, Any], cols: int) -> str:
+    return f"| {e['label']} | {e['status']}: {e.get('reason', '')} |" + " |" * (cols - 2)
+
+
+def config_title(cfg: dict[str, Any]) -> str:
+    what = {"single": "one process", "ddp": "replicated on every rank (DDP)", "fsdp": "sharded with FSDP2"}
+    return (
+        f"{cfg['ranks']} rank{'s' if cfg['ranks'] > 1 else ''}, {cfg['state_bytes'] / GB:.2f} GB state "
+        f"({what[cfg['layout']]}; {cfg['num_tensors']} tensors{' per rank' if cfg['ranks'] > 1 else ''})"
+    )
+
+
+def disk_table(cfg: dict[str, Any]) -> list[str]:
+    lines = [
+        "| raw disk, same byte count | direct-I/O write + fsync | direct-I/O read | buffered write + fsync "
+        "| buffered read (evicted) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for regime, d in cfg["disk"].items():
+        if "error" in d:
+            lines.append(f"| {regime} | failed: {d['error']} | | | |")
+            continue
+        lines.append(
+            f"| {regime} | {_f(d['direct_write_gbps'], '.2f')} GB/s | {_f(d['direct_read_gbps'], '.2f')} GB/s "
+            f"| {_f(d['buffered_write_gbps'], '.2f')} GB/s | {_f(d['buffered_read_gbps'], '.2f')} GB/s |"
+        )
+    fl = cfg.get("floor")
+    if fl and "error" not in fl:
+        lines += [
+            "",
+            f"Copy floor: `copy_` of the whole state into reused host buffers {_ms(fl['copy_s'])} "
+            f"({_f(fl['gbps'], '.1f')} GB/s); into fresh memory (first touch) {_ms(fl['first_touch_copy_s'])}.",
+        ]
+    return lines
+
+
+def save_table(cfg: dict[str, Any], regime: str) -> list[str]:
+    lines = [
+        f"Saves, {regime} page cache (median of {cfg['repeats']} after a warm-up; on several ranks the slowest rank):",
+        "",
+        "| method | blocking | state free | until durable | GB/s | x raw direct write | first call | "
+        "peak extra memory (x state) | on disk GB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for e in cfg["methods"].values():
+        if e["status"] != OK:
+            lines.append(_unavailable_row(e, 9))
+            continue
+        s = e["saves"].get(regime)
+        if s is None:
+            lines.append(f"| {e['label']} | failed in this regime: {e['errors'].get(regime, '?')} |" + " |" * 7)
+            continue
+        durable = _ms(s["durable_s"]) + ("" if e["fsyncs"] else " *")
+        lines.append(
+            f"| {e['label']} | {_ms(s['blocking_s'])} | {_ms(s['staged_s'])} | {durable} | {_f(s['gbps'], '.2f')} "
+            f"| {_f(s.get('frac_direct_write'), '.2f')} | {_ms(s['first_blocking_s'])} "
+            f"| {_f(s['peak_extra_gb'], '.2f')} GB ({_f(s['extra_per_state'], '.2f')}) "
+            f"| {_f((s['bytes_on_disk'] or 0) / GB, '.2f')} |"
+        )
+    return lines
+
+
+def load_table(cfg: dict[str, Any]) -> list[str]:
+    rows = [e for e in cfg["methods"].values() if e["status"] == OK and e.get("load")]
+    if not rows:
+        return []
+    lines = [
+        "Loads into the live state, checkpoint pages evicted first, each verified against the saved values:",
+        "",
+        "| method | load | GB/s | x raw direct read | first load | verified | in place |",
+        "|---|---:|---:|---:|---:|---|---|",
+    ]
+    for e in rows:
+        ld = e["load"]
+        lines.append(
+            f"| {ld['label']} | {_ms(ld['load_s'])} | {_f(ld['gbps'], '.2f')} "
+            f"| {_f(ld.get('frac_direct_read'), '.2f')} | {_ms(ld['first_load_s'])} "
+            f"| {'yes' if ld['verified'] else 'NO'} | {'yes' if ld['in_place'] else 'no'} |"
+        )
+    return lines
+
+
+def steps_table(cfg: dict[str, Any]) -> list[str]:
+    rows = [e for e in cfg["methods"].values() if e["status"] == OK and e.get("steps")]
+    if not rows:
+        return []
+    st0 = rows[0]["steps"]
+    lines = [
+        f"Training loop (an MLP step of ~{_f(st0['base_step_ms'], '.0f')} ms; a checkpoint every {st0['every']} "
+        "steps, against the same loop's undisturbed steps):",
+        "",
+        "| method | undisturbed step | step while a persist runs (x) | whole loop (x) | time lost per checkpoint "
+        "| longest step |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for e in rows:
+        st = e["steps"]
+        lines.append(
+            f"| {e['label']} | {_f(st['base_step_ms'], '.1f')} ms | {_f(st['during_persist_ratio'], '.2f')} "
+            f"| {_f(st['loop_ratio'], '.2f')} | {_ms(st['lost_per_checkpoint_s'])} | {_ms(st['max_step_s'])} |"
+        )
+    return lines
+
+
+def targets_table(cfg: dict[str, Any]) -> list[str]:
+    lines = ["| target | method | regime | measured | met |", "|---|---|---|---:|---|"]
+    for t in cfg["targets"]:
+        met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+        lines.append(f"| {t['target']} | {t['method']} | {t['regime'] or '-'} | {_f(t['value'], '.2f')} | {met} |")
+    return lines
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    meta = doc["meta"]
+    mc, v = meta["machine"], meta["versions"]
+    out = [
+        f"Run {meta['date']}: {mc['cpus']} CPUs, {mc['ram_gib']:.0f} GiB RAM, torch {v['torch']}, stashpoint "
+        f"{v['stashpoint']} ({meta['commit']}), torchsnapshot {v['torchsnapshot']}, torch-checkpointing "
+        f"{v['torch-checkpointing']}, accelerate {v['accelerate']}; load average {meta['loadavg_start'][0]:.2f} at "
+        f"the start, {meta['loadavg_end'][0]:.2f} at the end; {meta['wall_s'] / 60:.0f} minutes.",
+        "",
+        f"Command: `{meta['command']}`",
+    ]
+    for cfg in doc["configs"]:
+        out += ["", f"#### {config_title(cfg)}", "", *disk_table(cfg)]
+        for regime in cfg["saves_regimes"]:
+            out += ["", *save_table(cfg, regime)]
+        for part in (load_table(cfg), steps_table(cfg)):
+            if part:
+                out += ["", *part]
+        out += ["", "Targets of issue 5 on these figures:", "", *targets_table(cfg)]
+    out += [
+        "",
+        "Blocking: the save call (training stalled), state-dict construction included. State free: until the live "
+        "state may change (later than the call for DCP's async staging, torch-checkpointing's staging and "
+        "stashpoint's overlap mode, whose copies run in the background until the next optimizer step). Until "
+        "durable: until fsynced; * = the library does not fsync, the harness fsyncs its files after it reports "
+        "done (included). Peak extra memory: anonymous memory of the process and its children plus shared memory, "
+        "above the state, during the saves. GB/s and the ratios: the state's bytes over the time until durable, "
+        "against the raw disk measured in the same run.",
+    ]
+    if doc.get("plots"):
+        out += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in doc["plots"]) + "."]
+    return "\n".join(out) + "\n"
