@@ -1,0 +1,209 @@
+"""The side-by-side benchmark suite (python -m benchmarks) and `stashpoint bench`.
+
+The end-to-end runs are real `--quick` runs of the suite on tiny states (each method in its own
+processes, real files, real peers where installed); the rest checks the pieces the reports rest
+on (method selection, availability, the training-loop figures, the targets) on known inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from benchmarks.suite import methods, steptime, summary
+from benchmarks.suite.methods import METHODS, NOT_INSTALLED, OK, Method
+from click.testing import CliRunner
+
+from conftest import ROOT
+from stashpoint import _cli
+
+REQUESTED = ["torch_save", "dcp_save", "dcp_async_thread", "torchsnapshot_async", "stashpoint_save", "stashpoint_async"]
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) of a PNG file; fails unless it has a PNG signature and an IHDR chunk."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR", f"{path} has no IHDR chunk"
+    width, height = struct.unpack(">II", data[16:24])
+    assert data.rstrip(b"\x00")[-8:-4] == b"IEND", f"{path} is truncated"
+    return width, height
+
+
+def run_suite(out: Path, *args: str) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out), "--dir", str(out / "scratch"), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((out / "results.json").read_text())
+    md = (out / "results.md").read_text()
+    assert proc.stdout.strip() == md.strip()  # the table on stdout is the markdown file
+    return doc
+
+
+def check_method(name: str, e: dict, regimes: list[str], *, steps: bool) -> None:
+    """A measured entry has positive, consistent figures; any other says why it was not measured."""
+    if e["status"] != OK:
+        assert e["status"] in (NOT_INSTALLED, "failed", "not applicable", "not available"), e
+        assert e["reason"], f"{name}: {e['status']} without a reason"
+        return
+    assert not e.get("errors"), e.get("errors")
+    for regime in regimes:
+        s = e["saves"][regime]
+        assert 0 < s["blocking_s"] <= s["staged_s"] <= s["written_s"] <= s["durable_s"], s
+        assert s["gbps"] > 0 and s["frac_direct_write"] > 0 and s["first_blocking_s"] > 0
+        assert s["peak_extra_gb"] >= 0 and s["bytes_on_disk"] > 1e6
+        if not e["fsyncs"]:
+            assert s["harness_fsync_s"] > 0
+    if METHODS[name].load is not None:
+        ld = e["load"]
+        assert ld["load_s"] > 0 and ld["verified"] is True and ld["frac_direct_read"] > 0
+    if steps:
+        st = e["steps"]
+        assert st["base_step_ms"] > 0 and st["loop_ratio"] > 0
+        assert len(st["saves"]) == 2 and all(sv["done_at"] >= sv["call_at"] for sv in st["saves"])
+        assert len(st["steps"]) == st["baseline_steps"] + 2 * st["every"]
+
+
+@pytest.mark.slow
+def test_quick_run_one_rank_every_requested_method_reported(tmp_path):
+    out = tmp_path / "suite"
+    doc = run_suite(out, "--ranks", "1", "--regimes", "hot", "cold", "--methods", *REQUESTED, "accelerate")
+    (cfg,) = doc["configs"]
+    assert cfg["ranks"] == 1 and cfg["layout"] == "single" and cfg["state_bytes"] > 1e7
+    assert list(cfg["methods"]) == [*REQUESTED[:4], "accelerate", *REQUESTED[4:]]  # registry order
+    for name, e in cfg["methods"].items():
+        check_method(name, e, ["hot", "cold"], steps=True)
+    for name in ("torch_save", "dcp_save", "stashpoint_save", "stashpoint_async"):
+        assert cfg["methods"][name]["status"] == OK, cfg["methods"][name]
+    for regime in ("hot", "cold"):
+        assert cfg["disk"][regime]["direct_write_gbps"] > 0 and cfg["disk"][regime]["buffered_read_gbps"] > 0
+    assert cfg["floor"]["copy_s"] > 0
+    checked = [t for t in cfg["targets"] if t["met"] is not None]
+    assert {t["target"].split(":")[0] for t in checked} >= {"blocking", "load", "step time while a persist runs"}
+    md = (out / "results.md").read_text()
+    for e in cfg["methods"].values():
+        assert e["label"] in md
+    if "plots_skipped" in doc:
+        assert "pip install matplotlib" in doc["plots_skipped"]
+    else:
+        assert doc["plots"] == ["blocking.png", "timeline-1r-single-0.03gb.png"]
+        for name in doc["plots"]:
+            w, h = png_size(out / name)
+            assert w > 300 and h > 200
+            assert name in md
+
+
+@pytest.mark.slow
+def test_quick_run_two_ranks_sharded(tmp_path):
+    out = tmp_path / "suite2"
+    doc = run_suite(
+        out, "--ranks", "2", "--layouts", "fsdp", "--regimes", "hot", "--no-steps",
+        "--methods", "dcp_save", "dcp_async_thread", "stashpoint_save", "stashpoint_async", "accelerate",
+    )  # fmt: skip
+    (cfg,) = doc["configs"]
+    assert cfg["ranks"] == 2 and cfg["layout"] == "fsdp"
+    assert cfg["methods"]["accelerate"]["status"] == "not applicable"
+    for name, e in cfg["methods"].items():
+        check_method(name, e, ["hot"], steps=False)
+        if name != "accelerate":
+            assert e["status"] == OK, e
+
+
+def test_bench_help_lists_the_options():
+    r = CliRunner().invoke(_cli.main, ["bench", "--help"], prog_name="stashpoint")
+    assert r.exit_code == 0, r.output
+    for opt in ("--sizes", "--ranks", "--methods", "--regimes", "--quick", "--out", "--list"):
+        assert opt in r.output
+    assert "Usage: stashpoint bench [OPTIONS]" in r.output
+
+
+def test_bench_runs_the_suite_of_this_checkout():
+    assert _cli.bench_suite_root(_cli._bench_candidates()) == ROOT
+    cmd = [sys.executable, "-m", "stashpoint", "bench", "--list"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    for name in METHODS:
+        assert name in r.stdout
+
+
+def test_bench_without_the_suite_says_how_to_get_it(tmp_path, monkeypatch):
+    assert _cli.bench_suite_root([tmp_path]) is None
+    (tmp_path / "benchmarks" / "suite").mkdir(parents=True)
+    assert _cli.bench_suite_root([tmp_path]) is None
+    (tmp_path / "benchmarks" / "suite" / "cli.py").write_text("")
+    assert _cli.bench_suite_root([tmp_path / "nothing", tmp_path]) == tmp_path.resolve()
+    monkeypatch.setattr(_cli, "_bench_candidates", lambda: [tmp_path / "nothing"])  # as from a wheel
+    r = CliRunner().invoke(_cli.main, ["bench", "--quick"])
+    assert r.exit_code == 1
+    assert "source repository" in r.output and "pip install -e '.[bench]'" in r.output
+
+
+def test_method_selection_and_groups():
+    assert methods.expand(["stashpoint_async", "torch_save"]) == ["torch_save", "stashpoint_async"]
+    assert methods.expand(["all"]) == list(METHODS)
+    assert set(methods.expand(["peers"])) == {"torchsnapshot_take", "torchsnapshot_async", "torch_checkpointing",
+                                             "accelerate"}  # fmt: skip
+    with pytest.raises(ValueError, match=r"unknown method 'tensorstore'.*groups: all"):
+        methods.expand(["tensorstore"])
+
+
+def test_availability_names_what_to_install_and_why():
+    missing = Method("x", "X", "peer", "async", module="no_such_module_for_stashpoint", pip="no-such-package")
+    status, reason = methods.availability(missing, 1, "single")
+    assert status == NOT_INSTALLED and "pip install no-such-package" in reason
+    status, reason = methods.availability(METHODS["accelerate"], 2, "fsdp")
+    assert status == "not applicable" and "1 process" in reason
+    assert methods.availability(METHODS["stashpoint_async"], 2, "fsdp") is None
+    import torch
+
+    pinned = methods.availability(METHODS["dcp_async_pinned"], 1, "single")
+    assert (pinned is None) == torch.cuda.is_available()
+
+
+def test_step_metrics_on_known_steps():
+    # 4 undisturbed steps of 0.1 s; then a save called in step 4 (0.5 s) and done at t=1.2: the
+    # steps starting before that ran while it persisted (0.2 s each), the last one did not.
+    steps = [(0.1 * i, 0.1, False) for i in range(4)]
+    steps += [(0.4, 0.5, True), (0.9, 0.2, False), (1.1, 0.2, False), (1.3, 0.1, False)]
+    saves = [{"step": 4, "call_at": 0.4, "blocking_s": 0.5, "done_at": 1.2}]
+    m = steptime.metrics(steps, saves, baseline=4)
+    assert m["base_step_ms"] == pytest.approx(100)
+    assert m["during_persist_steps"] == 2 and m["during_persist_ratio"] == pytest.approx(2.0)
+    assert m["loop_ratio"] == pytest.approx((1.0 / 4) / 0.1)
+    assert m["lost_per_checkpoint_s"] == pytest.approx(1.0 - 0.4)
+    assert m["max_step_s"] == pytest.approx(0.5)
+
+
+def test_targets_are_checked_against_the_right_figures():
+    def ok(blocking: float, durable: float, staged: float | None = None, extra: float = 1.0) -> dict:
+        s = {"blocking_s": blocking, "staged_s": staged or blocking, "durable_s": durable, "extra_per_state": extra}
+        return {"status": OK, "saves": {"cold": s}}
+
+    cfg = {
+        "state_bytes": 2e9,
+        "disk": {"cold": {"direct_write_gbps": 2.0}},
+        "methods": {
+            "torch_save": ok(5.0, 5.0),
+            "dcp_async_thread": ok(0.4, 6.0),
+            "dcp_async_async_staging": ok(0.05, 6.0, staged=0.3),
+            "stashpoint_async": ok(0.1, 1.2, extra=1.05),
+            "stashpoint_overlap": ok(0.2, 1.3, staged=0.3),
+        },
+    }
+    res = {(t["target"], t["method"]): t for t in summary.targets(cfg, ["cold"])}
+    assert res["blocking: >= 10x below torch.save+fsync", "stashpoint_async"]["value"] == pytest.approx(50)
+    assert res["blocking: >= 10x below torch.save+fsync", "stashpoint_async"]["met"] is True
+    assert res["blocking: >= 50x below torch.save+fsync", "stashpoint_overlap"]["met"] is False  # 25x
+    call = res["blocking: <= 1/2 of the best DCP async_save (call)", "stashpoint_async"]
+    assert call["value"] == pytest.approx(0.1 / 0.05) and call["met"] is False
+    free = res["blocking: <= 1/2 of the best DCP async_save (until the state is free)", "stashpoint_async"]
+    assert free["value"] == pytest.approx(0.1 / 0.3) and free["met"] is True
+    durable = res["until durable / (1.25 x bytes / raw direct-I/O write): <= 1", "stashpoint_async"]
+    assert durable["value"] == pytest.approx(1.2 / 1.25) and durable["met"] is True
+    assert res["until durable / (1.25 x bytes / raw direct-I/O write): <= 1", "stashpoint_process"]["met"] is None
+    assert res["extra host memory per in-flight save: <= 1.1x the state", "stashpoint_async"]["met"] is True
+    assert res["load: >= 0.8x raw direct-I/O read", "stashpoint_save"]["met"] is None
