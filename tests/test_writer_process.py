@@ -321,3 +321,18 @@ def test_two_gloo_ranks_each_with_its_writer_process(tmp_path):
         assert all(b > 0 for b in r["rank_bytes"]), f"rank {rank} wrote nothing: {r}"
     assert results[0]["pids"][0] != results[1]["pids"][0], "one writer process per rank"
     assert results[0]["bytes"] == sum(r["rank_bytes"][1] for r in results)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA path (cudaHostRegister'd shared staging): needs a GPU")
+def test_cuda_tensors_through_pinned_shared_staging_and_the_writer_process(tmp_path):
+    state = {"w": torch.randn(1000, 1000, device="cuda"), "i": torch.arange(10, device="cuda"), "cpu": torch.ones(5)}
+    stats = stashpoint.save(state, tmp_path / "ck", writer="process")
+    assert stats.writer == "process"
+    engine = _save._engine
+    assert engine is not None
+    staged = engine.pool._free[-1]
+    assert staged.region is not None and staged.region.pinned, "shared memory, registered with CUDA"
+    assert staged.buffer.is_pinned(), "torch sees the registered pages as pinned (asynchronous copies)"
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    stashpoint.load(out, tmp_path / "ck")
+    assert all(torch.equal(out[k], state[k]) for k in state)

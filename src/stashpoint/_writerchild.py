@@ -1,6 +1,6 @@
 """The writer process itself, and the framing both ends of its socket use.
 
-Started by ``_writerproc`` as ``python -c BOOT PACKAGE_DIR FD PARENT_PID``: the bootstrap
+Started by ``_writerproc`` as ``python -c BOOT PACKAGE_DIR FD PARENT_PID NICE``: the bootstrap
 registers ``stashpoint`` as a bare package (its ``__init__`` is not run), so only this module,
 ``_shardio`` and ``_storage`` are imported — no torch. The process then serves one request at a
 time over the Unix socket ``FD`` until the parent closes it, and exits as soon as its parent is
@@ -39,6 +39,7 @@ from ._storage import LocalStorage, Storage
 _LEN = struct.Struct("<Q")
 MAX_DOC = 1 << 30  # a request's JSON (headers included); far beyond any real plan
 WATCH_INTERVAL_S = 0.2
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class ProtocolError(ConnectionError):
@@ -145,8 +146,8 @@ def serve(sock: socket.socket) -> None:
             raise ProtocolError(f"{len(fds)} descriptors came with {len(new)} new regions")
         for (token, size), fd in zip(new, fds):
             try:
-                regions[int(token)] = mmap.mmap(
-                    fd, int(size), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                regions[int(token)] = mmap.mmap(  # populated: one pass instead of a fault per page
+                    fd, int(size), flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
                 )
             finally:
                 os.close(fd)  # the mapping keeps the memory alive
@@ -161,11 +162,17 @@ def serve(sock: socket.socket) -> None:
             send_msg(sock, {"ok": False, "type": "ProtocolError", "error": f"unknown op {op!r}", "traceback": ""})
 
 
-def main(fd: int, ppid: int) -> None:
-    """The writer process: serve the parent on socket ``fd`` while the process ``ppid`` lives."""
+def main(fd: int, ppid: int, nice: int = 0) -> None:
+    """The writer process: serve the parent on socket ``fd`` while the process ``ppid`` lives,
+    at scheduling priority ``nice`` (added to the inherited one)."""
     sock = socket.socket(fileno=fd)
     if os.getppid() != ppid:
         return  # the parent died before we got here
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError as e:
+            print(f"stashpoint writer process {os.getpid()}: could not lower its priority: {e}", file=sys.stderr)
     threading.Thread(target=_watch_parent, args=(ppid,), name="stashpoint-parent-watch", daemon=True).start()
     try:
         serve(sock)
@@ -175,12 +182,12 @@ def main(fd: int, ppid: int) -> None:
         sock.close()
 
 
-#: How ``_writerproc`` starts this module without importing torch (argv: package dir, fd, ppid).
+#: How ``_writerproc`` starts this module without importing torch (argv: package dir, fd, ppid, nice).
 BOOT = (
     "import sys, types\n"
     "pkg = types.ModuleType('stashpoint')\n"
     "pkg.__path__ = [sys.argv[1]]\n"
     "sys.modules['stashpoint'] = pkg\n"
     "from stashpoint._writerchild import main\n"
-    "main(int(sys.argv[2]), int(sys.argv[3]))\n"
+    "main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))\n"
 )

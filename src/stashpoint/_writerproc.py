@@ -54,6 +54,7 @@ log = logging.getLogger("stashpoint")
 PACKAGE_DIR = str(Path(__file__).resolve().parent)
 WRITERS = ("thread", "process")
 CLOSE_TIMEOUT_S = 10.0
+NICE = 0  # added to the writer process's scheduling priority (higher: yields the CPU to training)
 
 
 def describe(storage: Storage) -> dict[str, Any] | None:
@@ -93,7 +94,7 @@ class WriterProcess:
     def __init__(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         flags = ["-P"] if sys.version_info >= (3, 11) else []  # no script directory on sys.path
-        argv = [sys.executable, *flags, "-c", BOOT, PACKAGE_DIR, str(child.fileno()), str(os.getpid())]
+        argv = [sys.executable, *flags, "-c", BOOT, PACKAGE_DIR, str(child.fileno()), str(os.getpid()), str(NICE)]
         try:
             self.proc = subprocess.Popen(
                 argv, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
