@@ -165,16 +165,17 @@ def test_availability_names_what_to_install_and_why():
 
 
 def test_step_metrics_on_known_steps():
-    # 4 undisturbed steps of 0.1 s; then a save called in step 4 (0.5 s) and done at t=1.2: the
-    # steps starting before that ran while it persisted (0.2 s each), the last one did not.
-    steps = [(0.1 * i, 0.1, False) for i in range(4)]
-    steps += [(0.4, 0.5, True), (0.9, 0.2, False), (1.1, 0.2, False), (1.3, 0.1, False)]
-    saves = [{"step": 4, "call_at": 0.4, "blocking_s": 0.5, "done_at": 1.2}]
-    m = steptime.metrics(steps, saves, baseline=4)
-    assert m["base_step_ms"] == pytest.approx(100)
+    # 3 baseline steps, one disturbed by something else (0.9 s); then a save called in a step of
+    # 0.5 s and done at t=2.3: the 2 steps starting before that ran while it persisted (0.2 s
+    # each); the 2 after it did not, and count as undisturbed with the baseline's.
+    steps = [(0.0, 0.1, False), (0.1, 0.9, False), (1.0, 0.1, False)]
+    steps += [(1.1, 0.5, True), (1.6, 0.2, False), (1.8, 0.2, False), (2.4, 0.1, False), (2.5, 0.1, False)]
+    saves = [{"step": 3, "call_at": 1.1, "blocking_s": 0.5, "done_at": 2.3}]
+    m = steptime.metrics(steps, saves, baseline=3)
+    assert m["undisturbed_steps"] == 5 and m["base_step_ms"] == pytest.approx(100)
     assert m["during_persist_steps"] == 2 and m["during_persist_ratio"] == pytest.approx(2.0)
-    assert m["loop_ratio"] == pytest.approx((1.0 / 4) / 0.1)
-    assert m["lost_per_checkpoint_s"] == pytest.approx(1.0 - 0.4)
+    assert m["loop_ratio"] == pytest.approx((1.1 / 5) / 0.1)
+    assert m["lost_per_checkpoint_s"] == pytest.approx(1.1 - 0.5)
     assert m["max_step_s"] == pytest.approx(0.5)
 
 

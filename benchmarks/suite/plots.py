@@ -78,7 +78,7 @@ def timeline(cfg: dict[str, Any], path: Path) -> bool:
     rows = [e for e in cfg["methods"].values() if e["status"] == OK and e.get("steps")]
     if not rows:
         return False
-    from matplotlib.ticker import NullFormatter
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     fig, axes = plt.subplots(len(rows), 1, figsize=(9, 0.5 + 1.0 * len(rows)), sharex=True, squeeze=False)
     for ax, e in zip(axes[:, 0], rows, strict=True):
@@ -95,6 +95,8 @@ def timeline(cfg: dict[str, Any], path: Path) -> bool:
         ax.bar(t, ms, width=dur, align="edge", color="#444444", edgecolor="white", linewidth=0.2)
         ax.axhline(base, color="gray", linestyle=":", linewidth=0.7)
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ScalarFormatter())
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_ylim(base / 2, max(max(ms), base * 2) * 1.3)
         ax.set_ylabel("step ms", fontsize=7)

@@ -23,8 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import log, median, remove
+from .common import fsync_tree, log, median, remove
 from .savers import Pending, Saver
+
+SETTLE_S = 2.0  # seconds between the warm-up save and the baseline
 
 
 class Trainer:
@@ -121,7 +123,10 @@ def run(
     saver.start(warm).wait()
     if barrier is not None:
         barrier()
+    if warm.exists():
+        fsync_tree(warm)  # no writeback of it left to disturb the baseline
     shutil.rmtree(warm, ignore_errors=True)
+    time.sleep(SETTLE_S)  # what a library does after reporting done (closing, unmapping) ends first
     steps: list[tuple[float, float, bool]] = []  # (start since t_origin, seconds, a save was called in it)
     saves: list[dict[str, Any]] = []
     paths: list[Path] = []
@@ -182,31 +187,34 @@ def _finish(pending: Pending, rec: dict[str, Any], origin: float) -> None:
 
 
 def metrics(steps: list[tuple[float, float, bool]], saves: list[dict[str, Any]], baseline: int) -> dict[str, Any]:
-    """Undisturbed step time, the ratio while a persist runs, the whole loop's ratio, time lost."""
-    base = [s for _, s, _ in steps[:baseline]]
+    """Undisturbed step time, the ratio while a persist runs, the whole loop's ratio, time lost.
+
+    Undisturbed steps: the baseline's, and those of the loop during which no save was called or in
+    flight (a median over both, so that a burst of other work on the machine during the baseline
+    does not set the reference). Each ratio and the time lost are against their median.
+    """
     loop = steps[baseline:]
-    base_med = median(base) or float("nan")
-    base_mean = sum(base) / len(base) if base else float("nan")
-    during = []
+    during, quiet = [], [s for _, s, _ in steps[:baseline]]
     for t, s, called in loop:
         if called:
             continue
-        if any(sv["call_at"] <= t < sv.get("done_at", float("inf")) for sv in saves):
-            during.append(s)
-    loop_mean = sum(s for _, s, _ in loop) / len(loop) if loop else float("nan")
-    lost = sum(s for _, s, _ in loop) - len(loop) * base_mean
+        busy = any(sv["call_at"] <= t < sv.get("done_at", float("inf")) for sv in saves)
+        (during if busy else quiet).append(s)
+    base = median(quiet) or float("nan")
+    total = sum(s for _, s, _ in loop)
     out = {
-        "base_step_ms": base_med * 1e3,
+        "base_step_ms": base * 1e3,
+        "undisturbed_steps": len(quiet),
         "during_persist_steps": len(during),
-        "during_persist_ratio": (median(during) or float("nan")) / base_med if during else None,
-        "loop_ratio": loop_mean / base_mean,
-        "lost_per_checkpoint_s": lost / len(saves) if saves else None,
+        "during_persist_ratio": (median(during) or float("nan")) / base if during else None,
+        "loop_ratio": total / len(loop) / base if loop else None,
+        "lost_per_checkpoint_s": (total - len(loop) * base) / len(saves) if saves else None,
         "max_step_s": max((s for _, s, _ in loop), default=None),
     }
     log(
         f"steps: undisturbed {out['base_step_ms']:.1f} ms; during persist x{out['during_persist_ratio'] or 0:.2f} "
-        f"({len(during)} steps); whole loop x{out['loop_ratio']:.2f}; lost {out['lost_per_checkpoint_s'] or 0:.2f} s "
-        "per checkpoint",
+        f"({len(during)} steps); whole loop x{out['loop_ratio'] or 0:.2f}; lost "
+        f"{out['lost_per_checkpoint_s'] or 0:.2f} s per checkpoint",
         "steps",
     )
     return out
