@@ -69,13 +69,15 @@ def suite_args(argv: list[str] | None = None) -> list[str]:
     ap.add_argument("--timeout", type=float, default=None)
     ap.add_argument("--op-timeout", type=float, default=None)
     ap.add_argument("--load-cache", choices=("evicted",), default="evicted", help="loads always evict first now")
+    ap.add_argument("--markdown", default=None, help="ignored: the suite writes results.md into --out")
+    ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args(argv)
     out = Path(args.out)
     out = out.with_suffix("") if out.suffix == ".json" else out
     methods = [_METHODS[m] for m in args.methods if m in _METHODS]
     cmd = ["--ranks", "1", "--sizes", f"{args.size_gb:g}", "--repeats", str(args.repeats)]
     cmd += ["--regimes", args.regime, "--methods", *methods, "--no-steps", "--out", str(out)]
-    for opt in ("dir", "timeout", "op_timeout"):
+    for opt in ("dir", "timeout", "op_timeout", "seed"):
         if getattr(args, opt) is not None:
             cmd += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
     return cmd

@@ -30,12 +30,14 @@ def suite_args(argv: list[str] | None = None) -> list[str]:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--timeout", type=float, default=None)
     ap.add_argument("--op-timeout", type=float, default=None)
+    ap.add_argument("--markdown", default=None, help="ignored: the suite writes results.md into --out")
+    ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args(argv)
     out = Path(args.out)
     out = out.with_suffix("") if out.suffix == ".json" else out
     cmd = ["--ranks", "2", "--layouts", *args.variants, "--sizes", f"{args.size_gb:g}", "--repeats", str(args.repeats)]
     cmd += ["--regimes", "hot", "--methods", *METHODS, "--no-steps", "--out", str(out)]
-    for opt in ("dir", "timeout", "op_timeout"):
+    for opt in ("dir", "timeout", "op_timeout", "seed"):
         if getattr(args, opt) is not None:
             cmd += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
     return cmd

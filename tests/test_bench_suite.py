@@ -208,3 +208,17 @@ def test_targets_are_checked_against_the_right_figures():
     assert res["until durable / (1.25 x bytes / raw direct-I/O write): <= 1", "stashpoint_process"]["met"] is None
     assert res["extra host memory per in-flight save: <= 1.1x the state", "stashpoint_async"]["met"] is True
     assert res["load: >= 0.8x raw direct-I/O read", "stashpoint_save"]["met"] is None
+
+
+def test_old_entry_points_run_the_same_subset_of_the_suite():
+    from benchmarks import bench_core, bench_dist
+    from benchmarks.suite import cli
+
+    old = "--size-gb 2.5 --repeats 3 --regime cold --load-cache evicted --out o/core-cold.json --markdown o/c.md"
+    args = cli.parse_args(bench_core.suite_args(old.split()))
+    assert (args.ranks, args.sizes, args.repeats, args.regimes) == ([1], [2.5], 3, ["cold"])
+    assert args.methods == list(methods.GROUPS["core"]) and args.no_steps and args.out == "o/core-cold"
+    args = cli.parse_args(bench_dist.suite_args(["--size-gb", "1.0", "--variants", "fsdp"]))
+    assert (args.ranks, args.layouts, args.regimes) == ([2], ["fsdp"], ["hot"])
+    assert args.methods == ["dcp_save", "dcp_async_thread", "stashpoint_save", "stashpoint_async"]
+    assert bench_core.build_state is not None and bench_core.choose_shape(0.5).state_bytes > 0.45e9
