@@ -90,18 +90,19 @@ def test_a_failed_upload_keeps_the_local_copy_and_is_retried_when_the_root_opens
     local, remote = tmp_path / "nvme", tmp_path / "remote"
     with stashpoint.CheckpointManager(local, keep_last=1, remote_root=_FailingRemote(remote)) as mgr:
         mgr.save(1, _state(1)).wait()  # the local save itself succeeds
-        with pytest.raises(stashpoint.CheckpointError, match=r"uploading step 1 to .* failed.*local copy .* is intact"):
+        with pytest.raises(stashpoint.CheckpointError, match=r"uploading step 1 to .* failed.*local copy .* is kept"):
             mgr.wait()
         assert mgr.steps() == [1] and mgr.remote_steps() == []
         mgr.save(2, _state(2))
         with pytest.raises(stashpoint.CheckpointError, match="uploading step 2"):
             mgr.wait()
-        assert mgr.steps() == [2], "local retention works; nothing is deleted before it was uploaded"
+        assert mgr.steps() == [1, 2], "keep_last=1, but a step is never deleted before it was uploaded"
     assert _steps(remote) == [], "a failed upload removes what it copied; nothing committed"
     with stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote) as mgr:
-        mgr.wait()  # the catch-up upload at open
-        assert mgr.remote_steps() == [2]
-    assert stashpoint.verify(remote / "step-00000002").ok
+        mgr.wait()  # the catch-up uploads at open, then the local retention
+        assert mgr.remote_steps() == [1, 2]
+        assert mgr.steps() == [2]
+    assert stashpoint.verify(remote / "step-00000001").ok and stashpoint.verify(remote / "step-00000002").ok
 
 
 def test_local_retention_never_deletes_a_step_before_it_is_uploaded(tmp_path):
@@ -127,9 +128,72 @@ def test_local_retention_never_deletes_a_step_before_it_is_uploaded(tmp_path):
         assert mgr.steps() == [3] and mgr.remote_steps() == [1, 2, 3]
 
 
-def test_remote_root_must_differ(tmp_path):
-    with pytest.raises(ValueError, match="remote_root must differ"):
-        stashpoint.CheckpointManager(tmp_path / "a", remote_root=tmp_path / "a")
+def test_remote_root_must_be_another_place_and_a_refused_manager_releases_the_root(tmp_path):
+    for remote in (tmp_path / "a", tmp_path / "a" / "sub", str(tmp_path / "a") + "/"):
+        with pytest.raises(ValueError, match="remote_root must be another place"):
+            stashpoint.CheckpointManager(tmp_path / "a", remote_root=remote)
+    stashpoint.CheckpointManager(tmp_path / "a", remote_root=tmp_path / "b").close()  # the lock was released
+
+
+def test_remote_keep_last_none_keeps_every_remote_step_and_keep_every_applies_locally(tmp_path):
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    with stashpoint.CheckpointManager(local, keep_last=1, keep_every=4, remote_root=remote) as mgr:
+        for step in range(1, 7):
+            mgr.save(step, _state(step))
+        mgr.wait()
+        assert mgr.steps() == [4, 6] and mgr.remote_steps() == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_skipped_save_is_not_an_upload_failure(tmp_path):
+    import threading
+
+    gate = threading.Event()
+
+    class Slow(LocalStorage):
+        def open_writer(self, name, size):
+            gate.wait(30)
+            return super().open_writer(name, size)
+
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    with stashpoint.CheckpointManager(local, keep_last=None, on_busy="skip", remote_root=remote) as mgr:
+        mgr.storage_class = Slow
+        mgr.save(1, _state(1))
+        skipped = mgr.save(2, _state(2))  # the first is still persisting: skipped
+        gate.set()
+        assert skipped.wait().skipped
+        mgr.wait()  # no error: nothing to upload for a skipped save
+        assert mgr.steps() == [1] and mgr.remote_steps() == [1]
+
+
+def test_catch_up_at_open_uploads_only_what_the_remote_tier_keeps_and_protects_it(tmp_path):
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    with stashpoint.CheckpointManager(local, keep_last=None) as mgr:  # no remote yet: three local steps
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+        mgr.wait()
+    with stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote, remote_keep_last=2) as mgr:
+        mgr.save(4, _state(4))  # retention runs while the catch-up may still be uploading
+        mgr.wait()
+        assert mgr.remote_steps() == [3, 4], "step 1 and 2 would be dropped by remote_keep_last=2: not uploaded"
+        assert mgr.steps() == [4]
+    uploads = sorted(p.name for p in remote.iterdir())
+    assert uploads == ["step-00000003", "step-00000004"]
+
+
+def test_a_step_saved_anew_after_a_rewind_replaces_the_remote_copy(tmp_path):
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    with stashpoint.CheckpointManager(local, keep_last=None, remote_root=remote) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+        mgr.wait()
+    shutil.rmtree(local / "step-00000002")  # the run rewinds to step 1 and trains another way
+    with stashpoint.CheckpointManager(local, keep_last=None, remote_root=remote) as mgr:
+        mgr.wait()
+        mgr.save(2, _state(20))
+        mgr.wait()
+    out = _state(0)
+    stashpoint.load(out, remote / "step-00000002")
+    assert torch.equal(out["w"], _state(20)["w"]), "the remote copy is the new save, not the old one"
 
 
 def test_two_ranks_upload_their_own_files_and_restore_agrees_on_the_copy(tmp_path):
@@ -144,10 +208,12 @@ def test_two_ranks_upload_their_own_files_and_restore_agrees_on_the_copy(tmp_pat
     assert stashpoint.verify(remote / "step-00000003").ok
     # both ranks see the local tier: the local copy
     for r in run_world(2, "restore", str(local), str(remote), worker=worker):
-        assert r["step"] == 3 and r["ok"]
-    # rank 1 is a fresh node (an empty local root of its own): every rank takes the remote copy
+        assert r["step"] == 3 and r["ok"] and r["tier"] == "local"
+    # rank 0 has a local copy, rank 1 is a fresh node (an empty local root of its own): every
+    # rank takes the remote copy
+    shutil.copytree(local, tmp_path / "node0")
     for r in run_world(2, "restore", str(tmp_path / "node{rank}"), str(remote), worker=worker):
-        assert r["step"] == 3 and r["ok"]
+        assert r["step"] == 3 and r["ok"] and r["tier"] == "remote"
 
 
 _CRASHING_UPLOADER = r"""

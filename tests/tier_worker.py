@@ -61,7 +61,7 @@ def main() -> None:
         with stashpoint.CheckpointManager(local.format(rank=RANK), remote_root=remote) as mgr:
             got = empty()
             step = mgr.restore(got)
-            out = {"step": step, "ok": same(got, state(3)), "local": mgr.steps()}
+            out = {"step": step, "ok": same(got, state(3)), "local": mgr.steps(), "tier": mgr.restored_from()}
     dist.barrier()
     print("RESULT " + json.dumps(out), flush=True)
     os._exit(0)  # torch's gloo teardown can abort at exit; the result is out

@@ -212,13 +212,16 @@ class PersistJob:
 
     def _fail(self, e: BaseException, save_id: str, local_error: BaseException | None) -> None:
         loc, rank = self.storage.location, self.ctx.rank
-        if save_id and self._committed(save_id):
+        committed = self._committed(save_id) if save_id else False
+        if committed:
             # rank 0 wrote the manifest but the confirmation did not arrive: the checkpoint is whole
             raise CheckpointError(
                 f"rank {rank}: the checkpoint at {loc} was committed, but confirming it across the ranks failed "
                 f"({type(e).__name__}: {e}); it is complete and loadable"
             ) from e
-        if save_id:
+        if committed is None:  # the storage could not say: keep the files (an uncommitted leftover at worst)
+            log.warning("stashpoint: could not tell whether %s was committed; its files are kept", loc)
+        elif save_id:
             own = f"shard-r{rank:05d}-"
             self._remove(lambda name: name.startswith(own) and save_id in name, self.storage.best_effort())
         if isinstance(e, CollectiveError):
@@ -235,11 +238,16 @@ class PersistJob:
             f"{msg}. Nothing was committed there and earlier checkpoints are untouched; fix the cause and save again."
         ) from local_error
 
-    def _committed(self, save_id: str) -> bool:
+    def _committed(self, save_id: str) -> bool | None:
+        """Whether this save's manifest is in place (None: the storage could not say)."""
         try:
-            doc = json.loads(self.storage.best_effort().read(MANIFEST_NAME))
-        except (OSError, ValueError):
+            doc = json.loads(self.storage.read(MANIFEST_NAME))
+        except FileNotFoundError:
             return False
+        except ValueError:  # a damaged manifest: not this save's
+            return False
+        except OSError:
+            return None
         return isinstance(doc, dict) and doc.get("save_id") == save_id
 
     def _remove(self, doomed: Any, storage: Storage | None = None) -> None:

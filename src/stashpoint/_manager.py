@@ -23,7 +23,7 @@ from ._policy import Retention, Schedule, step_dir, steps_to_keep
 from ._save import SaveOptions, _get_engine
 from ._steps import METRICS_KEY, committed_steps, delete_step, move_aside, quietly, read_metrics, remove_leftovers
 from ._storage import LocalStorage, Storage, storage_for
-from ._tiers import Uploader, restore_order
+from ._tiers import RemoteTier, restore_order
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 log = logging.getLogger("stashpoint")
@@ -92,7 +92,10 @@ class CheckpointManager:
     ) -> None:
         best_k, metric, mode = _parse_keep_best(keep_best)
         self.retention = Retention(keep_last, keep_every, best_k, metric, mode)
-        self.remote_retention = Retention(remote_keep_last, keep_every, best_k, metric, mode)
+        # the remote tier keeps everything unless remote_keep_last is given
+        self.remote_retention = (
+            None if remote_keep_last is None else Retention(remote_keep_last, keep_every, best_k, metric, mode)
+        )
         self.overlap = overlap
         self.schedule = Schedule(every_steps, every_seconds)
         SaveOptions(max_inflight=max_inflight, on_busy=on_busy)  # validates
@@ -111,30 +114,29 @@ class CheckpointManager:
         self._deletions: list[cf.Future[None]] = []
         self._closed = False
         self.rank, self.world = rank_of()
+        self._tier: RemoteTier | None = None
+        self._restored_from: str | None = None
         self.storage.prepare()
         # In a distributed run rank 0 owns the root: the lock, the cleanup and the retention.
         # (Object stores offer no lock: there, one manager per root is the user's to ensure.)
         self._lock_fd = -1
         if self.rank == 0 and isinstance(self.storage, LocalStorage):
             self._lock_fd = _acquire_root_lock(self.storage.root)
-        if self.rank == 0:
-            remove_leftovers(self.storage)
-        self.remote: Storage | None = None
-        self._uploader: Uploader | None = None
-        self._uploads: list[cf.Future[Any]] = []
-        self._pending_uploads: set[int] = set()
-        if remote_root is not None:
-            self._open_remote(remote_root)
+        try:
+            if self.rank == 0:
+                remove_leftovers(self.storage)
+            if remote_root is not None:
+                self._tier = RemoteTier(
+                    self.storage, remote_root, self.remote_retention, self._metrics_of, self.rank, self._upload_ended
+                )
+        except BaseException:
+            self._release()
+            raise
 
-    def _open_remote(self, remote_root: str | os.PathLike[str] | Storage) -> None:
-        self.remote = storage_for(remote_root)
-        if self.remote.location == self.storage.location:
-            raise ValueError(f"remote_root must differ from root (both are {self.storage.location})")
-        self.remote.prepare()
-        if self.rank == 0:
-            remove_leftovers(self.remote)
-        self._uploader = Uploader(self.storage, self.remote, on_uploaded=self._after_upload)
-        self._track_upload(self._uploader.catch_up(self.steps))
+    @property
+    def remote(self) -> Storage | None:
+        """The remote tier's root (None without ``remote_root``)."""
+        return self._tier.remote if self._tier is not None else None
 
     # -- listing -------------------------------------------------------------------------------
 
@@ -154,7 +156,7 @@ class CheckpointManager:
 
     def remote_steps(self) -> list[int]:
         """Committed steps in the remote tier, oldest first ([] without a ``remote_root``)."""
-        return committed_steps(self.remote) if self.remote is not None else []
+        return self._tier.steps() if self._tier is not None else []
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when the root holds none."""
@@ -209,23 +211,31 @@ class CheckpointManager:
         meta[METRICS_KEY] = json.dumps(metrics)
         if "timeout" in options:
             options["timeout_s"] = options.pop("timeout")
+        if self._tier is not None and options.get("process_group") is not None:
+            raise ValueError(
+                "a CheckpointManager with a remote_root uploads over the whole world; saving over a process_group "
+                "is not supported with tiers (use a manager without remote_root)"
+            )
         if self.overlap:
             options.setdefault("overlap", True)
         opts = SaveOptions(metadata=meta, max_inflight=self.max_inflight, on_busy=self.on_busy, step=step, **options)
         self._last_save_time = time.monotonic()
-        handle = _get_engine().submit(state, target, opts)
+        try:
+            handle = _get_engine().submit(state, target, opts)
+        except BaseException as e:
+            if self._tier is not None and self.world > 1:  # the other ranks queue this step's upload: so do we
+                failed: cf.Future[Any] = cf.Future()
+                failed.set_exception(e)
+                self._tier.submit(step, failed)
+            raise
         after: cf.Future[None] = cf.Future()  # done once the bookkeeping below has run too
         with self._lock:
             # keep saves in flight, and failed ones until wait() has reported them
             self._handles = [(h, a) for h, a in self._handles if not a.done() or h.exception() is not None]
             self._handles.append((handle, after))
         handle._future.add_done_callback(lambda f: self._after_save(step, metrics, f, after))
-        if self._uploader is not None:
-            with self._lock:
-                self._pending_uploads.add(step)
-            upload = self._uploader.submit(step, handle._future)
-            upload.add_done_callback(lambda _: self._upload_ended(step))
-            self._track_upload(upload)
+        if self._tier is not None:
+            self._tier.submit(step, handle._future)
         return handle
 
     def _after_save(
@@ -262,34 +272,20 @@ class CheckpointManager:
         return self._metrics[step]
 
     def _apply_retention(self) -> None:
-        steps = self.steps()
-        keep = steps_to_keep(steps, {s: self._metrics_of(s) for s in steps}, self.retention)
+        try:
+            steps = self.steps()
+            keep = set(steps_to_keep(steps, {s: self._metrics_of(s) for s in steps}, self.retention))
+            if self._tier is not None:
+                keep |= self._tier.protected()  # not uploaded yet (pending, or failed: uploaded at next open)
+            for step in steps:
+                if step not in keep:
+                    delete_step(self.storage, step)
+        except Exception:
+            log.exception("stashpoint: applying the retention rules to %s failed", self.storage.location)
+
+    def _upload_ended(self) -> None:
+        """An upload ended: local steps it protected may go now."""
         with self._lock:
-            keep |= self._pending_uploads  # the uploader still reads them
-        for step in steps:
-            if step not in keep:
-                delete_step(self.storage, step)
-
-    # -- the remote tier -----------------------------------------------------------------------
-
-    def _track_upload(self, future: cf.Future[Any]) -> None:
-        with self._lock:
-            self._uploads = [u for u in self._uploads if not u.done() or u.exception() is not None]
-            self._uploads.append(future)
-
-    def _after_upload(self, step: int) -> None:
-        """On the uploader thread, once ``step`` is committed remotely: the remote retention."""
-        if self.rank != 0 or self.remote is None:
-            return
-        steps = committed_steps(self.remote)
-        keep = steps_to_keep(steps, {s: self._metrics_of(s, self.remote) for s in steps}, self.remote_retention)
-        for s in steps:
-            if s not in keep:
-                delete_step(self.remote, s)
-
-    def _upload_ended(self, step: int) -> None:
-        with self._lock:
-            self._pending_uploads.discard(step)
             if self.rank == 0 and not self._closed:
                 self._deletions.append(self._deleter.submit(self._apply_retention))
 
@@ -330,31 +326,50 @@ class CheckpointManager:
             if step is None and self.rank == 0:
                 for s, t in damaged:
                     move_aside(self.storage if t == "local" else self._remote_storage(), s)
+            self._restored_from = tier
             return candidate
         if errors:
             raise errors[0]
         return None
 
     def _remote_storage(self) -> Storage:
-        assert self.remote is not None
-        return self.remote
+        assert self._tier is not None
+        return self._tier.remote
 
     def _remote_at(self, step: int) -> Storage:
         return self._remote_storage().child(step_dir(step))
 
     def _restore_order(self, step: int | None, options: dict[str, Any]) -> list[tuple[int, str]]:
-        local, remote = self.steps(), self.remote_steps()
-        if self.remote is not None and self.world > 1:
-            # every rank must pick the same copy: local only where every rank has it
-            from . import _dist, _save
+        if self._tier is None or self.world == 1:
+            return restore_order(self.steps(), self.remote_steps(), step)
+        # every rank must pick the same copy: local only where every rank has it; the remote
+        # listing is rank 0's, and an error on any rank is everybody's
+        from . import _dist, _save
 
-            _save.wait_all()
-            ctx = _dist.context(options.get("process_group"), options.get("timeout"))
-            if ctx is not None:
-                seen = ctx.all_gather("restore: the steps each rank has", (local, remote))
-                local = sorted(set.intersection(*(set(loc) for loc, _ in seen)))
-                remote = seen[0][1]
-        return restore_order(local, remote, step)
+        local: list[int] = []
+        remote: list[int] = []
+        error: str | None = None
+        try:
+            local, remote = self.steps(), (self.remote_steps() if self.rank == 0 else [])
+        except Exception as e:
+            error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        _save.wait_all()
+        ctx = _dist.context(options.get("process_group"), options.get("timeout"))
+        mine: tuple[str, Any] = ("error", error) if error else ("ok", (local, remote))
+        if ctx is None:
+            if error:
+                raise CheckpointError(f"listing the checkpoints failed: {error}")
+            return restore_order(local, remote, step)
+        seen = ctx.all_gather("restore: the steps each rank has", mine)
+        errors = [v for k, v in seen if k == "error"]
+        if errors:
+            raise CheckpointError("listing the checkpoints to restore failed: " + "; ".join(errors))
+        everywhere = sorted(set.intersection(*(set(loc) for _, (loc, _) in seen)))
+        return restore_order(everywhere, seen[0][1][1], step)
+
+    def restored_from(self) -> str | None:
+        """Which tier the last :meth:`restore` read: "local", "remote", or None."""
+        return self._restored_from
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -365,8 +380,7 @@ class CheckpointManager:
             pairs, self._handles = self._handles, []
         cf.wait([a for _, a in pairs])
         handles = [h for h, _ in pairs]
-        with self._lock:
-            uploads, self._uploads = self._uploads, []
+        uploads = self._tier.take_futures() if self._tier is not None else []
         cf.wait(uploads)
         while True:
             with self._lock:
@@ -390,13 +404,17 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            if self._uploader is not None:
-                self._uploader.shutdown()
+            if self._tier is not None:
+                self._tier.close()
             with self._lock:
                 self._closed = True
-            self._deleter.shutdown(wait=True)
-            if self._lock_fd >= 0:
-                os.close(self._lock_fd)
+            self._release()
+
+    def _release(self) -> None:
+        self._deleter.shutdown(wait=True)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def _check_open(self) -> None:
         if self._closed:
