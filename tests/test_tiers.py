@@ -280,3 +280,21 @@ def test_a_crash_mid_upload_leaves_the_remote_tier_clean_and_the_next_manager_up
     stashpoint.load(out, remote / "step-00000001")
     torch.manual_seed(0)
     assert torch.equal(out["w"], torch.randn(3_000_000))
+
+
+def test_restoring_a_step_whose_copies_are_both_damaged_names_both(tmp_path):
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    with stashpoint.CheckpointManager(local, keep_last=None, remote_root=remote) as mgr:
+        mgr.save(1, _state(1))
+        mgr.wait()
+    for root in (local, remote):
+        (shard,) = (root / "step-00000001").glob("shard-*")
+        data = bytearray(shard.read_bytes())
+        data[-10] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    both = r"every copy of step 1(.|\n)*local(.|\n)*remote"
+    with (
+        stashpoint.CheckpointManager(local, keep_last=None, remote_root=remote) as mgr,
+        pytest.raises(stashpoint.CorruptCheckpointError, match=both),
+    ):
+        mgr.restore(_state(0), step=1)

@@ -328,6 +328,9 @@ class CheckpointManager:
                     move_aside(self.storage if t == "local" else self._remote_storage(), s)
             self._restored_from = tier
             return candidate
+        if len(errors) > 1 and step is not None:  # both copies of the step asked for
+            copies = "\n".join(f"- the {t} copy: {e}" for (_, t), e in zip(damaged, errors))
+            raise CorruptCheckpointError(f"every copy of step {step} is unusable:\n{copies}")
         if errors:
             raise errors[0]
         return None
