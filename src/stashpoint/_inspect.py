@@ -32,8 +32,9 @@ from ._format import (
     dtype_from_name,
     parse_header,
 )
-from ._load import execute_reads, read_manifest, unlisted_shards
+from ._load import read_manifest, unlisted_shards
 from ._policy import parse_step_dir
+from ._reads import execute_reads
 from ._reshard import Box
 from ._restore import Read
 from ._steps import METRICS_KEY
