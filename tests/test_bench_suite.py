@@ -101,14 +101,14 @@ def test_quick_run_one_rank_every_requested_method_reported(tmp_path):
 def test_quick_run_two_ranks_sharded(tmp_path):
     out = tmp_path / "suite2"
     doc = run_suite(
-        out, "--ranks", "2", "--layouts", "fsdp", "--regimes", "hot", "--no-steps",
+        out, "--ranks", "2", "--layouts", "fsdp", "--regimes", "hot",
         "--methods", "dcp_save", "dcp_async_thread", "stashpoint_save", "stashpoint_async", "accelerate",
     )  # fmt: skip
     (cfg,) = doc["configs"]
     assert cfg["ranks"] == 2 and cfg["layout"] == "fsdp"
     assert cfg["methods"]["accelerate"]["status"] == "not applicable"
     for name, e in cfg["methods"].items():
-        check_method(name, e, ["hot"], steps=False)
+        check_method(name, e, ["hot"], steps=True)
         if name != "accelerate":
             assert e["status"] == OK, e
 

@@ -148,7 +148,7 @@ def tc_loader(state: dict[str, Any], ctx: Ctx) -> Loader:
 # ---------------------------------------------------------------------------------------------
 # Hugging Face Accelerate
 
-_accelerators: dict[int, Any] = {}
+_accelerators: dict[tuple[int, tuple[str, ...]], Any] = {}
 
 
 class _Step:
@@ -165,8 +165,10 @@ class _Step:
 
 
 def _accelerator(state: dict[str, Any]) -> Any:
-    """One Accelerator per state, with its modules and optimizers prepared and the step registered."""
-    acc = _accelerators.get(id(state))
+    """One Accelerator per state and set of keys (the training loop adds a module), with the
+    modules and optimizers prepared and the step registered."""
+    key = (id(state), tuple(state))
+    acc = _accelerators.get(key)
     if acc is None:
         from accelerate import Accelerator
 
@@ -174,7 +176,7 @@ def _accelerator(state: dict[str, Any]) -> Any:
         objs = [o for mk, model, ok, optim in pairs(state) for o in (model, optim)]
         acc.prepare(*objs)  # on one CPU process: the modules unchanged, the optimizers wrapped
         acc.register_for_checkpointing(_Step(state))
-        _accelerators[id(state)] = acc
+        _accelerators[key] = acc
     return acc
 
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import fsync_tree, log, median, remove
+from .common import fsync_tree, log, median
 from .savers import Pending, Saver
 
 SETTLE_S = 2.0  # seconds between the warm-up save and the baseline
@@ -125,6 +125,8 @@ def run(
         barrier()
     if warm.exists():
         fsync_tree(warm)  # no writeback of it left to disturb the baseline
+    if barrier is not None:
+        barrier()  # no rank removes it while another still fsyncs it
     shutil.rmtree(warm, ignore_errors=True)
     time.sleep(SETTLE_S)  # what a library does after reporting done (closing, unmapping) ends first
     steps: list[tuple[float, float, bool]] = []  # (start since t_origin, seconds, a save was called in it)
@@ -167,9 +169,8 @@ def run(
         del state["mlp"], state["mlp_optim"]
         if barrier is not None:
             barrier()
-        for p in paths:
-            with contextlib.suppress(FileNotFoundError):
-                remove(p)
+        for p in paths:  # every rank: whichever comes first removes a path
+            shutil.rmtree(p, ignore_errors=True)
     return {
         "steps": [{"t": t, "s": s, "save": c} for t, s, c in steps],
         "saves": saves,

@@ -141,9 +141,10 @@ def targets(cfg: dict[str, Any], regimes: list[str]) -> list[dict[str, Any]]:
                                at_least=True))  # fmt: skip
         for key, what in (("blocking_s", "call"), ("staged_s", "until the state is free")):
             best = [v for n in dcp_async if (v := _get(ms, n, regime, key)) is not None]
-            value = _ratio(_get(ms, "stashpoint_async", regime, key), min(best) if best else None)
-            out.append(_target(f"blocking: <= 1/2 of the best DCP async_save ({what})", "stashpoint_async", regime,
-                               value, limit=0.5, at_least=False))  # fmt: skip
+            for name in ("stashpoint_async", "stashpoint_overlap"):
+                value = _ratio(_get(ms, name, regime, key), min(best) if best else None)
+                out.append(_target(f"blocking: <= 1/2 of the best DCP async_save ({what})", name, regime, value,
+                                   limit=0.5, at_least=False))  # fmt: skip
         disk = disks.get(regime) or {}
         raw = disk.get("direct_write_gbps")
         bound = 1.25 * cfg["state_bytes"] / (raw * GB) if raw else None
