@@ -15,7 +15,9 @@ the baseline steps run, ``hot`` does not):
   of the step in which the save became durable, minus the undisturbed time of the steps done in
   it (the staging stall included);
 * ``blocking_s``, ``persist_s`` (until durable), and for reference a blocking ``stashpoint.save``
-  (``--methods sync``), which loses its whole duration.
+  (``--methods sync``), which loses its whole duration;
+* ``foreign_cpu``: the share of the machine's CPU other processes took during the trial. The
+  summary gives the medians of all trials and of the quiet ones (at most ``QUIET``).
 
 Trials alternate the methods (paired, same conditions). One process for everything; the load
 average at the start and end is recorded (other work on the machine disturbs the figures).
@@ -45,6 +47,7 @@ from benchmarks.bench_core import build_state, choose_shape, default_scratch_bas
 METHODS = ("thread", "process", "sync")
 COLD_SLEEP_S = 10.0
 BASELINE_STEPS = 12
+QUIET = 0.1  # a trial is "quiet" when other processes took at most this share of the CPU
 
 
 def log(msg: str) -> None:
@@ -218,16 +221,21 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
                 xs = [t[key] for t in ts if t[key] is not None]
                 return statistics.median(xs) if xs else None
 
-            out[f"{regime}/{method}"] = {
-                k: med(k) for k in ("ratio", "lost_s", "blocking_s", "durable_s", "base_step_s", "max_step_during_s")
-            } | {"n": len(ts)}
+            keys = ("ratio", "lost_s", "blocking_s", "durable_s", "base_step_s", "max_step_during_s", "foreign_cpu")
+            clean = [t for t in ts if t["foreign_cpu"] <= QUIET]
+            out[f"{regime}/{method}"] = (
+                {k: med(k) for k in keys}
+                | {"n": len(ts), "n_quiet": len(clean)}
+                | {f"quiet_{k}": med(k, clean) for k in ("ratio", "lost_s", "durable_s")}
+            )
     return out
 
 
 def table(summary: dict[str, Any]) -> str:
     rows = [
-        "| regime / method | step-time ratio during persist | net training time lost | blocking | until durable |",
-        "|---|---:|---:|---:|---:|",
+        "| regime / method | step-time ratio during persist | net training time lost | blocking | until durable "
+        "| trials (quiet) | quiet trials: ratio, lost |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for name, s in summary.items():
 
@@ -236,7 +244,8 @@ def table(summary: dict[str, Any]) -> str:
 
         rows.append(
             f"| {name} | {f(s['ratio'], '.2f')}x | {f(s['lost_s'], '.2f')} s | "
-            f"{f(s['blocking_s'] * 1e3, '.0f')} ms | {f(s['durable_s'], '.2f')} s |"
+            f"{f(s['blocking_s'] * 1e3, '.0f')} ms | {f(s['durable_s'], '.2f')} s | {s['n']} ({s['n_quiet']}) | "
+            f"{f(s['quiet_ratio'], '.2f')}x, {f(s['quiet_lost_s'], '.2f')} s |"
         )
     return "\n".join(rows)
 

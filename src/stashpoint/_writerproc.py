@@ -14,6 +14,7 @@ Life cycle:
   (``_writerchild``): a few MiB and a few tens of milliseconds;
 - reused by every later save of the process; each staging buffer's descriptor is sent once, and
   the child is told to unmap a buffer when the training process frees it;
+- it runs at the training process's priority, lowered by ``STASHPOINT_WRITER_NICE`` (default 0);
 - if it dies (killed, out of memory), the save it was writing fails with a ``CheckpointError``
   (nothing is committed; the writer thread removes the partial files) and the next save starts
   a new one;
@@ -54,7 +55,28 @@ log = logging.getLogger("stashpoint")
 PACKAGE_DIR = str(Path(__file__).resolve().parent)
 WRITERS = ("thread", "process")
 CLOSE_TIMEOUT_S = 10.0
-NICE = 0  # added to the writer process's scheduling priority (higher: yields the CPU to training)
+NICE_ENV = "STASHPOINT_WRITER_NICE"
+DEFAULT_NICE = 0
+
+
+def writer_nice() -> int:
+    """How much lower than the training process's the writer process's priority is (``nice``).
+
+    ``STASHPOINT_WRITER_NICE`` (0 to 19), read when a writer process starts. Default 0: the same
+    priority as training, so a checkpoint is durable as soon as the disk allows. A higher value
+    makes the writer yield a core the training threads want (it still runs at once on an idle
+    one): steadier steps on a busy CPU, later durability (docs/TRAINING.md, "Writer process").
+    """
+    text = os.environ.get(NICE_ENV, "").strip()
+    if not text:
+        return DEFAULT_NICE
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 19:
+        raise ValueError(f"{NICE_ENV}={text!r} must be a whole number from 0 (same priority as training) to 19")
+    return value
 
 
 def describe(storage: Storage) -> dict[str, Any] | None:
@@ -92,9 +114,10 @@ class WriterProcess:
     """One running writer process and the parent's end of its socket."""
 
     def __init__(self) -> None:
+        nice = writer_nice()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         flags = ["-P"] if sys.version_info >= (3, 11) else []  # no script directory on sys.path
-        argv = [sys.executable, *flags, "-c", BOOT, PACKAGE_DIR, str(child.fileno()), str(os.getpid()), str(NICE)]
+        argv = [sys.executable, *flags, "-c", BOOT, PACKAGE_DIR, str(child.fileno()), str(os.getpid()), str(nice)]
         try:
             self.proc = subprocess.Popen(
                 argv, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
@@ -111,7 +134,7 @@ class WriterProcess:
         self._mapped: set[int] = set()  # regions whose descriptor this child has
         self._request = threading.Lock()  # one write at a time
         self._send = threading.Lock()  # whole messages on the socket
-        log.debug("stashpoint: started the writer process (pid %d)", self.pid)
+        log.debug("stashpoint: started the writer process (pid %d, nice +%d)", self.pid, nice)
 
     def usable(self) -> bool:
         return self.broken is None and self.owner == os.getpid() and self.proc.poll() is None
