@@ -69,7 +69,7 @@ def write_shards(
     blocks (direct I/O where the storage allows); checksums are computed in the same pass.
     """
     writes = shard_writes(files, staged, rank=rank, save_id=save_id)
-    if writer is None:
+    if writer is None or not writes:
         sums = write_files(storage, writes, staged.memoryview(), block=CHECKSUM_BLOCK_BYTES)
     else:
         sums = writer.write(storage, writes, staged, block=CHECKSUM_BLOCK_BYTES)

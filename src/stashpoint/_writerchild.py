@@ -144,18 +144,22 @@ def serve(sock: socket.socket) -> None:
             for fd in fds:
                 os.close(fd)
             raise ProtocolError(f"{len(fds)} descriptors came with {len(new)} new regions")
+        failed = None
         for (token, size), fd in zip(new, fds):
             try:
                 regions[int(token)] = mmap.mmap(  # populated: one pass instead of a fault per page
                     fd, int(size), flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
                 )
+            except OSError as e:  # e.g. out of address space: this request fails, the process lives on
+                failed = {"ok": False, "type": type(e).__name__, "error": f"mapping the staging memory: {e}"}
+                failed["traceback"] = traceback.format_exc()
             finally:
                 os.close(fd)  # the mapping keeps the memory alive
         op = msg.get("op")
         if op == "forget":
             continue
         if op == "write":
-            send_msg(sock, _write(msg, regions))
+            send_msg(sock, failed or _write(msg, regions))
         elif op == "ping":
             send_msg(sock, {"ok": True, "pid": os.getpid()})
         else:

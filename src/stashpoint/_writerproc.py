@@ -189,6 +189,9 @@ class WriterProcess:
                 raise self._dead(location, f"{type(e).__name__}: {e}") from e
             if reply is None:
                 raise self._dead(location, "its socket closed")
+            if not reply.get("ok"):
+                with self._send:  # send the descriptor again next time, in case mapping it failed
+                    self._mapped.discard(region.token)
         if not reply.get("ok"):
             raise CheckpointError(
                 f"writing the shards of {location} in the writer process (pid {self.pid}) failed: "
@@ -206,7 +209,8 @@ class WriterProcess:
             self.proc.kill()
             self.proc.wait()
             rc = None
-        self.sock.close()
+        with self._send:  # never close the socket under a sender (its descriptor number could be reused)
+            self.sock.close()
         return CheckpointError(
             f"the writer process (pid {self.pid}) {_how_it_ended(rc)} while writing the shards of {location} "
             f"({cause}); nothing of this save is committed, and the next save starts a new writer process"
@@ -215,7 +219,8 @@ class WriterProcess:
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stop the child: close the socket (it exits at once when idle), kill it after ``timeout``."""
         self.broken = self.broken or "closed"
-        self.sock.close()
+        with self._send:
+            self.sock.close()
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
