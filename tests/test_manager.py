@@ -257,3 +257,13 @@ def test_saving_a_step_that_is_still_being_saved_is_refused(tmp_path):
         h.wait()
         out = _state()
         assert mgr.restore(out) == 5 and out["w"][0] == 5
+
+
+def test_manager_options_overlap_and_writer_apply_to_its_saves(tmp_path):
+    with stashpoint.CheckpointManager(tmp_path / "r", overlap=True, writer="process") as mgr:
+        stats = mgr.save(1, _state(1)).wait()
+        assert stats.writer == "process"
+        out = _state()
+        assert mgr.restore(out) == 1 and out["w"][0] == 1.0
+    with pytest.raises(ValueError, match="writer"):
+        stashpoint.CheckpointManager(tmp_path / "r2", writer="nope")

@@ -61,6 +61,8 @@ class CheckpointManager:
         remote_keep_last: keep the newest N steps in the remote tier (None: all of them);
             ``keep_every`` and ``keep_best`` apply to both tiers, ``keep_last`` to the local one.
         overlap: save with ``overlap=True`` (see :func:`stashpoint.async_save`) by default.
+        writer: the default ``writer`` of this manager's saves, ``"thread"`` or ``"process"``
+            (see :func:`stashpoint.async_save`); None: the library's default.
 
     Only one manager may own a root at a time; a second one is refused with an error. On
     opening, directories of saves that never committed (a crash) are removed.
@@ -89,6 +91,7 @@ class CheckpointManager:
         remote_root: str | os.PathLike[str] | Storage | None = None,
         remote_keep_last: int | None = None,
         overlap: bool = False,
+        writer: str | None = None,
     ) -> None:
         best_k, metric, mode = _parse_keep_best(keep_best)
         self.retention = Retention(keep_last, keep_every, best_k, metric, mode)
@@ -97,6 +100,9 @@ class CheckpointManager:
             None if remote_keep_last is None else Retention(remote_keep_last, keep_every, best_k, metric, mode)
         )
         self.overlap = overlap
+        self.writer = writer
+        if writer is not None:
+            SaveOptions(writer=writer)  # validates
         self.schedule = Schedule(every_steps, every_seconds)
         SaveOptions(max_inflight=max_inflight, on_busy=on_busy)  # validates
         self.storage = storage_for(root)
@@ -218,6 +224,8 @@ class CheckpointManager:
             )
         if self.overlap:
             options.setdefault("overlap", True)
+        if self.writer is not None:
+            options.setdefault("writer", self.writer)
         opts = SaveOptions(metadata=meta, max_inflight=self.max_inflight, on_busy=self.on_busy, step=step, **options)
         self._last_save_time = time.monotonic()
         try:
