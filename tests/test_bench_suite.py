@@ -95,6 +95,11 @@ def test_quick_run_one_rank_every_requested_method_reported(tmp_path):
             w, h = png_size(out / name)
             assert w > 300 and h > 200
             assert name in md
+    # --from renders the same report from the JSON without measuring anything
+    again = tmp_path / "again"
+    cmd = [sys.executable, "-m", "benchmarks", "--from", str(out / "results.json"), "--out", str(again)]
+    subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    assert (again / "results.md").read_text().split("Blocking:")[0] == md.split("Blocking:")[0]
 
 
 @pytest.mark.slow

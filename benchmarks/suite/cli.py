@@ -76,6 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=None, help="seconds per worker (default: from the size)")
     ap.add_argument("--op-timeout", type=float, default=None, help="seconds one save or collective may take")
     ap.add_argument("--list", action="store_true", help="list the methods and whether each can run here, then exit")
+    ap.add_argument(
+        "--from", dest="from_json", nargs="+", metavar="RESULTS_JSON",
+        help="measure nothing: render --out from earlier runs' results.json (configurations joined, targets "
+        "recomputed)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     for key, full in FULL.items():
         if getattr(args, key) is None:
@@ -198,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list:
         return list_methods()
+    if args.from_json:
+        return render(args.from_json, Path(args.out))
     from .steptime import calibrate_batch
 
     base = (Path(args.dir) if args.dir else default_scratch_base()).resolve()  # the workers run in the repo
@@ -258,13 +265,33 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if bad else 0
 
 
-def _write(doc: dict[str, Any], out: Path, t_start: float) -> str:
-    doc["meta"]["loadavg_end"] = os.getloadavg()
-    doc["meta"]["wall_s"] = time.perf_counter() - t_start
+def _write(doc: dict[str, Any], out: Path, t_start: float | None) -> str:
+    if t_start is not None:
+        doc["meta"]["loadavg_end"] = os.getloadavg()
+        doc["meta"]["wall_s"] = time.perf_counter() - t_start
     (out / "results.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     md = report.markdown(doc)
     (out / "results.md").write_text(md)
     return md
+
+
+def render(sources: list[str], out: Path) -> int:
+    """Join earlier runs' results into one report in ``out`` (JSON, markdown, plots), measuring
+    nothing; each run's machine, load average and command are kept, the targets recomputed."""
+    docs = [json.loads(Path(p).read_text()) for p in sources]
+    runs = [r for d in docs for r in (d["meta"].get("runs") or [d["meta"]])]
+    doc: dict[str, Any] = {"meta": {"runs": runs}, "configs": [c for d in docs for c in d["configs"]]}
+    for cfg in doc["configs"]:
+        cfg["targets"] = targets(cfg, cfg["saves_regimes"])
+    out.mkdir(parents=True, exist_ok=True)
+    why_not = plots.available()
+    if why_not is None:
+        doc["plots"] = plots.write_all(doc, out)
+    else:
+        doc["plots_skipped"] = why_not
+        log(why_not)
+    print(_write(doc, out, None))
+    return 0
 
 
 if __name__ == "__main__":

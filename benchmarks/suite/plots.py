@@ -112,8 +112,9 @@ def timeline(cfg: dict[str, Any], path: Path) -> bool:
     )
     from .report import config_title
 
+    height = 0.5 + 1.0 * len(rows)
     fig.suptitle(f"Training step times, {config_title(cfg)}", fontsize=8)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.25 / height))  # room for the title above the first panel
     fig.savefig(path, dpi=72)
     plt.close(fig)
     return True

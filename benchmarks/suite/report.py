@@ -129,10 +129,10 @@ def targets_table(cfg: dict[str, Any]) -> list[str]:
     return lines
 
 
-def markdown(doc: dict[str, Any]) -> str:
-    meta = doc["meta"]
+def run_lines(meta: dict[str, Any]) -> list[str]:
+    """What ran: the machine, the versions, the load average and the command of one run."""
     mc, v = meta["machine"], meta["versions"]
-    out = [
+    return [
         f"Run {meta['date']}: {mc['cpus']} CPUs, {mc['ram_gib']:.0f} GiB RAM, torch {v['torch']}, stashpoint "
         f"{v['stashpoint']} ({meta['commit']}), torchsnapshot {v['torchsnapshot']}, torch-checkpointing "
         f"{v['torch-checkpointing']}, accelerate {v['accelerate']}; load average {meta['loadavg_start'][0]:.2f} at "
@@ -140,6 +140,12 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         f"Command: `{meta['command']}`",
     ]
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    out: list[str] = []
+    for i, meta in enumerate(doc["meta"].get("runs") or [doc["meta"]]):
+        out += ([""] if i else []) + run_lines(meta)
     for cfg in doc["configs"]:
         out += ["", f"#### {config_title(cfg)}", "", *disk_table(cfg)]
         for regime in cfg["saves_regimes"]:
