@@ -108,8 +108,8 @@ def worker_timeout(args: argparse.Namespace, size: float, phases: list[str]) -> 
     if args.timeout:
         return float(args.timeout)
     per_op = 60.0 * size + 20.0
-    ops = args.repeats + 1 + (args.repeats if "loads" in phases else 0)
-    t = 120.0 + 60.0 * size + ops * per_op + args.repeats * args.cold_sleep
+    ops: int = args.repeats + 1 + (args.repeats if "loads" in phases else 0)
+    t = 120.0 + 60.0 * size + ops * per_op + float(args.repeats * args.cold_sleep)
     if "steps" in phases:
         t += args.checkpoints * per_op + 4 * (args.baseline + args.every * args.checkpoints) * args.step_ms / 1e3
     return t

@@ -204,9 +204,9 @@ class DcpSave(Saver):
         self.state = state
 
     def start(self, path: Path) -> Pending:
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import state_dict_saver
 
-        dcp.save(fqn_state_dict(self.state), checkpoint_id=str(path))
+        state_dict_saver.save(fqn_state_dict(self.state), checkpoint_id=str(path))
         return Pending()
 
 
@@ -233,9 +233,9 @@ class DcpAsync(Saver):
             self.kwargs["async_stager"] = self.stager
 
     def start(self, path: Path) -> Pending:
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import state_dict_saver
 
-        res = dcp.async_save(fqn_state_dict(self.state), checkpoint_id=str(path), **self.kwargs)
+        res = state_dict_saver.async_save(fqn_state_dict(self.state), checkpoint_id=str(path), **self.kwargs)
         # An AsyncSaveResponse (staging + upload futures) with async staging, else a Future.
         staged = getattr(res, "staging_completion", None)
         return FuturePending(getattr(res, "upload_completion", res), self.ctx.op_timeout, staged)
@@ -247,12 +247,12 @@ class DcpAsync(Saver):
 
 def dcp_loader(state: dict[str, Any]) -> Loader:
     def load(path: Path) -> dict[str, Any]:
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import state_dict_loader
 
         t0 = time.perf_counter()
         sd = fqn_state_dict(state)
         sd["step"] = -1
-        dcp.load(sd, checkpoint_id=str(path))
+        state_dict_loader.load(sd, checkpoint_id=str(path))
         t1 = time.perf_counter()
         set_fqn_state_dict(state, sd)
         t2 = time.perf_counter()

@@ -195,7 +195,8 @@ def metrics(steps: list[tuple[float, float, bool]], saves: list[dict[str, Any]],
     does not set the reference). Each ratio and the time lost are against their median.
     """
     loop = steps[baseline:]
-    during, quiet = [], [s for _, s, _ in steps[:baseline]]
+    during: list[float] = []
+    quiet = [s for _, s, _ in steps[:baseline]]
     for t, s, called in loop:
         if called:
             continue
