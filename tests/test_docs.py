@@ -298,6 +298,15 @@ def _plan_json(plan: Plan, root: Path) -> str:
     return json.dumps({"page": plan.page, "steps": steps})
 
 
+#: Appended to a torchrun program: once the sample's code has run to its end, each rank leaves
+#: without interpreter finalization. Gloo's C++ worker threads can still hold Python objects then
+#: and intermittently abort the process at teardown ("terminate called without an active
+#: exception"): the torch issue pytorch/pytorch PR 179291 describes. It hit migration.md's
+#: DCP-then-stashpoint program in about one run in five, after every line of it had run.
+#: A sample that raises never reaches this line and fails as it should.
+TORCHRUN_EXIT = "\nimport os as _os, sys as _sys\n_sys.stdout.flush()\n_sys.stderr.flush()\n_os._exit(0)\n"
+
+
 def _run_steps(plan_file: Path, progress: Path, programs: Path) -> int:
     """The page runner: execute the steps in this process; the exit code."""
     doc = json.loads(plan_file.read_text())
@@ -313,7 +322,7 @@ def _run_steps(plan_file: Path, progress: Path, programs: Path) -> int:
                 continue
             if step["kind"] == "torchrun":
                 script = programs / f"step{n}.py"
-                script.write_text(step["source"])
+                script.write_text(step["source"] + TORCHRUN_EXIT)
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
                 rc = subprocess.run([*cmd, str(step["nproc"]), str(script)], check=False).returncode
             else:
