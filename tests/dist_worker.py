@@ -299,7 +299,7 @@ def scenario_asym_error(root: str) -> None:
         stashpoint.async_save(bad, f"{root}/a", timeout=30).wait()
         outcome["a"] = "ok"
     except stashpoint.CheckpointError as e:
-        outcome["a"] = type(e).__name__ + ": " + str(e)[:200]
+        outcome["a"] = type(e).__name__ + ": " + str(e)[:2000]
     stashpoint.save({"w": torch.full((4,), 2.0)}, f"{root}/b", timeout=30)
     try:
         with stashpoint.CheckpointManager(f"{root}/run", on_busy="skip") as mgr:

@@ -122,7 +122,9 @@ class Flattener:
                     "integer key 0); rename one of them."
                 )
             self._keys.add(key)
-            self.tensors.append((key, obj.detach()))
+            # detach() of a DTensor goes through its dispatcher (slow, per tensor, every save):
+            # local_part() detaches its local tensor instead
+            self.tensors.append((key, obj if is_dtensor(obj) or not obj.requires_grad else obj.detach()))
             return {"tensor": key}
         if obj is None or isinstance(obj, (bool, int, str)):
             return {"value": obj}
