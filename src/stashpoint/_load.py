@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import os
 import warnings
@@ -76,15 +75,6 @@ def unlisted_shards(storage: Storage, manifest: Manifest) -> list[str]:
     return sorted(n for n in storage.list() if n.startswith("shard-") and n.endswith(tail) and n not in listed)
 
 
-def _wait_for_saves_to(location: str) -> None:
-    """Wait for this process's saves in flight to ``location`` (loading it must see the result)."""
-    from . import _save
-
-    engine = _save._engine
-    if engine is not None:
-        cf.wait([h._future for h in list(engine.inflight) if h.path == location])
-
-
 def load(
     state: Any,
     path: str | os.PathLike[str] | Storage,
@@ -125,11 +115,11 @@ def load(
 
     A save to ``path`` still in flight in this process (``async_save``) is waited for first.
     """
-    from ._save import wait_staged
+    from ._save import wait_all, wait_staged
 
     wait_staged()  # an overlap=True save still copying these objects must not see loaded values
     storage = storage_for(path)
-    _wait_for_saves_to(storage.location)
+    wait_all(storage.location)  # loading a checkpoint still being saved sees it committed
     manifest = read_manifest(storage)
     extra = unlisted_shards(storage, manifest)
     if extra:
@@ -150,8 +140,6 @@ def load(
         )
     ctx = None
     if world > 1:
-        from ._save import wait_all
-
         wait_all()  # the checkpoint group is used by one thread at a time: saves in flight first
         ctx = _dist.context(process_group, timeout)
     share = ctx is not None and (exchange if exchange is not None else ctx.multi_host())

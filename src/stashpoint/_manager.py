@@ -321,7 +321,7 @@ class CheckpointManager:
         damaged: list[tuple[int, str]] = []
         errors: list[CheckpointError] = []
         for candidate, tier in order:
-            where = self._at(candidate) if tier == "local" else self._remote_at(candidate)
+            where = self._at(candidate) if tier == "local" or self._tier is None else self._tier.at(candidate)
             try:
                 load(state, where, strict=strict, **options)
             except (CorruptCheckpointError, IncompleteCheckpointError) as e:
@@ -333,7 +333,7 @@ class CheckpointManager:
                 continue
             if step is None and self.rank == 0:
                 for s, t in damaged:
-                    move_aside(self.storage if t == "local" else self._remote_storage(), s)
+                    move_aside(self.storage if t == "local" or self._tier is None else self._tier.remote, s)
             self._restored_from = tier
             return candidate
         if len(errors) > 1 and step is not None:  # both copies of the step asked for
@@ -342,13 +342,6 @@ class CheckpointManager:
         if errors:
             raise errors[0]
         return None
-
-    def _remote_storage(self) -> Storage:
-        assert self._tier is not None
-        return self._tier.remote
-
-    def _remote_at(self, step: int) -> Storage:
-        return self._remote_storage().child(step_dir(step))
 
     def _restore_order(self, step: int | None, options: dict[str, Any]) -> list[tuple[int, str]]:
         if self._tier is None or self.world == 1:

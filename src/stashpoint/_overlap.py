@@ -38,6 +38,7 @@ import torch
 from ._dtensor import local_part
 from ._job import _signature
 from ._staging import launch_cuda, stage
+from ._stateful import find_all
 from .errors import CheckpointError
 
 Triple = tuple[str, torch.Tensor, torch.Tensor]  # (key, live source, staging view)
@@ -49,20 +50,7 @@ _leftover: list[_StepGuard] = []  # guards whose copies are done but that could 
 
 def optimizers_in(state: Any) -> list[torch.optim.Optimizer]:
     """Every optimizer reachable through the containers of ``state`` (dicts, lists, tuples)."""
-    found: list[torch.optim.Optimizer] = []
-    stack, seen = [state], set()
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.optim.Optimizer):
-            found.append(obj)
-        elif isinstance(obj, Mapping):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-    return found
+    return find_all(state, torch.optim.Optimizer)
 
 
 def _updated_by_step(optimizers: Iterable[torch.optim.Optimizer]) -> set[Any]:
@@ -74,7 +62,7 @@ def _updated_by_step(optimizers: Iterable[torch.optim.Optimizer]) -> set[Any]:
         for per_param in optim.state.values():
             if isinstance(per_param, Mapping):
                 tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
-    return {_signature(local_part(t.detach())[0]) for t in tensors} - {None}
+    return {_signature(local_part(t)[0]) for t in tensors} - {None}
 
 
 def split(triples: Sequence[Triple], optimizers: Sequence[torch.optim.Optimizer]) -> tuple[list[Triple], list[Triple]]:

@@ -230,28 +230,15 @@ def execute_reads(storage: Storage, manifest: Manifest, reads: list[Read], *, ve
     checksums, and place the data; one error lists every damaged key."""
     pieces = plan_pieces(manifest, reads)
     check_files(storage, manifest, (p.chunk.file for p in pieces))
-    if any(p.target.device.type == "cuda" for p in pieces):
-        _execute_pipelined(storage, pieces, verify)
-        return
-    whole = [p for p in pieces if p.whole]
-    errors: list[str] = []
-    with cf.ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="stashpoint-reader") as pool:
-        futures = [pool.submit(j.run, storage) for j in _read_jobs(whole)]
-        futures += [pool.submit(p.read_partial, storage, verify) for p in pieces if not p.whole]
-        _gather(futures, storage, errors)
-        if not errors and verify:
-            _gather([pool.submit(p.verify, storage) for p in pieces], storage, errors)
-    if errors:
-        raise CorruptCheckpointError("\n".join(errors))
-    for p in pieces:
-        p.place()
+    _execute_pipelined(storage, pieces, verify)
 
 
 def _execute_pipelined(storage: Storage, pieces: list[_Piece], verify: bool) -> None:
-    """Reads for CUDA destinations: each piece is read into pinned memory and verified, and its
-    copy to the device is issued (asynchronously, on a side stream) as soon as it is ready, while
-    later reads go on. As on the CPU, a load that fails part-way may leave some destinations
-    already written (with verified data of this checkpoint); the error is raised all the same."""
+    """Read, verify and place every piece. A piece bound for a CUDA tensor is read into pinned
+    memory and verified, and its copy to the device is issued (asynchronously, on a side stream)
+    as soon as it is ready, while later reads go on; CPU destinations are placed at the end.
+    A load that fails part-way may leave some destinations already written (pieces read straight
+    into CPU tensors, CUDA pieces already verified); the error is raised all the same."""
     jobs = _read_jobs([p for p in pieces if p.whole])
     index = {id(p): i for i, p in enumerate(pieces)}
     left: dict[int, int] = {}  # piece -> its read jobs still running

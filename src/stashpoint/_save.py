@@ -260,9 +260,11 @@ def wait_staged(timeout: float | None = None) -> None:
     _overlap.wait_pending(timeout)
 
 
-def wait_all() -> None:
-    """Wait for the save in flight in this process, if any (failures are not raised here)."""
+def wait_all(location: str | None = None) -> None:
+    """Wait for the save in flight in this process, if any (failures are not raised here);
+    with ``location``, only for a save to that checkpoint."""
     engine = _engine
     if engine is not None:
-        cf.wait([h._future for h in list(engine.inflight)])
-    _overlap.wait_pending()
+        cf.wait([h._future for h in list(engine.inflight) if location is None or h.path == location])
+    if location is None:
+        _overlap.wait_pending()

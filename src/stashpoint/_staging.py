@@ -248,22 +248,14 @@ def stage(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     CUDA sources are copied on a per-device side stream that first waits for the work already
     queued on the current stream, so the copies see the latest values.
     """
-    cuda: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    cuda = []
     for src, dst in pairs:
         if src.device.type == "cuda":
-            cuda.setdefault(src.device, []).append((src, dst))
+            cuda.append((src, dst))
         else:
             dst.copy_(src)
-    streams = []
-    for device, items in cuda.items():
-        stream = _side_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for src, dst in items:
-                dst.copy_(src, non_blocking=True)
-        streams.append(stream)
-    for stream in streams:
-        stream.synchronize()
+    for _, event in launch_cuda(cuda):
+        event.synchronize()
 
 
 def launch_cuda(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.device, torch.cuda.Event]]:

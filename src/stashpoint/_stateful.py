@@ -12,9 +12,11 @@ Three kinds of stateful objects are told apart:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 # Wrapper prefixes that other tools insert into parameter names; stripped so that names stay stable.
 _WRAPPER_PARTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "module")
@@ -45,9 +47,10 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
         module = inner
 
 
-def find_modules(state: Any) -> list[torch.nn.Module]:
-    """Every ``nn.Module`` reachable through the containers of ``state``, in traversal order."""
-    found: list[torch.nn.Module] = []
+def find_all(state: Any, cls: type[T]) -> list[T]:
+    """Every instance of ``cls`` reachable through the containers of ``state`` (dicts, lists,
+    tuples), in traversal order; an instance is not looked into."""
+    found: list[T] = []
     stack = [state]
     seen: set[int] = set()
     while stack:
@@ -55,13 +58,18 @@ def find_modules(state: Any) -> list[torch.nn.Module]:
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, torch.nn.Module):
+        if isinstance(obj, cls):
             found.append(obj)
         elif isinstance(obj, Mapping):
             stack.extend(reversed(list(obj.values())))
         elif isinstance(obj, (list, tuple)):
             stack.extend(reversed(obj))
     return found
+
+
+def find_modules(state: Any) -> list[torch.nn.Module]:
+    """Every ``nn.Module`` reachable through the containers of ``state``, in traversal order."""
+    return find_all(state, torch.nn.Module)
 
 
 def _clean_name(name: str) -> str:

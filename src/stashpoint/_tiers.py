@@ -245,16 +245,15 @@ class Uploader:
             return ("error", f"{type(e).__name__}: {e}")
 
     def _gather(self, what: str, obj: Any) -> list[Any]:
-        try:
-            return self.ctx.all_gather(what, obj)
-        except CollectiveError as e:
-            self._broken = e
-            _dist.forget(self.ctx)
-            raise
+        return self._collective(self.ctx.all_gather, what, obj)  # type: ignore[no-any-return]
 
     def _broadcast(self, what: str, obj: Any) -> Any:
+        return self._collective(self.ctx.broadcast, what, obj)
+
+    def _collective(self, fn: Callable[[str, Any], Any], what: str, obj: Any) -> Any:
+        """A collective on the upload group; once one fails, the group is dropped for good."""
         try:
-            return self.ctx.broadcast(what, obj)
+            return fn(what, obj)
         except CollectiveError as e:
             self._broken = e
             _dist.forget(self.ctx)
