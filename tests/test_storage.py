@@ -142,6 +142,45 @@ class StorageSuite:
         w.close()
         assert s.read("f") == data
 
+    def test_ranged_vectored_reads_of_a_large_file(self, tmp_path):
+        """Any range, split into any buffers, reads back exactly: unaligned starts and ends,
+        ranges longer than one direct-I/O bounce buffer (16 MiB), the last byte of the file,
+        and buffers of one byte; a range past the end raises EOFError."""
+        s = self.make(tmp_path / "ck")
+        s.prepare()
+        size = 37 * 1024 * 1024 + 4093
+        data = os.urandom(1 << 20) * 37 + os.urandom(4093)
+        buf = _aligned(size)
+        buf[:] = data
+        w = s.open_writer("big", size)
+        w.write(buf)
+        w.close()
+        mib = 1 << 20
+
+        @given(st.integers(0, size - 1), st.integers(1, 20 * mib), st.lists(st.integers(1, 9 * mib), max_size=4))
+        @settings(max_examples=25, deadline=None)
+        def check(offset, length, cuts):
+            length = min(length, size - offset)
+            sizes = []
+            left = length
+            for c in cuts:
+                if left <= 0:
+                    break
+                sizes.append(min(c, left))
+                left -= sizes[-1]
+            if left > 0:
+                sizes.append(left)
+            outs = [bytearray(n) for n in sizes]
+            s.readv("big", offset, [memoryview(o) for o in outs])
+            assert b"".join(outs) == data[offset : offset + length]
+
+        check()
+        odd = [bytearray(1), bytearray(3 * mib), bytearray(1), bytearray(5000)]
+        s.readv("big", size - sum(map(len, odd)), [memoryview(o) for o in odd])
+        assert b"".join(odd) == data[-sum(map(len, odd)) :]
+        with pytest.raises(EOFError):
+            s.read_into("big", size - 2 * mib, memoryview(bytearray(3 * mib)))
+
     def test_run_directory_level(self, tmp_path):
         run = self.make(tmp_path / "run")
         assert run.children() == [] and run.list() == []
@@ -195,6 +234,31 @@ class TestS3Storage(StorageSuite):
 class TestLocalStorage(StorageSuite):
     def make(self, path: Path) -> Storage:
         return LocalStorage(path)
+
+
+def test_large_local_reads_use_direct_io(tmp_path, monkeypatch):
+    """Ranges of 1 MiB and more are read with O_DIRECT (through a bounce buffer) on a file
+    system that allows it; smaller ones, and storages made with direct_io=False, read buffered."""
+    from stashpoint import _storage
+
+    calls = []
+    real = _storage.readv_direct
+
+    def spy(fd, offset, buffers, pool):
+        calls.append((offset, sum(len(b) for b in buffers)))
+        return real(fd, offset, buffers, pool)
+
+    monkeypatch.setattr(_storage, "readv_direct", spy)
+    data = os.urandom(3 << 20)
+    for direct in (True, False):
+        s = LocalStorage(tmp_path / f"ck-{direct}", direct_io=direct)
+        s.prepare()
+        _write(s, "f", data)
+        big, small = bytearray(2 << 20), bytearray(1000)
+        s.read_into("f", 12345, memoryview(big))
+        s.read_into("f", 7, memoryview(small))
+        assert bytes(big) == data[12345 : 12345 + (2 << 20)] and bytes(small) == data[7:1007]
+    assert calls == [(12345, 2 << 20)]
 
 
 class TestLocalStorageBuffered(StorageSuite):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import abc
 import builtins
-import ctypes
 import errno
 import os
 import shutil
@@ -29,6 +28,8 @@ import stat
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+
+from ._directio import ALIGN, MIN_DIRECT_BYTES, BouncePool, address, readv_direct
 
 
 class FileWriter(abc.ABC):
@@ -135,14 +136,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-DIRECT_ALIGN = 4096
-
-
-def _address(mv: memoryview) -> int | None:
-    """The address of a writable buffer's first byte (None for read-only buffers)."""
-    if mv.readonly or not len(mv):
-        return None
-    return ctypes.addressof(ctypes.c_char.from_buffer(mv))
+DIRECT_ALIGN = ALIGN
 
 
 class _LocalWriter(FileWriter):
@@ -180,7 +174,7 @@ class _LocalWriter(FileWriter):
     def write(self, data: memoryview | bytes) -> None:
         mv = memoryview(data).cast("B")
         if self._dfd >= 0 and self._pos % DIRECT_ALIGN == 0:
-            addr = _address(mv)
+            addr = address(mv)
             aligned = len(mv) // DIRECT_ALIGN * DIRECT_ALIGN
             if addr is not None and addr % DIRECT_ALIGN == 0 and aligned:
                 start = self._pos
@@ -217,11 +211,18 @@ class _LocalWriter(FileWriter):
 
 
 class LocalStorage(Storage):
-    """A checkpoint directory on a local or shared POSIX filesystem."""
+    """A checkpoint directory on a local or shared POSIX filesystem.
+
+    With ``direct_io`` (the default) shard data is written, and large ranges are read, with
+    ``O_DIRECT`` where the file system allows it, and through the page cache where it does not
+    (tmpfs) or for small, unaligned pieces.
+    """
 
     def __init__(self, root: str | os.PathLike[str], *, direct_io: bool = True) -> None:
         self.root = Path(root)
         self.direct_io = direct_io
+        self._bounce = BouncePool()
+        self._direct_reads = direct_io and hasattr(os, "O_DIRECT")  # off once the file system refuses
 
     @property
     def location(self) -> str:
@@ -259,14 +260,21 @@ class LocalStorage(Storage):
             return f.read() if length is None else f.read(length)
 
     def readv(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        pending = [b.cast("B") for b in buffers if len(b)]
+        total = sum(len(b) for b in pending)
+        if self._direct_reads and total >= MIN_DIRECT_BYTES:
+            filled = self._readv_direct(name, offset, pending)
+            if filled is not None:  # None: refused, read buffered below
+                if filled < total:
+                    raise EOFError(f"{self.root / name} ended at byte {offset + filled}, before the data it holds")
+                return
         fd = self._open_read(name)
         try:
-            pending = [b.cast("B") for b in buffers if len(b)]
             pos = offset
             while pending:
                 n = os.preadv(fd, pending[:_IOV_MAX], pos)
                 if n == 0:
-                    raise EOFError(f"{self.root / name} ended at byte {pos}, before the data it should hold")
+                    raise EOFError(f"{self.root / name} ended at byte {pos}, before the data it holds")
                 pos += n
                 while n and pending:  # drop what was filled; keep the rest of a partly filled buffer
                     if n >= len(pending[0]):
@@ -274,6 +282,26 @@ class LocalStorage(Storage):
                     else:
                         pending[0] = pending[0][n:]
                         n = 0
+        finally:
+            os.close(fd)
+
+    def _readv_direct(self, name: str, offset: int, buffers: list[memoryview]) -> int | None:
+        """Bytes filled by an ``O_DIRECT`` read; None if the file system refuses direct I/O."""
+        flags = os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(self.root / name, flags)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self._direct_reads = False  # e.g. tmpfs: buffered reads from now on
+            return None
+        try:
+            return readv_direct(fd, offset, buffers, self._bounce)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self._direct_reads = False
+            return None
         finally:
             os.close(fd)
 
