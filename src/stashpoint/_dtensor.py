@@ -18,24 +18,33 @@ def is_dtensor(t: object) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
+def local_tensor(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The bytes of ``t`` this rank holds, as a plain tensor that does not require grad (no
+    copy): a DTensor's local shard, cut to ``shape`` when given (FSDP2 pads its shards); any
+    other tensor itself."""
+    local: torch.Tensor = t
+    if is_dtensor(t):
+        inner = getattr(t, "_local_tensor", None)  # to_local() without its autograd wrapper (same storage)
+        local = inner if isinstance(inner, torch.Tensor) else t.to_local()  # type: ignore[attr-defined]
+    if local.requires_grad:
+        local = local.detach()
+    if shape is not None and local.shape != shape:  # e.g. FSDP2 padding: keep the unpadded part
+        local = local[tuple(slice(0, n) for n in shape)]
+    return local
+
+
 def local_part(t: torch.Tensor) -> tuple[torch.Tensor, Box, tuple[int, ...]]:
-    """``(local tensor, its box in the global tensor, global shape)``.
+    """``(local tensor, its box in the global tensor, global shape)``; the local tensor does not
+    require grad.
 
     A plain tensor is its own whole box. A DTensor's local shard is placed by its device mesh and
     placements (``Shard(dim)``, uneven shards included, and ``Replicate``).
     """
     if not is_dtensor(t):
-        return t, Box.whole(tuple(t.shape)), tuple(t.shape)
+        return local_tensor(t), Box.whole(tuple(t.shape)), tuple(t.shape)
     global_shape = tuple(t.shape)
     shape, offsets = _placed(global_shape, t.device_mesh, t.placements)  # type: ignore[attr-defined]
-    local = getattr(t, "_local_tensor", None)  # to_local() without its autograd wrapper (same storage)
-    if local is None:
-        local = t.to_local()  # type: ignore[attr-defined]
-    if local.requires_grad:
-        local = local.detach()
-    if tuple(local.shape) != tuple(shape):  # e.g. FSDP2 padding: keep the unpadded part
-        local = local[tuple(slice(0, n) for n in shape)]
-    return local, Box(tuple(offsets), tuple(shape)), global_shape
+    return local_tensor(t, shape), Box(tuple(offsets), tuple(shape)), global_shape
 
 
 _placements: dict[tuple[object, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}

@@ -12,19 +12,18 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import _dist
-from ._dist import ChunkMeta, CollectiveError, DistContext, assign_writers, layout_hash, merge_trees
-from ._dtensor import local_part
-from ._format import MANIFEST_NAME, Chunk, FileEntry, Manifest, TensorEntry, dtype_name
+from ._dist import CollectiveError, DistContext, assign_writers, merge_trees
+from ._format import MANIFEST_NAME, Chunk, FileEntry, Manifest, TensorEntry
 from ._handle import SaveStats
+from ._layout import Layout
 from ._persist import Writer, write_shards
-from ._plan import TensorSpec, group_aliases, plan_files
+from ._plan import TensorSpec, plan_files
 from ._staging import StagingBuffers, StagingPool
 from ._storage import Storage
 from ._version import __version__
@@ -37,56 +36,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("stashpoint")
 
 SHARD_RE = re.compile(r"^shard-r\d+-\d+-[0-9a-f]+\.safetensors$")
-
-
-def _signature(t: torch.Tensor) -> tuple[Any, ...] | None:
-    if t.numel() == 0:
-        return None
-    return (
-        t.untyped_storage().data_ptr(),
-        t.storage_offset(),
-        tuple(t.shape),
-        t.stride(),
-        t.dtype,
-        t.device,
-        t.is_conj(),
-        t.is_neg(),
-    )
-
-
-@dataclass
-class Layout:
-    """A rank's tensors as chunks of global tensors, with tied tensors stored once."""
-
-    chunks: list[ChunkMeta]  # the stored ones, in traversal order
-    sources: dict[str, torch.Tensor]  # key -> local tensor to stage
-    aliases: dict[str, str]  # key -> the key whose bytes it shares
-    keyinfo: dict[str, tuple[str, tuple[int, ...]]]  # every key -> (dtype name, global shape)
-    hash: str
-
-    @classmethod
-    def of(cls, tensors: Sequence[tuple[str, torch.Tensor]]) -> Layout:
-        parts = [(k, *local_part(t)) for k, t in tensors]
-        firsts = group_aliases([_signature(loc) for _, loc, _, _ in parts])
-        chunks, sources, aliases, keyinfo = [], {}, {}, {}
-        for (key, loc, box, gshape), first in zip(parts, firsts):
-            keyinfo[key] = (dtype_name(loc.dtype), gshape)
-            if first is not None:
-                aliases[key] = parts[first][0]
-                continue
-            chunks.append(ChunkMeta(key, dtype_name(loc.dtype), gshape, box.offsets, box.shape, loc.element_size()))
-            sources[key] = loc
-        return cls(chunks, sources, aliases, keyinfo, layout_hash(chunks, aliases))
-
-    def expected_writes(self, ctx: DistContext) -> frozenset[str]:
-        """The keys this rank wrote the last time this layout was saved (empty if unknown)."""
-        last = ctx.last_plan
-        if last is None or ctx.rank >= len(last[0]) or last[0][ctx.rank] != self.hash:
-            return frozenset()
-        return frozenset(c.key for c in self.chunks if last[2].get(c.ident) == ctx.rank)
-
-    def meta(self) -> tuple[list[ChunkMeta], dict[str, str], dict[str, tuple[str, tuple[int, ...]]]]:
-        return self.chunks, self.aliases, self.keyinfo
 
 
 class _RankFailure(Exception):

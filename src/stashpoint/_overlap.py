@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ._dtensor import local_part
-from ._job import _signature
+from ._layout import Layout, signature
 from ._staging import launch_cuda, stage
 from ._stateful import find_all
 from .errors import CheckpointError
@@ -53,8 +53,12 @@ def optimizers_in(state: Any) -> list[torch.optim.Optimizer]:
     return find_all(state, torch.optim.Optimizer)
 
 
-def _updated_by_step(optimizers: Iterable[torch.optim.Optimizer]) -> set[Any]:
-    """Signatures of the tensors only ``step()`` changes: the optimizers' parameters and state."""
+def _updated_by_step(optimizers: Iterable[torch.optim.Optimizer], layout: Layout | None) -> set[Any]:
+    """Signatures of the tensors only ``step()`` changes: the optimizers' parameters and state.
+
+    Those that are tensors of the saved state (the usual case) take their signature from its
+    ``layout``; any other is worked out.
+    """
     tensors: list[torch.Tensor] = []
     for optim in optimizers:
         for group in optim.param_groups:
@@ -62,20 +66,32 @@ def _updated_by_step(optimizers: Iterable[torch.optim.Optimizer]) -> set[Any]:
         for per_param in optim.state.values():
             if isinstance(per_param, Mapping):
                 tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
-    return {_signature(local_part(t)[0]) for t in tensors} - {None}
+    key_of = layout.key_of if layout is not None else {}
+    sigs = layout.signatures if layout is not None else {}
+    out = set()
+    for t in tensors:
+        key = key_of.get(id(t))
+        out.add(sigs[key] if key is not None and key in sigs else signature(local_part(t)[0]))
+    out.discard(None)
+    return out
 
 
-def split(triples: Sequence[Triple], optimizers: Sequence[torch.optim.Optimizer]) -> tuple[list[Triple], list[Triple]]:
+def split(
+    triples: Sequence[Triple], optimizers: Sequence[torch.optim.Optimizer], layout: Layout | None = None
+) -> tuple[list[Triple], list[Triple]]:
     """``(eager, deferred)``: the copies a deferred copy would be unsafe for, and the others.
 
     A copy is deferred only if its source is exactly (same memory, shape, strides, dtype) a
     parameter or a state tensor of one of ``optimizers``, and lives on the CPU or a CUDA device.
+    ``layout``, the layout the triples come from, saves working signatures out again.
     """
-    stepped = _updated_by_step(optimizers)
+    stepped = _updated_by_step(optimizers, layout)
+    sigs = layout.signatures if layout is not None else {}
     eager: list[Triple] = []
     deferred: list[Triple] = []
     for key, src, dst in triples:
-        late = src.device.type in ("cpu", "cuda") and _signature(src) in stepped
+        sig = sigs[key] if key in sigs else signature(src)
+        late = src.device.type in ("cpu", "cuda") and sig in stepped
         (deferred if late else eager).append((key, src, dst))
     return eager, deferred
 
@@ -230,14 +246,16 @@ def wait_pending(timeout: float | None = None) -> None:
     sweep()
 
 
-def start(state: Any, triples: Sequence[Triple], copier: cf.Executor, location: str) -> PendingCopies | None:
+def start(
+    state: Any, triples: Sequence[Triple], copier: cf.Executor, location: str, layout: Layout | None = None
+) -> PendingCopies | None:
     """Copy what must be copied now, start the rest in the background, guard the optimizers.
 
     Returns the pending copies, or None when nothing is left to copy. If this raises, no copy is
     running any more and no hook is registered, so the staging buffers may be reused.
     """
     optimizers = optimizers_in(state)
-    eager, deferred = split(triples, optimizers)
+    eager, deferred = split(triples, optimizers, layout)
     events: list[tuple[torch.device, torch.cuda.Event]] = []
     try:
         stage([(s, d) for _, s, d in eager if s.device.type != "cuda"])

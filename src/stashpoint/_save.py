@@ -17,7 +17,8 @@ from . import _dist, _overlap, _writerproc
 from ._dist import DistContext
 from ._format import MANIFEST_NAME
 from ._handle import SaveHandle, SaveStats
-from ._job import Layout, PersistJob
+from ._job import PersistJob
+from ._layout import LayoutCache
 from ._plan import SavePlan, TensorSpec, plan_staging
 from ._staging import StagingPool, stage
 from ._storage import Storage, storage_for
@@ -42,6 +43,7 @@ class _Engine:
         self.inflight: list[SaveHandle] = []
         self.lock = threading.Lock()
         self._plans: dict[tuple[Any, ...], SavePlan] = {}
+        self.layouts = LayoutCache()
 
     def plan(self, specs: tuple[TensorSpec, ...], first: frozenset[str], max_file_bytes: int, rank: int) -> SavePlan:
         """The staging layout: the tensors this rank is expected to write first (laid out as
@@ -108,7 +110,7 @@ class _Engine:
                 "replace it (it stays loadable until the new one commits) or save to a new path."
             )
         tree, tensors = flatten(state, allow_pickle=opts.allow_pickle)
-        layout = Layout.of(tensors)
+        layout = self.layouts(tensors)
         specs = tuple(TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in layout.chunks)
         plan = self.plan(specs, layout.expected_writes(ctx), opts.max_shard_bytes, ctx.rank)
         pinned = torch.cuda.is_available() and any(t.device.type == "cuda" for t in layout.sources.values())
@@ -119,7 +121,7 @@ class _Engine:
         try:
             if opts.overlap:
                 triples = [(k, layout.sources[k], staged.views[k]) for k in layout.sources]
-                pending = _overlap.start(state, triples, self.copier, storage.location)
+                pending = _overlap.start(state, triples, self.copier, storage.location, layout)
             else:
                 stage([(layout.sources[k], staged.views[k]) for k in layout.sources])
         except BaseException:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import math
 import pickle
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,9 +57,36 @@ def join(prefix: str, component: str | int) -> str:
     return f"{prefix}/{c}" if prefix else c
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_MAPPINGS = (dict, OrderedDict)  # never stateful: no need to look for state_dict()
+_placements_ok: dict[tuple[object, ...], bool] = {}
+
+
+def _odd_placements(t: torch.Tensor) -> list[object]:
+    """The placements of DTensor ``t`` other than ``Shard(dim)`` and ``Replicate`` (remembered
+    per placements tuple: checked on every tensor of every save)."""
+    placements = tuple(t.placements)  # type: ignore[attr-defined]
+    if _placements_ok.get(placements):
+        return []
+    from torch.distributed.tensor import Replicate, Shard
+
+    odd = [p for p in placements if type(p) not in (Shard, Replicate)]
+    if len(_placements_ok) > 256:
+        _placements_ok.clear()
+    _placements_ok[placements] = not odd
+    return odd
+
+
 def check_tensor(key: str, t: torch.Tensor) -> None:
     """Raise :class:`UnsupportedStateError` for tensors whose bytes cannot be saved as-is."""
     where = f"at key {key!r}"
+    kind = type(t)
+    dtensor = kind not in _PLAIN_TYPES and is_dtensor(t)
+    if kind not in _PLAIN_TYPES and not dtensor and not isinstance(t, torch.nn.Parameter):
+        raise UnsupportedStateError(
+            f"tensor subclass {kind.__name__} {where} is not supported; convert it to a plain tensor "
+            "(DTensor is supported)."
+        )
     if t.is_quantized:
         raise UnsupportedStateError(
             f"quantized tensor {where} is not supported; dequantize it (t.dequantize()) or save "
@@ -70,12 +98,10 @@ def check_tensor(key: str, t: torch.Tensor) -> None:
         )
     if t.device.type == "meta":
         raise UnsupportedStateError(f"meta tensor {where} holds no data; materialize it before saving.")
-    if key.split("/")[-1:] == ["__metadata__"] or key == "__metadata__":
+    if key.endswith("__metadata__") and key.rsplit("/", maxsplit=1)[-1] == "__metadata__":
         raise UnsupportedStateError(f"the key {key!r} is reserved by the safetensors layout of the shards; rename it")
-    if is_dtensor(t):
-        from torch.distributed.tensor import Replicate, Shard
-
-        odd = [p for p in t.placements if type(p) not in (Shard, Replicate)]  # type: ignore[attr-defined]
+    if dtensor:
+        odd = _odd_placements(t)
         if odd:
             raise UnsupportedStateError(
                 f"DTensor {where} has placement(s) {odd}; only Shard(dim) and Replicate are saved as they are. "
@@ -83,15 +109,6 @@ def check_tensor(key: str, t: torch.Tensor) -> None:
             )
     if t.dtype in _SUB_BYTE:
         raise UnsupportedStateError(f"tensor of sub-byte dtype {t.dtype} {where} holds no addressable bytes.")
-    if (
-        type(t) not in (torch.Tensor, torch.nn.Parameter)
-        and not isinstance(t, torch.nn.Parameter)
-        and not is_dtensor(t)
-    ):
-        raise UnsupportedStateError(
-            f"tensor subclass {type(t).__name__} {where} is not supported; convert it to a plain tensor "
-            "(DTensor is supported)."
-        )
 
 
 class Flattener:
@@ -114,17 +131,17 @@ class Flattener:
         return self._names
 
     def _node(self, obj: Any, key: str) -> Node:
-        if isinstance(obj, torch.Tensor):
-            check_tensor(key or "<root>", obj)
+        if isinstance(obj, torch.Tensor):  # checked by the layout (check_tensor) unless known
             if key in self._keys:
                 raise UnsupportedStateError(
                     f"two entries map to the key path {key!r} (e.g. a string key '0' beside an "
                     "integer key 0); rename one of them."
                 )
             self._keys.add(key)
-            # detach() of a DTensor goes through its dispatcher (slow, per tensor, every save):
-            # local_part() detaches its local tensor instead
-            self.tensors.append((key, obj if is_dtensor(obj) or not obj.requires_grad else obj.detach()))
+            # not detached here: the state's own tensor objects (whose id() the layout cache and
+            # overlap mode match), and detach() of a DTensor goes through its dispatcher (slow,
+            # per tensor, every save); the layout takes each one's local part, detached
+            self.tensors.append((key, obj))
             return {"tensor": key}
         if obj is None or isinstance(obj, (bool, int, str)):
             return {"value": obj}
@@ -132,12 +149,17 @@ class Flattener:
             return {"value": obj} if math.isfinite(obj) else {"float": repr(obj)}
         if isinstance(obj, bytes):
             return {"bytes": base64.b64encode(obj).decode("ascii")}
-        kind = _stateful.kind_of(obj)
+        kind = None if type(obj) in _PLAIN_MAPPINGS else _stateful.kind_of(obj)
         if kind == "optimizer":
             keyed_by, sd = _stateful.optimizer_to_tree(obj, self._param_names())
             return {"stateful": kind, "keyed_by": keyed_by, "state": self._node(sd, key)}
         if kind == "module":
             obj = _stateful.unwrap(obj)
+            # keep_vars: the parameters themselves, not a detach() each (through a DTensor's
+            # dispatcher: tens of microseconds per tensor on every save); the leaves are
+            # detached below. Only where state_dict() is nn.Module's own, which takes it.
+            if type(obj).state_dict is torch.nn.Module.state_dict:
+                return {"stateful": kind, "state": self._node(obj.state_dict(keep_vars=True), key)}
         if kind is not None:
             return {"stateful": kind, "state": self._node(obj.state_dict(), key)}
         if isinstance(obj, Mapping):
