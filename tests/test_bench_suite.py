@@ -52,6 +52,9 @@ def check_method(name: str, e: dict, regimes: list[str], *, steps: bool) -> None
         assert e["reason"], f"{name}: {e['status']} without a reason"
         return
     assert not e.get("errors"), e.get("errors")
+    if e["kind"] == "reference":  # the I/O floor: the training loop only
+        assert not e["saves"] and e["steps"]["base_step_ms"] > 0 and len(e["steps"]["saves"]) == 2
+        return
     for regime in regimes:
         s = e["saves"][regime]
         assert 0 < s["blocking_s"] <= s["staged_s"] <= s["written_s"] <= s["durable_s"], s
@@ -72,10 +75,12 @@ def check_method(name: str, e: dict, regimes: list[str], *, steps: bool) -> None
 @pytest.mark.slow
 def test_quick_run_one_rank_every_requested_method_reported(tmp_path):
     out = tmp_path / "suite"
-    doc = run_suite(out, "--ranks", "1", "--regimes", "hot", "cold", "--methods", *REQUESTED, "accelerate")
+    doc = run_suite(
+        out, "--ranks", "1", "--regimes", "hot", "cold", "--methods", *REQUESTED, "accelerate", "io_floor"
+    )
     (cfg,) = doc["configs"]
     assert cfg["ranks"] == 1 and cfg["layout"] == "single" and cfg["state_bytes"] > 1e7
-    assert list(cfg["methods"]) == [*REQUESTED[:4], "accelerate", *REQUESTED[4:]]  # registry order
+    assert list(cfg["methods"]) == ["io_floor", *REQUESTED[:4], "accelerate", *REQUESTED[4:]]  # registry order
     for name, e in cfg["methods"].items():
         check_method(name, e, ["hot", "cold"], steps=True)
     for name in ("torch_save", "dcp_save", "stashpoint_save", "stashpoint_async"):
@@ -216,6 +221,38 @@ def test_targets_are_checked_against_the_right_figures():
     assert res["until durable / (1.25 x bytes / raw direct-I/O write): <= 1", "stashpoint_process"]["met"] is None
     assert res["extra host memory per in-flight save: <= 1.1x the state", "stashpoint_async"]["met"] is True
     assert res["load: >= 0.8x raw direct-I/O read", "stashpoint_save"]["met"] is None
+
+
+@pytest.mark.parametrize(("layout", "world", "share"), [("single", 1, 1), ("ddp", 2, 2), ("fsdp", 2, 1)])
+def test_io_floor_writes_this_ranks_share_of_the_bytes_durably(tmp_path, layout, world, share):
+    from benchmarks.suite.savers import Ctx, make_saver
+    from benchmarks.suite.state import build, choose_shape, local_bytes
+
+    state = build("single", choose_shape(0.03), 0)
+    saver = make_saver("io_floor", state, Ctx(1 % world, world, layout, 60.0))
+    try:
+        pending = saver.start(tmp_path / "p")
+        assert pending.wait() == {} and pending.done()
+    finally:
+        saver.close()
+    (f,) = (tmp_path / "p").iterdir()
+    want = local_bytes(state)[0] // share
+    assert f.name == f"raw-{1 % world}.bin" and 0 <= f.stat().st_size - want < 4096
+
+
+def test_the_io_floor_is_reported_in_the_training_loop_only():
+    from benchmarks.suite import report
+
+    loop = {"steps": [{"t": 0.0, "s": 0.1, "save": True}], "saves": [], "baseline_steps": 0, "every": 30,
+            "batch": 8, "width": 64, "base_step_ms": 70.0, "during_persist_ratio": 1.12, "loop_ratio": 1.03,
+            "lost_per_checkpoint_s": 0.15, "max_step_s": 0.1}  # fmt: skip
+    floor = summary.method_entry("io_floor", {"cold": [{"local_bytes": 10, "steps": loop}]}, 10, {})
+    assert floor["status"] == OK and floor["saves"] == {} and floor["steps"]["during_persist_ratio"] == 1.12
+    assert methods.availability(METHODS["io_floor"], 2, "ddp", no_steps=True)[0] == "not applicable"
+    cfg = {"ranks": 1, "layout": "single", "state_bytes": 10, "num_tensors": 1, "repeats": 1, "disk": {},
+           "saves_regimes": ["cold"], "methods": {"io_floor": floor}, "targets": []}  # fmt: skip
+    assert floor["label"] not in "\n".join(report.save_table(cfg, "cold"))
+    assert f"| {floor['label']} | 70.0 ms | 1.12 | 1.03 | 150 ms |" in "\n".join(report.steps_table(cfg))
 
 
 def test_old_entry_points_run_the_same_subset_of_the_suite():

@@ -105,7 +105,7 @@ def test_a_refused_tensor_is_refused_after_a_remembered_layout(tmp_path):
     stashpoint.save(state, tmp_path / "a")
     stashpoint.save(state, tmp_path / "b")
     state["x"] = torch.ones(3).to_sparse()
-    with pytest.raises(UnsupportedStateError, match="layout torch.sparse_coo at key 'x'"):
+    with pytest.raises(UnsupportedStateError, match=r"layout torch\.sparse_coo at key 'x'"):
         stashpoint.save(state, tmp_path / "c")
     state["x"] = torch.zeros(3, device="meta")
     with pytest.raises(UnsupportedStateError, match="meta tensor at key 'x'"):

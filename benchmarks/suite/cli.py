@@ -152,16 +152,21 @@ def run_config(
     width = 1024 if size >= 0.25 else 256
     for name in args.methods:
         m = METHODS[name]
-        why = availability(m, ranks, layout)
+        why = availability(m, ranks, layout, no_steps=args.no_steps)
         if why is not None:
             cfg["methods"][name] = {"label": m.label, "status": why[0], "reason": why[1], "note": m.note}
             log(f"{name}: {why[0]}: {why[1]}")
             continue
         by_regime: dict[str, list[dict[str, Any]]] = {}
         for i, regime in enumerate(args.regimes):
-            phases = ["saves"]
-            if i == 0:
-                phases += ([] if args.no_loads else ["loads"]) + ([] if args.no_steps else ["steps"])
+            if m.kind == "reference":  # the training loop only, once
+                if i > 0:
+                    break
+                phases = ["steps"]
+            else:
+                phases = ["saves"]
+                if i == 0:
+                    phases += ([] if args.no_loads else ["loads"]) + ([] if args.no_steps else ["steps"])
             tag = f"{name}-{ranks}r-{layout}-{size:g}gb-{regime}"
             wargs = ["--method", name, "--layout", layout, *_common_args(args, size, regime, scratch, tag)]
             wargs += ["--phases", ",".join(phases), "--every", str(args.every), "--checkpoints", str(args.checkpoints)]

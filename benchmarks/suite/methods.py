@@ -38,6 +38,15 @@ class Method:
 _DCP = "torch.distributed.checkpoint"
 _MS: tuple[Method, ...] = (
     Method(
+        "io_floor",
+        "bare direct-I/O write of the same bytes (I/O floor)",
+        "reference",
+        "reference",
+        note="training loop only: no checkpoint, a thread writes this rank's share of the state's bytes with "
+        "O_DIRECT from one reused 64 MiB buffer and fsyncs (no copy, checksum or Python work per tensor): what "
+        "writing those bytes costs the loop on this machine, whoever writes them",
+    ),
+    Method(
         "torch_save",
         "torch.save + fsync",
         "torch",
@@ -199,8 +208,10 @@ def has_process_writer() -> bool:
     return "writer" in inspect.signature(stashpoint.async_save).parameters
 
 
-def availability(m: Method, world: int, layout: str) -> tuple[str, str] | None:
+def availability(m: Method, world: int, layout: str, *, no_steps: bool = False) -> tuple[str, str] | None:
     """None if ``m`` can run on ``world`` ranks with ``layout``; else (status, reason)."""
+    if m.kind == "reference" and no_steps:
+        return NOT_APPLICABLE, "measured in the training loop only (--no-steps was given)"
     if m.module is not None and importlib.util.find_spec(m.module) is None:
         return NOT_INSTALLED, f"not installed (pip install {m.pip}, or pip install -e '.[bench]')"
     if world not in m.worlds:

@@ -36,13 +36,13 @@ def blocking_chart(doc: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cfgs = doc["configs"]
-    heights = [max(1, sum(1 for e in c["methods"].values() if e["status"] == OK)) for c in cfgs]
+    heights = [max(1, sum(1 for e in c["methods"].values() if e["status"] == OK and e["saves"])) for c in cfgs]
     fig, axes = plt.subplots(len(cfgs), 1, figsize=(9, 1.2 + 0.42 * sum(heights)), squeeze=False,
                              gridspec_kw={"height_ratios": heights})  # fmt: skip
     from .report import config_title
 
     for ax, cfg in zip(axes[:, 0], cfgs, strict=True):
-        rows = [e for e in cfg["methods"].values() if e["status"] == OK]
+        rows = [e for e in cfg["methods"].values() if e["status"] == OK and e["saves"]]
         regimes = cfg["saves_regimes"]
         bar = 0.8 / max(1, len(regimes))
         for j, regime in enumerate(regimes):

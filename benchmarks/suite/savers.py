@@ -327,12 +327,49 @@ def stash_loader(state: dict[str, Any]) -> Loader:
 
 
 # ---------------------------------------------------------------------------------------------
+# the I/O floor (a reference, not a checkpoint)
+
+
+class RawWrite(Saver):
+    """A bare direct-I/O write of this rank's share of the state's bytes, on a thread (``os.write``
+    releases the GIL): one reused, page-aligned 64 MiB buffer written again and again with
+    ``O_DIRECT``, then fsync. No copy, no checksum, no Python work per tensor: what the bytes
+    alone cost a training loop on this machine. A replicated (DDP) state's bytes are shared
+    over the ranks, as the libraries that write them once do."""
+
+    def __init__(self, state: dict[str, Any], ctx: Ctx) -> None:
+        import concurrent.futures as cf
+
+        from .disk import _buffer
+        from .state import local_bytes
+
+        self.ctx = ctx
+        nbytes = local_bytes(state)[0] // (ctx.world if ctx.layout == "ddp" else 1)
+        self.nbytes = -(-nbytes // 4096) * 4096
+        self.buf = _buffer()
+        self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="io-floor")
+
+    def start(self, path: Path) -> Pending:
+        from .disk import _write
+
+        path.mkdir(parents=True, exist_ok=True)
+        future = self.pool.submit(_write, path / f"raw-{self.ctx.rank}.bin", self.nbytes, self.buf, True)
+        return FuturePending(future, self.ctx.op_timeout)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self.buf.close()
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def make_saver(method: str, state: dict[str, Any], ctx: Ctx) -> Saver:
     """The saver of ``method`` (any name of ``methods.METHODS``)."""
     if method == "torch_save":
         return TorchSave(state, ctx)
+    if method == "io_floor":
+        return RawWrite(state, ctx)
     if method == "dcp_save":
         return DcpSave(state)
     if method.startswith("dcp_async"):
