@@ -51,3 +51,22 @@ def test_pipelined_reads_report_every_damaged_piece(tmp_path):
     with pytest.raises(stashpoint.CorruptCheckpointError) as info:
         _execute_pipelined(storage, plan_pieces(m, reads), True)
     assert str(info.value).count("checksum mismatch") == 2
+
+
+def test_whole_tensors_are_marked_shared_only_when_ranks_share_the_host(tmp_path):
+    """Ranks on one host that each read what they need: whole tensors (replicated, read by every
+    rank) go through the page cache; regions of a tensor (shards: one reader each) do not."""
+    from stashpoint._reads import _read_jobs
+
+    path = tmp_path / "ck"
+    stashpoint.save({"w": torch.arange(4096.0).reshape(64, 64), "b": torch.ones(64)}, path)
+    manifest = read_manifest(LocalStorage(path))
+    reads = [
+        Read("w", torch.empty(32, 64), Box((32, 0), (32, 64))),  # a shard of w
+        Read("b", torch.empty(64), Box.whole((64,))),  # all of b
+    ]
+    marked = {p.key: p.shared for p in plan_pieces(manifest, reads, shared_whole=True)}
+    assert marked == {"w": False, "b": True}
+    assert not any(p.shared for p in plan_pieces(manifest, reads))
+    jobs = _read_jobs([p for p in plan_pieces(manifest, reads, shared_whole=True) if p.whole])
+    assert [(j.keys, j.shared) for j in jobs] == [(["b"], True)]

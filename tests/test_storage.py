@@ -236,10 +236,25 @@ class TestLocalStorage(StorageSuite):
         return LocalStorage(path)
 
 
+def _direct_io_works(path: Path) -> bool:
+    probe = path / ".probe"
+    probe.write_bytes(b"x" * 4096)
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+
+
 def test_large_local_reads_use_direct_io(tmp_path, monkeypatch):
     """Ranges of 1 MiB and more are read with O_DIRECT (through a bounce buffer) on a file
     system that allows it; smaller ones, and storages made with direct_io=False, read buffered."""
     from stashpoint import _storage
+
+    if not _direct_io_works(tmp_path):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
 
     calls = []
     real = _storage.readv_direct
@@ -259,6 +274,48 @@ def test_large_local_reads_use_direct_io(tmp_path, monkeypatch):
         s.read_into("f", 7, memoryview(small))
         assert bytes(big) == data[12345 : 12345 + (2 << 20)] and bytes(small) == data[7:1007]
     assert calls == [(12345, 2 << 20)]
+
+
+def test_a_short_or_refused_direct_read_is_finished_buffered(tmp_path, monkeypatch):
+    """A direct read that comes back short (some network file systems do) is finished with
+    buffered reads; one refused part-way (EINVAL) is read again whole, buffered, and direct reads
+    stay off for that storage. Only a real end of file is an EOFError."""
+    import errno
+
+    from stashpoint import _storage
+
+    real = _storage.readv_direct
+    mode = {"v": "short"}
+
+    def flaky(fd, offset, buffers, pool):
+        half = [memoryview(b)[: len(b) // 2] for b in buffers[:1]]  # real direct read of a part
+        got = real(fd, offset, half, pool)
+        if mode["v"] == "refuse":
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return got
+
+    monkeypatch.setattr(_storage, "readv_direct", flaky)
+    data = os.urandom((5 << 20) + 77)
+    s = LocalStorage(tmp_path / "ck")
+    s.prepare()
+    _write(s, "f", data)
+    outs = [bytearray(3 << 20), bytearray(2 << 20)]
+    s.readv("f", 70, [memoryview(o) for o in outs])
+    assert b"".join(outs) == data[70 : 70 + (5 << 20)]
+    with pytest.raises(EOFError, match="ended at byte"):
+        s.read_into("f", 1 << 20, memoryview(bytearray(5 << 20)))
+    mode["v"] = "refuse"
+    outs = [bytearray(3 << 20), bytearray(1 << 20)]
+    s.readv("f", 4096, [memoryview(o) for o in outs])
+    assert b"".join(outs) == data[4096 : 4096 + (4 << 20)]
+    assert not s._direct_reads, "direct reads are off once refused"
+
+
+def test_shared_reads_go_through_the_page_cache(tmp_path):
+    s = LocalStorage(tmp_path / "ck")
+    shared = s.shared_reads()
+    assert isinstance(shared, LocalStorage) and shared.root == s.root and not shared._direct_reads
+    assert LocalStorage(tmp_path, direct_io=False).shared_reads()._direct_reads is False
 
 
 class TestLocalStorageBuffered(StorageSuite):

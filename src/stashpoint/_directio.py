@@ -35,8 +35,8 @@ def address(mv: memoryview) -> int | None:
 class BouncePool:
     """Page-aligned bounce buffers, reused by the reads of one storage object and freed with it.
 
-    At most ``_MAX_IDLE`` idle buffers are kept (one per concurrent reader); each is mapped with
-    its pages populated, so a direct read never faults them in one by one.
+    At most ``_MAX_IDLE`` idle buffers are kept (a load's reader threads use one each); each is
+    mapped with its pages populated, so a direct read never faults them in one by one.
     """
 
     def __init__(self, nbytes: int = BOUNCE_BYTES) -> None:
@@ -63,16 +63,14 @@ class BouncePool:
 
 
 def _scatter(src: memoryview, src_addr: int, dests: list[memoryview]) -> None:
-    """Copy ``src`` into the front of ``dests`` in order, dropping what was filled (in place)."""
+    """Copy ``src`` into the front of ``dests`` (writable) in order, dropping what was filled."""
     pos = 0
     while pos < len(src) and dests:
         d = dests[0]
         n = min(len(d), len(src) - pos)
         addr = address(d)
-        if addr is not None:
-            ctypes.memmove(addr, src_addr + pos, n)  # releases the GIL
-        else:
-            d[:n] = src[pos : pos + n]
+        assert addr is not None  # checked writable by readv_direct
+        ctypes.memmove(addr, src_addr + pos, n)  # releases the GIL
         pos += n
         if n == len(d):
             dests.pop(0)
@@ -81,13 +79,17 @@ def _scatter(src: memoryview, src_addr: int, dests: list[memoryview]) -> None:
 
 
 def readv_direct(fd: int, offset: int, buffers: Sequence[memoryview], pool: BouncePool) -> int:
-    """Fill ``buffers`` in order from ``offset`` of the ``O_DIRECT`` descriptor ``fd``.
+    """Fill ``buffers`` (writable) in order from ``offset`` of the ``O_DIRECT`` descriptor ``fd``.
 
-    Returns the number of bytes filled: less than asked only when the file ends first (the
-    caller reports that). An ``OSError`` (EINVAL: the file system refuses this alignment)
-    propagates before any byte was filled, so the caller can read the same range buffered.
+    Returns the number of bytes filled, from the front: less than asked when a read came back
+    short (the end of the file, or a file system that returns short direct reads); the caller
+    reads the rest buffered, which tells the two apart. An ``OSError`` (EINVAL: the file system
+    refuses this alignment) may come after some buffers were filled; the caller then reads the
+    whole range again, buffered.
     """
     dests = [b.cast("B") for b in buffers if len(b)]
+    if any(d.readonly for d in dests):
+        raise TypeError("readv_direct: every buffer must be writable")
     total = sum(len(b) for b in dests)
     end = offset + total
     pos = offset - offset % ALIGN  # aligned start; the bytes before ``offset`` are skipped
@@ -104,7 +106,7 @@ def readv_direct(fd: int, offset: int, buffers: Sequence[memoryview], pool: Boun
                 _scatter(mv[skip : skip + useful], base + skip, dests)
                 filled += useful
                 pos += n
-                if n < want:  # the end of the file
+                if n < want:  # short: the end of the file, or the rest is read buffered
                     break
         finally:
             mv.release()

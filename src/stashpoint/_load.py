@@ -109,8 +109,9 @@ def load(
             from storage once in total — each rank reads a share and broadcasts it on the
             checkpoint group — instead of every rank reading everything it needs directly. The
             default (None) exchanges when the ranks span several hosts: ranks on one host share
-            its page cache, so there storage sees each byte about once anyway and direct reads
-            are faster (see benchmarks/RESULTS.md).
+            its page cache (tensors every rank needs are read through it; the rest with direct
+            I/O), so there storage sees each byte about once anyway and reading without the
+            exchange is faster (see benchmarks/RESULTS.md).
         timeout: seconds a collective step may wait for the other ranks (default 600).
 
     A save to ``path`` still in flight in this process (``async_save``) is waited for first.
@@ -174,7 +175,7 @@ def load(
         log.warning(msg)
     error: CheckpointError | None = None
     try:
-        execute_reads(storage, manifest, reads, verify=verify)
+        execute_reads(storage, manifest, reads, verify=verify, ranks_share_host=ctx is not None and not share)
     except CheckpointError as e:
         error = e
     if ctx is not None:

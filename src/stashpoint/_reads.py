@@ -73,6 +73,7 @@ class _Piece:
     mv: memoryview  # ``buf``'s bytes. Reader threads touch only this: no torch calls off the
     # caller's thread (torch ops on short-lived threads have crashed process-group teardown)
     itemsize: int
+    shared: bool = False  # other ranks on this host read the same bytes (read through the page cache)
 
     @classmethod
     def make(cls, key: str, chunk: Chunk, read: Read) -> _Piece | None:
@@ -149,6 +150,7 @@ class _ReadJob:
     buffers: list[memoryview]
     keys: list[str]
     owners: list[int]  # id() of the piece of each buffer
+    shared: bool = False  # of pieces other ranks on this host read too
 
     def run(self, storage: Storage) -> None:
         try:
@@ -171,6 +173,7 @@ def _read_jobs(pieces: list[_Piece]) -> list[_ReadJob]:
             if (
                 last is not None
                 and last.file == p.chunk.file
+                and last.shared == p.shared
                 and last.offset + last.size == p.chunk.start + b
                 and last.size + len(part) <= _JOB_BYTES
                 and len(last.buffers) < _JOB_BUFFERS
@@ -180,7 +183,7 @@ def _read_jobs(pieces: list[_Piece]) -> list[_ReadJob]:
                 last.owners.append(id(p))
                 last.size += len(part)
             else:
-                jobs.append(_ReadJob(p.chunk.file, p.chunk.start + b, len(part), [part], [p.key], [id(p)]))
+                jobs.append(_ReadJob(p.chunk.file, p.chunk.start + b, len(part), [part], [p.key], [id(p)], p.shared))
     return jobs
 
 
@@ -193,8 +196,11 @@ def _gather(futures: list[cf.Future[None]], storage: Storage, errors: list[str])
             raise CheckpointError(f"reading the checkpoint at {storage.location} failed: {e}") from e
 
 
-def plan_pieces(manifest: Manifest, reads: list[Read]) -> list[_Piece]:
-    """Every (stored chunk, destination) intersection; raise if some wanted region is not stored."""
+def plan_pieces(manifest: Manifest, reads: list[Read], *, shared_whole: bool = False) -> list[_Piece]:
+    """Every (stored chunk, destination) intersection; raise if some wanted region is not stored.
+
+    With ``shared_whole``, pieces of reads of a whole tensor are marked ``shared``: other ranks
+    on this host read those too (replicated tensors)."""
     pieces: list[_Piece] = []
     seen: set[tuple[str, int, tuple[int, ...], tuple[int, ...], str, Box]] = set()
     missing = []
@@ -204,6 +210,9 @@ def plan_pieces(manifest: Manifest, reads: list[Read]) -> list[_Piece]:
             continue
         seen.add(sig)
         found = [p for c in manifest.tensors[r.key].chunks if (p := _Piece.make(r.key, c, r)) is not None]
+        if shared_whole and r.region == Box.whole(manifest.tensors[r.key].shape):
+            for p in found:
+                p.shared = True
         if sum(p.inter.numel for p in found) != r.region.numel:
             missing.append(f"{r.key!r} {r.region}")
         pieces.extend(found)
@@ -225,10 +234,17 @@ def plan_pieces(manifest: Manifest, reads: list[Read]) -> list[_Piece]:
     return pieces
 
 
-def execute_reads(storage: Storage, manifest: Manifest, reads: list[Read], *, verify: bool) -> None:
+def execute_reads(
+    storage: Storage, manifest: Manifest, reads: list[Read], *, verify: bool, ranks_share_host: bool = False
+) -> None:
     """Read every needed byte range in parallel (large vectored reads for whole chunks), verify
-    checksums, and place the data; one error lists every damaged key."""
-    pieces = plan_pieces(manifest, reads)
+    checksums, and place the data; one error lists every damaged key.
+
+    ``ranks_share_host``: other ranks on this host load the same checkpoint, each reading what
+    it needs; whole tensors (replicated: every rank reads them) are then read through the page
+    cache (``storage.shared_reads()``), the rest (shards: one reader each) as ``storage`` reads.
+    """
+    pieces = plan_pieces(manifest, reads, shared_whole=ranks_share_host)
     check_files(storage, manifest, (p.chunk.file for p in pieces))
     _execute_pipelined(storage, pieces, verify)
 
@@ -249,8 +265,10 @@ def _execute_pipelined(storage: Storage, pieces: list[_Piece], verify: bool) -> 
     streams: dict[torch.device, torch.cuda.Stream] = {}
     with cf.ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="stashpoint-reader") as pool:
         what: dict[cf.Future[None], tuple[str, list[int]]] = {}
+        shared = storage.shared_reads() if any(j.shared for j in jobs) else storage
         for job in jobs:
-            what[pool.submit(job.run, storage)] = ("read", sorted({index[o] for o in job.owners}))
+            members = sorted({index[o] for o in job.owners})
+            what[pool.submit(job.run, shared if job.shared else storage)] = ("read", members)
         for i, p in enumerate(pieces):
             if not p.whole:  # read_partial verifies as it reads
                 what[pool.submit(p.read_partial, storage, verify)] = ("ready", [i])

@@ -99,6 +99,12 @@ class Storage(abc.ABC):
     def delete(self, name: str) -> None:
         """Delete the file ``name``; a missing file is fine."""
 
+    def shared_reads(self) -> Storage:
+        """This storage for reads that other processes on this host make too (ranks reading the
+        same replicated tensors): a backend that bypasses a shared cache for its reads returns a
+        copy that uses it."""
+        return self
+
     def best_effort(self) -> Storage:
         """This storage for clean-up after a failure: the same files, but giving up quickly
         instead of retrying (a backend with long retries returns a copy with short ones)."""
@@ -137,6 +143,20 @@ def _fsync_dir(path: Path) -> None:
 
 
 DIRECT_ALIGN = ALIGN
+# errors of an O_DIRECT open or read that mean "not on this file system": read buffered instead
+_NO_DIRECT = {errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+
+
+def _drop_front(buffers: list[memoryview], n: int) -> list[memoryview]:
+    """``buffers`` without their first ``n`` bytes (a partly filled buffer keeps its rest)."""
+    out = list(buffers)
+    while n and out:
+        if n >= len(out[0]):
+            n -= len(out.pop(0))
+        else:
+            out[0] = out[0][n:]
+            n = 0
+    return out
 
 
 class _LocalWriter(FileWriter):
@@ -261,13 +281,13 @@ class LocalStorage(Storage):
 
     def readv(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
         pending = [b.cast("B") for b in buffers if len(b)]
-        total = sum(len(b) for b in pending)
-        if self._direct_reads and total >= MIN_DIRECT_BYTES:
+        if self._direct_reads and sum(len(b) for b in pending) >= MIN_DIRECT_BYTES:
             filled = self._readv_direct(name, offset, pending)
-            if filled is not None:  # None: refused, read buffered below
-                if filled < total:
-                    raise EOFError(f"{self.root / name} ended at byte {offset + filled}, before the data it holds")
-                return
+            if filled is not None:  # None: refused, all of it read buffered below
+                offset += filled
+                pending = _drop_front(pending, filled)
+        if not pending:
+            return
         fd = self._open_read(name)
         try:
             pos = offset
@@ -276,14 +296,15 @@ class LocalStorage(Storage):
                 if n == 0:
                     raise EOFError(f"{self.root / name} ended at byte {pos}, before the data it holds")
                 pos += n
-                while n and pending:  # drop what was filled; keep the rest of a partly filled buffer
-                    if n >= len(pending[0]):
-                        n -= len(pending.pop(0))
-                    else:
-                        pending[0] = pending[0][n:]
-                        n = 0
+                pending = _drop_front(pending, n)
         finally:
             os.close(fd)
+
+    def shared_reads(self) -> LocalStorage:
+        """This checkpoint for reads that other processes on this host make too (ranks reading
+        the same replicated tensors): through the page cache, so that the disk serves each byte
+        about once and the first reader's pages serve the others."""
+        return type(self)(self.root, direct_io=False) if self._direct_reads else self
 
     def _readv_direct(self, name: str, offset: int, buffers: list[memoryview]) -> int | None:
         """Bytes filled by an ``O_DIRECT`` read; None if the file system refuses direct I/O."""
@@ -291,14 +312,14 @@ class LocalStorage(Storage):
         try:
             fd = os.open(self.root / name, flags)
         except OSError as e:
-            if e.errno != errno.EINVAL:
+            if e.errno not in _NO_DIRECT:
                 raise
             self._direct_reads = False  # e.g. tmpfs: buffered reads from now on
             return None
         try:
             return readv_direct(fd, offset, buffers, self._bounce)
         except OSError as e:
-            if e.errno != errno.EINVAL:
+            if e.errno not in _NO_DIRECT:
                 raise
             self._direct_reads = False
             return None
