@@ -110,3 +110,27 @@ def test_a_refused_tensor_is_refused_after_a_remembered_layout(tmp_path):
     state["x"] = torch.zeros(3, device="meta")
     with pytest.raises(UnsupportedStateError, match="meta tensor at key 'x'"):
         stashpoint.save(state, tmp_path / "d")
+
+
+def test_no_tensor_of_a_saved_state_is_kept_alive(tmp_path):
+    import gc
+    import weakref
+
+    state = {"w": torch.randn(1000), "m": torch.nn.Linear(4, 4)}
+    stashpoint.save(state, tmp_path / "a")
+    stashpoint.save(state, tmp_path / "b")  # a remembered layout
+    refs = [weakref.ref(state["w"]), weakref.ref(state["m"].weight)]
+    del state
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
+def test_a_module_with_its_own_state_dict_is_asked_without_keep_vars(tmp_path):
+    m = torch.nn.Linear(3, 3)
+    m.state_dict = lambda: {"w": m.weight.detach() * 0 + 7}  # an instance's own, without keep_vars
+    stashpoint.save({"m": m}, tmp_path / "ck")
+    from safetensors import safe_open
+
+    (shard,) = tmp_path.joinpath("ck").glob("shard-*.safetensors")
+    with safe_open(str(shard), "pt") as f:
+        assert list(f.keys()) == ["m/w"] and torch.equal(f.get_tensor("m/w"), torch.full((3, 3), 7.0))

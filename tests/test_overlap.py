@@ -216,6 +216,8 @@ def test_what_is_copied_before_returning_and_what_later(tmp_path):
     sgd = {f"sgd/state/fc2.{p}/momentum_buffer" for p in ("weight", "bias")}
     assert late_keys == params | adam | sgd
     assert _overlap.split(triples, [])[1] == [], "without an optimizer in the state nothing is deferred"
+    with_layout = _overlap.split(triples, _overlap.optimizers_in(state), layout)
+    assert [[k for k, _, _ in part] for part in with_layout] == [[k for k, _, _ in part] for part in (eager, deferred)]
 
 
 def test_without_an_optimizer_everything_is_copied_before_returning(tmp_path):

@@ -6,13 +6,14 @@ stored once), and the hash the ranks compare to reuse their agreed plan. Trainin
 state again and again, so :class:`LayoutCache` remembers the layouts of the last few structures,
 keyed by one *token* per tensor that holds everything a layout depends on: where the tensor's
 bytes are, its shape, strides, dtype and device, and for a DTensor its global shape, mesh and
-placements. A token costs about a microsecond per tensor; working the layout out again, several
-(measured in benchmarks/RESULTS.md, "The call's per-tensor cost"). The tensors to copy from are
-taken afresh on every save.
+placements. Tokens cost a microsecond or two per tensor; working the layout out again, several
+times that (benchmarks/RESULTS.md, "The call's per-tensor cost"). The tensors to copy from are
+taken afresh on every save, and no reference to them is kept.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,7 +101,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class _Entry:
-    layout: Layout  # its ``sources`` and ``key_of`` are those of the save that made it: not reused
+    layout: Layout  # without ``sources`` and ``key_of``: no reference to the state's tensors is kept
     shapes: dict[str, tuple[int, ...]]  # stored key -> shape of its local part
     meshes: tuple[object, ...]  # kept alive: their id() is part of the tokens
 
@@ -128,12 +129,11 @@ class LayoutCache:
             if key is None:
                 return layout
             held = (getattr(t, "device_mesh", None) for _, t in tensors)
-            held = (getattr(t, "device_mesh", None) for _, t in tensors)
             meshes = tuple({id(m): m for m in held if m is not None}.values())
             shapes = {k: tuple(t.shape) for k, t in layout.sources.items()}
             if len(self._entries) >= self.size:
                 self._entries.pop(next(iter(self._entries)))
-            self._entries[key] = _Entry(layout, shapes, meshes)
+            self._entries[key] = _Entry(dataclasses.replace(layout, sources={}, key_of={}), shapes, meshes)
             return layout
         self.hits += 1
         cached = entry.layout

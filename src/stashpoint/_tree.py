@@ -156,9 +156,9 @@ class Flattener:
         if kind == "module":
             obj = _stateful.unwrap(obj)
             # keep_vars: the parameters themselves, not a detach() each (through a DTensor's
-            # dispatcher: tens of microseconds per tensor on every save); the leaves are
-            # detached below. Only where state_dict() is nn.Module's own, which takes it.
-            if type(obj).state_dict is torch.nn.Module.state_dict:
+            # dispatcher: tens of microseconds per tensor on every save); the layout takes
+            # their local parts detached. Only where state_dict() is nn.Module's own.
+            if getattr(obj.state_dict, "__func__", None) is torch.nn.Module.state_dict:
                 return {"stateful": kind, "state": self._node(obj.state_dict(keep_vars=True), key)}
         if kind is not None:
             return {"stateful": kind, "state": self._node(obj.state_dict(), key)}
