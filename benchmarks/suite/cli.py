@@ -154,7 +154,9 @@ def run_config(
         m = METHODS[name]
         why = availability(m, ranks, layout, no_steps=args.no_steps)
         if why is not None:
-            cfg["methods"][name] = {"label": m.label, "status": why[0], "reason": why[1], "note": m.note}
+            cfg["methods"][name] = {
+                "label": m.label, "kind": m.kind, "status": why[0], "reason": why[1], "note": m.note
+            }  # fmt: skip
             log(f"{name}: {why[0]}: {why[1]}")
             continue
         by_regime: dict[str, list[dict[str, Any]]] = {}

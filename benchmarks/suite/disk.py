@@ -34,9 +34,9 @@ def _buffer() -> mmap.mmap:
 
 def _write(path: Path, nbytes: int, buf: mmap.mmap, direct: bool) -> float:
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
-    view = memoryview(buf)
     t0 = time.perf_counter()
     fd = os.open(path, flags, 0o644)
+    view = memoryview(buf)
     try:
         left = nbytes
         while left > 0:
@@ -47,8 +47,8 @@ def _write(path: Path, nbytes: int, buf: mmap.mmap, direct: bool) -> float:
             left -= n
         os.fsync(fd)
     finally:
+        view.release()  # else a failure's traceback holds it, and closing ``buf`` raises BufferError
         os.close(fd)
-    view.release()
     return time.perf_counter() - t0
 
 

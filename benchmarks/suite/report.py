@@ -106,6 +106,8 @@ def steps_table(cfg: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     st0 = rows[0]["steps"]
+    # a reference measured in the loop only has no row elsewhere: say here why it is missing
+    missing = [e for e in cfg["methods"].values() if e.get("kind") == "reference" and e["status"] != OK]
     lines = [
         f"Training loop (an MLP step of ~{_f(st0['base_step_ms'], '.0f')} ms; a checkpoint every {st0['every']} "
         "steps, against the same loop's undisturbed steps):",
@@ -114,6 +116,7 @@ def steps_table(cfg: dict[str, Any]) -> list[str]:
         "| longest step |",
         "|---|---:|---:|---:|---:|---:|",
     ]
+    lines += [_unavailable_row(e, 6) for e in missing]
     for e in rows:
         st = e["steps"]
         lines.append(

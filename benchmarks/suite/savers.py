@@ -330,6 +330,22 @@ def stash_loader(state: dict[str, Any]) -> Loader:
 # the I/O floor (a reference, not a checkpoint)
 
 
+def saved_bytes(state: dict[str, Any]) -> int:
+    """The bytes this rank holds of what the savers save: every module's state dict (parameters
+    and buffers) and its optimizer's state tensors (the MLP of the training loop included)."""
+    import torch
+
+    tensors: dict[int, Any] = {}
+    for _, model, _, optim in pairs(state):
+        for t in model.state_dict().values():
+            tensors[local(t).data_ptr()] = local(t)
+        for per_param in optim.state.values():
+            for v in per_param.values():
+                if isinstance(v, torch.Tensor):
+                    tensors[local(v).data_ptr()] = local(v)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 class RawWrite(Saver):
     """A bare direct-I/O write of this rank's share of the state's bytes, on a thread (``os.write``
     releases the GIL): one reused, page-aligned 64 MiB buffer written again and again with
@@ -341,10 +357,9 @@ class RawWrite(Saver):
         import concurrent.futures as cf
 
         from .disk import _buffer
-        from .state import local_bytes
 
         self.ctx = ctx
-        nbytes = local_bytes(state)[0] // (ctx.world if ctx.layout == "ddp" else 1)
+        nbytes = saved_bytes(state) // (ctx.world if ctx.layout == "ddp" else 1)
         self.nbytes = -(-nbytes // 4096) * 4096
         self.buf = _buffer()
         self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="io-floor")
