@@ -255,6 +255,30 @@ def test_the_io_floor_is_reported_in_the_training_loop_only():
     assert f"| {floor['label']} | 70.0 ms | 1.12 | 1.03 | 150 ms |" in "\n".join(report.steps_table(cfg))
 
 
+def test_throughput_is_paired_with_the_disk_at_that_moment():
+    """Each save's (load's) throughput is taken against the direct-I/O write (read) made right
+    after it, worst rank per repeat, then the median; the durable target uses the same pairs."""
+
+    def rank(durables, raws, loads, raw_reads):
+        recs = [{"blocking_s": 0.01, "staged_s": 0.01, "written_s": d, "durable_s": d, "raw_write_s": w}
+                for d, w in zip(durables, raws)]  # fmt: skip
+        return {"local_bytes": 10**9, "saves": {"records": recs, "first": recs[0], "peak_extra_gb": 1.0,
+                "retained_gb": 1.0}, "loads": [{"load_s": t, "raw_read_s": r, "verified": True, "in_place": True}
+                for t, r in zip(loads, raw_reads)]}  # fmt: skip
+
+    # the disk halves its speed between the two saves: the pairs see it, a fixed reference would not
+    ranks = [rank([1.0, 2.0], [0.8, 1.6], [1.0, 2.0], [0.9, 1.8]), rank([0.5, 1.5], [0.8, 1.0], [0.5, 1.0], [0.5, 1.0])]
+    e = summary.save_entry(ranks, 2 * 10**9, {"direct_write_gbps": 4.0, "buffered_write_gbps": 1.0})
+    assert e["frac_direct_write"] == pytest.approx(0.8) and e["durable_over_raw"] == pytest.approx(1.25)
+    assert e["raw_write_gbps"] == pytest.approx(2 / 1.2)
+    ld = summary.load_entry(ranks, 2 * 10**9, {"direct_read_gbps": 9.0})
+    assert ld["frac_direct_read"] == pytest.approx(0.9)
+    cfg = {"state_bytes": 2e9, "disk": {"cold": {"direct_write_gbps": 4.0}},
+           "methods": {"stashpoint_async": {"status": OK, "saves": {"cold": e}}}}  # fmt: skip
+    durable = {t["method"]: t for t in summary.targets(cfg, ["cold"]) if t["target"].startswith("until durable")}
+    assert durable["stashpoint_async"]["value"] == pytest.approx(1.0) and durable["stashpoint_async"]["met"] is True
+
+
 def test_old_entry_points_run_the_same_subset_of_the_suite():
     from benchmarks import bench_core, bench_dist
     from benchmarks.suite import cli

@@ -71,6 +71,29 @@ def _evict(path: Path) -> None:
         os.close(fd)
 
 
+class Paired:
+    """The disk's speed next to each measured save and load (the machine's disk speed swings by
+    2x within minutes here): a direct-I/O write + fsync, or a read, of ``nbytes`` (this rank's
+    share of the state) into ``root``, made by every rank at once right after a save or a load."""
+
+    def __init__(self, root: Path, rank: int, nbytes: int) -> None:
+        self.file = root / f"paired-raw-{rank}.bin"
+        self.nbytes = -(-nbytes // ALIGN) * ALIGN
+        self.buf = _buffer()
+
+    def write(self) -> float:
+        self.file.parent.mkdir(parents=True, exist_ok=True)
+        return _write(self.file, self.nbytes, self.buf, direct=True)
+
+    def read(self) -> float:
+        """Read back the last :meth:`write` (never cached: it was written with direct I/O)."""
+        return _read(self.file, self.buf, direct=True)
+
+    def close(self) -> None:
+        self.buf.close()
+        self.file.unlink(missing_ok=True)
+
+
 def raw_bandwidth(
     root: Path, nbytes: int, regime: str, repeats: int, cold_sleep: float = COLD_SLEEP_S
 ) -> dict[str, Any]:

@@ -166,8 +166,10 @@ def markdown(doc: dict[str, Any]) -> str:
         "stashpoint's overlap mode, whose copies run in the background until the next optimizer step). Until "
         "durable: until fsynced; * = the library does not fsync, the harness fsyncs its files after it reports "
         "done (included). Peak extra memory: anonymous memory of the process and its children plus shared memory, "
-        "above the state, during the saves. GB/s and the ratios: the state's bytes over the time until durable, "
-        "against the raw disk measured in the same run.",
+        "above the state, during the saves. GB/s: the state's bytes over the time until durable. x raw direct "
+        "write (read): against a direct-I/O write (read) of the same bytes by the same ranks right after each save "
+        "(load), median over the repeats (the disk's speed swings within minutes on a shared machine); the raw disk "
+        "table is measured once per configuration.",
     ]
     if doc.get("plots"):
         out += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in doc["plots"]) + "."]

@@ -11,6 +11,10 @@ Started by :mod:`.launch`; writes its figures as JSON to ``--result``. Phases, i
   evicting its pages, each verified against the saved values;
 * ``steps``: the training-loop experiment (:mod:`.steptime`).
 
+After each measured save and each load, every rank writes (reads) its share of the state's
+bytes with direct I/O (:class:`.disk.Paired`): the disk's speed at that moment, against which
+the save's and the load's throughput are reported.
+
 The ``reference`` method measures the raw disk and the copy floor instead (:mod:`.disk`).
 """
 
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import GB, evict_cache, fsync_tree, log, remove, tree_bytes
+from .disk import Paired
 from .memory import MemoryMonitor
 from .methods import METHODS
 from .savers import Ctx, Saver, make_loader, make_saver
@@ -59,8 +64,22 @@ def measure(saver: Saver, path: Path, *, fsyncs: bool, rank: int, barrier: Calla
     return rec
 
 
+def _paired(op: Callable[[], float], barrier: Callable[[], None]) -> float:
+    barrier()  # every rank at once, as in the save or load just measured
+    t = op()
+    barrier()
+    return t
+
+
 def run_saves(
-    saver: Saver, args: argparse.Namespace, *, root: Path, rank: int, barrier: Callable[[], None], keep_last: bool
+    saver: Saver,
+    args: argparse.Namespace,
+    *,
+    root: Path,
+    rank: int,
+    barrier: Callable[[], None],
+    keep_last: bool,
+    paired: Paired | None = None,
 ) -> tuple[dict[str, Any], Path | None]:
     method = METHODS[args.method]
     records: list[dict[str, Any]] = []
@@ -83,6 +102,8 @@ def run_saves(
         if i == 0:
             first = rec
         else:
+            if paired is not None:
+                rec["raw_write_s"] = _paired(paired.write, barrier)
             records.append(rec)
         barrier()
         if keep_last and i == args.repeats:
@@ -94,7 +115,14 @@ def run_saves(
 
 
 def run_loads(
-    state: dict[str, Any], args: argparse.Namespace, ctx: Ctx, *, path: Path, mon: MemoryMonitor, barrier: Any
+    state: dict[str, Any],
+    args: argparse.Namespace,
+    ctx: Ctx,
+    *,
+    path: Path,
+    mon: MemoryMonitor,
+    barrier: Any,
+    paired: Paired | None = None,
 ) -> list[dict[str, Any]]:
     loader = make_loader(args.method, state, ctx)
     if loader is None:
@@ -112,6 +140,8 @@ def run_loads(
         rec["peak_extra_gb"] = (mon.peak_since_reset() - base) / GB
         rec["verified"] = same_fingerprint(fingerprint(state), reference)
         rec["in_place"] = data_ptrs(state) == ptrs
+        if paired is not None and paired.file.exists():
+            rec["raw_read_s"] = _paired(paired.read, barrier)
         barrier()
         log(f"{args.method} load {i + 1}/{args.repeats}: {rec['load_s']:.3f} s, verified={rec['verified']}", "worker")
         out.append(rec)
@@ -156,6 +186,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             return out
         assert method is not None
         ctx = Ctx(rank, world, args.layout, args.op_timeout)
+        share = out["local_bytes"] // (world if args.layout == "ddp" else 1)
+        paired = Paired(root, rank, share)  # allocated before the memory baseline
         gc.collect()
         mon = MemoryMonitor()
         try:
@@ -167,15 +199,18 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                 saver = make_saver(args.method, state, ctx)
                 try:
                     keep = "loads" in phases and method.load is not None
-                    out["saves"], kept = run_saves(saver, args, root=root, rank=rank, barrier=barrier, keep_last=keep)
+                    out["saves"], kept = run_saves(
+                        saver, args, root=root, rank=rank, barrier=barrier, keep_last=keep, paired=paired
+                    )
                 finally:
                     saver.close()
                 out["saves"]["peak_extra_gb"] = (mon.peak_since_reset() - base) / GB
                 out["saves"]["retained_gb"] = (mon.now() - base) / GB
             if kept is not None:
                 out["loads"] = _phase(
-                    out, "loads", world, run_loads, state, args, ctx, path=kept, mon=mon, barrier=barrier
-                )
+                    out, "loads", world, run_loads, state, args, ctx, path=kept, mon=mon, barrier=barrier,
+                    paired=paired,
+                )  # fmt: skip
                 barrier()
                 if rank == 0:
                     remove(kept)
@@ -191,6 +226,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                 )  # fmt: skip
         finally:
             mon.close()
+            paired.close()
         return out
     finally:
         if dist.is_initialized():
