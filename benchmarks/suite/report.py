@@ -134,6 +134,34 @@ def targets_table(cfg: dict[str, Any]) -> list[str]:
     return lines
 
 
+def short_title(cfg: dict[str, Any]) -> str:
+    layout = "" if cfg["layout"] == "single" else f" {cfg['layout']}"
+    return f"{cfg['ranks']}r{layout} {cfg['size_gb']:g} GB"
+
+
+def targets_overview(doc: dict[str, Any]) -> list[str]:
+    """Every target (row) on every configuration (column): the measured value, and whether met."""
+    cfgs = doc["configs"]
+    rows: dict[tuple[str, str, str], dict[int, dict[str, Any]]] = {}
+    for i, cfg in enumerate(cfgs):
+        for t in cfg["targets"]:
+            rows.setdefault((t["target"], t["method"], t["regime"] or "-"), {})[i] = t
+    lines = [
+        "| target | method | regime | " + " | ".join(short_title(c) for c in cfgs) + " |",
+        "|---|---|---|" + "---:|" * len(cfgs),
+    ]
+    for (target, method, regime), by_cfg in rows.items():
+        cells = []
+        for i in range(len(cfgs)):
+            t = by_cfg.get(i)
+            if t is None or t["met"] is None:
+                cells.append("n/a")
+            else:
+                cells.append(f"{_f(t['value'], '.2f')}" + ("" if t["met"] else " **no**"))
+        lines.append(f"| {target} | {method} | {regime} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def run_lines(meta: dict[str, Any]) -> list[str]:
     """What ran: the machine, the versions, the load average and the command of one run."""
     mc, v = meta["machine"], meta["versions"]
@@ -151,6 +179,9 @@ def markdown(doc: dict[str, Any]) -> str:
     out: list[str] = []
     for i, meta in enumerate(doc["meta"].get("runs") or [doc["meta"]]):
         out += ([""] if i else []) + run_lines(meta)
+    if len(doc["configs"]) > 1:
+        out += ["", "Targets of issue 5 on every configuration (the measured value; **no**: missed):", ""]
+        out += targets_overview(doc)
     for cfg in doc["configs"]:
         out += ["", f"#### {config_title(cfg)}", "", *disk_table(cfg)]
         for regime in cfg["saves_regimes"]:

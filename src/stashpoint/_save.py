@@ -27,7 +27,7 @@ from .errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
 
-DEFAULT_MAX_SHARD_BYTES = 1 << 30
+DEFAULT_MAX_SHARD_BYTES = 256 << 20  # files small enough that a save has several to write at once
 DEFAULT_WRITER = "thread"  # chosen by benchmarks/bench_steptime.py: see async_save's ``writer``
 
 
@@ -204,7 +204,8 @@ def async_save(
         allow_pickle: pickle values that are not otherwise supported (loading them then needs
             ``allow_pickle=True`` too).
         metadata: string key/values stored in the manifest.
-        max_shard_bytes: the largest data section of one shard file.
+        max_shard_bytes: the largest data section of one shard file (default 256 MiB). Local
+            storage writes two files at a time (``LocalStorage(path, write_streams=...)``).
         process_group: when ``torch.distributed`` is initialized the save is collective over this
             group (default: the world): every rank calls it with its own state and the same path.
             stashpoint coordinates on its own gloo group over the same ranks, never on this one.

@@ -14,6 +14,7 @@ bytes never do.
 from __future__ import annotations
 
 import base64
+import concurrent.futures as cf
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -76,17 +77,44 @@ def _write_run(writer: FileWriter, run: memoryview) -> None:
         writer.write(run[b : b + WRITE_BLOCK])
 
 
+def _write_file(storage: Storage, w: ShardWrite, memory: memoryview, block: int) -> dict[str, tuple[str, ...]]:
+    """Write one shard durably; its pieces' block checksums, by key. Aborted (removed) on failure."""
+    sums: dict[str, tuple[str, ...]] = {}
+    writer = storage.open_writer(w.name, w.size)
+    try:
+        writer.write(w.header)
+        start = end = -1
+        for p in w.pieces:
+            sums[p.key] = block_sums(memory[p.offset : p.offset + p.nbytes], block)
+            if not p.nbytes:
+                continue
+            if p.offset != end:  # not adjacent to the run so far: write that run, start another
+                if end > start:
+                    _write_run(writer, memory[start:end])
+                start = p.offset
+            end = p.offset + p.nbytes
+        if end > start:
+            _write_run(writer, memory[start:end])
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return sums
+
+
 def write_files(
-    storage: Storage, writes: Sequence[ShardWrite], memory: memoryview, *, block: int
+    storage: Storage, writes: Sequence[ShardWrite], memory: memoryview, *, block: int, streams: int | None = None
 ) -> dict[str, tuple[str, ...]]:
     """Write each shard durably (``close()`` returns once it is) from ``memory``; return the
     block checksums of every piece, by key.
 
-    Pieces that lie back to back in ``memory`` are written as one run. ``memory`` must be
-    writable (that is how the local backend finds its address for direct I/O); nothing here
-    writes to it. A file that fails is aborted (removed), and the error propagates.
+    Pieces that lie back to back in ``memory`` are written as one run. Up to ``streams`` files
+    (default: ``storage.write_streams``) are written at once, each by a thread of its own: a disk
+    that serves several requests at once is faster with more of them in flight. ``memory`` must
+    be writable (that is how the local backend finds its address for direct I/O); nothing here
+    writes to it. A file that fails is aborted (removed); once the others have ended, the first
+    error (in file order) propagates.
     """
-    sums: dict[str, tuple[str, ...]] = {}
     for w in writes:
         for p in w.pieces:
             if p.offset < 0 or p.offset + p.nbytes > len(memory):
@@ -94,23 +122,15 @@ def write_files(
                     f"{w.name}: the bytes of {p.key!r} ([{p.offset}, {p.offset + p.nbytes})) lie outside the "
                     f"staging memory ({len(memory)} bytes)"
                 )
-        writer = storage.open_writer(w.name, w.size)
-        try:
-            writer.write(w.header)
-            start = end = -1
-            for p in w.pieces:
-                sums[p.key] = block_sums(memory[p.offset : p.offset + p.nbytes], block)
-                if not p.nbytes:
-                    continue
-                if p.offset != end:  # not adjacent to the run so far: write that run, start another
-                    if end > start:
-                        _write_run(writer, memory[start:end])
-                    start = p.offset
-                end = p.offset + p.nbytes
-            if end > start:
-                _write_run(writer, memory[start:end])
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
+    n = min(len(writes), storage.write_streams if streams is None else streams)
+    sums: dict[str, tuple[str, ...]] = {}
+    if n <= 1:
+        for w in writes:
+            sums.update(_write_file(storage, w, memory, block))
+        return sums
+    with cf.ThreadPoolExecutor(max_workers=n, thread_name_prefix="stashpoint-write") as pool:
+        futures = [pool.submit(_write_file, storage, w, memory, block) for w in writes]
+        cf.wait(futures)
+    for f in futures:
+        sums.update(f.result())
     return sums

@@ -98,7 +98,8 @@ def storage_from(desc: Mapping[str, Any]) -> Storage:
     """Re-create a storage from ``_writerproc.describe``'s description."""
     kind = desc.get("kind")
     if kind == "local":
-        return LocalStorage(str(desc["root"]), direct_io=bool(desc["direct_io"]))
+        streams = int(desc.get("write_streams", 2))
+        return LocalStorage(str(desc["root"]), direct_io=bool(desc["direct_io"]), write_streams=streams)
     if kind == "s3":
         for k, v in dict(desc.get("env", {})).items():  # the parent's AWS_* at the time of the save
             os.environ[str(k)] = str(v)

@@ -86,7 +86,8 @@ def describe(storage: Storage) -> dict[str, Any] | None:
     write does (fault injection, instrumentation), which a re-created base object would not.
     """
     if type(storage) is LocalStorage:
-        return {"kind": "local", "root": str(storage.root.absolute()), "direct_io": storage.direct_io}
+        root, direct, streams = str(storage.root.absolute()), storage.direct_io, storage.write_streams
+        return {"kind": "local", "root": root, "direct_io": direct, "write_streams": streams}
     s3 = sys.modules.get("stashpoint._s3")
     if s3 is not None and type(storage) is getattr(s3, "S3Storage", None):
         s3_storage: Any = storage
