@@ -291,3 +291,30 @@ def test_old_entry_points_run_the_same_subset_of_the_suite():
     assert (args.ranks, args.layouts, args.regimes) == ([2], ["fsdp"], ["hot"])
     assert args.methods == ["dcp_save", "dcp_async_thread", "stashpoint_save", "stashpoint_async"]
     assert bench_core.build_state is not None and bench_core.choose_shape(0.5).state_bytes > 0.45e9
+
+
+def test_the_headline_sets_the_best_stashpoint_method_against_the_best_peer():
+    from benchmarks.suite import report
+
+    def ok(label: str, blocking: float, durable: float, load: float | None = None) -> dict:
+        s = {"blocking_s": blocking, "staged_s": blocking, "durable_s": durable, "extra_per_state": 1.0}
+        return {"status": OK, "kind": "save", "label": label, "saves": {"cold": s},
+                "load": None if load is None else {"load_s": load}}  # fmt: skip
+
+    cfg = {
+        "ranks": 1, "layout": "single", "size_gb": 2.0, "saves_regimes": ["cold"],
+        "methods": {
+            "torch_save": ok("torch.save", 5.0, 5.0, load=3.0),
+            "dcp_async_thread": ok("DCP async", 0.4, 6.0),
+            "dcp_save": ok("dcp.save", 4.0, 4.0, load=2.0),
+            "stashpoint_async": ok("sp async", 0.1, 1.2),
+            "stashpoint_overlap": ok("sp overlap", 0.02, 1.3),
+            "accelerate": {"status": "failed", "label": "Accelerate", "reason": "boom"},
+        },
+    }  # fmt: skip
+    rows = {r.split(" | ")[0].lstrip("| "): r for r in report.headline_table(cfg)}
+    assert rows["blocking (cold)"] == "| blocking (cold) | 20 ms (sp overlap) | 400 ms (DCP async) | 5.00 s | 20.00x |"
+    assert rows["until durable (cold)"].endswith("| 1.20 s (sp async) | 4.00 s (dcp.save) | 5.00 s | 3.33x |")
+    assert rows["load"] == "| load | n/a | 2.00 s (dcp.save) | 3.00 s | n/a |"  # stashpoint's load not measured
+    assert "step while a persist runs (x undisturbed)" not in rows  # measured by nobody: no row
+    assert "In short" in report.headline({"configs": [cfg]})[0]

@@ -162,6 +162,79 @@ def targets_overview(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _save_fig(regime: str, key: str) -> Any:
+    def get(e: dict[str, Any]) -> float | None:
+        s = e.get("saves", {}).get(regime)
+        return None if s is None else s.get(key)
+
+    return get
+
+
+def _part_fig(part: str, key: str) -> Any:
+    def get(e: dict[str, Any]) -> float | None:
+        return (e.get(part) or {}).get(key)
+
+    return get
+
+
+def _best(cfg: dict[str, Any], names: list[str], get: Any) -> tuple[str, float] | None:
+    vals = [(n, v) for n in names if (v := get(cfg["methods"][n])) is not None]
+    return min(vals, key=lambda nv: nv[1]) if vals else None
+
+
+def headline_table(cfg: dict[str, Any]) -> list[str]:
+    """In short: per figure, the best stashpoint method against the best peer (all: lower is better)."""
+    ms = {n: e for n, e in cfg["methods"].items() if e["status"] == OK and e.get("kind") != "reference"}
+    ours = [n for n in ms if n.startswith("stashpoint")]
+    peers = [n for n in ms if not n.startswith("stashpoint")]
+    figs: list[tuple[str, Any, Any]] = []
+    for regime in cfg["saves_regimes"]:
+        figs += [
+            (f"blocking ({regime})", _save_fig(regime, "blocking_s"), _ms),
+            (f"until the state is free ({regime})", _save_fig(regime, "staged_s"), _ms),
+            (f"until durable ({regime})", _save_fig(regime, "durable_s"), _ms),
+        ]
+    figs += [
+        ("load", _part_fig("load", "load_s"), _ms),
+        ("step while a persist runs (x undisturbed)", _part_fig("steps", "during_persist_ratio"),
+         lambda v: _f(v, ".2f", "x")),
+        ("time lost per checkpoint", _part_fig("steps", "lost_per_checkpoint_s"), _ms),
+        (f"peak extra memory (x state, {cfg['saves_regimes'][0]})",
+         _save_fig(cfg["saves_regimes"][0], "extra_per_state"), lambda v: _f(v, ".2f", "x")),
+    ]  # fmt: skip
+    ts = cfg["methods"].get("torch_save", {})
+    lines = [
+        "| figure | stashpoint (best) | best peer | torch.save+fsync | best peer / stashpoint |",
+        "|---|---|---|---:|---:|",
+    ]
+    for label, get, fmt in figs:
+        a, b = _best(cfg, ours, get), _best(cfg, peers, get)
+        if a is None and b is None:
+            continue
+        t = get(ts) if ts.get("status") == OK else None
+        ours_s = "n/a" if a is None else f"{fmt(a[1])} ({ms[a[0]]['label']})"
+        peer_s = "n/a" if b is None else f"{fmt(b[1])} ({ms[b[0]]['label']})"
+        ratio = _f(b[1] / a[1], ".2f", "x") if a and b and a[1] > 0 else "n/a"
+        lines.append(f"| {label} | {ours_s} | {peer_s} | {'n/a' if t is None else fmt(t)} | {ratio} |")
+    floor = (cfg["methods"].get("io_floor") or {}).get("steps")
+    if floor:
+        lines += [
+            "",
+            "The I/O floor (a bare direct-I/O write of the same bytes, no checkpoint) in the same loop: step while "
+            f"it runs {_f(floor['during_persist_ratio'], '.2f')}x, {_ms(floor['lost_per_checkpoint_s'])} lost per "
+            "write.",
+        ]
+    return lines
+
+
+def headline(doc: dict[str, Any]) -> list[str]:
+    """The "in short" tables of every configuration, before the full ones."""
+    out = ["In short: the best stashpoint method against the best other method, per figure (lower is better):"]
+    for cfg in doc["configs"]:
+        out += ["", f"**{short_title(cfg)}**", "", *headline_table(cfg)]
+    return out
+
+
 def run_lines(meta: dict[str, Any]) -> list[str]:
     """What ran: the machine, the versions, the load average and the command of one run."""
     mc, v = meta["machine"], meta["versions"]
@@ -179,6 +252,7 @@ def markdown(doc: dict[str, Any]) -> str:
     out: list[str] = []
     for i, meta in enumerate(doc["meta"].get("runs") or [doc["meta"]]):
         out += ([""] if i else []) + run_lines(meta)
+    out += ["", *headline(doc)]
     if len(doc["configs"]) > 1:
         out += ["", "Targets of issue 5 on every configuration (the measured value; **no**: missed):", ""]
         out += targets_overview(doc)
