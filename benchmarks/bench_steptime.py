@@ -44,7 +44,9 @@ from typing import Any
 
 from benchmarks.bench_core import build_state, choose_shape, default_scratch_base, git_commit
 
-METHODS = ("thread", "process", "sync")
+METHODS = ("thread", "process", "sync", "thread-1", "process-1")
+# "-1": the same writer through LocalStorage(path, write_streams=1): one shard file at a time
+DEFAULT_METHODS = ("thread", "process", "sync")
 COLD_SLEEP_S = 10.0
 BASELINE_STEPS = 12
 QUIET = 0.1  # a trial is "quiet" when other processes took at most this share of the CPU
@@ -148,6 +150,7 @@ def trial(
     trainer: Trainer, state: dict[str, Any], path: Path, *, method: str, regime: str, op_timeout: float
 ) -> dict[str, Any]:
     import stashpoint
+    from stashpoint._storage import LocalStorage
 
     if path.exists():
         shutil.rmtree(path)
@@ -167,7 +170,9 @@ def trial(
         stats = stashpoint.save(state, path)
         handle = None
     else:
-        handle = stashpoint.async_save(state, path, writer=method)
+        writer, _, streams = method.partition("-")
+        target = LocalStorage(path, write_streams=int(streams)) if streams else path
+        handle = stashpoint.async_save(state, target, writer=writer)
     t_returned = time.perf_counter()
     steps: list[tuple[float, float]] = []  # (start, end) of each step after the call
     while handle is not None and not handle.done():
@@ -255,7 +260,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size-gb", type=float, default=1.5, help="size of the saved state (default 1.5)")
     p.add_argument("--repeats", type=int, default=3, help="trials per method and regime (default 3)")
     p.add_argument("--regimes", nargs="+", choices=("cold", "hot"), default=["cold", "hot"])
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=METHODS,
+        default=list(DEFAULT_METHODS),
+        help="writers (default thread process sync); thread-1 / process-1: one write stream",
+    )
     p.add_argument("--step-ms", type=float, default=75.0, help="target step time (default 75 ms)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads of the training loop (default 2)")
     p.add_argument("--width", type=int, default=1024)
@@ -286,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     trials: list[dict[str, Any]] = []
     try:
         for method in args.methods:  # first calls: staging memory touched, the writer process started
-            stashpoint.save(state, scratch / "warmup", writer="process" if method == "process" else "thread")
+            writer = method.partition("-")[0]
+            stashpoint.save(state, scratch / "warmup", writer="process" if writer == "process" else "thread")
             shutil.rmtree(scratch / "warmup")
         for regime in args.regimes:
             for _ in range(args.repeats):

@@ -296,17 +296,18 @@ def test_old_entry_points_run_the_same_subset_of_the_suite():
 def test_the_headline_sets_the_best_stashpoint_method_against_the_best_peer():
     from benchmarks.suite import report
 
-    def ok(label: str, blocking: float, durable: float, load: float | None = None) -> dict:
-        s = {"blocking_s": blocking, "staged_s": blocking, "durable_s": durable, "extra_per_state": 1.0}
-        return {"status": OK, "kind": "save", "label": label, "saves": {"cold": s},
+    def ok(label: str, blocking: float, durable: float, load: float | None = None, extra: float = 1.0) -> dict:
+        s = {"blocking_s": blocking, "staged_s": blocking, "durable_s": durable, "extra_per_state": extra}
+        kind = "async" if blocking < durable else "sync"
+        return {"status": OK, "kind": kind, "label": label, "saves": {"cold": s},
                 "load": None if load is None else {"load_s": load}}  # fmt: skip
 
     cfg = {
         "ranks": 1, "layout": "single", "size_gb": 2.0, "saves_regimes": ["cold"],
         "methods": {
-            "torch_save": ok("torch.save", 5.0, 5.0, load=3.0),
-            "dcp_async_thread": ok("DCP async", 0.4, 6.0),
-            "dcp_save": ok("dcp.save", 4.0, 4.0, load=2.0),
+            "torch_save": ok("torch.save", 5.0, 5.0, load=3.0, extra=0.0),
+            "dcp_async_thread": ok("DCP async", 0.4, 6.0, extra=2.0),
+            "dcp_save": ok("dcp.save", 4.0, 4.0, load=2.0, extra=0.0),
             "stashpoint_async": ok("sp async", 0.1, 1.2),
             "stashpoint_overlap": ok("sp overlap", 0.02, 1.3),
             "accelerate": {"status": "failed", "label": "Accelerate", "reason": "boom"},
@@ -317,4 +318,6 @@ def test_the_headline_sets_the_best_stashpoint_method_against_the_best_peer():
     assert rows["until durable (cold)"].endswith("| 1.20 s (sp async) | 4.00 s (dcp.save) | 5.00 s | 3.33x |")
     assert rows["load"] == "| load | n/a | 2.00 s (dcp.save) | 3.00 s | n/a |"  # stashpoint's load not measured
     assert "step while a persist runs (x undisturbed)" not in rows  # measured by nobody: no row
+    memory = next(r for k, r in rows.items() if k.startswith("peak extra memory"))
+    assert memory.endswith("| 2.00x (DCP async) | 0.00x | 2.00x |")  # against the peers that hold a copy too
     assert "In short" in report.headline({"configs": [cfg]})[0]
