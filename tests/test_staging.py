@@ -28,6 +28,25 @@ def test_pool_reuses_memory_for_a_new_layout_of_the_same_size_and_drops_it_other
     assert pool._free == []
 
 
+def test_a_second_layout_with_more_padding_still_reuses_the_touched_buffer():
+    """A distributed save's first layout (nobody knows who writes what) against the next one
+    (the rank's own files first): splitting the files adds padding, and the buffer of the first
+    must still take the second, or every 2-rank run pays first-touch of fresh memory again."""
+    from stashpoint._staging import _layout_bytes
+
+    specs = tuple(TensorSpec(f"t{i}", "float32", (1025,), 4) for i in range(3))  # 4,100 bytes each
+    first = plan_files(specs, max_file_bytes=1 << 30)
+    second = plan_staging(specs, frozenset({"t0"}), max_file_bytes=1 << 30)
+    assert _layout_bytes(second) > _layout_bytes(first), "the split layout needs more room"
+    pool = StagingPool()
+    a = pool.acquire(first, specs, pinned=False)
+    ptr = a.buffer.data_ptr()
+    pool.release(a)
+    b = pool.acquire(second, specs, pinned=False)
+    assert b.buffer.data_ptr() == ptr, "fresh memory for a re-plan of the same tensors"
+    assert b.plan == second and pool._free == []
+
+
 def _memfds(token: int) -> list[int]:
     """This process's descriptors of the staging region ``token``."""
     import os

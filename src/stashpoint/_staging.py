@@ -131,6 +131,18 @@ def _layout_bytes(plan: SavePlan) -> int:
     return sum(-(-f.data_size // _PAGE) * _PAGE for f in plan.files)
 
 
+def _alloc_bytes(plan: SavePlan) -> int:
+    """What a fresh buffer for ``plan`` gets: its layout plus room for a few more files.
+
+    A distributed save's first layout does not know which rank writes what; from the second
+    save on, the files a rank writes come first (:func:`~stashpoint._plan.plan_staging`), which
+    can add files and so up to a page of padding each. Without this room that second layout
+    would not fit the touched buffer of the first and would take fresh memory (first touch: a
+    second or more per GB here) once more.
+    """
+    return _layout_bytes(plan) + (len(plan.files) + 16) * _PAGE
+
+
 @dataclass
 class StagingBuffers:
     """One host buffer holding the data of every shard file of a plan (each file's region
@@ -158,7 +170,7 @@ class StagingBuffers:
 
     @classmethod
     def allocate(cls, plan: SavePlan, specs: tuple[TensorSpec, ...], pinned: bool) -> StagingBuffers:
-        buffer, region = _host_buffer(_layout_bytes(plan), pinned)
+        buffer, region = _host_buffer(_alloc_bytes(plan), pinned)
         return cls.layout(buffer, plan, specs, pinned, region)
 
     @classmethod
@@ -215,7 +227,7 @@ class StagingPool:
                 if b.plan == plan and b.specs == specs and b.pinned == pinned:
                     return self._free.pop(i)
             for i, b in enumerate(self._free):
-                if b.pinned == pinned and need <= b.nbytes <= need + need // 4 + _PAGE:
+                if b.pinned == pinned and need <= b.nbytes <= _alloc_bytes(plan) + need // 4:
                     old = self._free.pop(i)
                     return StagingBuffers.layout(old.buffer, plan, specs, pinned, old.region)
             dropped = bool(self._free)
