@@ -214,8 +214,13 @@ def headline_table(cfg: dict[str, Any]) -> list[str]:
         if a is None and b is None:
             continue
         t = get(ts) if ts.get("status") == OK else None
-        ours_s = "n/a" if a is None else f"{fmt(a[1])} ({ms[a[0]]['label']})"
-        peer_s = "n/a" if b is None else f"{fmt(b[1])} ({ms[b[0]]['label']})"
+
+        def name(n: str, label: str = label) -> str:  # a load row names the load (torch.load, not torch.save)
+            ld = ms[n].get("load") or {}
+            return str(ld.get("label") or ms[n]["label"]) if label == "load" else str(ms[n]["label"])
+
+        ours_s = "n/a" if a is None else f"{fmt(a[1])} ({name(a[0])})"
+        peer_s = "n/a" if b is None else f"{fmt(b[1])} ({name(b[0])})"
         ratio = _f(b[1] / a[1], ".2f", "x") if a and b and a[1] > 0 else "n/a"
         lines.append(f"| {label} | {ours_s} | {peer_s} | {'n/a' if t is None else fmt(t)} | {ratio} |")
     floor = (cfg["methods"].get("io_floor") or {}).get("steps")
