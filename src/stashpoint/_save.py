@@ -75,11 +75,13 @@ class _Engine:
         rank fails this save together instead of pairing their next saves out of step.
         """
         t_start = time.perf_counter()
-        ctx = _dist.context(opts.process_group, opts.timeout_s) or DistContext.solo()
-        if ctx.world > 1 and opts.on_busy == "skip":
+        # refused before any group is made: a rank that raised here must not leave its peers
+        # half-way through creating stashpoint's gloo group with it
+        if opts.on_busy == "skip" and _distributed(opts.process_group):
             raise ValueError(
                 "on_busy='skip' would let ranks skip different saves in a distributed run; use on_busy='wait'"
             )
+        ctx = _dist.context(opts.process_group, opts.timeout_s) or DistContext.solo()
         with self.lock:
             _overlap.wait_pending()  # the previous save's copies first: one set of copies at a time
             if not self.make_room(opts.max_inflight, opts.on_busy):
@@ -133,6 +135,16 @@ class _Engine:
             storage, staged, self.pool, tree, layout, opts, ctx, pending=pending, staged_at=t_staged, writer=writer
         )
         return job, t_staged - t_stage
+
+
+def _distributed(process_group: Any) -> bool:
+    """Whether a save with ``process_group`` (default: the world) spans more than one rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    group = process_group if process_group is not None else dist.group.WORLD
+    return len(dist.get_process_group_ranks(group)) > 1
 
 
 _engine: _Engine | None = None
