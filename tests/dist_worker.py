@@ -389,5 +389,57 @@ def scenario_mesh_only(path: str, kind: str) -> None:
     result()
 
 
+def scenario_ddp_partial(root: str) -> None:
+    """Saves of a DDP state while training goes on: what each rank copies, save by save."""
+    m = model()
+    ddp = torch.nn.parallel.DistributedDataParallel(m)
+    optim = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    out = []
+    for i in range(3):
+        torch.manual_seed(100 + i)
+        ddp(torch.randn(4, 16)).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+        state = {"model": ddp, "optim": optim, "step": i}
+        if RANK == 0:  # the state at the moment of the save, for the test to compare
+            torch.save({k: v.clone() for k, v in m.state_dict().items()}, f"{root}/ref{i}.pt")
+        h = stashpoint.async_save(state, f"{root}/s{i}", timeout=60)
+        ddp(torch.randn(4, 16)).sum().backward()  # training goes on while it persists
+        optim.step()
+        optim.zero_grad()
+        s = h.wait()
+        out.append({"staged": s.staged_bytes, "written": s.rank_bytes_written, "total": s.bytes_written})
+    held = sum(t.numel() * t.element_size() for t in m.state_dict().values())
+    held += sum(v.numel() * v.element_size() for st in optim.state.values() for v in st.values())
+    result(saves=out, held=held)
+
+
+def scenario_uneven_change(root: str) -> None:
+    """Replicated tensors whose ranks' structures change between saves, unevenly."""
+    a, b, c = torch.zeros(1000), torch.zeros(1000), torch.zeros(100)
+    plans = [
+        {"a": a, "b": b},  # 1: every rank copies everything (no plan yet)
+        {"a": a, "b": b},  # 2: each rank copies only its part
+        {"a": a, "b": b, **({"c": c} if RANK == 1 else {})},  # 3: rank 1 adds a tensor of its own
+        {"a": a, "b": b, **({"c": c} if RANK == 1 else {})},  # 4: the new plan, reused
+        {"a": a, **({"b": b} if RANK == 0 else {"c": c})},  # 5: b's writer (rank 1) drops it
+        {"a": a, **({"b": b} if RANK == 0 else {"c": c})},  # 6: the same again
+    ]
+    out = []
+    for k, state in enumerate(plans, start=1):
+        a.fill_(k)
+        b.fill_(100 + k)
+        c.fill_(200 + k)
+        try:
+            h = stashpoint.async_save(state, f"{root}/s{k}", timeout=60)
+            for t in (a, b, c):  # changed at once: the checkpoint holds the values at the call
+                t.fill_(-1)
+            s = h.wait()
+            out.append({"ok": True, "staged": s.staged_bytes, "written": s.rank_bytes_written})
+        except stashpoint.CheckpointError as e:
+            out.append({"ok": False, "error": str(e)})
+    result(saves=out)
+
+
 if __name__ == "__main__":
     main()

@@ -162,3 +162,67 @@ def test_the_next_save_works_once_the_ranks_are_back_together(tmp_path):
         assert r["first"] != "ok" and r["second"] == "ok", r
     assert not (tmp_path / "a" / MANIFEST_NAME).exists()
     assert (tmp_path / "b" / MANIFEST_NAME).exists()
+
+
+def _writers(path) -> dict[str, int]:
+    """Which rank wrote each tensor of a checkpoint (from its shard file's name)."""
+    return {k: int(e["chunks"][0]["file"][7:12]) for k, e in _manifest(path)["tensors"].items() if e.get("chunks")}
+
+
+def test_ddp_ranks_copy_only_what_they_write_once_the_plan_is_known(tmp_path):
+    """The first save copies the whole replicated state on every rank (nobody knows yet who
+    writes what); from the second on each rank copies only its part, and every checkpoint holds
+    the state at the moment of its call while training went on."""
+    import torch
+
+    import stashpoint
+
+    results = run_world(2, "ddp_partial", str(tmp_path))
+    held = results[0]["held"]
+    for r in results:
+        first, *later = r["saves"]
+        assert first["staged"] == held, "the first save copies everything"
+        for s in later:
+            assert 0 < s["staged"] < 0.75 * held, s
+    for i in (1, 2):
+        assert sum(r["saves"][i]["staged"] for r in results) == held, "each tensor copied by one rank"
+    for i in range(3):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        stashpoint.load({"model": model, "optim": optim, "step": -1}, tmp_path / f"s{i}")
+        ref = torch.load(tmp_path / f"ref{i}.pt", weights_only=True)
+        assert all(torch.equal(ref[k], v) for k, v in model.state_dict().items()), f"save {i}"
+
+
+def test_replicas_changing_unevenly_between_saves_fail_one_save_at_most_then_commit(tmp_path):
+    import torch
+
+    import stashpoint
+
+    results = run_world(2, "uneven_change", str(tmp_path))
+    r0, r1 = (r["saves"] for r in results)
+    # 1: both copy a and b; 2: each copies its own (a to rank 0, b to rank 1)
+    assert r0[0]["staged"] == r1[0]["staged"] == 8000
+    assert r0[1]["staged"] == r1[1]["staged"] == 4000
+    # 3: rank 1's structure changed (it copies all); rank 0 copied only a: b and c go to rank 1
+    assert r0[2]["ok"] and r1[2]["ok"]
+    assert (r0[2]["staged"], r1[2]["staged"]) == (4000, 8400)
+    assert _writers(tmp_path / "s3") == {"a": 0, "b": 1, "c": 1}
+    assert (r0[3]["staged"], r1[3]["staged"]) == (4000, 4400), "the new plan is reused"
+    # 5: rank 1 wrote b and dropped it; rank 0 still holds b but did not copy it: that save fails
+    for r in (r0, r1):
+        assert not r[4]["ok"] and "no rank copied 'b'" in r[4]["error"], r[4]
+        assert "the next save copies every tensor" in r[4]["error"]
+    assert not (tmp_path / "s5" / MANIFEST_NAME).exists()
+    # 6: every rank copies everything again, and the save commits
+    assert r0[5]["ok"] and r1[5]["ok"] and r0[5]["staged"] == 8000 and r1[5]["staged"] == 4400
+    assert _writers(tmp_path / "s6")["b"] == 0
+    from safetensors.torch import load_file
+
+    for k in (1, 2, 3, 4, 6):  # each holds the values at its call
+        state = {"a": torch.zeros(1000), "b": torch.zeros(1000)}
+        stashpoint.load(state, tmp_path / f"s{k}")  # rank 0's structure
+        assert bool((state["a"] == k).all()) and bool((state["b"] == 100 + k).all()), (k, state)
+        if k > 2:  # rank 1's own tensor, read from its shard file
+            c = load_file(tmp_path / f"s{k}" / _manifest(tmp_path / f"s{k}")["tensors"]["c"]["chunks"][0]["file"])["c"]
+            assert bool((c == 200 + k).all()), (k, c)

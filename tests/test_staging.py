@@ -2,41 +2,37 @@
 
 from __future__ import annotations
 
-from stashpoint._plan import TensorSpec, plan_files, plan_staging
+from stashpoint._plan import TensorSpec, plan_files
 from stashpoint._staging import StagingPool
 
 
-def test_pool_reuses_memory_for_a_new_layout_of_the_same_size_and_drops_it_otherwise():
+def test_pool_reuses_memory_for_a_new_layout_of_the_same_size_and_allocates_when_too_small():
     specs = tuple(TensorSpec(f"t{i}", "float32", (1000,), 4) for i in range(4))
     first = plan_files(specs, max_file_bytes=1 << 30)
-    second = plan_staging(specs, frozenset({"t1", "t3"}), max_file_bytes=1 << 30)
+    second = plan_files(specs, max_file_bytes=8000)  # the same tensors in two files
     assert first != second and len(second.files) == 2
     pool = StagingPool()
     a = pool.acquire(first, specs, pinned=False)
     ptr = a.buffer.data_ptr()
     pool.release(a)
     b = pool.acquire(second, specs, pinned=False)
-    assert b.buffer.data_ptr() == ptr, "a distributed save's second layout reuses the touched pages"
-    assert b.views["t1"].data_ptr() == ptr, "the files of what the rank writes come first"
-    assert b.views["t0"].data_ptr() % 4096 == 0, "each file's region starts page-aligned"
+    assert b.buffer.data_ptr() == ptr, "a new layout of the same tensors reuses the touched pages"
+    assert b.views["t2"].data_ptr() % 4096 == 0, "each file's region starts page-aligned"
     pool.release(b)
-    c = pool.acquire(first, specs, pinned=False)
-    pool.release(c)
     big = tuple(TensorSpec(f"t{i}", "float32", (100_000,), 4) for i in range(4))
     d = pool.acquire(plan_files(big, max_file_bytes=1 << 30), big, pinned=False)
     assert d.buffer.numel() >= 1_600_000, "too small to reuse: fresh memory, the idle buffer dropped"
-    assert pool._free == []
+    assert pool._free == [] and pool.allocations == 2
 
 
-def test_a_second_layout_with_more_padding_still_reuses_the_touched_buffer():
-    """A distributed save's first layout (nobody knows who writes what) against the next one
-    (the rank's own files first): splitting the files adds padding, and the buffer of the first
-    must still take the second, or every 2-rank run pays first-touch of fresh memory again."""
+def test_a_layout_with_more_padding_still_reuses_the_touched_buffer():
+    """A fresh buffer has room for a few more files than its first layout: splitting the same
+    tensors into more files adds padding, and must not cost first touch of fresh memory again."""
     from stashpoint._staging import _layout_bytes
 
     specs = tuple(TensorSpec(f"t{i}", "float32", (1025,), 4) for i in range(3))  # 4,100 bytes each
     first = plan_files(specs, max_file_bytes=1 << 30)
-    second = plan_staging(specs, frozenset({"t0"}), max_file_bytes=1 << 30)
+    second = plan_files(specs, max_file_bytes=4100)  # a file each
     assert _layout_bytes(second) > _layout_bytes(first), "the split layout needs more room"
     pool = StagingPool()
     a = pool.acquire(first, specs, pinned=False)
@@ -44,7 +40,47 @@ def test_a_second_layout_with_more_padding_still_reuses_the_touched_buffer():
     pool.release(a)
     b = pool.acquire(second, specs, pinned=False)
     assert b.buffer.data_ptr() == ptr, "fresh memory for a re-plan of the same tensors"
-    assert b.plan == second and pool._free == []
+    assert b.plan == second and pool._free == [] and pool.allocations == 1
+
+
+def _allocated(region) -> int:
+    """Bytes of memory the region's memory file holds (its pages, not its size)."""
+    import os
+
+    return os.fstat(region.fd).st_blocks * 512
+
+
+def test_a_much_larger_idle_buffer_is_reused_and_gives_back_what_the_smaller_plan_does_not_need():
+    """A distributed save copies every tensor the first time and only the rank's own part from
+    the second save on: the touched buffer of the first is reused (no first touch again), and
+    the pages past what the second needs are returned to the system, in the writer process too."""
+    import mmap
+
+    import pytest
+
+    if not hasattr(mmap, "MADV_REMOVE"):
+        pytest.skip("MADV_REMOVE is Linux-only")
+    specs = tuple(TensorSpec(f"t{i}", "float32", (250_000,), 4) for i in range(4))  # 1 MB each
+    whole = plan_files(specs, max_file_bytes=1 << 30)
+    half = plan_files(specs[:2], max_file_bytes=1 << 30)
+    pool = StagingPool()
+    a = pool.acquire(whole, specs, pinned=False)
+    a.buffer.fill_(7)  # touched, as a save's copies touch it
+    region, ptr = a.region, a.buffer.data_ptr()
+    assert region is not None and _allocated(region) >= 4_000_000
+    pool.release(a)
+    b = pool.acquire(half, specs[:2], pinned=False)
+    assert b.buffer.data_ptr() == ptr and pool.allocations == 1, "the touched pages are reused"
+    assert b.views["t1"].min().item() != 0, "what the smaller plan uses keeps its pages"
+    assert _allocated(region) < 2_200_000, "the rest is given back"
+    assert b.resident < 2_200_000 <= b.nbytes
+    b.views["t1"].fill_(1.5)
+    pool.release(b)
+    c = pool.acquire(whole, specs, pinned=False)  # the whole state again (the structure changed)
+    assert c.buffer.data_ptr() == ptr and pool.allocations == 1, "the mapping is still large enough"
+    assert c.views["t3"].abs().max().item() == 0, "given-back pages come back as zeros"
+    c.views["t3"].fill_(3.0)
+    assert c.resident >= 4_000_000, "what the plan uses counts as held again"
 
 
 def _memfds(token: int) -> list[int]:

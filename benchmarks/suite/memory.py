@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 
@@ -50,51 +51,74 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def tree_memory(pid: int | None = None) -> int:
-    """``sum(RssAnon) + max(RssShmem)`` of ``pid`` (default: this process) and its descendants."""
+def tree_detail(pid: int | None = None) -> list[tuple[int, int, int]]:
+    """``(pid, RssAnon, RssShmem)`` of ``pid`` (default: this process) and each descendant."""
     root = os.getpid() if pid is None else pid
-    anon = shm = 0
+    out = []
     for p in [root, *_children(root)]:
         st = _status(p)
         if st is not None:
-            anon += st[0]
-            shm = max(shm, st[1])
-    return anon + shm
+            out.append((p, *st))
+    return out
+
+
+def total(detail: list[tuple[int, int, int]]) -> int:
+    """``sum(RssAnon) + max(RssShmem)`` of a :func:`tree_detail`."""
+    return sum(a for _, a, _ in detail) + max((s for _, _, s in detail), default=0)
+
+
+def tree_memory(pid: int | None = None) -> int:
+    """``sum(RssAnon) + max(RssShmem)`` of ``pid`` (default: this process) and its descendants."""
+    return total(tree_detail(pid))
 
 
 class MemoryMonitor:
-    """Samples :func:`tree_memory` every ``interval`` seconds in a daemon thread; keeps the peak."""
+    """Samples :func:`tree_memory` every ``interval`` seconds in a daemon thread; keeps the peak,
+    and at the peak each process's anonymous and shared memory (``peak_detail``: which process
+    and which kind of memory made it)."""
 
     def __init__(self, interval: float = 0.02) -> None:
         self._interval = interval
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self.peak = tree_memory()
+        self.peak_detail = tree_detail()
+        self.peak = total(self.peak_detail)
+        self.peak_at = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
         self._thread.start()
 
     def now(self) -> int:
         return tree_memory()
 
+    def _sample(self) -> int:
+        detail = tree_detail()
+        m = total(detail)
+        with self._lock:
+            if m > self.peak:
+                self.peak, self.peak_detail, self.peak_at = m, detail, time.perf_counter()
+        return m
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            m = tree_memory()
-            with self._lock:
-                self.peak = max(self.peak, m)
+            self._sample()
             self._stop.wait(self._interval)
 
     def reset(self) -> int:
         """Start a new peak from the current figure; returns that figure."""
-        m = tree_memory()
+        detail = tree_detail()
         with self._lock:
-            self.peak = m
-        return m
+            self.peak, self.peak_detail, self.peak_at = total(detail), detail, time.perf_counter()
+            return self.peak
 
     def peak_since_reset(self) -> int:
-        m = tree_memory()
+        self._sample()
         with self._lock:
-            self.peak = max(self.peak, m)
             return self.peak
+
+    def describe_peak(self) -> list[dict[str, float]]:
+        """The processes at the peak: ``{"pid", "anon_gb", "shmem_gb"}`` each (GB, 1e9 bytes)."""
+        with self._lock:
+            return [{"pid": p, "anon_gb": a / 1e9, "shmem_gb": s / 1e9} for p, a, s in self.peak_detail]
 
     def close(self) -> None:
         self._stop.set()

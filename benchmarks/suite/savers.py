@@ -288,7 +288,15 @@ class StashPending(Pending):
             "lib_persist_s": s.persist_s,
             "lib_step_wait_s": s.step_wait_s,
             "lib_bytes_written": s.bytes_written,
+            "lib_staging_allocations": _pool_allocations(),
         }
+
+
+def _pool_allocations() -> int:
+    """Fresh staging buffers stashpoint has allocated in this process so far."""
+    from stashpoint import _save
+
+    return _save._engine.pool.allocations if _save._engine is not None else 0
 
 
 class StashSave(Saver):

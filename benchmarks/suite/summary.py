@@ -38,6 +38,10 @@ def save_entry(ranks: list[dict[str, Any]], total_bytes: int, disk: dict[str, An
     e["peak_extra_gb"] = max(r["saves"]["peak_extra_gb"] for r in ranks)
     e["extra_per_state"] = max(r["saves"]["peak_extra_gb"] * GB / r["local_bytes"] for r in ranks)
     e["retained_gb"] = max(r["saves"]["retained_gb"] for r in ranks)
+    biggest = max(ranks, key=lambda r: r["saves"]["peak_extra_gb"])["saves"]
+    for key in ("peak_in_save", "peak_processes"):  # where the largest rank's peak came from
+        if key in biggest:
+            e[key] = biggest[key]
     e["bytes_on_disk"] = ranks[0]["saves"]["records"][-1].get("bytes_on_disk")
     e["gbps"] = total_bytes / e["durable_s"] / GB if e["durable_s"] else None
     if disk is not None and e["gbps"] is not None:

@@ -57,7 +57,7 @@ def measure(saver: Saver, path: Path, *, fsyncs: bool, rank: int, barrier: Calla
         fsync_tree(path)
     barrier()
     t4 = time.perf_counter()
-    rec = {"blocking_s": t1 - t0, "staged_s": t2 - t0, "written_s": t3 - t0, "durable_s": t4 - t0}
+    rec = {"blocking_s": t1 - t0, "staged_s": t2 - t0, "written_s": t3 - t0, "durable_s": t4 - t0, "t0": t0}
     if not fsyncs:
         rec["harness_fsync_s"] = t4 - t3
     rec.update(figures)
@@ -193,6 +193,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         try:
             base = mon.reset()
             out["baseline_mem_gb"] = base / GB
+            out["baseline_processes"] = mon.describe_peak()
             phases = args.phases.split(",")
             kept = None
             if "saves" in phases:
@@ -206,6 +207,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                     saver.close()
                 out["saves"]["peak_extra_gb"] = (mon.peak_since_reset() - base) / GB
                 out["saves"]["retained_gb"] = (mon.now() - base) / GB
+                # where the peak came from: each process's memory then, and the save it came in
+                out["saves"]["peak_processes"] = mon.describe_peak()
+                starts = [out["saves"]["first"].get("t0", 0.0)] + [r.get("t0", 0.0) for r in out["saves"]["records"]]
+                out["saves"]["peak_in_save"] = sum(1 for t in starts if t <= mon.peak_at) - 1  # 0: the warm-up
             if kept is not None:
                 out["loads"] = _phase(
                     out, "loads", world, run_loads, state, args, ctx, path=kept, mon=mon, barrier=barrier,

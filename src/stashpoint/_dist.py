@@ -22,7 +22,7 @@ import datetime as _dt
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,19 +57,32 @@ class ChunkMeta:
         return (self.key, self.offsets, self.shape)
 
 
-def assign_writers(per_rank: Sequence[Sequence[ChunkMeta]]) -> dict[tuple[str, tuple[int, ...], tuple[int, ...]], int]:
+Ident = tuple[str, tuple[int, ...], tuple[int, ...]]  # ChunkMeta.ident: key, offsets, shape
+
+
+def assign_writers(
+    per_rank: Sequence[Sequence[ChunkMeta]], staged: Sequence[Collection[Ident] | None] | None = None
+) -> dict[Ident, int]:
     """Who writes each distinct chunk: one holder each, balancing the bytes written per rank.
 
     Chunks held by several ranks (replicated tensors, ``Replicate`` placements) are written once.
     Biggest chunks are placed first, each on the holder that has the least to write so far
     (ties: the lowest rank), so N ranks holding S replicated bytes write about S/N each.
-    Raises :class:`CheckpointError` when ranks disagree on a key's dtype or global shape.
+
+    ``staged``, per rank, the chunks that rank copied for this save (None: all it holds): a chunk
+    goes only to a holder that copied it. Ranks copy only what the last plan gave them once a
+    structure's plan is known (see ``_save``), so when some rank's layout changed and a new plan
+    is needed, each chunk still goes to a rank that has its bytes.
+
+    Raises :class:`CheckpointError` when ranks disagree on a key's dtype or global shape, or when
+    no holder of a chunk copied it.
     """
-    holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
-    meta: dict[tuple[str, tuple[int, ...], tuple[int, ...]], ChunkMeta] = {}
+    holders: dict[Ident, list[int]] = {}
+    meta: dict[Ident, ChunkMeta] = {}
     seen: dict[str, tuple[int, ChunkMeta]] = {}
     problems = []
     for rank, chunks in enumerate(per_rank):
+        mine = None if staged is None else staged[rank]
         for c in chunks:
             first = seen.setdefault(c.key, (rank, c))
             if (first[1].dtype, first[1].global_shape) != (c.dtype, c.global_shape):
@@ -77,12 +90,22 @@ def assign_writers(per_rank: Sequence[Sequence[ChunkMeta]]) -> dict[tuple[str, t
                     f"{c.key!r} is {first[1].dtype}{list(first[1].global_shape)} on rank {first[0]} but "
                     f"{c.dtype}{list(c.global_shape)} on rank {rank}"
                 )
-            holders.setdefault(c.ident, []).append(rank)
             meta.setdefault(c.ident, c)
+            ranks = holders.setdefault(c.ident, [])
+            if mine is None or c.ident in mine:
+                ranks.append(rank)
     if problems:
         raise CheckpointError(
             "ranks disagree on tensors saved under the same key (a tensor under one key on several ranks is "
             "taken as a replica; give per-rank tensors per-rank keys): " + "; ".join(problems[:10])
+        )
+    uncopied = sorted({i[0] for i, ranks in holders.items() if not ranks})
+    if uncopied:
+        raise CheckpointError(
+            f"no rank copied {', '.join(repr(k) for k in uncopied[:10])}{' ...' if len(uncopied) > 10 else ''} "
+            "for this save: the rank the last save's plan gave them to no longer holds them, and the ranks that "
+            "still do copied only their own part (their states changed unevenly between saves). Nothing was "
+            "committed; the next save copies every tensor on every rank and commits."
         )
     load = [0] * len(per_rank)
     out = {}

@@ -33,7 +33,9 @@ class SaveStats:
     - ``total_s``: from the start of the call until the checkpoint was committed.
 
     ``writer`` says where this rank's shard files were written: ``"thread"`` (the writer thread)
-    or ``"process"`` (the writer process).
+    or ``"process"`` (the writer process). ``staged_bytes`` is what this rank copied out of the
+    live state: every tensor it holds, except in a distributed save of a structure saved before,
+    where each rank copies only what it writes (a replicated tensor is copied by one rank).
     """
 
     path: str
@@ -50,6 +52,7 @@ class SaveStats:
     staged_s: float = 0.0
     step_wait_s: float = 0.0
     writer: str = "thread"
+    staged_bytes: int = 0
 
     @property
     def throughput_gbps(self) -> float:

@@ -59,6 +59,7 @@ class PersistJob:
     pending: PendingCopies | None = None  # overlap mode: copies still running into ``staged``
     staged_at: float = 0.0  # perf_counter() when the call's own copies were done
     writer: Writer | None = None  # the writer process; None: write on this (the writer) thread
+    staged_keys: frozenset[str] | None = None  # the keys copied for this save; None: every key
 
     @classmethod
     def failed(
@@ -68,10 +69,19 @@ class PersistJob:
         empty = Layout([], {}, {}, {}, "")
         return cls(storage, None, pool, {}, empty, opts, ctx, early_error=e)
 
+    def _covers(self, last: tuple[Any, ...] | None) -> bool:
+        """Whether this rank copied everything plan ``last`` gives it to write."""
+        if self.staged_keys is None:
+            return True
+        return last is not None and self.layout.given(last[2], self.ctx.rank) <= self.staged_keys
+
     def _plan(self) -> tuple[str, dict[Any, int], list[Any]]:
+        """Agree with the other ranks on this save and on who writes what (the last plan when
+        every rank's layout is the same as then and every rank copied its part of it)."""
         ctx = self.ctx
         err = None if self.early_error is None else f"{type(self.early_error).__name__}: {self.early_error}"
-        mine = (self.layout.hash, uuid.uuid4().hex[:16], self.seq, self.storage.location, err)
+        last = ctx.last_plan
+        mine = (self.layout.hash, uuid.uuid4().hex[:16], self.seq, self.storage.location, err, self._covers(last))
         hashes = ctx.all_gather("layout hashes", mine)
         failed = [(r, h[4]) for r, h in enumerate(hashes) if h[4] is not None]
         if failed:
@@ -81,10 +91,19 @@ class PersistJob:
             raise _RankFailure([(ctx.rank, f"the ranks are out of step ({seen}); every rank must make the same saves")])
         save_id = hashes[0][1]
         all_hashes = tuple(h[0] for h in hashes)
-        if ctx.last_plan is not None and ctx.last_plan[0] == all_hashes:  # same on every rank
-            return save_id, ctx.last_plan[2], ctx.last_plan[1]
-        layouts = ctx.all_gather("layouts", self.layout.meta())
-        writers = assign_writers([chunks for chunks, _, _ in layouts])
+        if last is not None and last[0] == all_hashes and all(h[5] for h in hashes):  # the same on every rank
+            return save_id, last[2], last[1]
+        keys = self.staged_keys
+        staged = None if keys is None else [c.ident for c in self.layout.chunks if c.key in keys]
+        gathered = ctx.all_gather("layouts", (self.layout.meta(), staged))
+        layouts = [meta for meta, _ in gathered]
+        try:
+            writers = assign_writers(
+                [chunks for chunks, _, _ in layouts], [None if s is None else set(s) for _, s in gathered]
+            )
+        except CheckpointError:
+            ctx.last_plan = None  # on every rank alike: the next save copies everything everywhere
+            raise
         ctx.last_plan = (all_hashes, layouts, writers)
         ctx.plans_made += 1
         return save_id, writers, layouts
@@ -101,6 +120,8 @@ class PersistJob:
             specs = [TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in mine]
             files = plan_files(specs, max_file_bytes=self.opts.max_shard_bytes, rank=ctx.rank).files if mine else ()
             try:
+                if self.staged_keys is not None and (lost := [c.key for c in mine if c.key not in self.staged_keys]):
+                    raise CheckpointError(f"rank {ctx.rank} was given tensors to write it did not copy: {lost[:10]}")
                 if self.pending is not None:  # write only what has been copied (overlap mode)
                     self.pending.result()
                 self.storage.prepare()
@@ -155,6 +176,7 @@ class PersistJob:
             staged_s=max(0.0, staged_at - t_start),
             step_wait_s=pending.step_wait_s if pending is not None else 0.0,
             writer="thread" if self.writer is None else "process",
+            staged_bytes=0 if self.staged is None else sum(s.nbytes for s in self.staged.specs),
         )
         log.info("stashpoint: saved %s", stats)
         return stats

@@ -88,12 +88,17 @@ class Layout:
         key_of = {id(t): k for k, t in tensors}
         return cls(chunks, sources, aliases, keyinfo, layout_hash(chunks, aliases), signatures, key_of)
 
-    def expected_writes(self, ctx: DistContext) -> frozenset[str]:
-        """The keys this rank wrote the last time this layout was saved (empty if unknown)."""
+    def expected_writes(self, ctx: DistContext) -> frozenset[str] | None:
+        """The keys the last plan gave this rank to write, if that plan was made for this
+        layout (None if not: a first save, or a changed structure)."""
         last = ctx.last_plan
         if last is None or ctx.rank >= len(last[0]) or last[0][ctx.rank] != self.hash:
-            return frozenset()
-        return frozenset(c.key for c in self.chunks if last[2].get(c.ident) == ctx.rank)
+            return None
+        return self.given(last[2], ctx.rank)
+
+    def given(self, writers: dict[Any, int], rank: int) -> frozenset[str]:
+        """The keys of this layout's chunks that ``writers`` (a plan) gives to ``rank``."""
+        return frozenset(c.key for c in self.chunks if writers.get(c.ident) == rank)
 
     def meta(self) -> tuple[list[ChunkMeta], dict[str, str], dict[str, tuple[str, tuple[int, ...]]]]:
         return self.chunks, self.aliases, self.keyinfo

@@ -96,20 +96,3 @@ def plan_files(specs: Sequence[TensorSpec], *, max_file_bytes: int, rank: int = 
 def shard_name(rank: int, index: int, save_id: str) -> str:
     """The file name of shard ``index`` written by ``rank`` in the save ``save_id``."""
     return f"shard-r{rank:05d}-{index:04d}-{save_id}.safetensors"
-
-
-def plan_staging(specs: Sequence[TensorSpec], first: frozenset[str], *, max_file_bytes: int, rank: int = 0) -> SavePlan:
-    """The staging layout of a rank: the files of the tensors in ``first`` (planned exactly as
-    :func:`plan_files` plans them when they are written), then files for the rest.
-
-    When ``first`` is what the rank ends up writing, every shard file is one contiguous run of
-    staging memory. With ``first`` empty (or holding every tensor) it is :func:`plan_files`.
-    """
-    head = [s for s in specs if s.key in first]
-    tail = [s for s in specs if s.key not in first]
-    if not head or not tail:
-        return plan_files(specs, max_file_bytes=max_file_bytes, rank=rank)
-    a = plan_files(head, max_file_bytes=max_file_bytes, rank=rank)
-    b = plan_files(tail, max_file_bytes=max_file_bytes, rank=rank)
-    moved = tuple(FilePlan(len(a.files) + f.index, f.placements, f.data_size) for f in b.files)
-    return SavePlan(rank, a.files + moved)

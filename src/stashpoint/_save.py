@@ -19,7 +19,7 @@ from ._format import MANIFEST_NAME
 from ._handle import SaveHandle, SaveStats
 from ._job import PersistJob
 from ._layout import LayoutCache
-from ._plan import SavePlan, TensorSpec, plan_staging
+from ._plan import SavePlan, TensorSpec, plan_files
 from ._staging import StagingPool, stage
 from ._storage import Storage, storage_for
 from ._tree import flatten
@@ -45,13 +45,13 @@ class _Engine:
         self._plans: dict[tuple[Any, ...], SavePlan] = {}
         self.layouts = LayoutCache()
 
-    def plan(self, specs: tuple[TensorSpec, ...], first: frozenset[str], max_file_bytes: int, rank: int) -> SavePlan:
-        """The staging layout: the tensors this rank is expected to write first (laid out as
-        their shard files will be, so they are written as one run), then the others."""
-        key = (specs, first, max_file_bytes, rank)
+    def plan(self, specs: tuple[TensorSpec, ...], max_file_bytes: int, rank: int) -> SavePlan:
+        """The staging layout of ``specs``: laid out as their shard files will be, so that each
+        file is one contiguous run of staging memory."""
+        key = (specs, max_file_bytes, rank)
         plan = self._plans.get(key)
         if plan is None:
-            plan = plan_staging(specs, first, max_file_bytes=max_file_bytes, rank=rank)
+            plan = plan_files(specs, max_file_bytes=max_file_bytes, rank=rank)
             if len(self._plans) >= 16:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[key] = plan
@@ -113,8 +113,13 @@ class _Engine:
             )
         tree, tensors = flatten(state, allow_pickle=opts.allow_pickle)
         layout = self.layouts(tensors)
-        specs = tuple(TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in layout.chunks)
-        plan = self.plan(specs, layout.expected_writes(ctx), opts.max_shard_bytes, ctx.rank)
+        # Once the ranks have agreed a plan for this layout, copy only what it gives this rank to
+        # write: a replicated tensor (DDP, HSDP's replicas) is copied by one rank, not by all.
+        # The agreement checks that the plan still holds (``PersistJob._plan``).
+        keys = layout.expected_writes(ctx) if ctx.world > 1 else None
+        chunks = layout.chunks if keys is None else [c for c in layout.chunks if c.key in keys]
+        specs = tuple(TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in chunks)
+        plan = self.plan(specs, opts.max_shard_bytes, ctx.rank)
         pinned = torch.cuda.is_available() and any(t.device.type == "cuda" for t in layout.sources.values())
         self.pool.max_free = max(self.pool.max_free, opts.max_inflight)
         staged = self.pool.acquire(plan, specs, pinned)
@@ -122,18 +127,19 @@ class _Engine:
         pending = None
         try:
             if opts.overlap:
-                triples = [(k, layout.sources[k], staged.views[k]) for k in layout.sources]
+                triples = [(k, layout.sources[k], staged.views[k]) for k in staged.views]
                 pending = _overlap.start(state, triples, self.copier, storage.location, layout)
             else:
-                stage([(layout.sources[k], staged.views[k]) for k in layout.sources])
+                stage([(layout.sources[k], staged.views[k]) for k in staged.views])
         except BaseException:
             self.pool.release(staged)
             raise
         t_staged = time.perf_counter()
         writer = _writerproc.choose(opts.writer, storage, staged)
         job = PersistJob(
-            storage, staged, self.pool, tree, layout, opts, ctx, pending=pending, staged_at=t_staged, writer=writer
-        )
+            storage, staged, self.pool, tree, layout, opts, ctx, pending=pending, staged_at=t_staged, writer=writer,
+            staged_keys=keys,
+        )  # fmt: skip
         return job, t_staged - t_stage
 
 

@@ -31,6 +31,8 @@ from ._plan import SavePlan, TensorSpec
 
 log = logging.getLogger("stashpoint")
 
+_PAGE = 4096
+
 
 def as_memoryview(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (no copy).
@@ -101,12 +103,32 @@ class SharedRegion:
         self.fd = fd
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.pinned = pinned and _host_register(self.tensor.data_ptr(), nbytes)
+        self.resident = nbytes  # the first bytes that may hold pages (see trim)
         finalizer = weakref.finalize(self, _release, fd, self.tensor.data_ptr(), self.pinned, self.token)
         finalizer.atexit = False  # the process is ending: nothing to unpin or tell
 
     def memoryview(self) -> memoryview:
         """A writable byte view of the whole region (no copy)."""
         return memoryview(self.mm)
+
+    def trim(self, keep: int) -> bool:
+        """Give the pages past the first ``keep`` bytes back to the system (``MADV_REMOVE``: the
+        mapping stays, in the writer process too; those bytes read as zeros and cost first touch
+        if used again). False where that cannot be done: pinned memory (the device's mapping
+        would keep the old pages) or a platform without ``MADV_REMOVE``."""
+        keep = -(-keep // _PAGE) * _PAGE
+        if keep >= self.resident:
+            return True
+        remove = getattr(mmap, "MADV_REMOVE", None)
+        if self.pinned or remove is None:
+            return False
+        try:
+            self.mm.madvise(remove, keep, self.nbytes - keep)
+        except OSError as e:
+            log.debug("stashpoint: could not trim a staging buffer: %s", e)
+            return False
+        self.resident = keep
+        return True
 
 
 def _host_buffer(nbytes: int, pinned: bool) -> tuple[torch.Tensor, SharedRegion | None]:
@@ -121,9 +143,6 @@ def _host_buffer(nbytes: int, pinned: bool) -> tuple[torch.Tensor, SharedRegion 
     # (Transparent huge pages were measured slower to first-touch here: the kernel compacts.)
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(m, dtype=torch.uint8), None
-
-
-_PAGE = 4096
 
 
 def _layout_bytes(plan: SavePlan) -> int:
@@ -164,6 +183,11 @@ class StagingBuffers:
     def nbytes(self) -> int:
         return self.buffer.numel()
 
+    @property
+    def resident(self) -> int:
+        """The bytes of the buffer that may hold memory (less than ``nbytes`` once trimmed)."""
+        return self.region.resident if self.region is not None else self.nbytes
+
     def memoryview(self) -> memoryview:
         """A writable byte view of the whole buffer (no copy)."""
         return self.region.memoryview() if self.region is not None else as_memoryview(self.buffer)
@@ -201,9 +225,11 @@ class StagingPool:
     """Keeps idle staging memory for reuse (at most ``max_free`` buffers).
 
     A buffer laid out for the same plan is reused as is. Otherwise an idle buffer that is large
-    enough (and not much larger) is laid out anew: its pages are already touched, which is what
-    makes a copy fast. Only when none fits is fresh memory allocated, and idle buffers are
-    dropped first so memory never grows.
+    enough is laid out anew: its pages are already touched, which is what makes a copy fast. If
+    it holds much more than the plan needs (a distributed save's second plan copies only what
+    the rank writes), the pages past what the plan needs are given back first (shared memory
+    only; a pinned buffer that is too large is dropped instead). Only when none fits is fresh
+    memory allocated, and idle buffers are dropped first so memory never grows.
 
     ``on_drop`` is called (outside the pool's lock) after idle buffers were dropped: the engine
     uses it to have the writer process unmap them at once, so that their memory is returned.
@@ -214,6 +240,7 @@ class StagingPool:
         self._free: list[StagingBuffers] = []
         self._lock = threading.Lock()
         self.on_drop: Callable[[], None] | None = None
+        self.allocations = 0  # fresh buffers allocated so far (each pays first touch)
 
     def _dropped(self) -> None:
         if self.on_drop is not None:
@@ -227,13 +254,20 @@ class StagingPool:
                 if b.plan == plan and b.specs == specs and b.pinned == pinned:
                     return self._free.pop(i)
             for i, b in enumerate(self._free):
-                if b.pinned == pinned and need <= b.nbytes <= _alloc_bytes(plan) + need // 4:
-                    old = self._free.pop(i)
-                    return StagingBuffers.layout(old.buffer, plan, specs, pinned, old.region)
+                if b.pinned != pinned or need > b.nbytes:
+                    continue
+                if b.resident > _alloc_bytes(plan) + need // 4 and not (b.region and b.region.trim(_alloc_bytes(plan))):
+                    continue
+                old = self._free.pop(i)
+                if old.region is not None:
+                    old.region.resident = max(old.region.resident, need)
+                return StagingBuffers.layout(old.buffer, plan, specs, pinned, old.region)
             dropped = bool(self._free)
             self._free.clear()
         if dropped:
             self._dropped()
+        self.allocations += 1
+        log.debug("stashpoint: allocating %d bytes of fresh staging memory", _alloc_bytes(plan))
         return StagingBuffers.allocate(plan, specs, pinned)
 
     def release(self, buffers: StagingBuffers) -> None:
