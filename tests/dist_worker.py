@@ -389,11 +389,15 @@ def scenario_mesh_only(path: str, kind: str) -> None:
     result()
 
 
-def scenario_ddp_partial(root: str) -> None:
-    """Saves of a DDP state while training goes on: what each rank copies, save by save."""
+def scenario_ddp_partial(root: str, mode: str) -> None:
+    """Saves of a DDP state while training goes on: what each rank copies, save by save
+    (``mode``: the writer thread, the writer process, or overlap mode)."""
+    import copy
+
     m = model()
     ddp = torch.nn.parallel.DistributedDataParallel(m)
     optim = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    opts = {"process": {"writer": "process"}, "overlap": {"overlap": True}}.get(mode, {})
     out = []
     for i in range(3):
         torch.manual_seed(100 + i)
@@ -402,8 +406,9 @@ def scenario_ddp_partial(root: str) -> None:
         optim.zero_grad()
         state = {"model": ddp, "optim": optim, "step": i}
         if RANK == 0:  # the state at the moment of the save, for the test to compare
-            torch.save({k: v.clone() for k, v in m.state_dict().items()}, f"{root}/ref{i}.pt")
-        h = stashpoint.async_save(state, f"{root}/s{i}", timeout=60)
+            ref = {"model": m.state_dict(), "optim": optim.state_dict()["state"]}
+            torch.save(copy.deepcopy(ref), f"{root}/ref{i}.pt")
+        h = stashpoint.async_save(state, f"{root}/s{i}", timeout=60, **opts)
         ddp(torch.randn(4, 16)).sum().backward()  # training goes on while it persists
         optim.step()
         optim.zero_grad()
@@ -421,9 +426,10 @@ def scenario_uneven_change(root: str) -> None:
         {"a": a, "b": b},  # 1: every rank copies everything (no plan yet)
         {"a": a, "b": b},  # 2: each rank copies only its part
         {"a": a, "b": b, **({"c": c} if RANK == 1 else {})},  # 3: rank 1 adds a tensor of its own
-        {"a": a, "b": b, **({"c": c} if RANK == 1 else {})},  # 4: the new plan, reused
+        {"a": a, "b": b, **({"c": c} if RANK == 1 else {})},  # 4: all once: that plan was constrained
         {"a": a, **({"b": b} if RANK == 0 else {"c": c})},  # 5: b's writer (rank 1) drops it
         {"a": a, **({"b": b} if RANK == 0 else {"c": c})},  # 6: the same again
+        {"a": a, **({"b": b} if RANK == 0 else {"c": c})},  # 7: and again
     ]
     out = []
     for k, state in enumerate(plans, start=1):

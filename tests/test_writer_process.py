@@ -354,3 +354,21 @@ def test_the_writer_priority_comes_from_the_environment_and_a_bad_value_is_named
         assert not (tmp_path / "b" / MANIFEST_NAME).exists()
     finally:
         _writerproc.shutdown()
+
+
+def test_a_trimmed_staging_buffer_stays_trimmed_when_a_writer_process_maps_it(tmp_path):
+    """A buffer reused for a smaller layout gives its tail back (``SharedRegion.trim``); a writer
+    process that maps it afterwards must not populate that tail again (it would allocate it)."""
+    stashpoint.save({"w": torch.randn(16 * MiB)}, tmp_path / "a", writer="thread")  # 64 MiB, never sent
+    engine = _save._engine
+    assert engine is not None
+    region = engine.pool._free[-1].region
+    assert region is not None and os.fstat(region.fd).st_blocks * 512 >= 64 * MiB
+    small = {"w": torch.randn(4 * MiB)}  # 16 MiB: the same touched buffer, its tail given back
+    stats = stashpoint.save(small, tmp_path / "b", writer="process")
+    assert stats.writer == "process" and engine.pool._free[-1].region is region
+    assert region.resident < 20 * MiB
+    assert os.fstat(region.fd).st_blocks * 512 < 20 * MiB, "the writer process did not bring the tail back"
+    back = {"w": torch.zeros(4 * MiB)}
+    stashpoint.load(back, tmp_path / "b")
+    assert torch.equal(back["w"], small["w"])

@@ -23,7 +23,7 @@ import math
 import threading
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
@@ -147,6 +147,12 @@ class DistContext:
     # Set on every rank at the same point of the same save, so all ranks decide alike whether
     # it can be reused (the hashes of this save equal its hashes) and skip the layout exchange.
     last_plan: tuple[tuple[str, ...], list[Any], dict[Any, int]] | None = None
+    # The last plan was made under constraint (some rank had copied only its part of an older
+    # plan): the next save copies everything, to plan freely (balanced) again.
+    plan_constrained: bool = False
+    # Layout hashes of this rank for which some save found a tensor nobody had copied: for
+    # those, this rank copies everything (on every rank alike, so it cannot happen again).
+    copy_all: set[str] = field(default_factory=set)
     plans_made: int = 0  # how many times the layouts were exchanged and a plan computed
     saves: int = 0  # collective saves started on this rank: every rank must agree on the count
     calls: int = 0  # collectives issued on this group by this rank (the same count on every rank)

@@ -91,20 +91,26 @@ class PersistJob:
             raise _RankFailure([(ctx.rank, f"the ranks are out of step ({seen}); every rank must make the same saves")])
         save_id = hashes[0][1]
         all_hashes = tuple(h[0] for h in hashes)
-        if last is not None and last[0] == all_hashes and all(h[5] for h in hashes):  # the same on every rank
+        reuse = last is not None and last[0] == all_hashes and not ctx.plan_constrained
+        if reuse and all(h[5] for h in hashes):  # decided alike on every rank
+            assert last is not None
             return save_id, last[2], last[1]
         keys = self.staged_keys
         staged = None if keys is None else [c.ident for c in self.layout.chunks if c.key in keys]
         gathered = ctx.all_gather("layouts", (self.layout.meta(), staged))
         layouts = [meta for meta, _ in gathered]
+        copied = [None if s is None else set(s) for _, s in gathered]
         try:
-            writers = assign_writers(
-                [chunks for chunks, _, _ in layouts], [None if s is None else set(s) for _, s in gathered]
-            )
+            writers = assign_writers([chunks for chunks, _, _ in layouts], copied)
         except CheckpointError:
-            ctx.last_plan = None  # on every rank alike: the next save copies everything everywhere
+            # on every rank alike: the next save copies everything everywhere, and this layout
+            # always will (a structure that did this once may do it again, e.g. saved in turn)
+            ctx.last_plan = None
+            if len(ctx.copy_all) < 64:
+                ctx.copy_all.add(self.layout.hash)
             raise
         ctx.last_plan = (all_hashes, layouts, writers)
+        ctx.plan_constrained = any(c is not None for c in copied)
         ctx.plans_made += 1
         return save_id, writers, layouts
 
@@ -114,6 +120,8 @@ class PersistJob:
         save_id = ""
         local_error: BaseException | None = None
         try:
+            if self.staged is not None:
+                self.staged.trim()  # pages this save's layout does not use, given back off the caller's thread
             save_id, writers, layouts = self._plan()
             assert self.staged is not None
             mine = [c for c in self.layout.chunks if writers[c.ident] == ctx.rank]

@@ -90,9 +90,13 @@ class Layout:
 
     def expected_writes(self, ctx: DistContext) -> frozenset[str] | None:
         """The keys the last plan gave this rank to write, if that plan was made for this
-        layout (None if not: a first save, or a changed structure)."""
+        layout and may be reused (None if not, and the rank copies everything: a first save, a
+        changed structure, a plan made under constraint, or a layout that once left a tensor
+        uncopied, see ``PersistJob._plan``)."""
         last = ctx.last_plan
         if last is None or ctx.rank >= len(last[0]) or last[0][ctx.rank] != self.hash:
+            return None
+        if ctx.plan_constrained or self.hash in ctx.copy_all:
             return None
         return self.given(last[2], ctx.rank)
 

@@ -111,24 +111,25 @@ class SharedRegion:
         """A writable byte view of the whole region (no copy)."""
         return memoryview(self.mm)
 
-    def trim(self, keep: int) -> bool:
+    @property
+    def trimmable(self) -> bool:
+        """Whether :meth:`trim` can give pages back: not for pinned memory (the device's mapping
+        would keep the old pages), nor without ``MADV_REMOVE`` (not Linux)."""
+        return not self.pinned and hasattr(mmap, "MADV_REMOVE")
+
+    def trim(self, keep: int) -> None:
         """Give the pages past the first ``keep`` bytes back to the system (``MADV_REMOVE``: the
         mapping stays, in the writer process too; those bytes read as zeros and cost first touch
-        if used again). False where that cannot be done: pinned memory (the device's mapping
-        would keep the old pages) or a platform without ``MADV_REMOVE``."""
-        keep = -(-keep // _PAGE) * _PAGE
-        if keep >= self.resident:
-            return True
-        remove = getattr(mmap, "MADV_REMOVE", None)
-        if self.pinned or remove is None:
-            return False
+        if used again). About 0.2 s per GB here, so it runs in the background."""
+        keep = -(-keep // mmap.PAGESIZE) * mmap.PAGESIZE
+        if keep >= self.resident or not self.trimmable:
+            return
         try:
-            self.mm.madvise(remove, keep, self.nbytes - keep)
-        except OSError as e:
+            self.mm.madvise(mmap.MADV_REMOVE, keep, self.nbytes - keep)
+        except OSError as e:  # the memory is only kept longer
             log.debug("stashpoint: could not trim a staging buffer: %s", e)
-            return False
+            return
         self.resident = keep
-        return True
 
 
 def _host_buffer(nbytes: int, pinned: bool) -> tuple[torch.Tensor, SharedRegion | None]:
@@ -153,11 +154,10 @@ def _layout_bytes(plan: SavePlan) -> int:
 def _alloc_bytes(plan: SavePlan) -> int:
     """What a fresh buffer for ``plan`` gets: its layout plus room for a few more files.
 
-    A distributed save's first layout does not know which rank writes what; from the second
-    save on, the files a rank writes come first (:func:`~stashpoint._plan.plan_staging`), which
-    can add files and so up to a page of padding each. Without this room that second layout
-    would not fit the touched buffer of the first and would take fresh memory (first touch: a
-    second or more per GB here) once more.
+    The same tensors laid out into more files (another split of what a rank writes, another
+    ``max_shard_bytes``) take up to a page of padding more per file. Without this room such a
+    layout would not fit the touched buffer and would take fresh memory (first touch: a second
+    or more per GB here) once more.
     """
     return _layout_bytes(plan) + (len(plan.files) + 16) * _PAGE
 
@@ -178,6 +178,14 @@ class StagingBuffers:
     views: dict[str, torch.Tensor] = field(default_factory=dict)
     region: SharedRegion | None = None
     offsets: dict[str, int] = field(default_factory=dict)
+    trim_to: int | None = None  # pages past this are to be given back (see :meth:`trim`)
+
+    def trim(self) -> None:
+        """Give back the pages this layout does not use, if the pool asked for it (the persist
+        calls this in the background: it takes a while, and nothing reads those pages)."""
+        if self.trim_to is not None and self.region is not None:
+            self.region.trim(self.trim_to)
+        self.trim_to = None
 
     @property
     def nbytes(self) -> int:
@@ -227,8 +235,9 @@ class StagingPool:
     A buffer laid out for the same plan is reused as is. Otherwise an idle buffer that is large
     enough is laid out anew: its pages are already touched, which is what makes a copy fast. If
     it holds much more than the plan needs (a distributed save's second plan copies only what
-    the rank writes), the pages past what the plan needs are given back first (shared memory
-    only; a pinned buffer that is too large is dropped instead). Only when none fits is fresh
+    the rank writes), the pages past what the plan needs are to be given back
+    (:meth:`StagingBuffers.trim`, which the persist calls; shared memory only: a pinned buffer
+    that is too large is dropped instead). Only when none fits is fresh
     memory allocated, and idle buffers are dropped first so memory never grows.
 
     ``on_drop`` is called (outside the pool's lock) after idle buffers were dropped: the engine
@@ -256,17 +265,20 @@ class StagingPool:
             for i, b in enumerate(self._free):
                 if b.pinned != pinned or need > b.nbytes:
                     continue
-                if b.resident > _alloc_bytes(plan) + need // 4 and not (b.region and b.region.trim(_alloc_bytes(plan))):
+                too_big = b.resident > _alloc_bytes(plan) + need // 4
+                if too_big and not (b.region is not None and b.region.trimmable):
                     continue
                 old = self._free.pop(i)
                 if old.region is not None:
                     old.region.resident = max(old.region.resident, need)
-                return StagingBuffers.layout(old.buffer, plan, specs, pinned, old.region)
+                new = StagingBuffers.layout(old.buffer, plan, specs, pinned, old.region)
+                new.trim_to = _alloc_bytes(plan) if too_big else None
+                return new
             dropped = bool(self._free)
             self._free.clear()
+            self.allocations += 1
         if dropped:
             self._dropped()
-        self.allocations += 1
         log.debug("stashpoint: allocating %d bytes of fresh staging memory", _alloc_bytes(plan))
         return StagingBuffers.allocate(plan, specs, pinned)
 

@@ -11,9 +11,10 @@ Framing, parent to child: ``b"F"`` with one file descriptor attached (``SCM_RIGH
 ``b"J"`` + 8-byte little-endian length + a JSON document; the file descriptors sent before a
 document belong to it. Child to parent: ``b"J"`` frames only. Requests:
 
-- ``{"op": "write", "storage": DESCRIPTION, "token": T, "new": [[T, SIZE], ...], "forget": [...],
-  "block": N, "writes": [ShardWrite.to_wire(), ...]}`` — map the new regions (one descriptor
-  each, in order), unmap the forgotten ones, write the files from region ``T``; the answer is
+- ``{"op": "write", "storage": DESCRIPTION, "token": T, "new": [[T, SIZE, RESIDENT], ...],
+  "forget": [...], "block": N, "writes": [ShardWrite.to_wire(), ...]}`` — map the new regions
+  (one descriptor each, in order; the first RESIDENT bytes of each hold its pages), unmap the
+  forgotten ones, write the files from region ``T``; the answer is
   ``{"ok": true, "sums": {key: [checksums]}}`` or ``{"ok": false, "type", "error", "traceback"}``;
 - ``{"op": "forget", "forget": [...]}`` — unmap regions whose memory the parent freed (no answer);
 - ``{"op": "ping"}`` — answered with ``{"ok": true, "pid": PID}``.
@@ -40,6 +41,7 @@ _LEN = struct.Struct("<Q")
 MAX_DOC = 1 << 30  # a request's JSON (headers included); far beyond any real plan
 WATCH_INTERVAL_S = 0.2
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_POPULATE_READ = 22  # MADV_POPULATE_READ (Linux 5.14+; not in Python's mmap module)
 
 
 class ProtocolError(ConnectionError):
@@ -112,6 +114,23 @@ def storage_from(desc: Mapping[str, Any]) -> Storage:
     raise ValueError(f"the writer process cannot open a storage described as {dict(desc)!r}")
 
 
+def map_region(fd: int, size: int, resident: int) -> mmap.mmap:
+    """Map a staging region of ``size`` bytes whose first ``resident`` bytes hold its pages.
+
+    Those are populated in one pass instead of a fault per page. The rest (given back by the
+    training process, ``SharedRegion.trim``) is left alone: populating it would allocate it again.
+    """
+    if resident >= size:
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if resident > 0:
+        try:
+            mm.madvise(_POPULATE_READ, 0, -(-resident // mmap.PAGESIZE) * mmap.PAGESIZE)
+        except (OSError, ValueError):  # before Linux 5.14: the pages are mapped on first use instead
+            pass
+    return mm
+
+
 def _write(msg: Mapping[str, Any], regions: Mapping[int, mmap.mmap]) -> dict[str, Any]:
     try:
         storage = storage_from(msg["storage"])
@@ -146,11 +165,9 @@ def serve(sock: socket.socket) -> None:
                 os.close(fd)
             raise ProtocolError(f"{len(fds)} descriptors came with {len(new)} new regions")
         failed = None
-        for (token, size), fd in zip(new, fds):
+        for (token, size, *resident), fd in zip(new, fds):
             try:
-                regions[int(token)] = mmap.mmap(  # populated: one pass instead of a fault per page
-                    fd, int(size), flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-                )
+                regions[int(token)] = map_region(fd, int(size), int(resident[0]) if resident else int(size))
             except OSError as e:  # e.g. out of address space: this request fails, the process lives on
                 failed = {"ok": False, "type": type(e).__name__, "error": f"mapping the staging memory: {e}"}
                 failed["traceback"] = traceback.format_exc()

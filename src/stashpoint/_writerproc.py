@@ -178,7 +178,7 @@ class WriterProcess:
             fds: list[int] = []
             new: list[list[int]] = []
             if region.token not in self._mapped:
-                fds, new = [region.fd], [[region.token, region.nbytes]]
+                fds, new = [region.fd], [[region.token, region.nbytes, region.resident]]
             msg["new"] = new
             try:
                 with self._send:
