@@ -321,3 +321,63 @@ def test_the_headline_sets_the_best_stashpoint_method_against_the_best_peer():
     memory = next(r for k, r in rows.items() if k.startswith("peak extra memory"))
     assert memory.endswith("| 2.00x (DCP async) | 0.00x | 2.00x |")  # against the peers that hold a copy too
     assert "In short" in report.headline({"configs": [cfg]})[0]
+
+
+def test_host_memory_counts_an_exec_d_child_but_not_a_fork_that_has_not_exec_d_yet():
+    """A fork before its exec (how subprocess starts a writer process) shows the parent's whole
+    anonymous memory as its own; counting it made a writer process's start look like a second
+    copy of the state. A child that is a program of its own is counted."""
+    import os
+    import signal
+    import time
+
+    from benchmarks.suite.memory import tree_detail
+
+    ballast = bytearray(64 << 20)
+    ballast[::4096] = b"\x01" * len(ballast[::4096])  # touched: 64 MiB of anonymous memory
+    pid = os.fork()
+    if pid == 0:  # a fork that never execs: it shares the parent's pages
+        time.sleep(30)
+        os._exit(0)
+    script = "import time; b = bytearray(48 << 20); b[::4096] = b'1' * len(b[::4096]); print('ready', flush=True); "
+    child = subprocess.Popen([sys.executable, "-c", script + "time.sleep(30)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        detail = {p: anon for p, anon, _ in tree_detail()}
+        assert pid not in detail, "the fork that has not exec'd is not counted"
+        assert child.pid in detail and detail[child.pid] >= 48 << 20, "the exec'd child and its memory are"
+        assert detail[os.getpid()] >= 64 << 20
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        child.kill()
+        child.wait()
+    del ballast
+
+
+def test_a_configuration_measured_again_takes_the_later_figures_of_what_ran_again():
+    from benchmarks.suite.cli import join_configs
+
+    def cfg(methods: dict) -> dict:
+        return {"ranks": 1, "layout": "single", "size_gb": 4.0, "methods": methods, "disk": {"cold": "first"}}
+
+    first = {
+        "meta": {"command": "python -m benchmarks --sizes 4"},
+        "configs": [
+            cfg({
+                "a": {"status": "ok", "saves": {"cold": 1, "hot": 2}, "load": 3, "steps": 4},
+                "b": {"status": "ok", "saves": {"cold": 5}},
+            }),
+            {**cfg({}), "size_gb": 0.5},
+        ],
+    }  # fmt: skip
+    again = {
+        "meta": {"command": "python -m benchmarks --sizes 4 --methods a --no-loads --no-steps"},
+        "configs": [cfg({"a": {"status": "ok", "saves": {"cold": 10}, "load": None}, "b": {"status": "failed"}})],
+    }
+    joined = join_configs([first, again])
+    assert [c["size_gb"] for c in joined] == [4.0, 0.5]
+    a, b = joined[0]["methods"]["a"], joined[0]["methods"]["b"]
+    assert a == {"status": "ok", "saves": {"cold": 10, "hot": 2}, "load": 3, "steps": 4}, "only what ran again"
+    assert b == {"status": "ok", "saves": {"cold": 5}}, "a method that did not run again keeps its figures"
+    assert joined[0]["remeasured"] == {"a": again["meta"]["command"]} and joined[0]["disk"] == {"cold": "first"}

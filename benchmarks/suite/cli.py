@@ -282,12 +282,38 @@ def _write(doc: dict[str, Any], out: Path, t_start: float | None) -> str:
     return md
 
 
+def join_configs(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The configurations of several runs' results, in order. A configuration (ranks, layout,
+    size) met again takes the later run's figures of each method that ran there — per regime of
+    its saves, its loads, its training loop — and records which (``remeasured``: method -> the
+    command that measured it again); the references stay the first run's."""
+    joined: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for d in docs:
+        command = d["meta"].get("command") or "; ".join(r.get("command", "") for r in d["meta"].get("runs", []))
+        for cfg in d["configs"]:
+            key = (cfg["ranks"], cfg["layout"], cfg["size_gb"])
+            base = joined.setdefault(key, cfg)
+            if base is cfg:
+                continue
+            for name, entry in cfg["methods"].items():
+                if entry.get("status") != OK:
+                    continue
+                into = base["methods"].setdefault(name, entry)
+                if into is not entry:
+                    into.setdefault("saves", {}).update(entry.get("saves") or {})
+                    into.update({part: entry[part] for part in ("load", "steps") if entry.get(part)})
+                    into["status"] = OK
+                base.setdefault("remeasured", {})[name] = command
+    return list(joined.values())
+
+
 def render(sources: list[str], out: Path) -> int:
     """Join earlier runs' results into one report in ``out`` (JSON, markdown, plots), measuring
-    nothing; each run's machine, load average and command are kept, the targets recomputed."""
+    nothing; each run's machine, load average and command are kept, the targets recomputed
+    (see :func:`join_configs` for a configuration measured in several runs)."""
     docs = [json.loads(Path(p).read_text()) for p in sources]
     runs = [r for d in docs for r in (d["meta"].get("runs") or [d["meta"]])]
-    doc: dict[str, Any] = {"meta": {"runs": runs}, "configs": [c for d in docs for c in d["configs"]]}
+    doc: dict[str, Any] = {"meta": {"runs": runs}, "configs": join_configs(docs)}
     for cfg in doc["configs"]:
         cfg["targets"] = targets(cfg, cfg["saves_regimes"])
     out.mkdir(parents=True, exist_ok=True)

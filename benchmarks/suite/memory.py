@@ -5,6 +5,14 @@ The figure is ``sum(RssAnon) + max(RssShmem)`` over the process and its descenda
 shared memory counted once (a shared-memory staging area is mapped both by the trainer and by a
 writer process, and is one copy). File pages (the page cache, mmap-ed checkpoint files) are not
 counted: they are the kernel's to reclaim.
+
+A child that has been forked but has not yet run ``exec`` (``subprocess`` starting a writer
+process: a ``vfork`` shares the parent's address space, a ``fork`` its pages copy-on-write) shows
+the parent's whole ``RssAnon`` as its own for that moment, though it holds no memory of its own.
+It is recognised by its command line, still its parent's, and not counted. (A long-lived fork
+that never execs and writes to its memory would be undercounted; no method measured here makes
+one.) Counting such a child is what made the process writer's start look like a second copy of
+a 4 GB state in a run of 2026-12-02 (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -30,8 +38,16 @@ def _status(pid: int) -> tuple[int, int] | None:
     return anon, shm
 
 
+def _cmdline(pid: int) -> bytes | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+
+
 def _children(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (through /proc/<pid>/task/*/children)."""
+    """Every descendant of ``pid`` (through /proc/<pid>/task/*/children), except children that
+    are forks not yet turned into another program (see the module doc)."""
     out: list[int] = []
     stack = [pid]
     while stack:
@@ -40,14 +56,17 @@ def _children(pid: int) -> list[int]:
             tasks = list(Path(f"/proc/{p}/task").iterdir())
         except OSError:
             continue
+        own = _cmdline(p)
         for t in tasks:
             try:
                 kids = (t / "children").read_text().split()
             except OSError:
                 continue
-            for k in kids:
-                out.append(int(k))
-                stack.append(int(k))
+            for k in map(int, kids):
+                if own is not None and _cmdline(k) == own:
+                    continue  # forked, not yet exec'd: the parent's memory, not its own
+                out.append(k)
+                stack.append(k)
     return out
 
 

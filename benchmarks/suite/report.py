@@ -265,6 +265,9 @@ def markdown(doc: dict[str, Any]) -> str:
         out += targets_overview(doc)
     for cfg in doc["configs"]:
         out += ["", f"#### {config_title(cfg)}", "", *disk_table(cfg)]
+        for name, command in cfg.get("remeasured", {}).items():
+            label = cfg["methods"][name]["label"]
+            out += ["", f"{label}: the figures measured again, in the run of `{command}`."]
         for regime in cfg["saves_regimes"]:
             out += ["", *save_table(cfg, regime)]
         for part in (load_table(cfg), steps_table(cfg)):
