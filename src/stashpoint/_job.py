@@ -120,8 +120,6 @@ class PersistJob:
         save_id = ""
         local_error: BaseException | None = None
         try:
-            if self.staged is not None:
-                self.staged.trim()  # pages this save's layout does not use, given back off the caller's thread
             save_id, writers, layouts = self._plan()
             assert self.staged is not None
             mine = [c for c in self.layout.chunks if writers[c.ident] == ctx.rank]
@@ -132,6 +130,9 @@ class PersistJob:
                     raise CheckpointError(f"rank {ctx.rank} was given tensors to write it did not copy: {lost[:10]}")
                 if self.pending is not None:  # write only what has been copied (overlap mode)
                     self.pending.result()
+                # The pages this save's layout does not use, given back off the caller's thread
+                # and after the copies: punching holes took CPU from overlap mode's copier.
+                self.staged.trim()
                 self.storage.prepare()
                 written = write_shards(
                     self.storage, files, self.staged, rank=ctx.rank, save_id=save_id, writer=self.writer
