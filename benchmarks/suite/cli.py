@@ -286,7 +286,8 @@ def join_configs(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The configurations of several runs' results, in order. A configuration (ranks, layout,
     size) met again takes the later run's figures of each method that ran there — per regime of
     its saves, its loads, its training loop — and records which (``remeasured``: method -> the
-    command that measured it again); the references stay the first run's."""
+    command of the run its figures now come from, also for a method only that run measured);
+    the references stay the first run's."""
     joined: dict[tuple[Any, ...], dict[str, Any]] = {}
     for d in docs:
         command = d["meta"].get("command") or "; ".join(r.get("command", "") for r in d["meta"].get("runs", []))

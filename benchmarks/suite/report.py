@@ -267,7 +267,7 @@ def markdown(doc: dict[str, Any]) -> str:
         out += ["", f"#### {config_title(cfg)}", "", *disk_table(cfg)]
         for name, command in cfg.get("remeasured", {}).items():
             label = cfg["methods"][name]["label"]
-            out += ["", f"{label}: the figures measured again, in the run of `{command}`."]
+            out += ["", f"{label}: its figures here come from a later run, `{command}`."]
         for regime in cfg["saves_regimes"]:
             out += ["", *save_table(cfg, regime)]
         for part in (load_table(cfg), steps_table(cfg)):
