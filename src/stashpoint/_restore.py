@@ -268,6 +268,8 @@ class Planner:
         by_name = saved.get("keyed_by") == "name"
         # the optimizer's current state (same keying) lends its tensors: loaded in place
         live = _stateful.optimizer_to_tree(optim, names)[1] if by_name else optim.state_dict()
+        params = _optimizer_params(optim, names, by_name)
+        live = {**live, "state": self._state_like_params(saved["state"], live.get("state", {}), params)}
         built = self.build(saved["state"], where, like=live)
         if not (isinstance(built, dict) and isinstance(built.get("param_groups"), list)):
             raise CorruptCheckpointError(f"the optimizer state at {self._name(where)} in {self.where} is malformed")
@@ -299,6 +301,43 @@ class Planner:
             self.plan.finalizers.append(
                 lambda: optim.load_state_dict(_stateful.optimizer_from_named(built, optim, names))
             )
+
+    def _state_like_params(
+        self, saved: Node, live: Mapping[Any, Any], params: Mapping[Any, torch.Tensor]
+    ) -> dict[Any, Any]:
+        """The live optimizer's per-parameter state, completed with empty tensors made like their
+        parameter for every saved tensor the live optimizer lacks (a fresh optimizer has none).
+
+        A state tensor of its parameter's (global) shape is created like the parameter: a DTensor
+        on its mesh with its placements when it is one, on its device, in the saved dtype. Reading
+        into it then reads only this rank's slice. Other state (Adam's scalar ``step``) is left to
+        be built from the checkpoint as saved.
+        """
+        out: dict[Any, Any] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in live.items()}
+        state = dict(saved.get("dict", ())).get("state") if isinstance(saved, dict) else None
+        for pkey, pnode in (state or {}).get("dict", ()):
+            param = params.get(pkey)
+            if param is None or not isinstance(pnode, dict) or "dict" not in pnode:
+                continue
+            slot = out.setdefault(pkey, {})
+            if not isinstance(slot, dict):
+                continue
+            for skey, snode in pnode["dict"]:
+                if not (isinstance(snode, dict) and "tensor" in snode) or isinstance(slot.get(skey), torch.Tensor):
+                    continue
+                entry = self._entry(snode["tensor"])
+                if tuple(entry.shape) == tuple(param.shape) and len(entry.shape) > 0:
+                    with torch.no_grad():
+                        slot[skey] = torch.empty_like(param, dtype=dtype_from_name(entry.dtype, entry.key))
+        return out
+
+
+def _optimizer_params(optim: torch.optim.Optimizer, names: Mapping[int, str], by_name: bool) -> dict[Any, torch.Tensor]:
+    """The optimizer's parameters by the key its saved state uses: name, or index in its order."""
+    params = [p for group in optim.param_groups for p in group["params"]]
+    if by_name:
+        return {names[id(p)]: p for p in params if id(p) in names}
+    return dict(enumerate(params))
 
 
 def _mismatch(entry: TensorEntry, t: torch.Tensor) -> bool:
