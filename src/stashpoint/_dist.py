@@ -47,6 +47,9 @@ class ChunkMeta:
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
     itemsize: int
+    # written by the lowest rank that holds it: a module buffer, which ranks may each update on
+    # their own data (BatchNorm's running stats), is saved as rank 0 has it, like torch.save on rank 0
+    lowest: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -67,7 +70,8 @@ def assign_writers(
 
     Chunks held by several ranks (replicated tensors, ``Replicate`` placements) are written once.
     Biggest chunks are placed first, each on the holder that has the least to write so far
-    (ties: the lowest rank), so N ranks holding S replicated bytes write about S/N each.
+    (ties: the lowest rank), so N ranks holding S replicated bytes write about S/N each; a chunk
+    marked ``lowest`` (a module buffer) goes to its lowest holder.
 
     ``staged``, per rank, the chunks that rank copied for this save (None: all it holds): a chunk
     goes only to a holder that copied it. Ranks copy only what the last plan gave them once a
@@ -110,7 +114,7 @@ def assign_writers(
     load = [0] * len(per_rank)
     out = {}
     for ident in sorted(holders, key=lambda i: (-meta[i].nbytes, i)):
-        rank = min(holders[ident], key=lambda r: (load[r], r))
+        rank = min(holders[ident]) if meta[ident].lowest else min(holders[ident], key=lambda r: (load[r], r))
         out[ident] = rank
         load[rank] += meta[ident].nbytes
     return out

@@ -59,10 +59,62 @@ def _placed(global_shape: tuple[int, ...], mesh: object, placements: tuple[objec
     key = (global_shape, id(mesh), mesh, tuple(placements))
     hit = _placements.get(key)
     if hit is None:
-        assert compute_local_shape_and_global_offset is not None
-        shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)  # type: ignore[arg-type]
-        hit = (tuple(shape), tuple(offsets))
+        if any(is_strided(p) for p in placements):
+            hit = _strided_box(global_shape, mesh, placements)
+        else:
+            assert compute_local_shape_and_global_offset is not None
+            shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)  # type: ignore[arg-type]
+            hit = (tuple(shape), tuple(offsets))
         if len(_placements) > 4096:
             _placements.clear()
         _placements[key] = hit
     return hit
+
+
+def is_strided(placement: object) -> bool:
+    """True for ``_StridedShard``: what FSDP2 puts on its mesh dim when tensor parallelism already
+    shards the same tensor dim (2-D FSDP2 + TP)."""
+    return type(placement).__name__ == "_StridedShard"
+
+
+def _strided_box(
+    global_shape: tuple[int, ...], mesh: object, placements: tuple[object, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The local shape and offset of a DTensor with ``_StridedShard`` placements.
+
+    torch works out, per tensor dim, the global indices this rank holds; a shard is saved as one
+    box, so each dim's indices must be one contiguous run (true for FSDP2 over tensor parallelism,
+    where each rank holds a contiguous block of its TP shard). Anything else is refused.
+    """
+    from .errors import UnsupportedStateError
+
+    try:
+        from torch.distributed.tensor._utils import _get_shard_size_and_offsets as shard_of
+    except ImportError:  # pragma: no cover - older torch: no way to place the shard
+        shard_of = None  # type: ignore[assignment]
+    shape = list(global_shape)
+    indices: dict[int, torch.Tensor] = {}
+    coords = mesh.get_coordinate()  # type: ignore[attr-defined]
+    for mesh_dim, p in enumerate(placements):
+        dim = getattr(p, "dim", None)
+        if dim is None:  # Replicate
+            continue
+        if shard_of is None or coords is None:
+            raise UnsupportedStateError(f"DTensor placements {list(placements)} cannot be placed with this torch")
+        size, index = shard_of(
+            shape[dim], mesh.size(mesh_dim), coords[mesh_dim], p, indices.get(dim), global_shape[dim], False  # type: ignore[attr-defined,arg-type]
+        )
+        shape[dim] = int(size)
+        assert index is not None
+        indices[dim] = index
+    offsets = [0] * len(global_shape)
+    for dim, index in indices.items():
+        ids = [int(i) for i in index.tolist()] if shape[dim] else []
+        if ids and ids != list(range(ids[0], ids[0] + len(ids))):
+            raise UnsupportedStateError(
+                f"a DTensor of shape {list(global_shape)} with placements {list(placements)} holds rows "
+                f"{ids[:4]}... of dim {dim} on this rank: not one contiguous block, which stashpoint cannot save "
+                "as a shard. Redistribute it (t.redistribute(placements=...)) to Shard/Replicate placements."
+            )
+        offsets[dim] = ids[0] if ids else global_shape[dim]  # an empty shard: where torch puts it
+    return tuple(shape), tuple(offsets)

@@ -14,7 +14,7 @@ taken afresh on every save, and no reference to them is kept.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +72,8 @@ class Layout:
     key_of: dict[int, str] = field(default_factory=dict)  # id() of each tensor of the state -> its key
 
     @classmethod
-    def of(cls, tensors: Sequence[tuple[str, torch.Tensor]]) -> Layout:
+    def of(cls, tensors: Sequence[tuple[str, torch.Tensor]], lowest: Collection[str] = ()) -> Layout:
+        """``lowest``: keys written by the lowest rank that holds them (module buffers)."""
         parts = [(k, *local_part(t)) for k, t in tensors]
         sigs = [signature(loc) for _, loc, _, _ in parts]
         firsts = group_aliases(sigs)
@@ -82,7 +83,8 @@ class Layout:
             if first is not None:
                 aliases[key] = parts[first][0]
                 continue
-            chunks.append(ChunkMeta(key, dtype_name(loc.dtype), gshape, box.offsets, box.shape, loc.element_size()))
+            dtype = dtype_name(loc.dtype)
+            chunks.append(ChunkMeta(key, dtype, gshape, box.offsets, box.shape, loc.element_size(), key in lowest))
             sources[key] = loc
         signatures = {k: s for (k, _, _, _), s in zip(parts, sigs)}
         key_of = {id(t): k for k, t in tensors}
@@ -123,18 +125,20 @@ class LayoutCache:
         self._entries: dict[tuple[Any, ...], _Entry] = {}
         self.hits = 0
 
-    def __call__(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> Layout:
+    def __call__(self, tensors: Sequence[tuple[str, torch.Tensor]], lowest: Collection[str] = ()) -> Layout:
         """The layout of ``tensors``; raises :class:`UnsupportedStateError` for a tensor that
-        cannot be saved (checked whenever the layout is not remembered)."""
+        cannot be saved (checked whenever the layout is not remembered). ``lowest``: see
+        :meth:`Layout.of`."""
         try:
-            key: tuple[Any, ...] | None = (tuple(k for k, _ in tensors), tuple(token(t) for _, t in tensors))
+            tokens = tuple(token(t) for _, t in tensors)
+            key: tuple[Any, ...] | None = (tuple(k for k, _ in tensors), tokens, frozenset(lowest))
         except Exception:  # a tensor without plain memory (sparse): the check below says which and why
             key = None
         entry = self._entries.get(key) if key is not None else None
         if entry is None:
             for k, t in tensors:
                 check_tensor(k or "<root>", t)
-            layout = Layout.of(tensors)
+            layout = Layout.of(tensors, lowest)
             if key is None:
                 return layout
             held = (getattr(t, "device_mesh", None) for _, t in tensors)

@@ -22,7 +22,7 @@ from ._layout import LayoutCache
 from ._plan import SavePlan, TensorSpec, plan_files
 from ._staging import StagingPool, stage
 from ._storage import Storage, storage_for
-from ._tree import flatten
+from ._tree import flatten_with_buffers
 from .errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
@@ -111,8 +111,8 @@ class _Engine:
                 f"a committed checkpoint already exists at {storage.location}; pass overwrite=True to "
                 "replace it (it stays loadable until the new one commits) or save to a new path."
             )
-        tree, tensors = flatten(state, allow_pickle=opts.allow_pickle)
-        layout = self.layouts(tensors)
+        tree, tensors, buffers = flatten_with_buffers(state, allow_pickle=opts.allow_pickle)
+        layout = self.layouts(tensors, buffers if ctx.world > 1 else ())
         # Once the ranks have agreed a plan for this layout, copy only what it gives this rank to
         # write: a replicated tensor (DDP, HSDP's replicas) is copied by one rank, not by all.
         # The agreement checks that the plan still holds (``PersistJob._plan``).

@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from .errors import UnsupportedStateError
+
 T = TypeVar("T")
 
 # Wrapper prefixes that other tools insert into parameter names; stripped so that names stay stable.
@@ -35,7 +37,11 @@ def kind_of(obj: Any) -> str | None:
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     """The module inside wrappers that only prefix its keys: DistributedDataParallel (``module.``)
-    and ``torch.compile`` (``_orig_mod.``), so a checkpoint's keys do not depend on them."""
+    and ``torch.compile`` (``_orig_mod.``), so a checkpoint's keys do not depend on them.
+
+    Raises :class:`UnsupportedStateError` for FSDP1 (``FullyShardedDataParallel``), whose
+    ``state_dict()`` runs collectives on the training's process group."""
+    refuse_fsdp1(module)
     while True:
         inner = (
             getattr(module, "module", None) if isinstance(module, torch.nn.parallel.DistributedDataParallel) else None
@@ -45,6 +51,20 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
         if not isinstance(inner, torch.nn.Module):
             return module
         module = inner
+
+
+def refuse_fsdp1(module: torch.nn.Module) -> None:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return
+    if isinstance(module, FullyShardedDataParallel):  # FSDP1 always wraps the root
+        raise UnsupportedStateError(
+            "FullyShardedDataParallel (FSDP1) is not supported: its state_dict() gathers or reshards over the "
+            "training's process group, which a background save must not touch. Use FSDP2 "
+            "(torch.distributed.fsdp.fully_shard), whose parameters and optimizer state are DTensors that "
+            "stashpoint saves shard by shard and loads on any number of ranks."
+        )
 
 
 def find_all(state: Any, cls: type[T]) -> list[T]:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from . import _stateful
-from ._dtensor import is_dtensor
+from ._dtensor import is_dtensor, is_strided
 from .errors import UnsupportedStateError
 
 Node = dict[str, Any]
@@ -70,7 +70,7 @@ def _odd_placements(t: torch.Tensor) -> list[object]:
         return []
     from torch.distributed.tensor import Replicate, Shard
 
-    odd = [p for p in placements if type(p) not in (Shard, Replicate)]
+    odd = [p for p in placements if type(p) not in (Shard, Replicate) and not is_strided(p)]
     if len(_placements_ok) > 256:
         _placements_ok.clear()
     _placements_ok[placements] = not odd
@@ -104,7 +104,8 @@ def check_tensor(key: str, t: torch.Tensor) -> None:
         odd = _odd_placements(t)
         if odd:
             raise UnsupportedStateError(
-                f"DTensor {where} has placement(s) {odd}; only Shard(dim) and Replicate are saved as they are. "
+                f"DTensor {where} has placement(s) {odd}; only Shard(dim), FSDP2's strided "
+                "Shard and Replicate are saved as they are. "
                 "Redistribute it first (t.redistribute(placements=[Replicate()]) for a Partial sum)."
             )
     if t.dtype in _SUB_BYTE:
@@ -119,6 +120,7 @@ class Flattener:
         self.tensors: list[tuple[str, torch.Tensor]] = []
         self._keys: set[str] = set()
         self._names: dict[int, str] | None = None
+        self.buffers: set[str] = set()  # keys of module buffers (plain tensors of a module's state)
         self._root: Any = None
 
     def flatten(self, state: Any) -> Node:
@@ -159,7 +161,12 @@ class Flattener:
             # dispatcher: tens of microseconds per tensor on every save); the layout takes
             # their local parts detached. Only where state_dict() is nn.Module's own.
             if getattr(obj.state_dict, "__func__", None) is torch.nn.Module.state_dict:
-                return {"stateful": kind, "state": self._node(obj.state_dict(keep_vars=True), key)}
+                sd = obj.state_dict(keep_vars=True)
+                node = {"stateful": kind, "state": self._node(sd, key)}
+                self.buffers.update(
+                    join(key, k) for k, v in sd.items() if type(v) is torch.Tensor  # not a Parameter, not a DTensor
+                )
+                return node
         if kind is not None:
             return {"stateful": kind, "state": self._node(obj.state_dict(), key)}
         if isinstance(obj, Mapping):
@@ -190,6 +197,15 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Node, list[tuple
     f = Flattener(allow_pickle=allow_pickle)
     tree = f.flatten(state)
     return tree, f.tensors
+
+
+def flatten_with_buffers(
+    state: Any, *, allow_pickle: bool = False
+) -> tuple[Node, list[tuple[str, torch.Tensor]], set[str]]:
+    """:func:`flatten`, and the keys of the modules' buffers among the tensors."""
+    f = Flattener(allow_pickle=allow_pickle)
+    tree = f.flatten(state)
+    return tree, f.tensors, f.buffers
 
 
 def is_plain(node: Node) -> bool:
