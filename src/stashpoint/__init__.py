@@ -9,6 +9,7 @@ Public API::
     stashpoint.save(state, path)            # blocking, durable on return
     stashpoint.async_save(state, path)      # returns once staged -> SaveHandle
     stashpoint.load(state, path)            # in place, verified
+    stashpoint.read(path)                   # no template: nested dicts of full tensors
     stashpoint.verify(path)                 # every checksum and the structure -> VerifyReport
     stashpoint.RNGState()                   # every RNG, as a stateful object
     stashpoint.StatefulSampler(dataset)     # a resumable data position
@@ -19,6 +20,7 @@ from ._handle import SaveHandle, SaveStats
 from ._inspect import VerifyReport, verify
 from ._load import load
 from ._manager import CheckpointManager
+from ._read import read
 from ._rng import RNGState
 from ._save import async_save, save
 from ._version import __version__
@@ -47,6 +49,7 @@ __all__ = [
     "__version__",
     "async_save",
     "load",
+    "read",
     "save",
     "verify",
 ]
