@@ -5,8 +5,9 @@ temporary working directory, which executes the page's samples in order:
 
 - a fenced ``python`` block runs in that process, in one namespace shared by the page's blocks;
 - after ``<!-- run: torchrun N -->`` a block is a program of its own, run as a real N-process
-  gloo world (``python -m torch.distributed.run --standalone``); after ``<!-- run: continues -->``
-  a block is appended to the torchrun program above it;
+  gloo world (``python -m torch.distributed.run --standalone``); ``<!-- run: torchrun N twice -->``
+  runs it twice in the same directory (a first run that saves, a second, fresh one that resumes);
+  after ``<!-- run: continues -->`` a block is appended to the torchrun program above it;
 - after ``<!-- run: bash -->`` a shell block runs with ``bash -e`` (``stashpoint`` on the PATH);
 - after ``<!-- not run: REASON -->`` a block is shown, not run, and the reason is required.
 
@@ -39,7 +40,9 @@ PAGE_TIMEOUT_S = 240
 BANNER = "=== stashpoint docs: "
 PYTHON_LANGS = frozenset({"python", "py", "python3"})
 SHELL_LANGS = frozenset({"bash", "sh", "shell", "console"})
-GUIDE_PAGES = ("quickstart", "training-loop", "distributed", "resharding", "guarantees", "format", "migration")
+GUIDE_PAGES = (
+    "quickstart", "training-loop", "distributed", "resume", "resharding", "guarantees", "format", "migration"
+)
 # Pages the guide links to that are written elsewhere; a link to one may dangle until it exists.
 PLANNED_PAGES: frozenset[str] = frozenset()
 
@@ -135,10 +138,11 @@ class Step:
     kind: str  # "python", "torchrun" or "bash"
     blocks: tuple[Block, ...]
     nproc: int = 1
+    runs: int = 1  # a torchrun program run twice: first saves, then a fresh run resumes
 
     @property
     def label(self) -> str:
-        kind = f"torchrun {self.nproc}" if self.kind == "torchrun" else self.kind
+        kind = f"torchrun {self.nproc}" + (" twice" if self.runs == 2 else "") if self.kind == "torchrun" else self.kind
         return f"{self.blocks[0].page} block at line {', '.join(str(b.line) for b in self.blocks)} ({kind})"
 
 
@@ -224,7 +228,7 @@ def plan_page(blocks: list[Block], page: str) -> Plan:
     for b in blocks:
         m = _MARKER.match(b.marker) if b.marker else None
         kind, spec = (m.group("kind"), m.group("spec")) if m else ("", "")
-        torchrun = re.fullmatch(r"torchrun\s+([1-9]\d*)", spec)
+        torchrun = re.fullmatch(r"torchrun\s+([1-9]\d*)(\s+twice)?", spec)
         if b.lang not in PYTHON_LANGS | SHELL_LANGS:
             if m:
                 plan.problems.append(f"{b.where}: marker {b.marker!r} is on a {b.lang or 'plain'} block: never run")
@@ -244,10 +248,10 @@ def plan_page(blocks: list[Block], page: str) -> Plan:
         elif not m:
             plan.steps.append(Step("python", (b,)))
         elif torchrun:
-            plan.steps.append(Step("torchrun", (b,), int(torchrun.group(1))))
+            plan.steps.append(Step("torchrun", (b,), int(torchrun.group(1)), 2 if torchrun.group(2) else 1))
         elif spec == "continues" and plan.steps and plan.steps[-1].kind == "torchrun":
             last = plan.steps.pop()
-            plan.steps.append(Step("torchrun", (*last.blocks, b), last.nproc))
+            plan.steps.append(Step("torchrun", (*last.blocks, b), last.nproc, last.runs))
         elif spec == "continues":
             plan.problems.append(
                 f"{b.where}: 'continues' appends to a torchrun program, but the block before it is not one "
@@ -255,8 +259,8 @@ def plan_page(blocks: list[Block], page: str) -> Plan:
             )
         else:
             plan.problems.append(
-                f"{b.where}: unknown marker {b.marker!r}; use '<!-- run: torchrun N -->', '<!-- run: continues -->', "
-                "'<!-- run: bash -->' or '<!-- not run: REASON -->'"
+                f"{b.where}: unknown marker {b.marker!r}; use '<!-- run: torchrun N [twice] -->', "
+                "'<!-- run: continues -->', '<!-- run: bash -->' or '<!-- not run: REASON -->'"
             )
     return plan
 
@@ -289,6 +293,7 @@ def _plan_json(plan: Plan, root: Path) -> str:
             "label": s.label,
             "kind": s.kind,
             "nproc": s.nproc,
+            "runs": s.runs,
             "file": str(root / plan.page),
             "source": s.blocks[0].code if s.kind == "bash" else _source(s.blocks),
             "setups": [[b.setup.setup, b.setup.stands_for] for b in s.blocks if b.setup and b.setup.setup],
@@ -324,7 +329,12 @@ def _run_steps(plan_file: Path, progress: Path, programs: Path) -> int:
                 script = programs / f"step{n}.py"
                 script.write_text(step["source"] + TORCHRUN_EXIT)
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
-                rc = subprocess.run([*cmd, str(step["nproc"]), str(script)], check=False).returncode
+                for run in range(step["runs"]):
+                    if step["runs"] > 1:
+                        print(f"--- run {run + 1} of {step['runs']}", flush=True)
+                    rc = subprocess.run([*cmd, str(step["nproc"]), str(script)], check=False).returncode
+                    if rc != 0:
+                        break
             else:
                 rc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", step["source"]], check=False).returncode
             if rc != 0:
