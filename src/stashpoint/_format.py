@@ -6,6 +6,7 @@ Everything read from a file is validated here before use; a malformed input rais
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import struct
@@ -309,6 +310,7 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
             )
         else:
             _check_tiling(entry, where)
+    _check_byte_ranges(tensors, where)
     trees = doc.get("trees")
     _want(isinstance(trees, list) and len(trees) > 0, where, "trees must be a non-empty list")
     assert isinstance(trees, list)
@@ -344,16 +346,44 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
 
 def _check_tiling(entry: TensorEntry, where: str) -> None:
     """A tensor's chunks cover it exactly once: no holes (reads would leave memory unset), no
-    overlaps; this also bounds what a load allocates by the bytes the files really hold."""
+    overlaps. Linear in the chunks: the chunks' edges cut each dimension into intervals, a
+    valid layout is a grid of those (one cell per chunk), and marking each chunk's cells finds
+    any overlap; a layout with far more cells than chunks is no grid and is refused."""
     total = math.prod(entry.shape)
     got = sum(math.prod(c.shape) for c in entry.chunks)
     _want(got == total, where, f"the chunks of {entry.key!r} hold {got} elements, its shape {total}")
-    boxes = [(c.offsets, c.shape) for c in entry.chunks]
-    if 1 < len(boxes) <= 512:
-        for i, (ao, an) in enumerate(boxes):
-            for bo, bn in boxes[i + 1 :]:
-                overlap = all(max(a, b) < min(a + x, b + y) for a, x, b, y in zip(ao, an, bo, bn))
-                _want(not overlap or total == 0, where, f"two chunks of {entry.key!r} overlap")
+    chunks = [c for c in entry.chunks if math.prod(c.shape) > 0]
+    if len(chunks) < 2:  # one chunk of the whole volume, inside the bounds: the tensor itself
+        return
+    index = []
+    for d, n in enumerate(entry.shape):
+        edges = sorted({0, n, *(c.offsets[d] for c in chunks), *(c.offsets[d] + c.shape[d] for c in chunks)})
+        index.append({e: i for i, e in enumerate(edges)})
+    counts = [len(ix) - 1 for ix in index]
+    cells = math.prod(counts)
+    _want(cells <= 4 * len(chunks) + 64, where, f"the chunks of {entry.key!r} do not form a grid")
+    strides = [math.prod(counts[d + 1 :]) for d in range(len(counts))]
+    seen = bytearray(cells)
+    for c in chunks:
+        spans = [range(ix[o], ix[o + k]) for ix, o, k in zip(index, c.offsets, c.shape)]
+        for cell in itertools.product(*spans):  # at most ``cells`` marks before an overlap is found
+            i = sum(a * b for a, b in zip(cell, strides))
+            _want(not seen[i], where, f"two chunks of {entry.key!r} overlap")
+            seen[i] = 1
+
+
+def _check_byte_ranges(tensors: Mapping[str, TensorEntry], where: str) -> None:
+    """No two chunks share bytes of a file, so what a load allocates is bounded by the bytes the
+    files hold (tied tensors are stored once, as aliases)."""
+    ranges: dict[str, list[tuple[int, int, str]]] = {}
+    for entry in tensors.values():
+        for c in entry.chunks:
+            if c.end > c.start:
+                ranges.setdefault(c.file, []).append((c.start, c.end, entry.key))
+    for name, spans in ranges.items():
+        spans.sort()
+        for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+            _want(start >= end, where, f"{a!r} and {b!r} share bytes of {name!r}")
 
 
 _LEAF_TYPES: dict[str, tuple[type, ...]] = {

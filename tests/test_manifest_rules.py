@@ -1,0 +1,83 @@
+"""Every structural rule of the manifest holds for any number of chunks, checked in linear time,
+on manifests an attacker re-sealed (a valid checksum over hostile contents)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+import stashpoint
+from stashpoint._format import MANIFEST_NAME, parse_manifest, seal
+from stashpoint.errors import CorruptCheckpointError
+
+
+def _one_element_chunks(tmp_path, n: int) -> tuple[dict, torch.Tensor]:
+    """A checkpoint of an n-element tensor re-described as n one-element chunks (re-sealed)."""
+    t = torch.arange(float(n))
+    stashpoint.save({"t": t}, tmp_path / "c")
+    doc = json.loads((tmp_path / "c" / MANIFEST_NAME).read_bytes())
+    (chunk,) = doc["tensors"]["t"]["chunks"]
+    chunks = []
+    for i in range(n):
+        start = chunk["start"] + 4 * i
+        sums = [stashpoint._format.checksum((tmp_path / "c" / chunk["file"]).read_bytes()[start : start + 4])]
+        chunks.append({**chunk, "offsets": [i], "shape": [1], "start": start, "end": start + 4, "checksums": sums})
+    doc["tensors"]["t"]["chunks"] = chunks
+    return doc, t
+
+
+def _write(tmp_path, doc) -> None:
+    (tmp_path / "c" / MANIFEST_NAME).write_bytes(seal(doc))
+
+
+def test_many_chunks_that_tile_load_and_a_duplicated_offset_is_refused_at_any_count(tmp_path):
+    doc, t = _one_element_chunks(tmp_path, 600)
+    _write(tmp_path, doc)
+    out = torch.zeros(600)
+    stashpoint.load({"t": out}, tmp_path / "c")
+    assert torch.equal(out, t)
+    doc["tensors"]["t"]["chunks"][17]["offsets"] = [16]  # two chunks at 16, none at 17
+    _write(tmp_path, doc)
+    out = torch.full((600,), -1.0)
+    with pytest.raises(CorruptCheckpointError, match="overlap"):
+        stashpoint.load({"t": out}, tmp_path / "c")
+    assert not stashpoint.verify(tmp_path / "c").ok
+
+
+def test_chunks_that_share_bytes_of_a_file_are_refused(tmp_path):
+    torch.manual_seed(0)
+    stashpoint.save({"a": torch.randn(1000), "b": torch.randn(1000)}, tmp_path / "c")
+    doc = json.loads((tmp_path / "c" / MANIFEST_NAME).read_bytes())
+    doc["tensors"]["b"]["chunks"] = [dict(c) for c in doc["tensors"]["a"]["chunks"]]  # b points at a's bytes
+    with pytest.raises(CorruptCheckpointError, match="share bytes"):
+        parse_manifest(seal(doc), "x")
+
+
+def test_a_layout_that_is_no_grid_is_refused():
+    from stashpoint._format import Chunk, TensorEntry, _check_tiling
+
+    # a staircase of 1 x 1 chunks on the diagonal with row and column strips: few chunks, many cells
+    n = 200
+    chunks = [Chunk("f", (i, i), (1, n - i), 0, 0, ()) for i in range(n)]
+    chunks += [Chunk("f", (i + 1, i), (n - i - 1, 1), 0, 0, ()) for i in range(n - 1)]
+    entry = TensorEntry("t", "float32", (n, n), tuple(chunks))
+    with pytest.raises(CorruptCheckpointError, match="do not form a grid"):
+        _check_tiling(entry, "x")
+
+
+def test_the_tiling_check_is_linear_in_the_chunks():
+    from stashpoint._format import Chunk, TensorEntry, _check_tiling
+
+    def timed(n: int) -> float:
+        entry = TensorEntry("t", "float32", (n, 8), tuple(Chunk("f", (i, 0), (1, 8), 0, 0, ()) for i in range(n)))
+        t0 = time.perf_counter()
+        _check_tiling(entry, "x")
+        return time.perf_counter() - t0
+
+    timed(1000)
+    small, large = min(timed(10_000) for _ in range(3)), min(timed(100_000) for _ in range(3))
+    assert large < 30 * small, (small, large)  # quadratic would be 100x
+    assert large < 5.0
