@@ -478,3 +478,30 @@ def test_progress_bar_counts_every_byte_and_prints_the_messages_above_it(tmp_pat
     sizes = sum(p.stat().st_size for p in ck.glob("shard-*"))
     assert progress.total == progress.done == sizes
     assert "verifying" in out.getvalue() and "[2/2]" in out.getvalue()
+
+
+def test_control_characters_in_names_and_values_are_printed_escaped(tmp_path):
+    evil = "\x1b]0;pwned\x07\x1b[2J"
+    state = {f"w{evil}\nforged line": torch.ones(2), "note": f"v{evil}", "x\u202eevil": 1}
+    stashpoint.save(state, tmp_path / "c", metadata={f"k{evil}": f"m{evil}"})
+    with stashpoint.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"w": torch.ones(2)}, metrics={f"loss{evil}": 1.0})
+    for r in (cli("inspect", tmp_path / "c"), cli("diff", tmp_path / "c", tmp_path / "run" / "step-00000001"),
+              cli("ls", tmp_path / "run")):
+        assert "\x1b" not in r.output and "\x07" not in r.output and "\u202e" not in r.output, r.output
+        assert "forged line" not in [ln.strip() for ln in r.output.splitlines()]  # no line of its own
+    assert "\\x1b]0;pwned" in cli("inspect", tmp_path / "c").output
+
+
+def test_importing_a_damaged_dcp_checkpoint_is_one_clear_line(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(1000)}, checkpoint_id=str(tmp_path / "dcp"))
+    data = next((tmp_path / "dcp").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:10])
+    r = subprocess.run([sys.executable, "-m", "stashpoint", "import", str(tmp_path / "dcp"), str(tmp_path / "out")],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert r.returncode == 2
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("stashpoint import: error:")]
+    assert len(errors) == 1 and "could not read the DCP checkpoint" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()

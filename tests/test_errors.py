@@ -269,7 +269,7 @@ def test_a_shard_that_is_a_symbolic_link_is_refused(tmp_path):
     outside.write_bytes(shard.read_bytes())
     shard.unlink()
     shard.symlink_to(outside)
-    with pytest.raises(stashpoint.CorruptCheckpointError, match="symbolic link; refused"):
+    with pytest.raises(stashpoint.CorruptCheckpointError, match="is a symbolic link, not a regular file"):
         stashpoint.load({"a": torch.zeros(10)}, tmp_path / "ck")
 
 
@@ -319,7 +319,8 @@ def test_loading_a_step_while_a_newer_one_is_being_saved(tmp_path):
 
 def test_the_manifest_is_published_only_after_every_shard_and_the_directory_are_durable(tmp_path, monkeypatch):
     """The order of the system calls of a save: fsync each shard, fsync the directory, then write
-    the manifest to a temporary name, fsync it, rename it, fsync the directory again."""
+    the manifest to a temporary name, fsync it, publish it (a hard link, or a rename when
+    overwriting), fsync the directory again."""
     import os as os_module
 
     from stashpoint import _storage
@@ -332,12 +333,19 @@ def test_the_manifest_is_published_only_after_every_shard_and_the_directory_are_
         events.append("fsync " + ("dir" if os_module.path.isdir(target) else os_module.path.basename(target)))
         real_fsync(fd)
 
+    real_link = os_module.link
+
     def replace(src, dst):
         events.append(f"rename {os_module.path.basename(dst)}")
         real_replace(src, dst)
 
+    def link(src, dst):  # without overwrite the manifest is published by a hard link: exclusive
+        events.append(f"rename {os_module.path.basename(dst)}")
+        real_link(src, dst)
+
     monkeypatch.setattr(_storage.os, "fsync", fsync)
     monkeypatch.setattr(_storage.os, "replace", replace)
+    monkeypatch.setattr(_storage.os, "link", link)
     stashpoint.save({"a": torch.ones(300_000), "b": torch.ones(10)}, tmp_path / "ck", max_shard_bytes=600_000)
     shards = [e for e in events if e.startswith("fsync shard-")]
     assert len(shards) == 2
@@ -381,3 +389,19 @@ def test_strict_load_lists_plain_values_missing_from_the_checkpoint(tmp_path):
     stashpoint.save({"w": torch.ones(3)}, tmp_path / "ck")
     with pytest.raises(stashpoint.StateMismatchError, match="missing key 'step'"):
         stashpoint.load({"w": torch.zeros(3), "step": 0}, tmp_path / "ck")
+
+
+def test_an_empty_path_is_refused_instead_of_writing_into_the_current_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="path is empty"):
+        stashpoint.save({"w": torch.ones(2)}, "")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_expanded_tensor_saves_and_loading_into_one_names_it(tmp_path):
+    stashpoint.save({"t": torch.arange(3.0)[:1].expand(10)}, tmp_path / "c")
+    out = {"t": torch.zeros(10)}
+    stashpoint.load(out, tmp_path / "c")
+    assert torch.equal(out["t"], torch.zeros(10))
+    with pytest.raises(stashpoint.StateMismatchError, match=r"'t': the state's tensor is an expanded view"):
+        stashpoint.load({"t": torch.ones(1).expand(10)}, tmp_path / "c")

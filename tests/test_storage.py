@@ -76,6 +76,15 @@ class StorageSuite:
         s.delete("manifest.json")  # deleting twice is fine
         assert s.list() == []
 
+    def test_an_exclusive_commit_fails_if_the_name_exists_and_changes_nothing(self, tmp_path):
+        s = self.make(tmp_path / "ck")
+        s.prepare()
+        s.commit("manifest.json", b"first", exclusive=True)
+        with pytest.raises(FileExistsError):
+            s.commit("manifest.json", b"second", exclusive=True)
+        assert s.read("manifest.json") == b"first"
+        assert s.list() == ["manifest.json"]  # no temporary left behind
+
     def test_large_file_in_many_pieces(self, tmp_path):
         """Larger than one part of an object store's multipart upload, written in odd pieces."""
         s = self.make(tmp_path / "ck")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -63,7 +64,7 @@ def demo(directory: Path, seconds: float, every: int | None, quick: bool) -> Non
     except (DemoError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
+        _echo("interrupted", err=True)
         sys.exit(130)
     sys.exit(code)
 
@@ -88,7 +89,7 @@ def _fails_cleanly(fn: F) -> F:
             sys.exit(1)
         except (CheckpointError, ValueError, OSError) as e:
             msg = "; ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
-            click.echo(f"stashpoint {click.get_current_context().info_name}: error: {msg}", err=True)
+            _echo(f"stashpoint {click.get_current_context().info_name}: error: {msg}", err=True)
             sys.exit(2)
 
     return wrapper  # type: ignore[return-value]
@@ -103,8 +104,23 @@ def _age(seconds: float | None) -> str:
     return f"{max(seconds, 0):.0f}s ago"
 
 
+# C0 and C1 control characters (ESC starts terminal escape sequences), DEL, and the bidirectional
+# overrides that reorder what a terminal shows: names and values come from files anyone can write
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def _esc(text: str, newlines: bool = False) -> str:
+    """``text`` with its control characters shown as escapes (``\\x1b``); newlines too unless kept."""
+    out = _UNSAFE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
+    return out if newlines else out.replace("\n", "\\n").replace("\t", "\\t")
+
+
+def _echo(text: str = "", err: bool = False) -> None:
+    click.echo(_esc(text, newlines=True), err=err)
+
+
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [list(headers), *([str(c) for c in r] for r in rows)]
+    cells = [list(headers), *([_esc(str(c)) for c in r] for r in rows)]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
@@ -117,7 +133,7 @@ def _short(value: object, width: int = 80) -> str:
 def _echo_json(doc: object) -> None:
     from ._inspect import jsonable  # NaN and inf as strings: strict JSON
 
-    click.echo(json.dumps(jsonable(doc), indent=2, default=str, allow_nan=False))
+    _echo(json.dumps(jsonable(doc), indent=2, default=str, allow_nan=False))
 
 
 _json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
@@ -138,13 +154,13 @@ def ls_command(*, root: str, as_json: bool) -> None:
         _echo_json([dataclasses.asdict(s) for s in steps])
         return
     if not steps:
-        click.echo(f"no step directories (step-XXXXXXXX) in {root}")
+        _echo(f"no step directories (step-XXXXXXXX) in {root}")
         return
     rows = []
     for s in steps:
         metrics = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in s.metrics.items())
         rows.append((s.step, s.status, human_bytes(s.size), _age(s.age_s), metrics or s.error or ""))
-    click.echo(_table(("STEP", "STATUS", "SIZE", "AGE", "METRICS"), rows))
+    _echo(_table(("STEP", "STATUS", "SIZE", "AGE", "METRICS"), rows))
 
 
 @main.command("inspect", short_help="Show a checkpoint's tensors, values, metadata and files.")
@@ -163,31 +179,31 @@ def inspect_command(*, path: str, rank: int, as_json: bool) -> None:
     if as_json:
         _echo_json(d)
         return
-    click.echo(f"checkpoint  {d['path']}")
-    click.echo(
+    _echo(f"checkpoint  {d['path']}")
+    _echo(
         f"format      stashpoint v{d['format_version']} (save {d['save_id']}, stashpoint "
         f"{d['library_version']}, torch {d['torch_version']})"
     )
-    click.echo(f"created     {d['created']}")
-    click.echo(
+    _echo(f"created     {d['created']}")
+    _echo(
         f"world size  {d['world_size']}"
         + (f" ({d['distinct_rank_trees']} distinct per-rank value sets)" if d["distinct_rank_trees"] > 1 else "")
     )
-    click.echo(f"\ntensors: {len(d['tensors'])}, {human_bytes(d['total_bytes'])}")
+    _echo(f"\ntensors: {len(d['tensors'])}, {human_bytes(d['total_bytes'])}")
     rows = [
         (t["key"], t["dtype"], t["shape"], t["sharding"], human_bytes(t["bytes"]) if t["bytes"] else "-")
         for t in d["tensors"]
     ]
-    click.echo(_table(("KEY", "DTYPE", "SHAPE", "SHARDING", "BYTES"), rows))
+    _echo(_table(("KEY", "DTYPE", "SHAPE", "SHARDING", "BYTES"), rows))
     who = f" (rank {d['rank']})" if d["world_size"] > 1 else ""
-    click.echo(f"\nvalues{who}: {len(d['values'])}")
+    _echo(f"\nvalues{who}: {len(d['values'])}")
     for k, v in d["values"].items():
-        click.echo(f"  {k} = {_short(v)}")
-    click.echo(f"\nmetadata: {len(d['metadata'])}")
+        _echo(f"  {_esc(k)} = {_esc(_short(v))}")
+    _echo(f"\nmetadata: {len(d['metadata'])}")
     for k, v in d["metadata"].items():
-        click.echo(f"  {k} = {v}")
-    click.echo(f"\nfiles: {len(d['files'])}")
-    click.echo(_table(("NAME", "RANK", "SIZE"), [(f["name"], f["rank"], human_bytes(f["size"])) for f in d["files"]]))
+        _echo(f"  {_esc(k)} = {_esc(str(v))}")
+    _echo(f"\nfiles: {len(d['files'])}")
+    _echo(_table(("NAME", "RANK", "SIZE"), [(f["name"], f["rank"], human_bytes(f["size"])) for f in d["files"]]))
 
 
 @main.command("verify", short_help="Check every byte of a checkpoint; exit 1 on any problem.")
@@ -213,13 +229,13 @@ def verify_command(*, path: str, quiet: bool, as_json: bool) -> None:
         _echo_json({**dataclasses.asdict(rep), "ok": rep.ok})
     else:
         for w in rep.warnings:
-            click.echo(f"warning: {w}")
+            _echo(f"warning: {w}")
         for p in rep.problems:
-            click.echo(f"problem: {p}")
+            _echo(f"problem: {p}")
         if rep.ok:
-            click.echo(f"OK: {rep.files} file(s), {rep.tensors} tensor(s), {human_bytes(rep.bytes_checked)} verified")
+            _echo(f"OK: {rep.files} file(s), {rep.tensors} tensor(s), {human_bytes(rep.bytes_checked)} verified")
         else:
-            click.echo(f"FAILED: {len(rep.problems)} problem(s) in {rep.path}")
+            _echo(f"FAILED: {len(rep.problems)} problem(s) in {rep.path}")
     sys.exit(0 if rep.ok else 1)
 
 
@@ -244,20 +260,20 @@ def diff_command(*, a: str, b: str, as_json: bool) -> None:
         _echo_json({**doc, "identical": rep.identical})
     else:
         for k in rep.only_a:
-            click.echo(f"only in A: {k}")
+            _echo(f"only in A: {_esc(k)}")
         for k in rep.only_b:
-            click.echo(f"only in B: {k}")
+            _echo(f"only in B: {_esc(k)}")
         for k, (x, y) in rep.dtype.items():
-            click.echo(f"dtype:     {k}: {x} -> {y}")
+            _echo(f"dtype:     {_esc(k)}: {x} -> {y}")
         for k, (sx, sy) in rep.shape.items():
-            click.echo(f"shape:     {k}: {sx} -> {sy}")
+            _echo(f"shape:     {_esc(k)}: {sx} -> {sy}")
         for k, d in rep.values.items():
-            click.echo(f"values:    {k}: " + ("bytes differ" if d is None else f"max |a-b| = {d:.6g}"))
+            _echo(f"values:    {_esc(k)}: " + ("bytes differ" if d is None else f"max |a-b| = {d:.6g}"))
         for k, x, y in rep.plain:
-            click.echo(f"value:     {k}: {_short(x, 40)} -> {_short(y, 40)}")
+            _echo(f"value:     {_esc(k)}: {_esc(_short(x, 40))} -> {_esc(_short(y, 40))}")
         n = len(rep.only_a) + len(rep.only_b) + len(set(rep.dtype) | set(rep.shape) | set(rep.values))
         verdict = "identical" if rep.identical else f"{n} tensor(s) and {len(rep.plain)} value(s) differ"
-        click.echo(f"{rep.compared} tensor(s) compared: {verdict}")
+        _echo(f"{rep.compared} tensor(s) compared: {verdict}")
     sys.exit(0 if rep.identical else 1)
 
 
@@ -311,9 +327,9 @@ def export_command(
             path, out, select=select, max_shard_size=max_shard_size, tied=tied, overwrite=overwrite, progress=progress
         )
     for name, target in res.dropped.items():
-        click.echo(f"left out {name}: tied to {target} (pass --tied clone to write a copy)")
+        _echo(f"left out {name}: tied to {target} (pass --tied clone to write a copy)")
     where = res.index or res.files[0]
-    click.echo(f"exported {res.tensors} tensor(s), {human_bytes(res.total_size)}, to {where}")
+    _echo(f"exported {res.tensors} tensor(s), {human_bytes(res.total_size)}, to {where}")
 
 
 @main.command("import", short_help="Convert a torch.save file or a DCP checkpoint to stashpoint.")
@@ -331,7 +347,7 @@ def import_command(*, src: Path, path: str, overwrite: bool) -> None:
     from ._inspect import human_bytes
 
     res = import_checkpoint(src, path, overwrite=overwrite)
-    click.echo(f"imported {res.kind} {src}: {res.tensors} tensor(s), {human_bytes(res.bytes)}, to {res.path}")
+    _echo(f"imported {res.kind} {src}: {res.tensors} tensor(s), {human_bytes(res.bytes)}, to {res.path}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,7 +410,7 @@ def bench_command(ctx: click.Context, options: tuple[str, ...]) -> None:
     import subprocess
 
     if any(o in ("-h", "--help") for o in options):
-        click.echo(ctx.get_help())
+        _echo(ctx.get_help())
         return
     root = bench_suite_root(_bench_candidates())
     if root is None:

@@ -232,8 +232,13 @@ def import_checkpoint(
         kind = "dcp"
         try:
             state = _load_dcp(p)
-        except Exception as e:  # DCP raises CheckpointException, RuntimeError, pickle errors, ...
-            raise CorruptCheckpointError(f"could not read the DCP checkpoint at {p}: {e}") from None
+        except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            why = (lines[-1] if lines else "")[:500]  # DCP wraps the cause's whole traceback: its last line
+            what = f"{type(e).__name__}: {why}"
+            raise CorruptCheckpointError(f"could not read the DCP checkpoint at {p}: {what}") from None
     else:
         kind, state = "torch.save", _load_torch_file(p)
     if not isinstance(state, (dict, list, tuple)):  # e.g. a lone tensor: give it a name

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -21,10 +20,10 @@ from torch.utils.data import DataLoader, Dataset
 
 import stashpoint
 from stashpoint._manager import LOCK_NAME
+from stashpoint._policy import parse_step_dir, step_dir
 
 MANIFEST = "manifest.json"
 KEEP_LAST = 3
-CKPT_RE = re.compile(r"^step-(\d{8})$")
 LOG_KILLED = "phase1-killed.jsonl"
 LOG_RESUMED = "phase2-resumed.jsonl"
 BASELINE_FILE = ".torch-save-baseline.pt"
@@ -145,7 +144,7 @@ class TokenDataset(Dataset[torch.Tensor]):
 
 
 def ckpt_name(step: int) -> str:
-    return f"step-{step:08d}"
+    return step_dir(step)
 
 
 def list_checkpoints(directory: Path) -> list[tuple[int, Path, bool]]:
@@ -153,9 +152,9 @@ def list_checkpoints(directory: Path) -> list[tuple[int, Path, bool]]:
     found = []
     if directory.is_dir():
         for p in directory.iterdir():
-            m = CKPT_RE.match(p.name)
-            if m and p.is_dir():
-                found.append((int(m.group(1)), p, (p / MANIFEST).is_file()))
+            step = parse_step_dir(p.name)
+            if step is not None and p.is_dir():
+                found.append((step, p, (p / MANIFEST).is_file()))
     return sorted(found)
 
 
@@ -174,7 +173,8 @@ def prepare_dir(directory: Path) -> None:
         raise ValueError(f"{directory} is a file; pass a directory for the demo with --dir")
     if directory.is_dir():
         entries = sorted(directory.iterdir())
-        foreign = [e.name for e in entries if not (e.name in _DEMO_FILES or (CKPT_RE.match(e.name) and e.is_dir()))]
+        ours = {e.name for e in entries if e.name in _DEMO_FILES or (parse_step_dir(e.name) is not None and e.is_dir())}
+        foreign = [e.name for e in entries if e.name not in ours]
         if foreign:
             shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
             raise ValueError(

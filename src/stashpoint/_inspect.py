@@ -8,7 +8,6 @@ checkpoint: pickled values are shown as ``<pickled, not loaded>``.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -33,7 +32,7 @@ from ._format import (
     parse_header,
 )
 from ._load import read_manifest, unlisted_shards
-from ._policy import parse_step_dir
+from ._policy import parse_metrics, parse_step_dir
 from ._reads import execute_reads
 from ._reshard import Box
 from ._restore import Read
@@ -199,8 +198,7 @@ def _describe_committed(info: StepInfo, d: Storage, now: float) -> None:
     info.status, info.created = "committed", m.created
     try:
         info.age_s = now - datetime.fromisoformat(m.created).timestamp()
-        metrics = json.loads(m.metadata.get(METRICS_KEY, "{}"))
-        info.metrics = metrics if isinstance(metrics, dict) else {}
+        info.metrics = parse_metrics(m.metadata.get(METRICS_KEY, "{}"))
     except ValueError:  # a foreign "created" or metrics string: shown without
         pass
 
@@ -378,6 +376,9 @@ def _verify_file(
     except FileNotFoundError:
         held = f"; it holds data of {_keys_text(keys)}" if keys else ""
         rep.problems.append(f"shard {where} listed in the manifest is missing{held}")
+        return
+    except (CorruptCheckpointError, OSError) as e:  # not a regular file, unreadable
+        rep.problems.append(str(e) if isinstance(e, CorruptCheckpointError) else f"shard {where}: {e}")
         return
     if size != fe.size:
         what = "truncated" if size < fe.size else "larger than recorded"

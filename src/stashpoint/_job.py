@@ -150,7 +150,14 @@ class PersistJob:
             if ctx.rank == 0:
                 try:
                     manifest_bytes = self._manifest(save_id, layouts, outcomes).to_json()
-                    self.storage.commit(MANIFEST_NAME, manifest_bytes)
+                    try:  # without overwrite, of two saves racing to one new path exactly one commits
+                        self.storage.commit(MANIFEST_NAME, manifest_bytes, exclusive=not self.opts.overwrite)
+                    except FileExistsError:
+                        raise CheckpointError(
+                            f"another save committed a checkpoint at {loc} while this one was being written "
+                            "(overwrite=False); this save's files are removed. Pass overwrite=True to replace it, "
+                            "or save to a new path"
+                        ) from None
                     if self.opts.overwrite:
                         keep = {f.name for o in outcomes for f in o[1]}
                         self._remove(lambda name: name not in keep)

@@ -8,6 +8,7 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -449,7 +450,17 @@ def _parse_keep_best(value: Any) -> tuple[int | None, str, str]:
 
 
 def _acquire_root_lock(root: Path) -> int:
-    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:  # never through a planted symbolic link (it could create a file outside the root)
+        fd = os.open(root / LOCK_NAME, flags, 0o644)
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot open the manager's lock file {root / LOCK_NAME} ({e.strerror or e}); it must be a regular file "
+            "(remove whatever is there)"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"the manager's lock file {root / LOCK_NAME} is not a regular file; remove it")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

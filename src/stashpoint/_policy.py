@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-_STEP_RE = re.compile(r"^step-(\d{8,})$")
+_STEP_RE = re.compile(r"step-([0-9]{8,})")
 
 
 def step_dir(step: int) -> str:
@@ -18,9 +20,32 @@ def step_dir(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    """The step a directory name stands for, or None if it is not a step directory."""
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
+    """The step a directory name stands for, or None unless it is exactly the name
+    :func:`step_dir` gives that step (ASCII digits, no extra padding, nothing around it): the
+    manager acts only on names it writes."""
+    m = _STEP_RE.fullmatch(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_dir(step) == name else None
+
+
+MAX_METRICS_BYTES = 64 * 1024
+
+
+def parse_metrics(text: object) -> dict[str, Any]:
+    """A step's metrics from the JSON text they were saved as: the top-level scalar values
+    (numbers, strings, booleans, None); {} when the text is no JSON object, is nested too deeply
+    or is over 64 KiB. Whatever a step's metadata holds, retention and listing go on."""
+    if not isinstance(text, str) or len(text) > MAX_METRICS_BYTES:
+        return {}
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(value, dict):
+        return {}
+    return {k: v for k, v in value.items() if v is None or isinstance(v, (int, float, str, bool))}
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import _stateful
-from ._dtensor import local_part
+from ._dtensor import local_part, local_tensor
 from ._format import Manifest, TensorEntry, dtype_from_name, dtype_name
 from ._reshard import Box
 from ._tree import Node, decode_plain, is_plain, join, tensor_keys
@@ -120,7 +120,8 @@ class Planner:
         """
         if "tensor" in node:
             entry = self._entry(node["tensor"])
-            if isinstance(like, torch.Tensor) and not _mismatch(entry, like):
+            reusable = isinstance(like, torch.Tensor) and torch._debug_has_internal_overlap(local_tensor(like)) != 1
+            if reusable and not _mismatch(entry, like):
                 self.plan.reads.append(Read.into(self.m.resolve(entry.key).key, like))
                 return like
             return self._materialize(node["tensor"])
@@ -179,6 +180,12 @@ class Planner:
                 self.plan.problems.append(
                     f"{self._name(key)}: the state's tensor is on the meta device and has no memory to load into; "
                     "materialize it first (module.to_empty(device=...))"
+                )
+                return
+            if torch._debug_has_internal_overlap(local_tensor(live)) == 1:
+                self.plan.problems.append(
+                    f"{self._name(key)}: the state's tensor is an expanded view whose elements share memory, so a "
+                    "load cannot write into it; give the state a tensor with its own memory (t.clone())"
                 )
                 return
             if _mismatch(entry, live):

@@ -174,10 +174,19 @@ class S3Storage(Storage):
     def sync(self) -> None:
         """Nothing to do: a completed upload is durable."""
 
-    def commit(self, name: str, data: bytes) -> None:
+    def commit(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
         import obstore
 
-        self.call("writing", name, obstore.put, self.client().store, self.key(name), data, use_multipart=False)
+        store, key = self.client().store, self.key(name)
+        if not exclusive:
+            self.call("writing", name, obstore.put, store, key, data, use_multipart=False)
+            return
+        try:  # a conditional PUT (If-None-Match: *): the store refuses it if the key exists
+            obstore.put(store, key, data, use_multipart=False, mode="create")
+        except Exception as e:
+            if type(e).__name__ == "AlreadyExistsError" or status_of(e) in ("412", "409"):
+                raise FileExistsError(errno.EEXIST, "already exists", self.location + "/" + name) from None
+            raise self.error("writing", name, e) from e
 
     def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
         import obstore

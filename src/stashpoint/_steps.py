@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
 
 from ._format import MANIFEST_NAME
 from ._load import read_manifest
-from ._policy import parse_step_dir, step_dir
+from ._policy import parse_metrics, parse_step_dir, step_dir
 from ._storage import Storage
 from .errors import CheckpointError
 
@@ -31,10 +30,9 @@ def committed_steps(root: Storage) -> list[int]:
 def read_metrics(step: Storage) -> dict[str, float]:
     """The metrics a step was saved with ({} when unreadable)."""
     try:
-        value = json.loads(read_manifest(step).metadata.get(METRICS_KEY, "{}"))
-    except (CheckpointError, OSError, ValueError):
+        return parse_metrics(read_manifest(step).metadata.get(METRICS_KEY, "{}"))
+    except (CheckpointError, OSError):
         return {}
-    return value if isinstance(value, dict) else {}
 
 
 def delete_step(root: Storage, step: int) -> None:

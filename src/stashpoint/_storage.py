@@ -7,8 +7,9 @@ Call order during a save, on each rank:
 2. ``open_writer(name, size)`` per shard, ``write()`` its bytes in order, ``close()`` makes the
    file durable (or ``abort()`` removes it);
 3. ``sync()`` — make the new files' names durable;
-4. on the committing rank only, ``commit(MANIFEST_NAME, data)`` — atomically publish the manifest;
-   the checkpoint exists from that moment.
+4. on the committing rank only, ``commit(MANIFEST_NAME, data, exclusive=...)`` — atomically
+   publish the manifest; the checkpoint exists from that moment. ``exclusive``: fail with
+   :class:`FileExistsError` if the name exists (of two concurrent saves, exactly one commits).
 
 Loads use ``read``/``read_into`` (ranged), ``size``, ``exists`` and ``list``.
 
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ._directio import ALIGN, MIN_DIRECT_BYTES, BouncePool, address, readv_direct
+from .errors import CheckpointError, CorruptCheckpointError
 
 
 class FileWriter(abc.ABC):
@@ -72,7 +74,7 @@ class Storage(abc.ABC):
     def sync(self) -> None: ...
 
     @abc.abstractmethod
-    def commit(self, name: str, data: bytes) -> None: ...
+    def commit(self, name: str, data: bytes, *, exclusive: bool = False) -> None: ...
 
     @abc.abstractmethod
     def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes: ...
@@ -135,6 +137,39 @@ class Storage(abc.ABC):
 
 _BLOCK = 64 * 1024 * 1024
 _IOV_MAX = 512
+
+
+_NOFOLLOW = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO")):
+        if test(mode):
+            return kind
+    return "special file"
+
+
+def not_regular(path: Path, kind: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{path} is a {kind}, not a regular file; a checkpoint holds only regular files, so it is refused "
+        "(remove it, or load an earlier checkpoint)"
+    )
+
+
+def _link_new(src: Path, dst: Path) -> None:
+    """Give ``src`` the name ``dst`` atomically, failing with FileExistsError if ``dst`` exists
+    (a hard link is created or not; a rename would replace). File systems without hard links
+    fall back to a check and a rename, which two racing writers can both pass."""
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        raise FileExistsError(errno.EEXIST, "already exists", str(dst)) from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, "already exists", str(dst)) from None
+        os.replace(src, dst)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -262,7 +297,15 @@ class LocalStorage(Storage):
         return str(self.root)
 
     def prepare(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):  # a file where a directory must be
+            raise CheckpointError(
+                f"{self.root} exists and is not a directory; a checkpoint is a directory: remove the file or "
+                "choose another path"
+            ) from None
+        if self.root.is_symlink() or not self.root.is_dir():
+            raise CheckpointError(f"{self.root} is not a directory (a symbolic link?); choose another path")
 
     def open_writer(self, name: str, size: int) -> FileWriter:
         return _LocalWriter(self.root / name, size, direct=self.direct_io)
@@ -270,22 +313,38 @@ class LocalStorage(Storage):
     def sync(self) -> None:
         _fsync_dir(self.root)
 
-    def commit(self, name: str, data: bytes) -> None:
+    def commit(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
         tmp = self.root / f".{name}.{uuid.uuid4().hex}.partial"
         try:
             w = _LocalWriter(tmp, len(data))
             w.write(data)
             w.close()
-            os.replace(tmp, self.root / name)
+            if exclusive:
+                _link_new(tmp, self.root / name)
+                tmp.unlink()
+            else:
+                os.replace(tmp, self.root / name)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         _fsync_dir(self.root)
 
-    def _open_read(self, name: str) -> int:
-        """Open a file of the checkpoint for reading; a symbolic link is refused (it could point
-        anywhere outside the checkpoint)."""
-        return os.open(self.root / name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+    def _open_read(self, name: str, flags: int = 0) -> int:
+        """Open a file of the checkpoint for reading. Only a regular file is opened: a symbolic
+        link could point anywhere outside the checkpoint, and opening a FIFO would block until
+        some writer came (the open does not block; what it opened is checked before any read)."""
+        path = self.root / name
+        try:
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | flags)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise not_regular(path, "symbolic link") from None
+            raise
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise not_regular(path, _kind(mode))
+        return fd
 
     def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
         with os.fdopen(self._open_read(name), "rb") as f:
@@ -321,9 +380,8 @@ class LocalStorage(Storage):
 
     def _readv_direct(self, name: str, offset: int, buffers: list[memoryview]) -> int | None:
         """Bytes filled by an ``O_DIRECT`` read; None if the file system refuses direct I/O."""
-        flags = os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
         try:
-            fd = os.open(self.root / name, flags)
+            fd = self._open_read(name, os.O_DIRECT)
         except OSError as e:
             if e.errno not in _NO_DIRECT:
                 raise
@@ -341,8 +399,8 @@ class LocalStorage(Storage):
 
     def size(self, name: str) -> int:
         st = (self.root / name).lstat()
-        if stat.S_ISLNK(st.st_mode):
-            raise OSError(errno.ELOOP, f"{self.root / name} is a symbolic link; refused")
+        if not stat.S_ISREG(st.st_mode):
+            raise not_regular(self.root / name, _kind(st.st_mode))
         return st.st_size
 
     def exists(self, name: str | None = None) -> bool:
@@ -367,8 +425,13 @@ class LocalStorage(Storage):
             return []
 
     def remove_tree(self) -> None:
+        """Remove this directory and what it holds; a file or symbolic link in its place is
+        removed itself (never followed)."""
         try:
-            shutil.rmtree(self.root)
+            if self.root.is_symlink() or not self.root.is_dir():
+                self.root.unlink()
+            else:
+                shutil.rmtree(self.root)
         except FileNotFoundError:
             pass
 
@@ -386,6 +449,8 @@ def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str, os.PathLike or Storage, got {type(path).__name__}")
     text = os.fspath(path)
+    if not text:
+        raise ValueError("the checkpoint path is empty; give a directory (e.g. 'ckpt/step-100') or an s3:// URL")
     if "://" in text:
         scheme = text.split("://", 1)[0]
         if scheme == "s3":

@@ -1,0 +1,48 @@
+"""Concurrent writers: processes racing to save to one new path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import stashpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+_RACER = """
+import sys, time, torch, stashpoint
+path, value, start = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+state = {"w": torch.full((512, 1024), value), "who": value}
+while time.time() < start:
+    pass
+try:
+    stashpoint.save(state, path)
+    print("OK")
+except stashpoint.CheckpointError as e:
+    print("ERR", e)
+"""
+
+
+def test_of_two_processes_saving_to_one_new_path_exactly_one_commits_and_the_other_leaves_nothing(tmp_path):
+    env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    for trial in range(4):
+        path = tmp_path / f"ckpt{trial}"
+        start = time.time() + 4  # both processes imported torch and wait at the same instant
+        procs = [
+            subprocess.Popen([sys.executable, "-c", _RACER, str(path), str(v), str(start)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for v in (1, 2)
+        ]
+        outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+        winners = [i for i, o in enumerate(outs) if o == "OK"]
+        assert len(winners) == 1, outs
+        loser = outs[1 - winners[0]]
+        assert loser.startswith("ERR") and "another save committed" in loser and "overwrite=True" in loser, loser
+        # the loser's shard is gone: the manifest lists every file left
+        names = sorted(p.name for p in path.iterdir())
+        assert len(names) == 2 and "manifest.json" in names, names
+        got = stashpoint.read(path)
+        assert got["who"] == winners[0] + 1 and torch.equal(got["w"], torch.full((512, 1024), got["who"]))

@@ -1,0 +1,141 @@
+"""Only regular files are read: a FIFO, a directory or a symbolic link planted in a checkpoint is
+refused at once with a CheckpointError naming it, never followed or blocked on."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import stashpoint
+from stashpoint._inspect import describe, list_steps
+
+pytestmark = pytest.mark.timeout(60)  # a regression blocks forever on the FIFO: fail instead
+
+
+def _saved(path):
+    stashpoint.save({"w": torch.ones(10)}, path)
+    return next(p for p in path.iterdir() if p.name.startswith("shard-"))
+
+
+def _plant(p, kind: str) -> None:
+    data = p.read_bytes() if p.exists() else b""
+    p.unlink()
+    if kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "dir":
+        p.mkdir()
+    else:
+        real = p.with_name("elsewhere")
+        real.write_bytes(data)
+        p.symlink_to(real.name)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dir", "symlink"])
+def test_a_planted_manifest_is_refused_by_load_verify_and_inspect(tmp_path, kind):
+    _saved(tmp_path / "c")
+    _plant(tmp_path / "c" / "manifest.json", kind)
+    with pytest.raises(stashpoint.CorruptCheckpointError, match=r"manifest\.json is a .*not a regular file"):
+        stashpoint.load({"w": torch.zeros(10)}, tmp_path / "c")
+    with pytest.raises(stashpoint.CheckpointError, match="not a regular file"):
+        describe(tmp_path / "c")
+    report = stashpoint.verify(tmp_path / "c")
+    assert not report.ok and "not a regular file" in report.problems[0]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dir", "symlink"])
+def test_a_planted_shard_is_refused_by_load_and_listed_by_verify(tmp_path, kind):
+    shard = _saved(tmp_path / "c")
+    _plant(shard, kind)
+    w = torch.zeros(10)
+    with pytest.raises(stashpoint.CorruptCheckpointError, match=f"{shard.name} is a .*not a regular file"):
+        stashpoint.load({"w": w}, tmp_path / "c")
+    assert torch.equal(w, torch.zeros(10))
+    report = stashpoint.verify(tmp_path / "c")
+    assert not report.ok and any(shard.name in p and "not a regular file" in p for p in report.problems)
+
+
+def test_the_manager_and_ls_step_over_a_planted_newest_manifest(tmp_path):
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=5) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((10,), float(step))})
+            mgr.wait()
+    _plant(tmp_path / "run" / "step-00000002" / "manifest.json", "fifo")
+    steps = {s.step: s for s in list_steps(tmp_path / "run")}
+    assert steps[1].status == "committed" and steps[2].status != "committed"
+    state = {"w": torch.zeros(10)}
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=5) as mgr:
+        assert mgr.restore(state) == 1
+    assert torch.equal(state["w"], torch.ones(10))
+
+
+@pytest.mark.parametrize("kind", ["dir", "symlink"])
+def test_restore_falls_back_over_a_newest_manifest_that_is_no_regular_file(tmp_path, kind):
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=5) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((10,), float(step))})
+            mgr.wait()
+    _plant(tmp_path / "run" / "step-00000002" / "manifest.json", kind)
+    assert {s.step for s in list_steps(tmp_path / "run")} >= {1}
+    state = {"w": torch.zeros(10)}
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=5) as mgr:
+        assert mgr.restore(state) == 1
+
+
+def test_the_manager_ignores_names_it_does_not_write(tmp_path):
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=5) as mgr:
+        mgr.save(3, {"w": torch.ones(10)})
+        mgr.wait()
+    real = tmp_path / "run" / "step-00000003"
+    for name in ("step-000000007", "step-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0669", "step-00000009\n"):
+        (tmp_path / "run" / name).mkdir()
+        (tmp_path / "run" / name / "manifest.json").write_bytes((real / "manifest.json").read_bytes())
+    assert [s.step for s in list_steps(tmp_path / "run")] == [3]
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=5) as mgr:
+        assert mgr.steps() == [3]
+        assert mgr.restore({"w": torch.zeros(10)}) == 3
+
+
+def test_a_planted_lock_symlink_or_file_paths_give_clear_errors_and_write_nothing_outside(tmp_path):
+    (tmp_path / "run").mkdir()
+    outside = tmp_path / "outside.txt"
+    (tmp_path / "run" / ".stashpoint-manager.lock").symlink_to(outside)
+    with pytest.raises(stashpoint.CheckpointError, match="lock file"):
+        stashpoint.CheckpointManager(tmp_path / "run")
+    assert not outside.exists()
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(stashpoint.CheckpointError, match="not a directory"):
+        stashpoint.CheckpointManager(tmp_path / "a_file")
+    with pytest.raises(stashpoint.CheckpointError, match="not a directory"):
+        stashpoint.save({"w": torch.ones(2)}, tmp_path / "a_file")
+    with stashpoint.CheckpointManager(tmp_path / "run2") as mgr:
+        (tmp_path / "run2" / "step-00000005").write_text("planted")
+        (tmp_path / "run2" / "step-00000006").symlink_to(outside)
+        for step in (5, 6):
+            mgr.save(step, {"w": torch.ones(2)})
+        mgr.wait()
+        assert mgr.steps() == [5, 6]
+    assert not outside.exists()
+
+
+def test_hostile_metrics_in_one_step_neither_stop_retention_nor_break_ls(tmp_path):
+    from stashpoint._format import MANIFEST_NAME, seal
+
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=1) as mgr:
+        mgr.save(1, {"w": torch.ones(2)}, metrics={"loss": 1.0})
+        mgr.wait()
+        manifest = tmp_path / "run" / "step-00000001" / MANIFEST_NAME
+        import json
+
+        doc = json.loads(manifest.read_bytes())
+        doc.pop("checksum")
+        doc["metadata"]["stashpoint.metrics"] = "[" * 20_000 + "]" * 20_000  # nested past any recursion limit
+        manifest.write_bytes(seal(doc))
+        for step in (2, 3):
+            mgr.save(step, {"w": torch.ones(2)}, metrics={"loss": 0.5})
+            mgr.wait()
+        assert mgr.steps() == [3]  # the hostile step was deleted by the same rules as any other
+    (tmp_path / "run" / "step-00000003" / MANIFEST_NAME).write_bytes(seal(doc))
+    steps = list_steps(tmp_path / "run")
+    assert [(s.step, s.status, s.metrics) for s in steps] == [(3, "committed", {})]
