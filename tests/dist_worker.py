@@ -335,6 +335,30 @@ def scenario_fallback(root: str) -> None:
     result(step=got, value=float(state["w"].to_local()[0, 0]), state_step=state["step"])
 
 
+def scenario_atomic_load(root: str) -> None:
+    """Rank 1's shard is damaged; an atomic load raises on every rank and changes nothing anywhere."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = mesh_for("s0")
+    stashpoint.save({"w": distribute_tensor(torch.full((8, 4), 5.0), mesh, [Shard(0)]), "step": 9}, root)
+    dist.barrier()
+    if RANK == 1:
+        from pathlib import Path
+
+        shard = next(p for p in Path(root).iterdir() if p.name.startswith("shard-r00001"))
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    state = {"w": distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)]), "step": 0}
+    try:
+        stashpoint.load(state, root, atomic=True, timeout=60)
+        error = ""
+    except stashpoint.CheckpointError as e:
+        error = type(e).__name__
+    result(error=error, untouched=bool((state["w"].to_local() == 0).all()), step=state["step"])
+
+
 def scenario_torture_loop(root: str) -> None:
     """Save forever through a manager (rank 0 prints each commit) until a rank is killed."""
     state = {"w": torch.zeros(256 * 1024), "step": 0}

@@ -156,6 +156,11 @@ def test_all_ranks_fall_back_to_the_same_step_when_one_rank_finds_damage(tmp_pat
         assert r == {"step": 1, "value": 1.0, "state_step": 1}, r
 
 
+def test_an_atomic_load_that_finds_damage_on_one_rank_changes_nothing_on_any_rank(tmp_path):
+    for r in run_world(2, "atomic_load", str(tmp_path / "c")):
+        assert r == {"error": "CorruptCheckpointError", "untouched": True, "step": 0}, r
+
+
 def test_the_next_save_works_once_the_ranks_are_back_together(tmp_path):
     results = run_world(2, "recover", str(tmp_path), timeout=120)
     for r in results:

@@ -19,7 +19,7 @@ from ._format import (
     parse_manifest,
 )
 from ._policy import parse_step_dir
-from ._reads import execute_reads
+from ._reads import Fetched, execute_reads, fetch
 from ._restore import Planner, Read
 from ._storage import LocalStorage, Storage, storage_for
 from .errors import (
@@ -85,6 +85,7 @@ def load(
     process_group: Any = None,
     exchange: bool | None = None,
     timeout: float | None = None,
+    atomic: bool = False,
 ) -> None:
     """Restore the checkpoint at ``path`` in place into the objects held by ``state``.
 
@@ -113,6 +114,14 @@ def load(
             I/O), so there storage sees each byte about once anyway and reading without the
             exchange is faster (see benchmarks/RESULTS.md).
         timeout: seconds a collective step may wait for the other ranks (default 600).
+        atomic: all or nothing: every byte is read and verified into buffers of the load's
+            own, and only when that succeeded (on every rank) do the state's tensors, plain
+            values and objects change, so a load that raises leaves the state as it was. It
+            holds the bytes read once more in host memory until they land and costs 1.2-1.8x
+            the load time on CPU tensors (benchmarks/RESULTS.md), hence not the default. Without
+            it (the default) plain values and objects change only after every read succeeded,
+            but a load that raises may leave some tensors holding the checkpoint's values:
+            load a good checkpoint before training on (``CheckpointManager.restore`` does).
 
     A save to ``path`` still in flight in this process (``async_save``) is waited for first.
     """
@@ -174,10 +183,20 @@ def load(
         warnings.warn(msg, stacklevel=2)
         log.warning(msg)
     error: CheckpointError | None = None
+    fetched: Fetched | None = None
     try:
-        execute_reads(storage, manifest, reads, verify=verify, ranks_share_host=ctx is not None and not share)
+        if atomic:
+            fetched = fetch(storage, manifest, reads, verify=verify, ranks_share_host=ctx is not None and not share)
+        else:
+            execute_reads(storage, manifest, reads, verify=verify, ranks_share_host=ctx is not None and not share)
     except CheckpointError as e:
         error = e
+        if not atomic and reads:
+            error = type(e)(
+                f"{e}\nSome of the state's tensors may already hold this checkpoint's values (its plain values "
+                "and objects are unchanged): load a good checkpoint before training on, or load with atomic=True, "
+                "which leaves the whole state untouched when a load fails."
+            )
     if ctx is not None:
         try:
             agree(ctx, "load reads", str(error) if error else 0, CorruptCheckpointError)
@@ -185,6 +204,9 @@ def load(
             if error:
                 raise error from None
             raise
+        if fetched is not None:  # every rank read and verified its part: now the state changes
+            fetched.land()
+            fetched = None
         if readers:
             dests: dict[Item, torch.Tensor] = {}
             for r in plan.reads:
@@ -197,6 +219,8 @@ def load(
                         r.dest.copy_(first)
     elif error:
         raise error
+    if fetched is not None:
+        fetched.land()
     for s in plan.setters:
         s()
     for fin in plan.finalizers:
