@@ -99,7 +99,29 @@ class StatefulSampler(Sampler[int]):
             "world_size": self.world_size,
         }
 
+    def _stashpoint_check(self, state_dict: Any) -> str | None:
+        """Why ``state_dict`` is no state this sampler can take (None if it is)."""
+        if not isinstance(state_dict, dict) or set(state_dict) != set(self.state_dict()):
+            return f"a sampler state has the keys {sorted(self.state_dict())}"
+        for k in ("epoch", "index", "seed", "num_samples", "world_size"):
+            v = state_dict[k]
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**62:
+                return f"the sampler's {k} must be a non-negative integer, not {str(v)[:40]!r}"
+        if not isinstance(state_dict["shuffle"], bool):
+            return "the sampler's shuffle must be a bool"
+        if state_dict["num_samples"] != self.num_samples:
+            return (
+                f"the checkpoint's sampler covered {state_dict['num_samples']} samples, this one covers "
+                f"{self.num_samples}; the data position cannot be restored onto a different dataset"
+            )
+        if state_dict["index"] > self.num_samples or state_dict["world_size"] < 1:
+            return "the sampler's position is past the end of its epoch"
+        return None
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        problem = self._stashpoint_check(state_dict)
+        if problem is not None:
+            raise ValueError(problem)
         if state_dict["num_samples"] != self.num_samples:
             raise ValueError(
                 f"the checkpoint's sampler covered {state_dict['num_samples']} samples, this one covers "

@@ -29,6 +29,7 @@ HEADER_ALIGN = 4096
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_MANIFEST_BYTES = 1024 * 1024 * 1024
 MAX_DIMS = 64
+MAX_TREE_DEPTH = 100  # containers nested in a state; deeper ones are refused when saving and loading
 
 # torch dtype -> safetensors dtype string, for the dtypes that safetensors readers know.
 _ST_DTYPES: dict[torch.dtype, str] = {
@@ -316,7 +317,7 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
     assert isinstance(trees, list)
     try:
         for tree in trees:
-            _check_tree(tree, tensors, where)
+            _check_tree(tree, tensors, where, 0)
     except RecursionError:
         raise CorruptCheckpointError(f"malformed manifest {where}: tree nested too deeply") from None
     world = _int(doc.get("world_size", 1), where, "world_size", 1)
@@ -394,14 +395,15 @@ _LEAF_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
-def _check_tree(node: object, tensors: Mapping[str, TensorEntry], where: str) -> None:
-    """Every tree node has one known form; every tensor it names has an entry."""
+def _check_tree(node: object, tensors: Mapping[str, TensorEntry], where: str, depth: int) -> None:
+    """Every tree node has one known form; every tensor it names has an entry; nesting is bounded."""
+    _want(depth <= MAX_TREE_DEPTH, where, f"the state tree is nested deeper than {MAX_TREE_DEPTH} levels")
     _want(isinstance(node, dict), where, "tree node must be an object")
     assert isinstance(node, dict)
     if "stateful" in node:
         _want(node["stateful"] in ("module", "optimizer", "object"), where, "unknown stateful kind")
         _want(node.get("keyed_by", "name") in ("name", "index"), where, "unknown optimizer keying")
-        _check_tree(node.get("state"), tensors, where)
+        _check_tree(node.get("state"), tensors, where, depth + 1)
         return
     _want(len(node) == 1, where, f"tree node {str(node)[:80]!r} must have exactly one field")
     ((kind, value),) = node.items()
@@ -418,11 +420,11 @@ def _check_tree(node: object, tensors: Mapping[str, TensorEntry], where: str) ->
         for item in value:
             ok = isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))
             _want(ok and not isinstance(item[0], bool), where, "dict node must hold [key, node] pairs")
-            _check_tree(item[1], tensors, where)
+            _check_tree(item[1], tensors, where, depth + 1)
     elif kind in ("list", "tuple"):
         _want(isinstance(value, list), where, f"{kind} node must hold a list")
         for item in value:
-            _check_tree(item, tensors, where)
+            _check_tree(item, tensors, where, depth + 1)
     else:
         _want(False, where, f"unknown tree node kind {kind!r}")
 

@@ -223,5 +223,13 @@ def load(
         fetched.land()
     for s in plan.setters:
         s()
-    for fin in plan.finalizers:
-        fin()
+    for where, fin in plan.finalizers:
+        try:
+            fin()
+        except CheckpointError:
+            raise
+        except Exception as e:  # an object's own load_state_dict refused what passed our checks
+            raise CheckpointError(
+                f"loading the state at {where or '<root>'!r} of {storage.location} into its object failed: "
+                f"{type(e).__name__}: {e}"
+            ) from e

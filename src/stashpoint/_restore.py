@@ -26,6 +26,7 @@ from ._dtensor import local_part, local_tensor
 from ._format import Manifest, TensorEntry, dtype_from_name, dtype_name
 from ._reshard import Box
 from ._tree import Node, decode_plain, is_plain, join, tensor_keys
+from ._validate import named_optimizer_problem, optimizer_problem, structure_problem
 from .errors import CorruptCheckpointError
 
 Setter = Callable[[Any], None] | None
@@ -50,7 +51,7 @@ class Read:
 class RestorePlan:
     reads: list[Read] = field(default_factory=list)
     setters: list[Callable[[], None]] = field(default_factory=list)
-    finalizers: list[Callable[[], None]] = field(default_factory=list)
+    finalizers: list[tuple[str, Callable[[], None]]] = field(default_factory=list)  # (where, call)
     problems: list[str] = field(default_factory=list)
 
 
@@ -259,15 +260,28 @@ class Planner:
                 return
             self._optimizer(saved, live, where)
             return
-        if kind == "module":
-            live = _stateful.unwrap(live)
-        box = [live.state_dict()]  # a plain saved state replaces the live one whole
-        n_before = len(self.plan.problems)
-        self.restore(saved["state"], box[0], where, _bind(box.__setitem__, 0), materialize=(kind == "object"))
-        if kind == "module":
-            self.plan.finalizers.append(lambda: live.load_state_dict(box[0], strict=False))
-        elif len(self.plan.problems) == n_before:
-            self.plan.finalizers.append(lambda: live.load_state_dict(box[0]))
+        if kind == "object":
+            self._object(saved, live, where)
+            return
+        live = _stateful.unwrap(live)
+        box = [live.state_dict()]
+        self.restore(saved["state"], box[0], where, _bind(box.__setitem__, 0), materialize=False)
+        self.plan.finalizers.append((where, lambda: live.load_state_dict(box[0], strict=False)))
+
+    def _object(self, saved: Node, live: Any, where: str) -> None:
+        """A stateful object gets back only a state of the structure its own ``state_dict()``
+        has (same keys, lengths and kinds of values), checked before anything is changed; its
+        tensors are read into the live state's tensors where they match."""
+        live_sd = live.state_dict()
+        built = self.build(saved["state"], where, like=live_sd)
+        check = getattr(live, "_stashpoint_check", None)  # stashpoint's own objects check themselves
+        problem = check(built) if callable(check) else structure_problem(built, live_sd)
+        if problem is not None:
+            self.plan.problems.append(
+                f"{self._name(where)}: the saved state does not fit this {type(live).__name__}: {problem}"
+            )
+            return
+        self.plan.finalizers.append((where, lambda: live.load_state_dict(built)))
 
     def _optimizer(self, saved: Node, optim: torch.optim.Optimizer, where: str) -> None:
         n_before = len(self.plan.problems)
@@ -281,7 +295,7 @@ class Planner:
         if not (isinstance(built, dict) and isinstance(built.get("param_groups"), list)):
             raise CorruptCheckpointError(f"the optimizer state at {self._name(where)} in {self.where} is malformed")
         if not by_name:
-            self.plan.finalizers.append(lambda: optim.load_state_dict(built))
+            self._optimizer_finalizer(built, optim, where)
             return
         current = _stateful.optimizer_current_names(optim, names)
         if any(n is None for n in current):
@@ -289,6 +303,10 @@ class Planner:
                 f"{self._name(where)}: the checkpoint keys this optimizer's state by parameter name, but some "
                 "of its parameters belong to no module in the state; put the model in the state too"
             )
+            return
+        malformed = named_optimizer_problem(built)
+        if malformed is not None:
+            self.plan.problems.append(f"{self._name(where)}: the saved optimizer state is malformed: {malformed}")
             return
         saved_names = [n for g in built["param_groups"] for n in g["params"]]
         for n in sorted(set(saved_names) - set(current), key=str):
@@ -305,9 +323,14 @@ class Planner:
                 f"the optimizer {len(optim.param_groups)}"
             )
         if len(self.plan.problems) == n_before:
-            self.plan.finalizers.append(
-                lambda: optim.load_state_dict(_stateful.optimizer_from_named(built, optim, names))
-            )
+            self._optimizer_finalizer(_stateful.optimizer_from_named(built, optim, names), optim, where)
+
+    def _optimizer_finalizer(self, sd: dict[str, Any], optim: torch.optim.Optimizer, where: str) -> None:
+        problem = optimizer_problem(sd, optim)
+        if problem is not None:
+            self.plan.problems.append(f"{self._name(where)}: the saved optimizer state does not fit: {problem}")
+        else:
+            self.plan.finalizers.append((where, lambda: optim.load_state_dict(sd)))
 
     def _state_like_params(
         self, saved: Node, live: Mapping[Any, Any], params: Mapping[Any, torch.Tensor]

@@ -41,27 +41,53 @@ class RNGState:
             sd["cuda"] = [_to_bytes(t) for t in torch.cuda.get_rng_state_all()]
         return sd
 
+    def _stashpoint_check(self, state_dict: Any) -> str | None:
+        """Why ``state_dict`` is no RNG state (None if it is), tried on scratch generators."""
+        if not isinstance(state_dict, dict) or not {"python", "torch"} <= set(state_dict) <= _KEYS:
+            return f"an RNG state holds the keys {sorted(_KEYS)} (python and torch at least)"
+        try:
+            py = state_dict["python"]
+            random.Random().setstate((py[0], tuple(py[1]), py[2]))
+            torch.Generator().set_state(_from_bytes(state_dict["torch"]))
+            np_state = state_dict.get("numpy")
+            if np_state is not None and _np is not None:
+                _np.random.RandomState().set_state(_numpy_state(np_state))
+            cuda = state_dict.get("cuda")
+            if cuda is not None and not (
+                isinstance(cuda, (list, tuple)) and all(isinstance(s, (bytes, torch.Tensor)) for s in cuda)
+            ):
+                return "the CUDA RNG states are not a list of byte strings"
+        except (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as e:
+            return f"the RNG state does not fit its generator ({type(e).__name__}: {str(e)[:80]})"
+        return None
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        problem = self._stashpoint_check(state_dict)
+        if problem is not None:
+            raise ValueError(problem)
         py = state_dict["python"]
         random.setstate((py[0], tuple(py[1]), py[2]))
         torch.set_rng_state(_from_bytes(state_dict["torch"]))
         np_state = state_dict.get("numpy")
         if np_state is not None and _np is not None:
-            _np.random.set_state(
-                {
-                    "bit_generator": np_state["bit_generator"],
-                    "state": {
-                        "key": _np.frombuffer(np_state["key"], dtype="<u4").astype(_np.uint32),
-                        "pos": np_state["pos"],
-                    },
-                    "has_gauss": np_state["has_gauss"],
-                    "gauss": np_state["gauss"],
-                }
-            )
+            _np.random.set_state(_numpy_state(np_state))
         cuda = state_dict.get("cuda")
         if cuda and torch.cuda.is_available():
             for i, s in enumerate(cuda[: torch.cuda.device_count()]):
                 torch.cuda.set_rng_state(_from_bytes(s), i)
+
+
+_KEYS = {"python", "torch", "numpy", "cuda"}
+
+
+def _numpy_state(np_state: dict[str, Any]) -> dict[str, Any]:
+    assert _np is not None
+    return {
+        "bit_generator": np_state["bit_generator"],
+        "state": {"key": _np.frombuffer(np_state["key"], dtype="<u4").astype(_np.uint32), "pos": np_state["pos"]},
+        "has_gauss": np_state["has_gauss"],
+        "gauss": np_state["gauss"],
+    }
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:
@@ -71,4 +97,6 @@ def _to_bytes(t: torch.Tensor) -> bytes:
 def _from_bytes(b: bytes | torch.Tensor) -> torch.Tensor:
     if isinstance(b, torch.Tensor):  # tolerate states saved as tensors
         return b.to(torch.uint8).cpu()
+    if not isinstance(b, (bytes, bytearray)):  # bytearray(n) of an int would allocate n bytes
+        raise TypeError(f"an RNG state must be bytes, not {type(b).__name__}")
     return torch.frombuffer(bytearray(b), dtype=torch.uint8)

@@ -31,6 +31,7 @@ import torch
 
 from . import _stateful
 from ._dtensor import is_dtensor, is_strided
+from ._format import MAX_TREE_DEPTH
 from .errors import UnsupportedStateError
 
 Node = dict[str, Any]
@@ -120,7 +121,8 @@ class Flattener:
         self.tensors: list[tuple[str, torch.Tensor]] = []
         self._keys: set[str] = set()
         self._names: dict[int, str] | None = None
-        self.buffers: set[str] = set()  # keys of module buffers (plain tensors of a module's state)
+        self.buffers: set[str] = set()
+        self._depth = 0  # keys of module buffers (plain tensors of a module's state)
         self._root: Any = None
 
     def flatten(self, state: Any) -> Node:
@@ -133,6 +135,19 @@ class Flattener:
         return self._names
 
     def _node(self, obj: Any, key: str) -> Node:
+        if isinstance(obj, torch.Tensor):  # the common leaf, without the depth count
+            return self._make(obj, key)
+        self._depth += 1
+        try:
+            if self._depth > MAX_TREE_DEPTH:
+                raise UnsupportedStateError(
+                    f"the state is nested deeper than {MAX_TREE_DEPTH} containers at key {key[:200]!r}; flatten it"
+                )
+            return self._make(obj, key)
+        finally:
+            self._depth -= 1
+
+    def _make(self, obj: Any, key: str) -> Node:
         if isinstance(obj, torch.Tensor):  # checked by the layout (check_tensor) unless known
             if key in self._keys:
                 raise UnsupportedStateError(

@@ -1,0 +1,113 @@
+"""Checks that a saved state has the structure its live object produces, before any of it is
+handed to the object's ``load_state_dict``: what a file says is never trusted to fit."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+_MAX_PROBLEM = 200
+
+
+def _kind(v: Any) -> str:
+    if v is None:
+        return "None"
+    if isinstance(v, torch.Tensor):
+        return "tensor"
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, numbers.Real):
+        return "number"
+    if isinstance(v, (str, bytes)):
+        return type(v).__name__
+    if isinstance(v, Mapping):
+        return "dict"
+    if isinstance(v, (list, tuple)):
+        return "sequence"
+    return type(v).__qualname__
+
+
+def structure_problem(saved: Any, live: Any, where: str = "") -> str | None:
+    """Why ``saved`` cannot stand in for ``live`` (None when it can): the same keys, the same
+    sequence lengths, and leaves of the same kind (numbers for numbers, tensors of the same dtype
+    and shape for tensors); None on either side matches anything (a value not set yet)."""
+    stack = [(saved, live, where)]
+    while stack:
+        s, v, at = stack.pop()
+        if s is None or v is None:
+            continue
+        ks, kv = _kind(s), _kind(v)
+        if {ks, kv} <= {"number", "tensor"} and (ks == "number" or s.dim() == 0) and (kv == "number" or v.dim() == 0):
+            continue  # a scalar saved as a number or a 0-d tensor (lr, step)
+        here = at or "the root"
+        if ks != kv:
+            return f"{here} holds a {ks} where the object has a {kv}"
+        if ks == "dict":
+            if set(s) != set(v):
+                extra, missing = sorted(map(str, set(s) - set(v))), sorted(map(str, set(v) - set(s)))
+                return (f"{here}: the keys differ (only saved: {extra[:5]}, only the object's: {missing[:5]})")[
+                    :_MAX_PROBLEM
+                ]
+            stack.extend((s[k], v[k], f"{at}/{k}") for k in v)
+        elif ks == "sequence":
+            if len(s) != len(v):
+                return f"{here} holds {len(s)} items where the object has {len(v)}"
+            stack.extend((x, y, f"{at}/{i}") for i, (x, y) in enumerate(zip(s, v)))
+        elif ks == "tensor" and (s.dtype != v.dtype or s.shape != v.shape):
+            return f"{here} is a {s.dtype}{list(s.shape)} tensor where the object has {v.dtype}{list(v.shape)}"
+    return None
+
+
+def named_optimizer_problem(sd: Mapping[str, Any]) -> str | None:
+    """Why a parameter-name-keyed optimizer state dict is malformed (None if it is not)."""
+    for i, g in enumerate(sd["param_groups"]):
+        if not isinstance(g, Mapping) or not isinstance(g.get("params"), list):
+            return f"parameter group {i} is not a dict with a list of params"
+        if not all(isinstance(n, str) for n in g["params"]) or len(set(g["params"])) != len(g["params"]):
+            return f"parameter group {i} does not name its parameters once each"
+    state = sd.get("state", {})
+    if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
+        return "the optimizer's per-parameter state is not a dict keyed by parameter names"
+    return None
+
+
+def optimizer_problem(sd: Any, optim: torch.optim.Optimizer) -> str | None:
+    """Why the optimizer state dict ``sd`` does not fit ``optim`` (None if it does): its groups
+    and their parameter counts, hyperparameters of the kinds the optimizer uses, and
+    per-parameter state of tensors and numbers for parameters it lists. Parameters are named by
+    index (``state_dict()``'s form) or by any other unique id (DCP's names): torch's
+    ``load_state_dict`` pairs them with the optimizer's parameters by position."""
+    if not isinstance(sd, Mapping) or not isinstance(sd.get("param_groups"), Sequence):
+        return "the optimizer state is not a dict with a list of param_groups"
+    groups, live = sd["param_groups"], optim.param_groups
+    if len(groups) != len(live):
+        return f"the checkpoint has {len(groups)} parameter group(s), the optimizer {len(live)}"
+    ids: set[Any] = set()
+    for i, (g, lg) in enumerate(zip(groups, live)):
+        if not isinstance(g, Mapping) or not isinstance(g.get("params"), Sequence):
+            return f"parameter group {i} is not a dict with a list of params"
+        if len(g["params"]) != len(lg["params"]):
+            n, m = len(g["params"]), len(lg["params"])
+            return f"parameter group {i} has {n} parameter(s) in the checkpoint, {m} here"
+        if any(not isinstance(p, (int, str)) or isinstance(p, bool) or p in ids for p in g["params"]):
+            return f"parameter group {i} does not name its parameters once each, by index or name"
+        ids.update(g["params"])
+        for k in set(g) & set(lg) - {"params"}:
+            problem = structure_problem(g[k], lg[k], f"param_groups/{i}/{k}")
+            if problem:
+                return problem
+    state = sd.get("state", {})
+    if not isinstance(state, Mapping):
+        return "the optimizer's per-parameter state is not a dict"
+    for p, entry in state.items():
+        if isinstance(p, bool) or p not in ids:
+            return f"the optimizer state names a parameter {str(p)[:80]!r} its groups do not list"
+        if not isinstance(entry, Mapping) or not all(isinstance(k, str) for k in entry):
+            return f"the state of parameter {p} is not a dict keyed by strings"
+        for k, v in entry.items():
+            if not isinstance(v, torch.Tensor) and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
+                return f"the state {k!r} of parameter {p} is a {type(v).__name__}, not a tensor or a number"
+    return None
