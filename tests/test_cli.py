@@ -505,3 +505,16 @@ def test_importing_a_damaged_dcp_checkpoint_is_one_clear_line(tmp_path):
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("stashpoint import: error:")]
     assert len(errors) == 1 and "could not read the DCP checkpoint" in errors[0], r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_the_command_line_gives_up_on_an_unreachable_object_store_within_seconds():
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k != "STASHPOINT_S3_RETRY_SECONDS"}
+    env.update(PYTHONPATH=str(ROOT / "src"), AWS_ENDPOINT_URL="http://127.0.0.1:1", AWS_ACCESS_KEY_ID="x",
+               AWS_SECRET_ACCESS_KEY="y", AWS_REGION="us-east-1")  # nothing listens on port 1
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "stashpoint", "verify", "s3://missing-bucket/x"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "STASHPOINT_S3_RETRY_SECONDS" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 40

@@ -81,3 +81,26 @@ def test_the_tiling_check_is_linear_in_the_chunks():
     small, large = min(timed(10_000) for _ in range(3)), min(timed(100_000) for _ in range(3))
     assert large < 30 * small, (small, large)  # quadratic would be 100x
     assert large < 5.0
+
+
+@pytest.mark.parametrize("dim", [10**18, 2**63, 10**30])
+def test_a_tensor_of_no_elements_with_huge_dimensions_is_read_or_refused_cleanly(tmp_path, dim):
+    from stashpoint._convert import export
+    from stashpoint._inspect import describe
+
+    stashpoint.save({"t": torch.zeros(0, 5), "u": torch.ones(3)}, tmp_path / "c")
+    doc = json.loads((tmp_path / "c" / MANIFEST_NAME).read_bytes())
+    doc["tensors"]["t"]["shape"] = [0, dim]
+    for c in doc["tensors"]["t"]["chunks"]:
+        c["shape"] = [0, dim]
+    _write(tmp_path, doc)
+    for attempt in (
+        lambda: stashpoint.load({"u": torch.zeros(3), "t": None}, tmp_path / "c"),
+        lambda: stashpoint.read(tmp_path / "c"),
+        lambda: export(tmp_path / "c", tmp_path / "out.safetensors"),
+        lambda: describe(tmp_path / "c"),
+    ):
+        try:
+            attempt()
+        except stashpoint.CheckpointError:
+            assert dim >= 2**62

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -15,11 +16,16 @@ import click
 
 from ._version import __version__
 
+CLI_S3_RETRY_SECONDS = 10
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="stashpoint")
 def main() -> None:
     """stashpoint: checkpointing for PyTorch training that barely stops it."""
+    # an interactive command gives up on an unreachable object store after seconds, not the
+    # minute and a half a training job rides out (STASHPOINT_S3_RETRY_SECONDS overrides both)
+    os.environ.setdefault("STASHPOINT_S3_RETRY_SECONDS", str(CLI_S3_RETRY_SECONDS))
 
 
 @main.command(short_help="Checkpoint a small training run asynchronously, kill it, resume it exactly.")

@@ -230,9 +230,12 @@ def _int(v: object, where: str, what: str, lo: int = 0) -> int:
 
 
 def _ints(v: object, where: str, what: str) -> tuple[int, ...]:
+    """Dimensions or offsets: each must fit torch's int64 sizes, even in a tensor of no elements."""
     _want(isinstance(v, list) and len(v) <= MAX_DIMS, where, f"{what} must be a list of at most {MAX_DIMS} ints")
     assert isinstance(v, list)
-    return tuple(_int(x, where, what) for x in v)
+    out = tuple(_int(x, where, what) for x in v)
+    _want(all(x < 2**62 for x in out), where, f"{what} holds a dimension over 2**62")
+    return out
 
 
 def safe_file_name(name: object, where: str) -> str:
