@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import math
 import shutil
 import struct
@@ -211,7 +212,7 @@ def test_structured_manifest_fuzz_raises_only_checkpoint_errors(valid_manifest, 
 
 
 @given(st.data())
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=int(os.environ.get("STASHPOINT_FUZZ_EXAMPLES", "150")), deadline=None)
 def test_loading_a_fuzzed_manifest_raises_only_checkpoint_errors(valid_manifest, tmp_path_factory, data):
     """The same, through a whole load: planner and reader must not crash on a hostile manifest."""
     doc = json.loads(json.dumps(valid_manifest[0]))
@@ -227,6 +228,22 @@ def test_loading_a_fuzzed_manifest_raises_only_checkpoint_errors(valid_manifest,
     for target in ({}, {"a": torch.zeros(3), "m": torch.nn.Linear(2, 2), "b": {}}):
         try:
             stashpoint.load(target, d)
+        except CheckpointError:
+            pass
+    from stashpoint._convert import export
+    from stashpoint._diff import diff
+    from stashpoint._inspect import describe
+
+    out = d.parent / "out.safetensors"
+    for tool in (
+        lambda: stashpoint.verify(d),
+        lambda: describe(d),
+        lambda: stashpoint.read(d),
+        lambda: diff(d, valid_manifest[1]),
+        lambda: export(d, out, overwrite=True),
+    ):  # the tools too: nothing but CheckpointError
+        try:
+            tool()
         except CheckpointError:
             pass
 
