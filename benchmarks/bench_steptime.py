@@ -6,7 +6,7 @@ A training-like loop (an MLP forward, backward and SGD step on 2 intra-op thread
 steps (the baseline), calls ``stashpoint.async_save`` of a separate realistic state (a GPT-style
 model's weights + AdamW after one step, ``--size-gb``, the state of ``bench_core``) and keeps
 stepping until the save is durable. Reported per writer and page-cache regime (see
-``/work/shared/ANCHORS.md``; ``cold`` waits 10 s after deleting the previous checkpoint, while
+benchmarks/README.md; ``cold`` waits 10 s after deleting the previous checkpoint, while
 the baseline steps run, ``hot`` does not):
 
 * ``ratio``: the mean time of the steps that ran entirely during the persist, over the median

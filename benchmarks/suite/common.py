@@ -15,7 +15,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 GB = 1e9
-COLD_SLEEP_S = 10.0  # see /work/shared/ANCHORS.md: memory freed >= 10 s ago is "cold"
+COLD_SLEEP_S = 10.0  # memory freed >= 10 s ago is "cold" (benchmarks/README.md, page-cache regimes)
 
 
 def log(msg: str, who: str = "bench") -> None:
