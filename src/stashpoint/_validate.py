@@ -48,9 +48,8 @@ def structure_problem(saved: Any, live: Any, where: str = "") -> str | None:
         if ks == "dict":
             if set(s) != set(v):
                 extra, missing = sorted(map(str, set(s) - set(v))), sorted(map(str, set(v) - set(s)))
-                return (f"{here}: the keys differ (only saved: {extra[:5]}, only the object's: {missing[:5]})")[
-                    :_MAX_PROBLEM
-                ]
+                text = f"{here}: the keys differ (only saved: {extra[:5]}, only the object's: {missing[:5]})"
+                return text[:_MAX_PROBLEM]
             stack.extend((s[k], v[k], f"{at}/{k}") for k in v)
         elif ks == "sequence":
             if len(s) != len(v):
