@@ -1,6 +1,6 @@
-"""What all-or-nothing loads cost: ``load(atomic=True)`` (the default: read and verify into the
-load's own buffers, then copy into the state) against ``atomic=False`` (whole chunks read straight
-into the state's tensors), alternating on one checkpoint, one process.
+"""What all-or-nothing loads cost: ``load(atomic=True)`` (read and verify into the load's own
+buffers, then copy into the state) against ``atomic=False`` (the default: whole chunks read
+straight into the state's tensors), alternating on one checkpoint, one process.
 
     python -m benchmarks.bench_atomic_load [--size-gb 1] [--repeats 5]
 

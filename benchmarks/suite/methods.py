@@ -159,6 +159,14 @@ _MS: tuple[Method, ...] = (
         load="stashpoint.load",
         note="fsyncs files and directory, commits atomically",
     ),
+    Method(
+        "stashpoint_atomic",
+        "stashpoint.save, load(atomic=True)",
+        "stashpoint",
+        "sync",
+        load="stashpoint.load(atomic=True)",
+        note="the same save; the load reads and verifies everything before the state changes",
+    ),
     Method("stashpoint_async", "stashpoint.async_save (thread writer)", "stashpoint", "async"),
     Method(
         "stashpoint_process",

@@ -307,7 +307,7 @@ class StashSave(Saver):
             self.kwargs["overlap"] = True
         if method == "stashpoint_process":
             self.kwargs["writer"] = "process"
-        self.sync = method == "stashpoint_save"
+        self.sync = method in ("stashpoint_save", "stashpoint_atomic")
 
     def start(self, path: Path) -> Pending:
         import stashpoint
@@ -323,12 +323,12 @@ class StashSave(Saver):
         _save.wait_all()
 
 
-def stash_loader(state: dict[str, Any]) -> Loader:
+def stash_loader(state: dict[str, Any], atomic: bool = False) -> Loader:
     def load(path: Path) -> dict[str, Any]:
         import stashpoint
 
         t0 = time.perf_counter()
-        stashpoint.load(state, str(path))
+        stashpoint.load(state, str(path), atomic=atomic)
         return {"load_s": time.perf_counter() - t0}
 
     return load
@@ -410,8 +410,8 @@ def make_loader(method: str, state: dict[str, Any], ctx: Ctx) -> Loader | None:
         return torch_loader(state, ctx)
     if method == "dcp_save":
         return dcp_loader(state)
-    if method == "stashpoint_save":
-        return stash_loader(state)
+    if method in ("stashpoint_save", "stashpoint_atomic"):
+        return stash_loader(state, atomic=method == "stashpoint_atomic")
     from . import peers
 
     return peers.make_loader(method, state, ctx)
