@@ -104,3 +104,24 @@ def test_a_tensor_of_no_elements_with_huge_dimensions_is_read_or_refused_cleanly
             attempt()
         except stashpoint.CheckpointError:
             assert dim >= 2**62
+
+
+def test_a_manifest_over_the_entry_cap_is_refused_before_its_entries_are_built(tmp_path, monkeypatch):
+    doc, _ = _one_element_chunks(tmp_path, 40)
+    _write(tmp_path, doc)
+    monkeypatch.setattr(stashpoint._format, "MAX_MANIFEST_ENTRIES", 40)  # 40 chunks + 1 file
+    with pytest.raises(CorruptCheckpointError, match=r"lists 41 chunks and files \(the cap is 40\)"):
+        stashpoint.load({"t": torch.zeros(40)}, tmp_path / "c")
+    monkeypatch.setattr(stashpoint._format, "MAX_MANIFEST_ENTRIES", 41)
+    live = {"t": torch.zeros(40)}
+    stashpoint.load(live, tmp_path / "c")
+    assert torch.equal(live["t"], torch.arange(40.0))
+
+
+def test_a_manifest_whose_objects_could_exhaust_memory_is_refused_before_it_is_parsed():
+    """50 MiB of empty objects would take over 1 GiB as Python objects (26 bytes per byte): the
+    bound on what a parse may allocate refuses it from byte counts alone."""
+    raw = b'{"format":"stashpoint","trees":[{"list":[' + b"{}," * ((50 << 20) // 3) + b"0]}]}"
+    with pytest.raises(CorruptCheckpointError, match="could take more than 4 GiB to parse"):
+        parse_manifest(raw, "m")
+    assert stashpoint._format._parse_memory_bound(raw) > stashpoint._format.MAX_PARSE_MEMORY

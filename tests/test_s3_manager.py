@@ -46,6 +46,10 @@ def test_manager_on_an_s3_root_lists_retains_restores_and_cleans_leftovers(s3_ur
     with stashpoint.CheckpointManager(s3_url, keep_last=2) as mgr:
         assert "step-00000009" not in storage_for(s3_url).children()
         assert mgr.steps() == [1, 3, 4]
+    storage_for(s3_url).commit("notes.txt", b"mine")
+    rep = stashpoint.verify(s3_url)  # the run directory: every step, and what the manager did not write
+    assert rep.ok and rep.steps == 3, rep
+    assert [w for w in rep.warnings if "notes.txt was not written by stashpoint's manager" in w], rep.warnings
 
 
 def test_a_damaged_s3_step_is_skipped_and_moved_aside(s3_url):

@@ -4,6 +4,8 @@ refused at once with a CheckpointError naming it, never followed or blocked on."
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -139,3 +141,33 @@ def test_hostile_metrics_in_one_step_neither_stop_retention_nor_break_ls(tmp_pat
     (tmp_path / "run" / "step-00000003" / MANIFEST_NAME).write_bytes(seal(doc))
     steps = list_steps(tmp_path / "run")
     assert [(s.step, s.status, s.metrics) for s in steps] == [(3, "committed", {})]
+
+
+def test_verify_of_a_run_directory_checks_every_step_and_lists_what_the_manager_did_not_write(tmp_path):
+    run = tmp_path / "run"
+    with stashpoint.CheckpointManager(run, keep_last=5) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.full((10,), float(step))})
+            mgr.wait()
+    (run / "step-000000007").mkdir()  # foreign: nine digits
+    (run / "notes.txt").write_text("mine")
+    (run / "step-00000004").mkdir()  # partial: no manifest
+    rep = stashpoint.verify(run)
+    assert rep.ok and rep.steps == 3 and rep.files == 3, rep
+    text = "\n".join(rep.warnings)
+    assert "step-000000007 was not written by stashpoint's manager" in text
+    assert "notes.txt was not written" in text and "step 4 is partial" in text
+    assert "step-00000001" not in text and ".stashpoint-manager.lock" not in text
+    shard = next((run / "step-00000002").glob("shard-*"))
+    with open(shard, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    rep = stashpoint.verify(run)
+    assert not rep.ok and rep.steps == 3
+    assert all(p.startswith("step 2: ") for p in rep.problems) and rep.problems, rep.problems
+    out = subprocess.run(
+        [sys.executable, "-m", "stashpoint", "verify", "-q", str(run)], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 1 and "problem: step 2:" in out.stdout and "notes.txt was not written" in out.stdout

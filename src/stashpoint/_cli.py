@@ -220,6 +220,9 @@ def inspect_command(*, path: str, rank: int, as_json: bool) -> None:
 def verify_command(*, path: str, quiet: bool, as_json: bool) -> None:
     """Check every byte of a checkpoint against its checksums and its manifest.
 
+    PATH may also be a run directory (a CheckpointManager's root): every committed step is
+    checked; partial steps and names the manager did not write are listed as warnings.
+
     Exit code 0 if it is intact, 1 if any problem is found (all are printed), 2 if PATH is not
     a checkpoint.
     """
@@ -239,7 +242,8 @@ def verify_command(*, path: str, quiet: bool, as_json: bool) -> None:
         for p in rep.problems:
             _echo(f"problem: {p}")
         if rep.ok:
-            _echo(f"OK: {rep.files} file(s), {rep.tensors} tensor(s), {human_bytes(rep.bytes_checked)} verified")
+            steps = "" if rep.steps is None else f"{rep.steps} committed step(s), "
+            _echo(f"OK: {steps}{rep.files} file(s), {rep.tensors} tensor(s), {human_bytes(rep.bytes_checked)} verified")
         else:
             _echo(f"FAILED: {len(rep.problems)} problem(s) in {rep.path}")
     sys.exit(0 if rep.ok else 1)

@@ -19,8 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import stashpoint
-from stashpoint._manager import LOCK_NAME
-from stashpoint._policy import parse_step_dir, step_dir
+from stashpoint._policy import LOCK_NAME, parse_step_dir, step_dir
 
 MANIFEST = "manifest.json"
 KEEP_LAST = 3

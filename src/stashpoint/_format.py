@@ -27,7 +27,10 @@ CHECKSUM_ALGORITHM = "xxh3_64"
 CHECKSUM_BLOCK_BYTES = 4 * 1024 * 1024
 HEADER_ALIGN = 4096
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-MAX_MANIFEST_BYTES = 1024 * 1024 * 1024
+# What one manifest may hold: a parse at these caps stays within a few GB (benchmarks/bench_manifest_parse.py).
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+MAX_MANIFEST_ENTRIES = 1_000_000  # chunks plus files
+MAX_PARSE_MEMORY = 4 * 1024**3  # what parsing one manifest may allocate, by _parse_memory_bound
 MAX_DIMS = 64
 MAX_TREE_DEPTH = 100  # containers nested in a state; deeper ones are refused when saving and loading
 
@@ -253,9 +256,23 @@ def safe_file_name(name: object, where: str) -> str:
     return name
 
 
+def _parse_memory_bound(raw: bytes) -> int:
+    """An upper bound of what parsing ``raw`` allocates on CPython, from counts of the bytes that
+    start objects: a dict, a list, a string (two quotes) or any further item (a comma), each
+    with its pointer and growth slack; plus the text itself twice (read, and re-encoded for its
+    checksum). Checked before ``json.loads``, which would allocate up to 26 bytes per byte."""
+    counts = (raw.count(b"{"), raw.count(b"["), raw.count(b'"'), raw.count(b","))
+    return 2 * len(raw) + sum(n * w for n, w in zip(counts, (240, 96, 64, 40)))
+
+
 def parse_manifest(raw: bytes, where: str) -> Manifest:
     """Parse and validate manifest bytes; raise :class:`CorruptCheckpointError` if malformed."""
     _want(len(raw) <= MAX_MANIFEST_BYTES, where, "larger than the size cap")
+    _want(
+        _parse_memory_bound(raw) <= MAX_PARSE_MEMORY,
+        where,
+        f"its structure could take more than {MAX_PARSE_MEMORY >> 30} GiB to parse (too many objects)",
+    )
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -284,6 +301,13 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
     )
     files_doc = doc.get("files")
     _want(isinstance(files_doc, list), where, "files must be a list")
+    tensors_doc = doc.get("tensors")
+    _want(isinstance(tensors_doc, dict), where, "tensors must be an object")
+    assert isinstance(files_doc, list) and isinstance(tensors_doc, dict)
+    chunk_lists = (e.get("chunks") for e in tensors_doc.values() if isinstance(e, dict))
+    entries = len(files_doc) + sum(len(c) for c in chunk_lists if isinstance(c, list))
+    cap = MAX_MANIFEST_ENTRIES
+    _want(entries <= cap, where, f"it lists {entries} chunks and files (the cap is {cap})")
     files: dict[str, FileEntry] = {}
     for f in files_doc:
         _want(isinstance(f, dict), where, "file entry must be an object")
@@ -296,12 +320,10 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         _want(start <= size, where, f"data_start of {name!r} is past its end")
         _want(start <= 8 + MAX_HEADER_BYTES + HEADER_ALIGN, where, f"the header of {name!r} is over the size cap")
         files[name] = FileEntry(name, size, start, str(hc), _int(f.get("rank", 0), where, "rank"))
-    tensors_doc = doc.get("tensors")
-    _want(isinstance(tensors_doc, dict), where, "tensors must be an object")
     tensors: dict[str, TensorEntry] = {}
-    assert isinstance(tensors_doc, dict)
-    for key, e_doc in tensors_doc.items():
-        tensors[key] = _parse_entry(key, e_doc, files, where)
+    for key in tensors_doc:
+        tensors[key] = _parse_entry(key, tensors_doc[key], files, where)
+        tensors_doc[key] = None  # the JSON of an entry is freed once parsed: peak memory is not both
     for key, entry in tensors.items():
         if entry.alias_of is not None:
             target = tensors.get(entry.alias_of)

@@ -36,6 +36,7 @@ from ._policy import parse_metrics, parse_step_dir
 from ._reads import execute_reads
 from ._reshard import Box
 from ._restore import Read
+from ._runcheck import RunContents, run_contents
 from ._steps import METRICS_KEY
 from ._storage import LocalStorage, Storage, storage_for
 from ._tree import Node, decode_plain, join
@@ -305,6 +306,7 @@ class VerifyReport:
     files: int = 0
     tensors: int = 0
     bytes_checked: int = 0
+    steps: int | None = None  # committed steps checked, when ``path`` is a run directory
 
     @property
     def ok(self) -> bool:
@@ -322,8 +324,14 @@ def _keys_text(keys: Sequence[str]) -> str:
 def verify(path: str | os.PathLike[str], progress: Progress | None = None) -> VerifyReport:
     """Check a checkpoint completely; every problem found is listed (none raised) in the report.
 
-    Raises only when ``path`` is not a checkpoint at all (missing, a file, no manifest).
+    ``path`` may also be the run directory of a :class:`~stashpoint.CheckpointManager`: then every
+    committed step is checked, and partial steps and names the manager did not write (which it
+    ignores) are listed as warnings. Raises only when ``path`` is neither (missing, a file, no
+    manifest).
     """
+    run = run_contents(storage_for(path))
+    if run is not None:
+        return _verify_run(storage_for(path), run, progress)
     say = progress or (lambda _: None)
     try:
         storage, m = open_checkpoint(path)
@@ -363,6 +371,37 @@ def verify(path: str | os.PathLike[str], progress: Progress | None = None) -> Ve
                 f"{storage.location}/{name} is not listed in the manifest (a leftover of an interrupted save?); "
                 "it is not part of the checkpoint and may be deleted"
             )
+    return rep
+
+
+def _verify_run(root: Storage, run: RunContents, progress: Progress | None) -> VerifyReport:
+    if not any(root.child(name).exists(MANIFEST_NAME) for name, _ in run.steps):
+        partial = ", ".join(name for name, _ in run.steps[-3:]) or "none"
+        raise CheckpointNotFoundError(
+            f"{root.location} is a run directory with no committed step (partial ones: {partial}); nothing to verify"
+        )
+    rep = VerifyReport(root.location, steps=0)
+    for name, step in run.steps:
+        child = root.child(name)
+        if not child.exists(MANIFEST_NAME):
+            rep.warnings.append(
+                f"{child.location}: step {step} is partial (no {MANIFEST_NAME}: a save that never committed); "
+                "restore skips it and the manager removes it"
+            )
+            continue
+        sub = verify(str(child.root) if isinstance(child, LocalStorage) else child.location, progress)
+        rep.steps = (rep.steps or 0) + 1
+        rep.files, rep.tensors = rep.files + sub.files, rep.tensors + sub.tensors
+        rep.bytes_checked += sub.bytes_checked
+        rep.problems += [f"step {step}: {p}" for p in sub.problems]
+        rep.warnings += [f"step {step}: {w}" for w in sub.warnings]
+    for name in run.set_aside:
+        rep.warnings.append(f"{root.location}/{name}: a damaged step the manager set aside, kept for inspection")
+    for name in run.foreign:
+        rep.warnings.append(
+            f"{root.location}/{name} was not written by stashpoint's manager (not a step-XXXXXXXX directory); "
+            "the manager ignores it"
+        )
     return rep
 
 

@@ -20,7 +20,7 @@ from ._dist import rank_of
 from ._format import MANIFEST_NAME
 from ._handle import SaveHandle, SaveStats
 from ._load import load
-from ._policy import Retention, Schedule, step_dir, steps_to_keep
+from ._policy import LOCK_NAME, Retention, Schedule, step_dir, steps_to_keep
 from ._save import SaveOptions, _get_engine
 from ._steps import METRICS_KEY, committed_steps, delete_step, move_aside, quietly, read_metrics, remove_leftovers
 from ._storage import LocalStorage, Storage, storage_for
@@ -28,8 +28,6 @@ from ._tiers import RemoteTier, restore_order
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 log = logging.getLogger("stashpoint")
-
-LOCK_NAME = ".stashpoint-manager.lock"
 
 
 class CheckpointManager:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _STEP_RE = re.compile(r"step-([0-9]{8,})")
+LOCK_NAME = ".stashpoint-manager.lock"  # the manager's lock file in its root
 
 
 def step_dir(step: int) -> str:
