@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from stashpoint._format import (
+from stashpoint._core.format import (
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_ENTRIES,
     MAX_PARSE_MEMORY,
@@ -72,7 +72,7 @@ def hostile(item: bytes) -> bytes:
 
 
 def _child(path: str) -> None:
-    from stashpoint._format import parse_manifest
+    from stashpoint._core.format import parse_manifest
     from stashpoint.errors import CheckpointError
 
     with open(path, "rb") as f:

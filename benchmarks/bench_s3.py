@@ -121,7 +121,7 @@ def obstore_download(out: memoryview, key: str, part: int, conc: int) -> None:
 
     import obstore
 
-    from stashpoint._s3io import copy_into
+    from stashpoint._storage.s3io import copy_into
 
     store = _obstore_store()
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from stashpoint._tree import flatten_with_buffers
+from stashpoint._state.tree import flatten_with_buffers
 
 
 def _models(mesh):

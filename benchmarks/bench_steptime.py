@@ -120,7 +120,7 @@ def _busy_s() -> float:
 
 def _own_cpu_s() -> float:
     """CPU seconds of this process and of the writer process (if any)."""
-    from stashpoint import _writerproc
+    from stashpoint._save import writerproc as _writerproc
 
     t = os.times()
     own = t.user + t.system

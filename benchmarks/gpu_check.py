@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         checks["round trip is bitwise equal, into tensors on the device"] = on_device and same(
             before, snapshot(model2, opt2)
         )
-        from stashpoint import _save
+        from stashpoint._save import engine as _save
 
         pool = _save._get_engine().pool._free
         if device.type == "cuda":

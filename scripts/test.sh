@@ -7,4 +7,5 @@ bash scripts/setup.sh
 . .venv/bin/activate
 ruff check src tests benchmarks
 mypy
+lint-imports  # the package's layers (pyproject.toml, docs/ARCHITECTURE.md)
 python -m pytest "$@"

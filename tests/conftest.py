@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True)
 def _quiet_engine():
     """Each test starts with no save in flight from a previous test."""
-    from stashpoint import _save
+    from stashpoint._save import engine as _save
 
     _save.wait_all()
     yield

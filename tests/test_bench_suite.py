@@ -20,7 +20,7 @@ from benchmarks.suite.methods import METHODS, NOT_INSTALLED, OK, Method
 from click.testing import CliRunner
 
 from conftest import ROOT
-from stashpoint import _cli
+from stashpoint._tools import cli as _cli
 
 REQUESTED = ["torch_save", "dcp_save", "dcp_async_thread", "torchsnapshot_async", "stashpoint_save", "stashpoint_async"]
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 import stashpoint
 from conftest import ROOT, small_model, train_steps
 from dist_util import run_world
-from stashpoint._cli import main
+from stashpoint._tools.cli import main
 
 
 def cli(*args: object) -> Result:
@@ -254,8 +254,8 @@ def test_verify_damaged_manifest_and_header(single, tmp_path: Path) -> None:
 
 def test_verify_multi_block_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk of several checksum blocks, read a few blocks at a time: the damaged block is named."""
-    from stashpoint import _inspect
-    from stashpoint._format import CHECKSUM_BLOCK_BYTES as BLOCK
+    from stashpoint._core.format import CHECKSUM_BLOCK_BYTES as BLOCK
+    from stashpoint._tools import inspect as _inspect
 
     monkeypatch.setattr(_inspect, "_SPAN", 2 * BLOCK)
     stashpoint.save({"big": torch.arange(BLOCK * 9 // 32, dtype=torch.int64), "small": torch.ones(3)}, tmp_path / "ck")
@@ -466,8 +466,8 @@ def test_import_refusals(tmp_path: Path, single) -> None:
 def test_progress_bar_counts_every_byte_and_prints_the_messages_above_it(tmp_path):
     import io
 
-    from stashpoint._inspect import verify
-    from stashpoint._progress import Reporter
+    from stashpoint._tools.inspect import verify
+    from stashpoint._tools.progress import Reporter
 
     ck = tmp_path / "ck"
     stashpoint.save({"a": torch.randn(100_000), "b": torch.randn(50_000)}, ck, max_shard_bytes=300_000)

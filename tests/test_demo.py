@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from stashpoint._cli import main
-from stashpoint._demo import LOG_KILLED, LOG_RESUMED, latest_committed, list_checkpoints, prepare_dir, read_log
+from stashpoint._tools.cli import main
+from stashpoint._tools.demo import LOG_KILLED, LOG_RESUMED, latest_committed, list_checkpoints, prepare_dir, read_log
 
 
 def test_quick_demo_resumes_bitwise_identically(tmp_path: Path) -> None:
@@ -59,7 +59,7 @@ def _console_script() -> Path | None:
 
 def test_console_script_entry_point() -> None:
     (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "stashpoint"]
-    assert ep.value == "stashpoint._cli:main"
+    assert ep.value == "stashpoint._tools.cli:main"
     script = _console_script()
     if script is None:
         pytest.skip("the stashpoint console script is not installed in this environment")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import stashpoint
-from stashpoint._format import MANIFEST_NAME
+from stashpoint._core.format import MANIFEST_NAME
 from stashpoint._storage import FileWriter, LocalStorage
 
 
@@ -323,7 +323,7 @@ def test_the_manifest_is_published_only_after_every_shard_and_the_directory_are_
     overwriting), fsync the directory again."""
     import os as os_module
 
-    from stashpoint import _storage
+    from stashpoint._storage import local as _storage
 
     events: list[str] = []
     real_fsync, real_replace = os_module.fsync, os_module.replace

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stashpoint
-from stashpoint._format import (
+from stashpoint._core.format import (
     MANIFEST_NAME,
     encode_header,
     parse_header,
@@ -230,9 +230,9 @@ def test_loading_a_fuzzed_manifest_raises_only_checkpoint_errors(valid_manifest,
             stashpoint.load(target, d)
         except CheckpointError:
             pass
-    from stashpoint._convert import export
-    from stashpoint._diff import diff
-    from stashpoint._inspect import describe
+    from stashpoint._tools.convert import export
+    from stashpoint._tools.diff import diff
+    from stashpoint._tools.inspect import describe
 
     out = d.parent / "out.safetensors"
     for tool in (

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stashpoint
-from stashpoint._format import MANIFEST_NAME, seal
+from stashpoint._core.format import MANIFEST_NAME, seal
 from stashpoint.errors import CheckpointError
 
 

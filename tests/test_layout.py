@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stashpoint
-from stashpoint import _save
-from stashpoint._layout import Layout, LayoutCache
+from stashpoint._save import engine as _save
+from stashpoint._save.layout import Layout, LayoutCache
 from stashpoint.errors import UnsupportedStateError
 
 

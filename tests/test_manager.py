@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import stashpoint
-import stashpoint._storage
-from stashpoint._save import _get_engine
+import stashpoint._storage.local
+from stashpoint._save.engine import _get_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).with_name("manager_child.py")
@@ -184,7 +184,7 @@ def test_a_failed_save_raises_from_wait_leaves_nothing_and_training_goes_on(tmp_
             mgr.wait()
         assert isinstance(h.exception(), stashpoint.CheckpointError)
         assert mgr.steps() == [1] and not mgr.path(2).exists(), "nothing committed, partial files removed"
-        mgr.storage_class = stashpoint._storage.LocalStorage
+        mgr.storage_class = stashpoint._storage.local.LocalStorage
         mgr.save(2, _state(2)).wait()  # the next save works
         mgr.wait()
         assert mgr.steps() == [2]

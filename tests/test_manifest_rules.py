@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import stashpoint
-from stashpoint._format import MANIFEST_NAME, parse_manifest, seal
+from stashpoint._core.format import MANIFEST_NAME, parse_manifest, seal
 from stashpoint.errors import CorruptCheckpointError
 
 
@@ -23,7 +23,7 @@ def _one_element_chunks(tmp_path, n: int) -> tuple[dict, torch.Tensor]:
     chunks = []
     for i in range(n):
         start = chunk["start"] + 4 * i
-        sums = [stashpoint._format.checksum((tmp_path / "c" / chunk["file"]).read_bytes()[start : start + 4])]
+        sums = [stashpoint._core.format.checksum((tmp_path / "c" / chunk["file"]).read_bytes()[start : start + 4])]
         chunks.append({**chunk, "offsets": [i], "shape": [1], "start": start, "end": start + 4, "checksums": sums})
     doc["tensors"]["t"]["chunks"] = chunks
     return doc, t
@@ -57,7 +57,7 @@ def test_chunks_that_share_bytes_of_a_file_are_refused(tmp_path):
 
 
 def test_a_layout_that_is_no_grid_is_refused():
-    from stashpoint._format import Chunk, TensorEntry, _check_tiling
+    from stashpoint._core.format import Chunk, TensorEntry, _check_tiling
 
     # a staircase of 1 x 1 chunks on the diagonal with row and column strips: few chunks, many cells
     n = 200
@@ -69,7 +69,7 @@ def test_a_layout_that_is_no_grid_is_refused():
 
 
 def test_the_tiling_check_is_linear_in_the_chunks():
-    from stashpoint._format import Chunk, TensorEntry, _check_tiling
+    from stashpoint._core.format import Chunk, TensorEntry, _check_tiling
 
     def timed(n: int) -> float:
         entry = TensorEntry("t", "float32", (n, 8), tuple(Chunk("f", (i, 0), (1, 8), 0, 0, ()) for i in range(n)))
@@ -85,8 +85,8 @@ def test_the_tiling_check_is_linear_in_the_chunks():
 
 @pytest.mark.parametrize("dim", [10**18, 2**63, 10**30])
 def test_a_tensor_of_no_elements_with_huge_dimensions_is_read_or_refused_cleanly(tmp_path, dim):
-    from stashpoint._convert import export
-    from stashpoint._inspect import describe
+    from stashpoint._tools.convert import export
+    from stashpoint._tools.inspect import describe
 
     stashpoint.save({"t": torch.zeros(0, 5), "u": torch.ones(3)}, tmp_path / "c")
     doc = json.loads((tmp_path / "c" / MANIFEST_NAME).read_bytes())
@@ -109,10 +109,10 @@ def test_a_tensor_of_no_elements_with_huge_dimensions_is_read_or_refused_cleanly
 def test_a_manifest_over_the_entry_cap_is_refused_before_its_entries_are_built(tmp_path, monkeypatch):
     doc, _ = _one_element_chunks(tmp_path, 40)
     _write(tmp_path, doc)
-    monkeypatch.setattr(stashpoint._format, "MAX_MANIFEST_ENTRIES", 40)  # 40 chunks + 1 file
+    monkeypatch.setattr(stashpoint._core.format, "MAX_MANIFEST_ENTRIES", 40)  # 40 chunks + 1 file
     with pytest.raises(CorruptCheckpointError, match=r"lists 41 chunks and files \(the cap is 40\)"):
         stashpoint.load({"t": torch.zeros(40)}, tmp_path / "c")
-    monkeypatch.setattr(stashpoint._format, "MAX_MANIFEST_ENTRIES", 41)
+    monkeypatch.setattr(stashpoint._core.format, "MAX_MANIFEST_ENTRIES", 41)
     live = {"t": torch.zeros(40)}
     stashpoint.load(live, tmp_path / "c")
     assert torch.equal(live["t"], torch.arange(40.0))
@@ -124,4 +124,4 @@ def test_a_manifest_whose_objects_could_exhaust_memory_is_refused_before_it_is_p
     raw = b'{"format":"stashpoint","trees":[{"list":[' + b"{}," * ((50 << 20) // 3) + b"0]}]}"
     with pytest.raises(CorruptCheckpointError, match="could take more than 4 GiB to parse"):
         parse_manifest(raw, "m")
-    assert stashpoint._format._parse_memory_bound(raw) > stashpoint._format.MAX_PARSE_MEMORY
+    assert stashpoint._core.format._parse_memory_bound(raw) > stashpoint._core.format.MAX_PARSE_MEMORY

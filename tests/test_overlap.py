@@ -20,10 +20,10 @@ import torch
 
 import stashpoint
 from dist_util import run_world
-from stashpoint import _overlap
-from stashpoint._format import MANIFEST_NAME
-from stashpoint._job import Layout
-from stashpoint._tree import flatten
+from stashpoint._core.format import MANIFEST_NAME
+from stashpoint._save import overlap as _overlap
+from stashpoint._save.job import Layout
+from stashpoint._state.tree import flatten
 
 BIG = 2048  # ~84 MB of state: weights, BatchNorm statistics, Adam moments, SGD momentum
 

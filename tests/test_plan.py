@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stashpoint._plan import TensorSpec, group_aliases, plan_files, shard_name
+from stashpoint._core.plan import TensorSpec, group_aliases, plan_files, shard_name
 
 specs_st = st.lists(
     st.builds(

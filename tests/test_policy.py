@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stashpoint._policy import Retention, Schedule, parse_step_dir, step_dir, steps_to_keep
+from stashpoint._core.policy import Retention, Schedule, parse_step_dir, step_dir, steps_to_keep
 
 steps_st = st.lists(st.integers(0, 500), max_size=30, unique=True)
 opt = st.none() | st.integers(1, 6)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import stashpoint
-from stashpoint._load import read_manifest
-from stashpoint._reads import _execute_pipelined, plan_pieces
-from stashpoint._reshard import Box
-from stashpoint._restore import Read
+from stashpoint._core.reshard import Box
+from stashpoint._load.manifest import read_manifest
+from stashpoint._load.reads import _execute_pipelined, plan_pieces
+from stashpoint._load.restore import Read
 from stashpoint._storage import LocalStorage
 
 
@@ -56,7 +56,7 @@ def test_pipelined_reads_report_every_damaged_piece(tmp_path):
 def test_whole_tensors_are_marked_shared_only_when_ranks_share_the_host(tmp_path):
     """Ranks on one host that each read what they need: whole tensors (replicated, read by every
     rank) go through the page cache; regions of a tensor (shards: one reader each) do not."""
-    from stashpoint._reads import _read_jobs
+    from stashpoint._load.reads import _read_jobs
 
     path = tmp_path / "ck"
     stashpoint.save({"w": torch.arange(4096.0).reshape(64, 64), "b": torch.ones(64)}, path)

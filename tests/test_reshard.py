@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stashpoint._reshard import Box, block_spans, intersect, local, runs
+from stashpoint._core.reshard import Box, block_spans, intersect, local, runs
 
 
 @st.composite
@@ -79,9 +79,10 @@ def test_partial_reads_from_a_real_checkpoint(tmp_path):
     import pytest
 
     import stashpoint
-    from stashpoint._format import CHECKSUM_BLOCK_BYTES
-    from stashpoint._load import execute_reads, read_manifest
-    from stashpoint._restore import Read
+    from stashpoint._core.format import CHECKSUM_BLOCK_BYTES
+    from stashpoint._load.manifest import read_manifest
+    from stashpoint._load.reads import execute_reads
+    from stashpoint._load.restore import Read
     from stashpoint._storage import LocalStorage
 
     w = torch.arange(3 * CHECKSUM_BLOCK_BYTES // 4, dtype=torch.float32).reshape(-1, 1024)  # 3 blocks

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import stashpoint
 from conftest import small_model, train_steps
-from stashpoint._format import MANIFEST_NAME, parse_manifest
+from stashpoint._core.format import MANIFEST_NAME, parse_manifest
 from test_format import ALL_DTYPES, _random_tensor
 
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from stashpoint._shardio import Piece, ShardWrite, block_sums, write_files
+from stashpoint._save.shardio import Piece, ShardWrite, block_sums, write_files
 from stashpoint._storage import FileWriter, LocalStorage
 
 BLOCK = 1 << 20
@@ -89,8 +89,8 @@ def test_write_streams_is_an_option_of_the_local_backend(tmp_path):
     import torch
 
     import stashpoint
-    from stashpoint._writerchild import storage_from
-    from stashpoint._writerproc import describe
+    from stashpoint._save.writerchild import storage_from
+    from stashpoint._save.writerproc import describe
 
     s = LocalStorage(tmp_path / "ck", write_streams=3)
     assert LocalStorage("x").write_streams == 2, "two files at a time unless asked otherwise"

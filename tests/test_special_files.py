@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import stashpoint
-from stashpoint._inspect import describe, list_steps
+from stashpoint._tools.inspect import describe, list_steps
 
 pytestmark = pytest.mark.timeout(60)  # a regression blocks forever on the FIFO: fail instead
 
@@ -122,7 +122,7 @@ def test_a_planted_lock_symlink_or_file_paths_give_clear_errors_and_write_nothin
 
 
 def test_hostile_metrics_in_one_step_neither_stop_retention_nor_break_ls(tmp_path):
-    from stashpoint._format import MANIFEST_NAME, seal
+    from stashpoint._core.format import MANIFEST_NAME, seal
 
     with stashpoint.CheckpointManager(tmp_path / "run", keep_last=1) as mgr:
         mgr.save(1, {"w": torch.ones(2)}, metrics={"loss": 1.0})

@@ -15,7 +15,7 @@ import torch
 
 import stashpoint
 from dist_util import run_world
-from stashpoint._convert import import_checkpoint
+from stashpoint._tools.convert import import_checkpoint
 
 WORKER = Path(__file__).with_name("stack_worker.py")
 slow = pytest.mark.slow

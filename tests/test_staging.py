@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from stashpoint._plan import TensorSpec, plan_files
-from stashpoint._staging import StagingPool
+from stashpoint._core.plan import TensorSpec, plan_files
+from stashpoint._save.staging import StagingPool
 
 
 def test_pool_reuses_memory_for_a_new_layout_of_the_same_size_and_allocates_when_too_small():
@@ -28,7 +28,7 @@ def test_pool_reuses_memory_for_a_new_layout_of_the_same_size_and_allocates_when
 def test_a_layout_with_more_padding_still_reuses_the_touched_buffer():
     """A fresh buffer has room for a few more files than its first layout: splitting the same
     tensors into more files adds padding, and must not cost first touch of fresh memory again."""
-    from stashpoint._staging import _layout_bytes
+    from stashpoint._save.staging import _layout_bytes
 
     specs = tuple(TensorSpec(f"t{i}", "float32", (1025,), 4) for i in range(3))  # 4,100 bytes each
     first = plan_files(specs, max_file_bytes=1 << 30)
@@ -103,7 +103,7 @@ def _memfds(token: int) -> list[int]:
 def test_buffers_are_shared_memory_whose_descriptors_go_when_the_pool_drops_them(monkeypatch):
     import gc
 
-    from stashpoint import _staging
+    from stashpoint._save import staging as _staging
 
     specs = (TensorSpec("t", "float32", (300_000,), 4),)
     pool = StagingPool()

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stashpoint._staging import as_memoryview
-from stashpoint._storage import DIRECT_ALIGN, LocalStorage, Storage, storage_for
+from stashpoint._save.staging import as_memoryview
+from stashpoint._storage import LocalStorage, Storage, storage_for
+from stashpoint._storage.local import DIRECT_ALIGN
 
 
 def _aligned(n: int) -> memoryview:
@@ -233,8 +234,8 @@ class TestS3Storage(StorageSuite):
 
     def make(self, path: Path) -> Storage:
         from conftest import S3_BUCKET
-        from stashpoint._s3 import S3Storage
-        from stashpoint._s3config import S3Options
+        from stashpoint._storage.s3 import S3Storage
+        from stashpoint._storage.s3config import S3Options
 
         opts = S3Options(part_size=5 * 1024 * 1024, concurrency=4, retry_seconds=10)
         return S3Storage(f"s3://{S3_BUCKET}/suite/{path.parent.name}/{path.name}", opts)
@@ -260,7 +261,7 @@ def _direct_io_works(path: Path) -> bool:
 def test_large_local_reads_use_direct_io(tmp_path, monkeypatch):
     """Ranges of 1 MiB and more are read with O_DIRECT (through a bounce buffer) on a file
     system that allows it; smaller ones, and storages made with direct_io=False, read buffered."""
-    from stashpoint import _storage
+    from stashpoint._storage import local as _storage
 
     if not _direct_io_works(tmp_path):
         pytest.skip(f"{tmp_path} refuses O_DIRECT")
@@ -291,7 +292,7 @@ def test_a_short_or_refused_direct_read_is_finished_buffered(tmp_path, monkeypat
     stay off for that storage. Only a real end of file is an EOFError."""
     import errno
 
-    from stashpoint import _storage
+    from stashpoint._storage import local as _storage
 
     real = _storage.readv_direct
     mode = {"v": "short"}

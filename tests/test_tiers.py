@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import stashpoint
+from stashpoint._manager.tiers import restore_order
 from stashpoint._storage import LocalStorage
-from stashpoint._tiers import restore_order
 from test_errors import FailingStorage
 
 
@@ -203,7 +203,7 @@ def test_two_ranks_upload_their_own_files_and_restore_agrees_on_the_copy(tmp_pat
     local, remote = tmp_path / "nvme", tmp_path / "remote"
     for r in run_world(2, "save", str(local), str(remote), worker=worker):
         assert r == {"local": [3], "remote": [2, 3]}
-    manifest = stashpoint._inspect.open_checkpoint(remote / "step-00000003")[1]
+    manifest = stashpoint._load.manifest.open_checkpoint(remote / "step-00000003")[1]
     assert {f.rank for f in manifest.files} == {0, 1}, "both ranks wrote (and uploaded) shards"
     assert stashpoint.verify(remote / "step-00000003").ok
     # both ranks see the local tier: the local copy
@@ -239,7 +239,7 @@ local, remote = sys.argv[1], sys.argv[2]
 mgr = stashpoint.CheckpointManager(local, keep_last=2, remote_root=SlowRemote(remote))
 torch.manual_seed(0)
 state = {"w": torch.randn(3_000_000), "step": 1}  # 12 MB: a few copy blocks of 4 MB
-import stashpoint._tiers as tiers
+import stashpoint._manager.tiers as tiers
 tiers.COPY_BLOCK = 4 * 1024 * 1024
 mgr.save(1, state).wait()
 print("COMMITTED", flush=True)

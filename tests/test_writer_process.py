@@ -21,12 +21,13 @@ import torch
 import stashpoint
 from conftest import run_python
 from dist_util import run_world
-from stashpoint import _save, _writerproc
-from stashpoint._format import CHECKSUM_BLOCK_BYTES, MANIFEST_NAME, block_checksums
-from stashpoint._persist import shard_writes
-from stashpoint._plan import TensorSpec, plan_files
-from stashpoint._shardio import block_sums
-from stashpoint._staging import StagingBuffers
+from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, MANIFEST_NAME, block_checksums
+from stashpoint._core.plan import TensorSpec, plan_files
+from stashpoint._save import engine as _save
+from stashpoint._save import writerproc as _writerproc
+from stashpoint._save.persist import shard_writes
+from stashpoint._save.shardio import block_sums
+from stashpoint._save.staging import StagingBuffers
 from stashpoint._storage import LocalStorage
 
 WORKER = Path(__file__).with_name("writerproc_worker.py")
@@ -211,7 +212,7 @@ def test_an_error_in_the_writer_process_comes_back_with_its_traceback_and_the_ch
         writer.write(desc, str(missing), writes, staged, block=CHECKSUM_BLOCK_BYTES)
     msg = str(info.value)
     assert f"writing the shards of {missing} in the writer process (pid {writer.pid}) failed: FileNotFoundError" in msg
-    assert "The writer process's traceback:\nTraceback (most recent call last)" in msg and "_shardio.py" in msg
+    assert "The writer process's traceback:\nTraceback (most recent call last)" in msg and "shardio.py" in msg
     assert _writerproc.current_pid() == writer.pid, "an error is not a crash: the same writer goes on"
     assert stashpoint.save({"x": torch.ones(3)}, tmp_path / "ok", writer="process").writer == "process"
 
@@ -269,7 +270,7 @@ def test_overlap_with_the_writer_process(tmp_path):
 
 _PARENT = """
 import os, signal, sys, torch, stashpoint
-from stashpoint import _writerproc
+from stashpoint._save import writerproc as _writerproc
 stashpoint.save({"w": torch.ones(1000)}, sys.argv[1], writer="process")
 print("PID", _writerproc.current_pid(), flush=True)
 if sys.argv[2] == "kill":
@@ -288,7 +289,7 @@ def test_the_parent_exiting_or_killed_leaves_no_writer_process_behind(tmp_path, 
 
 _PARENT_MID_WRITE = """
 import os, signal, sys, time, torch, stashpoint
-from stashpoint import _writerproc
+from stashpoint._save import writerproc as _writerproc
 ck = sys.argv[1]
 stashpoint.save({"w": torch.ones(10)}, ck, writer="process")
 before = set(os.listdir(ck))

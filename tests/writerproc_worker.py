@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import stashpoint
-from stashpoint import _writerproc
+from stashpoint._save import writerproc as _writerproc
 
 RANK = int(os.environ["RANK"])
 

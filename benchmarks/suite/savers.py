@@ -294,7 +294,7 @@ class StashPending(Pending):
 
 def _pool_allocations() -> int:
     """Fresh staging buffers stashpoint has allocated in this process so far."""
-    from stashpoint import _save
+    from stashpoint._save import engine as _save
 
     return _save._engine.pool.allocations if _save._engine is not None else 0
 
@@ -318,7 +318,7 @@ class StashSave(Saver):
         return StashPending(stashpoint.async_save(self.state, str(path), **self.kwargs), self.ctx.op_timeout)
 
     def close(self) -> None:
-        from stashpoint import _save
+        from stashpoint._save import engine as _save
 
         _save.wait_all()
 

@@ -15,16 +15,10 @@ Public API::
     stashpoint.StatefulSampler(dataset)     # a resumable data position
 """
 
-from ._data import StatefulSampler
-from ._handle import SaveHandle, SaveStats
-from ._inspect import VerifyReport, verify
-from ._load import load
-from ._manager import CheckpointManager
-from ._read import read
-from ._rng import RNGState
-from ._save import async_save, save
-from ._version import __version__
-from .errors import (
+from typing import TYPE_CHECKING, Any
+
+from stashpoint._version import __version__
+from stashpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -32,6 +26,32 @@ from .errors import (
     StateMismatchError,
     UnsupportedStateError,
 )
+
+# The public API by the module that defines it. They are imported on first use, so that
+# ``import stashpoint`` (and the command line's ls, inspect, verify) need not import torch.
+_LAZY = {
+    "StatefulSampler": "stashpoint._state.sampler",
+    "RNGState": "stashpoint._state.rng",
+    "SaveHandle": "stashpoint._save.handle",
+    "SaveStats": "stashpoint._save.handle",
+    "async_save": "stashpoint._save.engine",
+    "save": "stashpoint._save.engine",
+    "load": "stashpoint._load.loader",
+    "read": "stashpoint._load.read",
+    "CheckpointManager": "stashpoint._manager.manager",
+    "VerifyReport": "stashpoint._tools.inspect",
+    "verify": "stashpoint._tools.inspect",
+}
+
+if TYPE_CHECKING:
+    from stashpoint._load.loader import load
+    from stashpoint._load.read import read
+    from stashpoint._manager.manager import CheckpointManager
+    from stashpoint._save.engine import async_save, save
+    from stashpoint._save.handle import SaveHandle, SaveStats
+    from stashpoint._state.rng import RNGState
+    from stashpoint._state.sampler import StatefulSampler
+    from stashpoint._tools.inspect import VerifyReport, verify
 
 __all__ = [
     "CheckpointError",
@@ -53,3 +73,18 @@ __all__ = [
     "save",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stashpoint' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,6 +1,6 @@
 """``python -m stashpoint``: the same commands as the ``stashpoint`` console script."""
 
-from ._cli import main
+from stashpoint._tools.cli import main
 
 if __name__ == "__main__":
     main()

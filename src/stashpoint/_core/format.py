@@ -1,0 +1,493 @@
+"""The on-disk format: shard headers (safetensors layout) and the manifest (versioned JSON).
+
+Everything read from a file is validated here before use; a malformed input raises
+:class:`CorruptCheckpointError` naming the file. See docs/FORMAT.md for the specification.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import xxhash
+
+from stashpoint._core.dtypes import itemsize
+from stashpoint._core.reshard import block_count
+from stashpoint.errors import CorruptCheckpointError
+
+FORMAT_NAME = "stashpoint"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+CHECKSUM_ALGORITHM = "xxh3_64"
+CHECKSUM_BLOCK_BYTES = 4 * 1024 * 1024
+HEADER_ALIGN = 4096
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+# What one manifest may hold: a parse at these caps stays within a few GB (benchmarks/bench_manifest_parse.py).
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+MAX_MANIFEST_ENTRIES = 1_000_000  # chunks plus files
+MAX_PARSE_MEMORY = 4 * 1024**3  # what parsing one manifest may allocate, by _parse_memory_bound
+MAX_DIMS = 64
+MAX_TREE_DEPTH = 100  # containers nested in a state; deeper ones are refused when saving and loading
+
+def checksum(data: memoryview | bytes) -> str:
+    """The checksum stashpoint records for a byte range (xxh3_64, hex)."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def block_checksums(data: memoryview) -> tuple[str, ...]:
+    """Checksums of each CHECKSUM_BLOCK_BYTES block of ``data`` (one for empty data)."""
+    n = len(data)
+    if n == 0:
+        return (checksum(data),)
+    return tuple(checksum(data[b : b + CHECKSUM_BLOCK_BYTES]) for b in range(0, n, CHECKSUM_BLOCK_BYTES))
+
+
+# ---------------------------------------------------------------------------------------------
+# Records
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored piece of a tensor: its place in the global tensor and its bytes in a file."""
+
+    file: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    checksums: tuple[str, ...]  # one per CHECKSUM_BLOCK_BYTES block of [start, end)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor of the state: global dtype and shape, its chunks, or the key it aliases."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...] = ()
+    alias_of: str | None = None
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A shard file: total size, where its data starts, and the checksum of its header."""
+
+    name: str
+    size: int
+    data_start: int
+    header_checksum: str
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The commit record of a checkpoint. A checkpoint exists if and only if this exists."""
+
+    save_id: str
+    created: str
+    library_version: str
+    torch_version: str
+    files: tuple[FileEntry, ...]
+    tensors: Mapping[str, TensorEntry]
+    trees: tuple[dict[str, Any], ...]  # distinct state trees (plain values differ per rank)
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    world_size: int = 1
+    tree_of_rank: tuple[int, ...] = (0,)  # rank -> index into trees
+    format_version: int = FORMAT_VERSION
+    checksum_algorithm: str = CHECKSUM_ALGORITHM
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "save_id": self.save_id,
+            "created": self.created,
+            "library_version": self.library_version,
+            "torch_version": self.torch_version,
+            "world_size": self.world_size,
+            "checksum_algorithm": self.checksum_algorithm,
+            "checksum_block_bytes": CHECKSUM_BLOCK_BYTES,
+            "metadata": dict(self.metadata),
+            "files": [asdict(f) for f in self.files],
+            "tensors": {k: _entry_doc(e) for k, e in self.tensors.items()},
+            "trees": list(self.trees),
+            "tree_of_rank": list(self.tree_of_rank),
+        }
+        return seal(doc)
+
+    def tree_for(self, rank: int) -> dict[str, Any]:
+        """The state tree saved by ``rank``; rank ``r`` of a larger world gets that of ``r mod N``."""
+        return self.trees[self.tree_of_rank[rank % len(self.tree_of_rank)]]
+
+    def resolve(self, key: str) -> TensorEntry:
+        """The entry holding the bytes of ``key`` (following an alias)."""
+        entry = self.tensors[key]
+        return self.tensors[entry.alias_of] if entry.alias_of is not None else entry
+
+
+def _entry_doc(e: TensorEntry) -> dict[str, Any]:
+    if e.alias_of is not None:
+        return {"dtype": e.dtype, "shape": list(e.shape), "alias_of": e.alias_of}
+    return {
+        "dtype": e.dtype,
+        "shape": list(e.shape),
+        "chunks": [
+            {
+                "file": c.file,
+                "offsets": list(c.offsets),
+                "shape": list(c.shape),
+                "start": c.start,
+                "end": c.end,
+                "checksums": list(c.checksums),
+            }
+            for c in e.chunks
+        ],
+    }
+
+
+def _body(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def seal(doc: dict[str, Any]) -> bytes:
+    """The manifest's bytes: compact JSON whose last field, ``checksum``, is the xxh3-64 of the
+    same JSON without it, so that damage anywhere in the manifest is detected."""
+    doc = {k: v for k, v in doc.items() if k != "checksum"}
+    doc["checksum"] = checksum(_body(doc))
+    return _body(doc)
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifest parsing (every field validated)
+
+
+def _want(cond: bool, where: str, what: str) -> None:
+    if not cond:
+        raise CorruptCheckpointError(f"malformed manifest {where}: {what}")
+
+
+def _int(v: object, where: str, what: str, lo: int = 0) -> int:
+    _want(isinstance(v, int) and not isinstance(v, bool) and v >= lo, where, f"{what} must be an int >= {lo}")
+    assert isinstance(v, int)
+    return v
+
+
+def _ints(v: object, where: str, what: str) -> tuple[int, ...]:
+    """Dimensions or offsets: each must fit torch's int64 sizes, even in a tensor of no elements."""
+    _want(isinstance(v, list) and len(v) <= MAX_DIMS, where, f"{what} must be a list of at most {MAX_DIMS} ints")
+    assert isinstance(v, list)
+    out = tuple(_int(x, where, what) for x in v)
+    _want(all(x < 2**62 for x in out), where, f"{what} holds a dimension over 2**62")
+    return out
+
+
+def safe_file_name(name: object, where: str) -> str:
+    """A shard file name must be a plain name inside the checkpoint directory."""
+    ok = (
+        isinstance(name, str)
+        and 0 < len(name) <= 255
+        and name not in (".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\x00" not in name
+    )
+    _want(ok, where, f"file name {name!r} points outside the checkpoint (only plain names are allowed)")
+    assert isinstance(name, str)
+    return name
+
+
+def _parse_memory_bound(raw: bytes) -> int:
+    """An upper bound of what parsing ``raw`` allocates on CPython, from counts of the bytes that
+    start objects: a dict, a list, a string (two quotes) or any further item (a comma), each
+    with its pointer and growth slack; plus the text itself twice (read, and re-encoded for its
+    checksum). Checked before ``json.loads``, which would allocate up to 26 bytes per byte."""
+    counts = (raw.count(b"{"), raw.count(b"["), raw.count(b'"'), raw.count(b","))
+    return 2 * len(raw) + sum(n * w for n, w in zip(counts, (240, 96, 64, 40)))
+
+
+def parse_manifest(raw: bytes, where: str) -> Manifest:
+    """Parse and validate manifest bytes; raise :class:`CorruptCheckpointError` if malformed."""
+    _want(len(raw) <= MAX_MANIFEST_BYTES, where, "larger than the size cap")
+    _want(
+        _parse_memory_bound(raw) <= MAX_PARSE_MEMORY,
+        where,
+        f"its structure could take more than {MAX_PARSE_MEMORY >> 30} GiB to parse (too many objects)",
+    )
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"malformed manifest {where}: not valid JSON ({e})") from None
+    _want(isinstance(doc, dict), where, "top level is not an object")
+    _want(doc.get("format") == FORMAT_NAME, where, "not a stashpoint manifest")
+    claimed = doc.pop("checksum", None)
+    try:
+        actual = checksum(_body(doc))
+    except (ValueError, RecursionError):
+        actual = None
+    _want(claimed == actual, where, "its checksum does not match its contents (the manifest is damaged)")
+    version = _int(doc.get("format_version"), where, "format_version", 1)
+    if version > FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"manifest {where} has format version {version}, newer than this stashpoint reads "
+            f"({FORMAT_VERSION}); upgrade stashpoint (pip install -U stashpoint)."
+        )
+    _want(doc.get("checksum_algorithm") == CHECKSUM_ALGORITHM, where, "unknown checksum_algorithm")
+    _want(doc.get("checksum_block_bytes") == CHECKSUM_BLOCK_BYTES, where, "unsupported checksum_block_bytes")
+    for k in ("save_id", "created", "library_version", "torch_version"):
+        _want(isinstance(doc.get(k), str), where, f"{k} must be a string")
+    meta = doc.get("metadata", {})
+    _want(
+        isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values()), where, "metadata must map to strings"
+    )
+    files_doc = doc.get("files")
+    _want(isinstance(files_doc, list), where, "files must be a list")
+    tensors_doc = doc.get("tensors")
+    _want(isinstance(tensors_doc, dict), where, "tensors must be an object")
+    assert isinstance(files_doc, list) and isinstance(tensors_doc, dict)
+    chunk_lists = (e.get("chunks") for e in tensors_doc.values() if isinstance(e, dict))
+    entries = len(files_doc) + sum(len(c) for c in chunk_lists if isinstance(c, list))
+    cap = MAX_MANIFEST_ENTRIES
+    _want(entries <= cap, where, f"it lists {entries} chunks and files (the cap is {cap})")
+    files: dict[str, FileEntry] = {}
+    for f in files_doc:
+        _want(isinstance(f, dict), where, "file entry must be an object")
+        name = safe_file_name(f.get("name"), where)
+        _want(name not in files, where, f"file {name!r} listed twice")
+        hc = f.get("header_checksum")
+        _want(isinstance(hc, str), where, f"header_checksum of {name!r} must be a string")
+        size = _int(f.get("size"), where, f"size of {name!r}")
+        start = _int(f.get("data_start"), where, f"data_start of {name!r}", 8)
+        _want(start <= size, where, f"data_start of {name!r} is past its end")
+        _want(start <= 8 + MAX_HEADER_BYTES + HEADER_ALIGN, where, f"the header of {name!r} is over the size cap")
+        files[name] = FileEntry(name, size, start, str(hc), _int(f.get("rank", 0), where, "rank"))
+    tensors: dict[str, TensorEntry] = {}
+    for key in tensors_doc:
+        tensors[key] = _parse_entry(key, tensors_doc[key], files, where)
+        tensors_doc[key] = None  # the JSON of an entry is freed once parsed: peak memory is not both
+    for key, entry in tensors.items():
+        if entry.alias_of is not None:
+            target = tensors.get(entry.alias_of)
+            _want(target is not None and target.alias_of is None, where, f"{key!r} aliases a missing entry")
+            assert target is not None
+            _want(
+                (target.dtype, target.shape) == (entry.dtype, entry.shape),
+                where,
+                f"{key!r} aliases {entry.alias_of!r} of another dtype or shape",
+            )
+        else:
+            _check_tiling(entry, where)
+    _check_byte_ranges(tensors, where)
+    trees = doc.get("trees")
+    _want(isinstance(trees, list) and len(trees) > 0, where, "trees must be a non-empty list")
+    assert isinstance(trees, list)
+    try:
+        for tree in trees:
+            _check_tree(tree, tensors, where, 0)
+    except RecursionError:
+        raise CorruptCheckpointError(f"malformed manifest {where}: tree nested too deeply") from None
+    world = _int(doc.get("world_size", 1), where, "world_size", 1)
+    of_rank = doc.get("tree_of_rank")
+    _want(
+        isinstance(of_rank, list)
+        and len(of_rank) == world
+        and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(trees) for i in of_rank),
+        where,
+        "tree_of_rank must give a valid tree index for every rank",
+    )
+    assert isinstance(of_rank, list)
+    return Manifest(
+        save_id=doc["save_id"],
+        created=doc["created"],
+        library_version=doc["library_version"],
+        torch_version=doc["torch_version"],
+        files=tuple(files.values()),
+        tensors=tensors,
+        trees=tuple(trees),
+        metadata=meta,
+        world_size=world,
+        tree_of_rank=tuple(of_rank),
+        format_version=version,
+    )
+
+
+def _check_tiling(entry: TensorEntry, where: str) -> None:
+    """A tensor's chunks cover it exactly once: no holes (reads would leave memory unset), no
+    overlaps. Linear in the chunks: the chunks' edges cut each dimension into intervals, a
+    valid layout is a grid of those (one cell per chunk), and marking each chunk's cells finds
+    any overlap; a layout with far more cells than chunks is no grid and is refused."""
+    total = math.prod(entry.shape)
+    got = sum(math.prod(c.shape) for c in entry.chunks)
+    _want(got == total, where, f"the chunks of {entry.key!r} hold {got} elements, its shape {total}")
+    chunks = [c for c in entry.chunks if math.prod(c.shape) > 0]
+    if len(chunks) < 2:  # one chunk of the whole volume, inside the bounds: the tensor itself
+        return
+    index = []
+    for d, n in enumerate(entry.shape):
+        edges = sorted({0, n, *(c.offsets[d] for c in chunks), *(c.offsets[d] + c.shape[d] for c in chunks)})
+        index.append({e: i for i, e in enumerate(edges)})
+    counts = [len(ix) - 1 for ix in index]
+    cells = math.prod(counts)
+    _want(cells <= 4 * len(chunks) + 64, where, f"the chunks of {entry.key!r} do not form a grid")
+    strides = [math.prod(counts[d + 1 :]) for d in range(len(counts))]
+    seen = bytearray(cells)
+    for c in chunks:
+        spans = [range(ix[o], ix[o + k]) for ix, o, k in zip(index, c.offsets, c.shape)]
+        for cell in itertools.product(*spans):  # at most ``cells`` marks before an overlap is found
+            i = sum(a * b for a, b in zip(cell, strides))
+            _want(not seen[i], where, f"two chunks of {entry.key!r} overlap")
+            seen[i] = 1
+
+
+def _check_byte_ranges(tensors: Mapping[str, TensorEntry], where: str) -> None:
+    """No two chunks share bytes of a file, so what a load allocates is bounded by the bytes the
+    files hold (tied tensors are stored once, as aliases)."""
+    ranges: dict[str, list[tuple[int, int, str]]] = {}
+    for entry in tensors.values():
+        for c in entry.chunks:
+            if c.end > c.start:
+                ranges.setdefault(c.file, []).append((c.start, c.end, entry.key))
+    for name, spans in ranges.items():
+        spans.sort()
+        for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+            _want(start >= end, where, f"{a!r} and {b!r} share bytes of {name!r}")
+
+
+_LEAF_TYPES: dict[str, tuple[type, ...]] = {
+    "value": (type(None), bool, int, float, str),
+    "float": (str,),
+    "bytes": (str,),
+    "pickle": (str,),
+}
+
+
+def _check_tree(node: object, tensors: Mapping[str, TensorEntry], where: str, depth: int) -> None:
+    """Every tree node has one known form; every tensor it names has an entry; nesting is bounded."""
+    _want(depth <= MAX_TREE_DEPTH, where, f"the state tree is nested deeper than {MAX_TREE_DEPTH} levels")
+    _want(isinstance(node, dict), where, "tree node must be an object")
+    assert isinstance(node, dict)
+    if "stateful" in node:
+        _want(node["stateful"] in ("module", "optimizer", "object"), where, "unknown stateful kind")
+        _want(node.get("keyed_by", "name") in ("name", "index"), where, "unknown optimizer keying")
+        _check_tree(node.get("state"), tensors, where, depth + 1)
+        return
+    _want(len(node) == 1, where, f"tree node {str(node)[:80]!r} must have exactly one field")
+    ((kind, value),) = node.items()
+    if kind == "tensor":
+        _want(
+            isinstance(value, str) and value in tensors, where, f"tree names tensor {str(value)[:80]!r} with no entry"
+        )
+    elif kind in _LEAF_TYPES:
+        _want(isinstance(value, _LEAF_TYPES[kind]), where, f"malformed {kind} node")
+        if kind == "float":
+            _want(value in ("nan", "inf", "-inf"), where, "malformed float node")
+    elif kind == "dict":
+        _want(isinstance(value, list), where, "dict node must hold a list of [key, node] pairs")
+        for item in value:
+            ok = isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))
+            _want(ok and not isinstance(item[0], bool), where, "dict node must hold [key, node] pairs")
+            _check_tree(item[1], tensors, where, depth + 1)
+    elif kind in ("list", "tuple"):
+        _want(isinstance(value, list), where, f"{kind} node must hold a list")
+        for item in value:
+            _check_tree(item, tensors, where, depth + 1)
+    else:
+        _want(False, where, f"unknown tree node kind {kind!r}")
+
+
+def _parse_entry(key: str, e: object, files: Mapping[str, FileEntry], where: str) -> TensorEntry:
+    _want(isinstance(e, dict), where, f"entry {key!r} must be an object")
+    assert isinstance(e, dict)
+    dtype = e.get("dtype")
+    item = itemsize(dtype, f"entry {key!r} of manifest {where}")
+    assert isinstance(dtype, str)
+    shape = _ints(e.get("shape"), where, f"shape of {key!r}")
+    if "alias_of" in e:
+        _want(isinstance(e["alias_of"], str), where, f"alias_of of {key!r} must be a string")
+        return TensorEntry(key, dtype, shape, (), e["alias_of"])
+    chunks_doc = e.get("chunks")
+    _want(isinstance(chunks_doc, list) and len(chunks_doc) > 0, where, f"{key!r} has no chunks")
+    assert isinstance(chunks_doc, list)
+    chunks = []
+    for c in chunks_doc:
+        _want(isinstance(c, dict), where, f"chunk of {key!r} must be an object")
+        fname = safe_file_name(c.get("file"), where)
+        _want(fname in files, where, f"{key!r} refers to unlisted file {fname!r}")
+        offsets = _ints(c.get("offsets"), where, f"offsets of {key!r}")
+        cshape = _ints(c.get("shape"), where, f"chunk shape of {key!r}")
+        _want(len(offsets) == len(shape) == len(cshape), where, f"rank mismatch in {key!r}")
+        _want(all(o + n <= s for o, n, s in zip(offsets, cshape, shape)), where, f"chunk of {key!r} out of bounds")
+        start = _int(c.get("start"), where, f"start of {key!r}")
+        end = _int(c.get("end"), where, f"end of {key!r}")
+        numel = 1
+        for n in cshape:
+            numel *= n
+        fe = files[fname]
+        _want(end - start == numel * item, where, f"byte range of {key!r} does not match its shape")
+        _want(fe.data_start <= start <= end <= fe.size, where, f"byte range of {key!r} is outside {fname!r}")
+        sums = c.get("checksums")
+        ok = isinstance(sums, list) and len(sums) == block_count(end - start, CHECKSUM_BLOCK_BYTES)
+        _want(ok and all(isinstance(x, str) for x in sums), where, f"checksums of {key!r} do not match its size")
+        chunks.append(Chunk(fname, offsets, cshape, start, end, tuple(sums)))
+    return TensorEntry(key, dtype, shape, tuple(chunks))
+
+
+# ---------------------------------------------------------------------------------------------
+# Shard headers (safetensors layout)
+
+
+def encode_header(
+    entries: Sequence[tuple[str, str, Sequence[int], int, int]],
+    metadata: Mapping[str, str],
+    *,
+    align: int = HEADER_ALIGN,
+) -> bytes:
+    """Encode a safetensors header: 8-byte little-endian length, JSON, padded with spaces.
+
+    ``entries`` are ``(name, st_dtype, shape, begin, end)`` with offsets relative to the data
+    section. The result's length is a multiple of ``align``, so the data section starts aligned.
+    """
+    doc: dict[str, Any] = {"__metadata__": dict(metadata)}
+    for name, st_dtype, shape, begin, end in entries:
+        doc[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [begin, end]}
+    body = json.dumps(doc, separators=(",", ":")).encode("utf-8")
+    total = -(-(8 + len(body)) // align) * align
+    body += b" " * (total - 8 - len(body))
+    return struct.pack("<Q", len(body)) + body
+
+
+def header_length(prefix: bytes, file_size: int, where: str) -> int:
+    """Validate the 8-byte length prefix of a shard; return the header's JSON length."""
+    if len(prefix) < 8:
+        raise CorruptCheckpointError(f"shard {where} is truncated: shorter than its 8-byte header length")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > MAX_HEADER_BYTES or 8 + n > file_size:
+        raise CorruptCheckpointError(f"shard {where} has an invalid header length {n} (file is {file_size} bytes)")
+    return int(n)
+
+
+def parse_header(raw: bytes, file_size: int, where: str) -> dict[str, Any]:
+    """Parse a shard's header (``raw`` holds at least the prefix and JSON) and check its offsets."""
+    n = header_length(raw, file_size, where)
+    try:
+        doc = json.loads(raw[8 : 8 + n])
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"shard {where} has a malformed header: {e}") from None
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"shard {where} has a malformed header: not an object")
+    data_len = file_size - 8 - n
+    for name, entry in doc.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2):
+            raise CorruptCheckpointError(f"shard {where}: header entry {name!r} is malformed")
+        b, end = offsets
+        if not (isinstance(b, int) and isinstance(end, int) and 0 <= b <= end <= data_len):
+            raise CorruptCheckpointError(f"shard {where}: header entry {name!r} points outside the file")
+    return doc

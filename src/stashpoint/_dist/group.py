@@ -1,0 +1,304 @@
+"""Collective saves across ranks, coordinated on a dedicated gloo process group.
+
+stashpoint never issues a collective on the training's process group. It creates, once and
+lazily, its own gloo group over the same ranks, and every collective of a save runs on the
+background writer thread, which owns that group: the caller's thread (the training loop) issues
+none, so a background save cannot interleave with the training's all-reduce, and no two threads
+ever use the same group.
+
+One save, on every rank's writer thread:
+
+1. exchange a hash of each rank's tensor layout (and, when it changed, the layout itself) and
+   compute who writes which chunk — replicated chunks once in total, balanced over their holders;
+2. write this rank's shards and make them durable;
+3. exchange each rank's outcome and state tree; if any rank failed, every rank raises an error
+   naming the failed ranks, and nothing is committed;
+4. rank 0 writes the manifest (the commit) and tells the others whether it succeeded.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import threading
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from stashpoint.errors import CheckpointError
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class CollectiveError(CheckpointError):
+    """A collective on the checkpoint group failed (a peer died, stalled or left)."""
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """A chunk one rank holds: its place in the global tensor."""
+
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    itemsize: int
+    # written by the lowest rank that holds it: a module buffer, which ranks may each update on
+    # their own data (BatchNorm's running stats), is saved as rank 0 has it, like torch.save on rank 0
+    lowest: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def ident(self) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        return (self.key, self.offsets, self.shape)
+
+
+Ident = tuple[str, tuple[int, ...], tuple[int, ...]]  # ChunkMeta.ident: key, offsets, shape
+
+
+def assign_writers(
+    per_rank: Sequence[Sequence[ChunkMeta]], staged: Sequence[Collection[Ident] | None] | None = None
+) -> dict[Ident, int]:
+    """Who writes each distinct chunk: one holder each, balancing the bytes written per rank.
+
+    Chunks held by several ranks (replicated tensors, ``Replicate`` placements) are written once.
+    Biggest chunks are placed first, each on the holder that has the least to write so far
+    (ties: the lowest rank), so N ranks holding S replicated bytes write about S/N each; a chunk
+    marked ``lowest`` (a module buffer) goes to its lowest holder.
+
+    ``staged``, per rank, the chunks that rank copied for this save (None: all it holds): a chunk
+    goes only to a holder that copied it. Ranks copy only what the last plan gave them once a
+    structure's plan is known (see ``_save``), so when some rank's layout changed and a new plan
+    is needed, each chunk still goes to a rank that has its bytes.
+
+    Raises :class:`CheckpointError` when ranks disagree on a key's dtype or global shape, or when
+    no holder of a chunk copied it.
+    """
+    holders: dict[Ident, list[int]] = {}
+    meta: dict[Ident, ChunkMeta] = {}
+    seen: dict[str, tuple[int, ChunkMeta]] = {}
+    problems = []
+    for rank, chunks in enumerate(per_rank):
+        mine = None if staged is None else staged[rank]
+        for c in chunks:
+            first = seen.setdefault(c.key, (rank, c))
+            if (first[1].dtype, first[1].global_shape) != (c.dtype, c.global_shape):
+                problems.append(
+                    f"{c.key!r} is {first[1].dtype}{list(first[1].global_shape)} on rank {first[0]} but "
+                    f"{c.dtype}{list(c.global_shape)} on rank {rank}"
+                )
+            meta.setdefault(c.ident, c)
+            ranks = holders.setdefault(c.ident, [])
+            if mine is None or c.ident in mine:
+                ranks.append(rank)
+    if problems:
+        raise CheckpointError(
+            "ranks disagree on tensors saved under the same key (a tensor under one key on several ranks is "
+            "taken as a replica; give per-rank tensors per-rank keys): " + "; ".join(problems[:10])
+        )
+    uncopied = sorted({i[0] for i, ranks in holders.items() if not ranks})
+    if uncopied:
+        raise CheckpointError(
+            f"no rank copied {', '.join(repr(k) for k in uncopied[:10])}{' ...' if len(uncopied) > 10 else ''} "
+            "for this save: the rank the last save's plan gave them to no longer holds them, and the ranks that "
+            "still do copied only their own part (their states changed unevenly between saves). Nothing was "
+            "committed; the next save copies every tensor on every rank and commits."
+        )
+    load = [0] * len(per_rank)
+    out = {}
+    for ident in sorted(holders, key=lambda i: (-meta[i].nbytes, i)):
+        rank = min(holders[ident]) if meta[ident].lowest else min(holders[ident], key=lambda r: (load[r], r))
+        out[ident] = rank
+        load[rank] += meta[ident].nbytes
+    return out
+
+
+def layout_hash(chunks: Sequence[ChunkMeta], aliases: dict[str, str]) -> str:
+    return xxhash.xxh3_128_hexdigest(repr((list(chunks), sorted(aliases.items()))).encode())
+
+
+def merge_trees(trees: Sequence[dict[str, Any]]) -> tuple[tuple[dict[str, Any], ...], tuple[int, ...]]:
+    """Distinct trees and, per rank, the index of its tree (identical trees are stored once)."""
+    distinct: list[dict[str, Any]] = []
+    index: dict[str, int] = {}
+    of_rank = []
+    for t in trees:
+        h = xxhash.xxh3_128_hexdigest(repr(t).encode())
+        if h not in index:
+            index[h] = len(distinct)
+            distinct.append(t)
+        of_rank.append(index[h])
+    return tuple(distinct), tuple(of_rank)
+
+
+@dataclass
+class DistContext:
+    """The checkpoint group a collective save or load runs on."""
+
+    group: Any
+    ranks: tuple[int, ...]
+    rank: int
+    world: int
+    timeout_s: float
+    # The last plan: every rank's layout hash, every rank's layout, and who writes which chunk.
+    # Set on every rank at the same point of the same save, so all ranks decide alike whether
+    # it can be reused (the hashes of this save equal its hashes) and skip the layout exchange.
+    last_plan: tuple[tuple[str, ...], list[Any], dict[Any, int]] | None = None
+    # The last plan was made under constraint (some rank had copied only its part of an older
+    # plan): the next save copies everything, to plan freely (balanced) again.
+    plan_constrained: bool = False
+    # Layout hashes of this rank for which some save found a tensor nobody had copied: for
+    # those, this rank copies everything (on every rank alike, so it cannot happen again).
+    copy_all: set[str] = field(default_factory=set)
+    plans_made: int = 0  # how many times the layouts were exchanged and a plan computed
+    saves: int = 0  # collective saves started on this rank: every rank must agree on the count
+    calls: int = 0  # collectives issued on this group by this rank (the same count on every rank)
+
+    hosts: tuple[str, ...] | None = None
+    purpose: str = "save"  # contexts of other purposes (tier uploads) have their own group
+
+    def multi_host(self) -> bool:
+        """Whether the ranks run on more than one host (asked once, then remembered)."""
+        if self.hosts is None:
+            import socket
+
+            self.hosts = tuple(self.all_gather("host names", socket.gethostname()))
+        return len(set(self.hosts)) > 1
+
+    @classmethod
+    def solo(cls) -> DistContext:
+        """A world of one process: collectives are trivial."""
+        return cls(None, (0,), 0, 1, DEFAULT_TIMEOUT_S)
+
+    def collective(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a collective on the checkpoint group; turn failures into a clear error that names
+        the ranks that never reached it (each rank marks its arrival in the job's store)."""
+        self.calls += 1
+        mark = f"stashpoint/{self.purpose}/{self.ranks}/{self.calls}"
+        store = _store()
+        if store is not None:
+            try:
+                store.set(f"{mark}/{self.rank}", "1")
+                if self.calls > 2:  # forget this rank's marks of two collectives ago
+                    store.delete_key(f"stashpoint/{self.purpose}/{self.ranks}/{self.calls - 2}/{self.rank}")
+            except Exception:
+                store = None
+        t0 = time.monotonic()
+        try:
+            return fn(*args, group=self.group, **kwargs)
+        except Exception as e:
+            absent = _absent(store, mark, self.world)
+            who = f"rank(s) {', '.join(map(str, absent))} never reached it" if absent else "a peer rank left it"
+            raise CollectiveError(
+                f"rank {self.rank}: the checkpoint collective '{what}' failed after {time.monotonic() - t0:.1f} s "
+                f"(timeout {self.timeout_s:.0f} s; a peer rank died, stalled, or left the save: {who}): "
+                f"{type(e).__name__}: {str(e)[:300]}"
+            ) from e
+
+    def all_gather(self, what: str, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        self.collective(what, dist.all_gather_object, out, obj)
+        return out
+
+    def broadcast(self, what: str, obj: Any) -> Any:
+        import torch.distributed as dist
+
+        if self.world == 1:
+            return obj
+        box = [obj]
+        self.collective(what, dist.broadcast_object_list, box, src=self.ranks[0])
+        return box[0]
+
+
+_contexts: dict[tuple[tuple[int, ...], float, str], DistContext] = {}
+_lock = threading.Lock()
+
+
+def _store() -> Any:
+    """The job's key-value store (the one ``init_process_group`` rendezvoused on), if any."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def _absent(store: Any, mark: str, world: int) -> list[int]:
+    """Group ranks that did not mark their arrival at a collective (empty if unknown)."""
+    if store is None:
+        return []
+    try:
+        return [r for r in range(world) if not store.check([f"{mark}/{r}"])]
+    except Exception:
+        return []
+
+
+def forget(ctx: DistContext) -> None:
+    """Drop a context whose group failed; the next collective save creates a fresh group."""
+    with _lock:
+        for k, v in list(_contexts.items()):
+            if v is ctx:
+                del _contexts[k]
+
+
+def context(process_group: Any = None, timeout_s: float | None = None, purpose: str = "save") -> DistContext | None:
+    """The checkpoint context for ``process_group`` (default: the world), or None when not
+    distributed. Creates stashpoint's own gloo group over the same ranks on first use; every
+    member rank must call this (it happens in the first collective save or load).
+
+    Each ``purpose`` gets its own group, for a thread of its own: ``"save"`` (the writer thread,
+    and loads once saves are done) and ``"upload"`` (the tier uploader)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise CheckpointError(
+                "a process_group was given but torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group first"
+            )
+        return None
+    src = process_group if process_group is not None else dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(src))
+    if len(ranks) == 1:
+        return None
+    timeout = float(timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
+    with _lock:
+        ctx = _contexts.get((ranks, timeout, purpose))
+        if ctx is None:
+            try:
+                group = dist.new_group(
+                    ranks=list(ranks),
+                    backend="gloo",
+                    timeout=_dt.timedelta(seconds=timeout),
+                    use_local_synchronization=True,
+                )
+            except Exception as e:
+                raise CollectiveError(
+                    f"could not create stashpoint's checkpoint process group over ranks {list(ranks)} (is every "
+                    f"rank alive and saving?): {type(e).__name__}: {str(e)[:300]}"
+                ) from e
+            ctx = DistContext(group, ranks, dist.get_rank(group), len(ranks), timeout, purpose=purpose)
+            _contexts[(ranks, timeout, purpose)] = ctx
+    return ctx
+
+
+def rank_of(process_group: Any = None) -> tuple[int, int]:
+    """``(rank, world size)`` in ``process_group`` (default: the world); ``(0, 1)`` when not distributed."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    src = process_group if process_group is not None else dist.group.WORLD
+    return dist.get_rank(src), dist.get_world_size(src)

@@ -1,0 +1,112 @@
+"""Loading replicated data at scale: each rank reads a share and the ranks exchange the rest.
+
+When every rank needs the same tensors (a DDP model, replicated optimizer state), reading them
+from storage on every rank multiplies the traffic by the world size. Instead the wanted regions
+that all ranks share are split over the ranks (balanced by bytes); each rank reads its share
+from storage and broadcasts it on the checkpoint group, so storage sees each byte once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from stashpoint._core.reshard import Box
+from stashpoint._dist.group import DistContext
+from stashpoint.errors import CheckpointError
+
+Item = tuple[str, Box]  # (key, region)
+
+
+def assign_readers(wanted: Sequence[dict[Item, int]]) -> dict[Item, int]:
+    """For each region every rank wants (``wanted[r]`` maps item -> bytes), the rank that reads
+    it: biggest first, each to the rank with the fewest bytes so far (ties: lowest rank)."""
+    if not wanted:
+        return {}
+    common = set(wanted[0])
+    for w in wanted[1:]:
+        common &= set(w)
+    load = [0] * len(wanted)
+    out: dict[Item, int] = {}
+    for item in sorted(common, key=lambda i: (-wanted[0][i], i[0], i[1].offsets, i[1].shape)):
+        rank = min(range(len(wanted)), key=lambda r: (load[r], r))
+        out[item] = rank
+        load[rank] += wanted[0][item]
+    return out
+
+
+def _order(items: list[tuple[Item, torch.Tensor]]) -> list[tuple[Item, torch.Tensor]]:
+    # widest elements first: every tensor starts aligned to its element size in the flat buffer
+    return sorted(items, key=lambda it: (-it[1].element_size(), it[0][0], it[0][1].offsets))
+
+
+_WINDOW = 64 * 1024 * 1024
+
+
+def broadcast_shares(ctx: DistContext, readers: dict[Item, int], dests: dict[Item, torch.Tensor]) -> int:
+    """After each rank has read its items into ``dests``, send them to the others.
+
+    Small tensors travel packed in one reused 64 MiB window per broadcast; a tensor larger than
+    the window is broadcast on its own, straight from and into its memory when it is contiguous
+    on the CPU. Returns the bytes this rank received.
+    """
+    import torch.distributed as dist
+
+    window = torch.empty(_WINDOW, dtype=torch.uint8)
+    received = 0
+
+    def send(src: int, batch: list[torch.Tensor], used: int) -> None:
+        nonlocal received
+        if not batch:
+            return
+        if ctx.rank == src:
+            off = 0
+            for t in batch:
+                n = t.numel() * t.element_size()
+                window[off : off + n].copy_(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+                off += n
+        ctx.collective("broadcast a read share", dist.broadcast, window[:used], src=ctx.ranks[src])
+        if ctx.rank != src:
+            off = 0
+            for t in batch:
+                n = t.numel() * t.element_size()
+                t.copy_(window[off : off + n].view(t.dtype).reshape(t.shape))
+                off += n
+            received += used
+
+    for src in range(ctx.world):
+        batch: list[torch.Tensor] = []
+        used = 0
+        for _, t in _order([(item, dests[item]) for item, r in readers.items() if r == src]):
+            n = t.numel() * t.element_size()
+            if n > _WINDOW:
+                direct = t.device.type == "cpu" and t.is_contiguous() and t.dim() > 0
+                buf = t if direct else t.detach().cpu().contiguous()
+                ctx.collective("broadcast a read share", dist.broadcast, buf, src=ctx.ranks[src])
+                if ctx.rank != src:
+                    if not direct:
+                        t.copy_(buf)
+                    received += n
+                continue
+            if used + n > _WINDOW:
+                send(src, batch, used)
+                batch, used = [], 0
+            batch.append(t)
+            used += n
+        send(src, batch, used)
+    return received
+
+
+def agree(ctx: DistContext, what: str, status: Any, error: type[CheckpointError] = CheckpointError) -> list[Any]:
+    """Exchange one status per rank; raise ``error`` on every rank if any rank reported an error
+    string, so that all ranks take the same path (e.g. all fall back to an older checkpoint)."""
+    statuses = ctx.all_gather(what, status)
+    failed = [(r, s) for r, s in enumerate(statuses) if isinstance(s, str)]
+    if failed:
+        raise error(
+            f"loading failed on rank(s) {', '.join(str(r) for r, _ in failed)}: "
+            + "; ".join(f"rank {r}: {s}" for r, s in failed)[:4000]
+        )
+    return statuses

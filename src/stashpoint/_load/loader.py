@@ -1,0 +1,184 @@
+"""load: read a committed checkpoint straight into the tensors of a live state."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from stashpoint._dist import group as _dist
+from stashpoint._dist.group import rank_of
+from stashpoint._load.exchange import Item, agree, assign_readers, broadcast_shares
+from stashpoint._load.manifest import read_manifest, unlisted_shards
+from stashpoint._load.reads import Fetched, execute_reads, fetch
+from stashpoint._load.restore import Planner, Read
+from stashpoint._storage import Storage, storage_for
+from stashpoint.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    StateMismatchError,
+)
+
+log = logging.getLogger("stashpoint")
+
+def load(
+    state: Any,
+    path: str | os.PathLike[str] | Storage,
+    *,
+    strict: bool = True,
+    verify: bool = True,
+    allow_pickle: bool = False,
+    process_group: Any = None,
+    exchange: bool | None = None,
+    timeout: float | None = None,
+    atomic: bool = False,
+) -> None:
+    """Restore the checkpoint at ``path`` in place into the objects held by ``state``.
+
+    Tensors are read straight into the state's tensors (CPU or CUDA); objects with
+    ``load_state_dict`` get their state back; plain values come back whole from the checkpoint.
+
+    Args:
+        state: the live state, with the same structure as the saved one.
+        path: the checkpoint directory.
+        strict: raise :class:`StateMismatchError` listing every missing or unexpected key and
+            every shape or dtype difference. With ``strict=False`` what matches is loaded and the
+            rest is reported as a warning.
+        verify: check every tensor's checksum (:class:`CorruptCheckpointError` on mismatch).
+        allow_pickle: unpickle values saved with ``allow_pickle=True``. Unpickling runs code
+            from the file: only for files you trust.
+        process_group: in a distributed run, the group whose ranks load (default: the world);
+            every rank of it calls ``load``. Each rank reads only the byte ranges its tensors
+            (or DTensor shards) need, whatever the world size and sharding at save time, and
+            gets back the plain values its rank saved (rank ``r`` gets those of rank ``r mod N``
+            when N ranks saved).
+        exchange: in a distributed run, read regions that every rank needs (replicated tensors)
+            from storage once in total — each rank reads a share and broadcasts it on the
+            checkpoint group — instead of every rank reading everything it needs directly. The
+            default (None) exchanges when the ranks span several hosts: ranks on one host share
+            its page cache (tensors every rank needs are read through it; the rest with direct
+            I/O), so there storage sees each byte about once anyway and reading without the
+            exchange is faster (see benchmarks/RESULTS.md).
+        timeout: seconds a collective step may wait for the other ranks (default 600).
+        atomic: all or nothing: every byte is read and verified into buffers of the load's
+            own, and only when that succeeded (on every rank) do the state's tensors, plain
+            values and objects change, so a load that raises leaves the state as it was. It
+            holds the bytes read once more in host memory until they land and costs 1.2-1.8x
+            the load time on CPU tensors (benchmarks/RESULTS.md), hence not the default. Without
+            it (the default) plain values and objects change only after every read succeeded,
+            but a load that raises may leave some tensors holding the checkpoint's values:
+            load a good checkpoint before training on (``CheckpointManager.restore`` does).
+
+    A save to ``path`` still in flight in this process (``async_save``) is waited for first.
+    """
+    from stashpoint._save.engine import wait_all, wait_staged
+
+    wait_staged()  # an overlap=True save still copying these objects must not see loaded values
+    storage = storage_for(path)
+    wait_all(storage.location)  # loading a checkpoint still being saved sees it committed
+    manifest = read_manifest(storage)
+    extra = unlisted_shards(storage, manifest)
+    if extra:
+        raise CorruptCheckpointError(
+            f"shard {storage.location}/{extra[0]} belongs to this checkpoint's save but its manifest does not list it "
+            f"({len(extra)} such file(s)): the manifest is damaged or incomplete. Load an earlier checkpoint."
+        )
+    rank, world = rank_of(process_group)
+    if world != manifest.world_size and len(manifest.trees) > 1:
+        log.warning(
+            "stashpoint: %s was saved by %d ranks and is loaded by %d; rank %d restores the per-rank values "
+            "(RNG states, ...) of saved rank %d",
+            storage.location,
+            manifest.world_size,
+            world,
+            rank,
+            rank % manifest.world_size,
+        )
+    ctx = None
+    if world > 1:
+        wait_all()  # the checkpoint group is used by one thread at a time: saves in flight first
+        ctx = _dist.context(process_group, timeout)
+    share = ctx is not None and (exchange if exchange is not None else ctx.multi_host())
+    plan_error: CheckpointError | None = None
+    try:
+        plan = Planner(manifest, state, allow_pickle=allow_pickle, where=storage.location, rank=rank).run()
+        if plan.problems and strict:
+            plan_error = StateMismatchError(storage.location, plan.problems)
+    except CheckpointError as e:
+        plan_error = e
+    reads: list[Read] = [] if plan_error else plan.reads
+    readers: dict[Item, int] = {}
+    if ctx is not None:  # every rank takes the same path: all load, or all raise
+        wanted = {(r.key, r.region): r.region.numel * r.dest.element_size() for r in reads} if share else {}
+        try:
+            statuses = agree(ctx, "load plans", str(plan_error) if plan_error else wanted)
+        except CheckpointError:
+            if plan_error:
+                raise plan_error from None
+            raise
+        if share:
+            readers = assign_readers(statuses)
+            reads = [r for r in reads if readers.get((r.key, r.region), ctx.rank) == ctx.rank]
+    elif plan_error:
+        raise plan_error
+    if plan.problems:
+        msg = (
+            f"stashpoint: loading {storage.location} skipped {len(plan.problems)} mismatch(es):\n  - "
+            + "\n  - ".join(plan.problems)
+        )
+        warnings.warn(msg, stacklevel=2)
+        log.warning(msg)
+    error: CheckpointError | None = None
+    fetched: Fetched | None = None
+    try:
+        if atomic:
+            fetched = fetch(storage, manifest, reads, verify=verify, ranks_share_host=ctx is not None and not share)
+        else:
+            execute_reads(storage, manifest, reads, verify=verify, ranks_share_host=ctx is not None and not share)
+    except CheckpointError as e:
+        error = e
+        if not atomic and reads:
+            error = type(e)(
+                f"{e}\nSome of the state's tensors may already hold this checkpoint's values (its plain values "
+                "and objects are unchanged): load a good checkpoint before training on, or load with atomic=True, "
+                "which leaves the whole state untouched when a load fails."
+            )
+    if ctx is not None:
+        try:
+            agree(ctx, "load reads", str(error) if error else 0, CorruptCheckpointError)
+        except CheckpointError:
+            if error:
+                raise error from None
+            raise
+        if fetched is not None:  # every rank read and verified its part: now the state changes
+            fetched.land()
+            fetched = None
+        if readers:
+            dests: dict[Item, torch.Tensor] = {}
+            for r in plan.reads:
+                dests.setdefault((r.key, r.region), r.dest)
+            with torch.no_grad():
+                broadcast_shares(ctx, readers, dests)
+                for r in plan.reads:  # a second destination of the same region (rare): copy it over
+                    first = dests[(r.key, r.region)]
+                    if (r.key, r.region) in readers and r.dest is not first:
+                        r.dest.copy_(first)
+    elif error:
+        raise error
+    if fetched is not None:
+        fetched.land()
+    for s in plan.setters:
+        s()
+    for where, fin in plan.finalizers:
+        try:
+            fin()
+        except CheckpointError:
+            raise
+        except Exception as e:  # an object's own load_state_dict refused what passed our checks
+            raise CheckpointError(
+                f"loading the state at {where or '<root>'!r} of {storage.location} into its object failed: "
+                f"{type(e).__name__}: {e}"
+            ) from e

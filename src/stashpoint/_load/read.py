@@ -1,0 +1,134 @@
+"""read: a checkpoint as plain Python values, without a live state to load into."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from stashpoint._core.format import Manifest
+from stashpoint._core.reshard import Box
+from stashpoint._load.manifest import open_checkpoint
+from stashpoint._load.reads import execute_reads
+from stashpoint._load.restore import Read
+from stashpoint._state.dtypes import torch_dtype
+from stashpoint._state.tree import Node, decode_plain, escape, join
+from stashpoint._storage import Storage
+from stashpoint.errors import CheckpointError
+
+
+def read(
+    path: str | os.PathLike[str],
+    *,
+    select: str | None = None,
+    device: str | torch.device = "cpu",
+    allow_pickle: bool = False,
+    rank: int = 0,
+) -> Any:
+    """Read the checkpoint at ``path`` into new Python values, with no state to load into.
+
+    Returns the saved state as nested dicts, lists and tuples of whole tensors and plain values:
+    sharded tensors (DTensor, FSDP2) come back assembled into full tensors, a module as its
+    ``state_dict()``, an optimizer as its state dict keyed by parameter name (as saved), tensors
+    saved tied as one tensor. Every checksum is verified, and nothing is unpickled unless
+    ``allow_pickle=True``. Only the selected tensors are allocated, each once, on ``device``;
+    besides them a read holds at most about 256 MiB of bounce buffers (shards that are not a
+    contiguous part of their tensor, and CUDA destinations, land there first).
+
+    Args:
+        path: a checkpoint directory or ``s3://`` URL.
+        select: a key path into the state, its components joined by ``/`` (e.g. ``"model"`` or
+            ``"optim/state"``): only that subtree is read.
+        device: where the tensors are created (``"cuda:0"`` reads straight to the GPU).
+        allow_pickle: unpickle values saved with ``allow_pickle=True`` (runs code from the file:
+            only for files you trust).
+        rank: whose per-rank plain values (RNG states, ...) to return, for a checkpoint saved by
+            several ranks; tensors are the same for every rank.
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``path``.
+        CheckpointError: ``select`` names no key of the checkpoint (the message lists those there).
+        CorruptCheckpointError: a checksum or the structure does not match.
+    """
+    storage, manifest = open_checkpoint(path)
+    node = _select(manifest.tree_for(rank), select, str(path))
+    builder = _Builder(manifest, torch.device(device), allow_pickle, storage.location)
+    value = builder.build(node)
+    builder.run(storage)
+    return value
+
+
+def _select(tree: Node, select: str | None, where: str) -> Node:
+    if not select:
+        return tree
+    node, done = tree, ""
+    for part in select.strip("/").split("/"):
+        while "stateful" in node:  # an object adds no key path component
+            node = node["state"]
+        children: list[tuple[str, Node]] = []
+        if "dict" in node:
+            children = [(escape(k), v) for k, v in node["dict"]]
+        elif "list" in node or "tuple" in node:
+            children = [(str(i), v) for i, v in enumerate(node["list"] if "list" in node else node["tuple"])]
+        found = [v for k, v in children if k == part]
+        if not found:
+            shown = ", ".join(repr(k) for k, _ in children[:20]) + (", ..." if len(children) > 20 else "")
+            raise CheckpointError(
+                f"select={select!r}: {where} has no key {join(done, part)!r}"
+                + (f"; the keys under {done or 'the root'!r} are {shown}" if children else f"; {done!r} is a leaf")
+            )
+        node, done = found[0], join(done, part)
+    return node
+
+
+class _Builder:
+    """Builds the Python value of a tree node, allocating each stored tensor once."""
+
+    def __init__(self, manifest: Manifest, device: torch.device, allow_pickle: bool, where: str) -> None:
+        self.m = manifest
+        self.device = device
+        self.allow_pickle = allow_pickle
+        self.where = where
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.reads: list[Read] = []
+
+    def build(self, node: Node) -> Any:
+        if "tensor" in node:
+            return self._tensor(node["tensor"])
+        if "stateful" in node:
+            return self.build(node["state"])
+        if "dict" in node:
+            return {k: self.build(v) for k, v in node["dict"]}
+        if "list" in node:
+            return [self.build(v) for v in node["list"]]
+        if "tuple" in node:
+            return tuple(self.build(v) for v in node["tuple"])
+        return decode_plain(node, allow_pickle=self.allow_pickle, where=self.where)
+
+    def _tensor(self, key: str) -> torch.Tensor:
+        entry = self.m.resolve(key)
+        t = self.tensors.get(entry.key)
+        if t is None:  # tied tensors come back as one
+            t = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype, entry.key), device=self.device)
+            self.tensors[entry.key] = t
+            self.reads.append(Read(entry.key, t, Box.whole(tuple(entry.shape))))
+        return t
+
+    def run(self, storage: Storage) -> None:
+        # in batches: a chunk that is not a contiguous part of its tensor (Shard(1)) lands in a
+        # bounce buffer first, and those of one batch exist at once
+        batch: list[Read] = []
+        size = 0
+        for r in self.reads:
+            n = r.dest.numel() * r.dest.element_size()
+            if batch and size + n > _BATCH_BYTES:
+                execute_reads(storage, self.m, batch, verify=True)
+                batch, size = [], 0
+            batch.append(r)
+            size += n
+        if batch:
+            execute_reads(storage, self.m, batch, verify=True)
+
+
+_BATCH_BYTES = 256 << 20

@@ -1,0 +1,381 @@
+"""Planning a load: match the saved tree against the live state, before any byte is read.
+
+The planner walks both trees together and produces, without modifying anything:
+
+* ``reads``: which stored tensor goes into which destination tensor;
+* ``setters``: plain values to put back into containers (applied after the reads);
+* ``finalizers``: ``load_state_dict`` calls, innermost first;
+* ``problems``: every mismatch found (missing or unexpected keys, shapes, dtypes, types).
+
+Rules: tensors load in place into the state's tensors. Plain values (and containers holding
+only plain values) come back whole from the checkpoint. Inside a stateful object that is not a
+module (optimizers, schedulers, user objects) the saved state is authoritative: tensors the live
+object lacks are allocated. Modules and the top-level containers are matched key by key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stashpoint._core.format import Manifest, TensorEntry
+from stashpoint._core.reshard import Box
+from stashpoint._state import stateful as _stateful
+from stashpoint._state.dtensor import local_part, local_tensor
+from stashpoint._state.dtypes import dtype_name, torch_dtype
+from stashpoint._state.tree import Node, decode_plain, is_plain, join, tensor_keys
+from stashpoint._state.validate import named_optimizer_problem, optimizer_problem, structure_problem
+from stashpoint.errors import CorruptCheckpointError
+
+Setter = Callable[[Any], None] | None
+
+
+@dataclass
+class Read:
+    """Read the ``region`` (global coordinates) of stored tensor ``key`` (never an alias) into
+    ``dest``, a tensor of the region's shape (a rank's local shard, or the whole tensor)."""
+
+    key: str
+    dest: torch.Tensor
+    region: Box
+
+    @classmethod
+    def into(cls, key: str, live: torch.Tensor) -> Read:
+        dest, region, _ = local_part(live)
+        return cls(key, dest, region)
+
+
+@dataclass
+class RestorePlan:
+    reads: list[Read] = field(default_factory=list)
+    setters: list[Callable[[], None]] = field(default_factory=list)
+    finalizers: list[tuple[str, Callable[[], None]]] = field(default_factory=list)  # (where, call)
+    problems: list[str] = field(default_factory=list)
+
+
+def _holds_tensors(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor) or _stateful.kind_of(obj) is not None:
+        return True
+    if isinstance(obj, MutableMapping):
+        return any(_holds_tensors(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_tensors(v) for v in obj)
+    return False
+
+
+class Planner:
+    def __init__(self, manifest: Manifest, root: Any, *, allow_pickle: bool, where: str, rank: int = 0) -> None:
+        self.m = manifest
+        self.tree = manifest.tree_for(rank)
+        self.root = root
+        self.allow_pickle = allow_pickle
+        self.where = where
+        self.plan = RestorePlan()
+        self._materialized: dict[str, torch.Tensor] = {}
+
+    def run(self) -> RestorePlan:
+        if "dict" in self.tree and isinstance(self.root, MutableMapping):
+            self._dict(self.tree, self.root, "", None, materialize=False)  # the root is updated in place
+        else:
+            self.restore(self.tree, self.root, "", None, materialize=False)
+        return self.plan
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _name(self, key: str) -> str:
+        return repr(key) if key else "<root>"
+
+    def _set(self, setter: Setter, value: Any, where: str = "") -> None:
+        if setter is not None:
+            self.plan.setters.append(lambda: setter(value))
+        else:
+            self.plan.problems.append(
+                f"{self._name(where)}: a plain value cannot be put back into a tuple at the root of the state; "
+                "make the root a dict or a list"
+            )
+
+    def _entry(self, key: str) -> Any:
+        entry = self.m.tensors.get(key)
+        if entry is None:
+            raise CorruptCheckpointError(
+                f"the manifest of {self.where} names tensor {key!r} in its tree but lists no entry for it"
+            )
+        return entry
+
+    def _materialize(self, key: str) -> torch.Tensor:
+        entry = self.m.resolve(self._entry(key).key)
+        t = self._materialized.get(entry.key)
+        if t is None:  # tensors saved once for several keys come back as one tensor (tied)
+            t = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype, entry.key))
+            self._materialized[entry.key] = t
+            self.plan.reads.append(Read.into(entry.key, t))
+        return t
+
+    def build(self, node: Node, where: str, like: Any = None) -> Any:
+        """A fresh Python value for ``node``; containers are rebuilt.
+
+        A tensor is read into the matching tensor of ``like`` (same place, dtype and shape) when
+        there is one, so live tensors are reused; otherwise it is allocated on the CPU.
+        """
+        if "tensor" in node:
+            entry = self._entry(node["tensor"])
+            reusable = isinstance(like, torch.Tensor) and torch._debug_has_internal_overlap(local_tensor(like)) != 1
+            if reusable and not _mismatch(entry, like):
+                self.plan.reads.append(Read.into(self.m.resolve(entry.key).key, like))
+                return like
+            return self._materialize(node["tensor"])
+        if "stateful" in node:
+            return self.build(node["state"], where, like)
+        if "dict" in node:
+            sub = like if isinstance(like, Mapping) else {}
+            return {k: self.build(v, join(where, k), sub.get(k)) for k, v in node["dict"]}
+        if "list" in node or "tuple" in node:
+            items = node["list"] if "list" in node else node["tuple"]
+            seq = like if isinstance(like, (list, tuple)) and len(like) == len(items) else [None] * len(items)
+            out = [self.build(v, join(where, i), x) for i, (v, x) in enumerate(zip(items, seq))]
+            return out if "list" in node else tuple(out)
+        return decode_plain(node, allow_pickle=self.allow_pickle, where=self.where)
+
+    # -- the walk ------------------------------------------------------------------------------
+
+    def restore(self, saved: Node, live: Any, where: str, setter: Setter, *, materialize: bool) -> None:
+        if "tensor" in saved:
+            self._tensor(saved["tensor"], live, where, setter, materialize)
+        elif is_plain(saved):
+            if _holds_tensors(live):
+                self.plan.problems.append(
+                    f"{self._name(where)}: the checkpoint holds a plain value, the state holds {type(live).__name__}"
+                )
+            else:
+                self._set(setter, self.build(saved, where), where)
+        elif "stateful" in saved:
+            self._stateful(saved, live, where, setter)
+        elif "dict" in saved:
+            self._dict(saved, live, where, setter, materialize)
+        else:
+            items: list[Node] = saved["list"] if "list" in saved else saved["tuple"]
+            if isinstance(live, (list, tuple)) and len(live) == len(items):
+                # a tuple is rebuilt from a list copy once its items are back, then set in its parent
+                seq = live if isinstance(live, list) else list(live)
+                for i, child in enumerate(items):
+                    self.restore(child, seq[i], join(where, i), _bind(seq.__setitem__, i), materialize=materialize)
+                if isinstance(live, tuple) and setter is not None:
+                    self.plan.setters.append(lambda: setter(type(live)(seq)))
+                elif isinstance(live, tuple) and any(is_plain(c) for c in items):
+                    self._set(None, None, where)  # a root tuple cannot take plain values back
+            elif materialize or live is None:
+                self._set(setter, self.build(saved, where))
+            else:
+                n = len(live) if isinstance(live, (list, tuple)) else None
+                self.plan.problems.append(
+                    f"{self._name(where)}: the checkpoint holds a sequence of {len(items)} items, the state "
+                    f"holds {type(live).__name__}" + (f" of {n} items" if n is not None else "")
+                )
+
+    def _tensor(self, key: str, live: Any, where: str, setter: Setter, materialize: bool) -> None:
+        entry = self._entry(key)
+        if isinstance(live, torch.Tensor):
+            if live.device.type == "meta":
+                self.plan.problems.append(
+                    f"{self._name(key)}: the state's tensor is on the meta device and has no memory to load into; "
+                    "materialize it first (module.to_empty(device=...))"
+                )
+                return
+            if torch._debug_has_internal_overlap(local_tensor(live)) == 1:
+                self.plan.problems.append(
+                    f"{self._name(key)}: the state's tensor is an expanded view whose elements share memory, so a "
+                    "load cannot write into it; give the state a tensor with its own memory (t.clone())"
+                )
+                return
+            if _mismatch(entry, live):
+                self.plan.problems.append(
+                    f"{self._name(key)}: the checkpoint holds {entry.dtype}{list(entry.shape)}, "
+                    f"the state holds {dtype_name(live.dtype)}{list(live.shape)}"
+                )
+                return
+            self.plan.reads.append(Read.into(self.m.resolve(key).key, live))
+        elif materialize or live is None:
+            self._set(setter, self._materialize(key))
+        else:
+            self.plan.problems.append(
+                f"{self._name(key)}: the checkpoint holds a tensor, the state holds {type(live).__name__}"
+            )
+
+    def _dict(self, saved: Node, live: Any, where: str, setter: Setter, materialize: bool) -> None:
+        kind = _stateful.kind_of(live)
+        if kind is not None and not isinstance(live, MutableMapping):
+            # a raw state dict (e.g. imported from torch.save) loads into the live object
+            wrapped: Node = {"stateful": kind, "state": saved}
+            if kind == "optimizer":
+                wrapped["keyed_by"] = "index"
+            self._stateful(wrapped, live, where, setter)
+            return
+        if not isinstance(live, MutableMapping):
+            if materialize or live is None:
+                self._set(setter, self.build(saved, where))
+                return
+            self.plan.problems.append(
+                f"{self._name(where)}: the checkpoint holds a dict, the state holds {type(live).__name__}"
+            )
+            return
+        seen = set()
+        for k, child in saved["dict"]:
+            seen.add(k)
+            cw = join(where, k)
+            if k in live:
+                self.restore(child, live[k], cw, _bind(live.__setitem__, k), materialize=materialize)
+            elif materialize or is_plain(child):
+                self._set(_bind(live.__setitem__, k), self.build(child, cw))
+            else:
+                keys = tensor_keys(child)
+                self.plan.problems.append(
+                    f"unexpected key {self._name(cw)}: in the checkpoint, not in the state"
+                    + (f" ({len(keys)} tensor(s))" if len(keys) > 1 else "")
+                )
+        for k in live:
+            if k not in seen:  # plain values too: a silently kept value (a step counter) is a wrong resume
+                self.plan.problems.append(
+                    f"missing key {self._name(join(where, k))}: in the state, not in the checkpoint"
+                )
+
+    def _stateful(self, saved: Node, live: Any, where: str, setter: Setter) -> None:
+        kind = _stateful.kind_of(live)
+        if kind is None:
+            if isinstance(live, MutableMapping) or live is None:  # a placeholder: rebuild the raw state
+                self._dict(saved["state"], live, where, setter, materialize=True)
+            else:
+                self.plan.problems.append(
+                    f"{self._name(where)}: the checkpoint holds a {saved['stateful']} state, "
+                    f"the state holds {type(live).__name__} (which has no load_state_dict)"
+                )
+            return
+        if kind == "optimizer" or saved["stateful"] == "optimizer":
+            if kind != saved["stateful"]:
+                self.plan.problems.append(
+                    f"{self._name(where)}: the checkpoint holds a {saved['stateful']} state, "
+                    f"the state holds {type(live).__name__}"
+                )
+                return
+            self._optimizer(saved, live, where)
+            return
+        if kind == "object":
+            self._object(saved, live, where)
+            return
+        live = _stateful.unwrap(live)
+        box = [live.state_dict()]
+        self.restore(saved["state"], box[0], where, _bind(box.__setitem__, 0), materialize=False)
+        self.plan.finalizers.append((where, lambda: live.load_state_dict(box[0], strict=False)))
+
+    def _object(self, saved: Node, live: Any, where: str) -> None:
+        """A stateful object gets back only a state of the structure its own ``state_dict()``
+        has (same keys, lengths and kinds of values), checked before anything is changed; its
+        tensors are read into the live state's tensors where they match."""
+        live_sd = live.state_dict()
+        built = self.build(saved["state"], where, like=live_sd)
+        check = getattr(live, "_stashpoint_check", None)  # stashpoint's own objects check themselves
+        problem = check(built) if callable(check) else structure_problem(built, live_sd)
+        if problem is not None:
+            self.plan.problems.append(
+                f"{self._name(where)}: the saved state does not fit this {type(live).__name__}: {problem}"
+            )
+            return
+        self.plan.finalizers.append((where, lambda: live.load_state_dict(built)))
+
+    def _optimizer(self, saved: Node, optim: torch.optim.Optimizer, where: str) -> None:
+        n_before = len(self.plan.problems)
+        names = _stateful.param_names(_stateful.find_modules(self.root))
+        by_name = saved.get("keyed_by") == "name"
+        # the optimizer's current state (same keying) lends its tensors: loaded in place
+        live = _stateful.optimizer_to_tree(optim, names)[1] if by_name else optim.state_dict()
+        params = _optimizer_params(optim, names, by_name)
+        live = {**live, "state": self._state_like_params(saved["state"], live.get("state", {}), params)}
+        built = self.build(saved["state"], where, like=live)
+        if not (isinstance(built, dict) and isinstance(built.get("param_groups"), list)):
+            raise CorruptCheckpointError(f"the optimizer state at {self._name(where)} in {self.where} is malformed")
+        if not by_name:
+            self._optimizer_finalizer(built, optim, where)
+            return
+        current = _stateful.optimizer_current_names(optim, names)
+        if any(n is None for n in current):
+            self.plan.problems.append(
+                f"{self._name(where)}: the checkpoint keys this optimizer's state by parameter name, but some "
+                "of its parameters belong to no module in the state; put the model in the state too"
+            )
+            return
+        malformed = named_optimizer_problem(built)
+        if malformed is not None:
+            self.plan.problems.append(f"{self._name(where)}: the saved optimizer state is malformed: {malformed}")
+            return
+        saved_names = [n for g in built["param_groups"] for n in g["params"]]
+        for n in sorted(set(saved_names) - set(current), key=str):
+            self.plan.problems.append(
+                f"unexpected optimizer parameter {n!r} at {self._name(where)}: not in the optimizer"
+            )
+        for n in sorted(set(current) - set(saved_names), key=str):
+            self.plan.problems.append(
+                f"missing optimizer parameter {n!r} at {self._name(where)}: not in the checkpoint"
+            )
+        if len(built["param_groups"]) != len(optim.param_groups):
+            self.plan.problems.append(
+                f"{self._name(where)}: the checkpoint has {len(built['param_groups'])} parameter group(s), "
+                f"the optimizer {len(optim.param_groups)}"
+            )
+        if len(self.plan.problems) == n_before:
+            self._optimizer_finalizer(_stateful.optimizer_from_named(built, optim, names), optim, where)
+
+    def _optimizer_finalizer(self, sd: dict[str, Any], optim: torch.optim.Optimizer, where: str) -> None:
+        problem = optimizer_problem(sd, optim)
+        if problem is not None:
+            self.plan.problems.append(f"{self._name(where)}: the saved optimizer state does not fit: {problem}")
+        else:
+            self.plan.finalizers.append((where, lambda: optim.load_state_dict(sd)))
+
+    def _state_like_params(
+        self, saved: Node, live: Mapping[Any, Any], params: Mapping[Any, torch.Tensor]
+    ) -> dict[Any, Any]:
+        """The live optimizer's per-parameter state, completed with empty tensors made like their
+        parameter for every saved tensor the live optimizer lacks (a fresh optimizer has none).
+
+        A state tensor of its parameter's (global) shape is created like the parameter: a DTensor
+        on its mesh with its placements when it is one, on its device, in the saved dtype. Reading
+        into it then reads only this rank's slice. Other state (Adam's scalar ``step``) is left to
+        be built from the checkpoint as saved.
+        """
+        out: dict[Any, Any] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in live.items()}
+        state = dict(saved.get("dict", ())).get("state") if isinstance(saved, dict) else None
+        for pkey, pnode in (state or {}).get("dict", ()):
+            param = params.get(pkey)
+            if param is None or not isinstance(pnode, dict) or "dict" not in pnode:
+                continue
+            slot = out.setdefault(pkey, {})
+            if not isinstance(slot, dict):
+                continue
+            for skey, snode in pnode["dict"]:
+                if not (isinstance(snode, dict) and "tensor" in snode) or isinstance(slot.get(skey), torch.Tensor):
+                    continue
+                entry = self._entry(snode["tensor"])
+                if tuple(entry.shape) == tuple(param.shape) and len(entry.shape) > 0:
+                    with torch.no_grad():
+                        slot[skey] = torch.empty_like(param, dtype=torch_dtype(entry.dtype, entry.key))
+        return out
+
+
+def _optimizer_params(optim: torch.optim.Optimizer, names: Mapping[int, str], by_name: bool) -> dict[Any, torch.Tensor]:
+    """The optimizer's parameters by the key its saved state uses: name, or index in its order."""
+    params = [p for group in optim.param_groups for p in group["params"]]
+    if by_name:
+        return {names[id(p)]: p for p in params if id(p) in names}
+    return dict(enumerate(params))
+
+
+def _mismatch(entry: TensorEntry, t: torch.Tensor) -> bool:
+    return entry.dtype != dtype_name(t.dtype) or tuple(entry.shape) != tuple(t.shape)
+
+
+def _bind(fn: Callable[[Any, Any], None] | None, key: Any) -> Setter:
+    if fn is None:
+        return None
+    return lambda value: fn(key, value)

@@ -1,0 +1,479 @@
+"""CheckpointManager: a run directory of steps, with retention, bounded saves and crash recovery."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import fcntl
+import json
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from stashpoint._core.format import MANIFEST_NAME
+from stashpoint._core.policy import LOCK_NAME, Retention, Schedule, step_dir, steps_to_keep
+from stashpoint._dist.group import rank_of
+from stashpoint._load.loader import load
+from stashpoint._manager.steps import (
+    METRICS_KEY,
+    committed_steps,
+    delete_step,
+    move_aside,
+    quietly,
+    read_metrics,
+    remove_leftovers,
+)
+from stashpoint._manager.tiers import RemoteTier, restore_order
+from stashpoint._save.engine import SaveOptions, _get_engine
+from stashpoint._save.handle import SaveHandle, SaveStats
+from stashpoint._storage import LocalStorage, Storage, storage_for
+from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+
+log = logging.getLogger("stashpoint")
+
+
+class CheckpointManager:
+    """Saves a training state every so often into ``root/step-XXXXXXXX`` and keeps the right ones.
+
+    Typical use::
+
+        with stashpoint.CheckpointManager("runs/exp1", keep_last=3, every_steps=500) as mgr:
+            start = (mgr.restore(state) or 0) + 1          # None on a fresh run
+            for step in range(start, total + 1):
+                train_one_step()
+                mgr.maybe_save(step, state, metrics={"loss": loss})
+
+    Args:
+        root: the run directory (created if needed).
+        keep_last: keep the newest N committed steps (None: no limit from this rule).
+        keep_every: also keep every step that is a multiple of K, forever.
+        keep_best: also keep the K best steps by a metric: ``(K, "metric")`` (lowest is best) or
+            ``(K, "metric", "max")``. Pass the metric in ``save(..., metrics=...)``.
+        max_inflight: saves that may be staged or persisting at once. Each holds one staged copy
+            of the state in host memory, so this bounds the host memory used for staging.
+        on_busy: when ``max_inflight`` saves are in flight, ``"wait"`` blocks until one commits
+            (backpressure) and ``"skip"`` skips the new save (logged and counted).
+        every_steps, every_seconds: when :meth:`maybe_save` saves.
+        on_save: called with the :class:`SaveStats` of every save once it commits or is skipped.
+        remote_root: a second, durable tier (e.g. ``"s3://bucket/run"`` or a shared filesystem).
+            Each step commits to ``root`` first (fast, local), then is copied there in the
+            background; steps a crash left un-copied are copied when a manager opens the root
+            again. :meth:`restore` prefers a valid local copy and falls back to the remote one.
+        remote_keep_last: keep the newest N steps in the remote tier (None: all of them);
+            ``keep_every`` and ``keep_best`` apply to both tiers, ``keep_last`` to the local one.
+        overlap: save with ``overlap=True`` (see :func:`stashpoint.async_save`) by default.
+        writer: the default ``writer`` of this manager's saves, ``"thread"`` or ``"process"``
+            (see :func:`stashpoint.async_save`); None: the library's default.
+
+    Only one manager may own a root at a time; a second one is refused with an error. On
+    opening, directories of saves that never committed (a crash) are removed.
+
+    In a distributed run every rank creates a manager on the same root and calls ``save`` /
+    ``maybe_save`` / ``restore`` at the same steps (saves are collective); rank 0 owns the root
+    (lock, cleanup, retention). Save options such as ``process_group`` and ``timeout`` pass
+    through ``save(..., **options)``.
+    """
+
+    #: The backend of each step under a local root (tests inject faults by subclassing it).
+    storage_class: type[LocalStorage] = LocalStorage
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | Storage,
+        *,
+        keep_last: int | None = 3,
+        keep_every: int | None = None,
+        keep_best: tuple[int, str] | tuple[int, str, str] | None = None,
+        max_inflight: int = 1,
+        on_busy: str = "wait",
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        on_save: Callable[[SaveStats], None] | None = None,
+        remote_root: str | os.PathLike[str] | Storage | None = None,
+        remote_keep_last: int | None = None,
+        overlap: bool = False,
+        writer: str | None = None,
+    ) -> None:
+        best_k, metric, mode = _parse_keep_best(keep_best)
+        self.retention = Retention(keep_last, keep_every, best_k, metric, mode)
+        # the remote tier keeps everything unless remote_keep_last is given
+        self.remote_retention = (
+            None if remote_keep_last is None else Retention(remote_keep_last, keep_every, best_k, metric, mode)
+        )
+        self.overlap = overlap
+        self.writer = writer
+        if writer is not None:
+            SaveOptions(writer=writer)  # validates
+        self.schedule = Schedule(every_steps, every_seconds)
+        SaveOptions(max_inflight=max_inflight, on_busy=on_busy)  # validates
+        self.storage = storage_for(root)
+        self.root: Path | str = self.storage.root if isinstance(self.storage, LocalStorage) else self.storage.location
+        self.max_inflight = max_inflight
+        self.on_busy = on_busy
+        self.on_save = on_save
+        self.history: collections.deque[SaveStats] = collections.deque(maxlen=1000)
+        self.skipped = 0
+        self._handles: list[tuple[SaveHandle, cf.Future[None]]] = []
+        self._metrics: dict[int, dict[str, float]] = {}
+        self._last_save_time: float | None = None
+        self._lock = threading.Lock()
+        self._deleter = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-retention")
+        self._deletions: list[cf.Future[None]] = []
+        self._closed = False
+        self.rank, self.world = rank_of()
+        self._tier: RemoteTier | None = None
+        self._restored_from: str | None = None
+        self.storage.prepare()
+        # In a distributed run rank 0 owns the root: the lock, the cleanup and the retention.
+        # (Object stores offer no lock: there, one manager per root is the user's to ensure.)
+        self._lock_fd = -1
+        if self.rank == 0 and isinstance(self.storage, LocalStorage):
+            self._lock_fd = _acquire_root_lock(self.storage.root)
+        try:
+            if self.rank == 0:
+                remove_leftovers(self.storage)
+            if remote_root is not None:
+                self._tier = RemoteTier(
+                    self.storage, remote_root, self.remote_retention, self._metrics_of, self.rank, self._upload_ended
+                )
+        except BaseException:
+            self._release()
+            raise
+
+    @property
+    def remote(self) -> Storage | None:
+        """The remote tier's root (None without ``remote_root``)."""
+        return self._tier.remote if self._tier is not None else None
+
+    # -- listing -------------------------------------------------------------------------------
+
+    def path(self, step: int) -> Path | str:
+        """Where ``step`` lives: a directory under a local root, a URL under a remote one."""
+        target = self._at(step)
+        return target.root if isinstance(target, LocalStorage) else target.location
+
+    def _at(self, step: int) -> Storage:
+        if isinstance(self.storage, LocalStorage):
+            return self.storage_class(self.storage.root / step_dir(step))
+        return self.storage.child(step_dir(step))
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first. Saves in progress and crashed saves are not listed."""
+        return committed_steps(self.storage)
+
+    def remote_steps(self) -> list[int]:
+        """Committed steps in the remote tier, oldest first ([] without a ``remote_root``)."""
+        return self._tier.steps() if self._tier is not None else []
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when the root holds none."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether a save is due at ``step`` by ``every_steps`` / ``every_seconds``."""
+        if not self.schedule.configured:
+            raise ValueError("should_save needs every_steps and/or every_seconds on the CheckpointManager")
+        if self.world > 1 and self.schedule.every_seconds is not None:
+            raise ValueError(
+                "every_seconds would let ranks decide differently in a distributed run (their clocks differ); "
+                "use every_steps, or decide on rank 0 and broadcast the decision on your own group"
+            )
+        return self.schedule.due(step, time.monotonic(), self._last_save_time)
+
+    def maybe_save(
+        self, step: int, state: Any, *, metrics: Mapping[str, float] | None = None, **options: Any
+    ) -> SaveHandle | None:
+        """Save if :meth:`should_save` says so; return the handle, or None when no save was due."""
+        return self.save(step, state, metrics=metrics, **options) if self.should_save(step) else None
+
+    def save(self, step: int, state: Any, *, metrics: Mapping[str, float] | None = None, **options: Any) -> SaveHandle:
+        """Start an asynchronous save of ``state`` as ``step``; returns once the state is staged.
+
+        ``options`` are those of :func:`stashpoint.async_save` (``allow_pickle``, ``metadata``,
+        ``max_shard_bytes``, ``overlap``). Older steps are deleted by the retention rules in the
+        background once this one has committed. With a ``remote_root``, the step is then copied
+        to the remote tier in the background.
+        """
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        target = self._at(step)
+        with self._lock:
+            if any(h.step == step and not a.done() for h, a in self._handles):
+                raise CheckpointError(
+                    f"step {step} is still being saved to {target.location}; wait for that save (mgr.wait()) first"
+                )
+        if target.exists(MANIFEST_NAME):
+            raise CheckpointError(
+                f"step {step} already has a committed checkpoint at {target.location}; save under a new step, or "
+                "delete that directory first."
+            )
+        if self.rank == 0:  # the remains of an earlier failed save of this step, if any
+            target.remove_tree()
+        metrics = dict(metrics or {})
+        meta = dict(options.pop("metadata", None) or {})
+        meta[METRICS_KEY] = json.dumps(metrics)
+        if "timeout" in options:
+            options["timeout_s"] = options.pop("timeout")
+        if self._tier is not None and options.get("process_group") is not None:
+            raise ValueError(
+                "a CheckpointManager with a remote_root uploads over the whole world; saving over a process_group "
+                "is not supported with tiers (use a manager without remote_root)"
+            )
+        if self.overlap:
+            options.setdefault("overlap", True)
+        if self.writer is not None:
+            options.setdefault("writer", self.writer)
+        opts = SaveOptions(metadata=meta, max_inflight=self.max_inflight, on_busy=self.on_busy, step=step, **options)
+        self._last_save_time = time.monotonic()
+        try:
+            handle = _get_engine().submit(state, target, opts)
+        except BaseException as e:
+            if self._tier is not None and self.world > 1:  # the other ranks queue this step's upload: so do we
+                failed: cf.Future[Any] = cf.Future()
+                failed.set_exception(e)
+                self._tier.submit(step, failed)
+            raise
+        after: cf.Future[None] = cf.Future()  # done once the bookkeeping below has run too
+        with self._lock:
+            # keep saves in flight, and failed ones until wait() has reported them
+            self._handles = [(h, a) for h, a in self._handles if not a.done() or h.exception() is not None]
+            self._handles.append((handle, after))
+        handle._future.add_done_callback(lambda f: self._after_save(step, metrics, f, after))
+        if self._tier is not None:
+            self._tier.submit(step, handle._future)
+        return handle
+
+    def _after_save(
+        self, step: int, metrics: dict[str, float], future: cf.Future[SaveStats], after: cf.Future[None]
+    ) -> None:
+        try:
+            if future.exception() is not None:
+                if self.rank == 0 and not self._at(step).exists(MANIFEST_NAME):
+                    quietly(self._at(step).remove_tree)
+                return
+            stats = future.result()
+            with self._lock:
+                self.history.append(stats)
+                if stats.skipped:
+                    self.skipped += 1
+                else:
+                    self._metrics[step] = metrics
+                    if self.rank == 0:
+                        self._deletions.append(self._deleter.submit(self._apply_retention))
+            if self.on_save is not None:
+                try:
+                    self.on_save(stats)
+                except Exception:
+                    log.exception("stashpoint: the on_save callback raised")
+        finally:
+            after.set_result(None)
+
+    # -- retention -----------------------------------------------------------------------------
+
+    def _metrics_of(self, step: int, root: Storage | None = None) -> dict[str, float]:
+        if step not in self._metrics:
+            where = self._at(step) if root is None else root.child(step_dir(step))
+            self._metrics[step] = read_metrics(where)
+        return self._metrics[step]
+
+    def _apply_retention(self) -> None:
+        try:
+            steps = self.steps()
+            keep = set(steps_to_keep(steps, {s: self._metrics_of(s) for s in steps}, self.retention))
+            if self._tier is not None:
+                keep |= self._tier.protected()  # not uploaded yet (pending, or failed: uploaded at next open)
+            for step in steps:
+                if step not in keep:
+                    delete_step(self.storage, step)
+        except Exception:
+            log.exception("stashpoint: applying the retention rules to %s failed", self.storage.location)
+
+    def _upload_ended(self) -> None:
+        """An upload ended: local steps it protected may go now."""
+        with self._lock:
+            if self.rank == 0 and not self._closed:
+                self._deletions.append(self._deleter.submit(self._apply_retention))
+
+    # -- restoring -----------------------------------------------------------------------------
+
+    def restore(self, state: Any, step: int | None = None, *, strict: bool = True, **options: Any) -> int | None:
+        """Load ``step`` (default: the newest committed one) into ``state``; return the step.
+
+        Returns None when the root holds no committed checkpoint, so resuming is one line. When
+        no step is given and the newest checkpoint turns out damaged, the error is logged, the
+        next older one is tried, and the damaged steps are moved aside (renamed
+        ``step-XXXXXXXX.damaged-<time>``, kept for inspection, never listed again) so that
+        training can save those steps anew. ``options`` are those of :func:`stashpoint.load`
+        (``verify``, ``allow_pickle``, ``exchange``, ``timeout``, ``process_group``).
+
+        With a ``remote_root``, a step's local copy is preferred when every rank has it, and
+        the remote copy is used otherwise (a fresh node) or when the local one is damaged.
+        """
+        if self.remote is None and step is not None:
+            load(state, self._at(step), strict=strict, **options)
+            return step
+        order = self._restore_order(step, options)
+        if step is not None and not order:
+            order = [(step, "local")]  # raises CheckpointNotFoundError, naming the path
+        damaged: list[tuple[int, str]] = []
+        errors: list[CheckpointError] = []
+        for candidate, tier in order:
+            where = self._at(candidate) if tier == "local" or self._tier is None else self._tier.at(candidate)
+            try:
+                load(state, where, strict=strict, **options)
+            except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+                if step is not None and (candidate, tier) == order[-1] and not errors:
+                    raise
+                log.error("stashpoint: the %s copy of step %d is unusable (%s); trying another", tier, candidate, e)
+                errors.append(e)
+                damaged.append((candidate, tier))
+                continue
+            if step is None and self.rank == 0:
+                for s, t in damaged:
+                    move_aside(self.storage if t == "local" or self._tier is None else self._tier.remote, s)
+            self._restored_from = tier
+            return candidate
+        if len(errors) > 1 and step is not None:  # both copies of the step asked for
+            copies = "\n".join(f"- the {t} copy: {e}" for (_, t), e in zip(damaged, errors))
+            raise CorruptCheckpointError(f"every copy of step {step} is unusable:\n{copies}")
+        if errors:
+            raise errors[0]
+        return None
+
+    def _restore_order(self, step: int | None, options: dict[str, Any]) -> list[tuple[int, str]]:
+        if self._tier is None or self.world == 1:
+            return restore_order(self.steps(), self.remote_steps(), step)
+        # every rank must pick the same copy: local only where every rank has it; the remote
+        # listing is rank 0's, and an error on any rank is everybody's
+        from stashpoint._dist import group as _dist
+        from stashpoint._save import engine as _save
+
+        local: list[int] = []
+        remote: list[int] = []
+        error: str | None = None
+        try:
+            local, remote = self.steps(), (self.remote_steps() if self.rank == 0 else [])
+        except Exception as e:
+            error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        _save.wait_all()
+        ctx = _dist.context(options.get("process_group"), options.get("timeout"))
+        mine: tuple[str, Any] = ("error", error) if error else ("ok", (local, remote))
+        if ctx is None:
+            if error:
+                raise CheckpointError(f"listing the checkpoints failed: {error}")
+            return restore_order(local, remote, step)
+        seen = ctx.all_gather("restore: the steps each rank has", mine)
+        errors = [v for k, v in seen if k == "error"]
+        if errors:
+            raise CheckpointError("listing the checkpoints to restore failed: " + "; ".join(errors))
+        everywhere = sorted(set.intersection(*(set(loc) for _, (loc, _) in seen)))
+        return restore_order(everywhere, seen[0][1][1], step)
+
+    def restored_from(self) -> str | None:
+        """Which tier the last :meth:`restore` read: "local", "remote", or None."""
+        return self._restored_from
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Wait for this manager's saves, uploads and deletions; raise the first failure, if any
+        (a save's first, then an upload's)."""
+        with self._lock:
+            pairs, self._handles = self._handles, []
+        cf.wait([a for _, a in pairs])
+        handles = [h for h, _ in pairs]
+        uploads = self._tier.take_futures() if self._tier is not None else []
+        cf.wait(uploads)
+        while True:
+            with self._lock:
+                pending, self._deletions = self._deletions, []
+            if not pending:
+                break
+            cf.wait(pending)
+        for h in handles:
+            exc = h.exception()
+            if exc is not None:
+                raise exc
+        for u in uploads:
+            err = u.exception()
+            if err is not None:
+                raise err
+
+    def close(self) -> None:
+        """Wait for pending saves and deletions, then release the root."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            if self._tier is not None:
+                self._tier.close()
+            with self._lock:
+                self._closed = True
+            self._release()
+
+    def _release(self) -> None:
+        self._deleter.shutdown(wait=True)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"this CheckpointManager on {self.root} is closed; create a new one")
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        if et is None:
+            self.close()
+            return
+        try:  # do not hide the exception already on its way out
+            self.close()
+        except CheckpointError as e:
+            log.error("stashpoint: while closing the manager: %s", e)
+
+    def __repr__(self) -> str:
+        return f"<CheckpointManager {self.root} steps={self.steps()}>"
+
+
+def _parse_keep_best(value: Any) -> tuple[int | None, str, str]:
+    if value is None:
+        return None, "loss", "min"
+    if isinstance(value, tuple) and len(value) in (2, 3) and isinstance(value[0], int) and isinstance(value[1], str):
+        return value[0], value[1], value[2] if len(value) == 3 else "min"
+    raise ValueError(f"keep_best must be (k, 'metric') or (k, 'metric', 'min'|'max'), got {value!r}")
+
+
+def _acquire_root_lock(root: Path) -> int:
+    flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:  # never through a planted symbolic link (it could create a file outside the root)
+        fd = os.open(root / LOCK_NAME, flags, 0o644)
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot open the manager's lock file {root / LOCK_NAME} ({e.strerror or e}); it must be a regular file "
+            "(remove whatever is there)"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"the manager's lock file {root / LOCK_NAME} is not a regular file; remove it")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise CheckpointError(
+            f"another CheckpointManager (in this or another process) already owns {root}; close it first, "
+            "or give each run its own directory."
+        ) from None
+    return fd

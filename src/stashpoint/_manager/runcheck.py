@@ -1,0 +1,51 @@
+"""What a run directory of a :class:`~stashpoint.CheckpointManager` holds: its steps, committed or
+partial, and the names the manager did not write (which it ignores, and ``verify`` lists)."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from stashpoint._core.format import MANIFEST_NAME
+from stashpoint._core.policy import LOCK_NAME, parse_step_dir
+from stashpoint._storage import LocalStorage, Storage
+
+_SET_ASIDE_RE = re.compile(r"step-[0-9]{8,}\.damaged-[0-9]{8}-[0-9]{6}")  # what _steps.move_aside names
+
+
+@dataclass(frozen=True)
+class RunContents:
+    """The steps of a run directory (name, step), oldest first; the damaged steps the manager set
+    aside; every other name in it."""
+
+    steps: tuple[tuple[str, int], ...]
+    set_aside: tuple[str, ...]
+    foreign: tuple[str, ...]
+
+
+def run_contents(root: Storage) -> RunContents | None:
+    """What the run directory ``root`` holds, or None if it is no run directory: it holds a
+    manifest (a checkpoint), or neither a step nor the manager's lock file."""
+    if isinstance(root, LocalStorage):
+        try:
+            with os.scandir(root.root) as it:
+                found = [(e.name, e.is_dir(follow_symlinks=False), e.is_file(follow_symlinks=False)) for e in it]
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+    else:
+        found = [(n, True, False) for n in root.children()] + [(n, False, True) for n in root.list()]
+    steps, aside, foreign, lock = [], [], [], False
+    for name, is_dir, is_file in found:
+        step = parse_step_dir(name) if is_dir else None
+        if step is not None:
+            steps.append((name, step))
+        elif name == LOCK_NAME and is_file:
+            lock = True
+        elif is_dir and _SET_ASIDE_RE.fullmatch(name):
+            aside.append(name)
+        else:
+            foreign.append(name)
+    if MANIFEST_NAME in foreign or not (steps or lock):
+        return None
+    return RunContents(tuple(sorted(steps, key=lambda s: s[1])), tuple(sorted(aside)), tuple(sorted(foreign)))

@@ -1,0 +1,366 @@
+"""Two storage tiers: each step commits to fast local storage, then is copied to a remote one.
+
+The :class:`Uploader` copies committed steps in the background, one at a time and in the order
+they were saved, on a thread of its own with a checkpoint process group of its own (so uploads
+never share a group with saves, nor with another manager's uploads). In a distributed run every
+rank uploads the shard files it wrote; once all of them are in place, rank 0 writes the remote
+manifest last: the remote copy commits exactly as a save does, and a crash mid-upload leaves
+only a leftover that the next manager removes.
+
+:class:`RemoteTier` is what the manager holds: the remote root, its retention, the uploader, and
+the local steps that must not be deleted yet (their upload is pending or failed).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from stashpoint._core.format import MANIFEST_NAME
+from stashpoint._core.policy import Retention, step_dir, steps_to_keep
+from stashpoint._dist import group as _dist
+from stashpoint._dist.group import CollectiveError, DistContext
+from stashpoint._load.manifest import read_manifest
+from stashpoint._manager.steps import committed_steps, delete_step, quietly, remove_leftovers
+from stashpoint._storage import LocalStorage, Storage, storage_for
+from stashpoint.errors import CheckpointError
+
+log = logging.getLogger("stashpoint")
+
+COPY_BLOCK = 64 * 1024 * 1024
+#: Collectives of an upload wait for the slowest rank's copy: far longer than a save's steps.
+UPLOAD_TIMEOUT_S = 3600.0
+#: Warn when this many local steps wait for their upload (uploads slower than saves).
+BACKLOG_WARNING = 3
+_uploader_ids = itertools.count()
+
+
+def copy_file(src: Storage, dst: Storage, name: str, size: int) -> None:
+    """Copy the file ``name`` of ``size`` bytes from ``src`` to ``dst`` in large blocks."""
+    writer = dst.open_writer(name, size)
+    try:
+        pos = 0
+        while pos < size:
+            block = src.read(name, pos, min(COPY_BLOCK, size - pos))
+            if not block:
+                raise EOFError(f"{src.location}/{name} ended at byte {pos} of {size}")
+            writer.write(block)
+            pos += len(block)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def restore_order(local: Sequence[int], remote: Sequence[int], step: int | None) -> list[tuple[int, str]]:
+    """The copies a restore tries, in order: ``(step, "local" | "remote")``.
+
+    Newest step first; for each step the local copy (when every rank has it) before the remote
+    one. With ``step`` given, only that step's copies.
+    """
+    steps = sorted(set(local) | set(remote), reverse=True) if step is None else [step]
+    order = []
+    for s in steps:
+        if s in local:
+            order.append((s, "local"))
+        if s in remote:
+            order.append((s, "remote"))
+    return order
+
+
+def same_root(a: Storage, b: Storage) -> bool:
+    """Whether two roots are the same place (or one holds the other, for local paths)."""
+    if isinstance(a, LocalStorage) and isinstance(b, LocalStorage):
+        ra, rb = os.path.realpath(a.root), os.path.realpath(b.root)
+        return ra == rb or ra.startswith(rb + os.sep) or rb.startswith(ra + os.sep)
+    return a.location.rstrip("/") == b.location.rstrip("/")
+
+
+class Uploader:
+    """Copies steps from ``local`` to ``remote`` (two run roots) in the background, in order.
+
+    Create it on every rank at the same point (it creates a process group in a distributed run);
+    submit the same steps on every rank in the same order. ``on_result(step, uploaded)`` is
+    called on the uploader thread after each step: True once its remote copy committed, False
+    when there was nothing to upload (the save failed or was skipped), None when the upload
+    failed (the step is uploaded again when a manager next opens the root).
+    """
+
+    def __init__(
+        self,
+        local: Storage,
+        remote: Storage,
+        *,
+        on_result: Callable[[int, bool | None], None] | None = None,
+        on_committed: Callable[[int], None] | None = None,
+    ) -> None:
+        self.local = local
+        self.remote = remote
+        self.on_result = on_result
+        self.on_committed = on_committed
+        purpose = f"upload-{next(_uploader_ids)}"  # every rank creates its managers in the same order
+        self.ctx = _dist.context(None, UPLOAD_TIMEOUT_S, purpose=purpose) or DistContext.solo()
+        self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-upload")
+        self._broken: CollectiveError | None = None
+        self._seq = 0
+
+    def submit(self, step: int, after: cf.Future[Any] | None = None) -> cf.Future[bool]:
+        """Upload ``step`` once ``after`` (its local save) has succeeded; the future tells whether
+        a copy was made (False: the save failed or was skipped, so there was nothing to upload)."""
+        self._seq += 1
+        return self._executor.submit(self._one, step, after, self._seq)
+
+    def catch_up(self, todo: list[int]) -> cf.Future[list[int]]:
+        """Upload the steps in ``todo`` (rank 0's list counts): those a crash or a failed upload
+        left behind."""
+        self._seq += 1
+        return self._executor.submit(self._catch_up, todo, self._seq)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def _catch_up(self, todo: list[int], seq: int) -> list[int]:
+        todo = self._broadcast("steps to upload", todo)
+        done = []
+        for s in todo:
+            try:
+                if self._one(s, None, seq):
+                    done.append(s)
+            except CheckpointError as e:
+                log.error("stashpoint: %s", e)
+        return done
+
+    def _one(self, step: int, after: cf.Future[Any] | None, seq: int) -> bool:
+        uploaded: bool | None = None
+        try:
+            uploaded = self._upload(step, after, seq)
+            return uploaded
+        finally:
+            if self.on_result is not None:
+                try:
+                    self.on_result(step, uploaded)
+                except Exception:
+                    log.exception("stashpoint: bookkeeping after the upload of step %d failed", step)
+
+    def _upload(self, step: int, after: cf.Future[Any] | None, seq: int) -> bool:
+        if self._broken is not None:
+            raise CheckpointError(
+                f"step {step} was not uploaded: the ranks lost each other in an earlier upload ({self._broken}); "
+                "it is uploaded when a manager opens this root again"
+            )
+        ctx = self.ctx
+        src = self.local.child(step_dir(step))
+        dst = self.remote.child(step_dir(step))
+        t0 = time.perf_counter()
+        # 1. agree that there is something to upload (every rank saw its save succeed)
+        status = self._start_status(step, after, src, dst)
+        statuses = self._gather("upload start", (seq, step, status))
+        if len({(q, s) for q, s, _ in statuses}) > 1:
+            seen = ", ".join(f"rank {r}: upload #{q} of step {s}" for r, (q, s, _) in enumerate(statuses))
+            self._broken = CollectiveError(f"the ranks' uploads are out of step ({seen})")
+            raise CheckpointError(f"uploading step {step} failed: {self._broken}")
+        kinds = [st[0] for _, _, st in statuses]
+        if "skip" in kinds:
+            return False
+        first = statuses[0][2]
+        if first[0] == "done":
+            return True
+        if first[0] == "error":
+            raise CheckpointError(f"uploading step {step} to {dst.location} failed: {first[1]}")
+        files = first[1]
+        # 2. every rank copies the files it wrote
+        outcome: tuple[str, Any] = ("ok", 0)
+        try:
+            dst.prepare()
+            nbytes = 0
+            for name, size, rank in files:
+                if rank == ctx.rank:
+                    copy_file(src, dst, name, size)
+                    nbytes += size
+            dst.sync()
+            outcome = ("ok", nbytes)
+        except Exception as e:
+            outcome = ("error", f"rank {ctx.rank}: {type(e).__name__}: {e}")
+        outcomes = self._gather("upload outcomes", outcome)
+        failed = [o[1] for o in outcomes if o[0] == "error"]
+        # 3. rank 0 commits the remote copy: its manifest goes last
+        result = None
+        if not failed and ctx.rank == 0:
+            try:
+                dst.commit(MANIFEST_NAME, src.read(MANIFEST_NAME))
+            except Exception as e:
+                result = f"rank 0: writing the manifest: {type(e).__name__}: {e}"
+        result = self._broadcast("upload commit", result)
+        if failed or result is not None:
+            if ctx.rank == 0 and not dst.best_effort().exists(MANIFEST_NAME):
+                quietly(dst.best_effort().remove_tree)  # every rank is done with it
+            causes = "; ".join(failed) if failed else str(result)
+            raise CheckpointError(
+                f"uploading step {step} to {dst.location} failed: {causes}. The local copy at {src.location} is "
+                "kept; the step is uploaded again when a manager opens this root next time."
+            )
+        total = sum(o[1] for o in outcomes)
+        log.info(
+            "stashpoint: uploaded step %d to %s (%.1f MB in %.2f s)",
+            step,
+            dst.location,
+            total / 1e6,
+            time.perf_counter() - t0,
+        )
+        if self.on_committed is not None:
+            try:
+                self.on_committed(step)
+            except Exception:  # the copy is committed: a failing retention must not say otherwise
+                log.exception("stashpoint: the remote retention after step %d failed", step)
+        return True
+
+    def _start_status(self, step: int, after: cf.Future[Any] | None, src: Storage, dst: Storage) -> tuple[str, Any]:
+        """This rank's view: ("skip", why), ("done", None), ("ok", files) or ("error", why)."""
+        if after is not None:
+            if after.cancelled() or after.exception() is not None:
+                return ("skip", "the save failed")
+            if getattr(after.result(), "skipped", False):
+                return ("skip", "the save was skipped")
+        if self.ctx.rank != 0:
+            return ("ok", None)
+        try:
+            manifest = read_manifest(src)
+            files = [(f.name, f.size, f.rank) for f in manifest.files]
+            if dst.exists(MANIFEST_NAME):
+                if read_manifest(dst).save_id == manifest.save_id:
+                    return ("done", None)
+                # another save of this step number is there (a run rewound and saved it anew):
+                # uncommit it first, then upload this one
+                dst.delete(MANIFEST_NAME)
+                dst.remove_tree()
+            return ("ok", files)
+        except Exception as e:
+            return ("error", f"{type(e).__name__}: {e}")
+
+    def _gather(self, what: str, obj: Any) -> list[Any]:
+        return self._collective(self.ctx.all_gather, what, obj)  # type: ignore[no-any-return]
+
+    def _broadcast(self, what: str, obj: Any) -> Any:
+        return self._collective(self.ctx.broadcast, what, obj)
+
+    def _collective(self, fn: Callable[[str, Any], Any], what: str, obj: Any) -> Any:
+        """A collective on the upload group; once one fails, the group is dropped for good."""
+        try:
+            return fn(what, obj)
+        except CollectiveError as e:
+            self._broken = e
+            _dist.forget(self.ctx)
+            raise
+
+
+class RemoteTier:
+    """The remote tier of a manager: where steps are copied, what it keeps, what is in flight."""
+
+    def __init__(  # noqa: PLR0917
+        self,
+        local: Storage,
+        remote_root: str | os.PathLike[str] | Storage,
+        retention: Retention | None,
+        metrics: Callable[[int, Storage], dict[str, float]],
+        rank: int,
+        on_ended: Callable[[], None] | None = None,
+    ) -> None:
+        self.local = local
+        self.remote = storage_for(remote_root)
+        if same_root(self.remote, local):
+            raise ValueError(
+                f"remote_root must be another place than root (root {local.location}, remote_root "
+                f"{self.remote.location})"
+            )
+        self.retention = retention  # None: keep every remote step
+        self.metrics = metrics
+        self.rank = rank
+        self.on_ended = on_ended  # after every upload (or catch-up): local steps it protected may go
+        self.futures: list[cf.Future[Any]] = []
+        self._lock = threading.Lock()
+        self._unuploaded: collections.Counter[int] = collections.Counter()  # pending or failed uploads
+        self.remote.prepare()
+        todo: list[int] = []
+        if rank == 0:
+            remove_leftovers(self.remote)
+            todo = self._missing()
+        self.uploader = Uploader(local, self.remote, on_result=self._result, on_committed=self._retain)
+        with self._lock:
+            self._unuploaded.update(todo)
+        self._track(self.uploader.catch_up(todo))
+
+    def _missing(self) -> list[int]:
+        """Local steps the remote tier lacks and would keep (rank 0, at open)."""
+        local, remote = committed_steps(self.local), committed_steps(self.remote)
+        missing = [s for s in local if s not in remote]
+        if self.retention is None or not missing:
+            return missing
+        everything = sorted(set(local) | set(remote))
+        keep = steps_to_keep(everything, {s: self.metrics(s, self.local) for s in everything}, self.retention)
+        return [s for s in missing if s in keep]
+
+    def submit(self, step: int, after: cf.Future[Any]) -> None:
+        with self._lock:
+            self._unuploaded[step] += 1
+            backlog = len(self._unuploaded)
+        if backlog > BACKLOG_WARNING:
+            log.warning(
+                "stashpoint: %d local steps wait for their upload to %s: uploads are slower than saves (each "
+                "waiting step stays on the local tier)",
+                backlog,
+                self.remote.location,
+            )
+        self._track(self.uploader.submit(step, after))
+
+    def protected(self) -> set[int]:
+        """Local steps retention must keep: their upload is pending, or failed."""
+        with self._lock:
+            return set(self._unuploaded)
+
+    def steps(self) -> list[int]:
+        return committed_steps(self.remote)
+
+    def at(self, step: int) -> Storage:
+        return self.remote.child(step_dir(step))
+
+    def _result(self, step: int, uploaded: bool | None) -> None:
+        """On the uploader thread, after each step (before its future completes, so that the
+        manager's ``wait()`` also waits for the retention scheduled here)."""
+        if uploaded is not None:  # failed: the local copy stays until a later manager uploads it
+            with self._lock:
+                self._unuploaded[step] -= 1
+                if self._unuploaded[step] <= 0:
+                    del self._unuploaded[step]
+        if self.on_ended is not None:
+            self.on_ended()
+
+    def _retain(self, step: int) -> None:
+        """On the uploader thread, once ``step`` is committed remotely: the remote retention."""
+        if self.rank != 0 or self.retention is None:
+            return
+        steps = committed_steps(self.remote)
+        keep = steps_to_keep(steps, {s: self.metrics(s, self.remote) for s in steps}, self.retention)
+        for s in steps:
+            if s not in keep:
+                delete_step(self.remote, s)
+
+    def _track(self, future: cf.Future[Any]) -> None:
+        with self._lock:
+            self.futures = [u for u in self.futures if not u.done() or u.exception() is not None]
+            self.futures.append(future)
+
+
+    def take_futures(self) -> list[cf.Future[Any]]:
+        with self._lock:
+            out, self.futures = self.futures, []
+        return out
+
+    def close(self) -> None:
+        self.uploader.shutdown()

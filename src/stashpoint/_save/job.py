@@ -1,0 +1,281 @@
+"""The background half of a save: plan who writes what, write, agree, commit.
+
+Runs on the writer thread, which owns the checkpoint process group (see ``_dist``). In a single
+process the same code runs against a trivial one-rank context.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from stashpoint._core.format import MANIFEST_NAME, Chunk, FileEntry, Manifest, TensorEntry
+from stashpoint._core.plan import TensorSpec, plan_files
+from stashpoint._dist import group as _dist
+from stashpoint._dist.group import CollectiveError, DistContext, assign_writers, merge_trees
+from stashpoint._save.handle import SaveStats
+from stashpoint._save.layout import Layout
+from stashpoint._save.persist import Writer, write_shards
+from stashpoint._save.staging import StagingBuffers, StagingPool
+from stashpoint._storage import Storage
+from stashpoint._version import __version__
+from stashpoint.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from stashpoint._save.engine import SaveOptions
+    from stashpoint._save.overlap import PendingCopies
+
+log = logging.getLogger("stashpoint")
+
+SHARD_RE = re.compile(r"^shard-r\d+-\d+-[0-9a-f]+\.safetensors$")
+
+
+class _RankFailure(Exception):
+    def __init__(self, failed: list[tuple[int, str]]) -> None:
+        self.failed = failed
+        super().__init__("; ".join(f"rank {r}: {cause}" for r, cause in failed))
+
+
+@dataclass
+class PersistJob:
+    storage: Storage
+    staged: StagingBuffers | None
+    pool: StagingPool
+    tree: dict[str, Any]
+    layout: Layout
+    opts: SaveOptions
+    ctx: DistContext
+    blocking_s: float = 0.0
+    seq: int = 0  # this rank's count of collective saves: every rank must be at the same one
+    early_error: BaseException | None = None  # this rank failed before staging
+    pending: PendingCopies | None = None  # overlap mode: copies still running into ``staged``
+    staged_at: float = 0.0  # perf_counter() when the call's own copies were done
+    writer: Writer | None = None  # the writer process; None: write on this (the writer) thread
+    staged_keys: frozenset[str] | None = None  # the keys copied for this save; None: every key
+
+    @classmethod
+    def failed(
+        cls, storage: Storage, pool: StagingPool, opts: SaveOptions, ctx: DistContext, e: BaseException
+    ) -> PersistJob:
+        """A save this rank could not stage: it still joins the collectives, to fail them all."""
+        empty = Layout([], {}, {}, {}, "")
+        return cls(storage, None, pool, {}, empty, opts, ctx, early_error=e)
+
+    def _covers(self, last: tuple[Any, ...] | None) -> bool:
+        """Whether this rank copied everything plan ``last`` gives it to write."""
+        if self.staged_keys is None:
+            return True
+        return last is not None and self.layout.given(last[2], self.ctx.rank) <= self.staged_keys
+
+    def _plan(self) -> tuple[str, dict[Any, int], list[Any]]:
+        """Agree with the other ranks on this save and on who writes what (the last plan when
+        every rank's layout is the same as then and every rank copied its part of it)."""
+        ctx = self.ctx
+        err = None if self.early_error is None else f"{type(self.early_error).__name__}: {self.early_error}"
+        last = ctx.last_plan
+        mine = (self.layout.hash, uuid.uuid4().hex[:16], self.seq, self.storage.location, err, self._covers(last))
+        hashes = ctx.all_gather("layout hashes", mine)
+        failed = [(r, h[4]) for r, h in enumerate(hashes) if h[4] is not None]
+        if failed:
+            raise _RankFailure(failed)
+        if len({(h[2], h[3]) for h in hashes}) > 1:
+            seen = ", ".join(f"rank {r}: save #{h[2]} to {h[3]}" for r, h in enumerate(hashes))
+            raise _RankFailure([(ctx.rank, f"the ranks are out of step ({seen}); every rank must make the same saves")])
+        save_id = hashes[0][1]
+        all_hashes = tuple(h[0] for h in hashes)
+        reuse = last is not None and last[0] == all_hashes and not ctx.plan_constrained
+        if reuse and all(h[5] for h in hashes):  # decided alike on every rank
+            assert last is not None
+            return save_id, last[2], last[1]
+        keys = self.staged_keys
+        staged = None if keys is None else [c.ident for c in self.layout.chunks if c.key in keys]
+        gathered = ctx.all_gather("layouts", (self.layout.meta(), staged))
+        layouts = [meta for meta, _ in gathered]
+        copied = [None if s is None else set(s) for _, s in gathered]
+        try:
+            writers = assign_writers([chunks for chunks, _, _ in layouts], copied)
+        except CheckpointError:
+            # on every rank alike: the next save copies everything everywhere, and this layout
+            # always will (a structure that did this once may do it again, e.g. saved in turn)
+            ctx.last_plan = None
+            if len(ctx.copy_all) < 64:
+                ctx.copy_all.add(self.layout.hash)
+            raise
+        ctx.last_plan = (all_hashes, layouts, writers)
+        ctx.plan_constrained = any(c is not None for c in copied)
+        ctx.plans_made += 1
+        return save_id, writers, layouts
+
+    def run(self, t_start: float, staging_s: float) -> SaveStats:
+        t0 = time.perf_counter()
+        ctx, loc = self.ctx, self.storage.location
+        save_id = ""
+        local_error: BaseException | None = None
+        try:
+            save_id, writers, layouts = self._plan()
+            assert self.staged is not None
+            mine = [c for c in self.layout.chunks if writers[c.ident] == ctx.rank]
+            specs = [TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in mine]
+            files = plan_files(specs, max_file_bytes=self.opts.max_shard_bytes, rank=ctx.rank).files if mine else ()
+            try:
+                if self.staged_keys is not None and (lost := [c.key for c in mine if c.key not in self.staged_keys]):
+                    raise CheckpointError(f"rank {ctx.rank} was given tensors to write it did not copy: {lost[:10]}")
+                if self.pending is not None:  # write only what has been copied (overlap mode)
+                    self.pending.result()
+                # The pages this save's layout does not use, given back off the caller's thread
+                # and after the copies: punching holes took CPU from overlap mode's copier.
+                self.staged.trim()
+                self.storage.prepare()
+                written = write_shards(
+                    self.storage, files, self.staged, rank=ctx.rank, save_id=save_id, writer=self.writer
+                )
+                self.storage.sync()
+                outcome: tuple[Any, ...] = ("ok", written.files, dict(written.chunks), self.tree, written.bytes_written)
+            except Exception as e:
+                local_error = e
+                outcome = ("error", f"{type(e).__name__}: {e}", None, None, 0)
+            outcomes = ctx.all_gather("outcomes", outcome)
+            failed = [(r, o[1]) for r, o in enumerate(outcomes) if o[0] == "error"]
+            if failed:
+                raise _RankFailure(failed)
+            result = None
+            if ctx.rank == 0:
+                try:
+                    manifest_bytes = self._manifest(save_id, layouts, outcomes).to_json()
+                    try:  # without overwrite, of two saves racing to one new path exactly one commits
+                        self.storage.commit(MANIFEST_NAME, manifest_bytes, exclusive=not self.opts.overwrite)
+                    except FileExistsError:
+                        raise CheckpointError(
+                            f"another save committed a checkpoint at {loc} while this one was being written "
+                            "(overwrite=False); this save's files are removed. Pass overwrite=True to replace it, "
+                            "or save to a new path"
+                        ) from None
+                    if self.opts.overwrite:
+                        keep = {f.name for o in outcomes for f in o[1]}
+                        self._remove(lambda name: name not in keep)
+                except Exception as e:
+                    local_error = e
+                    result = f"{type(e).__name__}: {e}"
+            result = ctx.broadcast("commit", result)
+            if result is not None:
+                raise _RankFailure([(0, f"writing the manifest: {result}")])
+            bytes_written = sum(o[4] for o in outcomes)
+        except BaseException as e:
+            self._fail(e, save_id, local_error or self.early_error)
+        finally:
+            if self.pending is not None:
+                self.pending.wait()  # no copy may still write into buffers another save reuses
+            if self.staged is not None:
+                self.pool.release(self.staged)
+        t1 = time.perf_counter()
+        pending = self.pending
+        staged_at = pending.done_at if pending is not None and pending.done_at is not None else self.staged_at
+        stats = SaveStats(
+            path=loc,
+            bytes_written=bytes_written,
+            num_tensors=len({k for _, _, keys in layouts for k in keys}),
+            num_files=sum(len(o[1]) for o in outcomes),
+            blocking_s=self.blocking_s,
+            staging_s=staging_s,
+            persist_s=t1 - t0,
+            total_s=t1 - t_start,
+            step=self.opts.step,
+            rank_bytes_written=outcomes[ctx.rank][4],
+            staged_s=max(0.0, staged_at - t_start),
+            step_wait_s=pending.step_wait_s if pending is not None else 0.0,
+            writer="thread" if self.writer is None else "process",
+            staged_bytes=0 if self.staged is None else sum(s.nbytes for s in self.staged.specs),
+        )
+        log.info("stashpoint: saved %s", stats)
+        return stats
+
+    def _fail(self, e: BaseException, save_id: str, local_error: BaseException | None) -> None:
+        loc, rank = self.storage.location, self.ctx.rank
+        committed = self._committed(save_id) if save_id else False
+        if committed:
+            # rank 0 wrote the manifest but the confirmation did not arrive: the checkpoint is whole
+            raise CheckpointError(
+                f"rank {rank}: the checkpoint at {loc} was committed, but confirming it across the ranks failed "
+                f"({type(e).__name__}: {e}); it is complete and loadable"
+            ) from e
+        if committed is None:  # the storage could not say: keep the files (an uncommitted leftover at worst)
+            log.warning("stashpoint: could not tell whether %s was committed; its files are kept", loc)
+        elif save_id:
+            own = f"shard-r{rank:05d}-"
+            self._remove(lambda name: name.startswith(own) and save_id in name, self.storage.best_effort())
+        if isinstance(e, CollectiveError):
+            _dist.forget(self.ctx)
+        if isinstance(e, _RankFailure):
+            where = "" if self.ctx.world == 1 else f" on rank(s) {', '.join(str(r) for r, _ in e.failed)}"
+            causes = e.failed[0][1] if self.ctx.world == 1 else str(e)
+            msg = f"saving the checkpoint to {loc} failed{where}: {causes}"
+        else:
+            msg = f"saving the checkpoint to {loc} failed on rank {rank}: {type(e).__name__}: {e}"
+            local_error = e
+        log.error("stashpoint: %s", msg)
+        raise CheckpointError(
+            f"{msg}. Nothing was committed there and earlier checkpoints are untouched; fix the cause and save again."
+        ) from local_error
+
+    def _committed(self, save_id: str) -> bool | None:
+        """Whether this save's manifest is in place (None: the storage could not say)."""
+        try:
+            doc = json.loads(self.storage.read(MANIFEST_NAME))
+        except FileNotFoundError:
+            return False
+        except ValueError:  # a damaged manifest: not this save's
+            return False
+        except OSError:
+            return None
+        return isinstance(doc, dict) and doc.get("save_id") == save_id
+
+    def _remove(self, doomed: Any, storage: Storage | None = None) -> None:
+        storage = storage or self.storage
+        try:
+            for name in storage.list():
+                if SHARD_RE.match(name) and doomed(name):
+                    storage.delete(name)
+        except OSError as e:  # best effort
+            log.warning("stashpoint: could not remove files in %s: %s", storage.location, e)
+
+    def _manifest(self, save_id: str, layouts: list[Any], outcomes: list[Any]) -> Manifest:
+        keyinfo: dict[str, tuple[str, tuple[int, ...]]] = {}
+        aliases: dict[str, str] = {}
+        chunks: dict[str, list[Chunk]] = {}
+        for (rank_chunks, rank_aliases, rank_keys), outcome in zip(layouts, outcomes):
+            for key, info in rank_keys.items():
+                keyinfo.setdefault(key, info)
+            for key, target in rank_aliases.items():
+                aliases.setdefault(key, target)
+            where = {c.key: c for c in rank_chunks}
+            for key, (fname, start, end, sums) in outcome[2].items():
+                c = where[key]
+                chunks.setdefault(key, []).append(Chunk(fname, c.offsets, c.shape, start, end, sums))
+        tensors: dict[str, TensorEntry] = {}
+        for key, (dtype, shape) in keyinfo.items():
+            if key in chunks:
+                tensors[key] = TensorEntry(key, dtype, shape, tuple(sorted(chunks[key], key=lambda c: c.offsets)))
+            else:
+                tensors[key] = TensorEntry(key, dtype, shape, (), aliases[key])
+        files: list[FileEntry] = [f for o in outcomes for f in o[1]]
+        trees, of_rank = merge_trees([o[3] for o in outcomes])
+        return Manifest(
+            save_id=save_id,
+            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            library_version=__version__,
+            torch_version=torch.__version__,
+            files=tuple(files),
+            tensors=tensors,
+            trees=trees,
+            metadata=self.opts.metadata,
+            world_size=self.ctx.world,
+            tree_of_rank=of_rank,
+        )

@@ -1,0 +1,155 @@
+"""A rank's tensors as the chunks it stores, remembered between saves of the same state.
+
+:class:`Layout` is what a save works out from the tensors of the state: each one's local part
+(a DTensor's shard) and place in the global tensor, which keys share their bytes (tied tensors,
+stored once), and the hash the ranks compare to reuse their agreed plan. Training saves the same
+state again and again, so :class:`LayoutCache` remembers the layouts of the last few structures,
+keyed by one *token* per tensor that holds everything a layout depends on: where the tensor's
+bytes are, its shape, strides, dtype and device, and for a DTensor its global shape, mesh and
+placements. Tokens cost a microsecond or two per tensor; working the layout out again, several
+times that (benchmarks/RESULTS.md, "The call's per-tensor cost"). The tensors to copy from are
+taken afresh on every save, and no reference to them is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stashpoint._core.plan import group_aliases
+from stashpoint._dist.group import ChunkMeta, DistContext, layout_hash
+from stashpoint._state.dtensor import is_dtensor, local_part, local_tensor
+from stashpoint._state.dtypes import dtype_name
+from stashpoint._state.tree import check_tensor
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def signature(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors hold the same bytes (None for empty tensors, which hold none)."""
+    if t.numel() == 0:
+        return None
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t.is_conj(), t.is_neg())
+
+
+def token(t: torch.Tensor) -> tuple[Any, ...]:
+    """Everything about ``t`` that its place in a :class:`Layout` depends on (see the module doc),
+    and that :func:`check_tensor` checks (its type and dtype: a tensor is only remembered once
+    checked). May raise for tensors without plain memory (sparse), which the check refuses."""
+    kind = type(t)
+    if kind in _PLAIN or not is_dtensor(t):
+        return (kind, t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.is_conj(), t.is_neg())
+    loc = local_tensor(t)
+    return (
+        kind,
+        loc.data_ptr(),
+        loc.shape,
+        loc.stride(),
+        loc.dtype,
+        loc.device,
+        loc.is_conj(),
+        loc.is_neg(),
+        t.shape,
+        id(t.device_mesh),  # type: ignore[attr-defined]
+        tuple(t.placements),  # type: ignore[attr-defined]
+    )
+
+
+@dataclass
+class Layout:
+    """A rank's tensors as chunks of global tensors, with tied tensors stored once."""
+
+    chunks: list[ChunkMeta]  # the stored ones, in traversal order
+    sources: dict[str, torch.Tensor]  # key -> local tensor to stage (never requires grad)
+    aliases: dict[str, str]  # key -> the key whose bytes it shares
+    keyinfo: dict[str, tuple[str, tuple[int, ...]]]  # every key -> (dtype name, global shape)
+    hash: str
+    signatures: dict[str, tuple[Any, ...] | None] = field(default_factory=dict)  # every key's local bytes
+    key_of: dict[int, str] = field(default_factory=dict)  # id() of each tensor of the state -> its key
+
+    @classmethod
+    def of(cls, tensors: Sequence[tuple[str, torch.Tensor]], lowest: Collection[str] = ()) -> Layout:
+        """``lowest``: keys written by the lowest rank that holds them (module buffers)."""
+        parts = [(k, *local_part(t)) for k, t in tensors]
+        sigs = [signature(loc) for _, loc, _, _ in parts]
+        firsts = group_aliases(sigs)
+        chunks, sources, aliases, keyinfo = [], {}, {}, {}
+        for (key, loc, box, gshape), first in zip(parts, firsts):
+            keyinfo[key] = (dtype_name(loc.dtype), gshape)
+            if first is not None:
+                aliases[key] = parts[first][0]
+                continue
+            dtype = dtype_name(loc.dtype)
+            chunks.append(ChunkMeta(key, dtype, gshape, box.offsets, box.shape, loc.element_size(), key in lowest))
+            sources[key] = loc
+        signatures = {k: s for (k, _, _, _), s in zip(parts, sigs)}
+        key_of = {id(t): k for k, t in tensors}
+        return cls(chunks, sources, aliases, keyinfo, layout_hash(chunks, aliases), signatures, key_of)
+
+    def expected_writes(self, ctx: DistContext) -> frozenset[str] | None:
+        """The keys the last plan gave this rank to write, if that plan was made for this
+        layout and may be reused (None if not, and the rank copies everything: a first save, a
+        changed structure, a plan made under constraint, or a layout that once left a tensor
+        uncopied, see ``PersistJob._plan``)."""
+        last = ctx.last_plan
+        if last is None or ctx.rank >= len(last[0]) or last[0][ctx.rank] != self.hash:
+            return None
+        if ctx.plan_constrained or self.hash in ctx.copy_all:
+            return None
+        return self.given(last[2], ctx.rank)
+
+    def given(self, writers: dict[Any, int], rank: int) -> frozenset[str]:
+        """The keys of this layout's chunks that ``writers`` (a plan) gives to ``rank``."""
+        return frozenset(c.key for c in self.chunks if writers.get(c.ident) == rank)
+
+    def meta(self) -> tuple[list[ChunkMeta], dict[str, str], dict[str, tuple[str, tuple[int, ...]]]]:
+        return self.chunks, self.aliases, self.keyinfo
+
+
+@dataclass(frozen=True)
+class _Entry:
+    layout: Layout  # without ``sources`` and ``key_of``: no reference to the state's tensors is kept
+    shapes: dict[str, tuple[int, ...]]  # stored key -> shape of its local part
+    meshes: tuple[object, ...]  # kept alive: their id() is part of the tokens
+
+
+class LayoutCache:
+    """The layouts of the last ``size`` state structures saved (see the module doc)."""
+
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        self._entries: dict[tuple[Any, ...], _Entry] = {}
+        self.hits = 0
+
+    def __call__(self, tensors: Sequence[tuple[str, torch.Tensor]], lowest: Collection[str] = ()) -> Layout:
+        """The layout of ``tensors``; raises :class:`UnsupportedStateError` for a tensor that
+        cannot be saved (checked whenever the layout is not remembered). ``lowest``: see
+        :meth:`Layout.of`."""
+        try:
+            tokens = tuple(token(t) for _, t in tensors)
+            key: tuple[Any, ...] | None = (tuple(k for k, _ in tensors), tokens, frozenset(lowest))
+        except Exception:  # a tensor without plain memory (sparse): the check below says which and why
+            key = None
+        entry = self._entries.get(key) if key is not None else None
+        if entry is None:
+            for k, t in tensors:
+                check_tensor(k or "<root>", t)
+            layout = Layout.of(tensors, lowest)
+            if key is None:
+                return layout
+            held = (getattr(t, "device_mesh", None) for _, t in tensors)
+            meshes = tuple({id(m): m for m in held if m is not None}.values())
+            shapes = {k: tuple(t.shape) for k, t in layout.sources.items()}
+            if len(self._entries) >= self.size:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = _Entry(dataclasses.replace(layout, sources={}, key_of={}), shapes, meshes)
+            return layout
+        self.hits += 1
+        cached = entry.layout
+        sources = {k: local_tensor(t, entry.shapes[k]) for k, t in tensors if k in entry.shapes}
+        key_of = {id(t): k for k, t in tensors}
+        return Layout(cached.chunks, sources, cached.aliases, cached.keyinfo, cached.hash, cached.signatures, key_of)

@@ -1,0 +1,289 @@
+"""Overlap mode: copy what the optimizers update in the background, until their next step.
+
+With ``overlap=True`` a save splits its copies into the live state's staging buffers in two:
+
+* **eager** copies, done before the call returns: every tensor that may change before the next
+  optimizer step — module buffers (BatchNorm running statistics), plain tensors, parameters that
+  no optimizer of the state holds, the tensors of other stateful objects, anything whose
+  provenance is unknown;
+* **deferred** copies, done in the background: the parameters held by an optimizer of the state
+  and that optimizer's own state tensors (moments, step counts), which only ``optimizer.step()``
+  changes.
+
+CPU tensors are copied by one dedicated copy thread (not the writer thread, which runs the
+collectives of distributed saves and may still be persisting the previous save). CUDA tensors are
+copied on a side stream, ordered after the work queued on the current stream at the time of the
+call. Until the deferred copies are done, a step pre-hook on each optimizer of the state holds its
+``step()`` back: it waits for the CPU copies and makes the current CUDA stream wait for the GPU
+ones. The persist of the save starts writing only once every copy is done.
+
+Removing a hook: torch iterates an optimizer's step pre-hooks without taking a copy, so removing
+one while another thread (or the hook itself) is in that loop breaks the loop. A guard is
+therefore removed only where that is safe — from inside its own hook when it is the last hook,
+from the thread that registered it when not inside a step, and from any thread when it is the
+optimizer's only pre-hook (the usual case: it is then removed as soon as the copies are done).
+A guard that cannot be removed yet does nothing any more and is removed at the next such chance.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from stashpoint._save.layout import Layout, signature
+from stashpoint._save.staging import launch_cuda, stage
+from stashpoint._state.dtensor import local_part
+from stashpoint._state.stateful import find_all
+from stashpoint.errors import CheckpointError
+
+Triple = tuple[str, torch.Tensor, torch.Tensor]  # (key, live source, staging view)
+
+_lock = threading.Lock()  # guards hook removal and the registries below
+_active: list[PendingCopies] = []  # saves whose copies are not all done
+_leftover: list[_StepGuard] = []  # guards whose copies are done but that could not be removed yet
+
+
+def optimizers_in(state: Any) -> list[torch.optim.Optimizer]:
+    """Every optimizer reachable through the containers of ``state`` (dicts, lists, tuples)."""
+    return find_all(state, torch.optim.Optimizer)
+
+
+def _updated_by_step(optimizers: Iterable[torch.optim.Optimizer], layout: Layout | None) -> set[Any]:
+    """Signatures of the tensors only ``step()`` changes: the optimizers' parameters and state.
+
+    Those that are tensors of the saved state (the usual case) take their signature from its
+    ``layout``; any other is worked out.
+    """
+    tensors: list[torch.Tensor] = []
+    for optim in optimizers:
+        for group in optim.param_groups:
+            tensors.extend(p for p in group["params"] if isinstance(p, torch.Tensor))
+        for per_param in optim.state.values():
+            if isinstance(per_param, Mapping):
+                tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+    key_of = layout.key_of if layout is not None else {}
+    sigs = layout.signatures if layout is not None else {}
+    out = set()
+    for t in tensors:
+        key = key_of.get(id(t))
+        out.add(sigs[key] if key is not None and key in sigs else signature(local_part(t)[0]))
+    out.discard(None)
+    return out
+
+
+def split(
+    triples: Sequence[Triple], optimizers: Sequence[torch.optim.Optimizer], layout: Layout | None = None
+) -> tuple[list[Triple], list[Triple]]:
+    """``(eager, deferred)``: the copies a deferred copy would be unsafe for, and the others.
+
+    A copy is deferred only if its source is exactly (same memory, shape, strides, dtype) a
+    parameter or a state tensor of one of ``optimizers``, and lives on the CPU or a CUDA device.
+    ``layout``, the layout the triples come from, saves working signatures out again.
+    """
+    stepped = _updated_by_step(optimizers, layout)
+    sigs = layout.signatures if layout is not None else {}
+    eager: list[Triple] = []
+    deferred: list[Triple] = []
+    for key, src, dst in triples:
+        sig = sigs[key] if key in sigs else signature(src)
+        late = src.device.type in ("cpu", "cuda") and sig in stepped
+        (deferred if late else eager).append((key, src, dst))
+    return eager, deferred
+
+
+def copy_deferred(triples: Sequence[Triple]) -> None:
+    """Copy CPU sources into their staging views (runs on the copy thread)."""
+    for key, src, dst in triples:
+        try:
+            dst.copy_(src)
+        except Exception as e:
+            raise CheckpointError(
+                f"copying tensor {key!r} into its staging buffer failed in the background: {type(e).__name__}: {e}"
+            ) from e
+
+
+class PendingCopies:
+    """The deferred copies of one save: run on the copy thread, awaited by hooks, the persist and
+    :meth:`SaveHandle.wait_staged`. Every wait returns once the copies end, whether they
+    succeeded or not; only :meth:`result` raises their failure."""
+
+    def __init__(self, location: str, cpu: list[Triple], events: list[tuple[torch.device, torch.cuda.Event]]) -> None:
+        self.location = location
+        self.done_at: float | None = None  # perf_counter() once every copy is done
+        self.step_wait_s = 0.0  # time optimizer steps were held back (final once done)
+        self._cpu = cpu
+        self._events = events
+        self._cpu_done = threading.Event()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._waiting: list[float] = []  # start times of steps waiting for the CPU copies
+        self._guards: list[_StepGuard] = []
+
+    def run(self) -> None:
+        """Do the CPU copies, then wait for the GPU ones. Never raises; always ends the wait."""
+        try:
+            if self._cpu:
+                copy_deferred(self._cpu)
+        except BaseException as e:
+            self._error = e
+        finally:
+            with _lock:
+                now = time.perf_counter()
+                self.step_wait_s += sum(now - t for t in self._waiting)
+                self._waiting.clear()
+                self._cpu = []
+                self._cpu_done.set()
+        try:
+            for _, event in self._events:
+                event.synchronize()
+        except BaseException as e:
+            self._error = self._error or e
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        with _lock:
+            self.done_at = time.perf_counter()
+            self._events = []
+            if self in _active:
+                _active.remove(self)
+            for guard in self._guards:
+                guard.pending = None
+                if not guard.try_remove():
+                    _leftover.append(guard)
+            self._guards = []
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Return once every copy has ended (not raising their failure); then remove the hooks
+        this thread may remove. :class:`TimeoutError` if ``timeout`` seconds pass first."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(
+                f"the state saved to {self.location} is still being copied after {timeout} s (overlap=True)"
+            )
+        sweep()
+
+    def result(self) -> None:
+        """Wait for every copy; raise :class:`CheckpointError` if one failed."""
+        self._done.wait()
+        if self._error is not None:
+            e = self._error
+            if isinstance(e, CheckpointError):
+                raise e
+            raise CheckpointError(
+                f"copying the state into staging memory failed in the background (overlap=True): "
+                f"{type(e).__name__}: {e}"
+            ) from e
+
+    def hold_step(self) -> None:
+        """In an optimizer's step pre-hook: wait for the CPU copies, and order the current CUDA
+        streams after the GPU copies (no host wait for those)."""
+        with _lock:
+            waiting = not self._cpu_done.is_set()
+            if waiting:
+                self._waiting.append(time.perf_counter())
+            events = list(self._events)
+        if waiting:
+            self._cpu_done.wait()
+        for device, event in events:
+            torch.cuda.current_stream(device).wait_event(event)
+
+
+class _StepGuard:
+    """An optimizer step pre-hook that holds ``step()`` back until the copies are done."""
+
+    def __init__(self, optim: torch.optim.Optimizer, pending: PendingCopies) -> None:
+        self.pending: PendingCopies | None = pending
+        self.thread = threading.get_ident()
+        self.handle = optim.register_step_pre_hook(self)
+
+    def __call__(self, optim: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        pending = self.pending
+        if pending is not None:
+            pending.hold_step()
+        with _lock:
+            self.try_remove(in_hook=True)
+
+    def try_remove(self, *, in_hook: bool = False) -> bool:
+        """Remove the hook if that is safe here (see the module docstring); True once removed.
+        The caller holds ``_lock``."""
+        hooks = self.handle.hooks_dict_ref()
+        if hooks is None or self.handle.id not in hooks:
+            return True
+        keys = list(hooks)
+        if in_hook:
+            safe = bool(keys[-1] == self.handle.id)
+        elif threading.get_ident() == self.thread:
+            safe = True
+        else:
+            safe = bool(keys == [self.handle.id])
+        if safe:
+            self.handle.remove()
+            self.pending = None
+        return safe
+
+
+def sweep() -> None:
+    """Remove the guards left registered that this thread may now remove."""
+    with _lock:
+        _leftover[:] = [g for g in _leftover if not g.try_remove()]
+
+
+def wait_pending(timeout: float | None = None) -> None:
+    """Wait until no save of this process is still copying from the live state."""
+    with _lock:
+        pending = list(_active)
+    for p in pending:
+        p.wait(timeout)
+    sweep()
+
+
+def start(
+    state: Any, triples: Sequence[Triple], copier: cf.Executor, location: str, layout: Layout | None = None
+) -> PendingCopies | None:
+    """Copy what must be copied now, start the rest in the background, guard the optimizers.
+
+    Returns the pending copies, or None when nothing is left to copy. If this raises, no copy is
+    running any more and no hook is registered, so the staging buffers may be reused.
+    """
+    optimizers = optimizers_in(state)
+    eager, deferred = split(triples, optimizers, layout)
+    events: list[tuple[torch.device, torch.cuda.Event]] = []
+    try:
+        stage([(s, d) for _, s, d in eager if s.device.type != "cuda"])
+        cuda_eager = [(s, d) for _, s, d in eager if s.device.type == "cuda"]
+        if cuda_eager:
+            events = launch_cuda(cuda_eager)
+            for device, event in events:  # training's next kernels run after these copies
+                torch.cuda.current_stream(device).wait_event(event)
+        cuda_late = [(s, d) for _, s, d in deferred if s.device.type == "cuda"]
+        if cuda_late:
+            events += launch_cuda(cuda_late)
+    except BaseException:
+        for _, event in events:
+            try:
+                event.synchronize()
+            except Exception:  # noqa: S112 - the first error is the one to report
+                continue
+        raise
+    cpu_late = [t for t in deferred if t[1].device.type != "cuda"]
+    if not cpu_late and not events:
+        return None
+    pending = PendingCopies(location, cpu_late, events)
+    with _lock:
+        _active.append(pending)
+        if deferred:
+            pending._guards = [_StepGuard(optim, pending) for optim in optimizers]
+    try:
+        copier.submit(pending.run)
+    except RuntimeError:  # the copy thread is gone (interpreter shutdown): copy here
+        pending.run()
+    return pending

@@ -1,0 +1,341 @@
+"""Host staging buffers: allocated once per state structure, reused by later saves.
+
+A buffer is page-aligned shared memory: an anonymous memory file (``memfd_create``) mapped
+``MAP_SHARED``, so that the writer process (``_writerproc``) can map the same pages from the
+file descriptor and write the staged bytes without a copy, and shard writes can use direct I/O
+from it. The first save of a structure pays for touching fresh memory; later saves copy into
+touched pages at memory bandwidth. When any tensor lives on a CUDA device the buffers are
+pinned in place (``cudaHostRegister``), and copies run on a side stream.
+
+Where ``memfd_create`` is missing (not Linux) the buffer is private anonymous memory, pinned by
+torch's allocator on CUDA, and saves use the writer thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import mmap
+import os
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stashpoint._core.plan import SavePlan, TensorSpec
+from stashpoint._state.dtypes import torch_dtype
+
+log = logging.getLogger("stashpoint")
+
+_PAGE = 4096
+
+
+def as_memoryview(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy).
+
+    The caller keeps ``t`` alive while the view is in use.
+    """
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def _host_register(ptr: int, nbytes: int) -> bool:
+    """Pin ``nbytes`` at ``ptr`` for fast, asynchronous device copies; False (logged) if CUDA refuses."""
+    try:
+        torch.cuda.check_error(_cudart().cudaHostRegister(ptr, nbytes, 0))
+    except Exception as e:  # staging still works unpinned, only slower
+        log.warning("stashpoint: could not pin %d bytes of staging memory (cudaHostRegister: %s)", nbytes, e)
+        return False
+    return True
+
+
+def _release(fd: int, ptr: int, registered: bool, token: int) -> None:
+    """Finalizer of a :class:`SharedRegion`: unpin, close the descriptor, tell the writer process."""
+    if registered:
+        try:
+            torch.cuda.check_error(_cudart().cudaHostUnregister(ptr))
+        except Exception as e:  # at interpreter exit CUDA may already be gone
+            log.debug("stashpoint: cudaHostUnregister failed: %s", e)
+    os.close(fd)
+    if report_freed:
+        freed.append(token)
+
+
+#: Tokens of regions freed since the writer process last heard of it (it unmaps them); kept
+#: once a writer process has been started (``report_freed``).
+freed: list[int] = []
+report_freed = False
+_tokens = itertools.count(1)
+
+
+class SharedRegion:
+    """``nbytes`` of page-aligned ``MAP_SHARED`` memory backed by an anonymous memory file.
+
+    ``fd`` is what another process maps to see the same pages; ``token`` names the region in
+    messages to it. With ``pinned`` the pages are registered with CUDA (page-locked) and
+    unregistered when the region is freed. The mapping itself lives as long as any tensor made
+    from :attr:`mm` does; the descriptor is closed (and the pages unpinned) when the region is
+    dropped.
+    """
+
+    def __init__(self, nbytes: int, pinned: bool) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"a shared region needs a positive size, got {nbytes}")
+        self.token = next(_tokens)
+        self.nbytes = nbytes
+        fd = os.memfd_create(f"stashpoint-staging-{self.token}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            self.mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.pinned = pinned and _host_register(self.tensor.data_ptr(), nbytes)
+        self.resident = nbytes  # the first bytes that may hold pages (see trim)
+        finalizer = weakref.finalize(self, _release, fd, self.tensor.data_ptr(), self.pinned, self.token)
+        finalizer.atexit = False  # the process is ending: nothing to unpin or tell
+
+    def memoryview(self) -> memoryview:
+        """A writable byte view of the whole region (no copy)."""
+        return memoryview(self.mm)
+
+    @property
+    def trimmable(self) -> bool:
+        """Whether :meth:`trim` can give pages back: not for pinned memory (the device's mapping
+        would keep the old pages), nor without ``MADV_REMOVE`` (not Linux)."""
+        return not self.pinned and hasattr(mmap, "MADV_REMOVE")
+
+    def trim(self, keep: int) -> None:
+        """Give the pages past the first ``keep`` bytes back to the system (``MADV_REMOVE``: the
+        mapping stays, in the writer process too; those bytes read as zeros and cost first touch
+        if used again). About 0.2 s per GB here, so it runs in the background."""
+        keep = -(-keep // mmap.PAGESIZE) * mmap.PAGESIZE
+        if keep >= self.resident or not self.trimmable:
+            return
+        try:
+            self.mm.madvise(mmap.MADV_REMOVE, keep, self.nbytes - keep)
+        except OSError as e:  # the memory is only kept longer
+            log.debug("stashpoint: could not trim a staging buffer: %s", e)
+            return
+        self.resident = keep
+
+
+def _host_buffer(nbytes: int, pinned: bool) -> tuple[torch.Tensor, SharedRegion | None]:
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8), None
+    if hasattr(os, "memfd_create"):
+        region = SharedRegion(nbytes, pinned)
+        return region.tensor, region
+    if pinned:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None
+    # Page-aligned anonymous memory, so shard writes can use direct I/O straight from it.
+    # (Transparent huge pages were measured slower to first-touch here: the kernel compacts.)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(m, dtype=torch.uint8), None
+
+
+def _layout_bytes(plan: SavePlan) -> int:
+    """Bytes of one buffer holding every file's data, each file starting page-aligned."""
+    return sum(-(-f.data_size // _PAGE) * _PAGE for f in plan.files)
+
+
+def _alloc_bytes(plan: SavePlan) -> int:
+    """What a fresh buffer for ``plan`` gets: its layout plus room for a few more files.
+
+    The same tensors laid out into more files (another split of what a rank writes, another
+    ``max_shard_bytes``) take up to a page of padding more per file. Without this room such a
+    layout would not fit the touched buffer and would take fresh memory (first touch: a second
+    or more per GB here) once more.
+    """
+    return _layout_bytes(plan) + (len(plan.files) + 16) * _PAGE
+
+
+@dataclass
+class StagingBuffers:
+    """One host buffer holding the data of every shard file of a plan (each file's region
+    page-aligned), and typed views of each tensor's bytes in it.
+
+    ``region`` is the shared memory behind ``buffer`` (None where there is none: an empty
+    buffer, or no ``memfd_create``); ``offsets`` is where each view starts in ``buffer``.
+    """
+
+    plan: SavePlan
+    specs: tuple[TensorSpec, ...]
+    pinned: bool
+    buffer: torch.Tensor
+    views: dict[str, torch.Tensor] = field(default_factory=dict)
+    region: SharedRegion | None = None
+    offsets: dict[str, int] = field(default_factory=dict)
+    trim_to: int | None = None  # pages past this are to be given back (see :meth:`trim`)
+
+    def trim(self) -> None:
+        """Give back the pages this layout does not use, if the pool asked for it (the persist
+        calls this in the background: it takes a while, and nothing reads those pages)."""
+        if self.trim_to is not None and self.region is not None:
+            self.region.trim(self.trim_to)
+        self.trim_to = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    @property
+    def resident(self) -> int:
+        """The bytes of the buffer that may hold memory (less than ``nbytes`` once trimmed)."""
+        return self.region.resident if self.region is not None else self.nbytes
+
+    def memoryview(self) -> memoryview:
+        """A writable byte view of the whole buffer (no copy)."""
+        return self.region.memoryview() if self.region is not None else as_memoryview(self.buffer)
+
+    @classmethod
+    def allocate(cls, plan: SavePlan, specs: tuple[TensorSpec, ...], pinned: bool) -> StagingBuffers:
+        buffer, region = _host_buffer(_alloc_bytes(plan), pinned)
+        return cls.layout(buffer, plan, specs, pinned, region)
+
+    @classmethod
+    def layout(
+        cls,
+        buffer: torch.Tensor,
+        plan: SavePlan,
+        specs: tuple[TensorSpec, ...],
+        pinned: bool,
+        region: SharedRegion | None = None,
+    ) -> StagingBuffers:
+        """Lay ``plan`` out in ``buffer`` (at least :func:`_layout_bytes` long)."""
+        by_key = {s.key: s for s in specs}
+        views: dict[str, torch.Tensor] = {}
+        offsets: dict[str, int] = {}
+        base = 0
+        for f in plan.files:
+            for p in f.placements:
+                spec = by_key[p.key]
+                dtype = torch_dtype(spec.dtype, p.key)
+                views[p.key] = buffer[base + p.begin : base + p.end].view(dtype).reshape(spec.shape)
+                offsets[p.key] = base + p.begin
+            base += -(-f.data_size // _PAGE) * _PAGE
+        return cls(plan, specs, pinned, buffer, views, region, offsets)
+
+
+class StagingPool:
+    """Keeps idle staging memory for reuse (at most ``max_free`` buffers).
+
+    A buffer laid out for the same plan is reused as is. Otherwise an idle buffer that is large
+    enough is laid out anew: its pages are already touched, which is what makes a copy fast. If
+    it holds much more than the plan needs (a distributed save's second plan copies only what
+    the rank writes), the pages past what the plan needs are to be given back
+    (:meth:`StagingBuffers.trim`, which the persist calls; shared memory only: a pinned buffer
+    that is too large is dropped instead). Only when none fits is fresh
+    memory allocated, and idle buffers are dropped first so memory never grows.
+
+    ``on_drop`` is called (outside the pool's lock) after idle buffers were dropped: the engine
+    uses it to have the writer process unmap them at once, so that their memory is returned.
+    """
+
+    def __init__(self, max_free: int = 1) -> None:
+        self.max_free = max_free
+        self._free: list[StagingBuffers] = []
+        self._lock = threading.Lock()
+        self.on_drop: Callable[[], None] | None = None
+        self.allocations = 0  # fresh buffers allocated so far (each pays first touch)
+
+    def _dropped(self) -> None:
+        if self.on_drop is not None:
+            self.on_drop()
+
+    def acquire(self, plan: SavePlan, specs: tuple[TensorSpec, ...], pinned: bool) -> StagingBuffers:
+        """Buffers laid out for ``plan`` and ``specs``."""
+        need = _layout_bytes(plan)
+        with self._lock:
+            for i, b in enumerate(self._free):
+                if b.plan == plan and b.specs == specs and b.pinned == pinned:
+                    return self._free.pop(i)
+            for i, b in enumerate(self._free):
+                if b.pinned != pinned or need > b.nbytes:
+                    continue
+                too_big = b.resident > _alloc_bytes(plan) + need // 4
+                if too_big and not (b.region is not None and b.region.trimmable):
+                    continue
+                old = self._free.pop(i)
+                if old.region is not None:
+                    old.region.resident = max(old.region.resident, need)
+                new = StagingBuffers.layout(old.buffer, plan, specs, pinned, old.region)
+                new.trim_to = _alloc_bytes(plan) if too_big else None
+                return new
+            dropped = bool(self._free)
+            self._free.clear()
+            self.allocations += 1
+        if dropped:
+            self._dropped()
+        log.debug("stashpoint: allocating %d bytes of fresh staging memory", _alloc_bytes(plan))
+        return StagingBuffers.allocate(plan, specs, pinned)
+
+    def release(self, buffers: StagingBuffers) -> None:
+        with self._lock:
+            self._free.append(buffers)
+            extra = max(0, len(self._free) - self.max_free)
+            del self._free[:extra]
+        if extra:
+            self._dropped()
+
+
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+    return _streams[device]
+
+
+def stage(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each ``(source, staging view)`` pair; returns once every copy has completed.
+
+    CUDA sources are copied on a per-device side stream that first waits for the work already
+    queued on the current stream, so the copies see the latest values.
+    """
+    cuda = []
+    for src, dst in pairs:
+        if src.device.type == "cuda":
+            cuda.append((src, dst))
+        else:
+            dst.copy_(src)
+    for _, event in launch_cuda(cuda):
+        event.synchronize()
+
+
+def launch_cuda(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.device, torch.cuda.Event]]:
+    """Queue the copies of CUDA sources without waiting for them; return one event per device.
+
+    Each device's copies run on its side stream after the work already queued on the current
+    stream (so they see the values at the time of the call); the event is recorded after them.
+    Every source is marked as used by the side stream, so that its memory is not handed to
+    another tensor before the copy has read it, even if the caller drops it.
+    """
+    by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for src, dst in pairs:
+        by_device.setdefault(src.device, []).append((src, dst))
+    events = []
+    for device, items in by_device.items():
+        stream = _side_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for src, dst in items:
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(stream)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        events.append((device, event))
+    return events

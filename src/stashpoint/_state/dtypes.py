@@ -1,0 +1,23 @@
+"""torch dtypes to and from the format's dtype names (stashpoint._core.dtypes)."""
+
+from __future__ import annotations
+
+import torch
+
+from stashpoint._core.dtypes import ITEMSIZE
+from stashpoint.errors import CorruptCheckpointError
+
+_BY_NAME: dict[str, torch.dtype] = {
+    name: d for name in ITEMSIZE if isinstance(d := getattr(torch, name, None), torch.dtype)
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: object, where: str) -> torch.dtype:
+    """The torch dtype called ``name`` in a checkpoint; unknown names are corruption."""
+    if not isinstance(name, str) or name not in _BY_NAME:
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in {where}")
+    return _BY_NAME[name]

@@ -1,0 +1,154 @@
+"""Adapters between live stateful objects and the trees stashpoint saves.
+
+Three kinds of stateful objects are told apart:
+
+* ``module``: an ``nn.Module``; its ``state_dict()`` tensors alias the parameters and buffers.
+* ``optimizer``: a ``torch.optim.Optimizer``; its state is re-keyed from integer ids to parameter
+  names (fully qualified names, FQNs) found in the modules of the same state, so a checkpoint
+  survives a change in parameter order.
+* ``object``: anything else with ``state_dict()`` / ``load_state_dict()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
+
+import torch
+
+from stashpoint.errors import UnsupportedStateError
+
+T = TypeVar("T")
+
+# Wrapper prefixes that other tools insert into parameter names; stripped so that names stay stable.
+_WRAPPER_PARTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "module")
+
+
+def kind_of(obj: Any) -> str | None:
+    """Return the stateful kind of ``obj``, or None if it is not stateful."""
+    if isinstance(obj, torch.nn.Module):
+        return "module"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+        return "object"
+    return None
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The module inside wrappers that only prefix its keys: DistributedDataParallel (``module.``)
+    and ``torch.compile`` (``_orig_mod.``), so a checkpoint's keys do not depend on them.
+
+    Raises :class:`UnsupportedStateError` for FSDP1 (``FullyShardedDataParallel``), whose
+    ``state_dict()`` runs collectives on the training's process group."""
+    refuse_fsdp1(module)
+    while True:
+        inner = (
+            getattr(module, "module", None) if isinstance(module, torch.nn.parallel.DistributedDataParallel) else None
+        )
+        if inner is None and type(module).__name__ == "OptimizedModule":
+            inner = getattr(module, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return module
+        module = inner
+
+
+def refuse_fsdp1(module: torch.nn.Module) -> None:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return
+    if isinstance(module, FullyShardedDataParallel):  # FSDP1 always wraps the root
+        raise UnsupportedStateError(
+            "FullyShardedDataParallel (FSDP1) is not supported: its state_dict() gathers or reshards over the "
+            "training's process group, which a background save must not touch. Use FSDP2 "
+            "(torch.distributed.fsdp.fully_shard), whose parameters and optimizer state are DTensors that "
+            "stashpoint saves shard by shard and loads on any number of ranks."
+        )
+
+
+def find_all(state: Any, cls: type[T]) -> list[T]:
+    """Every instance of ``cls`` reachable through the containers of ``state`` (dicts, lists,
+    tuples), in traversal order; an instance is not looked into."""
+    found: list[T] = []
+    stack = [state]
+    seen: set[int] = set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, cls):
+            found.append(obj)
+        elif isinstance(obj, Mapping):
+            stack.extend(reversed(list(obj.values())))
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(reversed(obj))
+    return found
+
+
+def find_modules(state: Any) -> list[torch.nn.Module]:
+    """Every ``nn.Module`` reachable through the containers of ``state``, in traversal order."""
+    return find_all(state, torch.nn.Module)
+
+
+def _clean_name(name: str) -> str:
+    parts = [p for p in name.split(".") if p not in _WRAPPER_PARTS]
+    return ".".join(parts)
+
+
+def param_names(modules: Iterable[torch.nn.Module]) -> dict[int, str]:
+    """Map ``id(parameter)`` to its name in the first module that holds it."""
+    names: dict[int, str] = {}
+    for module in modules:
+        for name, param in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), _clean_name(name))
+    return names
+
+
+def optimizer_to_tree(optim: torch.optim.Optimizer, names: Mapping[int, str]) -> tuple[str, dict[str, Any]]:
+    """The optimizer's ``state_dict()`` keyed by parameter names when every parameter has one.
+
+    Returns ``(keyed_by, state_dict)`` where ``keyed_by`` is ``"name"`` or, when some parameter
+    belongs to no module of the state, ``"index"`` (the optimizer's own integer ids).
+    """
+    sd = optim.state_dict()
+    params = [p for group in optim.param_groups for p in group["params"]]
+    pnames = [names.get(id(p)) for p in params]
+    if any(n is None for n in pnames) or len(set(pnames)) != len(pnames):
+        return "index", sd
+    # state_dict() numbers parameters in param_groups order, starting at 0.
+    by_index = dict(enumerate(pnames))
+    state = {by_index[i]: v for i, v in sd["state"].items()}
+    groups = [{**g, "params": [by_index[i] for i in g["params"]]} for g in sd["param_groups"]]
+    return "name", {"state": state, "param_groups": groups}
+
+
+def optimizer_current_names(optim: torch.optim.Optimizer, names: Mapping[int, str]) -> list[str | None]:
+    """Names of the optimizer's parameters in its own order (None where a parameter has none)."""
+    return [names.get(id(p)) for group in optim.param_groups for p in group["params"]]
+
+
+def optimizer_from_named(
+    sd: Mapping[str, Any], optim: torch.optim.Optimizer, names: Mapping[int, str]
+) -> dict[str, Any]:
+    """Turn a name-keyed optimizer state dict into the integer-keyed form ``optim`` loads.
+
+    Integer ids follow the optimizer's *current* parameter order, and each current group takes
+    the hyperparameters of the saved group that held its first parameter, so a checkpoint loads
+    correctly after the parameters were reordered. The caller checks beforehand that the saved
+    and current names agree.
+    """
+    saved_group_of = {n: gi for gi, g in enumerate(sd["param_groups"]) for n in g["params"]}
+    index_of: dict[str, int] = {}
+    groups = []
+    for group in optim.param_groups:
+        ids = []
+        for p in group["params"]:
+            index_of[names[id(p)]] = len(index_of)
+            ids.append(index_of[names[id(p)]])
+        first = names[id(group["params"][0])] if group["params"] else None
+        saved = sd["param_groups"][saved_group_of[first]] if first in saved_group_of else {}
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+    state = {index_of[n]: v for n, v in sd["state"].items() if n in index_of}
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,286 @@
+"""Turning a training state into a JSON tree plus a list of tensors, and back.
+
+The tree mirrors the state's nesting. Each node is a one-key (or two-key) JSON object:
+
+====================================  =============================================================
+``{"dict": [[key, node], ...]}``      a mapping; keys are strings or integers, order preserved
+``{"list": [node, ...]}``             a list
+``{"tuple": [node, ...]}``            a tuple
+``{"tensor": "key/path"}``            a tensor, stored in a shard under that key path
+``{"value": x}``                      an int, finite float, bool, str or None
+``{"float": "nan" | "inf" | "-inf"}`` a non-finite float
+``{"bytes": "<base64>"}``             a bytes value
+``{"pickle": "<base64>"}``            any other object, only when saved with ``allow_pickle=True``
+``{"stateful": kind, "state": node}`` an object with state_dict(); kind is module/optimizer/object
+====================================  =============================================================
+
+A tensor's key path joins the dict keys and list indices leading to it with ``/``; ``%`` and ``/``
+inside a component are percent-escaped. Objects with ``state_dict()`` add no component.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from stashpoint._core.dtypes import ITEMSIZE
+from stashpoint._core.format import MAX_TREE_DEPTH
+from stashpoint._state import stateful as _stateful
+from stashpoint._state.dtensor import is_dtensor, is_strided
+from stashpoint._state.dtypes import dtype_name
+from stashpoint.errors import UnsupportedStateError
+
+Node = dict[str, Any]
+
+_SUB_BYTE = {
+    getattr(torch, n)
+    for n in (
+        *(f"int{i}" for i in range(1, 8)),
+        *(f"uint{i}" for i in range(1, 8)),
+        "quint4x2",
+        "quint2x4",
+    )
+    if hasattr(torch, n)
+}
+
+
+def escape(component: str | int) -> str:
+    """Escape one key-path component."""
+    return str(component).replace("%", "%25").replace("/", "%2F")
+
+
+def join(prefix: str, component: str | int) -> str:
+    c = escape(component)
+    return f"{prefix}/{c}" if prefix else c
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_MAPPINGS = (dict, OrderedDict)  # never stateful: no need to look for state_dict()
+_placements_ok: dict[tuple[object, ...], bool] = {}
+
+
+def _odd_placements(t: torch.Tensor) -> list[object]:
+    """The placements of DTensor ``t`` other than ``Shard(dim)`` and ``Replicate`` (remembered
+    per placements tuple: checked on every tensor of every save)."""
+    placements = tuple(t.placements)  # type: ignore[attr-defined]
+    if _placements_ok.get(placements):
+        return []
+    from torch.distributed.tensor import Replicate, Shard
+
+    odd = [p for p in placements if type(p) not in (Shard, Replicate) and not is_strided(p)]
+    if len(_placements_ok) > 256:
+        _placements_ok.clear()
+    _placements_ok[placements] = not odd
+    return odd
+
+
+def check_tensor(key: str, t: torch.Tensor) -> None:
+    """Raise :class:`UnsupportedStateError` for tensors whose bytes cannot be saved as-is."""
+    where = f"at key {key!r}"
+    kind = type(t)
+    dtensor = kind not in _PLAIN_TYPES and is_dtensor(t)
+    if kind not in _PLAIN_TYPES and not dtensor and not isinstance(t, torch.nn.Parameter):
+        raise UnsupportedStateError(
+            f"tensor subclass {kind.__name__} {where} is not supported; convert it to a plain tensor "
+            "(DTensor is supported)."
+        )
+    if t.is_quantized:
+        raise UnsupportedStateError(
+            f"quantized tensor {where} is not supported; dequantize it (t.dequantize()) or save "
+            "its int_repr() with its scale and zero point."
+        )
+    if t.layout != torch.strided:
+        raise UnsupportedStateError(
+            f"tensor with layout {t.layout} {where} is not supported; convert it with .to_dense()."
+        )
+    if t.device.type == "meta":
+        raise UnsupportedStateError(f"meta tensor {where} holds no data; materialize it before saving.")
+    if key.endswith("__metadata__") and key.rsplit("/", maxsplit=1)[-1] == "__metadata__":
+        raise UnsupportedStateError(f"the key {key!r} is reserved by the safetensors layout of the shards; rename it")
+    if dtensor:
+        odd = _odd_placements(t)
+        if odd:
+            raise UnsupportedStateError(
+                f"DTensor {where} has placement(s) {odd}; only Shard(dim), FSDP2's strided "
+                "Shard and Replicate are saved as they are. "
+                "Redistribute it first (t.redistribute(placements=[Replicate()]) for a Partial sum)."
+            )
+    if t.dtype in _SUB_BYTE:
+        raise UnsupportedStateError(f"tensor of sub-byte dtype {t.dtype} {where} holds no addressable bytes.")
+    if dtype_name(t.dtype) not in ITEMSIZE:
+        raise UnsupportedStateError(
+            f"tensor of dtype {t.dtype} {where} is not in the format's dtype table; convert it (t.to(...)) "
+            "or upgrade stashpoint"
+        )
+
+
+class Flattener:
+    """Walks a state once; collects the tree and the ``(key, tensor)`` leaves."""
+
+    def __init__(self, *, allow_pickle: bool = False) -> None:
+        self.allow_pickle = allow_pickle
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+        self._keys: set[str] = set()
+        self._names: dict[int, str] | None = None
+        self.buffers: set[str] = set()
+        self._depth = 0  # keys of module buffers (plain tensors of a module's state)
+        self._root: Any = None
+
+    def flatten(self, state: Any) -> Node:
+        self._root = state
+        return self._node(state, "")
+
+    def _param_names(self) -> dict[int, str]:
+        if self._names is None:
+            self._names = _stateful.param_names(_stateful.find_modules(self._root))
+        return self._names
+
+    def _node(self, obj: Any, key: str) -> Node:
+        if isinstance(obj, torch.Tensor):  # the common leaf, without the depth count
+            return self._make(obj, key)
+        self._depth += 1
+        try:
+            if self._depth > MAX_TREE_DEPTH:
+                raise UnsupportedStateError(
+                    f"the state is nested deeper than {MAX_TREE_DEPTH} containers at key {key[:200]!r}; flatten it"
+                )
+            return self._make(obj, key)
+        finally:
+            self._depth -= 1
+
+    def _make(self, obj: Any, key: str) -> Node:
+        if isinstance(obj, torch.Tensor):  # checked by the layout (check_tensor) unless known
+            if key in self._keys:
+                raise UnsupportedStateError(
+                    f"two entries map to the key path {key!r} (e.g. a string key '0' beside an "
+                    "integer key 0); rename one of them."
+                )
+            self._keys.add(key)
+            # not detached here: the state's own tensor objects (whose id() the layout cache and
+            # overlap mode match), and detach() of a DTensor goes through its dispatcher (slow,
+            # per tensor, every save); the layout takes each one's local part, detached
+            self.tensors.append((key, obj))
+            return {"tensor": key}
+        if obj is None or isinstance(obj, (bool, int, str)):
+            return {"value": obj}
+        if isinstance(obj, float):
+            return {"value": obj} if math.isfinite(obj) else {"float": repr(obj)}
+        if isinstance(obj, bytes):
+            return {"bytes": base64.b64encode(obj).decode("ascii")}
+        kind = None if type(obj) in _PLAIN_MAPPINGS else _stateful.kind_of(obj)
+        if kind == "optimizer":
+            keyed_by, sd = _stateful.optimizer_to_tree(obj, self._param_names())
+            return {"stateful": kind, "keyed_by": keyed_by, "state": self._node(sd, key)}
+        if kind == "module":
+            obj = _stateful.unwrap(obj)
+            # keep_vars: the parameters themselves, not a detach() each (through a DTensor's
+            # dispatcher: tens of microseconds per tensor on every save); the layout takes
+            # their local parts detached. Only where state_dict() is nn.Module's own.
+            if getattr(obj.state_dict, "__func__", None) is torch.nn.Module.state_dict:
+                sd = obj.state_dict(keep_vars=True)
+                node = {"stateful": kind, "state": self._node(sd, key)}
+                self.buffers.update(
+                    join(key, k) for k, v in sd.items() if type(v) is torch.Tensor  # not a Parameter, not a DTensor
+                )
+                return node
+        if kind is not None:
+            return {"stateful": kind, "state": self._node(obj.state_dict(), key)}
+        if isinstance(obj, Mapping):
+            items = []
+            for k, v in obj.items():
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                    raise UnsupportedStateError(
+                        f"dict key {k!r} of type {type(k).__name__} under {key or '<root>'!r}: only "
+                        "str and int keys can be saved; convert the key to a string."
+                    )
+                items.append([k, self._node(v, join(key, k))])
+            return {"dict": items}
+        if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple, torch.Size):
+            kind_name = "list" if isinstance(obj, list) else "tuple"
+            return {kind_name: [self._node(v, join(key, i)) for i, v in enumerate(obj)]}
+        if self.allow_pickle:
+            return {"pickle": base64.b64encode(pickle.dumps(obj, protocol=5)).decode("ascii")}
+        raise UnsupportedStateError(
+            f"value of type {type(obj).__module__}.{type(obj).__qualname__} at key "
+            f"{key or '<root>'!r} cannot be saved without pickle. Give it state_dict()/"
+            "load_state_dict(), convert it to tensors or plain values, or pass allow_pickle=True "
+            "(the file then needs allow_pickle=True to load, and loading runs code from it)."
+        )
+
+
+def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Node, list[tuple[str, torch.Tensor]]]:
+    """Return the tree of ``state`` and its tensors in traversal order."""
+    f = Flattener(allow_pickle=allow_pickle)
+    tree = f.flatten(state)
+    return tree, f.tensors
+
+
+def flatten_with_buffers(
+    state: Any, *, allow_pickle: bool = False
+) -> tuple[Node, list[tuple[str, torch.Tensor]], set[str]]:
+    """:func:`flatten`, and the keys of the modules' buffers among the tensors."""
+    f = Flattener(allow_pickle=allow_pickle)
+    tree = f.flatten(state)
+    return tree, f.tensors, f.buffers
+
+
+def is_plain(node: Node) -> bool:
+    """True if the node holds no tensor and no stateful object."""
+    if "dict" in node:
+        return all(is_plain(v) for _, v in node["dict"])
+    if "list" in node:
+        return all(is_plain(v) for v in node["list"])
+    if "tuple" in node:
+        return all(is_plain(v) for v in node["tuple"])
+    return "tensor" not in node and "stateful" not in node
+
+
+def decode_plain(node: Node, *, allow_pickle: bool, where: str) -> Any:
+    """Rebuild a plain node's Python value."""
+    from stashpoint.errors import CheckpointError, CorruptCheckpointError
+
+    if "value" in node:
+        return node["value"]
+    if "float" in node:
+        return float(node["float"])
+    if "bytes" in node:
+        try:
+            return base64.b64decode(node["bytes"], validate=True)
+        except ValueError:
+            raise CorruptCheckpointError(f"malformed bytes value in the manifest of {where}") from None
+    if "dict" in node:
+        return {k: decode_plain(v, allow_pickle=allow_pickle, where=where) for k, v in node["dict"]}
+    if "list" in node:
+        return [decode_plain(v, allow_pickle=allow_pickle, where=where) for v in node["list"]]
+    if "tuple" in node:
+        return tuple(decode_plain(v, allow_pickle=allow_pickle, where=where) for v in node["tuple"])
+    if "pickle" in node:
+        if not allow_pickle:
+            raise CheckpointError(
+                f"the checkpoint at {where} holds a pickled value; loading it would run code from the "
+                "file. Pass allow_pickle=True only if you trust where the file came from."
+            )
+        return pickle.loads(base64.b64decode(node["pickle"]))  # noqa: S301 - explicit opt-in
+    raise CorruptCheckpointError(f"malformed tree node {str(node)[:100]!r} in the manifest of {where}")
+
+
+def tensor_keys(node: Node) -> list[str]:
+    """Every tensor key under ``node``."""
+    if "tensor" in node:
+        return [node["tensor"]]
+    if "stateful" in node:
+        return tensor_keys(node["state"])
+    children: list[Node] = []
+    if "dict" in node:
+        children = [v for _, v in node["dict"]]
+    elif "list" in node:
+        children = node["list"]
+    elif "tuple" in node:
+        children = node["tuple"]
+    return [k for c in children for k in tensor_keys(c)]

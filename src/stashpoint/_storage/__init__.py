@@ -1,0 +1,34 @@
+"""Where checkpoints are stored: one small interface (:class:`Storage`), the local backend and
+S3; :func:`storage_for` picks the backend for a path by its scheme."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from stashpoint._storage.base import FileWriter, Storage
+from stashpoint._storage.local import LocalStorage
+
+# scheme -> (module, class): backends are imported only when a path needs them
+SCHEMES: dict[str, tuple[str, str]] = {"s3": ("stashpoint._storage.s3", "S3Storage")}
+
+__all__ = ["FileWriter", "LocalStorage", "Storage", "storage_for"]
+
+
+def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
+    """The storage backend for a user-given path."""
+    if isinstance(path, Storage):
+        return path
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str, os.PathLike or Storage, got {type(path).__name__}")
+    text = os.fspath(path)
+    if not text:
+        raise ValueError("the checkpoint path is empty; give a directory (e.g. 'ckpt/step-100') or an s3:// URL")
+    if "://" in text:
+        scheme = text.split("://", 1)[0]
+        if scheme in SCHEMES:
+            module, name = SCHEMES[scheme]
+            backend: type[Storage] = getattr(importlib.import_module(module), name)
+            return backend(text)  # type: ignore[call-arg]
+        raise ValueError(f"unsupported storage scheme {scheme!r} in {text!r}; use a local path or s3://bucket/prefix")
+    return LocalStorage(text)

@@ -1,0 +1,126 @@
+"""The storage interface a checkpoint is written through, and the local-filesystem backend.
+
+A :class:`Storage` is rooted at one checkpoint (a directory, or a prefix in an object store).
+Call order during a save, on each rank:
+
+1. ``prepare()`` — create the root if needed;
+2. ``open_writer(name, size)`` per shard, ``write()`` its bytes in order, ``close()`` makes the
+   file durable (or ``abort()`` removes it);
+3. ``sync()`` — make the new files' names durable;
+4. on the committing rank only, ``commit(MANIFEST_NAME, data, exclusive=...)`` — atomically
+   publish the manifest; the checkpoint exists from that moment. ``exclusive``: fail with
+   :class:`FileExistsError` if the name exists (of two concurrent saves, exactly one commits).
+
+Loads use ``read``/``read_into`` (ranged), ``size``, ``exists`` and ``list``.
+
+A run directory (the :class:`~stashpoint.CheckpointManager`'s root) is a storage too: its steps
+are ``child(name)`` storages, listed by ``children()``, removed by ``remove_tree()`` and moved
+aside by ``move()``.
+"""
+
+from __future__ import annotations
+
+import abc
+import builtins
+from collections.abc import Sequence
+
+
+class FileWriter(abc.ABC):
+    """A file being written in order. ``close()`` returns once it is durable."""
+
+    @abc.abstractmethod
+    def write(self, data: memoryview | bytes) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def abort(self) -> None: ...
+
+
+class Storage(abc.ABC):
+    """Where one checkpoint's files live. See the module docstring for the call order."""
+
+    #: Whether ``commit`` is an atomic rename (True) or a write whose presence commits (False).
+    atomic_rename: bool = True
+    #: Whether a root exists on its own once ``prepare()`` made it (a directory: True), or only
+    #: while it holds a file (an object-store prefix, where ``prepare()`` creates nothing: False).
+    has_directories: bool = True
+    #: How many files of one save to write at once (each ``open_writer`` file on a thread of its
+    #: own); 1: one after the other.
+    write_streams: int = 1
+
+    @property
+    @abc.abstractmethod
+    def location(self) -> str:
+        """A human-readable location, used in messages."""
+
+    @abc.abstractmethod
+    def prepare(self) -> None: ...
+
+    @abc.abstractmethod
+    def open_writer(self, name: str, size: int) -> FileWriter: ...
+
+    @abc.abstractmethod
+    def sync(self) -> None: ...
+
+    @abc.abstractmethod
+    def commit(self, name: str, data: bytes, *, exclusive: bool = False) -> None: ...
+
+    @abc.abstractmethod
+    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes: ...
+
+    @abc.abstractmethod
+    def readv(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Fill ``buffers`` in order from the contiguous range starting at ``offset``.
+
+        Raises :class:`EOFError` if the file ends first.
+        """
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from the file's bytes starting at ``offset``."""
+        self.readv(name, offset, [out])
+
+    @abc.abstractmethod
+    def size(self, name: str) -> int: ...
+
+    @abc.abstractmethod
+    def exists(self, name: str | None = None) -> bool:
+        """Whether the file ``name`` exists, or (``None``) whether the root exists."""
+
+    @abc.abstractmethod
+    def list(self) -> list[str]: ...
+
+    @abc.abstractmethod
+    def delete(self, name: str) -> None:
+        """Delete the file ``name``; a missing file is fine."""
+
+    def shared_reads(self) -> Storage:
+        """This storage for reads that other processes on this host make too (ranks reading the
+        same replicated tensors): a backend that bypasses a shared cache for its reads returns a
+        copy that uses it."""
+        return self
+
+    def best_effort(self) -> Storage:
+        """This storage for clean-up after a failure: the same files, but giving up quickly
+        instead of retrying (a backend with long retries returns a copy with short ones)."""
+        return self
+
+    # -- the run-directory level ---------------------------------------------------------------
+
+    @abc.abstractmethod
+    def child(self, name: str) -> Storage:
+        """The storage rooted at ``name`` under this root (same backend and options)."""
+
+    @abc.abstractmethod
+    def children(self) -> builtins.list[str]:
+        """The names of the sub-roots directly under this root (directories, or common prefixes)."""
+
+    @abc.abstractmethod
+    def remove_tree(self) -> None:
+        """Delete this root and everything under it; a missing root is fine."""
+
+    @abc.abstractmethod
+    def move(self, name: str) -> Storage:
+        """Give this root the sibling name ``name`` and return the storage there. Object stores,
+        which cannot rename, copy every object and then delete the originals."""

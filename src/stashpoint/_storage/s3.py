@@ -1,0 +1,395 @@
+"""The S3 backend: a checkpoint under ``s3://bucket/prefix`` on AWS S3 or any S3-compatible server.
+
+Object stores cannot rename, so ``commit`` is a plain PUT of the manifest, made after every shard
+object is complete: the manifest object's presence is the commit (``atomic_rename = False``). A
+PUT is atomic on S3 — readers see the whole object or none.
+
+* Shards are written as multipart uploads: the staged bytes are handed to the upload as they come
+  (zero-copy: the staging memory stays valid until ``close()`` returns), ``part_size`` parts,
+  ``concurrency`` of them in flight; a file no larger than one part is a single PUT. ``close()``
+  completes the upload; ``abort()`` or any failure aborts it, so nothing is left behind.
+* Reads are ranged GETs; a large range is split into ``part_size`` GETs fetched in parallel
+  straight into the destination buffers (the copy runs outside the GIL).
+* Transient errors (connection refused or reset, timeouts, 5xx, throttling) are retried with
+  exponential backoff for up to ``retry_seconds`` per request; permanent ones (bad credentials,
+  missing bucket) fail at once with the fix in the message.
+
+Configuration and clients: see ``_s3config``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import concurrent.futures as cf
+import dataclasses
+import errno
+import logging
+import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from stashpoint._core.format import MANIFEST_NAME
+from stashpoint._storage.base import FileWriter, Storage
+from stashpoint._storage.s3config import S3Client, S3Error, S3Options, check_installed, client_for
+from stashpoint._storage.s3io import S3Writer, copy_into, server_said, status_of
+
+log = logging.getLogger("stashpoint")
+T = TypeVar("T")
+
+_DELETE_BATCH = 1000  # S3's limit per DeleteObjects request
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")`` (empty segments dropped)."""
+    if not url.startswith("s3://"):
+        raise ValueError(f"not an S3 URL: {url!r}; expected s3://bucket/prefix")
+    bucket, _, rest = url[len("s3://") :].partition("/")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket):
+        raise ValueError(
+            f"{url!r} does not start with a valid bucket name ({bucket!r}): 3-63 lowercase letters, digits, "
+            "dots and hyphens; write s3://bucket/prefix"
+        )
+    return bucket, "/".join(p for p in rest.split("/") if p)
+
+
+# ---------------------------------------------------------------------------------------------
+# The storage
+
+
+_pending_aborts: set[tuple[str, str, str]] = set()  # (endpoint, bucket, key) whose abort failed
+_pending_lock = threading.Lock()
+
+
+_BEST_EFFORT_RETRY_S = 3.0
+
+
+class S3Storage(Storage):
+    """A checkpoint (or a run directory of them) under ``s3://bucket/prefix``."""
+
+    atomic_rename = False
+    has_directories = False
+
+    def __init__(self, url: str, options: S3Options | None = None) -> None:
+        check_installed()
+        self.bucket, self.prefix = parse_url(url)
+        self.options = options if options is not None else S3Options.from_env()
+
+    def best_effort(self) -> S3Storage:
+        """A copy that retries transient errors for at most a few seconds (clean-up after a failure:
+        a server that is down should fail the save in seconds, not after every delete's budget)."""
+        if self.options.retry_seconds <= _BEST_EFFORT_RETRY_S:
+            return self
+        return S3Storage(self.url, dataclasses.replace(self.options, retry_seconds=_BEST_EFFORT_RETRY_S))
+
+    # -- naming ---------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The normalized ``s3://bucket/prefix``; ``storage_for(url)`` gives this storage back."""
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    @property
+    def location(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"S3Storage({self.url!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, S3Storage) and (other.url, other.options) == (self.url, self.options)
+
+    def __hash__(self) -> int:
+        return hash((self.url, self.options))
+
+    def key(self, name: str) -> str:
+        if not name or name.startswith("/") or "//" in name:
+            raise ValueError(f"{name!r} is not a valid object name under {self.url}")
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def url_of(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def client(self) -> S3Client:
+        return client_for(self.bucket, self.options)
+
+    # -- errors ---------------------------------------------------------------------------------
+
+    def error(self, op: str, name: str | None, e: BaseException) -> BaseException:
+        """The error to raise for ``e`` (from obstore or botocore) while ``op`` on ``name``."""
+        from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
+
+        if isinstance(e, (S3Error, EOFError)):
+            return e
+        c = self.client()
+        where = self.url_of(name) if name else self.url
+        said = server_said(e)
+        if "NoSuchBucket" in said or "NoSuchBucket" in str(e):
+            return S3Error(
+                f"{op} {where}: the bucket {self.bucket!r} does not exist at {c.endpoint}. Create it "
+                f"(aws s3 mb s3://{self.bucket}), or point AWS_ENDPOINT_URL at the server that has it"
+            )
+        if isinstance(e, (NotFoundError, FileNotFoundError)):
+            return FileNotFoundError(errno.ENOENT, f"{where} does not exist")
+        if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or status_of(e) in ("401", "403"):
+            return S3Error(f"{op} {where} was refused by {c.endpoint} ({said}); {c.credentials_hint()}")
+        return S3Error(
+            f"{op} {where} failed ({said}) after retrying for up to {self.options.retry_seconds:g} s; "
+            f"{c.endpoint_hint()}. The retry budget is STASHPOINT_S3_RETRY_SECONDS"
+        )
+
+    def call(self, op: str, name: str | None, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise self.error(op, name, e) from e
+
+    # -- the checkpoint level -------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Check that the bucket exists and is ours to use (objects need no directory), and abort
+        the multipart uploads of earlier failed saves whose abort could not reach the server."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        c = self.client()
+        try:
+            c.control.head_bucket(Bucket=self.bucket)
+        except ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            if code in ("404", "NoSuchBucket", "NotFound"):
+                raise self.error("saving to", None, Exception("NoSuchBucket")) from None
+            if code in ("401", "403", "AccessDenied", "Forbidden"):
+                raise S3Error(
+                    f"saving to {self.url}: {c.endpoint} refused access to the bucket {self.bucket!r} ({code}); "
+                    f"{c.credentials_hint()}"
+                ) from None
+            raise S3Error(f"saving to {self.url}: checking the bucket failed ({e})") from None
+        except BotoCoreError as e:
+            raise S3Error(f"saving to {self.url}: {e}; {c.endpoint_hint()}") from None
+        self._retry_pending_aborts(c)
+
+    def open_writer(self, name: str, size: int) -> FileWriter:
+        return S3Writer(self, name, size)
+
+    def sync(self) -> None:
+        """Nothing to do: a completed upload is durable."""
+
+    def commit(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
+        import obstore
+
+        store, key = self.client().store, self.key(name)
+        if not exclusive:
+            self.call("writing", name, obstore.put, store, key, data, use_multipart=False)
+            return
+        try:  # a conditional PUT (If-None-Match: *): the store refuses it if the key exists
+            obstore.put(store, key, data, use_multipart=False, mode="create")
+        except Exception as e:
+            if type(e).__name__ == "AlreadyExistsError" or status_of(e) in ("412", "409"):
+                raise FileExistsError(errno.EEXIST, "already exists", self.location + "/" + name) from None
+            raise self.error("writing", name, e) from e
+
+    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
+        import obstore
+
+        store, key = self.client().store, self.key(name)
+        try:
+            if length is None:
+                opts: Any = {"range": {"offset": offset}} if offset else {}
+                return bytes(obstore.get(store, key, options=opts).bytes())
+            if length <= 0:
+                return b""
+            return bytes(obstore.get_range(store, key, start=offset, length=length))
+        except Exception as e:
+            if status_of(e) == "416":
+                return b""  # past the end, like reading a file past its end
+            raise self.error("reading", name, e) from e
+
+    def _fetch(self, name: str, start: int, dests: list[memoryview]) -> None:
+        import obstore
+
+        want = sum(len(d) for d in dests)
+        try:
+            data = obstore.get_range(self.client().store, self.key(name), start=start, length=want)
+        except Exception as e:
+            if status_of(e) == "416":
+                raise EOFError(
+                    f"{self.url_of(name)} ended before byte {start}, before the data it should hold"
+                ) from None
+            raise self.error("reading", name, e) from e
+        got = memoryview(data)
+        if len(got) < want:
+            raise EOFError(f"{self.url_of(name)} ended at byte {start + len(got)}, before the data it should hold")
+        pos = 0
+        for d in dests:
+            copy_into(d, got[pos : pos + len(d)])
+            pos += len(d)
+
+    def readv(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        part = self.options.part_size
+        pieces: list[tuple[int, list[memoryview]]] = []
+        start, cur, filled = offset, [], 0
+        for b in buffers:
+            mv = memoryview(b).cast("B")
+            while len(mv):
+                take = min(len(mv), part - filled)
+                cur.append(mv[:take])
+                mv, filled = mv[take:], filled + take
+                if filled == part:
+                    pieces.append((start, cur))
+                    start, cur, filled = start + filled, [], 0
+        if cur:
+            pieces.append((start, cur))
+        if len(pieces) <= 1:
+            for s, dests in pieces:
+                self._fetch(name, s, dests)
+            return
+        with cf.ThreadPoolExecutor(min(self.options.concurrency, len(pieces)), "stashpoint-s3-get") as pool:
+            futures = [pool.submit(self._fetch, name, s, dests) for s, dests in pieces]
+            for f in futures:
+                f.result()
+
+    def size(self, name: str) -> int:
+        import obstore
+
+        meta = self.call("reading", name, obstore.head, self.client().store, self.key(name))
+        return int(meta["size"])
+
+    def exists(self, name: str | None = None) -> bool:
+        if name is None:
+            objects, prefixes = self._list_level()
+            return bool(objects or prefixes)
+        try:
+            self.size(name)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _list_level(self) -> tuple[builtins.list[str], builtins.list[str]]:
+        """Object names and sub-prefix names directly under the prefix."""
+        import obstore
+
+        res = self.call("listing", None, obstore.list_with_delimiter, self.client().store, self.prefix or None)
+        cut = len(self.prefix) + 1 if self.prefix else 0
+        # Some servers (SeaweedFS) show an emptied "directory" as an object named like the prefix.
+        objects = [name for o in res["objects"] if (name := o["path"][cut:]) and not name.endswith("/")]
+        return objects, [name for p in res["common_prefixes"] if (name := p[cut:].rstrip("/"))]
+
+    def list(self) -> builtins.list[str]:
+        return sorted(self._list_level()[0])
+
+    def delete(self, name: str) -> None:
+        import obstore
+
+        self.call("deleting", name, obstore.delete, self.client().store, self.key(name))
+
+    # -- the run-directory level ----------------------------------------------------------------
+
+    def child(self, name: str) -> S3Storage:
+        return S3Storage(f"{self.url}/{name}", self.options)
+
+    def children(self) -> builtins.list[str]:
+        return sorted(self._list_level()[1])
+
+    def _all_keys(self) -> builtins.list[str]:
+        """Every object key under the prefix, at any depth."""
+        import obstore
+
+        store = self.client().store
+        if not self.prefix:
+            return [o["path"] for batch in obstore.list(store) for o in batch]
+        return self.call("listing", None, lambda: [o["path"] for b in obstore.list(store, self.prefix) for o in b])
+
+    def _delete_keys(self, keys: builtins.list[str]) -> None:
+        import obstore
+
+        store = self.client().store
+        for i in range(0, len(keys), _DELETE_BATCH):
+            self.call("deleting under", None, obstore.delete, store, keys[i : i + _DELETE_BATCH])
+
+    def _delete_tree(self, keys: builtins.list[str]) -> None:
+        """Delete ``keys`` (all under the prefix): manifests first, so an interrupted removal
+        leaves uncommitted leftovers, never a half-deleted committed checkpoint; then the
+        "directory" keys of servers that keep emptied folders listed (SeaweedFS), deepest first
+        (a no-op on AWS, which has no folders)."""
+        manifests = [k for k in keys if k.rsplit("/", 1)[-1] == MANIFEST_NAME]
+        self._delete_keys(manifests)
+        self._delete_keys(sorted(set(keys) - set(manifests)))
+        if not self.prefix:
+            return
+        dirs = {f"{self.prefix}/"}
+        for k in keys:
+            parts = k[len(self.prefix) + 1 :].split("/")[:-1]
+            dirs.update(f"{self.prefix}/{'/'.join(parts[: i + 1])}/" for i in range(len(parts)))
+        for depth in sorted({d.count("/") for d in dirs}, reverse=True):
+            self._delete_keys(sorted(d for d in dirs if d.count("/") == depth))
+
+    def remove_tree(self) -> None:
+        """Delete every object under the prefix and abort any multipart upload still open under
+        it (a save that crashed)."""
+        self._delete_tree(self._all_keys())
+        self.abort_uploads(f"{self.prefix}/" if self.prefix else "", exact=False)
+
+    def move(self, name: str) -> S3Storage:
+        """Copy every object to the sibling prefix ``name`` (server-side, manifests last) and then
+        delete the originals (manifests first)."""
+        import obstore
+
+        if not self.prefix:
+            raise ValueError(f"{self.url} is a whole bucket; it cannot be moved")
+        parent = self.prefix.rpartition("/")[0]
+        target = S3Storage(
+            f"s3://{self.bucket}/{parent}/{name}" if parent else f"s3://{self.bucket}/{name}", self.options
+        )
+        if target.exists(None):
+            raise FileExistsError(errno.EEXIST, f"cannot move {self.url} to {target.url}: it already holds objects")
+        keys = self._all_keys()
+        if not keys:
+            raise FileNotFoundError(errno.ENOENT, f"cannot move {self.url}: nothing is stored there")
+        store, cut = self.client().store, len(self.prefix) + 1
+        objects = [k for k in keys if not k.endswith("/")]
+        manifests = [k for k in objects if k.rsplit("/", 1)[-1] == MANIFEST_NAME]
+        rest = sorted(set(objects) - set(manifests))
+        for group in (rest, manifests):
+            with cf.ThreadPoolExecutor(self.options.concurrency, "stashpoint-s3-copy") as pool:
+                futures = [
+                    pool.submit(self.call, "copying", k[cut:], obstore.copy, store, k, target.key(k[cut:]))
+                    for k in group
+                ]
+                for f in futures:
+                    f.result()
+        self._delete_tree(keys)
+        return target
+
+    # -- multipart upload hygiene ---------------------------------------------------------------
+
+    def abort_uploads(self, key: str, *, exact: bool = True) -> int:
+        """Abort the open multipart uploads of ``key`` (or, ``exact=False``, of every key under
+        that prefix). If the server cannot be reached, remember them for the next ``prepare()``."""
+        c = self.client()
+        try:
+            n = 0
+            pages = c.control.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=key)
+            for page in pages:
+                for up in page.get("Uploads", []):
+                    if exact and up["Key"] != key:
+                        continue
+                    c.control.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                    n += 1
+        except Exception as e:
+            log.warning(
+                "stashpoint: could not abort the multipart uploads of s3://%s/%s (%s); will retry at the next save",
+                self.bucket,
+                key,
+                server_said(e),
+            )
+            with _pending_lock:
+                _pending_aborts.add((c.endpoint, self.bucket, key))
+            return 0
+        return n
+
+    def _retry_pending_aborts(self, c: S3Client) -> None:
+        with _pending_lock:
+            mine = [p for p in _pending_aborts if p[:2] == (c.endpoint, self.bucket)]
+            _pending_aborts.difference_update(mine)
+        for _, _, key in mine:
+            self.abort_uploads(key)

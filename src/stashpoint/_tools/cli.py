@@ -1,0 +1,431 @@
+"""The ``stashpoint`` command line (also ``python -m stashpoint``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from stashpoint._version import __version__
+
+CLI_S3_RETRY_SECONDS = 10
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="stashpoint")
+def main() -> None:
+    """stashpoint: checkpointing for PyTorch training that barely stops it."""
+    # an interactive command gives up on an unreachable object store after seconds, not the
+    # minute and a half a training job rides out (STASHPOINT_S3_RETRY_SECONDS overrides both)
+    os.environ.setdefault("STASHPOINT_S3_RETRY_SECONDS", str(CLI_S3_RETRY_SECONDS))
+
+
+@main.command(short_help="Checkpoint a small training run asynchronously, kill it, resume it exactly.")
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(file_okay=False, path_type=Path),
+    default="./stashpoint-demo",
+    show_default=True,
+    help="Where the checkpoints and logs go. Cleared first if it holds an earlier demo; any other "
+    "non-empty directory is refused.",
+)
+@click.option(
+    "--seconds",
+    type=click.FloatRange(min=10),
+    default=60.0,
+    show_default=True,
+    help="About how long the whole demo should take; it sets the checkpoint interval (not used with --every "
+    "or --quick).",
+)
+@click.option(
+    "--every",
+    type=click.IntRange(min=2),
+    metavar="K",
+    default=None,
+    help="Save every K steps (default: chosen from --seconds; 5 with --quick).",
+)
+@click.option("--quick", is_flag=True, help="A tiny model and a few seconds of training (for tests).")
+def demo(directory: Path, seconds: float, every: int | None, quick: bool) -> None:
+    """Train a small transformer on the CPU with asynchronous checkpoints, kill it, resume it.
+
+    A training process saves with stashpoint.async_save every K steps and shows how long each
+    save blocked training beside how long a plain torch.save + fsync of the same state takes.
+    It is then killed with SIGKILL; a new process resumes from the newest committed checkpoint,
+    and the losses of the steps both processes ran are compared bit for bit. The exit code is 0
+    when they are identical.
+    """
+    from stashpoint._tools.demo import DemoError, run_demo  # imports torch: only when the command runs
+
+    try:
+        code = run_demo(directory, seconds=seconds, every=every, quick=quick, echo=click.echo)
+    except (DemoError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        _echo("interrupted", err=True)
+        sys.exit(130)
+    sys.exit(code)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tools: ls, inspect, verify, diff, export, import. The logic is in _inspect, _diff and _convert;
+# these commands print. A path that is not what the command needs: one line on stderr, exit code 2.
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _fails_cleanly(fn: F) -> F:
+    """Print a stashpoint error (or bad argument) as one line on stderr and exit 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from stashpoint.errors import CheckpointError
+
+        try:
+            return fn(*args, **kwargs)
+        except BrokenPipeError:  # the output went to `head` or the like
+            sys.exit(1)
+        except (CheckpointError, ValueError, OSError) as e:
+            msg = "; ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+            _echo(f"stashpoint {click.get_current_context().info_name}: error: {msg}", err=True)
+            sys.exit(2)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{max(seconds, 0):.0f}s ago"
+
+
+# C0 and C1 control characters (ESC starts terminal escape sequences), DEL, and the bidirectional
+# overrides that reorder what a terminal shows: names and values come from files anyone can write
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def _esc(text: str, newlines: bool = False) -> str:
+    """``text`` with its control characters shown as escapes (``\\x1b``); newlines too unless kept."""
+    out = _UNSAFE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
+    return out if newlines else out.replace("\n", "\\n").replace("\t", "\\t")
+
+
+def _echo(text: str = "", err: bool = False) -> None:
+    click.echo(_esc(text, newlines=True), err=err)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [list(headers), *([_esc(str(c)) for c in r] for r in rows)]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def _short(value: object, width: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _echo_json(doc: object) -> None:
+    from stashpoint._tools.inspect import jsonable  # NaN and inf as strings: strict JSON
+
+    _echo(json.dumps(jsonable(doc), indent=2, default=str, allow_nan=False))
+
+
+_json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+# A local path or a URL such as s3://bucket/run/step-00000100 (a click.Path would fold its "//").
+_dir = click.STRING
+
+
+@main.command("ls", short_help="List a run directory's checkpoints: status, size, age, metrics.")
+@click.argument("root", type=_dir)
+@_json_option
+@_fails_cleanly
+def ls_command(*, root: str, as_json: bool) -> None:
+    """List the step directories of a run directory: committed or partial, size, age, metrics."""
+    from stashpoint._tools.inspect import human_bytes, list_steps
+
+    steps = list_steps(root)
+    if as_json:
+        _echo_json([dataclasses.asdict(s) for s in steps])
+        return
+    if not steps:
+        _echo(f"no step directories (step-XXXXXXXX) in {root}")
+        return
+    rows = []
+    for s in steps:
+        metrics = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in s.metrics.items())
+        rows.append((s.step, s.status, human_bytes(s.size), _age(s.age_s), metrics or s.error or ""))
+    _echo(_table(("STEP", "STATUS", "SIZE", "AGE", "METRICS"), rows))
+
+
+@main.command("inspect", short_help="Show a checkpoint's tensors, values, metadata and files.")
+@click.argument("path", type=_dir)
+@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True, help="Whose plain values to show.")
+@_json_option
+@_fails_cleanly
+def inspect_command(*, path: str, rank: int, as_json: bool) -> None:
+    """Show a checkpoint: its tensors, plain values, metadata and files.
+
+    Pickled values are shown as "<pickled, not loaded>": nothing is unpickled.
+    """
+    from stashpoint._tools.inspect import describe, human_bytes
+
+    d = describe(path, rank)
+    if as_json:
+        _echo_json(d)
+        return
+    _echo(f"checkpoint  {d['path']}")
+    _echo(
+        f"format      stashpoint v{d['format_version']} (save {d['save_id']}, stashpoint "
+        f"{d['library_version']}, torch {d['torch_version']})"
+    )
+    _echo(f"created     {d['created']}")
+    _echo(
+        f"world size  {d['world_size']}"
+        + (f" ({d['distinct_rank_trees']} distinct per-rank value sets)" if d["distinct_rank_trees"] > 1 else "")
+    )
+    _echo(f"\ntensors: {len(d['tensors'])}, {human_bytes(d['total_bytes'])}")
+    rows = [
+        (t["key"], t["dtype"], t["shape"], t["sharding"], human_bytes(t["bytes"]) if t["bytes"] else "-")
+        for t in d["tensors"]
+    ]
+    _echo(_table(("KEY", "DTYPE", "SHAPE", "SHARDING", "BYTES"), rows))
+    who = f" (rank {d['rank']})" if d["world_size"] > 1 else ""
+    _echo(f"\nvalues{who}: {len(d['values'])}")
+    for k, v in d["values"].items():
+        _echo(f"  {_esc(k)} = {_esc(_short(v))}")
+    _echo(f"\nmetadata: {len(d['metadata'])}")
+    for k, v in d["metadata"].items():
+        _echo(f"  {_esc(k)} = {_esc(str(v))}")
+    _echo(f"\nfiles: {len(d['files'])}")
+    _echo(_table(("NAME", "RANK", "SIZE"), [(f["name"], f["rank"], human_bytes(f["size"])) for f in d["files"]]))
+
+
+@main.command("verify", short_help="Check every byte of a checkpoint; exit 1 on any problem.")
+@click.argument("path", type=_dir)
+@click.option("-q", "--quiet", is_flag=True, help="Print the problems and the verdict only, not the progress.")
+@_json_option
+@_fails_cleanly
+def verify_command(*, path: str, quiet: bool, as_json: bool) -> None:
+    """Check every byte of a checkpoint against its checksums and its manifest.
+
+    PATH may also be a run directory (a CheckpointManager's root): every committed step is
+    checked; partial steps and names the manager did not write are listed as warnings.
+
+    Exit code 0 if it is intact, 1 if any problem is found (all are printed), 2 if PATH is not
+    a checkpoint.
+    """
+    from stashpoint._tools.inspect import human_bytes, verify
+    from stashpoint._tools.progress import Reporter
+
+    if quiet or as_json:
+        rep = verify(path)
+    else:
+        with Reporter("verifying", stream=sys.stdout) as progress:
+            rep = verify(path, progress=progress)
+    if as_json:
+        _echo_json({**dataclasses.asdict(rep), "ok": rep.ok})
+    else:
+        for w in rep.warnings:
+            _echo(f"warning: {w}")
+        for p in rep.problems:
+            _echo(f"problem: {p}")
+        if rep.ok:
+            steps = "" if rep.steps is None else f"{rep.steps} committed step(s), "
+            _echo(f"OK: {steps}{rep.files} file(s), {rep.tensors} tensor(s), {human_bytes(rep.bytes_checked)} verified")
+        else:
+            _echo(f"FAILED: {len(rep.problems)} problem(s) in {rep.path}")
+    sys.exit(0 if rep.ok else 1)
+
+
+@main.command("diff", short_help="Show which tensors and values differ between two checkpoints.")
+@click.argument("a", type=_dir)
+@click.argument("b", type=_dir)
+@_json_option
+@_fails_cleanly
+def diff_command(*, a: str, b: str, as_json: bool) -> None:
+    """Show which tensors and values differ between checkpoints A and B.
+
+    For tensors of the same shape the maximum absolute difference is shown. Exit code 0 if
+    identical, 1 if they differ.
+    """
+    from stashpoint._tools.diff import diff
+    from stashpoint._tools.inspect import jsonable
+
+    rep = diff(a, b)
+    if as_json:
+        doc = dataclasses.asdict(rep)
+        doc["plain"] = [{"key": k, "a": jsonable(x), "b": jsonable(y)} for k, x, y in rep.plain]
+        _echo_json({**doc, "identical": rep.identical})
+    else:
+        for k in rep.only_a:
+            _echo(f"only in A: {_esc(k)}")
+        for k in rep.only_b:
+            _echo(f"only in B: {_esc(k)}")
+        for k, (x, y) in rep.dtype.items():
+            _echo(f"dtype:     {_esc(k)}: {x} -> {y}")
+        for k, (sx, sy) in rep.shape.items():
+            _echo(f"shape:     {_esc(k)}: {sx} -> {sy}")
+        for k, d in rep.values.items():
+            _echo(f"values:    {_esc(k)}: " + ("bytes differ" if d is None else f"max |a-b| = {d:.6g}"))
+        for k, x, y in rep.plain:
+            _echo(f"value:     {_esc(k)}: {_esc(_short(x, 40))} -> {_esc(_short(y, 40))}")
+        n = len(rep.only_a) + len(rep.only_b) + len(set(rep.dtype) | set(rep.shape) | set(rep.values))
+        verdict = "identical" if rep.identical else f"{n} tensor(s) and {len(rep.plain)} value(s) differ"
+        _echo(f"{rep.compared} tensor(s) compared: {verdict}")
+    sys.exit(0 if rep.identical else 1)
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    from stashpoint._tools.convert import parse_size
+
+    try:
+        return None if value is None else parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+@main.command("export", short_help="Consolidate a checkpoint into safetensors (Hugging Face layout).")
+@click.argument("path", type=_dir)
+@click.argument("out", type=_dir)
+@click.option("--select", default="", metavar="PREFIX", help='Export only the key paths under PREFIX, e.g. "model".')
+@click.option(
+    "--max-shard-size",
+    callback=_size,
+    metavar="SIZE",
+    help="Split into Hugging Face-style shards of at most SIZE (e.g. 5GB, 500MiB). Default: none for a "
+    ".safetensors OUT, 5GB for a directory.",
+)
+@click.option(
+    "--tied",
+    type=click.Choice(["drop", "clone"]),
+    default="drop",
+    show_default=True,
+    help="Tied tensors: leave out the aliases (as transformers' save_pretrained does) or write copies.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace an earlier export at OUT.")
+@_fails_cleanly
+def export_command(
+    *, path: str, out: str, select: str, max_shard_size: int | None, tied: str, overwrite: bool
+) -> None:
+    """Consolidate a checkpoint (any world size and sharding) into safetensors.
+
+    OUT ending in .safetensors is one file; any other OUT is a directory that gets
+    model.safetensors, or model-0000i-of-0000N.safetensors and model.safetensors.index.json
+    when it exceeds --max-shard-size. Tensor names are the key paths below --select with "/"
+    replaced by ".": with --select model, "model/encoder.layers.0.weight" becomes
+    "encoder.layers.0.weight". The tensors of each output file are held in memory while it is
+    written.
+    """
+    from stashpoint._tools.convert import export
+    from stashpoint._tools.inspect import human_bytes
+    from stashpoint._tools.progress import Reporter
+
+    with Reporter("exporting", stream=sys.stdout) as progress:
+        res = export(
+            path, out, select=select, max_shard_size=max_shard_size, tied=tied, overwrite=overwrite, progress=progress
+        )
+    for name, target in res.dropped.items():
+        _echo(f"left out {name}: tied to {target} (pass --tied clone to write a copy)")
+    where = res.index or res.files[0]
+    _echo(f"exported {res.tensors} tensor(s), {human_bytes(res.total_size)}, to {where}")
+
+
+@main.command("import", short_help="Convert a torch.save file or a DCP checkpoint to stashpoint.")
+@click.argument("src", type=_dir)
+@click.argument("path", type=_dir)
+@click.option("--overwrite", is_flag=True, help="Replace a committed checkpoint at PATH.")
+@_fails_cleanly
+def import_command(*, src: Path, path: str, overwrite: bool) -> None:
+    """Convert a torch.save file or a DCP checkpoint directory into a stashpoint checkpoint.
+
+    A torch.save file is read with torch.load(weights_only=True). A DCP checkpoint's .metadata
+    file is a pickle that torch unpickles: import only DCP checkpoints you trust.
+    """
+    from stashpoint._tools.convert import import_checkpoint
+    from stashpoint._tools.inspect import human_bytes
+
+    res = import_checkpoint(src, path, overwrite=overwrite)
+    _echo(f"imported {res.kind} {src}: {res.tensors} tensor(s), {human_bytes(res.bytes)}, to {res.path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# bench: the side-by-side benchmark suite of a source checkout (benchmarks/ is not in the wheel).
+
+_BENCH_MISSING = (
+    "the benchmark suite is not installed with the stashpoint package: it is the benchmarks/ directory of "
+    "stashpoint's source repository. Get a source checkout, install it there with `pip install -e '.[bench]'` "
+    "(the peers it compares with and matplotlib), and run `stashpoint bench` (or `python -m benchmarks`) from it."
+)
+
+
+def bench_suite_root(candidates: Sequence[Path]) -> Path | None:
+    """The first of ``candidates`` that holds the suite (``benchmarks/suite/cli.py``), or None."""
+    for root in candidates:
+        if (root / "benchmarks" / "suite" / "cli.py").is_file():
+            return root.resolve()
+    return None
+
+
+def _bench_candidates() -> list[Path]:
+    """The source checkout this package was installed from (editable), then the current directory."""
+    return [Path(__file__).resolve().parents[3], Path.cwd()]
+
+
+@main.command(
+    "bench",
+    short_help="Run the side-by-side benchmark suite (from a source checkout).",
+    add_help_option=False,
+    options_metavar="",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+@click.argument("options", nargs=-1, type=click.UNPROCESSED, metavar="[OPTIONS]")
+@click.pass_context
+def bench_command(ctx: click.Context, options: tuple[str, ...]) -> None:
+    """Run the side-by-side benchmark suite: stashpoint against torch.save, DCP (sync and every
+    async configuration), torchsnapshot, torch-checkpointing and Accelerate on the same states.
+
+    The OPTIONS go to `python -m benchmarks` as they are:
+
+    \b
+      --sizes GB...          state sizes in GB (default 0.5 2 4)
+      --ranks N...           1 and/or 2 processes (default 1 2)
+      --layouts fsdp|ddp...  how 2 ranks hold the state (default both)
+      --methods NAME...      methods or groups all, core, dcp, stashpoint, peers (default all)
+      --regimes cold|hot...  page-cache regimes of the saves (default cold hot)
+      --repeats N            measured saves and loads per method (default 2)
+      --quick                tiny states, one repeat: a smoke test of a few minutes
+      --out DIR              results.json, results.md and PNG plots (default benchmarks/out/suite)
+      --dir DIR              scratch directory base (default /var/tmp)
+      --every K, --checkpoints N, --baseline N, --step-ms MS
+                             the training-loop experiment (checkpoint every K steps)
+      --no-loads, --no-steps skip the loads or the training loop
+      --list                 list the methods and whether each can run here
+
+    The suite lives in the benchmarks/ directory of a source checkout (found next to an editable
+    install, or in the current directory); see benchmarks/README.md there. Exit code: the suite's
+    (0 unless a stashpoint method or a reference measurement failed).
+    """
+    import subprocess
+
+    if any(o in ("-h", "--help") for o in options):
+        _echo(ctx.get_help())
+        return
+    root = bench_suite_root(_bench_candidates())
+    if root is None:
+        raise click.ClickException(_BENCH_MISSING)
+    # The checkout first on sys.path (not whatever "benchmarks" the current directory holds); relative
+    # paths in OPTIONS stay relative to the current directory.
+    code = f"import sys; sys.path.insert(0, {str(root)!r}); from benchmarks.suite.cli import main; sys.exit(main())"
+    sys.exit(subprocess.call([sys.executable, "-c", code, *options]))

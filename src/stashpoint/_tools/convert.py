@@ -1,0 +1,249 @@
+"""What ``stashpoint export`` and ``stashpoint import`` do: to and from other checkpoint formats.
+
+export: a stashpoint checkpoint (any world size, any sharding) or a sub-tree of it, consolidated
+into one safetensors file or a Hugging Face-style sharded directory. import: a ``torch.save``
+file or a DCP checkpoint directory into a stashpoint checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stashpoint._core.format import MANIFEST_NAME
+from stashpoint._load.manifest import open_checkpoint
+from stashpoint._save.engine import save
+from stashpoint._state.dtypes import torch_dtype
+from stashpoint._storage import storage_for
+from stashpoint._tools import progress as _progress
+from stashpoint._tools.inspect import read_tensors
+from stashpoint.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+
+DEFAULT_DIR_SHARD_BYTES = 5 * 10**9  # the Hugging Face default ("5GB")
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5 * 10**9, ``"500MiB"`` -> 500 * 2**20, ``"1000"`` -> 1000 bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", text.upper())
+    if not m or (m.group(3) and not m.group(2)):
+        raise ValueError(f"invalid size {text!r}: give bytes or a number with a unit, e.g. 5GB, 500MiB")
+    unit = 1024 ** "KMGT".index(m.group(2)) * 1024 if m.group(3) else _UNITS[m.group(2)]
+    n = int(float(m.group(1)) * unit)
+    if n < 1:
+        raise ValueError(f"invalid size {text!r}: it must be at least one byte")
+    return n
+
+
+def output_name(key: str, prefix: str) -> str:
+    """``model/encoder.layers.0.weight`` with prefix ``model`` -> ``encoder.layers.0.weight``."""
+    rest = key[len(prefix) :].lstrip("/") if prefix else key
+    parts = rest.split("/") if rest else [key.rsplit("/", 1)[-1]]
+    return ".".join(re.sub(r"%(25|2F)", lambda g: "%" if g.group(1) == "25" else "/", p) for p in parts)
+
+
+@dataclass
+class ExportResult:
+    files: list[str] = field(default_factory=list)
+    index: str | None = None
+    tensors: int = 0
+    total_size: int = 0
+    dropped: dict[str, str] = field(default_factory=dict)  # tied name left out -> the name it shares data with
+
+
+def _targets(out: Path, sharded: bool, n: int) -> tuple[list[Path], Path | None]:
+    """The files an export of ``n`` shards writes (HF names: model-00001-of-00002.safetensors)."""
+    single = out if out.suffix == ".safetensors" and not out.is_dir() else out / "model.safetensors"
+    if not sharded:
+        return [single], None
+    stem = single.name.removesuffix(".safetensors")
+    files = [single.with_name(f"{stem}-{i:05d}-of-{n:05d}.safetensors") for i in range(1, n + 1)]
+    return files, single.with_name(single.name + ".index.json")
+
+
+def export(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    select: str = "",
+    max_shard_size: int | None = None,
+    tied: str = "drop",
+    overwrite: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> ExportResult:
+    """Write the tensors of ``path`` (those under the key-path prefix ``select``) as safetensors.
+
+    ``out`` ending in ``.safetensors`` is one file (split into ``out``-00001-of-N files plus an
+    index only when ``max_shard_size`` is given and exceeded); any other ``out`` is a directory
+    that gets ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` and
+    ``model.safetensors.index.json`` when the tensors exceed ``max_shard_size`` (default 5GB).
+
+    Tied tensors (stored once, aliases in the manifest): safetensors refuses tensors that share
+    memory, so with ``tied="drop"`` (the default) an alias whose target is exported too is left
+    out, as ``transformers`` ``save_pretrained`` does (its loader ties the weights again); with
+    ``tied="clone"`` it is written as a copy under its own name.
+    """
+    try:
+        import safetensors.torch as st
+    except ImportError:
+        raise CheckpointError("stashpoint export needs the safetensors package: pip install safetensors") from None
+    storable = set(getattr(st, "_TYPES", {}).values())  # empty if that private table moves: save_file then says
+    if tied not in ("drop", "clone"):
+        raise ValueError(f"tied must be 'drop' or 'clone', got {tied!r}")
+    say = progress or (lambda _: None)
+    storage, m = open_checkpoint(path)
+    prefix = select.strip("/")
+    keys = {k: None for k in m.tensors if not prefix or k == prefix or k.startswith(prefix + "/")}  # ordered set
+    if not keys:
+        tops = sorted({k.split("/", 1)[0] for k in m.tensors})
+        raise ValueError(f"no tensor under {select!r} in {storage.location}; its top-level keys are {tops}")
+    res = ExportResult()
+    names: dict[str, str] = {}  # output name -> key
+    for k in keys:
+        alias = m.tensors[k].alias_of
+        if alias is not None and alias in keys and tied == "drop":
+            res.dropped[output_name(k, prefix)] = output_name(alias, prefix)
+            continue
+        name = output_name(k, prefix)
+        if name in names:
+            raise ValueError(f"keys {names[name]!r} and {k!r} both become the tensor name {name!r}")
+        e = m.resolve(k)
+        if storable and torch_dtype(e.dtype, k) not in storable:
+            raise ValueError(f"tensor {k!r} has dtype {e.dtype}, which safetensors cannot store; --select around it")
+        names[name] = k
+    sizes = {
+        n: math.prod(m.resolve(k).shape) * torch_dtype(m.resolve(k).dtype, k).itemsize for n, k in names.items()
+    }
+    out_p = Path(out)
+    is_file = out_p.suffix == ".safetensors" and not out_p.is_dir()
+    limit = max_shard_size if max_shard_size is not None or is_file else DEFAULT_DIR_SHARD_BYTES
+    shards: list[list[str]] = [[]]
+    size = 0
+    for n, nb in sizes.items():
+        if shards[-1] and limit is not None and size + nb > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nb
+    files, index = _targets(out_p, len(shards) > 1, len(shards))
+    base = files[0].parent
+    stem = (out_p.name if is_file else "model.safetensors").removesuffix(".safetensors")
+    ours = re.compile(rf"{re.escape(stem)}(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
+    old = [p for p in base.iterdir() if ours.fullmatch(p.name)] if base.is_dir() else []
+    if old and not overwrite:
+        raise CheckpointError(f"{old[0]} already exists; pass --overwrite to replace the earlier export")
+    base.mkdir(parents=True, exist_ok=True)
+    for p in old:
+        p.unlink()
+    _progress.start(progress, sum(sizes.values()))
+    for i, (shard, f) in enumerate(zip(shards, files), 1):
+        loaded = read_tensors(storage, m, [names[n] for n in shard])
+        tmp = f.with_name(f".{f.name}.partial")
+        st.save_file({n: loaded[names[n]] for n in shard}, str(tmp), metadata={"format": "pt"})
+        tmp.replace(f)
+        res.files.append(str(f))
+        say(f"[{i}/{len(files)}] {f.name}: {len(shard)} tensor(s)")
+        _progress.advance(progress, sum(sizes[n] for n in shard))
+    res.tensors, res.total_size = len(names), sum(sizes.values())
+    if index is not None:
+        weight_map = {n: f.name for shard, f in zip(shards, files) for n in shard}
+        doc = {"metadata": {"total_size": res.total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        index.write_text(json.dumps(doc, indent=2) + "\n")
+        res.index = str(index)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# import
+
+
+@dataclass
+class ImportResult:
+    kind: str  # "torch.save" or "dcp"
+    path: str
+    tensors: int
+    bytes: int
+
+
+def _load_torch_file(p: Path) -> Any:
+    try:
+        try:
+            return torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            return torch.load(p, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
+    except pickle.UnpicklingError as e:
+        text = " ".join(str(e).split())
+        why = text.split("WeightsUnpickler error:", 1)[-1].split(" Check the documentation", 1)[0].strip()
+        if "Unsupported global" not in why:  # not a pickle of allowed types at all: damaged or not torch.save
+            raise CorruptCheckpointError(f"{p} is not a readable torch.save file ({why})") from None
+        raise CheckpointError(
+            f"{p} holds objects that torch.load(weights_only=True) refuses to unpickle ({why}); stashpoint "
+            "never runs code from a file: load it yourself if you trust it and save its state with stashpoint.save"
+        ) from None
+    except Exception as e:  # torch raises RuntimeError, KeyError, EOFError, ... on a file it cannot read
+        raise CorruptCheckpointError(f"{p} is not a readable torch.save file ({type(e).__name__}: {e})") from None
+
+
+def _load_dcp(p: Path) -> Any:
+    """The whole DCP checkpoint as a nested state dict (single process, no process group)."""
+    try:
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    except ImportError:  # the private loader moved: the public converter, through a temporary file
+        import tempfile
+
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory(dir=p.parent) as tmp:
+            dcp_to_torch_save(p, Path(tmp) / "state.pt")
+            return _load_torch_file(Path(tmp) / "state.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that no process group is initialized
+        return _load_state_dict_from_keys(checkpoint_id=str(p))
+
+
+def import_checkpoint(
+    src: str | os.PathLike[str], path: str | os.PathLike[str], *, overwrite: bool = False
+) -> ImportResult:
+    """Convert a ``torch.save`` file or a DCP checkpoint directory into a stashpoint checkpoint.
+
+    A ``torch.save`` file is read with ``weights_only=True``. A DCP checkpoint's ``.metadata`` is
+    a pickle that torch unpickles: import only DCP checkpoints you trust.
+    """
+    p = Path(src)
+    if not p.exists():
+        raise CheckpointNotFoundError(f"nothing at {p}: give a torch.save file or a DCP checkpoint directory")
+    if storage_for(path).exists(MANIFEST_NAME) and not overwrite:
+        raise CheckpointError(f"a committed checkpoint already exists at {path}; pass --overwrite to replace it")
+    if p.is_dir():
+        if (p / MANIFEST_NAME).exists():
+            raise CheckpointError(f"{p} is already a stashpoint checkpoint; show it with: stashpoint inspect {p}")
+        if not (p / ".metadata").is_file():
+            raise CheckpointError(f"{p} is a directory without a DCP .metadata file: not a DCP checkpoint")
+        kind = "dcp"
+        try:
+            state = _load_dcp(p)
+        except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            why = (lines[-1] if lines else "")[:500]  # DCP wraps the cause's whole traceback: its last line
+            what = f"{type(e).__name__}: {why}"
+            raise CorruptCheckpointError(f"could not read the DCP checkpoint at {p}: {what}") from None
+    else:
+        kind, state = "torch.save", _load_torch_file(p)
+    if not isinstance(state, (dict, list, tuple)):  # e.g. a lone tensor: give it a name
+        state = {"state": state}
+    stats = save(state, path, overwrite=overwrite)
+    return ImportResult(kind, str(path), stats.num_tensors, stats.bytes_written)

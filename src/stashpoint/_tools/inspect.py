@@ -1,0 +1,439 @@
+"""What the ``stashpoint`` tool commands ls, inspect and verify do, and what the others share.
+
+Pure functions that return data; the click commands in ``_cli`` print it. A bad path or a
+checkpoint that cannot be opened raises a :class:`CheckpointError` subclass (a bad argument a
+``ValueError``) whose message names the path and the fix. Nothing here unpickles a stashpoint
+checkpoint: pickled values are shown as ``<pickled, not loaded>``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stashpoint._core.dtypes import itemsize
+from stashpoint._core.format import (
+    CHECKSUM_BLOCK_BYTES,
+    MANIFEST_NAME,
+    Chunk,
+    FileEntry,
+    Manifest,
+    block_checksums,
+    checksum,
+    parse_header,
+)
+from stashpoint._core.policy import parse_metrics, parse_step_dir
+from stashpoint._core.reshard import Box
+from stashpoint._load.manifest import open_checkpoint, read_manifest, unlisted_shards
+from stashpoint._load.reads import execute_reads
+from stashpoint._load.restore import Read
+from stashpoint._manager.runcheck import RunContents, run_contents
+from stashpoint._manager.steps import METRICS_KEY
+from stashpoint._state.dtypes import torch_dtype
+from stashpoint._state.tree import Node, decode_plain, join
+from stashpoint._storage import LocalStorage, Storage, storage_for
+from stashpoint._tools import progress as _progress
+from stashpoint.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+
+
+class Shown(str):
+    """A string shown as it is (no quotes) where values are shown by repr: markers like PICKLED."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+PICKLED = Shown("<pickled, not loaded>")
+ABSENT = Shown("<absent>")
+Progress = Callable[[str], None]
+
+# ---------------------------------------------------------------------------------------------
+# Opening
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _nbytes(dtype: str, shape: Sequence[int]) -> int:
+    return math.prod(shape) * itemsize(dtype, "manifest")
+
+
+# ---------------------------------------------------------------------------------------------
+# ls
+
+
+@dataclass
+class StepInfo:
+    step: int
+    path: str
+    status: str  # "committed", "partial" (no manifest: a save that never finished) or "unreadable"
+    size: int
+    created: str | None
+    age_s: float | None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def list_steps(root: str | os.PathLike[str]) -> list[StepInfo]:
+    """The step directories under the run directory ``root``, oldest step first."""
+    storage = storage_for(root)
+    if not isinstance(storage, LocalStorage):
+        return _list_remote_steps(storage)
+    r = Path(root)
+    if not r.is_dir():
+        what = "does not exist" if not r.exists() else "is a file"
+        raise CheckpointNotFoundError(f"no run directory at {r}: the path {what} (give a CheckpointManager root)")
+    if (r / MANIFEST_NAME).exists():
+        raise CheckpointError(f"{r} is a checkpoint, not a run directory; show it with: stashpoint inspect {r}")
+    now = time.time()
+    out = []
+    for d in sorted(r.iterdir()):
+        step = parse_step_dir(d.name)
+        if step is None or not d.is_dir():
+            continue
+        files = [f for f in d.iterdir() if f.is_file()]
+        info = StepInfo(step, str(d), "partial", sum(f.stat().st_size for f in files), None, None)
+        info.age_s = now - max([d.stat().st_mtime] + [f.stat().st_mtime for f in files])
+        if (d / MANIFEST_NAME).exists():
+            _describe_committed(info, LocalStorage(d), now)
+        out.append(info)
+    return sorted(out, key=lambda s: s.step)
+
+
+def _list_remote_steps(root: Storage) -> list[StepInfo]:
+    if root.exists(MANIFEST_NAME):
+        raise CheckpointError(
+            f"{root.location} is a checkpoint, not a run directory; show it with: stashpoint inspect {root.location}"
+        )
+    names = root.children()
+    if not names and not root.list():
+        raise CheckpointNotFoundError(f"no run directory at {root.location}: nothing is stored there")
+    now = time.time()
+    out = []
+    for name in names:
+        step = parse_step_dir(name)
+        if step is None:
+            continue
+        d = root.child(name)
+        files = d.list()
+        info = StepInfo(step, d.location, "partial", sum(d.size(f) for f in files), None, None)
+        if MANIFEST_NAME in files:
+            _describe_committed(info, d, now)
+        out.append(info)
+    return sorted(out, key=lambda s: s.step)
+
+
+def _describe_committed(info: StepInfo, d: Storage, now: float) -> None:
+    try:
+        m = read_manifest(d)
+    except CheckpointError as e:
+        info.status, info.error = "unreadable", str(e)
+        return
+    info.status, info.created = "committed", m.created
+    try:
+        info.age_s = now - datetime.fromisoformat(m.created).timestamp()
+        info.metrics = parse_metrics(m.metadata.get(METRICS_KEY, "{}"))
+    except ValueError:  # a foreign "created" or metrics string: shown without
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect
+
+
+def _leafy(node: Node) -> bool:
+    """A value shown whole: a leaf, or a list/tuple of such (a dict is shown key by key)."""
+    for kind in ("list", "tuple"):
+        if kind in node:
+            return all(_leafy(c) for c in node[kind])
+    return not any(k in node for k in ("dict", "tensor", "stateful"))
+
+
+def plain_values(tree: Node) -> dict[str, Node]:
+    """Every non-tensor value of a tree, by key path, as its raw node."""
+    out: dict[str, Node] = {}
+
+    def walk(node: Node, where: str) -> None:
+        if "tensor" in node:
+            return
+        if "stateful" in node:
+            walk(node["state"], where)
+        elif "dict" in node:
+            for k, v in node["dict"]:
+                walk(v, join(where, k))
+        elif not _leafy(node):
+            for i, v in enumerate(node["list"] if "list" in node else node["tuple"]):
+                walk(v, join(where, i))
+        else:
+            out[where or "<root>"] = node
+
+    walk(tree, "")
+    return out
+
+
+def decode_value(node: Node, where: str) -> Any:
+    """A plain node's value; a pickled value is never unpickled (``PICKLED`` instead)."""
+    if "pickle" in node:
+        return PICKLED
+    for kind, make in (("list", list), ("tuple", tuple)):
+        if kind in node:
+            return make(decode_value(c, where) for c in node[kind])
+    if "dict" in node:
+        return {k: decode_value(v, where) for k, v in node["dict"]}
+    return decode_plain(node, allow_pickle=False, where=where)
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with tuples as lists, bytes and non-finite floats as their repr."""
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, bytes):
+        return Shown(repr(value) if len(value) <= 64 else f"<{len(value)} bytes>")
+    if isinstance(value, float) and not math.isfinite(value):
+        return Shown(repr(value))
+    return value
+
+
+def describe(path: str | os.PathLike[str], rank: int = 0) -> dict[str, Any]:
+    """Everything about a checkpoint, as JSON-able data (``rank``: whose plain values)."""
+    storage, m = open_checkpoint(path)
+    if not 0 <= rank < m.world_size:
+        raise ValueError(f"rank {rank} is out of range: {path} was saved by {m.world_size} rank(s)")
+    tensors = []
+    for key, e in m.tensors.items():
+        n = len(e.chunks)
+        sharding = f"alias of {e.alias_of}" if e.alias_of else f"{n} chunk" + ("s" if n != 1 else "")
+        nbytes = 0 if e.alias_of else _nbytes(e.dtype, e.shape)
+        tensors.append({"key": key, "dtype": e.dtype, "shape": list(e.shape), "sharding": sharding, "bytes": nbytes})
+    where = storage.location
+    values = {k: jsonable(decode_value(v, where)) for k, v in plain_values(m.tree_for(rank)).items()}
+    return {
+        "path": where,
+        "format_version": m.format_version,
+        "save_id": m.save_id,
+        "created": m.created,
+        "library_version": m.library_version,
+        "torch_version": m.torch_version,
+        "world_size": m.world_size,
+        "distinct_rank_trees": len(m.trees),
+        "rank": rank,
+        "total_bytes": sum(t["bytes"] for t in tensors),
+        "tensors": tensors,
+        "values": values,
+        "metadata": dict(m.metadata),
+        "files": [{"name": f.name, "rank": f.rank, "size": f.size} for f in m.files],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# verify
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    files: int = 0
+    tensors: int = 0
+    bytes_checked: int = 0
+    steps: int | None = None  # committed steps checked, when ``path`` is a run directory
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+_SPAN = 16 * CHECKSUM_BLOCK_BYTES  # bytes read at a time (whole checksum blocks)
+
+
+def _keys_text(keys: Sequence[str]) -> str:
+    shown = ", ".join(repr(k) for k in sorted(set(keys))[:5])
+    return shown + (f" and {len(set(keys)) - 5} more" if len(set(keys)) > 5 else "")
+
+
+def verify(path: str | os.PathLike[str], progress: Progress | None = None) -> VerifyReport:
+    """Check a checkpoint completely; every problem found is listed (none raised) in the report.
+
+    ``path`` may also be the run directory of a :class:`~stashpoint.CheckpointManager`: then every
+    committed step is checked, and partial steps and names the manager did not write (which it
+    ignores) are listed as warnings. Raises only when ``path`` is neither (missing, a file, no
+    manifest).
+    """
+    run = run_contents(storage_for(path))
+    if run is not None:
+        return _verify_run(storage_for(path), run, progress)
+    say = progress or (lambda _: None)
+    try:
+        storage, m = open_checkpoint(path)
+    except CorruptCheckpointError as e:
+        return VerifyReport(str(path), problems=[str(e)])
+    rep = VerifyReport(storage.location, files=len(m.files), tensors=len(m.tensors))
+    chunks: dict[str, list[tuple[str, Chunk]]] = {f.name: [] for f in m.files}
+    for key, entry in m.tensors.items():
+        for c in entry.chunks:
+            chunks[c.file].append((key, c))
+        covered = sum(math.prod(c.shape) for c in entry.chunks)
+        if entry.alias_of is None and covered != math.prod(entry.shape):
+            rep.problems.append(
+                f"tensor {key!r}: its chunks cover {covered} of its {math.prod(entry.shape)} elements "
+                "(some rank's shards are not in the manifest)"
+            )
+    total = sum(f.size for f in m.files)
+    say(f"verifying {storage.location}: {len(m.files)} file(s), {len(m.tensors)} tensor(s), {human_bytes(total)}")
+    _progress.start(progress, total)
+    for i, fe in enumerate(m.files, 1):
+        before = len(rep.problems)
+        _verify_file(storage, m, fe, sorted(chunks[fe.name], key=lambda kc: kc[1].start), rep)
+        found = len(rep.problems) - before
+        status = "ok" if not found else f"{found} problem(s)"
+        say(f"[{i}/{len(m.files)}] {fe.name} ({human_bytes(fe.size)}): {status}")
+        _progress.advance(progress, fe.size)
+    own = set(unlisted_shards(storage, m))
+    for name in sorted(own):
+        rep.problems.append(
+            f"{storage.location}/{name}: a shard of this checkpoint's save that the manifest does not list "
+            "(the manifest is damaged or incomplete)"
+        )
+    listed = {f.name for f in m.files} | {MANIFEST_NAME} | own
+    for name in storage.list():
+        if name not in listed:
+            rep.warnings.append(
+                f"{storage.location}/{name} is not listed in the manifest (a leftover of an interrupted save?); "
+                "it is not part of the checkpoint and may be deleted"
+            )
+    return rep
+
+
+def _verify_run(root: Storage, run: RunContents, progress: Progress | None) -> VerifyReport:
+    if not any(root.child(name).exists(MANIFEST_NAME) for name, _ in run.steps):
+        partial = ", ".join(name for name, _ in run.steps[-3:]) or "none"
+        raise CheckpointNotFoundError(
+            f"{root.location} is a run directory with no committed step (partial ones: {partial}); nothing to verify"
+        )
+    rep = VerifyReport(root.location, steps=0)
+    for name, step in run.steps:
+        child = root.child(name)
+        if not child.exists(MANIFEST_NAME):
+            rep.warnings.append(
+                f"{child.location}: step {step} is partial (no {MANIFEST_NAME}: a save that never committed); "
+                "restore skips it and the manager removes it"
+            )
+            continue
+        sub = verify(str(child.root) if isinstance(child, LocalStorage) else child.location, progress)
+        rep.steps = (rep.steps or 0) + 1
+        rep.files, rep.tensors = rep.files + sub.files, rep.tensors + sub.tensors
+        rep.bytes_checked += sub.bytes_checked
+        rep.problems += [f"step {step}: {p}" for p in sub.problems]
+        rep.warnings += [f"step {step}: {w}" for w in sub.warnings]
+    for name in run.set_aside:
+        rep.warnings.append(f"{root.location}/{name}: a damaged step the manager set aside, kept for inspection")
+    for name in run.foreign:
+        rep.warnings.append(
+            f"{root.location}/{name} was not written by stashpoint's manager (not a step-XXXXXXXX directory); "
+            "the manager ignores it"
+        )
+    return rep
+
+
+def _verify_file(
+    storage: Storage, m: Manifest, fe: FileEntry, chunks: list[tuple[str, Chunk]], rep: VerifyReport
+) -> None:
+    where = f"{storage.location}/{fe.name}"
+    keys = [k for k, _ in chunks]
+    try:
+        size = storage.size(fe.name)
+    except FileNotFoundError:
+        held = f"; it holds data of {_keys_text(keys)}" if keys else ""
+        rep.problems.append(f"shard {where} listed in the manifest is missing{held}")
+        return
+    except (CorruptCheckpointError, OSError) as e:  # not a regular file, unreadable
+        rep.problems.append(str(e) if isinstance(e, CorruptCheckpointError) else f"shard {where}: {e}")
+        return
+    if size != fe.size:
+        what = "truncated" if size < fe.size else "larger than recorded"
+        rep.problems.append(f"shard {where} is {what}: {size} bytes, the manifest says {fe.size}")
+    try:
+        head = storage.read(fe.name, 0, fe.data_start)
+        if checksum(head) != fe.header_checksum:
+            rep.problems.append(f"the header of shard {where} does not match the manifest (damaged, or another save's)")
+        else:
+            meta = parse_header(head, fe.size, where).get("__metadata__", {})
+            if not isinstance(meta, dict) or meta.get("save_id") != m.save_id:
+                rep.problems.append(f"shard {where} belongs to another save than its manifest")
+    except (CorruptCheckpointError, OSError) as e:
+        rep.problems.append(str(e))
+    cut: list[str] = []
+    buf = bytearray(min(_SPAN, max((c.end - c.start for _, c in chunks), default=0)))
+    for key, c in chunks:
+        bad: list[int] = []
+        try:
+            for lo in range(0, max(c.end - c.start, 1), _SPAN):
+                n = min(_SPAN, c.end - c.start - lo)
+                view = memoryview(buf)[:n]
+                storage.read_into(fe.name, c.start + lo, view)
+                first = lo // CHECKSUM_BLOCK_BYTES
+                sums = block_checksums(view)
+                bad += [first + j for j, s in enumerate(sums) if s != c.checksums[first + j]]
+                rep.bytes_checked += n
+        except EOFError:
+            cut.append(key)
+            continue
+        except OSError as e:
+            rep.problems.append(f"reading {key!r} from shard {where} failed: {e}")
+            continue
+        if bad:
+            b0 = c.start + bad[0] * CHECKSUM_BLOCK_BYTES
+            rep.problems.append(
+                f"checksum mismatch for key {key!r} in shard {where}: {len(bad)} of {len(c.checksums)} block(s) "
+                f"damaged, the first at file bytes {b0}-{min(b0 + CHECKSUM_BLOCK_BYTES, c.end)}"
+            )
+    if cut:
+        rep.problems.append(f"shard {where} ends before the data of {_keys_text(cut)} (truncated)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading tensors (diff, export)
+
+
+def read_tensors(storage: Storage, m: Manifest, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Each key's whole tensor (an alias gets its own copy of its target), on the CPU, verified."""
+    out: dict[str, torch.Tensor] = {}
+    reads = []
+    for key in keys:
+        e = m.resolve(key)
+        out[key] = torch.empty(e.shape, dtype=torch_dtype(e.dtype, key))
+        reads.append(Read(e.key, out[key], Box.whole(e.shape)))
+    execute_reads(storage, m, reads, verify=True)
+    return out
+
+
+def batches(m: Manifest, keys: Sequence[str], budget: int = 1 << 28) -> Iterator[list[str]]:
+    """``keys`` in groups of at most ``budget`` bytes (a larger tensor alone)."""
+    group: list[str] = []
+    size = 0
+    for k in keys:
+        e = m.resolve(k)
+        n = _nbytes(e.dtype, e.shape)
+        if group and size + n > budget:
+            yield group
+            group, size = [], 0
+        group.append(k)
+        size += n
+    if group:
+        yield group
