@@ -314,7 +314,7 @@ def scenario_fallback(root: str) -> None:
     """Rank 1's shard of the newest step is damaged: every rank falls back to the same step."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from stashpoint._core.policy import step_dir
+    from stashpoint._core.naming import step_dir
 
     mesh = mesh_for("s0")
     with stashpoint.CheckpointManager(root, keep_last=None) as mgr:

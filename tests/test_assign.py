@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stashpoint._dist.group import ChunkMeta, assign_writers
+from stashpoint._core.assign import ChunkMeta, assign_writers
 
 
 @st.composite

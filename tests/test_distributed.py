@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dist_util import run_world
-from stashpoint._core.format import MANIFEST_NAME
+from stashpoint._core.naming import MANIFEST_NAME
 
 
 def _manifest(path):

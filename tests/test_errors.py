@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import stashpoint
-from stashpoint._core.format import MANIFEST_NAME
+from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._storage import FileWriter, LocalStorage
 
 

@@ -15,13 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stashpoint
-from stashpoint._core.format import (
-    MANIFEST_NAME,
-    encode_header,
-    parse_header,
-    parse_manifest,
-    seal,
-)
+from stashpoint._core.format import encode_header, parse_header, parse_manifest, seal
+from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stashpoint
-from stashpoint._core.format import MANIFEST_NAME, seal
+from stashpoint._core.format import seal
+from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint.errors import CheckpointError
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import stashpoint
-from stashpoint._core.format import MANIFEST_NAME, parse_manifest, seal
+from stashpoint._core.format import parse_manifest, seal
+from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint.errors import CorruptCheckpointError
 
 

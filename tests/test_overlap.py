@@ -20,7 +20,7 @@ import torch
 
 import stashpoint
 from dist_util import run_world
-from stashpoint._core.format import MANIFEST_NAME
+from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._save import overlap as _overlap
 from stashpoint._save.job import Layout
 from stashpoint._state.tree import flatten

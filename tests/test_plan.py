@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stashpoint._core.plan import TensorSpec, group_aliases, plan_files, shard_name
+from stashpoint._core.naming import shard_name
+from stashpoint._core.plan import TensorSpec, group_aliases, plan_files
 
 specs_st = st.lists(
     st.builds(

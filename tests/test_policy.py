@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stashpoint._core.policy import Retention, Schedule, parse_step_dir, step_dir, steps_to_keep
+from stashpoint._core.naming import parse_step_dir, step_dir
+from stashpoint._core.policy import Retention, Schedule, steps_to_keep
 
 steps_st = st.lists(st.integers(0, 500), max_size=30, unique=True)
 opt = st.none() | st.integers(1, 6)

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import stashpoint
 from conftest import small_model, train_steps
-from stashpoint._core.format import MANIFEST_NAME, parse_manifest
+from stashpoint._core.format import parse_manifest
+from stashpoint._core.naming import MANIFEST_NAME
 from test_format import ALL_DTYPES, _random_tensor
 
 

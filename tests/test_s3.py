@@ -18,7 +18,7 @@ import torch
 import stashpoint
 from conftest import ROOT, S3_BUCKET, small_model, train_steps
 from dist_util import run_world
-from stashpoint._core.format import MANIFEST_NAME
+from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._storage import storage_for
 from stashpoint._storage.s3 import S3Storage
 from stashpoint._storage.s3config import S3Error, S3Options

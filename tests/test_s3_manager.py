@@ -11,7 +11,7 @@ import torch
 
 import stashpoint
 from conftest import ROOT
-from stashpoint._core.format import MANIFEST_NAME
+from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._storage import storage_for
 
 

@@ -122,7 +122,8 @@ def test_a_planted_lock_symlink_or_file_paths_give_clear_errors_and_write_nothin
 
 
 def test_hostile_metrics_in_one_step_neither_stop_retention_nor_break_ls(tmp_path):
-    from stashpoint._core.format import MANIFEST_NAME, seal
+    from stashpoint._core.format import seal
+    from stashpoint._core.naming import MANIFEST_NAME
 
     with stashpoint.CheckpointManager(tmp_path / "run", keep_last=1) as mgr:
         mgr.save(1, {"w": torch.ones(2)}, metrics={"loss": 1.0})

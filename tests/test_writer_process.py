@@ -21,7 +21,8 @@ import torch
 import stashpoint
 from conftest import run_python
 from dist_util import run_world
-from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, MANIFEST_NAME, block_checksums
+from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, block_checksums
+from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._core.plan import TensorSpec, plan_files
 from stashpoint._save import engine as _save
 from stashpoint._save import writerproc as _writerproc

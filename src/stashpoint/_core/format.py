@@ -22,7 +22,7 @@ from stashpoint.errors import CorruptCheckpointError
 
 FORMAT_NAME = "stashpoint"
 FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
+
 CHECKSUM_ALGORITHM = "xxh3_64"
 CHECKSUM_BLOCK_BYTES = 4 * 1024 * 1024
 HEADER_ALIGN = 4096

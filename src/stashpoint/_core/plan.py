@@ -91,8 +91,3 @@ def plan_files(specs: Sequence[TensorSpec], *, max_file_bytes: int, rank: int = 
     if current or not files:
         files.append(FilePlan(len(files), tuple(current), offset))
     return SavePlan(rank, tuple(files))
-
-
-def shard_name(rank: int, index: int, save_id: str) -> str:
-    """The file name of shard ``index`` written by ``rank`` in the save ``save_id``."""
-    return f"shard-r{rank:05d}-{index:04d}-{save_id}.safetensors"

@@ -4,32 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-_STEP_RE = re.compile(r"step-([0-9]{8,})")
-LOCK_NAME = ".stashpoint-manager.lock"  # the manager's lock file in its root
-
-
-def step_dir(step: int) -> str:
-    """The directory name of ``step``: ``step-`` and the step zero-padded to at least 8 digits."""
-    if step < 0:
-        raise ValueError(f"steps are non-negative integers, got {step}")
-    return f"step-{step:08d}"
-
-
-def parse_step_dir(name: str) -> int | None:
-    """The step a directory name stands for, or None unless it is exactly the name
-    :func:`step_dir` gives that step (ASCII digits, no extra padding, nothing around it): the
-    manager acts only on names it writes."""
-    m = _STEP_RE.fullmatch(name)
-    if m is None:
-        return None
-    step = int(m.group(1))
-    return step if step_dir(step) == name else None
-
 
 MAX_METRICS_BYTES = 64 * 1024
 

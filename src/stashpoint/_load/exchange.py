@@ -8,33 +8,13 @@ from storage and broadcasts it on the checkpoint group, so storage sees each byt
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from stashpoint._core.reshard import Box
+from stashpoint._core.assign import Item
 from stashpoint._dist.group import DistContext
 from stashpoint.errors import CheckpointError
-
-Item = tuple[str, Box]  # (key, region)
-
-
-def assign_readers(wanted: Sequence[dict[Item, int]]) -> dict[Item, int]:
-    """For each region every rank wants (``wanted[r]`` maps item -> bytes), the rank that reads
-    it: biggest first, each to the rank with the fewest bytes so far (ties: lowest rank)."""
-    if not wanted:
-        return {}
-    common = set(wanted[0])
-    for w in wanted[1:]:
-        common &= set(w)
-    load = [0] * len(wanted)
-    out: dict[Item, int] = {}
-    for item in sorted(common, key=lambda i: (-wanted[0][i], i[0], i[1].offsets, i[1].shape)):
-        rank = min(range(len(wanted)), key=lambda r: (load[r], r))
-        out[item] = rank
-        load[rank] += wanted[0][item]
-    return out
 
 
 def _order(items: list[tuple[Item, torch.Tensor]]) -> list[tuple[Item, torch.Tensor]]:

@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
+from stashpoint._core.assign import Item, assign_readers
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import rank_of
-from stashpoint._load.exchange import Item, agree, assign_readers, broadcast_shares
+from stashpoint._load.exchange import agree, broadcast_shares
 from stashpoint._load.manifest import read_manifest, unlisted_shards
 from stashpoint._load.reads import Fetched, execute_reads, fetch
 from stashpoint._load.restore import Planner, Read

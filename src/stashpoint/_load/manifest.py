@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from typing import NoReturn
 
-from stashpoint._core.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from stashpoint._core.policy import parse_step_dir
+from stashpoint._core.format import MAX_MANIFEST_BYTES, FileEntry, Manifest, checksum, parse_header, parse_manifest
+from stashpoint._core.naming import MANIFEST_NAME, looks_like_shard, parse_shard_name, parse_step_dir
 from stashpoint._storage import LocalStorage, Storage, storage_for
 from stashpoint.errors import (
     CheckpointError,
@@ -64,7 +64,7 @@ def _no_manifest(storage: Storage) -> NoReturn:
         raise CheckpointError(
             f"{loc} is a DCP checkpoint, not a stashpoint one; convert it with: stashpoint import {loc} OUT"
         )
-    if names and not any(n.startswith(("shard-", f".{MANIFEST_NAME}")) for n in names):
+    if names and not any(looks_like_shard(n) or n.startswith(f".{MANIFEST_NAME}") for n in names):
         raise CheckpointError(
             f"{loc} is not a stashpoint checkpoint (no {MANIFEST_NAME} and no shard files); check the path"
         )
@@ -85,5 +85,44 @@ def unlisted_shards(storage: Storage, manifest: Manifest) -> list[str]:
     (Shards of other saves — leftovers of an interrupted overwrite — are not part of the
     checkpoint and do not count.)"""
     listed = {f.name for f in manifest.files}
-    tail = f"-{manifest.save_id}.safetensors"
-    return sorted(n for n in storage.list() if n.startswith("shard-") and n.endswith(tail) and n not in listed)
+    own = (n for n in storage.list() if (p := parse_shard_name(n)) is not None and p[2] == manifest.save_id)
+    return sorted(n for n in own if n not in listed)
+
+
+def shard_where(storage: Storage, manifest: Manifest, name: str) -> str:
+    """How errors name a shard: its location and (some of) the keys it holds (a scan of the
+    manifest: for error messages only)."""
+    keys = sorted({k for k, e in manifest.tensors.items() if any(c.file == name for c in e.chunks)})
+    shown = ", ".join(repr(k) for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    return f"{storage.location}/{name} (holding {shown or 'no tensor'})"
+
+
+def shard_problem(storage: Storage, manifest: Manifest, fe: FileEntry) -> tuple[str | None, bool]:
+    """What is wrong with shard ``fe`` before its data is read — missing, not a regular file,
+    another size, a header from another save — and whether its data can be read at all."""
+    where = f"{storage.location}/{fe.name}"  # the parser's messages; ours name the keys too
+    try:
+        size = storage.size(fe.name)
+    except FileNotFoundError:
+        return f"shard {shard_where(storage, manifest, fe.name)} listed in the manifest is missing", False
+    except CorruptCheckpointError as e:  # not a regular file
+        return str(e), False
+    except OSError as e:
+        return f"shard {shard_where(storage, manifest, fe.name)} is refused: {e.strerror or e}", False
+    if size != fe.size:
+        what = "truncated" if size < fe.size else "larger than recorded"
+        held = shard_where(storage, manifest, fe.name)
+        return f"shard {held} is {what}: {size} bytes, the manifest says {fe.size}", True
+    try:
+        head = storage.read(fe.name, 0, fe.data_start)
+        if checksum(head) != fe.header_checksum:
+            held = shard_where(storage, manifest, fe.name)
+            return f"the header of shard {held} does not match the manifest (damaged, or from another save)", True
+        meta = parse_header(head, size, where).get("__metadata__", {})
+    except CorruptCheckpointError as e:
+        return str(e), True
+    except OSError as e:
+        return f"reading the header of shard {where} failed: {e.strerror or e}", True
+    if not isinstance(meta, dict) or meta.get("save_id") != manifest.save_id:
+        return f"shard {shard_where(storage, manifest, fe.name)} belongs to another save than its manifest", True
+    return None, True

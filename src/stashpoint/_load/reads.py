@@ -20,13 +20,12 @@ import torch
 from stashpoint._core.format import (
     CHECKSUM_BLOCK_BYTES,
     Chunk,
-    FileEntry,
     Manifest,
     block_checksums,
     checksum,
-    parse_header,
 )
 from stashpoint._core.reshard import Box, block_spans, intersect, local, runs
+from stashpoint._load.manifest import shard_problem
 from stashpoint._load.restore import Read
 from stashpoint._save.staging import as_memoryview
 from stashpoint._storage import Storage
@@ -38,33 +37,10 @@ _READ_THREADS = 4
 def check_files(storage: Storage, manifest: Manifest, names: Iterable[str]) -> None:
     """Check that each shard exists with its recorded size and an intact header of this save."""
     files = {f.name: f for f in manifest.files}
-    held: dict[str, list[str]] = {}
-    for key, entry in manifest.tensors.items():
-        for c in entry.chunks:
-            held.setdefault(c.file, []).append(key)
     for name in sorted(set(names)):
-        fe: FileEntry = files[name]
-        keys = held.get(name, [])
-        shown = ", ".join(repr(k) for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-        where = f"{storage.location}/{name} (holding {shown or 'no tensor'})"
-        try:
-            size = storage.size(name)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"shard {where} listed in the manifest is missing") from None
-        except OSError as e:
-            raise CorruptCheckpointError(f"shard {where} is refused: {e.strerror or e}") from None
-        if size != fe.size:
-            what = "truncated" if size < fe.size else "larger than recorded"
-            raise CorruptCheckpointError(f"shard {where} is {what}: {size} bytes, the manifest says {fe.size}")
-        head = storage.read(name, 0, fe.data_start)
-        if checksum(head) != fe.header_checksum:
-            raise CorruptCheckpointError(
-                f"the header of shard {where} does not match the manifest (damaged, or from another save)"
-            )
-        doc = parse_header(head, size, where)
-        meta = doc.get("__metadata__", {})
-        if not isinstance(meta, dict) or meta.get("save_id") != manifest.save_id:
-            raise CorruptCheckpointError(f"shard {where} belongs to another save than its manifest")
+        problem, _ = shard_problem(storage, manifest, files[name])
+        if problem is not None:
+            raise CorruptCheckpointError(problem)
 
 
 _JOB_BYTES = 64 * 1024 * 1024

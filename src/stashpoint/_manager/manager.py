@@ -16,8 +16,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from stashpoint._core.format import MANIFEST_NAME
-from stashpoint._core.policy import LOCK_NAME, Retention, Schedule, step_dir, steps_to_keep
+from stashpoint._core.naming import LOCK_NAME, MANIFEST_NAME, step_dir
+from stashpoint._core.policy import Retention, Schedule, steps_to_keep
 from stashpoint._dist.group import rank_of
 from stashpoint._load.loader import load
 from stashpoint._manager.steps import (

@@ -4,14 +4,10 @@ partial, and the names the manager did not write (which it ignores, and ``verify
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
-from stashpoint._core.format import MANIFEST_NAME
-from stashpoint._core.policy import LOCK_NAME, parse_step_dir
+from stashpoint._core.naming import LOCK_NAME, MANIFEST_NAME, is_set_aside, parse_step_dir
 from stashpoint._storage import LocalStorage, Storage
-
-_SET_ASIDE_RE = re.compile(r"step-[0-9]{8,}\.damaged-[0-9]{8}-[0-9]{6}")  # what _steps.move_aside names
 
 
 @dataclass(frozen=True)
@@ -42,7 +38,7 @@ def run_contents(root: Storage) -> RunContents | None:
             steps.append((name, step))
         elif name == LOCK_NAME and is_file:
             lock = True
-        elif is_dir and _SET_ASIDE_RE.fullmatch(name):
+        elif is_dir and is_set_aside(name):
             aside.append(name)
         else:
             foreign.append(name)

@@ -6,8 +6,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from stashpoint._core.format import MANIFEST_NAME
-from stashpoint._core.policy import parse_metrics, parse_step_dir, step_dir
+from stashpoint._core.naming import MANIFEST_NAME, parse_step_dir, set_aside_name, step_dir
+from stashpoint._core.policy import parse_metrics
 from stashpoint._load.manifest import read_manifest
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError
@@ -58,7 +58,7 @@ def remove_leftovers(root: Storage) -> None:
 
 def move_aside(root: Storage, step: int) -> None:
     """Rename a damaged step ``step-XXXXXXXX.damaged-<time>``: kept for inspection, never listed."""
-    name = f"{step_dir(step)}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = set_aside_name(step, time.strftime("%Y%m%d-%H%M%S"))
     try:
         moved = root.child(step_dir(step)).move(name)
         log.warning("stashpoint: moved the damaged step %d aside to %s", step, moved.location)

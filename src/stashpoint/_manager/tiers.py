@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from stashpoint._core.format import MANIFEST_NAME
-from stashpoint._core.policy import Retention, step_dir, steps_to_keep
+from stashpoint._core.naming import MANIFEST_NAME, step_dir
+from stashpoint._core.policy import Retention, steps_to_keep
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import CollectiveError, DistContext
 from stashpoint._load.manifest import read_manifest

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from stashpoint._core.format import MANIFEST_NAME
+from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._core.plan import SavePlan, TensorSpec, plan_files
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,10 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stashpoint._core.format import MANIFEST_NAME, Chunk, FileEntry, Manifest, TensorEntry
+from stashpoint._core.assign import assign_writers, merge_trees
+from stashpoint._core.format import Chunk, FileEntry, Manifest, TensorEntry
+from stashpoint._core.naming import MANIFEST_NAME, parse_shard_name
 from stashpoint._core.plan import TensorSpec, plan_files
 from stashpoint._dist import group as _dist
-from stashpoint._dist.group import CollectiveError, DistContext, assign_writers, merge_trees
+from stashpoint._dist.group import CollectiveError, DistContext
 from stashpoint._save.handle import SaveStats
 from stashpoint._save.layout import Layout
 from stashpoint._save.persist import Writer, write_shards
@@ -35,7 +36,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stashpoint")
 
-SHARD_RE = re.compile(r"^shard-r\d+-\d+-[0-9a-f]+\.safetensors$")
+
+def _shard_of(name: str, rank: int, save_id: str) -> bool:
+    parsed = parse_shard_name(name)
+    return parsed is not None and parsed[0] == rank and parsed[2] == save_id
 
 
 class _RankFailure(Exception):
@@ -209,8 +213,7 @@ class PersistJob:
         if committed is None:  # the storage could not say: keep the files (an uncommitted leftover at worst)
             log.warning("stashpoint: could not tell whether %s was committed; its files are kept", loc)
         elif save_id:
-            own = f"shard-r{rank:05d}-"
-            self._remove(lambda name: name.startswith(own) and save_id in name, self.storage.best_effort())
+            self._remove(lambda name: _shard_of(name, rank, save_id), self.storage.best_effort())
         if isinstance(e, CollectiveError):
             _dist.forget(self.ctx)
         if isinstance(e, _RankFailure):
@@ -241,7 +244,7 @@ class PersistJob:
         storage = storage or self.storage
         try:
             for name in storage.list():
-                if SHARD_RE.match(name) and doomed(name):
+                if parse_shard_name(name) is not None and doomed(name):
                     storage.delete(name)
         except OSError as e:  # best effort
             log.warning("stashpoint: could not remove files in %s: %s", storage.location, e)

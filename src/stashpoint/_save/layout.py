@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
+from stashpoint._core.assign import ChunkMeta, layout_hash
 from stashpoint._core.plan import group_aliases
-from stashpoint._dist.group import ChunkMeta, DistContext, layout_hash
+from stashpoint._dist.group import DistContext
 from stashpoint._state.dtensor import is_dtensor, local_part, local_tensor
 from stashpoint._state.dtypes import dtype_name
 from stashpoint._state.tree import check_tensor

@@ -13,7 +13,8 @@ from typing import Protocol
 
 from stashpoint._core.dtypes import safetensors_view
 from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, FileEntry, checksum, encode_header
-from stashpoint._core.plan import FilePlan, shard_name
+from stashpoint._core.naming import shard_name
+from stashpoint._core.plan import FilePlan
 from stashpoint._save.shardio import Piece, ShardWrite, write_files
 from stashpoint._save.staging import StagingBuffers
 from stashpoint._state.dtypes import dtype_name

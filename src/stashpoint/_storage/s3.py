@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from stashpoint._core.format import MANIFEST_NAME
+from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._storage.base import FileWriter, Storage
 from stashpoint._storage.s3config import S3Client, S3Error, S3Options, check_installed, client_for
 from stashpoint._storage.s3io import S3Writer, copy_into, server_said, status_of

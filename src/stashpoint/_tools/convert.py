@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from stashpoint._core.format import MANIFEST_NAME
+from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._load.manifest import open_checkpoint
 from stashpoint._save.engine import save
 from stashpoint._state.dtypes import torch_dtype

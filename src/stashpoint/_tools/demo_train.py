@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import stashpoint
-from stashpoint._core.policy import LOCK_NAME, parse_step_dir, step_dir
+from stashpoint._core.naming import LOCK_NAME, parse_step_dir, step_dir
 
 MANIFEST = "manifest.json"
 KEEP_LAST = 3

@@ -22,17 +22,15 @@ import torch
 from stashpoint._core.dtypes import itemsize
 from stashpoint._core.format import (
     CHECKSUM_BLOCK_BYTES,
-    MANIFEST_NAME,
     Chunk,
     FileEntry,
     Manifest,
     block_checksums,
-    checksum,
-    parse_header,
 )
-from stashpoint._core.policy import parse_metrics, parse_step_dir
+from stashpoint._core.naming import MANIFEST_NAME, parse_step_dir
+from stashpoint._core.policy import parse_metrics
 from stashpoint._core.reshard import Box
-from stashpoint._load.manifest import open_checkpoint, read_manifest, unlisted_shards
+from stashpoint._load.manifest import open_checkpoint, read_manifest, shard_problem, unlisted_shards
 from stashpoint._load.reads import execute_reads
 from stashpoint._load.restore import Read
 from stashpoint._manager.runcheck import RunContents, run_contents
@@ -288,12 +286,6 @@ def verify(path: str | os.PathLike[str], progress: Progress | None = None) -> Ve
     for key, entry in m.tensors.items():
         for c in entry.chunks:
             chunks[c.file].append((key, c))
-        covered = sum(math.prod(c.shape) for c in entry.chunks)
-        if entry.alias_of is None and covered != math.prod(entry.shape):
-            rep.problems.append(
-                f"tensor {key!r}: its chunks cover {covered} of its {math.prod(entry.shape)} elements "
-                "(some rank's shards are not in the manifest)"
-            )
     total = sum(f.size for f in m.files)
     say(f"verifying {storage.location}: {len(m.files)} file(s), {len(m.tensors)} tensor(s), {human_bytes(total)}")
     _progress.start(progress, total)
@@ -355,29 +347,11 @@ def _verify_file(
     storage: Storage, m: Manifest, fe: FileEntry, chunks: list[tuple[str, Chunk]], rep: VerifyReport
 ) -> None:
     where = f"{storage.location}/{fe.name}"
-    keys = [k for k, _ in chunks]
-    try:
-        size = storage.size(fe.name)
-    except FileNotFoundError:
-        held = f"; it holds data of {_keys_text(keys)}" if keys else ""
-        rep.problems.append(f"shard {where} listed in the manifest is missing{held}")
+    problem, readable = shard_problem(storage, m, fe)
+    if problem is not None:
+        rep.problems.append(problem)
+    if not readable:
         return
-    except (CorruptCheckpointError, OSError) as e:  # not a regular file, unreadable
-        rep.problems.append(str(e) if isinstance(e, CorruptCheckpointError) else f"shard {where}: {e}")
-        return
-    if size != fe.size:
-        what = "truncated" if size < fe.size else "larger than recorded"
-        rep.problems.append(f"shard {where} is {what}: {size} bytes, the manifest says {fe.size}")
-    try:
-        head = storage.read(fe.name, 0, fe.data_start)
-        if checksum(head) != fe.header_checksum:
-            rep.problems.append(f"the header of shard {where} does not match the manifest (damaged, or another save's)")
-        else:
-            meta = parse_header(head, fe.size, where).get("__metadata__", {})
-            if not isinstance(meta, dict) or meta.get("save_id") != m.save_id:
-                rep.problems.append(f"shard {where} belongs to another save than its manifest")
-    except (CorruptCheckpointError, OSError) as e:
-        rep.problems.append(str(e))
     cut: list[str] = []
     buf = bytearray(min(_SPAN, max((c.end - c.start for _, c in chunks), default=0)))
     for key, c in chunks:

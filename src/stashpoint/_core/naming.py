@@ -1,0 +1,61 @@
+"""Every name stashpoint writes, in one place: shard files in a checkpoint, step directories,
+damaged steps set aside and the lock file in a run directory. Readers act only on names that
+these functions produce (ASCII digits, exact match)."""
+
+from __future__ import annotations
+
+import re
+
+MANIFEST_NAME = "manifest.json"
+LOCK_NAME = ".stashpoint-manager.lock"  # the manager's lock file in its root
+
+_SHARD_RE = re.compile(r"shard-r([0-9]{5,})-([0-9]{4,})-([0-9a-f]+)\.safetensors")
+_STEP_RE = re.compile(r"step-([0-9]{8,})")
+_SET_ASIDE_RE = re.compile(r"(step-[0-9]{8,})\.damaged-[0-9]{8}-[0-9]{6}")
+
+
+def shard_name(rank: int, index: int, save_id: str) -> str:
+    """The file name of shard ``index`` written by ``rank`` in the save ``save_id``."""
+    return f"shard-r{rank:05d}-{index:04d}-{save_id}.safetensors"
+
+
+def parse_shard_name(name: str) -> tuple[int, int, str] | None:
+    """``(rank, index, save_id)`` of a shard file name :func:`shard_name` gives, else None."""
+    m = _SHARD_RE.fullmatch(name)
+    if m is None:
+        return None
+    rank, index, save_id = int(m[1]), int(m[2]), m[3]
+    return (rank, index, save_id) if shard_name(rank, index, save_id) == name else None
+
+
+def looks_like_shard(name: str) -> bool:
+    """Whether ``name`` could be one of stashpoint's shard files (telling what a directory is)."""
+    return name.startswith("shard-")
+
+
+def step_dir(step: int) -> str:
+    """The directory name of ``step``: ``step-`` and the step zero-padded to at least 8 digits."""
+    if step < 0:
+        raise ValueError(f"steps are non-negative integers, got {step}")
+    return f"step-{step:08d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step a directory name stands for, or None unless it is exactly the name
+    :func:`step_dir` gives that step (ASCII digits, no extra padding, nothing around it): the
+    manager acts only on names it writes."""
+    m = _STEP_RE.fullmatch(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_dir(step) == name else None
+
+
+def set_aside_name(step: int, stamp: str) -> str:
+    """The name a damaged step is moved to (``stamp``: ``%Y%m%d-%H%M%S``), kept for inspection."""
+    return f"{step_dir(step)}.damaged-{stamp}"
+
+
+def is_set_aside(name: str) -> bool:
+    m = _SET_ASIDE_RE.fullmatch(name)
+    return m is not None and parse_step_dir(m[1]) is not None
