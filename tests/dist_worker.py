@@ -287,7 +287,7 @@ def scenario_plan_cache(root: str) -> None:
         stashpoint.save(state, f"{root}/a{i}", timeout=60)
     state["extra"] = torch.ones(3)  # a new structure: planned again
     stashpoint.save(state, f"{root}/b", timeout=60)
-    ctx = next(iter(_dist._contexts.values()))
+    ctx = next(iter(_dist._contexts().values()))
     result(plans=ctx.plans_made, threads=sorted({t for _, t in calls}), kinds=sorted({w for w, _ in calls}))
 
 

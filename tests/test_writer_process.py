@@ -135,7 +135,7 @@ def test_the_writer_process_maps_the_staging_memory_and_unmaps_it_when_freed(tmp
     stashpoint.save(state, tmp_path / "a", writer="process")
     pid = _writerproc.current_pid()
     assert pid is not None
-    engine = _save._engine
+    engine = _save.current_engine()
     assert engine is not None
     staged = engine.pool._free[-1]
     region = staged.region
@@ -330,7 +330,7 @@ def test_cuda_tensors_through_pinned_shared_staging_and_the_writer_process(tmp_p
     state = {"w": torch.randn(1000, 1000, device="cuda"), "i": torch.arange(10, device="cuda"), "cpu": torch.ones(5)}
     stats = stashpoint.save(state, tmp_path / "ck", writer="process")
     assert stats.writer == "process"
-    engine = _save._engine
+    engine = _save.current_engine()
     assert engine is not None
     staged = engine.pool._free[-1]
     assert staged.region is not None and staged.region.pinned, "shared memory, registered with CUDA"
@@ -362,7 +362,7 @@ def test_a_trimmed_staging_buffer_stays_trimmed_when_a_writer_process_maps_it(tm
     """A buffer reused for a smaller layout gives its tail back (``SharedRegion.trim``); a writer
     process that maps it afterwards must not populate that tail again (it would allocate it)."""
     stashpoint.save({"w": torch.randn(16 * MiB)}, tmp_path / "a", writer="thread")  # 64 MiB, never sent
-    engine = _save._engine
+    engine = _save.current_engine()
     assert engine is not None
     region = engine.pool._free[-1].region
     assert region is not None and os.fstat(region.fd).st_blocks * 512 >= 64 * MiB

@@ -13,6 +13,7 @@ Public API::
     stashpoint.verify(path)                 # every checksum and the structure -> VerifyReport
     stashpoint.RNGState()                   # every RNG, as a stateful object
     stashpoint.StatefulSampler(dataset)     # a resumable data position
+    stashpoint.shutdown()                   # wait for saves, stop the writer process, free groups
 """
 
 from typing import TYPE_CHECKING, Any
@@ -41,12 +42,14 @@ _LAZY = {
     "CheckpointManager": "stashpoint._manager.manager",
     "VerifyReport": "stashpoint._tools.inspect",
     "verify": "stashpoint._tools.inspect",
+    "shutdown": "stashpoint._runtime",
 }
 
 if TYPE_CHECKING:
     from stashpoint._load.loader import load
     from stashpoint._load.read import read
     from stashpoint._manager.manager import CheckpointManager
+    from stashpoint._runtime import shutdown
     from stashpoint._save.engine import async_save, save
     from stashpoint._save.handle import SaveHandle, SaveStats
     from stashpoint._state.rng import RNGState
@@ -71,6 +74,7 @@ __all__ = [
     "load",
     "read",
     "save",
+    "shutdown",
     "verify",
 ]
 

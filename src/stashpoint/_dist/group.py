@@ -19,12 +19,16 @@ One save, on every rank's writer thread:
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from stashpoint import _runtime
 from stashpoint.errors import CheckpointError
+
+log = logging.getLogger("stashpoint")
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -58,6 +62,17 @@ class DistContext:
 
     hosts: tuple[str, ...] | None = None
     purpose: str = "save"  # contexts of other purposes (tier uploads) have their own group
+    applied_timeout_s: float | None = None  # the group's timeout, set by the thread that uses it
+
+    def _apply_timeout(self) -> None:
+        if self.applied_timeout_s is None:
+            self.applied_timeout_s = self.timeout_s  # the timeout the group was created with
+        if self.applied_timeout_s == self.timeout_s or self.group is None:
+            return
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._set_pg_timeout(_dt.timedelta(seconds=self.timeout_s), self.group)
+        self.applied_timeout_s = self.timeout_s
 
     def multi_host(self) -> bool:
         """Whether the ranks run on more than one host (asked once, then remembered)."""
@@ -87,6 +102,7 @@ class DistContext:
                 store = None
         t0 = time.monotonic()
         try:
+            self._apply_timeout()
             return fn(*args, group=self.group, **kwargs)
         except Exception as e:
             absent = _absent(store, mark, self.world)
@@ -116,8 +132,38 @@ class DistContext:
         return box[0]
 
 
-_contexts: dict[tuple[tuple[int, ...], float, str], DistContext] = {}
 _lock = threading.Lock()
+
+
+def _contexts() -> dict[tuple[tuple[int, ...], str], DistContext]:
+    """stashpoint's groups: one per set of ranks and purpose, whatever the timeouts asked."""
+    return _runtime.slot("dist.groups", dict, close=_destroy, order=30)
+
+
+SHUTDOWN_TIMEOUT_S = 60.0
+# Rank sets whose group shutdown() destroyed. torch names a locally synchronized group by its
+# ranks alone, so a second group over them would meet the first one's stale rendezvous keys: a
+# fact about torch's registry that outlives our slots, kept to refuse that with a clear error.
+_destroyed: set[tuple[int, ...]] = set()
+
+
+def _destroy(contexts: dict[tuple[tuple[int, ...], str], DistContext]) -> None:
+    """Destroy stashpoint's groups, each once all its ranks got here (every rank calls
+    ``shutdown()``): a rank never tears a group down while a peer still uses it. A group whose
+    peers do not all arrive is left to the process's end."""
+    import torch.distributed as dist
+
+    for ctx in sorted(contexts.values(), key=lambda c: (c.ranks, c.purpose)):  # the same order on every rank
+        if ctx.group is None or not (dist.is_available() and dist.is_initialized()):
+            continue
+        try:
+            ctx.timeout_s = min(ctx.timeout_s, SHUTDOWN_TIMEOUT_S)
+            ctx.collective("shutdown", dist.barrier)
+            dist.destroy_process_group(ctx.group)
+            _destroyed.add(ctx.ranks)
+        except Exception as e:
+            log.warning("stashpoint: left a checkpoint group of ranks %s in place at shutdown: %s", list(ctx.ranks), e)
+    contexts.clear()
 
 
 def _store() -> Any:
@@ -143,9 +189,10 @@ def _absent(store: Any, mark: str, world: int) -> list[int]:
 def forget(ctx: DistContext) -> None:
     """Drop a context whose group failed; the next collective save creates a fresh group."""
     with _lock:
-        for k, v in list(_contexts.items()):
+        contexts = _contexts()
+        for k, v in list(contexts.items()):
             if v is ctx:
-                del _contexts[k]
+                del contexts[k]
 
 
 def context(process_group: Any = None, timeout_s: float | None = None, purpose: str = "save") -> DistContext | None:
@@ -170,8 +217,17 @@ def context(process_group: Any = None, timeout_s: float | None = None, purpose: 
         return None
     timeout = float(timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
     with _lock:
-        ctx = _contexts.get((ranks, timeout, purpose))
-        if ctx is None:
+        contexts = _contexts()
+        ctx = contexts.get((ranks, purpose))
+        if ctx is not None:
+            ctx.timeout_s = timeout  # applied by the thread that runs the next collective
+        elif ranks in _destroyed:
+            raise CheckpointError(
+                f"stashpoint.shutdown() destroyed stashpoint's process group over ranks {list(ranks)}, and torch "
+                "cannot create another over the same ranks in this job: call shutdown() once, at the end of the "
+                "program (saves and loads before it)"
+            )
+        else:
             try:
                 group = dist.new_group(
                     ranks=list(ranks),
@@ -185,7 +241,7 @@ def context(process_group: Any = None, timeout_s: float | None = None, purpose: 
                     f"rank alive and saving?): {type(e).__name__}: {str(e)[:300]}"
                 ) from e
             ctx = DistContext(group, ranks, dist.get_rank(group), len(ranks), timeout, purpose=purpose)
-            _contexts[(ranks, timeout, purpose)] = ctx
+            contexts[(ranks, purpose)] = ctx
     return ctx
 
 

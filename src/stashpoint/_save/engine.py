@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from stashpoint import _runtime
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._core.plan import SavePlan, TensorSpec, plan_files
 from stashpoint._dist import group as _dist
@@ -46,6 +47,13 @@ class _Engine:
         self.lock = threading.Lock()
         self._plans: dict[tuple[Any, ...], SavePlan] = {}
         self.layouts = LayoutCache()
+
+    def close(self) -> None:
+        """Wait for the saves in flight (their errors stay with their handles), then stop the threads."""
+        cf.wait([h._future for h in list(self.inflight)])
+        _overlap.wait_pending()
+        self.copier.shutdown(wait=True)
+        self.executor.shutdown(wait=True)
 
     def plan(self, specs: tuple[TensorSpec, ...], max_file_bytes: int, rank: int) -> SavePlan:
         """The staging layout of ``specs``: laid out as their shard files will be, so that each
@@ -155,16 +163,14 @@ def _distributed(process_group: Any) -> bool:
     return len(dist.get_process_group_ranks(group)) > 1
 
 
-_engine: _Engine | None = None
-_engine_lock = threading.Lock()
-
-
 def _get_engine() -> _Engine:
-    global _engine
-    with _engine_lock:
-        if _engine is None:
-            _engine = _Engine()
-        return _engine
+    return _runtime.slot("save.engine", _Engine, close=_Engine.close, order=10)
+
+
+def current_engine() -> _Engine | None:
+    """This process's engine if a save made it, else None (nothing is created)."""
+    engine: _Engine | None = _runtime.peek("save.engine")
+    return engine
 
 
 @dataclass(frozen=True)
@@ -286,7 +292,7 @@ def wait_staged(timeout: float | None = None) -> None:
 def wait_all(location: str | None = None) -> None:
     """Wait for the save in flight in this process, if any (failures are not raised here);
     with ``location``, only for a save to that checkpoint."""
-    engine = _engine
+    engine = current_engine()
     if engine is not None:
         cf.wait([h._future for h in list(engine.inflight) if location is None or h.path == location])
     if location is None:

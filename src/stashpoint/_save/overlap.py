@@ -31,10 +31,12 @@ import concurrent.futures as cf
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from stashpoint import _runtime
 from stashpoint._save.layout import Layout, signature
 from stashpoint._save.staging import launch_cuda, stage
 from stashpoint._state.dtensor import local_part
@@ -43,9 +45,17 @@ from stashpoint.errors import CheckpointError
 
 Triple = tuple[str, torch.Tensor, torch.Tensor]  # (key, live source, staging view)
 
-_lock = threading.Lock()  # guards hook removal and the registries below
-_active: list[PendingCopies] = []  # saves whose copies are not all done
-_leftover: list[_StepGuard] = []  # guards whose copies are done but that could not be removed yet
+
+
+@dataclass
+class _Registry:
+    lock: threading.Lock = field(default_factory=threading.Lock)  # guards hook removal and the lists
+    active: list[PendingCopies] = field(default_factory=list)  # saves whose copies are not all done
+    leftover: list[_StepGuard] = field(default_factory=list)  # guards done but not removable yet
+
+
+def _reg() -> _Registry:
+    return _runtime.slot("save.overlap", _Registry, close=lambda _: wait_pending(), order=5)
 
 
 def optimizers_in(state: Any) -> list[torch.optim.Optimizer]:
@@ -132,7 +142,7 @@ class PendingCopies:
         except BaseException as e:
             self._error = e
         finally:
-            with _lock:
+            with _reg().lock:
                 now = time.perf_counter()
                 self.step_wait_s += sum(now - t for t in self._waiting)
                 self._waiting.clear()
@@ -147,15 +157,16 @@ class PendingCopies:
             self._finish()
 
     def _finish(self) -> None:
-        with _lock:
+        reg = _reg()
+        with reg.lock:
             self.done_at = time.perf_counter()
             self._events = []
-            if self in _active:
-                _active.remove(self)
+            if self in reg.active:
+                reg.active.remove(self)
             for guard in self._guards:
                 guard.pending = None
                 if not guard.try_remove():
-                    _leftover.append(guard)
+                    reg.leftover.append(guard)
             self._guards = []
             self._done.set()
 
@@ -186,7 +197,7 @@ class PendingCopies:
     def hold_step(self) -> None:
         """In an optimizer's step pre-hook: wait for the CPU copies, and order the current CUDA
         streams after the GPU copies (no host wait for those)."""
-        with _lock:
+        with _reg().lock:
             waiting = not self._cpu_done.is_set()
             if waiting:
                 self._waiting.append(time.perf_counter())
@@ -209,12 +220,12 @@ class _StepGuard:
         pending = self.pending
         if pending is not None:
             pending.hold_step()
-        with _lock:
+        with _reg().lock:
             self.try_remove(in_hook=True)
 
     def try_remove(self, *, in_hook: bool = False) -> bool:
         """Remove the hook if that is safe here (see the module docstring); True once removed.
-        The caller holds ``_lock``."""
+        The caller holds the registry's lock."""
         hooks = self.handle.hooks_dict_ref()
         if hooks is None or self.handle.id not in hooks:
             return True
@@ -233,14 +244,16 @@ class _StepGuard:
 
 def sweep() -> None:
     """Remove the guards left registered that this thread may now remove."""
-    with _lock:
-        _leftover[:] = [g for g in _leftover if not g.try_remove()]
+    reg = _reg()
+    with reg.lock:
+        reg.leftover[:] = [g for g in reg.leftover if not g.try_remove()]
 
 
 def wait_pending(timeout: float | None = None) -> None:
     """Wait until no save of this process is still copying from the live state."""
-    with _lock:
-        pending = list(_active)
+    reg = _reg()
+    with reg.lock:
+        pending = list(reg.active)
     for p in pending:
         p.wait(timeout)
     sweep()
@@ -278,8 +291,9 @@ def start(
     if not cpu_late and not events:
         return None
     pending = PendingCopies(location, cpu_late, events)
-    with _lock:
-        _active.append(pending)
+    reg = _reg()
+    with reg.lock:
+        reg.active.append(pending)
         if deferred:
             pending._guards = [_StepGuard(optim, pending) for optim in optimizers]
     try:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from stashpoint import _runtime
 from stashpoint._core.plan import SavePlan, TensorSpec
 from stashpoint._state.dtypes import torch_dtype
 
@@ -291,13 +292,15 @@ class StagingPool:
             self._dropped()
 
 
-_streams: dict[torch.device, torch.cuda.Stream] = {}
+def _streams() -> dict[torch.device, torch.cuda.Stream]:
+    return _runtime.slot("save.cuda_streams", dict)
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _streams:
-        _streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-    return _streams[device]
+    streams = _streams()
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+    return streams[device]
 
 
 def stage(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -18,7 +18,7 @@ Life cycle:
 - if it dies (killed, out of memory), the save it was writing fails with a ``CheckpointError``
   (nothing is committed; the writer thread removes the partial files) and the next save starts
   a new one;
-- stopped at interpreter exit (``atexit``: the socket is closed, the child exits); when the
+- stopped by ``stashpoint.shutdown()`` and at interpreter exit (the socket is closed, the child exits); when the
   training process dies instead, the child sees its socket close or its parent change and exits;
 - a ``fork`` of the training process (a ``DataLoader`` worker) drops its inherited copy.
 
@@ -29,7 +29,6 @@ S3 backends, e.g. a test's fault-injecting subclass — is written on the writer
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import os
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stashpoint import _runtime
 from stashpoint._save import staging as _staging
 from stashpoint._save.shardio import ShardWrite
 from stashpoint._save.staging import StagingBuffers
@@ -230,59 +230,44 @@ class WriterProcess:
             self.proc.wait()
 
 
-_writer: WriterProcess | None = None
-_lock = threading.Lock()
-_atexit_registered = False
+_SLOT = "save.writer_process"
+_start_lock = threading.Lock()
+
+
+def _stop(w: WriterProcess) -> None:
+    if w.owner == os.getpid():
+        w.close()
+
+
+def _close_copy(w: WriterProcess) -> None:
+    w.sock.close()  # a forked child's copy only: the parent keeps talking to its writer
 
 
 def get() -> WriterProcess:
     """The running writer process of this process, started (or restarted) as needed."""
-    global _writer, _atexit_registered
-    with _lock:
-        w = _writer
+    with _start_lock:
+        w: WriterProcess | None = _runtime.peek(_SLOT)
         if w is not None and w.usable():
             return w
-        if w is not None and w.owner == os.getpid():
-            w.close(timeout=2.0)
+        if w is not None:
+            _runtime.drop(_SLOT)
+            if w.owner == os.getpid():
+                w.close(timeout=2.0)
         _staging.report_freed = True
-        _writer = w = WriterProcess()
-        if not _atexit_registered:
-            atexit.register(shutdown)
-            _atexit_registered = True
-        return w
+        return _runtime.slot(_SLOT, WriterProcess, close=_stop, order=20, after_fork=_close_copy)
 
 
 def current_pid() -> int | None:
     """The pid of this process's writer process while it runs, else None."""
-    w = _writer
+    w: WriterProcess | None = _runtime.peek(_SLOT)
     return w.pid if w is not None and w.usable() else None
 
 
 def forget_freed() -> None:
     """Have the writer process (if running) unmap the staging buffers freed just now."""
-    w = _writer
+    w: WriterProcess | None = _runtime.peek(_SLOT)
     if w is not None and w.usable():
         w.forget_freed()
-
-
-def shutdown() -> None:
-    """Stop this process's writer process, if any (runs at interpreter exit)."""
-    global _writer
-    with _lock:
-        w, _writer = _writer, None
-    if w is not None and w.owner == os.getpid():
-        w.close()
-
-
-def _after_fork_in_child() -> None:
-    global _writer, _lock
-    _lock = threading.Lock()
-    w, _writer = _writer, None
-    if w is not None:
-        w.sock.close()  # this copy only: the parent keeps talking to its writer
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from stashpoint import _runtime
 from stashpoint._core.reshard import Box
 
 try:
@@ -47,7 +48,8 @@ def local_part(t: torch.Tensor) -> tuple[torch.Tensor, Box, tuple[int, ...]]:
     return local_tensor(t, shape), Box(tuple(offsets), tuple(shape)), global_shape
 
 
-_placements: dict[tuple[object, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+def _placements() -> dict[tuple[object, ...], tuple[tuple[int, ...], tuple[int, ...]]]:
+    return _runtime.slot("state.placements", dict)
 
 
 def _placed(global_shape: tuple[int, ...], mesh: object, placements: tuple[object, ...]) -> tuple[
@@ -57,7 +59,8 @@ def _placed(global_shape: tuple[int, ...], mesh: object, placements: tuple[objec
     (shape, mesh, placements) combinations, and each computation costs tens of microseconds per
     tensor on every save."""
     key = (global_shape, id(mesh), mesh, tuple(placements))
-    hit = _placements.get(key)
+    cache = _placements()
+    hit = cache.get(key)
     if hit is None:
         if any(is_strided(p) for p in placements):
             hit = _strided_box(global_shape, mesh, placements)
@@ -65,9 +68,9 @@ def _placed(global_shape: tuple[int, ...], mesh: object, placements: tuple[objec
             assert compute_local_shape_and_global_offset is not None
             shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)  # type: ignore[arg-type]
             hit = (tuple(shape), tuple(offsets))
-        if len(_placements) > 4096:
-            _placements.clear()
-        _placements[key] = hit
+        if len(cache) > 4096:
+            cache.clear()
+        cache[key] = hit
     return hit
 
 

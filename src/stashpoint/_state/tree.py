@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from stashpoint import _runtime
 from stashpoint._core.dtypes import ITEMSIZE
 from stashpoint._core.format import MAX_TREE_DEPTH
 from stashpoint._state import stateful as _stateful
@@ -62,21 +63,23 @@ def join(prefix: str, component: str | int) -> str:
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_MAPPINGS = (dict, OrderedDict)  # never stateful: no need to look for state_dict()
-_placements_ok: dict[tuple[object, ...], bool] = {}
+def _placements_ok() -> dict[tuple[object, ...], bool]:
+    return _runtime.slot("state.placements_ok", dict)
 
 
 def _odd_placements(t: torch.Tensor) -> list[object]:
     """The placements of DTensor ``t`` other than ``Shard(dim)`` and ``Replicate`` (remembered
     per placements tuple: checked on every tensor of every save)."""
     placements = tuple(t.placements)  # type: ignore[attr-defined]
-    if _placements_ok.get(placements):
+    cache = _placements_ok()
+    if cache.get(placements):
         return []
     from torch.distributed.tensor import Replicate, Shard
 
     odd = [p for p in placements if type(p) not in (Shard, Replicate) and not is_strided(p)]
-    if len(_placements_ok) > 256:
-        _placements_ok.clear()
-    _placements_ok[placements] = not odd
+    if len(cache) > 256:
+        cache.clear()
+    cache[placements] = not odd
     return odd
 
 

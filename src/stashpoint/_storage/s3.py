@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from stashpoint import _runtime
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._storage.base import FileWriter, Storage
 from stashpoint._storage.s3config import S3Client, S3Error, S3Options, check_installed, client_for
@@ -57,8 +58,12 @@ def parse_url(url: str) -> tuple[str, str]:
 # The storage
 
 
-_pending_aborts: set[tuple[str, str, str]] = set()  # (endpoint, bucket, key) whose abort failed
 _pending_lock = threading.Lock()
+
+
+def _pending_aborts() -> set[tuple[str, str, str]]:
+    """(endpoint, bucket, key) of the uploads whose abort failed, retried by the next save there."""
+    return _runtime.slot("storage.s3_pending_aborts", set)
 
 
 _BEST_EFFORT_RETRY_S = 3.0
@@ -383,13 +388,14 @@ class S3Storage(Storage):
                 server_said(e),
             )
             with _pending_lock:
-                _pending_aborts.add((c.endpoint, self.bucket, key))
+                _pending_aborts().add((c.endpoint, self.bucket, key))
             return 0
         return n
 
     def _retry_pending_aborts(self, c: S3Client) -> None:
         with _pending_lock:
-            mine = [p for p in _pending_aborts if p[:2] == (c.endpoint, self.bucket)]
-            _pending_aborts.difference_update(mine)
+            pending = _pending_aborts()
+            mine = [p for p in pending if p[:2] == (c.endpoint, self.bucket)]
+            pending.difference_update(mine)
         for _, _, key in mine:
             self.abort_uploads(key)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
 
+from stashpoint import _runtime
 from stashpoint.errors import CheckpointError
 
 MiB = 1024 * 1024
@@ -218,9 +219,14 @@ def _make_client(bucket: str, opts: S3Options) -> S3Client:
     return S3Client(bucket, store, control, endpoint, custom, source)
 
 
-_clients: dict[tuple[Any, ...], S3Client] = {}
 _lock = threading.Lock()
-_used_in_pid: int | None = None  # the process whose obstore I/O runtime exists
+# A fact about obstore's native runtime, which a fork copies but cannot use; unlike the clients
+# (in the process-wide slots), it must survive the fork to be checked there.
+_used_in_pid: int | None = None
+
+
+def _clients() -> dict[tuple[Any, ...], S3Client]:
+    return _runtime.slot("storage.s3_clients", dict, close=dict.clear, order=40)
 
 
 def _check_not_forked() -> None:
@@ -243,11 +249,12 @@ def client_for(bucket: str, opts: S3Options) -> S3Client:
     key = (os.getpid(), bucket, opts, aws_env)
     global _used_in_pid
     with _lock:
-        client = _clients.get(key)
+        clients = _clients()
+        client = clients.get(key)
         if client is None:
             _check_not_forked()
-            if len(_clients) > 64:  # environments that keep changing: do not grow forever
-                _clients.clear()
-            client = _clients[key] = _make_client(bucket, opts)
+            if len(clients) > 64:  # environments that keep changing: do not grow forever
+                clients.clear()
+            client = clients[key] = _make_client(bucket, opts)
             _used_in_pid = os.getpid()
     return client
