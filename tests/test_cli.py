@@ -518,3 +518,21 @@ def test_the_command_line_gives_up_on_an_unreachable_object_store_within_seconds
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "STASHPOINT_S3_RETRY_SECONDS" in r.stderr, r.stderr
     assert time.monotonic() - t0 < 40
+
+
+def test_ls_inspect_verify_and_diff_do_not_import_torch(single, tmp_path: Path) -> None:
+    """The everyday commands start fast: they read manifests and checksums, never torch (diff
+    imports it only to compare tensors whose recorded bytes differ; here none do)."""
+    run = tmp_path / "run"
+    shutil.copytree(single[0], run / "step-00000001")
+    probe = (
+        "import sys\nfrom stashpoint._tools.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', code)\n"
+    )
+    commands = (["ls", run], ["inspect", single[0]], ["verify", single[0]], ["verify", run], ["diff", *single[:1] * 2])
+    for args in commands:
+        out = subprocess.run(
+            [sys.executable, "-c", probe, *map(str, args)], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert out.stdout.strip().endswith("NO-TORCH 0"), (args, out.stdout[-500:], out.stderr[-2000:])

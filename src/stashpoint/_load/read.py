@@ -8,12 +8,12 @@ from typing import Any
 import torch
 
 from stashpoint._core.format import Manifest
+from stashpoint._core.nodes import Node, decode_plain, escape, join
 from stashpoint._core.reshard import Box
 from stashpoint._load.manifest import open_checkpoint
 from stashpoint._load.reads import execute_reads
 from stashpoint._load.restore import Read
 from stashpoint._state.dtypes import torch_dtype
-from stashpoint._state.tree import Node, decode_plain, escape, join
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError
 

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from stashpoint._core.format import Manifest, TensorEntry
+from stashpoint._core.nodes import Node, decode_plain, is_plain, join, tensor_keys
 from stashpoint._core.reshard import Box
 from stashpoint._state import stateful as _stateful
 from stashpoint._state.dtensor import local_part, local_tensor
 from stashpoint._state.dtypes import dtype_name, torch_dtype
-from stashpoint._state.tree import Node, decode_plain, is_plain, join, tensor_keys
 from stashpoint._state.validate import named_optimizer_problem, optimizer_problem, structure_problem
 from stashpoint.errors import CorruptCheckpointError
 

@@ -26,7 +26,7 @@ from stashpoint._save.engine import save
 from stashpoint._state.dtypes import torch_dtype
 from stashpoint._storage import storage_for
 from stashpoint._tools import progress as _progress
-from stashpoint._tools.inspect import read_tensors
+from stashpoint._tools.tensors import read_tensors
 from stashpoint.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
 DEFAULT_DIR_SHARD_BYTES = 5 * 10**9  # the Hugging Face default ("5GB")

@@ -11,13 +11,11 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from stashpoint._core.dtypes import itemsize
 from stashpoint._core.format import (
@@ -28,15 +26,11 @@ from stashpoint._core.format import (
     block_checksums,
 )
 from stashpoint._core.naming import MANIFEST_NAME, parse_step_dir
+from stashpoint._core.nodes import Node, decode_plain, join
 from stashpoint._core.policy import parse_metrics
-from stashpoint._core.reshard import Box
 from stashpoint._load.manifest import open_checkpoint, read_manifest, shard_problem, unlisted_shards
-from stashpoint._load.reads import execute_reads
-from stashpoint._load.restore import Read
 from stashpoint._manager.runcheck import RunContents, run_contents
 from stashpoint._manager.steps import METRICS_KEY
-from stashpoint._state.dtypes import torch_dtype
-from stashpoint._state.tree import Node, decode_plain, join
 from stashpoint._storage import LocalStorage, Storage, storage_for
 from stashpoint._tools import progress as _progress
 from stashpoint.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
@@ -65,7 +59,7 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _nbytes(dtype: str, shape: Sequence[int]) -> int:
+def nbytes(dtype: str, shape: Sequence[int]) -> int:
     return math.prod(shape) * itemsize(dtype, "manifest")
 
 
@@ -216,8 +210,8 @@ def describe(path: str | os.PathLike[str], rank: int = 0) -> dict[str, Any]:
     for key, e in m.tensors.items():
         n = len(e.chunks)
         sharding = f"alias of {e.alias_of}" if e.alias_of else f"{n} chunk" + ("s" if n != 1 else "")
-        nbytes = 0 if e.alias_of else _nbytes(e.dtype, e.shape)
-        tensors.append({"key": key, "dtype": e.dtype, "shape": list(e.shape), "sharding": sharding, "bytes": nbytes})
+        size = 0 if e.alias_of else nbytes(e.dtype, e.shape)
+        tensors.append({"key": key, "dtype": e.dtype, "shape": list(e.shape), "sharding": sharding, "bytes": size})
     where = storage.location
     values = {k: jsonable(decode_value(v, where)) for k, v in plain_values(m.tree_for(rank)).items()}
     return {
@@ -379,35 +373,3 @@ def _verify_file(
             )
     if cut:
         rep.problems.append(f"shard {where} ends before the data of {_keys_text(cut)} (truncated)")
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading tensors (diff, export)
-
-
-def read_tensors(storage: Storage, m: Manifest, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Each key's whole tensor (an alias gets its own copy of its target), on the CPU, verified."""
-    out: dict[str, torch.Tensor] = {}
-    reads = []
-    for key in keys:
-        e = m.resolve(key)
-        out[key] = torch.empty(e.shape, dtype=torch_dtype(e.dtype, key))
-        reads.append(Read(e.key, out[key], Box.whole(e.shape)))
-    execute_reads(storage, m, reads, verify=True)
-    return out
-
-
-def batches(m: Manifest, keys: Sequence[str], budget: int = 1 << 28) -> Iterator[list[str]]:
-    """``keys`` in groups of at most ``budget`` bytes (a larger tensor alone)."""
-    group: list[str] = []
-    size = 0
-    for k in keys:
-        e = m.resolve(k)
-        n = _nbytes(e.dtype, e.shape)
-        if group and size + n > budget:
-            yield group
-            group, size = [], 0
-        group.append(k)
-        size += n
-    if group:
-        yield group
