@@ -23,9 +23,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stashpoint import _runtime
+
+if TYPE_CHECKING:
+    from stashpoint._dist.commit import Plan
 from stashpoint.errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
@@ -49,7 +52,7 @@ class DistContext:
     # The last plan: every rank's layout hash, every rank's layout, and who writes which chunk.
     # Set on every rank at the same point of the same save, so all ranks decide alike whether
     # it can be reused (the hashes of this save equal its hashes) and skip the layout exchange.
-    last_plan: tuple[tuple[str, ...], list[Any], dict[Any, int]] | None = None
+    last_plan: Plan | None = None
     # The last plan was made under constraint (some rank had copied only its part of an older
     # plan): the next save copies everything, to plan freely (balanced) again.
     plan_constrained: bool = False

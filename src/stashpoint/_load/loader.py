@@ -67,7 +67,7 @@ def load(
         atomic: all or nothing: every byte is read and verified into buffers of the load's
             own, and only when that succeeded (on every rank) do the state's tensors, plain
             values and objects change, so a load that raises leaves the state as it was. It
-            holds the bytes read once more in host memory until they land and costs 1.2-1.8x
+            holds the bytes read once more in host memory until they land and costs 1.5-2.1x
             the load time on CPU tensors (benchmarks/RESULTS.md), hence not the default. Without
             it (the default) plain values and objects change only after every read succeeded,
             but a load that raises may leave some tensors holding the checkpoint's values:

@@ -21,11 +21,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from stashpoint._core.naming import MANIFEST_NAME, step_dir
 from stashpoint._core.policy import Retention, steps_to_keep
 from stashpoint._dist import group as _dist
+from stashpoint._dist.commit import Outcome, RankFailure, finish_together
 from stashpoint._dist.group import CollectiveError, DistContext
 from stashpoint._load.manifest import read_manifest
 from stashpoint._manager.steps import committed_steps, delete_step, quietly, remove_leftovers
@@ -160,53 +162,48 @@ class Uploader:
         dst = self.remote.child(step_dir(step))
         t0 = time.perf_counter()
         # 1. agree that there is something to upload (every rank saw its save succeed)
-        status = self._start_status(step, after, src, dst)
-        statuses = self._gather("upload start", (seq, step, status))
-        if len({(q, s) for q, s, _ in statuses}) > 1:
-            seen = ", ".join(f"rank {r}: upload #{q} of step {s}" for r, (q, s, _) in enumerate(statuses))
+        kind, detail = self._start_status(step, after, src, dst)
+        starts: list[UploadStart] = self._gather("upload start", UploadStart(seq, step, kind, detail))
+        if len({(u.seq, u.step) for u in starts}) > 1:
+            seen = ", ".join(f"rank {r}: upload #{u.seq} of step {u.step}" for r, u in enumerate(starts))
             self._broken = CollectiveError(f"the ranks' uploads are out of step ({seen})")
             raise CheckpointError(f"uploading step {step} failed: {self._broken}")
-        kinds = [st[0] for _, _, st in statuses]
-        if "skip" in kinds:
+        if any(u.kind == "skip" for u in starts):
             return False
-        first = statuses[0][2]
-        if first[0] == "done":
+        first = starts[0]
+        if first.kind == "done":
             return True
-        if first[0] == "error":
-            raise CheckpointError(f"uploading step {step} to {dst.location} failed: {first[1]}")
-        files = first[1]
-        # 2. every rank copies the files it wrote
-        outcome: tuple[str, Any] = ("ok", 0)
+        if first.kind == "error":
+            raise CheckpointError(f"uploading step {step} to {dst.location} failed: {first.detail}")
+        # 2. every rank copies the files it wrote; 3. rank 0 commits the remote copy (manifest last)
+        outcome, local = Outcome(), None
         try:
             dst.prepare()
             nbytes = 0
-            for name, size, rank in files:
+            for name, size, rank in first.detail:
                 if rank == ctx.rank:
                     copy_file(src, dst, name, size)
                     nbytes += size
             dst.sync()
-            outcome = ("ok", nbytes)
+            outcome = Outcome(nbytes=nbytes)
         except Exception as e:
-            outcome = ("error", f"rank {ctx.rank}: {type(e).__name__}: {e}")
-        outcomes = self._gather("upload outcomes", outcome)
-        failed = [o[1] for o in outcomes if o[0] == "error"]
-        # 3. rank 0 commits the remote copy: its manifest goes last
-        result = None
-        if not failed and ctx.rank == 0:
-            try:
-                dst.commit(MANIFEST_NAME, src.read(MANIFEST_NAME))
-            except Exception as e:
-                result = f"rank 0: writing the manifest: {type(e).__name__}: {e}"
-        result = self._broadcast("upload commit", result)
-        if failed or result is not None:
+            outcome, local = Outcome(error=f"{type(e).__name__}: {e}"), e
+        try:
+            outcomes = self._collective(
+                lambda what, mine: finish_together(
+                    ctx, what, mine, lambda _: dst.commit(MANIFEST_NAME, src.read(MANIFEST_NAME)), local
+                ),
+                "upload",
+                outcome,
+            )
+        except RankFailure as e:
             if ctx.rank == 0 and not dst.best_effort().exists(MANIFEST_NAME):
                 quietly(dst.best_effort().remove_tree)  # every rank is done with it
-            causes = "; ".join(failed) if failed else str(result)
             raise CheckpointError(
-                f"uploading step {step} to {dst.location} failed: {causes}. The local copy at {src.location} is "
+                f"uploading step {step} to {dst.location} failed: {e}. The local copy at {src.location} is "
                 "kept; the step is uploaded again when a manager opens this root next time."
-            )
-        total = sum(o[1] for o in outcomes)
+            ) from e.local
+        total = sum(o.nbytes for o in outcomes)
         log.info(
             "stashpoint: uploaded step %d to %s (%.1f MB in %.2f s)",
             step,
@@ -258,6 +255,17 @@ class Uploader:
             self._broken = e
             _dist.forget(self.ctx)
             raise
+
+
+@dataclass(frozen=True)
+class UploadStart:
+    """A rank's view before an upload: kind "skip" (detail: why), "done", "ok" (rank 0's detail:
+    the files as (name, size, rank)) or "error" (detail: why)."""
+
+    seq: int
+    step: int
+    kind: str
+    detail: Any
 
 
 class RemoteTier:

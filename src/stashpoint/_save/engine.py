@@ -31,7 +31,7 @@ from stashpoint.errors import CheckpointError
 log = logging.getLogger("stashpoint")
 
 DEFAULT_MAX_SHARD_BYTES = 256 << 20  # files small enough that a save has several to write at once
-DEFAULT_WRITER = "thread"  # chosen by benchmarks/bench_steptime.py: see async_save's ``writer``
+DEFAULT_WRITER = "thread"  # the faster on the training loop here: see async_save's ``writer``
 
 
 class _Engine:

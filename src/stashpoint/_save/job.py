@@ -11,6 +11,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,16 @@ from stashpoint._core.format import Chunk, FileEntry, Manifest, TensorEntry
 from stashpoint._core.naming import MANIFEST_NAME, parse_shard_name
 from stashpoint._core.plan import TensorSpec, plan_files
 from stashpoint._dist import group as _dist
+from stashpoint._dist.commit import (
+    LayoutMsg,
+    Outcome,
+    Plan,
+    RankFailure,
+    SaveHello,
+    Written,
+    check_hellos,
+    finish_together,
+)
 from stashpoint._dist.group import CollectiveError, DistContext
 from stashpoint._save.handle import SaveStats
 from stashpoint._save.layout import Layout
@@ -40,12 +51,6 @@ log = logging.getLogger("stashpoint")
 def _shard_of(name: str, rank: int, save_id: str) -> bool:
     parsed = parse_shard_name(name)
     return parsed is not None and parsed[0] == rank and parsed[2] == save_id
-
-
-class _RankFailure(Exception):
-    def __init__(self, failed: list[tuple[int, str]]) -> None:
-        self.failed = failed
-        super().__init__("; ".join(f"rank {r}: {cause}" for r, cause in failed))
 
 
 @dataclass
@@ -73,39 +78,34 @@ class PersistJob:
         empty = Layout([], {}, {}, {}, "")
         return cls(storage, None, pool, {}, empty, opts, ctx, early_error=e)
 
-    def _covers(self, last: tuple[Any, ...] | None) -> bool:
+    def _covers(self, last: Plan | None) -> bool:
         """Whether this rank copied everything plan ``last`` gives it to write."""
         if self.staged_keys is None:
             return True
-        return last is not None and self.layout.given(last[2], self.ctx.rank) <= self.staged_keys
+        return last is not None and self.layout.given(last.writers, self.ctx.rank) <= self.staged_keys
 
-    def _plan(self) -> tuple[str, dict[Any, int], list[Any]]:
+    def _plan(self) -> tuple[str, dict[Any, int], tuple[LayoutMsg, ...]]:
         """Agree with the other ranks on this save and on who writes what (the last plan when
         every rank's layout is the same as then and every rank copied its part of it)."""
         ctx = self.ctx
         err = None if self.early_error is None else f"{type(self.early_error).__name__}: {self.early_error}"
-        last = ctx.last_plan
-        mine = (self.layout.hash, uuid.uuid4().hex[:16], self.seq, self.storage.location, err, self._covers(last))
-        hashes = ctx.all_gather("layout hashes", mine)
-        failed = [(r, h[4]) for r, h in enumerate(hashes) if h[4] is not None]
-        if failed:
-            raise _RankFailure(failed)
-        if len({(h[2], h[3]) for h in hashes}) > 1:
-            seen = ", ".join(f"rank {r}: save #{h[2]} to {h[3]}" for r, h in enumerate(hashes))
-            raise _RankFailure([(ctx.rank, f"the ranks are out of step ({seen}); every rank must make the same saves")])
-        save_id = hashes[0][1]
-        all_hashes = tuple(h[0] for h in hashes)
-        reuse = last is not None and last[0] == all_hashes and not ctx.plan_constrained
-        if reuse and all(h[5] for h in hashes):  # decided alike on every rank
+        last: Plan | None = ctx.last_plan
+        loc = self.storage.location
+        mine = SaveHello(self.layout.hash, uuid.uuid4().hex[:16], self.seq, loc, err, self._covers(last))
+        hellos: list[SaveHello] = ctx.all_gather("layout hashes", mine)
+        check_hellos(ctx, hellos)
+        save_id = hellos[0].save_id
+        all_hashes = tuple(h.layout_hash for h in hellos)
+        reuse = last is not None and last.hashes == all_hashes and not ctx.plan_constrained
+        if reuse and all(h.covers_last_plan for h in hellos):  # decided alike on every rank
             assert last is not None
-            return save_id, last[2], last[1]
+            return save_id, last.writers, last.layouts
         keys = self.staged_keys
-        staged = None if keys is None else [c.ident for c in self.layout.chunks if c.key in keys]
-        gathered = ctx.all_gather("layouts", (self.layout.meta(), staged))
-        layouts = [meta for meta, _ in gathered]
-        copied = [None if s is None else set(s) for _, s in gathered]
+        staged = None if keys is None else tuple(c.ident for c in self.layout.chunks if c.key in keys)
+        layouts = tuple(ctx.all_gather("layouts", self.layout.message(staged)))
+        copied = [None if m.copied is None else set(m.copied) for m in layouts]
         try:
-            writers = assign_writers([chunks for chunks, _, _ in layouts], copied)
+            writers = assign_writers([m.chunks for m in layouts], copied)
         except CheckpointError:
             # on every rank alike: the next save copies everything everywhere, and this layout
             # always will (a structure that did this once may do it again, e.g. saved in turn)
@@ -113,7 +113,7 @@ class PersistJob:
             if len(ctx.copy_all) < 64:
                 ctx.copy_all.add(self.layout.hash)
             raise
-        ctx.last_plan = (all_hashes, layouts, writers)
+        ctx.last_plan = Plan(all_hashes, layouts, writers)
         ctx.plan_constrained = any(c is not None for c in copied)
         ctx.plans_made += 1
         return save_id, writers, layouts
@@ -142,37 +142,18 @@ class PersistJob:
                     self.storage, files, self.staged, rank=ctx.rank, save_id=save_id, writer=self.writer
                 )
                 self.storage.sync()
-                outcome: tuple[Any, ...] = ("ok", written.files, dict(written.chunks), self.tree, written.bytes_written)
+                wrote = Written(tuple(written.files), dict(written.chunks), self.tree, written.bytes_written)
+                outcome = Outcome(payload=wrote, nbytes=written.bytes_written)
             except Exception as e:
                 local_error = e
-                outcome = ("error", f"{type(e).__name__}: {e}", None, None, 0)
-            outcomes = ctx.all_gather("outcomes", outcome)
-            failed = [(r, o[1]) for r, o in enumerate(outcomes) if o[0] == "error"]
-            if failed:
-                raise _RankFailure(failed)
-            result = None
-            if ctx.rank == 0:
-                try:
-                    manifest_bytes = self._manifest(save_id, layouts, outcomes).to_json()
-                    try:  # without overwrite, of two saves racing to one new path exactly one commits
-                        self.storage.commit(MANIFEST_NAME, manifest_bytes, exclusive=not self.opts.overwrite)
-                    except FileExistsError:
-                        raise CheckpointError(
-                            f"another save committed a checkpoint at {loc} while this one was being written "
-                            "(overwrite=False); this save's files are removed. Pass overwrite=True to replace it, "
-                            "or save to a new path"
-                        ) from None
-                    if self.opts.overwrite:
-                        keep = {f.name for o in outcomes for f in o[1]}
-                        self._remove(lambda name: name not in keep)
-                except Exception as e:
-                    local_error = e
-                    result = f"{type(e).__name__}: {e}"
-            result = ctx.broadcast("commit", result)
-            if result is not None:
-                raise _RankFailure([(0, f"writing the manifest: {result}")])
-            bytes_written = sum(o[4] for o in outcomes)
+                outcome = Outcome(error=f"{type(e).__name__}: {e}")
+            outcomes = finish_together(
+                ctx, "save", outcome, lambda done: self._commit(save_id, layouts, done), local_error
+            )
+            bytes_written = sum(o.nbytes for o in outcomes)
         except BaseException as e:
+            if isinstance(e, RankFailure) and e.local is not None:
+                local_error = e.local
             self._fail(e, save_id, local_error or self.early_error)
         finally:
             if self.pending is not None:
@@ -185,14 +166,14 @@ class PersistJob:
         stats = SaveStats(
             path=loc,
             bytes_written=bytes_written,
-            num_tensors=len({k for _, _, keys in layouts for k in keys}),
-            num_files=sum(len(o[1]) for o in outcomes),
+            num_tensors=len({k for m in layouts for k in m.keyinfo}),
+            num_files=sum(len(o.payload.files) for o in outcomes),
             blocking_s=self.blocking_s,
             staging_s=staging_s,
             persist_s=t1 - t0,
             total_s=t1 - t_start,
             step=self.opts.step,
-            rank_bytes_written=outcomes[ctx.rank][4],
+            rank_bytes_written=outcomes[ctx.rank].nbytes,
             staged_s=max(0.0, staged_at - t_start),
             step_wait_s=pending.step_wait_s if pending is not None else 0.0,
             writer="thread" if self.writer is None else "process",
@@ -216,7 +197,7 @@ class PersistJob:
             self._remove(lambda name: _shard_of(name, rank, save_id), self.storage.best_effort())
         if isinstance(e, CollectiveError):
             _dist.forget(self.ctx)
-        if isinstance(e, _RankFailure):
+        if isinstance(e, RankFailure):
             where = "" if self.ctx.world == 1 else f" on rank(s) {', '.join(str(r) for r, _ in e.failed)}"
             causes = e.failed[0][1] if self.ctx.world == 1 else str(e)
             msg = f"saving the checkpoint to {loc} failed{where}: {causes}"
@@ -249,17 +230,33 @@ class PersistJob:
         except OSError as e:  # best effort
             log.warning("stashpoint: could not remove files in %s: %s", storage.location, e)
 
-    def _manifest(self, save_id: str, layouts: list[Any], outcomes: list[Any]) -> Manifest:
+    def _commit(self, save_id: str, layouts: Sequence[LayoutMsg], outcomes: list[Outcome]) -> None:
+        """Rank 0: write the manifest (the commit); with ``overwrite``, then remove the old shards."""
+        loc = self.storage.location
+        manifest_bytes = self._manifest(save_id, layouts, [o.payload for o in outcomes]).to_json()
+        try:  # without overwrite, of two saves racing to one new path exactly one commits
+            self.storage.commit(MANIFEST_NAME, manifest_bytes, exclusive=not self.opts.overwrite)
+        except FileExistsError:
+            raise CheckpointError(
+                f"another save committed a checkpoint at {loc} while this one was being written "
+                "(overwrite=False); this save's files are removed. Pass overwrite=True to replace it, "
+                "or save to a new path"
+            ) from None
+        if self.opts.overwrite:
+            keep = {f.name for o in outcomes for f in o.payload.files}
+            self._remove(lambda name: name not in keep)
+
+    def _manifest(self, save_id: str, layouts: Sequence[LayoutMsg], written: list[Written]) -> Manifest:
         keyinfo: dict[str, tuple[str, tuple[int, ...]]] = {}
         aliases: dict[str, str] = {}
         chunks: dict[str, list[Chunk]] = {}
-        for (rank_chunks, rank_aliases, rank_keys), outcome in zip(layouts, outcomes):
-            for key, info in rank_keys.items():
+        for layout, wrote in zip(layouts, written):
+            for key, info in layout.keyinfo.items():
                 keyinfo.setdefault(key, info)
-            for key, target in rank_aliases.items():
+            for key, target in layout.aliases.items():
                 aliases.setdefault(key, target)
-            where = {c.key: c for c in rank_chunks}
-            for key, (fname, start, end, sums) in outcome[2].items():
+            where = {c.key: c for c in layout.chunks}
+            for key, (fname, start, end, sums) in wrote.chunks.items():
                 c = where[key]
                 chunks.setdefault(key, []).append(Chunk(fname, c.offsets, c.shape, start, end, sums))
         tensors: dict[str, TensorEntry] = {}
@@ -268,8 +265,8 @@ class PersistJob:
                 tensors[key] = TensorEntry(key, dtype, shape, tuple(sorted(chunks[key], key=lambda c: c.offsets)))
             else:
                 tensors[key] = TensorEntry(key, dtype, shape, (), aliases[key])
-        files: list[FileEntry] = [f for o in outcomes for f in o[1]]
-        trees, of_rank = merge_trees([o[3] for o in outcomes])
+        files: list[FileEntry] = [f for w in written for f in w.files]
+        trees, of_rank = merge_trees([w.tree for w in written])
         return Manifest(
             save_id=save_id,
             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -22,6 +22,7 @@ import torch
 
 from stashpoint._core.assign import ChunkMeta, layout_hash
 from stashpoint._core.plan import group_aliases
+from stashpoint._dist.commit import LayoutMsg
 from stashpoint._dist.group import DistContext
 from stashpoint._state.dtensor import is_dtensor, local_part, local_tensor
 from stashpoint._state.dtypes import dtype_name
@@ -97,18 +98,19 @@ class Layout:
         changed structure, a plan made under constraint, or a layout that once left a tensor
         uncopied, see ``PersistJob._plan``)."""
         last = ctx.last_plan
-        if last is None or ctx.rank >= len(last[0]) or last[0][ctx.rank] != self.hash:
+        if last is None or ctx.rank >= len(last.hashes) or last.hashes[ctx.rank] != self.hash:
             return None
         if ctx.plan_constrained or self.hash in ctx.copy_all:
             return None
-        return self.given(last[2], ctx.rank)
+        return self.given(last.writers, ctx.rank)
 
     def given(self, writers: dict[Any, int], rank: int) -> frozenset[str]:
         """The keys of this layout's chunks that ``writers`` (a plan) gives to ``rank``."""
         return frozenset(c.key for c in self.chunks if writers.get(c.ident) == rank)
 
-    def meta(self) -> tuple[list[ChunkMeta], dict[str, str], dict[str, tuple[str, tuple[int, ...]]]]:
-        return self.chunks, self.aliases, self.keyinfo
+    def message(self, copied: tuple[Any, ...] | None) -> LayoutMsg:
+        """This layout as sent to the other ranks (``copied``: the chunks copied for this save)."""
+        return LayoutMsg(tuple(self.chunks), self.aliases, self.keyinfo, copied)
 
 
 @dataclass(frozen=True)
