@@ -279,20 +279,6 @@ def test_throughput_is_paired_with_the_disk_at_that_moment():
     assert durable["stashpoint_async"]["value"] == pytest.approx(1.0) and durable["stashpoint_async"]["met"] is True
 
 
-def test_old_entry_points_run_the_same_subset_of_the_suite():
-    from benchmarks import bench_core, bench_dist
-    from benchmarks.suite import cli
-
-    old = "--size-gb 2.5 --repeats 3 --regime cold --load-cache evicted --out o/core-cold.json --markdown o/c.md"
-    args = cli.parse_args(bench_core.suite_args(old.split()))
-    assert (args.ranks, args.sizes, args.repeats, args.regimes) == ([1], [2.5], 3, ["cold"])
-    assert args.methods == list(methods.GROUPS["core"]) and args.no_steps and args.out == "o/core-cold"
-    args = cli.parse_args(bench_dist.suite_args(["--size-gb", "1.0", "--variants", "fsdp"]))
-    assert (args.ranks, args.layouts, args.regimes) == ([2], ["fsdp"], ["hot"])
-    assert args.methods == ["dcp_save", "dcp_async_thread", "stashpoint_save", "stashpoint_async"]
-    assert bench_core.build_state is not None and bench_core.choose_shape(0.5).state_bytes > 0.45e9
-
-
 def test_the_headline_sets_the_best_stashpoint_method_against_the_best_peer():
     from benchmarks.suite import report
 

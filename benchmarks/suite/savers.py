@@ -296,7 +296,7 @@ def _pool_allocations() -> int:
     """Fresh staging buffers stashpoint has allocated in this process so far."""
     from stashpoint._save import engine as _save
 
-    return _save._engine.pool.allocations if _save._engine is not None else 0
+    return engine.pool.allocations if (engine := _save.current_engine()) is not None else 0
 
 
 class StashSave(Saver):

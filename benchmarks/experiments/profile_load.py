@@ -1,6 +1,6 @@
 """Profile ``stashpoint.load`` of the suite's state on several ranks (where a load's time goes).
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 -m benchmarks.profile_load \
+    python -m torch.distributed.run --standalone --nproc_per_node 2 -m benchmarks.experiments.profile_load \
         --size-gb 0.5 --layout fsdp
 
 Saves the suite's GPT-style state (``benchmarks/suite/state.py``) once, then loads it three
@@ -23,9 +23,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 import stashpoint
-
-from .suite.common import evict_cache
-from .suite.state import build, choose_shape, scramble
+from benchmarks.suite.common import evict_cache
+from benchmarks.suite.state import build, choose_shape, scramble
 
 
 def main() -> None:

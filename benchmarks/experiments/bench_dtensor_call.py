@@ -1,6 +1,6 @@
 """The per-tensor cost of an async_save call on many small FSDP2 DTensors (2 ranks, gloo, CPU).
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 -m benchmarks.bench_dtensor_call
+    python -m torch.distributed.run --standalone --nproc_per_node 2 -m benchmarks.experiments.bench_dtensor_call
 
 200 FSDP2-sharded Linear(256, 256) layers with AdamW: 1,600 DTensors of ~10 MB in all, so the
 copy is negligible and the call's blocking time is the per-tensor work (state dict, layout,
