@@ -453,6 +453,38 @@ def test_relative_links_point_at_files_that_exist() -> None:
     assert not broken, "\n".join(broken)
 
 
+def test_docs_name_only_the_public_api() -> None:
+    """Users are told about ``stashpoint.<name>`` from ``__all__`` only: no private module
+    (docs/ARCHITECTURE.md, which describes the layers for contributors, excepted)."""
+    import stashpoint
+
+    private = re.compile(r"stashpoint\._[a-z_]+")
+    found = []
+    for page in doc_pages():
+        if page == "docs/ARCHITECTURE.md":
+            continue
+        for lineno, line in enumerate((ROOT / page).read_text(encoding="utf-8").splitlines(), 1):
+            found += [f"{page}:{lineno}: {m.group(0)}" for m in private.finditer(line)]
+    assert not found, "docs name private modules:\n" + "\n".join(found)
+    for name in stashpoint.__all__:
+        assert hasattr(stashpoint, name), name
+
+
+def test_every_test_the_docs_cite_exists() -> None:
+    """``test_x.py::test_name`` in a page names a test that is there (a trailing ``*`` or a
+    prefix names several); ``test_x.py`` alone names a file that is there."""
+    missing = []
+    for page in doc_pages():
+        text = (ROOT / page).read_text(encoding="utf-8")
+        for m in re.finditer(r"`(test_[a-z0-9_]+\.py)(?:::(?:\*::)?([A-Za-z0-9_]+)\*?)?`", text):
+            path = ROOT / "tests" / m.group(1)
+            if not path.is_file():
+                missing.append(f"{page}: {m.group(0)} (no such file)")
+            elif m.group(2) and not re.search(rf"def {m.group(2)}", path.read_text(encoding="utf-8")):
+                missing.append(f"{page}: {m.group(0)} (no such test)")
+    assert not missing, "\n".join(missing)
+
+
 # The harness itself, on pages written here (no torch: these take a second).
 
 

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stashpoint
-from stashpoint._core.format import encode_header, parse_header, parse_manifest, seal
+from stashpoint._core.format import parse_manifest, seal
+from stashpoint._core.header import encode_header, parse_header
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
@@ -241,6 +242,24 @@ def test_loading_a_fuzzed_manifest_raises_only_checkpoint_errors(valid_manifest,
             tool()
         except CheckpointError:
             pass
+
+
+def test_unknown_fields_are_ignored_and_unknown_tree_nodes_refused_as_format_md_says(tmp_path):
+    raw = json.loads(_manifest(tmp_path))
+    doc = {**raw, "future": {"x": 1}}
+    doc["files"][0]["future"] = 1
+    doc["tensors"]["a"]["future"] = [1]
+    doc["tensors"]["a"]["chunks"][0]["future"] = "x"
+    (tmp_path / "m" / MANIFEST_NAME).write_bytes(seal(doc))
+    out = {"a": torch.zeros(3), "b": {"c": 0}}
+    stashpoint.load(out, tmp_path / "m")
+    assert torch.equal(out["a"], torch.ones(3)) and out["b"] == {"c": 1}
+    for node in ({"set": []}, {"value": 1, "future": 2}):
+        bad = json.loads(json.dumps(raw))
+        bad["trees"][0]["dict"][1][1]["dict"][0][1] = node  # b/c
+        (tmp_path / "m" / MANIFEST_NAME).write_bytes(seal(bad))
+        with pytest.raises(CorruptCheckpointError, match=r"tree node|unknown tree node kind"):
+            stashpoint.load({"a": torch.zeros(3), "b": {"c": 0}}, tmp_path / "m")
 
 
 def test_any_damage_to_the_manifest_is_detected(tmp_path):

@@ -363,6 +363,22 @@ def test_storage_for_paths():
         storage_for(3)  # type: ignore[arg-type]
 
 
+def test_local_knobs_come_from_the_environment(monkeypatch):
+    s = storage_for("x")
+    assert isinstance(s, LocalStorage) and s.direct_io and s.write_streams == 2
+    monkeypatch.setenv("STASHPOINT_WRITE_STREAMS", "4")
+    monkeypatch.setenv("STASHPOINT_DIRECT_IO", "0")
+    s = storage_for("x")
+    assert isinstance(s, LocalStorage) and not s.direct_io and s.write_streams == 4
+    assert s.child("step-00000001").write_streams == 4  # a manager's steps inherit them
+    monkeypatch.setenv("STASHPOINT_WRITE_STREAMS", "many")
+    with pytest.raises(ValueError, match="STASHPOINT_WRITE_STREAMS='many' is not a number"):
+        storage_for("x")
+    monkeypatch.setenv("STASHPOINT_WRITE_STREAMS", "0")
+    with pytest.raises(ValueError, match="STASHPOINT_WRITE_STREAMS='0' is out of range"):
+        storage_for("x")
+
+
 def test_as_memoryview_is_zero_copy():
     import torch
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import xxhash
 
 from stashpoint._core.dtypes import itemsize
+from stashpoint._core.header import HEADER_ALIGN, MAX_HEADER_BYTES
+from stashpoint._core.nodes import check_tree
 from stashpoint._core.reshard import block_count
 from stashpoint.errors import CorruptCheckpointError
 
@@ -25,14 +26,11 @@ FORMAT_VERSION = 1
 
 CHECKSUM_ALGORITHM = "xxh3_64"
 CHECKSUM_BLOCK_BYTES = 4 * 1024 * 1024
-HEADER_ALIGN = 4096
-MAX_HEADER_BYTES = 100 * 1024 * 1024
 # What one manifest may hold: a parse at these caps stays within a few GB (benchmarks/bench_manifest_parse.py).
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_MANIFEST_ENTRIES = 1_000_000  # chunks plus files
 MAX_PARSE_MEMORY = 4 * 1024**3  # what parsing one manifest may allocate, by _parse_memory_bound
 MAX_DIMS = 64
-MAX_TREE_DEPTH = 100  # containers nested in a state; deeper ones are refused when saving and loading
 
 def checksum(data: memoryview | bytes) -> str:
     """The checksum stashpoint records for a byte range (xxh3_64, hex)."""
@@ -288,7 +286,7 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
     assert isinstance(trees, list)
     try:
         for tree in trees:
-            _check_tree(tree, tensors, where, 0)
+            check_tree(tree, tensors, where, 0)
     except RecursionError:
         raise CorruptCheckpointError(f"malformed manifest {where}: tree nested too deeply") from None
     world = _int(doc.get("world_size", 1), where, "world_size", 1)
@@ -358,48 +356,6 @@ def _check_byte_ranges(tensors: Mapping[str, TensorEntry], where: str) -> None:
             _want(start >= end, where, f"{a!r} and {b!r} share bytes of {name!r}")
 
 
-_LEAF_TYPES: dict[str, tuple[type, ...]] = {
-    "value": (type(None), bool, int, float, str),
-    "float": (str,),
-    "bytes": (str,),
-    "pickle": (str,),
-}
-
-
-def _check_tree(node: object, tensors: Mapping[str, TensorEntry], where: str, depth: int) -> None:
-    """Every tree node has one known form; every tensor it names has an entry; nesting is bounded."""
-    _want(depth <= MAX_TREE_DEPTH, where, f"the state tree is nested deeper than {MAX_TREE_DEPTH} levels")
-    _want(isinstance(node, dict), where, "tree node must be an object")
-    assert isinstance(node, dict)
-    if "stateful" in node:
-        _want(node["stateful"] in ("module", "optimizer", "object"), where, "unknown stateful kind")
-        _want(node.get("keyed_by", "name") in ("name", "index"), where, "unknown optimizer keying")
-        _check_tree(node.get("state"), tensors, where, depth + 1)
-        return
-    _want(len(node) == 1, where, f"tree node {str(node)[:80]!r} must have exactly one field")
-    ((kind, value),) = node.items()
-    if kind == "tensor":
-        _want(
-            isinstance(value, str) and value in tensors, where, f"tree names tensor {str(value)[:80]!r} with no entry"
-        )
-    elif kind in _LEAF_TYPES:
-        _want(isinstance(value, _LEAF_TYPES[kind]), where, f"malformed {kind} node")
-        if kind == "float":
-            _want(value in ("nan", "inf", "-inf"), where, "malformed float node")
-    elif kind == "dict":
-        _want(isinstance(value, list), where, "dict node must hold a list of [key, node] pairs")
-        for item in value:
-            ok = isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))
-            _want(ok and not isinstance(item[0], bool), where, "dict node must hold [key, node] pairs")
-            _check_tree(item[1], tensors, where, depth + 1)
-    elif kind in ("list", "tuple"):
-        _want(isinstance(value, list), where, f"{kind} node must hold a list")
-        for item in value:
-            _check_tree(item, tensors, where, depth + 1)
-    else:
-        _want(False, where, f"unknown tree node kind {kind!r}")
-
-
 def _parse_entry(key: str, e: object, files: Mapping[str, FileEntry], where: str) -> TensorEntry:
     _want(isinstance(e, dict), where, f"entry {key!r} must be an object")
     assert isinstance(e, dict)
@@ -435,59 +391,3 @@ def _parse_entry(key: str, e: object, files: Mapping[str, FileEntry], where: str
         _want(ok and all(isinstance(x, str) for x in sums), where, f"checksums of {key!r} do not match its size")
         chunks.append(Chunk(fname, offsets, cshape, start, end, tuple(sums)))
     return TensorEntry(key, dtype, shape, tuple(chunks))
-
-
-# ---------------------------------------------------------------------------------------------
-# Shard headers (safetensors layout)
-
-
-def encode_header(
-    entries: Sequence[tuple[str, str, Sequence[int], int, int]],
-    metadata: Mapping[str, str],
-    *,
-    align: int = HEADER_ALIGN,
-) -> bytes:
-    """Encode a safetensors header: 8-byte little-endian length, JSON, padded with spaces.
-
-    ``entries`` are ``(name, st_dtype, shape, begin, end)`` with offsets relative to the data
-    section. The result's length is a multiple of ``align``, so the data section starts aligned.
-    """
-    doc: dict[str, Any] = {"__metadata__": dict(metadata)}
-    for name, st_dtype, shape, begin, end in entries:
-        doc[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [begin, end]}
-    body = json.dumps(doc, separators=(",", ":")).encode("utf-8")
-    total = -(-(8 + len(body)) // align) * align
-    body += b" " * (total - 8 - len(body))
-    return struct.pack("<Q", len(body)) + body
-
-
-def header_length(prefix: bytes, file_size: int, where: str) -> int:
-    """Validate the 8-byte length prefix of a shard; return the header's JSON length."""
-    if len(prefix) < 8:
-        raise CorruptCheckpointError(f"shard {where} is truncated: shorter than its 8-byte header length")
-    (n,) = struct.unpack("<Q", prefix[:8])
-    if n > MAX_HEADER_BYTES or 8 + n > file_size:
-        raise CorruptCheckpointError(f"shard {where} has an invalid header length {n} (file is {file_size} bytes)")
-    return int(n)
-
-
-def parse_header(raw: bytes, file_size: int, where: str) -> dict[str, Any]:
-    """Parse a shard's header (``raw`` holds at least the prefix and JSON) and check its offsets."""
-    n = header_length(raw, file_size, where)
-    try:
-        doc = json.loads(raw[8 : 8 + n])
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise CorruptCheckpointError(f"shard {where} has a malformed header: {e}") from None
-    if not isinstance(doc, dict):
-        raise CorruptCheckpointError(f"shard {where} has a malformed header: not an object")
-    data_len = file_size - 8 - n
-    for name, entry in doc.items():
-        if name == "__metadata__":
-            continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2):
-            raise CorruptCheckpointError(f"shard {where}: header entry {name!r} is malformed")
-        b, end = offsets
-        if not (isinstance(b, int) and isinstance(end, int) and 0 <= b <= end <= data_len):
-            raise CorruptCheckpointError(f"shard {where}: header entry {name!r} points outside the file")
-    return doc

@@ -41,6 +41,17 @@ class Retention:
     metric: str = "loss"
     mode: str = "min"
 
+    @classmethod
+    def of(cls, keep_last: int | None, keep_every: int | None, keep_best: Any) -> Retention:
+        """The rules as the manager takes them: ``keep_best`` is ``(k, metric)`` or
+        ``(k, metric, "min" | "max")``, or None."""
+        if keep_best is None:
+            return cls(keep_last, keep_every)
+        ok = isinstance(keep_best, tuple) and len(keep_best) in (2, 3)
+        if not (ok and isinstance(keep_best[0], int) and isinstance(keep_best[1], str)):
+            raise ValueError(f"keep_best must be (k, 'metric') or (k, 'metric', 'min'|'max'), got {keep_best!r}")
+        return cls(keep_last, keep_every, keep_best[0], keep_best[1], keep_best[2] if len(keep_best) == 3 else "min")
+
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_every", "keep_best"):
             v = getattr(self, name)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from typing import NoReturn
 
-from stashpoint._core.format import MAX_MANIFEST_BYTES, FileEntry, Manifest, checksum, parse_header, parse_manifest
+from stashpoint._core.format import MAX_MANIFEST_BYTES, FileEntry, Manifest, checksum, parse_manifest
+from stashpoint._core.header import parse_header
 from stashpoint._core.naming import MANIFEST_NAME, looks_like_shard, parse_shard_name, parse_step_dir
 from stashpoint._storage import LocalStorage, Storage, storage_for
 from stashpoint.errors import (

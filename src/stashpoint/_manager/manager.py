@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import fcntl
 import json
 import logging
 import os
-import stat
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -16,10 +14,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from stashpoint._core.naming import LOCK_NAME, MANIFEST_NAME, step_dir
+from stashpoint._core.naming import MANIFEST_NAME, step_dir
 from stashpoint._core.policy import Retention, Schedule, steps_to_keep
 from stashpoint._dist.group import rank_of
 from stashpoint._load.loader import load
+from stashpoint._manager.lock import acquire_root_lock
+from stashpoint._manager.restoring import agreed_restore_order
 from stashpoint._manager.steps import (
     METRICS_KEY,
     committed_steps,
@@ -100,12 +100,10 @@ class CheckpointManager:
         overlap: bool = False,
         writer: str | None = None,
     ) -> None:
-        best_k, metric, mode = _parse_keep_best(keep_best)
-        self.retention = Retention(keep_last, keep_every, best_k, metric, mode)
+        self.retention = Retention.of(keep_last, keep_every, keep_best)
         # the remote tier keeps everything unless remote_keep_last is given
-        self.remote_retention = (
-            None if remote_keep_last is None else Retention(remote_keep_last, keep_every, best_k, metric, mode)
-        )
+        remote = None if remote_keep_last is None else Retention.of(remote_keep_last, keep_every, keep_best)
+        self.remote_retention = remote
         self.overlap = overlap
         self.writer = writer
         if writer is not None:
@@ -134,7 +132,7 @@ class CheckpointManager:
         # (Object stores offer no lock: there, one manager per root is the user's to ensure.)
         self._lock_fd = -1
         if self.rank == 0 and isinstance(self.storage, LocalStorage):
-            self._lock_fd = _acquire_root_lock(self.storage.root)
+            self._lock_fd = acquire_root_lock(self.storage.root)
         try:
             if self.rank == 0:
                 remove_leftovers(self.storage)
@@ -353,31 +351,7 @@ class CheckpointManager:
     def _restore_order(self, step: int | None, options: dict[str, Any]) -> list[tuple[int, str]]:
         if self._tier is None or self.world == 1:
             return restore_order(self.steps(), self.remote_steps(), step)
-        # every rank must pick the same copy: local only where every rank has it; the remote
-        # listing is rank 0's, and an error on any rank is everybody's
-        from stashpoint._dist import group as _dist
-        from stashpoint._save import engine as _save
-
-        local: list[int] = []
-        remote: list[int] = []
-        error: str | None = None
-        try:
-            local, remote = self.steps(), (self.remote_steps() if self.rank == 0 else [])
-        except Exception as e:
-            error = f"rank {self.rank}: {type(e).__name__}: {e}"
-        _save.wait_all()
-        ctx = _dist.context(options.get("process_group"), options.get("timeout"))
-        mine: tuple[str, Any] = ("error", error) if error else ("ok", (local, remote))
-        if ctx is None:
-            if error:
-                raise CheckpointError(f"listing the checkpoints failed: {error}")
-            return restore_order(local, remote, step)
-        seen = ctx.all_gather("restore: the steps each rank has", mine)
-        errors = [v for k, v in seen if k == "error"]
-        if errors:
-            raise CheckpointError("listing the checkpoints to restore failed: " + "; ".join(errors))
-        everywhere = sorted(set.intersection(*(set(loc) for _, (loc, _) in seen)))
-        return restore_order(everywhere, seen[0][1][1], step)
+        return agreed_restore_order(self.steps, self.remote_steps, self.rank, step, options)
 
     def restored_from(self) -> str | None:
         """Which tier the last :meth:`restore` read: "local", "remote", or None."""
@@ -446,34 +420,3 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"<CheckpointManager {self.root} steps={self.steps()}>"
-
-
-def _parse_keep_best(value: Any) -> tuple[int | None, str, str]:
-    if value is None:
-        return None, "loss", "min"
-    if isinstance(value, tuple) and len(value) in (2, 3) and isinstance(value[0], int) and isinstance(value[1], str):
-        return value[0], value[1], value[2] if len(value) == 3 else "min"
-    raise ValueError(f"keep_best must be (k, 'metric') or (k, 'metric', 'min'|'max'), got {value!r}")
-
-
-def _acquire_root_lock(root: Path) -> int:
-    flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-    try:  # never through a planted symbolic link (it could create a file outside the root)
-        fd = os.open(root / LOCK_NAME, flags, 0o644)
-    except OSError as e:
-        raise CheckpointError(
-            f"cannot open the manager's lock file {root / LOCK_NAME} ({e.strerror or e}); it must be a regular file "
-            "(remove whatever is there)"
-        ) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointError(f"the manager's lock file {root / LOCK_NAME} is not a regular file; remove it")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise CheckpointError(
-            f"another CheckpointManager (in this or another process) already owns {root}; close it first, "
-            "or give each run its own directory."
-        ) from None
-    return fd

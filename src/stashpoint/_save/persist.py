@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from stashpoint._core.dtypes import safetensors_view
-from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, FileEntry, checksum, encode_header
+from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, FileEntry, checksum
+from stashpoint._core.header import encode_header
 from stashpoint._core.naming import shard_name
 from stashpoint._core.plan import FilePlan
 from stashpoint._save.shardio import Piece, ShardWrite, write_files

@@ -14,8 +14,7 @@ import torch
 
 from stashpoint import _runtime
 from stashpoint._core.dtypes import ITEMSIZE
-from stashpoint._core.format import MAX_TREE_DEPTH
-from stashpoint._core.nodes import Node, join
+from stashpoint._core.nodes import MAX_TREE_DEPTH, Node, join
 from stashpoint._state import stateful as _stateful
 from stashpoint._state.dtensor import is_dtensor, is_strided
 from stashpoint._state.dtypes import dtype_name

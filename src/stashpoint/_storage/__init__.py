@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from stashpoint._storage.base import FileWriter, Storage
+from stashpoint._storage.base import FileWriter, Storage, env_number
 from stashpoint._storage.local import LocalStorage
 
 # scheme -> (module, class): backends are imported only when a path needs them
@@ -16,7 +16,9 @@ __all__ = ["FileWriter", "LocalStorage", "Storage", "storage_for"]
 
 
 def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
-    """The storage backend for a user-given path."""
+    """The storage backend for a user-given path. A local directory's knobs come from
+    ``STASHPOINT_DIRECT_IO`` (1, or 0 for buffered I/O) and ``STASHPOINT_WRITE_STREAMS`` (shard
+    files written at once, default 2); S3's from the ``STASHPOINT_S3_*`` variables."""
     if isinstance(path, Storage):
         return path
     if not isinstance(path, (str, os.PathLike)):
@@ -31,4 +33,8 @@ def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
             backend: type[Storage] = getattr(importlib.import_module(module), name)
             return backend(text)  # type: ignore[call-arg]
         raise ValueError(f"unsupported storage scheme {scheme!r} in {text!r}; use a local path or s3://bucket/prefix")
-    return LocalStorage(text)
+    return LocalStorage(
+        text,
+        direct_io=env_number("STASHPOINT_DIRECT_IO", 1, 0, 1) == 1,
+        write_streams=int(env_number("STASHPOINT_WRITE_STREAMS", 2, 1, 64)),
+    )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import builtins
+import os
 from collections.abc import Sequence
 
 
@@ -124,3 +125,18 @@ class Storage(abc.ABC):
     def move(self, name: str) -> Storage:
         """Give this root the sibling name ``name`` and return the storage there. Object stores,
         which cannot rename, copy every object and then delete the originals."""
+
+
+def env_number(name: str, default: float, low: float, high: float, scale: float = 1.0) -> float:
+    """A number from environment variable ``name``, ``default`` when unset; a clear error when
+    it is not a number in ``[low, high]`` (after ``scale``)."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw) * scale
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number; unset it or give e.g. {default / scale:g}") from None
+    if not low <= value <= high:
+        raise ValueError(f"{name}={raw!r} is out of range: it must be between {low / scale:g} and {high / scale:g}")
+    return value

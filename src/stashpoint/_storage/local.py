@@ -156,12 +156,8 @@ class LocalStorage(Storage):
     ``O_DIRECT`` where the file system allows it, and through the page cache where it does not
     (tmpfs) or for small, unaligned pieces. ``write_streams`` shard files of a save are written
     at once, each on a thread of its own, so that one file's checksums and fsync overlap
-    another's writes. Measured on the development VM (``python -m benchmarks.bench_streams``,
-    benchmarks/RESULTS.md "Parallel writes"): with 256 MiB shards a save ran at 1.43-1.56,
-    1.51-1.86 and 1.53-2.02 GB/s with 1, 2 and 4 streams in two runs, where raw direct-I/O
-    streams ran at 1.41-1.60 GB/s however many; the training loop beside it lost the same time
-    with 1 stream or 2. Storage that serves several streams faster than one (striped or parallel
-    file systems, NVMe arrays) gains more from a higher value.
+    another's writes; storage that serves several streams faster than one (striped or parallel
+    file systems, NVMe arrays) gains from more (figures: benchmarks/RESULTS.md, "Parallel writes").
     """
 
     def __init__(self, root: str | os.PathLike[str], *, direct_io: bool = True, write_streams: int = 2) -> None:

@@ -23,6 +23,7 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 from stashpoint import _runtime
+from stashpoint._storage.base import env_number
 from stashpoint.errors import CheckpointError
 
 MiB = 1024 * 1024
@@ -33,19 +34,6 @@ INSTALL_HINT = "pip install 'stashpoint[s3]'"
 
 class S3Error(CheckpointError, OSError):
     """An S3 request failed for good: the message names the URL, what the server said and the fix."""
-
-
-def _env_number(name: str, default: float, low: float, high: float, scale: float = 1.0) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = float(raw) * scale
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number; unset it or give e.g. {default / scale:g}") from None
-    if not low <= value <= high:
-        raise ValueError(f"{name}={raw!r} is out of range: it must be between {low / scale:g} and {high / scale:g}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -77,10 +65,10 @@ class S3Options:
     def from_env(cls) -> S3Options:
         d = cls()
         return cls(
-            part_size=int(_env_number("STASHPOINT_S3_PART_MB", d.part_size, MIN_PART, MAX_PART, MiB)),
-            concurrency=int(_env_number("STASHPOINT_S3_CONCURRENCY", d.concurrency, 1, 256)),
-            retry_seconds=_env_number("STASHPOINT_S3_RETRY_SECONDS", d.retry_seconds, 0, 86400),
-            timeout_seconds=_env_number("STASHPOINT_S3_TIMEOUT_SECONDS", d.timeout_seconds, 0.1, 86400),
+            part_size=int(env_number("STASHPOINT_S3_PART_MB", d.part_size, MIN_PART, MAX_PART, MiB)),
+            concurrency=int(env_number("STASHPOINT_S3_CONCURRENCY", d.concurrency, 1, 256)),
+            retry_seconds=env_number("STASHPOINT_S3_RETRY_SECONDS", d.retry_seconds, 0, 86400),
+            timeout_seconds=env_number("STASHPOINT_S3_TIMEOUT_SECONDS", d.timeout_seconds, 0.1, 86400),
         )
 
 

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import os
-import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
 
 import click
 
+from stashpoint._tools.output import PATH_ARG, age, echo, echo_json, esc, fails_cleanly, json_option, short, table
 from stashpoint._version import __version__
 
 CLI_S3_RETRY_SECONDS = 10
@@ -70,110 +67,42 @@ def demo(directory: Path, seconds: float, every: int | None, quick: bool) -> Non
     except (DemoError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
-        _echo("interrupted", err=True)
+        echo("interrupted", err=True)
         sys.exit(130)
     sys.exit(code)
 
 
 # ---------------------------------------------------------------------------------------------
-# Tools: ls, inspect, verify, diff, export, import. The logic is in _inspect, _diff and _convert;
+# Tools: ls, inspect, verify, diff, export, import. The logic is in inspect, diff and convert;
 # these commands print. A path that is not what the command needs: one line on stderr, exit code 2.
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _fails_cleanly(fn: F) -> F:
-    """Print a stashpoint error (or bad argument) as one line on stderr and exit 2."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from stashpoint.errors import CheckpointError
-
-        try:
-            return fn(*args, **kwargs)
-        except BrokenPipeError:  # the output went to `head` or the like
-            sys.exit(1)
-        except (CheckpointError, ValueError, OSError) as e:
-            msg = "; ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
-            _echo(f"stashpoint {click.get_current_context().info_name}: error: {msg}", err=True)
-            sys.exit(2)
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.0f}{unit} ago"
-    return f"{max(seconds, 0):.0f}s ago"
-
-
-# C0 and C1 control characters (ESC starts terminal escape sequences), DEL, and the bidirectional
-# overrides that reorder what a terminal shows: names and values come from files anyone can write
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-
-
-def _esc(text: str, newlines: bool = False) -> str:
-    """``text`` with its control characters shown as escapes (``\\x1b``); newlines too unless kept."""
-    out = _UNSAFE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
-    return out if newlines else out.replace("\n", "\\n").replace("\t", "\\t")
-
-
-def _echo(text: str = "", err: bool = False) -> None:
-    click.echo(_esc(text, newlines=True), err=err)
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [list(headers), *([_esc(str(c)) for c in r] for r in rows)]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
-
-
-def _short(value: object, width: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def _echo_json(doc: object) -> None:
-    from stashpoint._tools.inspect import jsonable  # NaN and inf as strings: strict JSON
-
-    _echo(json.dumps(jsonable(doc), indent=2, default=str, allow_nan=False))
-
-
-_json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
-# A local path or a URL such as s3://bucket/run/step-00000100 (a click.Path would fold its "//").
-_dir = click.STRING
-
-
 @main.command("ls", short_help="List a run directory's checkpoints: status, size, age, metrics.")
-@click.argument("root", type=_dir)
-@_json_option
-@_fails_cleanly
+@click.argument("root", type=PATH_ARG)
+@json_option
+@fails_cleanly
 def ls_command(*, root: str, as_json: bool) -> None:
     """List the step directories of a run directory: committed or partial, size, age, metrics."""
     from stashpoint._tools.inspect import human_bytes, list_steps
 
     steps = list_steps(root)
     if as_json:
-        _echo_json([dataclasses.asdict(s) for s in steps])
+        echo_json([dataclasses.asdict(s) for s in steps])
         return
     if not steps:
-        _echo(f"no step directories (step-XXXXXXXX) in {root}")
+        echo(f"no step directories (step-XXXXXXXX) in {root}")
         return
     rows = []
     for s in steps:
         metrics = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in s.metrics.items())
-        rows.append((s.step, s.status, human_bytes(s.size), _age(s.age_s), metrics or s.error or ""))
-    _echo(_table(("STEP", "STATUS", "SIZE", "AGE", "METRICS"), rows))
+        rows.append((s.step, s.status, human_bytes(s.size), age(s.age_s), metrics or s.error or ""))
+    echo(table(("STEP", "STATUS", "SIZE", "AGE", "METRICS"), rows))
 
 
 @main.command("inspect", short_help="Show a checkpoint's tensors, values, metadata and files.")
-@click.argument("path", type=_dir)
+@click.argument("path", type=PATH_ARG)
 @click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True, help="Whose plain values to show.")
-@_json_option
-@_fails_cleanly
+@json_option
+@fails_cleanly
 def inspect_command(*, path: str, rank: int, as_json: bool) -> None:
     """Show a checkpoint: its tensors, plain values, metadata and files.
 
@@ -183,40 +112,40 @@ def inspect_command(*, path: str, rank: int, as_json: bool) -> None:
 
     d = describe(path, rank)
     if as_json:
-        _echo_json(d)
+        echo_json(d)
         return
-    _echo(f"checkpoint  {d['path']}")
-    _echo(
+    echo(f"checkpoint  {d['path']}")
+    echo(
         f"format      stashpoint v{d['format_version']} (save {d['save_id']}, stashpoint "
         f"{d['library_version']}, torch {d['torch_version']})"
     )
-    _echo(f"created     {d['created']}")
-    _echo(
+    echo(f"created     {d['created']}")
+    echo(
         f"world size  {d['world_size']}"
         + (f" ({d['distinct_rank_trees']} distinct per-rank value sets)" if d["distinct_rank_trees"] > 1 else "")
     )
-    _echo(f"\ntensors: {len(d['tensors'])}, {human_bytes(d['total_bytes'])}")
+    echo(f"\ntensors: {len(d['tensors'])}, {human_bytes(d['total_bytes'])}")
     rows = [
         (t["key"], t["dtype"], t["shape"], t["sharding"], human_bytes(t["bytes"]) if t["bytes"] else "-")
         for t in d["tensors"]
     ]
-    _echo(_table(("KEY", "DTYPE", "SHAPE", "SHARDING", "BYTES"), rows))
+    echo(table(("KEY", "DTYPE", "SHAPE", "SHARDING", "BYTES"), rows))
     who = f" (rank {d['rank']})" if d["world_size"] > 1 else ""
-    _echo(f"\nvalues{who}: {len(d['values'])}")
+    echo(f"\nvalues{who}: {len(d['values'])}")
     for k, v in d["values"].items():
-        _echo(f"  {_esc(k)} = {_esc(_short(v))}")
-    _echo(f"\nmetadata: {len(d['metadata'])}")
+        echo(f"  {esc(k)} = {esc(short(v))}")
+    echo(f"\nmetadata: {len(d['metadata'])}")
     for k, v in d["metadata"].items():
-        _echo(f"  {_esc(k)} = {_esc(str(v))}")
-    _echo(f"\nfiles: {len(d['files'])}")
-    _echo(_table(("NAME", "RANK", "SIZE"), [(f["name"], f["rank"], human_bytes(f["size"])) for f in d["files"]]))
+        echo(f"  {esc(k)} = {esc(str(v))}")
+    echo(f"\nfiles: {len(d['files'])}")
+    echo(table(("NAME", "RANK", "SIZE"), [(f["name"], f["rank"], human_bytes(f["size"])) for f in d["files"]]))
 
 
 @main.command("verify", short_help="Check every byte of a checkpoint; exit 1 on any problem.")
-@click.argument("path", type=_dir)
+@click.argument("path", type=PATH_ARG)
 @click.option("-q", "--quiet", is_flag=True, help="Print the problems and the verdict only, not the progress.")
-@_json_option
-@_fails_cleanly
+@json_option
+@fails_cleanly
 def verify_command(*, path: str, quiet: bool, as_json: bool) -> None:
     """Check every byte of a checkpoint against its checksums and its manifest.
 
@@ -235,25 +164,25 @@ def verify_command(*, path: str, quiet: bool, as_json: bool) -> None:
         with Reporter("verifying", stream=sys.stdout) as progress:
             rep = verify(path, progress=progress)
     if as_json:
-        _echo_json({**dataclasses.asdict(rep), "ok": rep.ok})
+        echo_json({**dataclasses.asdict(rep), "ok": rep.ok})
     else:
         for w in rep.warnings:
-            _echo(f"warning: {w}")
+            echo(f"warning: {w}")
         for p in rep.problems:
-            _echo(f"problem: {p}")
+            echo(f"problem: {p}")
         if rep.ok:
             steps = "" if rep.steps is None else f"{rep.steps} committed step(s), "
-            _echo(f"OK: {steps}{rep.files} file(s), {rep.tensors} tensor(s), {human_bytes(rep.bytes_checked)} verified")
+            echo(f"OK: {steps}{rep.files} file(s), {rep.tensors} tensor(s), {human_bytes(rep.bytes_checked)} verified")
         else:
-            _echo(f"FAILED: {len(rep.problems)} problem(s) in {rep.path}")
+            echo(f"FAILED: {len(rep.problems)} problem(s) in {rep.path}")
     sys.exit(0 if rep.ok else 1)
 
 
 @main.command("diff", short_help="Show which tensors and values differ between two checkpoints.")
-@click.argument("a", type=_dir)
-@click.argument("b", type=_dir)
-@_json_option
-@_fails_cleanly
+@click.argument("a", type=PATH_ARG)
+@click.argument("b", type=PATH_ARG)
+@json_option
+@fails_cleanly
 def diff_command(*, a: str, b: str, as_json: bool) -> None:
     """Show which tensors and values differ between checkpoints A and B.
 
@@ -267,23 +196,23 @@ def diff_command(*, a: str, b: str, as_json: bool) -> None:
     if as_json:
         doc = dataclasses.asdict(rep)
         doc["plain"] = [{"key": k, "a": jsonable(x), "b": jsonable(y)} for k, x, y in rep.plain]
-        _echo_json({**doc, "identical": rep.identical})
+        echo_json({**doc, "identical": rep.identical})
     else:
         for k in rep.only_a:
-            _echo(f"only in A: {_esc(k)}")
+            echo(f"only in A: {esc(k)}")
         for k in rep.only_b:
-            _echo(f"only in B: {_esc(k)}")
+            echo(f"only in B: {esc(k)}")
         for k, (x, y) in rep.dtype.items():
-            _echo(f"dtype:     {_esc(k)}: {x} -> {y}")
+            echo(f"dtype:     {esc(k)}: {x} -> {y}")
         for k, (sx, sy) in rep.shape.items():
-            _echo(f"shape:     {_esc(k)}: {sx} -> {sy}")
+            echo(f"shape:     {esc(k)}: {sx} -> {sy}")
         for k, d in rep.values.items():
-            _echo(f"values:    {_esc(k)}: " + ("bytes differ" if d is None else f"max |a-b| = {d:.6g}"))
+            echo(f"values:    {esc(k)}: " + ("bytes differ" if d is None else f"max |a-b| = {d:.6g}"))
         for k, x, y in rep.plain:
-            _echo(f"value:     {_esc(k)}: {_esc(_short(x, 40))} -> {_esc(_short(y, 40))}")
+            echo(f"value:     {esc(k)}: {esc(short(x, 40))} -> {esc(short(y, 40))}")
         n = len(rep.only_a) + len(rep.only_b) + len(set(rep.dtype) | set(rep.shape) | set(rep.values))
         verdict = "identical" if rep.identical else f"{n} tensor(s) and {len(rep.plain)} value(s) differ"
-        _echo(f"{rep.compared} tensor(s) compared: {verdict}")
+        echo(f"{rep.compared} tensor(s) compared: {verdict}")
     sys.exit(0 if rep.identical else 1)
 
 
@@ -297,8 +226,8 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
 
 
 @main.command("export", short_help="Consolidate a checkpoint into safetensors (Hugging Face layout).")
-@click.argument("path", type=_dir)
-@click.argument("out", type=_dir)
+@click.argument("path", type=PATH_ARG)
+@click.argument("out", type=PATH_ARG)
 @click.option("--select", default="", metavar="PREFIX", help='Export only the key paths under PREFIX, e.g. "model".')
 @click.option(
     "--max-shard-size",
@@ -315,7 +244,7 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
     help="Tied tensors: leave out the aliases (as transformers' save_pretrained does) or write copies.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an earlier export at OUT.")
-@_fails_cleanly
+@fails_cleanly
 def export_command(
     *, path: str, out: str, select: str, max_shard_size: int | None, tied: str, overwrite: bool
 ) -> None:
@@ -337,16 +266,16 @@ def export_command(
             path, out, select=select, max_shard_size=max_shard_size, tied=tied, overwrite=overwrite, progress=progress
         )
     for name, target in res.dropped.items():
-        _echo(f"left out {name}: tied to {target} (pass --tied clone to write a copy)")
+        echo(f"left out {name}: tied to {target} (pass --tied clone to write a copy)")
     where = res.index or res.files[0]
-    _echo(f"exported {res.tensors} tensor(s), {human_bytes(res.total_size)}, to {where}")
+    echo(f"exported {res.tensors} tensor(s), {human_bytes(res.total_size)}, to {where}")
 
 
 @main.command("import", short_help="Convert a torch.save file or a DCP checkpoint to stashpoint.")
-@click.argument("src", type=_dir)
-@click.argument("path", type=_dir)
+@click.argument("src", type=PATH_ARG)
+@click.argument("path", type=PATH_ARG)
 @click.option("--overwrite", is_flag=True, help="Replace a committed checkpoint at PATH.")
-@_fails_cleanly
+@fails_cleanly
 def import_command(*, src: Path, path: str, overwrite: bool) -> None:
     """Convert a torch.save file or a DCP checkpoint directory into a stashpoint checkpoint.
 
@@ -357,7 +286,7 @@ def import_command(*, src: Path, path: str, overwrite: bool) -> None:
     from stashpoint._tools.inspect import human_bytes
 
     res = import_checkpoint(src, path, overwrite=overwrite)
-    _echo(f"imported {res.kind} {src}: {res.tensors} tensor(s), {human_bytes(res.bytes)}, to {res.path}")
+    echo(f"imported {res.kind} {src}: {res.tensors} tensor(s), {human_bytes(res.bytes)}, to {res.path}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,7 +349,7 @@ def bench_command(ctx: click.Context, options: tuple[str, ...]) -> None:
     import subprocess
 
     if any(o in ("-h", "--help") for o in options):
-        _echo(ctx.get_help())
+        echo(ctx.get_help())
         return
     root = bench_suite_root(_bench_candidates())
     if root is None:

@@ -1,0 +1,49 @@
+"""Which copy of which step a restore reads, agreed on by every rank."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from stashpoint._manager.tiers import restore_order
+from stashpoint.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class StepsSeen:
+    """What one rank found: its local steps, rank 0's remote steps, or why it could not list."""
+
+    error: str | None
+    local: tuple[int, ...] = ()
+    remote: tuple[int, ...] = ()
+
+
+def agreed_restore_order(
+    local_steps: Callable[[], list[int]],
+    remote_steps: Callable[[], list[int]],
+    rank: int,
+    step: int | None,
+    options: dict[str, Any],
+) -> list[tuple[int, str]]:
+    """The (step, tier) candidates every rank tries in the same order: a local copy only where
+    every rank has it; the remote listing is rank 0's; an error on any rank is everybody's."""
+    from stashpoint._dist import group as _dist
+    from stashpoint._save import engine as _save
+
+    try:
+        mine = StepsSeen(None, tuple(local_steps()), tuple(remote_steps()) if rank == 0 else ())
+    except Exception as e:
+        mine = StepsSeen(f"rank {rank}: {type(e).__name__}: {e}")
+    _save.wait_all()
+    ctx = _dist.context(options.get("process_group"), options.get("timeout"))
+    if ctx is None:
+        if mine.error:
+            raise CheckpointError(f"listing the checkpoints failed: {mine.error}")
+        return restore_order(list(mine.local), list(mine.remote), step)
+    seen: list[StepsSeen] = ctx.all_gather("restore: the steps each rank has", mine)
+    errors = [s.error for s in seen if s.error]
+    if errors:
+        raise CheckpointError("listing the checkpoints to restore failed: " + "; ".join(errors))
+    everywhere = sorted(set.intersection(*(set(s.local) for s in seen)))
+    return restore_order(everywhere, list(seen[0].remote), step)

@@ -1,0 +1,80 @@
+"""How the command line prints: control characters escaped (names and values come from files
+anyone can write), tables, JSON, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import click
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def fails_cleanly(fn: F) -> F:
+    """Print a stashpoint error (or bad argument) as one line on stderr and exit 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from stashpoint.errors import CheckpointError
+
+        try:
+            return fn(*args, **kwargs)
+        except BrokenPipeError:  # the output went to `head` or the like
+            sys.exit(1)
+        except (CheckpointError, ValueError, OSError) as e:
+            msg = "; ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+            echo(f"stashpoint {click.get_current_context().info_name}: error: {msg}", err=True)
+            sys.exit(2)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{max(seconds, 0):.0f}s ago"
+
+
+# C0 and C1 control characters (ESC starts terminal escape sequences), DEL, and the bidirectional
+# overrides that reorder what a terminal shows: names and values come from files anyone can write
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def esc(text: str, newlines: bool = False) -> str:
+    """``text`` with its control characters shown as escapes (``\\x1b``); newlines too unless kept."""
+    out = _UNSAFE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
+    return out if newlines else out.replace("\n", "\\n").replace("\t", "\\t")
+
+
+def echo(text: str = "", err: bool = False) -> None:
+    click.echo(esc(text, newlines=True), err=err)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [list(headers), *([esc(str(c)) for c in r] for r in rows)]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def short(value: object, width: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def echo_json(doc: object) -> None:
+    from stashpoint._tools.inspect import jsonable  # NaN and inf as strings: strict JSON
+
+    echo(json.dumps(jsonable(doc), indent=2, default=str, allow_nan=False))
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+# A local path or a URL such as s3://bucket/run/step-00000100 (a click.Path would fold its "//").
+PATH_ARG = click.STRING
