@@ -26,7 +26,7 @@ FORMAT_VERSION = 1
 
 CHECKSUM_ALGORITHM = "xxh3_64"
 CHECKSUM_BLOCK_BYTES = 4 * 1024 * 1024
-# What one manifest may hold: a parse at these caps stays within a few GB (benchmarks/bench_manifest_parse.py).
+# What one manifest may hold, so that reading any manifest is bounded in time and memory.
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_MANIFEST_ENTRIES = 1_000_000  # chunks plus files
 MAX_PARSE_MEMORY = 4 * 1024**3  # what parsing one manifest may allocate, by _parse_memory_bound

@@ -10,12 +10,14 @@ from typing import Any
 import torch
 
 from stashpoint._core.assign import Item, assign_readers
+from stashpoint._core.format import Manifest
 from stashpoint._dist import group as _dist
-from stashpoint._dist.group import rank_of
+from stashpoint._dist.group import DistContext, rank_of
 from stashpoint._load.exchange import agree, broadcast_shares
 from stashpoint._load.manifest import read_manifest, unlisted_shards
 from stashpoint._load.reads import Fetched, execute_reads, fetch
 from stashpoint._load.restore import Planner, Read
+from stashpoint._load.restore import RestorePlan as Plan
 from stashpoint._storage import Storage, storage_for
 from stashpoint.errors import (
     CheckpointError,
@@ -98,11 +100,7 @@ def load(
             rank,
             rank % manifest.world_size,
         )
-    ctx = None
-    if world > 1:
-        wait_all()  # the checkpoint group is used by one thread at a time: saves in flight first
-        ctx = _dist.context(process_group, timeout)
-    share = ctx is not None and (exchange if exchange is not None else ctx.multi_host())
+    plan: Plan | None = None
     plan_error: CheckpointError | None = None
     try:
         plan = Planner(manifest, state, allow_pickle=allow_pickle, where=storage.location, rank=rank).run()
@@ -110,67 +108,104 @@ def load(
             plan_error = StateMismatchError(storage.location, plan.problems)
     except CheckpointError as e:
         plan_error = e
-    reads: list[Read] = [] if plan_error else plan.reads
-    readers: dict[Item, int] = {}
-    if ctx is not None:  # every rank takes the same path: all load, or all raise
-        wanted = {(r.key, r.region): r.region.numel * r.dest.element_size() for r in reads} if share else {}
-        try:
-            statuses = agree(ctx, "load plans", str(plan_error) if plan_error else wanted)
-        except CheckpointError:
-            if plan_error:
-                raise plan_error from None
-            raise
-        if share:
-            readers = assign_readers(statuses)
-            reads = [r for r in reads if readers.get((r.key, r.region), ctx.rank) == ctx.rank]
-    elif plan_error:
-        raise plan_error
+    if world == 1:
+        if plan_error is not None:
+            raise plan_error
+        assert plan is not None
+        _warn_skipped(plan, storage.location, 3)
+        fetched, error = _read(storage, manifest, plan.reads, verify=verify, atomic=atomic, shared_host=False)
+        if error is not None:
+            raise error
+        if fetched is not None:
+            fetched.land()
+    else:
+        wait_all()  # the checkpoint group is used by one thread at a time: saves in flight first
+        ctx = _dist.context(process_group, timeout)
+        assert ctx is not None
+        plan = _load_together(ctx, storage, manifest, plan, plan_error, verify=verify, atomic=atomic, exchange=exchange)
+    _apply(plan, storage.location)
+
+
+def _warn_skipped(plan: Plan, location: str, stacklevel: int) -> None:
     if plan.problems:
-        msg = (
-            f"stashpoint: loading {storage.location} skipped {len(plan.problems)} mismatch(es):\n  - "
-            + "\n  - ".join(plan.problems)
+        msg = f"stashpoint: loading {location} skipped {len(plan.problems)} mismatch(es):\n  - " + "\n  - ".join(
+            plan.problems
         )
-        warnings.warn(msg, stacklevel=2)
+        warnings.warn(msg, stacklevel=stacklevel)  # at the caller of load()
         log.warning(msg)
-    error: CheckpointError | None = None
-    fetched: Fetched | None = None
+
+
+def _read(
+    storage: Storage, manifest: Manifest, reads: list[Read], *, verify: bool, atomic: bool, shared_host: bool
+) -> tuple[Fetched | None, CheckpointError | None]:
+    """Read this rank's part: into the state (or, ``atomic``, into buffers landed later)."""
     try:
         if atomic:
-            fetched = fetch(storage, manifest, reads, verify=verify, ranks_share_host=ctx is not None and not share)
-        else:
-            execute_reads(storage, manifest, reads, verify=verify, ranks_share_host=ctx is not None and not share)
+            return fetch(storage, manifest, reads, verify=verify, ranks_share_host=shared_host), None
+        execute_reads(storage, manifest, reads, verify=verify, ranks_share_host=shared_host)
+        return None, None
     except CheckpointError as e:
-        error = e
-        if not atomic and reads:
-            error = type(e)(
-                f"{e}\nSome of the state's tensors may already hold this checkpoint's values (its plain values "
-                "and objects are unchanged): load a good checkpoint before training on, or load with atomic=True, "
-                "which leaves the whole state untouched when a load fails."
-            )
-    if ctx is not None:
-        try:
-            agree(ctx, "load reads", str(error) if error else 0, CorruptCheckpointError)
-        except CheckpointError:
-            if error:
-                raise error from None
-            raise
-        if fetched is not None:  # every rank read and verified its part: now the state changes
-            fetched.land()
-            fetched = None
-        if readers:
-            dests: dict[Item, torch.Tensor] = {}
-            for r in plan.reads:
-                dests.setdefault((r.key, r.region), r.dest)
-            with torch.no_grad():
-                broadcast_shares(ctx, readers, dests)
-                for r in plan.reads:  # a second destination of the same region (rare): copy it over
-                    first = dests[(r.key, r.region)]
-                    if (r.key, r.region) in readers and r.dest is not first:
-                        r.dest.copy_(first)
-    elif error:
-        raise error
-    if fetched is not None:
+        if atomic or not reads:
+            return None, e
+        return None, type(e)(
+            f"{e}\nSome of the state's tensors may already hold this checkpoint's values (its plain values "
+            "and objects are unchanged): load a good checkpoint before training on, or load with atomic=True, "
+            "which leaves the whole state untouched when a load fails."
+        )
+
+
+def _load_together(
+    ctx: DistContext,
+    storage: Storage,
+    manifest: Manifest,
+    plan: Plan | None,
+    plan_error: CheckpointError | None,
+    *,
+    verify: bool,
+    atomic: bool,
+    exchange: bool | None,
+) -> Plan:
+    """The N-rank load: every rank takes the same path (all load, or all raise). With
+    ``exchange``, regions every rank needs are read once in total and broadcast."""
+    share = exchange if exchange is not None else ctx.multi_host()
+    reads: list[Read] = [] if plan is None or plan_error else plan.reads
+    wanted = {(r.key, r.region): r.region.numel * r.dest.element_size() for r in reads} if share else {}
+    try:
+        statuses = agree(ctx, "load plans", str(plan_error) if plan_error else wanted)
+    except CheckpointError:
+        if plan_error:
+            raise plan_error from None
+        raise
+    assert plan is not None  # every rank planned: agree() raised otherwise
+    readers: dict[Item, int] = {}
+    if share:
+        readers = assign_readers(statuses)
+        reads = [r for r in reads if readers.get((r.key, r.region), ctx.rank) == ctx.rank]
+    _warn_skipped(plan, storage.location, 4)
+    fetched, error = _read(storage, manifest, reads, verify=verify, atomic=atomic, shared_host=not share)
+    try:
+        agree(ctx, "load reads", str(error) if error else 0, CorruptCheckpointError)
+    except CheckpointError:
+        if error:
+            raise error from None
+        raise
+    if fetched is not None:  # every rank read and verified its part: now the state changes
         fetched.land()
+    if readers:
+        dests: dict[Item, torch.Tensor] = {}
+        for r in plan.reads:
+            dests.setdefault((r.key, r.region), r.dest)
+        with torch.no_grad():
+            broadcast_shares(ctx, readers, dests)
+            for r in plan.reads:  # a second destination of the same region (rare): copy it over
+                first = dests[(r.key, r.region)]
+                if (r.key, r.region) in readers and r.dest is not first:
+                    r.dest.copy_(first)
+    return plan
+
+
+def _apply(plan: Plan, location: str) -> None:
+    """Give plain values and objects their state, once every tensor is in place."""
     for s in plan.setters:
         s()
     for where, fin in plan.finalizers:
@@ -180,6 +215,6 @@ def load(
             raise
         except Exception as e:  # an object's own load_state_dict refused what passed our checks
             raise CheckpointError(
-                f"loading the state at {where or '<root>'!r} of {storage.location} into its object failed: "
+                f"loading the state at {where or '<root>'!r} of {location} into its object failed: "
                 f"{type(e).__name__}: {e}"
             ) from e

@@ -250,11 +250,9 @@ def async_save(
             training process, started on first use, which maps the staging memory: no copy,
             and no GIL time taken from training). The collectives and the commit stay on the
             writer thread either way. Storages other than the built-in local and S3 backends
-            are written on the thread. The default is the thread: measured with a training loop
-            on 2 cores, both writers slowed the steps during a persist the same (about 1.25x,
-            0.18 s lost per 1.5 GB checkpoint, cold and hot page cache) — with direct I/O the
-            persist takes little CPU or GIL time — and the thread needs no extra process. See
-            docs/TRAINING.md, "Writer process".
+            are written on the thread. The default is the thread: with direct I/O a persist
+            takes little CPU or GIL time, both writers slow the training loop alike, and the
+            thread needs no extra process (docs/TRAINING.md, "Writer process").
 
     Returns:
         a :class:`SaveHandle`; ``wait()`` returns :class:`SaveStats` or raises the failure.

@@ -135,7 +135,7 @@ class PersistJob:
                 if self.pending is not None:  # write only what has been copied (overlap mode)
                     self.pending.result()
                 # The pages this save's layout does not use, given back off the caller's thread
-                # and after the copies: punching holes took CPU from overlap mode's copier.
+                # and after the copies, so that it takes no CPU from overlap mode's copier.
                 self.staged.trim()
                 self.storage.prepare()
                 written = write_shards(

@@ -142,7 +142,7 @@ def _host_buffer(nbytes: int, pinned: bool) -> tuple[torch.Tensor, SharedRegion 
     if pinned:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None
     # Page-aligned anonymous memory, so shard writes can use direct I/O straight from it.
-    # (Transparent huge pages were measured slower to first-touch here: the kernel compacts.)
+    # No transparent huge pages: their first touch is slower (the kernel compacts memory).
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(m, dtype=torch.uint8), None
 

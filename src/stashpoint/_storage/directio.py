@@ -3,9 +3,9 @@
 ``O_DIRECT`` reads need an aligned file offset, length and memory address; the tensors a load
 fills are aligned to 64 bytes at best. So a large read is done in aligned pieces into a
 page-aligned bounce buffer, and each piece is copied (``memmove``, without the GIL) into the
-destination buffers. Measured on the development VM (benchmarks/RESULTS.md, "Loads"): the first
-read of a shard file written with direct I/O runs at 1.5–3x the speed of buffered reads, which
-go through small read-ahead requests; the copy out of the bounce buffer costs far less than that.
+destination buffers: a file written with direct I/O is not in the page cache, and reading it
+directly beats the small read-ahead requests of a buffered read by far more than the copy out
+of the bounce buffer costs (figures: benchmarks/RESULTS.md, "Loads").
 
 Imports no torch: the writer process shares this package's I/O code.
 """
