@@ -341,21 +341,21 @@ def test_cuda_tensors_through_pinned_shared_staging_and_the_writer_process(tmp_p
 
 
 def test_the_writer_priority_comes_from_the_environment_and_a_bad_value_is_named(tmp_path, monkeypatch):
-    _writerproc.shutdown()  # the next save starts a writer process with this environment
+    stashpoint.shutdown()  # the next save starts a writer process with this environment
     monkeypatch.setenv("STASHPOINT_WRITER_NICE", "5")
     try:
         stashpoint.save({"x": torch.ones(3)}, tmp_path / "a", writer="process")
         pid = _writerproc.current_pid()
         assert pid is not None
         assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0) + 5
-        _writerproc.shutdown()
+        stashpoint.shutdown()
         assert gone_within(pid, 5.0), "shutdown() stops the writer process"
         monkeypatch.setenv("STASHPOINT_WRITER_NICE", "low")
         with pytest.raises(stashpoint.CheckpointError, match="STASHPOINT_WRITER_NICE='low' must be a whole number"):
             stashpoint.save({"x": torch.ones(3)}, tmp_path / "b", writer="process")
         assert not (tmp_path / "b" / MANIFEST_NAME).exists()
     finally:
-        _writerproc.shutdown()
+        stashpoint.shutdown()
 
 
 def test_a_trimmed_staging_buffer_stays_trimmed_when_a_writer_process_maps_it(tmp_path):
