@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         from stashpoint._save import engine as _save
 
-        pool = _save._get_engine().pool._free
+        pool = _save.get_engine().pool._free
         if device.type == "cuda":
             checks["staging buffers are pinned host memory"] = bool(pool) and all(b.buffer.is_pinned() for b in pool)
         results["blocking_s"] = stats.blocking_s

@@ -75,7 +75,7 @@ def test_changes_between_saves_are_seen(tmp_path):
     changing a shape is a new layout, and every checkpoint loads back what was saved."""
     a, b = torch.randn(64), torch.randn(64)
     state = {"a": a, "b": b, "n": 0}
-    engine = _save._get_engine()
+    engine = _save.get_engine()
     before = engine.layouts.hits
 
     def roundtrip(name: str) -> None:

@@ -17,7 +17,7 @@ import torch
 
 import stashpoint
 import stashpoint._storage.local
-from stashpoint._save.engine import _get_engine
+from stashpoint._save.engine import get_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).with_name("manager_child.py")
@@ -93,7 +93,7 @@ def test_leftovers_of_a_crashed_save_are_removed_and_committed_steps_kept(tmp_pa
 
 def _block_writer() -> threading.Event:
     gate = threading.Event()
-    _get_engine().executor.submit(gate.wait, 30)
+    get_engine().executor.submit(gate.wait, 30)
     return gate
 
 

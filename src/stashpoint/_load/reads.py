@@ -378,11 +378,11 @@ def _finished(left: dict[int, int], piece: int) -> bool:
 
 
 def _place_on_side_stream(p: _Piece, streams: dict[torch.device, torch.cuda.Stream]) -> None:
-    from stashpoint._save.staging import _side_stream
+    from stashpoint._save.staging import side_stream
 
     device = p.target.device
     if device not in streams:
-        streams[device] = _side_stream(device)
+        streams[device] = side_stream(device)
         streams[device].wait_stream(torch.cuda.current_stream(device))  # after work queued on the targets
     with torch.cuda.stream(streams[device]):
         p.place()

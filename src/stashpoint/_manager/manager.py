@@ -30,7 +30,7 @@ from stashpoint._manager.steps import (
     remove_leftovers,
 )
 from stashpoint._manager.tiers import RemoteTier, restore_order
-from stashpoint._save.engine import SaveOptions, _get_engine
+from stashpoint._save.engine import SaveOptions, get_engine
 from stashpoint._save.handle import SaveHandle, SaveStats
 from stashpoint._storage import LocalStorage, Storage, storage_for
 from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
@@ -234,7 +234,7 @@ class CheckpointManager:
         opts = SaveOptions(metadata=meta, max_inflight=self.max_inflight, on_busy=self.on_busy, step=step, **options)
         self._last_save_time = time.monotonic()
         try:
-            handle = _get_engine().submit(state, target, opts)
+            handle = get_engine().submit(state, target, opts)
         except BaseException as e:
             if self._tier is not None and self.world > 1:  # the other ranks queue this step's upload: so do we
                 failed: cf.Future[Any] = cf.Future()

@@ -163,7 +163,7 @@ def _distributed(process_group: Any) -> bool:
     return len(dist.get_process_group_ranks(group)) > 1
 
 
-def _get_engine() -> _Engine:
+def get_engine() -> _Engine:
     return _runtime.slot("save.engine", _Engine, close=_Engine.close, order=10)
 
 
@@ -267,7 +267,7 @@ def async_save(
         overlap=overlap,
         writer=writer,
     )
-    return _get_engine().submit(state, storage_for(path), opts)
+    return get_engine().submit(state, storage_for(path), opts)
 
 
 def save(state: Any, path: str | os.PathLike[str] | Storage, **options: Any) -> SaveStats:

@@ -296,7 +296,7 @@ def _streams() -> dict[torch.device, torch.cuda.Stream]:
     return _runtime.slot("save.cuda_streams", dict)
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def side_stream(device: torch.device) -> torch.cuda.Stream:
     streams = _streams()
     if device not in streams:
         streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
@@ -332,7 +332,7 @@ def launch_cuda(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tupl
         by_device.setdefault(src.device, []).append((src, dst))
     events = []
     for device, items in by_device.items():
-        stream = _side_stream(device)
+        stream = side_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for src, dst in items:
