@@ -12,11 +12,13 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import stashpoint
+from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._storage import LocalStorage
 
 RANK = int(os.environ["RANK"])
@@ -264,6 +266,35 @@ def scenario_fail_mid_save(path: str, victim: str, how: str) -> None:
     except stashpoint.CheckpointError as e:
         result(raised=True, seconds=time.perf_counter() - t0, message=str(e))
     os._exit(0)  # the group lost a member: skip the orderly shutdown
+
+
+def scenario_slow_commit(path: str, delay: str) -> None:
+    """Rank 0 takes ``delay`` seconds to commit, past the 4 s timeout of the others' wait for it:
+    the save must end committed and whole, or not committed, never committed without shards."""
+    from stashpoint._save import job as _job
+
+    if RANK == 0:
+        real = _job.PersistJob._commit
+
+        def slow(self, *args, **kwargs):
+            time.sleep(float(delay))
+            return real(self, *args, **kwargs)
+
+        _job.PersistJob._commit = slow
+    state = {"w": torch.full((1000,), float(RANK + 1)), "x": torch.ones(10)}
+    t0 = time.perf_counter()
+    try:
+        stashpoint.save(state, path, timeout=4)
+        outcome = {"raised": False}
+    except stashpoint.CheckpointError as e:
+        outcome = {"raised": True, "message": str(e)}
+    outcome["seconds"] = time.perf_counter() - t0
+    time.sleep(float(delay) + 3 - min(outcome["seconds"], float(delay)))  # rank 0 is done by now
+    dist.barrier()  # the training's group: both ranks look at the result together
+    committed = Path(path, MANIFEST_NAME).exists()
+    ok = stashpoint.verify(path).ok if committed else None
+    result(committed=committed, verified=ok, **outcome)
+    os._exit(0)
 
 
 def scenario_plan_cache(root: str) -> None:

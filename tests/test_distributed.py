@@ -117,6 +117,17 @@ def test_a_rank_dying_or_stalling_mid_save_fails_it_on_the_others_within_the_tim
     assert prev["x"].sum() == 10
 
 
+def test_a_rank_0_slowed_past_the_timeout_leaves_the_save_committed_and_whole_or_not_committed(tmp_path):
+    """The others stop waiting after 4 s while rank 0 builds and writes the manifest for 7 s:
+    they must not delete their shards, since rank 0 may (and here does) still commit."""
+    results = run_world(2, "slow_commit", str(tmp_path / "ck"), "7", timeout=150)
+    assert results[0]["committed"] == results[1]["committed"]
+    if results[0]["committed"]:
+        assert all(r["verified"] for r in results), results  # committed means whole: every shard there
+    slow = results[1]
+    assert slow["raised"] and "either complete and loadable or not committed" in slow["message"], slow
+
+
 def test_replicated_state_is_read_once_and_exchanged_or_read_directly(tmp_path):
     ck = tmp_path / "ck"
     run_world(2, "ddp_save", str(ck))

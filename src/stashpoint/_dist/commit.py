@@ -70,6 +70,7 @@ class RankFailure(Exception):
 
     failed: list[tuple[int, str]]
     local: BaseException | None = field(default=None, compare=False)
+    decided: bool = False  # every rank knows nothing is committed (the outcomes showed a failure)
 
     def __str__(self) -> str:
         return "; ".join(f"rank {r}: {cause}" for r, cause in self.failed)
@@ -95,7 +96,7 @@ def finish_together(
     outcomes: list[Outcome] = ctx.all_gather(f"{what} outcomes", mine)
     failed = [(r, o.error) for r, o in enumerate(outcomes) if o.error is not None]
     if failed:
-        raise RankFailure(failed, local)
+        raise RankFailure(failed, local, decided=True)
     result = None
     if ctx.rank == 0:
         try:

@@ -69,6 +69,7 @@ class PersistJob:
     staged_at: float = 0.0  # perf_counter() when the call's own copies were done
     writer: Writer | None = None  # the writer process; None: write on this (the writer) thread
     staged_keys: frozenset[str] | None = None  # the keys copied for this save; None: every key
+    reported_ok: bool = False  # this rank told the others its part succeeded
 
     @classmethod
     def failed(
@@ -147,6 +148,7 @@ class PersistJob:
             except Exception as e:
                 local_error = e
                 outcome = Outcome(error=f"{type(e).__name__}: {e}")
+            self.reported_ok = outcome.error is None  # from here rank 0 may commit this save
             outcomes = finish_together(
                 ctx, "save", outcome, lambda done: self._commit(save_id, layouts, done), local_error
             )
@@ -191,8 +193,18 @@ class PersistJob:
                 f"rank {rank}: the checkpoint at {loc} was committed, but confirming it across the ranks failed "
                 f"({type(e).__name__}: {e}); it is complete and loadable"
             ) from e
+        # A rank never deletes files of a save that may still be committed: only rank 0 commits,
+        # and only once every rank reported success, however long that takes on rank 0.
+        undecided = self.reported_ok and rank != 0 and not (isinstance(e, RankFailure) and e.decided)
         if committed is None:  # the storage could not say: keep the files (an uncommitted leftover at worst)
             log.warning("stashpoint: could not tell whether %s was committed; its files are kept", loc)
+        elif undecided:
+            log.warning(
+                "stashpoint: rank %d keeps its files of the save to %s: rank 0 may still commit it (then it is "
+                "complete and loadable); if not, the next save there or the manager removes them",
+                rank,
+                loc,
+            )
         elif save_id:
             self._remove(lambda name: _shard_of(name, rank, save_id), self.storage.best_effort())
         if isinstance(e, CollectiveError):
@@ -205,6 +217,11 @@ class PersistJob:
             msg = f"saving the checkpoint to {loc} failed on rank {rank}: {type(e).__name__}: {e}"
             local_error = e
         log.error("stashpoint: %s", msg)
+        if undecided:
+            raise CheckpointError(
+                f"{msg}. This rank could not learn whether rank 0 committed the save: the checkpoint there is either "
+                "complete and loadable or not committed at all; earlier checkpoints are untouched."
+            ) from local_error
         raise CheckpointError(
             f"{msg}. Nothing was committed there and earlier checkpoints are untouched; fix the cause and save again."
         ) from local_error
