@@ -253,3 +253,12 @@ def test_replicas_changing_unevenly_between_saves_fail_one_save_at_most_then_com
         if k > 2:  # rank 1's own tensor, read from its shard file
             c = load_file(tmp_path / f"s{k}" / _manifest(tmp_path / f"s{k}")["tensors"]["c"]["chunks"][0]["file"])["c"]
             assert bool((c == 200 + k).all()), (k, c)
+
+
+def test_store_keys_stay_short_at_16384_ranks():
+    """The job's store refuses keys over 8 KiB; a key naming every rank would pass that at ~1,500."""
+    from stashpoint._dist.group import DistContext
+
+    ctx = DistContext(None, tuple(range(16384)), 0, 16384, 10.0)
+    other = DistContext(None, tuple(range(1, 16385)), 0, 16384, 10.0)
+    assert len(ctx._store_prefix()) < 64 and ctx._store_prefix() != other._store_prefix()

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import xxhash
+
 from stashpoint import _runtime
 
 if TYPE_CHECKING:
@@ -90,17 +92,22 @@ class DistContext:
         """A world of one process: collectives are trivial."""
         return cls(None, (0,), 0, 1, DEFAULT_TIMEOUT_S)
 
+    def _store_prefix(self) -> str:
+        """This group's keys in the job's store: bounded in size whatever the number of ranks
+        (the store refuses long keys), by a hash of the ranks."""
+        return f"stashpoint/{self.purpose}/{xxhash.xxh3_64_hexdigest(repr(self.ranks).encode())}"
+
     def collective(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a collective on the checkpoint group; turn failures into a clear error that names
         the ranks that never reached it (each rank marks its arrival in the job's store)."""
         self.calls += 1
-        mark = f"stashpoint/{self.purpose}/{self.ranks}/{self.calls}"
+        mark = f"{self._store_prefix()}/{self.calls}"
         store = _store()
         if store is not None:
             try:
                 store.set(f"{mark}/{self.rank}", "1")
                 if self.calls > 2:  # forget this rank's marks of two collectives ago
-                    store.delete_key(f"stashpoint/{self.purpose}/{self.ranks}/{self.calls - 2}/{self.rank}")
+                    store.delete_key(f"{self._store_prefix()}/{self.calls - 2}/{self.rank}")
             except Exception:
                 store = None
         t0 = time.monotonic()
