@@ -115,8 +115,12 @@ class DistContext:
             self._apply_timeout()
             return fn(*args, group=self.group, **kwargs)
         except Exception as e:
-            absent = _absent(store, mark, self.world)
-            who = f"rank(s) {', '.join(map(str, absent))} never reached it" if absent else "a peer rank left it"
+            # only the group's first rank looks for the absent (R store calls in all, not R per rank)
+            absent = _absent(store, mark, self.world) if self.rank == 0 else []
+            if absent:
+                who = f"rank(s) {', '.join(map(str, absent))} never reached it"
+            else:
+                who = "a peer rank left it" + ("" if self.rank == 0 else "; rank 0's error names any that never came")
             raise CollectiveError(
                 f"rank {self.rank}: the checkpoint collective '{what}' failed after {time.monotonic() - t0:.1f} s "
                 f"(timeout {self.timeout_s:.0f} s; a peer rank died, stalled, or left the save: {who}): "
