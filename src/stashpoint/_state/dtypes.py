@@ -12,6 +12,9 @@ _BY_NAME: dict[str, torch.dtype] = {
 }
 
 
+STORABLE: frozenset[torch.dtype] = frozenset(_BY_NAME.values())  # the torch dtypes the format lists
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -13,11 +13,10 @@ from typing import Any
 import torch
 
 from stashpoint import _runtime
-from stashpoint._core.dtypes import ITEMSIZE
 from stashpoint._core.nodes import MAX_TREE_DEPTH, Node, join
 from stashpoint._state import stateful as _stateful
 from stashpoint._state.dtensor import is_dtensor, is_strided
-from stashpoint._state.dtypes import dtype_name
+from stashpoint._state.dtypes import STORABLE
 from stashpoint.errors import UnsupportedStateError
 
 _SUB_BYTE = {
@@ -87,7 +86,7 @@ def check_tensor(key: str, t: torch.Tensor) -> None:
             )
     if t.dtype in _SUB_BYTE:
         raise UnsupportedStateError(f"tensor of sub-byte dtype {t.dtype} {where} holds no addressable bytes.")
-    if dtype_name(t.dtype) not in ITEMSIZE:
+    if t.dtype not in STORABLE:
         raise UnsupportedStateError(
             f"tensor of dtype {t.dtype} {where} is not in the format's dtype table; convert it (t.to(...)) "
             "or upgrade stashpoint"

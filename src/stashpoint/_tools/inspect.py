@@ -25,7 +25,7 @@ from stashpoint._core.format import (
     Manifest,
     block_checksums,
 )
-from stashpoint._core.naming import MANIFEST_NAME, parse_step_dir
+from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._core.nodes import Node, decode_plain, join
 from stashpoint._core.policy import parse_metrics
 from stashpoint._load.manifest import open_checkpoint, read_manifest, shard_problem, unlisted_shards
@@ -92,10 +92,8 @@ def list_steps(root: str | os.PathLike[str]) -> list[StepInfo]:
         raise CheckpointError(f"{r} is a checkpoint, not a run directory; show it with: stashpoint inspect {r}")
     now = time.time()
     out = []
-    for d in sorted(r.iterdir()):
-        step = parse_step_dir(d.name)
-        if step is None or not d.is_dir():
-            continue
+    for name, step in _steps_of(LocalStorage(r)):
+        d = r / name
         files = [f for f in d.iterdir() if f.is_file()]
         info = StepInfo(step, str(d), "partial", sum(f.stat().st_size for f in files), None, None)
         info.age_s = now - max([d.stat().st_mtime] + [f.stat().st_mtime for f in files])
@@ -115,10 +113,7 @@ def _list_remote_steps(root: Storage) -> list[StepInfo]:
         raise CheckpointNotFoundError(f"no run directory at {root.location}: nothing is stored there")
     now = time.time()
     out = []
-    for name in names:
-        step = parse_step_dir(name)
-        if step is None:
-            continue
+    for name, step in _steps_of(root):
         d = root.child(name)
         files = d.list()
         info = StepInfo(step, d.location, "partial", sum(d.size(f) for f in files), None, None)
@@ -126,6 +121,12 @@ def _list_remote_steps(root: Storage) -> list[StepInfo]:
             _describe_committed(info, d, now)
         out.append(info)
     return sorted(out, key=lambda s: s.step)
+
+
+def _steps_of(root: Storage) -> tuple[tuple[str, int], ...]:
+    """The step directories the manager would act on (as ``verify`` sees them)."""
+    run = run_contents(root)
+    return run.steps if run is not None else ()
 
 
 def _describe_committed(info: StepInfo, d: Storage, now: float) -> None:
