@@ -36,11 +36,36 @@ class LayoutMsg:
 
 @dataclass(frozen=True)
 class Plan:
-    """Who writes what, and for which layouts (kept to be reused by the next save)."""
+    """Who writes what, kept to be reused by the next save of the same layouts. Every rank
+    keeps its own part (``mine``); rank 0 also keeps what it decides and commits with."""
 
-    hashes: tuple[str, ...]
-    layouts: tuple[LayoutMsg, ...]
-    writers: dict[Any, int]
+    layout_hash: str  # this rank's layout when the plan was made
+    mine: frozenset[Any]  # the chunk idents this rank writes
+    hashes: tuple[str, ...] | None = None  # rank 0: every rank's layout hash
+    layouts: tuple[LayoutMsg, ...] | None = None  # rank 0: every rank's layout
+    writers: dict[Any, int] | None = None  # rank 0: who writes each chunk
+
+
+@dataclass(frozen=True)
+class Start:
+    """Rank 0's answer to the hellos: the save's id, whether the last plan stands, or why the
+    save cannot start (failed ranks, at most ``MAX_NAMED`` of them)."""
+
+    save_id: str
+    reuse: bool
+    failed: tuple[tuple[int, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A new plan's part for one rank: the chunks it writes (or why there is no plan)."""
+
+    mine: frozenset[Any]
+    constrained: bool = False
+    error: str | None = None
+
+
+MAX_NAMED = 64  # failed ranks named in one message: bounded whatever the world size
 
 
 @dataclass(frozen=True)
@@ -76,34 +101,61 @@ class RankFailure(Exception):
         return "; ".join(f"rank {r}: {cause}" for r, cause in self.failed)
 
 
-def check_hellos(ctx: DistContext, hellos: Sequence[SaveHello]) -> None:
-    """Raise :class:`RankFailure` if a rank failed before the save, or the ranks are at
-    different saves."""
+def start_save(ctx: DistContext, hellos: Sequence[SaveHello], last: Plan | None, constrained: bool) -> Start:
+    """Rank 0: decide from every rank's hello whether and how the save starts."""
     failed = [(r, h.error) for r, h in enumerate(hellos) if h.error is not None]
     if failed:
-        raise RankFailure(failed)
+        return Start("", False, _named(failed))
     if len({(h.seq, h.location) for h in hellos}) > 1:
-        seen = ", ".join(f"rank {r}: save #{h.seq} to {h.location}" for r, h in enumerate(hellos))
-        raise RankFailure([(ctx.rank, f"the ranks are out of step ({seen}); every rank must make the same saves")])
+        odd = [(r, h) for r, h in enumerate(hellos) if (h.seq, h.location) != (hellos[0].seq, hellos[0].location)]
+        seen = ", ".join(f"rank {r}: save #{h.seq} to {h.location}" for r, h in [(0, hellos[0]), *odd[:8]])
+        why = f"the ranks are out of step ({seen}); every rank must make the same saves"
+        return Start("", False, ((0, why),))
+    hashes = tuple(h.layout_hash for h in hellos)
+    reuse = (
+        last is not None
+        and last.hashes == hashes
+        and not constrained
+        and all(h.covers_last_plan for h in hellos)
+    )
+    return Start(hellos[0].save_id, reuse)
+
+
+def _named(failed: list[tuple[int, str]]) -> tuple[tuple[int, str], ...]:
+    shown = failed[:MAX_NAMED]
+    if len(failed) > MAX_NAMED:
+        shown.append((failed[MAX_NAMED][0], f"... and {len(failed) - MAX_NAMED} more rank(s) failed"))
+    return tuple(shown)
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    failed: tuple[tuple[int, str], ...] = ()
+    commit_error: str | None = None
+    summary: Any = None
 
 
 def finish_together(
-    ctx: DistContext, what: str, mine: Outcome, commit: Callable[[list[Outcome]], None], local: BaseException | None
-) -> list[Outcome]:
-    """Gather every rank's outcome; if all succeeded, rank 0 runs ``commit`` and broadcasts
-    whether it did. Raises :class:`RankFailure` on every rank alike when any rank failed or the
-    commit failed; returns the outcomes otherwise."""
-    outcomes: list[Outcome] = ctx.all_gather(f"{what} outcomes", mine)
-    failed = [(r, o.error) for r, o in enumerate(outcomes) if o.error is not None]
-    if failed:
-        raise RankFailure(failed, local, decided=True)
-    result = None
-    if ctx.rank == 0:
-        try:
-            commit(outcomes)
-        except Exception as e:
-            local, result = e, f"{type(e).__name__}: {e}"
-    result = ctx.broadcast(f"{what} commit", result)
-    if result is not None:
-        raise RankFailure([(0, f"committing: {result}")], local)
-    return outcomes
+    ctx: DistContext, what: str, mine: Outcome, commit: Callable[[list[Outcome]], Any], local: BaseException | None
+) -> Any:
+    """Gather every rank's outcome on rank 0; if all succeeded, rank 0 runs ``commit`` and
+    tells every rank what it returned (or that it failed). Raises :class:`RankFailure` on every
+    rank alike when any rank failed or the commit failed. Each rank sends one outcome and
+    receives one answer: only rank 0 sees all R outcomes."""
+    outcomes: list[Outcome] | None = ctx.gather(f"{what} outcomes", mine)
+    verdict = _Verdict()
+    if outcomes is not None:
+        failed = [(r, o.error) for r, o in enumerate(outcomes) if o.error is not None]
+        if failed:
+            verdict = _Verdict(failed=_named(failed))
+        else:
+            try:
+                verdict = _Verdict(summary=commit(outcomes))
+            except Exception as e:
+                local, verdict = e, _Verdict(commit_error=f"{type(e).__name__}: {e}")
+    verdict = ctx.broadcast(f"{what} commit", verdict)
+    if verdict.failed:
+        raise RankFailure(list(verdict.failed), local, decided=True)
+    if verdict.commit_error is not None:
+        raise RankFailure([(0, f"committing: {verdict.commit_error}")], local)
+    return verdict.summary

@@ -36,6 +36,7 @@ from stashpoint.errors import CheckpointError
 log = logging.getLogger("stashpoint")
 
 DEFAULT_TIMEOUT_S = 600.0
+GATHER_SLOT = 1016  # a gathered message up to this long travels in one collective (slot + length: 1 KiB)
 
 
 class CollectiveError(CheckpointError):
@@ -135,6 +136,54 @@ class DistContext:
         out: list[Any] = [None] * self.world
         self.collective(what, dist.all_gather_object, out, obj)
         return out
+
+    def gather(self, what: str, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj``, on the group's first rank only (None on the others): each
+        rank sends one message and only rank 0 receives R, where ``all_gather`` sends every
+        rank all R. Messages up to ``GATHER_SLOT`` bytes take one collective; longer ones two
+        more (the longest length, broadcast, then a gather padded to it)."""
+        import pickle
+
+        import torch
+        import torch.distributed as dist
+
+        if self.world == 1:
+            return [obj]
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        root = self.rank == 0
+        slot = torch.zeros(GATHER_SLOT + 8, dtype=torch.uint8)
+        slot[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        if len(data) <= GATHER_SLOT:
+            slot[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        slots = [torch.empty_like(slot) for _ in range(self.world)] if root else None
+        self.collective(what, dist.gather, slot, gather_list=slots, dst=self.ranks[0])
+        sizes = [int(s[:8].view(torch.int64)[0]) for s in slots] if slots is not None else []
+        longest = torch.tensor([max(sizes) if root else 0], dtype=torch.int64)
+        if self.world > 1:
+            self.collective(f"{what} (length)", dist.broadcast, longest, src=self.ranks[0])
+        big = int(longest[0])
+        if big > GATHER_SLOT:
+            pad = torch.zeros(big, dtype=torch.uint8)
+            pad[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            bigs = [torch.empty_like(pad) for _ in range(self.world)] if root else None
+            self.collective(f"{what} (long)", dist.gather, pad, gather_list=bigs, dst=self.ranks[0])
+            if bigs is not None:
+                slots = [torch.cat([s[:8], b]) for s, b in zip(slots or [], bigs)]
+        if slots is None:
+            return None
+        # messages of this job's own ranks, as all_gather_object unpickles them; never file contents
+        return [pickle.loads(s[8 : 8 + n].numpy().tobytes()) for s, n in zip(slots, sizes)]  # noqa: S301
+
+    def scatter(self, what: str, objs: list[Any] | None) -> Any:
+        """Rank ``r``'s item of ``objs`` (given on rank 0 only), sent to it alone."""
+        import torch.distributed as dist
+
+        if self.world == 1:
+            assert objs is not None
+            return objs[0]
+        out: list[Any] = [None]
+        self.collective(what, dist.scatter_object_list, out, objs, src=self.ranks[0])
+        return out[0]
 
     def broadcast(self, what: str, obj: Any) -> Any:
         import torch.distributed as dist

@@ -61,6 +61,12 @@ def copy_file(src: Storage, dst: Storage, name: str, size: int) -> None:
         raise
 
 
+def _commit_copy(src: Storage, dst: Storage, outcomes: Sequence[Outcome]) -> int:
+    """Rank 0, once every rank copied its files: commit the remote copy (its manifest, last)."""
+    dst.commit(MANIFEST_NAME, src.read(MANIFEST_NAME))
+    return sum(o.nbytes for o in outcomes)
+
+
 def restore_order(local: Sequence[int], remote: Sequence[int], step: int | None) -> list[tuple[int, str]]:
     """The copies a restore tries, in order: ``(step, "local" | "remote")``.
 
@@ -189,10 +195,8 @@ class Uploader:
         except Exception as e:
             outcome, local = Outcome(error=f"{type(e).__name__}: {e}"), e
         try:
-            outcomes = self._collective(
-                lambda what, mine: finish_together(
-                    ctx, what, mine, lambda _: dst.commit(MANIFEST_NAME, src.read(MANIFEST_NAME)), local
-                ),
+            total = self._collective(
+                lambda what, mine: finish_together(ctx, what, mine, lambda done: _commit_copy(src, dst, done), local),
                 "upload",
                 outcome,
             )
@@ -203,7 +207,6 @@ class Uploader:
                 f"uploading step {step} to {dst.location} failed: {e}. The local copy at {src.location} is "
                 "kept; the step is uploaded again when a manager opens this root next time."
             ) from e.local
-        total = sum(o.nbytes for o in outcomes)
         log.info(
             "stashpoint: uploaded step %d to %s (%.1f MB in %.2f s)",
             step,

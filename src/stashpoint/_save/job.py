@@ -23,14 +23,16 @@ from stashpoint._core.naming import MANIFEST_NAME, parse_shard_name
 from stashpoint._core.plan import TensorSpec, plan_files
 from stashpoint._dist import group as _dist
 from stashpoint._dist.commit import (
+    Assignment,
     LayoutMsg,
     Outcome,
     Plan,
     RankFailure,
     SaveHello,
+    Start,
     Written,
-    check_hellos,
     finish_together,
+    start_save,
 )
 from stashpoint._dist.group import CollectiveError, DistContext
 from stashpoint._save.handle import SaveStats
@@ -51,6 +53,15 @@ log = logging.getLogger("stashpoint")
 def _shard_of(name: str, rank: int, save_id: str) -> bool:
     parsed = parse_shard_name(name)
     return parsed is not None and parsed[0] == rank and parsed[2] == save_id
+
+
+@dataclass(frozen=True)
+class Totals:
+    """What rank 0 tells every rank about a committed save."""
+
+    bytes_written: int
+    files: int
+    tensors: int
 
 
 @dataclass
@@ -83,41 +94,59 @@ class PersistJob:
         """Whether this rank copied everything plan ``last`` gives it to write."""
         if self.staged_keys is None:
             return True
-        return last is not None and self.layout.given(last.writers, self.ctx.rank) <= self.staged_keys
+        return last is not None and self.layout.given(last.mine) <= self.staged_keys
 
-    def _plan(self) -> tuple[str, dict[Any, int], tuple[LayoutMsg, ...]]:
-        """Agree with the other ranks on this save and on who writes what (the last plan when
-        every rank's layout is the same as then and every rank copied its part of it)."""
+    def _plan(self) -> tuple[str, frozenset[Any]]:
+        """Agree with the other ranks on this save and on who writes what: the last plan when
+        every rank's layout is the same as then and every rank copied its part of it, else a
+        new one. Returns the save's id and the chunks this rank writes.
+
+        Every rank sends rank 0 a small hello and gets its answer; only for a new plan does
+        each rank send its layout, to rank 0 alone, which answers each with its own part."""
         ctx = self.ctx
         err = None if self.early_error is None else f"{type(self.early_error).__name__}: {self.early_error}"
         last: Plan | None = ctx.last_plan
         loc = self.storage.location
         mine = SaveHello(self.layout.hash, uuid.uuid4().hex[:16], self.seq, loc, err, self._covers(last))
-        hellos: list[SaveHello] = ctx.all_gather("layout hashes", mine)
-        check_hellos(ctx, hellos)
-        save_id = hellos[0].save_id
-        all_hashes = tuple(h.layout_hash for h in hellos)
-        reuse = last is not None and last.hashes == all_hashes and not ctx.plan_constrained
-        if reuse and all(h.covers_last_plan for h in hellos):  # decided alike on every rank
+        hellos: list[SaveHello] | None = ctx.gather("save hellos", mine)
+        start = start_save(ctx, hellos, last, ctx.plan_constrained) if hellos is not None else None
+        start = ctx.broadcast("save start", start)
+        assert isinstance(start, Start)
+        if start.failed:
+            raise RankFailure(list(start.failed))
+        if start.reuse:
             assert last is not None
-            return save_id, last.writers, last.layouts
+            return start.save_id, last.mine
         keys = self.staged_keys
         staged = None if keys is None else tuple(c.ident for c in self.layout.chunks if c.key in keys)
-        layouts = tuple(ctx.all_gather("layouts", self.layout.message(staged)))
-        copied = [None if m.copied is None else set(m.copied) for m in layouts]
-        try:
-            writers = assign_writers([m.chunks for m in layouts], copied)
-        except CheckpointError:
+        layouts: list[LayoutMsg] | None = ctx.gather("layouts", self.layout.message(staged))
+        parts: list[Assignment] | None = None
+        writers: dict[Any, int] | None = None
+        if layouts is not None:
+            copied = [None if m.copied is None else set(m.copied) for m in layouts]
+            try:
+                writers = assign_writers([m.chunks for m in layouts], copied)
+                given: list[set[Any]] = [set() for _ in layouts]
+                for ident, rank in writers.items():
+                    given[rank].add(ident)
+                constrained = any(c is not None for c in copied)
+                parts = [Assignment(frozenset(g), constrained) for g in given]
+            except CheckpointError as e:
+                parts = [Assignment(frozenset(), error=str(e))] * ctx.world
+        part: Assignment = ctx.scatter("assignments", parts)
+        if part.error is not None:
             # on every rank alike: the next save copies everything everywhere, and this layout
             # always will (a structure that did this once may do it again, e.g. saved in turn)
             ctx.last_plan = None
             if len(ctx.copy_all) < 64:
                 ctx.copy_all.add(self.layout.hash)
-            raise
-        ctx.last_plan = Plan(all_hashes, layouts, writers)
-        ctx.plan_constrained = any(c is not None for c in copied)
+            raise CheckpointError(part.error)
+        hashes = None if hellos is None else tuple(h.layout_hash for h in hellos)
+        kept = None if layouts is None else tuple(layouts)
+        ctx.last_plan = Plan(self.layout.hash, part.mine, hashes, kept, writers)
+        ctx.plan_constrained = part.constrained
         ctx.plans_made += 1
-        return save_id, writers, layouts
+        return start.save_id, part.mine
 
     def run(self, t_start: float, staging_s: float) -> SaveStats:
         t0 = time.perf_counter()
@@ -125,9 +154,9 @@ class PersistJob:
         save_id = ""
         local_error: BaseException | None = None
         try:
-            save_id, writers, layouts = self._plan()
+            save_id, given = self._plan()
             assert self.staged is not None
-            mine = [c for c in self.layout.chunks if writers[c.ident] == ctx.rank]
+            mine = [c for c in self.layout.chunks if c.ident in given]
             specs = [TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in mine]
             files = plan_files(specs, max_file_bytes=self.opts.max_shard_bytes, rank=ctx.rank).files if mine else ()
             try:
@@ -149,10 +178,7 @@ class PersistJob:
                 local_error = e
                 outcome = Outcome(error=f"{type(e).__name__}: {e}")
             self.reported_ok = outcome.error is None  # from here rank 0 may commit this save
-            outcomes = finish_together(
-                ctx, "save", outcome, lambda done: self._commit(save_id, layouts, done), local_error
-            )
-            bytes_written = sum(o.nbytes for o in outcomes)
+            totals = finish_together(ctx, "save", outcome, lambda done: self._commit(save_id, done), local_error)
         except BaseException as e:
             if isinstance(e, RankFailure) and e.local is not None:
                 local_error = e.local
@@ -167,15 +193,15 @@ class PersistJob:
         staged_at = pending.done_at if pending is not None and pending.done_at is not None else self.staged_at
         stats = SaveStats(
             path=loc,
-            bytes_written=bytes_written,
-            num_tensors=len({k for m in layouts for k in m.keyinfo}),
-            num_files=sum(len(o.payload.files) for o in outcomes),
+            bytes_written=totals.bytes_written,
+            num_tensors=totals.tensors,
+            num_files=totals.files,
             blocking_s=self.blocking_s,
             staging_s=staging_s,
             persist_s=t1 - t0,
             total_s=t1 - t_start,
             step=self.opts.step,
-            rank_bytes_written=outcomes[ctx.rank].nbytes,
+            rank_bytes_written=outcome.nbytes,
             staged_s=max(0.0, staged_at - t_start),
             step_wait_s=pending.step_wait_s if pending is not None else 0.0,
             writer="thread" if self.writer is None else "process",
@@ -247,10 +273,13 @@ class PersistJob:
         except OSError as e:  # best effort
             log.warning("stashpoint: could not remove files in %s: %s", storage.location, e)
 
-    def _commit(self, save_id: str, layouts: Sequence[LayoutMsg], outcomes: list[Outcome]) -> None:
+    def _commit(self, save_id: str, outcomes: list[Outcome]) -> Totals:
         """Rank 0: write the manifest (the commit); with ``overwrite``, then remove the old shards."""
         loc = self.storage.location
-        manifest_bytes = self._manifest(save_id, layouts, [o.payload for o in outcomes]).to_json()
+        plan = self.ctx.last_plan
+        assert plan is not None and plan.layouts is not None
+        manifest = self._manifest(save_id, plan.layouts, [o.payload for o in outcomes])
+        manifest_bytes = manifest.to_json()
         try:  # without overwrite, of two saves racing to one new path exactly one commits
             self.storage.commit(MANIFEST_NAME, manifest_bytes, exclusive=not self.opts.overwrite)
         except FileExistsError:
@@ -262,6 +291,7 @@ class PersistJob:
         if self.opts.overwrite:
             keep = {f.name for o in outcomes for f in o.payload.files}
             self._remove(lambda name: name not in keep)
+        return Totals(sum(o.nbytes for o in outcomes), len(manifest.files), len(manifest.tensors))
 
     def _manifest(self, save_id: str, layouts: Sequence[LayoutMsg], written: list[Written]) -> Manifest:
         keyinfo: dict[str, tuple[str, tuple[int, ...]]] = {}

@@ -98,15 +98,15 @@ class Layout:
         changed structure, a plan made under constraint, or a layout that once left a tensor
         uncopied, see ``PersistJob._plan``)."""
         last = ctx.last_plan
-        if last is None or ctx.rank >= len(last.hashes) or last.hashes[ctx.rank] != self.hash:
+        if last is None or last.layout_hash != self.hash:
             return None
         if ctx.plan_constrained or self.hash in ctx.copy_all:
             return None
-        return self.given(last.writers, ctx.rank)
+        return self.given(last.mine)
 
-    def given(self, writers: dict[Any, int], rank: int) -> frozenset[str]:
-        """The keys of this layout's chunks that ``writers`` (a plan) gives to ``rank``."""
-        return frozenset(c.key for c in self.chunks if writers.get(c.ident) == rank)
+    def given(self, mine: Collection[Any]) -> frozenset[str]:
+        """The keys of this layout's chunks among ``mine`` (the chunk idents a plan gave this rank)."""
+        return frozenset(c.key for c in self.chunks if c.ident in mine)
 
     def message(self, copied: tuple[Any, ...] | None) -> LayoutMsg:
         """This layout as sent to the other ranks (``copied``: the chunks copied for this save)."""
