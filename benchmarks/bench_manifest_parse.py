@@ -23,16 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from stashpoint._core.format import (
-    MAX_MANIFEST_BYTES,
-    MAX_MANIFEST_ENTRIES,
-    MAX_PARSE_MEMORY,
-    Chunk,
-    FileEntry,
-    Manifest,
-    TensorEntry,
-    _parse_memory_bound,
-)
+from stashpoint._core.format import Chunk, FileEntry, Manifest, TensorEntry
+from stashpoint._core.sealed import MAX_MANIFEST_BYTES, MAX_MANIFEST_ENTRIES, MAX_PARSE_MEMORY, _parse_memory_bound
 
 
 def build(entries: int, ranks: int) -> bytes:

@@ -93,3 +93,62 @@ def train_steps(model: torch.nn.Module, optim: torch.optim.Optimizer, n: int, se
 
 
 __all__ = ["ROOT", "S3_BUCKET", "run_python", "small_model", "stashpoint", "train_steps"]
+
+
+# -- format versions ---------------------------------------------------------------------------
+
+
+def to_v1(ck: Path) -> Path:
+    """Rewrite the (version-2) checkpoint at ``ck`` as format version 1 would have held it: one
+    manifest listing every chunk, no indexes. For the tests of version-1 rules and loads."""
+    from stashpoint._core.naming import MANIFEST_NAME
+    from stashpoint._load.manifest import read_manifest
+    from stashpoint._storage import storage_for
+
+    whole = read_manifest(storage_for(ck))
+    (ck / MANIFEST_NAME).write_bytes(whole.to_json())
+    for name, _ in whole.indexes:
+        (ck / name).unlink()
+    return ck
+
+
+def v1_doc(ck: Path) -> dict:
+    """The version-1 manifest document of the checkpoint at ``ck`` (rewritten as version 1)."""
+    import json
+
+    from stashpoint._core.naming import MANIFEST_NAME
+
+    return json.loads((to_v1(ck) / MANIFEST_NAME).read_bytes())
+
+
+def index_doc(ck: Path, rank: int = 0) -> tuple[Path, dict]:
+    """The path and document of ``rank``'s index in the version-2 checkpoint at ``ck``."""
+    import json
+
+    (path,) = ck.glob(f"index-r{rank:05d}-*.json")
+    return path, json.loads(path.read_bytes())
+
+
+def reseal_index(ck: Path, path: Path, doc: dict) -> None:
+    """Write a changed index ``doc`` at ``path`` sealed, and re-seal the manifest to name it:
+    what an attacker who knows the format can do."""
+    import json
+
+    from stashpoint._core.format import checksum, seal
+    from stashpoint._core.naming import MANIFEST_NAME, parse_save_file
+
+    raw = seal(doc)
+    path.write_bytes(raw)
+    head = json.loads((ck / MANIFEST_NAME).read_bytes())
+    parsed = parse_save_file(path.name)
+    assert parsed is not None
+    head["indexes"][parsed[0]] = [len(raw), checksum(raw)]
+    (ck / MANIFEST_NAME).write_bytes(seal(head))
+
+
+def whole(ck: Path):
+    """The whole checkpoint at ``ck`` as one Manifest (every index read, for version 2)."""
+    from stashpoint._load.manifest import read_manifest
+    from stashpoint._storage import storage_for
+
+    return read_manifest(storage_for(ck))

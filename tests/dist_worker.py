@@ -322,6 +322,40 @@ def scenario_plan_cache(root: str) -> None:
     result(plans=ctx.plans_made, threads=sorted({t for _, t in calls}), kinds=sorted({w for w, _ in calls}))
 
 
+def scenario_save_bytes(root: str) -> None:
+    """Bytes each rank sends and receives on the checkpoint group, save by save (a DTensor state
+    sharded over every rank plus replicated scalars): later saves are O(1) per rank."""
+    from stashpoint._dist import group as _dist
+
+    state = {"t": dtensor_state("s0"), "step": torch.tensor(3.0), "note": f"rank {RANK}"}
+    per_save = []
+    for i in range(4):
+        ctx = next(iter(_dist._contexts().values()), None)
+        before = (ctx.sent, ctx.received) if ctx is not None else (0, 0)
+        stashpoint.save(state, f"{root}/s{i}", timeout=60)
+        ctx = next(iter(_dist._contexts().values()))
+        per_save.append([ctx.sent - before[0], ctx.received - before[1]])
+    result(per_save=per_save, plans=ctx.plans_made)
+
+
+def scenario_indexes_read(path: str, kind: str) -> None:
+    """Load a checkpoint and say which ranks' indexes this rank read."""
+    from stashpoint._load import manifest as _manifest
+
+    read = []
+    real = _manifest.read_index
+
+    def spy(storage, head, rank):
+        read.append(rank)
+        return real(storage, head, rank)
+
+    _manifest.read_index = spy
+    state = {"t": dtensor_state(kind, seed=5), "step": 0}
+    stashpoint.load(state, path)
+    ok = all(torch.equal(v.full_tensor(), full_tensors()[k]) for k, v in state["t"].items())
+    result(read=sorted(set(read)), ok=ok)
+
+
 def scenario_asym_error(root: str) -> None:
     """Rank 1 alone refuses a value: every rank fails that save, and the next one commits."""
     bad = {"w": torch.ones(4), "cfg": object() if RANK == 1 else 1}

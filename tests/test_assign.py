@@ -36,7 +36,7 @@ def test_every_chunk_goes_to_one_of_its_holders_and_buffers_to_the_lowest(per_ra
 
 
 def test_replicas_are_spread_over_the_ranks_that_hold_them():
-    chunks = [ChunkMeta(f"k{i}", "F32", (100,), (0,), (100,), 4) for i in range(8)]
+    chunks = [ChunkMeta(f"k{i}", "F32", (2000,), (0,), (2000,), 4) for i in range(8)]  # over SMALL_CHUNK_BYTES
     writers = assign_writers([chunks, chunks])
     assert sorted(list(writers.values()).count(r) for r in (0, 1)) == [4, 4]
     buffers = [ChunkMeta(f"b{i}", "F32", (100,), (0,), (100,), 4, True) for i in range(4)]

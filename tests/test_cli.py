@@ -15,7 +15,7 @@ from click.testing import CliRunner, Result
 from safetensors.torch import load_file
 
 import stashpoint
-from conftest import ROOT, small_model, train_steps
+from conftest import ROOT, small_model, train_steps, whole
 from dist_util import run_world
 from stashpoint._tools.cli import main
 
@@ -86,13 +86,13 @@ def copy(src: Path, tmp_path: Path) -> Path:
 
 
 def flip_byte(path: Path, key: str, chunk: int = 0, at: int = 0) -> str:
-    c = manifest(path)["tensors"][key]["chunks"][chunk]
-    with open(path / c["file"], "r+b") as f:
-        f.seek(c["start"] + at)
+    c = whole(path).tensors[key].chunks[chunk]
+    with open(path / c.file, "r+b") as f:
+        f.seek(c.start + at)
         b = f.read(1)
-        f.seek(c["start"] + at)
+        f.seek(c.start + at)
         f.write(bytes([b[0] ^ 0x55]))
-    return c["file"]
+    return c.file
 
 
 # -- ls -----------------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def test_inspect_shows_tensors_values_metadata_without_unpickling(single) -> Non
     assert "alias of model/emb.weight" in out  # model/head.weight, tied
     assert "step = 7" in out and "extra/pair = [1, 'two']" in out and "extra/nan = nan" in out
     assert "obj = <pickled, not loaded>" in out and "note = hello" in out
-    assert "world size  1" in out and "stashpoint v1" in out
+    assert "world size  1" in out and "stashpoint v2" in out
 
     d = json.loads(cli("inspect", path, "--json").stdout)
     tensors = {t["key"]: t for t in d["tensors"]}
@@ -157,7 +157,7 @@ def test_inspect_shows_tensors_values_metadata_without_unpickling(single) -> Non
     assert set(tensors) == set(manifest(path)["tensors"])
     assert d["values"]["step"] == 7 and d["values"]["obj"] == "<pickled, not loaded>"
     assert d["values"]["optim/param_groups/0/lr"] == 0.01 and d["metadata"] == {"note": "hello"}
-    assert d["world_size"] == 1 and d["format_version"] == 1
+    assert d["world_size"] == 1 and d["format_version"] == 2
     assert [f["name"] for f in d["files"]] == [p.name for p in sorted(path.glob("shard-*"))]
     assert not sentinel.exists()
 
@@ -195,7 +195,7 @@ def test_verify_clean_checkpoints(single, fsdp) -> None:
     for path in (single[0], fsdp[0]):
         r = cli("verify", path)
         assert r.exit_code == 0, r.output
-        n = len(manifest(path)["files"])
+        n = len(whole(path).files)
         assert f"[{n}/{n}]" in r.stdout and r.stdout.strip().splitlines()[-1].startswith("OK:")
     rep = json.loads(cli("verify", "--json", fsdp[0]).stdout)
     assert rep["ok"] and rep["problems"] == [] and rep["files"] == 2
@@ -223,7 +223,7 @@ def test_verify_flipped_bytes_names_every_key_and_file(fsdp, tmp_path: Path) -> 
 
 def test_verify_truncated_and_deleted_shards(fsdp, tmp_path: Path) -> None:
     path = copy(fsdp[0], tmp_path)
-    files = manifest(path)["files"]
+    files = [{"name": f.name, "size": f.size} for f in whole(path).files]
     os.truncate(path / files[0]["name"], files[0]["size"] - 100)
     r = cli("verify", "-q", path)
     assert r.exit_code == 1
@@ -262,7 +262,7 @@ def test_verify_multi_block_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     r = cli("verify", tmp_path / "ck")
     assert r.exit_code == 0 and "9.0 MiB verified" in r.stdout, r.stdout
     flip_byte(tmp_path / "ck", "big", at=2 * BLOCK + 7)
-    start = manifest(tmp_path / "ck")["tensors"]["big"]["chunks"][0]["start"]
+    start = whole(tmp_path / "ck").tensors["big"].chunks[0].start
     r = cli("verify", tmp_path / "ck")
     assert r.exit_code == 1
     assert f"'big' in shard {tmp_path / 'ck'}/shard-" in r.stdout and "1 of 3 block(s) damaged" in r.stdout

@@ -43,8 +43,9 @@ def test_of_two_processes_saving_to_one_new_path_exactly_one_commits_and_the_oth
         # refused at the commit (both wrote), or up front when the winner had already committed
         refused = "another save committed" in loser or "a committed checkpoint already exists" in loser
         assert loser.startswith("ERR") and refused and "overwrite=True" in loser, loser
-        # the loser's shard is gone: the manifest lists every file left
+        # the loser's shard and index are gone: the manifest and the winner's index name every file left
         names = sorted(p.name for p in path.iterdir())
-        assert len(names) == 2 and "manifest.json" in names, names
+        assert len(names) == 3 and "manifest.json" in names, names
+        assert len({n.split("-")[-1].split(".")[0] for n in names if n != "manifest.json"}) == 1, names
         got = stashpoint.read(path)
         assert got["who"] == winners[0] + 1 and torch.equal(got["w"], torch.full((512, 1024), got["who"]))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import stashpoint
+from conftest import to_v1, whole
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._storage import FileWriter, LocalStorage
 
@@ -105,8 +106,7 @@ def _flip(path, offset):
 def test_flipped_bit_in_tensor_data_is_detected_with_key_and_file(tmp_path):
     stashpoint.save({"good": torch.ones(100), "bad": torch.ones(100)}, tmp_path / "ck")
     shard = _one_shard(tmp_path / "ck")
-    manifest = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_text())
-    _flip(shard, manifest["tensors"]["bad"]["chunks"][0]["start"] + 17)
+    _flip(shard, whole(tmp_path / "ck").tensors["bad"].chunks[0].start + 17)
     with pytest.raises(stashpoint.CorruptCheckpointError, match=rf"key 'bad' in shard .*{shard.name}"):
         stashpoint.load({"good": torch.zeros(100), "bad": torch.zeros(100)}, tmp_path / "ck")
     out = {"good": torch.zeros(100), "bad": torch.zeros(100)}
@@ -144,6 +144,8 @@ def test_manifest_from_another_checkpoint_is_detected(tmp_path):
     stashpoint.save({"a": torch.ones(10)}, tmp_path / "one")
     stashpoint.save({"a": torch.ones(10)}, tmp_path / "two")
     (tmp_path / "two" / MANIFEST_NAME).write_bytes((tmp_path / "one" / MANIFEST_NAME).read_bytes())
+    (index,) = (tmp_path / "one").glob("index-*")
+    (tmp_path / "two" / index.name).write_bytes(index.read_bytes())
     _one_shard(tmp_path / "two").rename(tmp_path / "two" / _one_shard(tmp_path / "one").name)
     with pytest.raises(stashpoint.CorruptCheckpointError, match="does not match the manifest"):
         stashpoint.load({"a": torch.zeros(10)}, tmp_path / "two")
@@ -278,11 +280,11 @@ def test_verify_reports_every_problem(tmp_path):
         {"a": torch.ones(100), "b": torch.ones(100), "c": torch.ones(2_000_000)}, tmp_path / "ck", max_shard_bytes=1000
     )
     assert stashpoint.verify(tmp_path / "ck").ok
-    manifest = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_text())
+    manifest = whole(tmp_path / "ck")
     for key in ("a", "b"):
-        chunk = manifest["tensors"][key]["chunks"][0]
-        _flip(tmp_path / "ck" / chunk["file"], chunk["start"] + 3)
-    (tmp_path / "ck" / manifest["tensors"]["c"]["chunks"][0]["file"]).unlink()
+        chunk = manifest.tensors[key].chunks[0]
+        _flip(tmp_path / "ck" / chunk.file, chunk.start + 3)
+    (tmp_path / "ck" / manifest.tensors["c"].chunks[0].file).unlink()
     report = stashpoint.verify(tmp_path / "ck")
     text = "\n".join(report.problems)
     assert not report.ok and len(report.problems) >= 3, text
@@ -367,7 +369,10 @@ def test_an_extra_file_is_reported_by_verify_and_does_not_affect_loading(tmp_pat
 
 
 def test_an_unlisted_shard_of_the_same_save_is_corruption(tmp_path):
+    """A version-1 manifest that lost entries (re-sealed) is found by the shards of its save it
+    does not list (a version-2 manifest names each index by checksum: test_format_v2.py)."""
     stashpoint.save({"a": torch.ones(10)}, tmp_path / "ck")
+    to_v1(tmp_path / "ck")
     save_id = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_text())["save_id"]
     shard = _one_shard(tmp_path / "ck")
     (tmp_path / "ck" / f"shard-r00000-0009-{save_id}.safetensors").write_bytes(shard.read_bytes())

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stashpoint
+from conftest import index_doc, to_v1, v1_doc
 from stashpoint._core.format import parse_manifest, seal
 from stashpoint._core.header import encode_header, parse_header
 from stashpoint._core.naming import MANIFEST_NAME
@@ -49,12 +50,19 @@ def test_shard_file_golden_bytes(tmp_path):
     assert data[8 + len(body) : 4096] == b" " * (n - len(body))
     assert data[4096:] == b"\x00\x00\x80\x3f\x00\x00\x00\x40"  # 1.0f, 2.0f little-endian
     manifest = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_bytes())
-    assert manifest["format"] == "stashpoint" and manifest["format_version"] == 1
-    assert manifest["trees"] == [{"dict": [["w", {"tensor": "w"}]]}] and manifest["tree_of_rank"] == [0]
-    chunk = manifest["tensors"]["w"]["chunks"][0]
-    assert (chunk["start"], chunk["end"], chunk["offsets"], chunk["shape"]) == (4096, 4104, [0], [2])
-    assert chunk["checksums"] == [xxhash.xxh3_64_hexdigest(b"\x00\x00\x80\x3f\x00\x00\x00\x40")]
-    assert manifest["checksum_block_bytes"] == 4 * 1024 * 1024
+    assert manifest["format"] == "stashpoint" and manifest["format_version"] == 2
+    grid = {"block": [2], "base": 0, "strides": [0]}
+    assert manifest["tensors"] == {"w": {"dtype": "float32", "shape": [2], "grid": grid}}
+    assert manifest["checksum_block_bytes"] == 4 * 1024 * 1024 and manifest["world_size"] == 1
+    index_path = tmp_path / "ck" / f"index-r00000-{save_id}.json"
+    raw = index_path.read_bytes()
+    assert manifest["indexes"] == [[len(raw), xxhash.xxh3_64_hexdigest(raw)]]
+    index = json.loads(raw)
+    assert index["format"] == "stashpoint-index" and index["rank"] == 0 and index["save_id"] == save_id
+    assert index["tree"] == {"dict": [["w", {"tensor": "w"}]]}
+    assert index["files"] == [[shards[0].name, 4104, 4096, xxhash.xxh3_64_hexdigest(data[:4096])]]
+    sums = [xxhash.xxh3_64_hexdigest(b"\x00\x00\x80\x3f\x00\x00\x00\x40")]
+    assert index["chunks"] == {"w": [0, [0], [2], 4096, 4104, sums]}
 
 
 ALL_DTYPES = [
@@ -110,8 +118,9 @@ def test_any_safetensors_reader_opens_the_shards(tmp_path):
 
 
 def _manifest(tmp_path) -> bytes:
+    """A version-1 manifest (its rules still hold for the checkpoints written that way)."""
     stashpoint.save({"a": torch.ones(3), "b": {"c": 1}}, tmp_path / "m")
-    return (tmp_path / "m" / MANIFEST_NAME).read_bytes()
+    return (to_v1(tmp_path / "m") / MANIFEST_NAME).read_bytes()
 
 
 @pytest.mark.parametrize(
@@ -187,7 +196,7 @@ def _paths(doc, prefix=()):
 def valid_manifest(tmp_path_factory):
     d = tmp_path_factory.mktemp("fuzz")
     stashpoint.save({"a": torch.ones(3), "m": torch.nn.Linear(2, 2), "b": {"c": [1, 2.5, "x"]}}, d / "ck")
-    return json.loads((d / "ck" / MANIFEST_NAME).read_bytes()), d / "ck"
+    return v1_doc(d / "ck"), d / "ck"
 
 
 @given(st.data())
@@ -267,7 +276,14 @@ def test_any_damage_to_the_manifest_is_detected(tmp_path):
     path = tmp_path / "ck" / MANIFEST_NAME
     raw = path.read_bytes()
     assert json.loads(raw)["checksum"]
-    i = raw.index(b"1234")
-    path.write_bytes(raw[:i] + b"1235" + raw[i + 4 :])  # a plain value, nothing else would notice
+    i = raw.index(b"float32")
+    path.write_bytes(raw[:i] + b"float16" + raw[i + 7 :])
     with pytest.raises(CorruptCheckpointError, match="checksum does not match its contents"):
+        stashpoint.load({"w": torch.zeros(2)}, tmp_path / "ck")
+    path.write_bytes(raw)
+    index, _ = index_doc(tmp_path / "ck")
+    iraw = index.read_bytes()
+    i = iraw.index(b"1234")
+    index.write_bytes(iraw[:i] + b"1235" + iraw[i + 4 :])  # a plain value, nothing else would notice
+    with pytest.raises(CorruptCheckpointError, match="does not match the manifest's checksum"):
         stashpoint.load({"w": torch.zeros(2)}, tmp_path / "ck")

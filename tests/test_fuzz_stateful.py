@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stashpoint
-from stashpoint._core.format import seal
+from conftest import index_doc, reseal_index
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint.errors import CheckpointError
 
@@ -40,7 +40,7 @@ def saved(tmp_path_factory):
     state["sched"].step()
     list(iter(state["sampler"]))[:5]
     stashpoint.save(state, d)
-    return json.loads((d / MANIFEST_NAME).read_bytes()), d
+    return index_doc(d)[1], d, json.loads((d / MANIFEST_NAME).read_bytes())
 
 
 def _node_paths(node, prefix=()):
@@ -88,19 +88,17 @@ def tree_nodes(tensor_keys: list[str]):
 
 def _load_mutated(saved, tmp_path, path, replacement):
     doc = json.loads(json.dumps(saved[0]))
-    parent = doc["trees"][0]
+    parent = doc["tree"]
     for part in path[:-1]:
         parent = parent[part]
     if path:
         parent[path[-1]] = replacement
     else:
-        doc["trees"][0] = replacement
+        doc["tree"] = replacement
     doc.pop("checksum", None)
     d = tmp_path / f"m{random.random()}"
-    d.mkdir()
-    for shard in saved[1].glob("shard-*"):
-        shutil.copy(shard, d / shard.name)
-    (d / MANIFEST_NAME).write_bytes(seal(doc))
+    shutil.copytree(saved[1], d)
+    reseal_index(d, index_doc(d)[0], doc)
     state = _objects(seed=1)
     before = {k: v.clone() for k, v in state["model"].state_dict().items()}
     sched_before = dict(state["sched"].state_dict())
@@ -116,10 +114,10 @@ def _load_mutated(saved, tmp_path, path, replacement):
 @given(st.data())
 @settings(max_examples=int(os.environ.get("STASHPOINT_FUZZ_EXAMPLES", "300")), deadline=None)
 def test_a_hostile_state_tree_raises_only_checkpoint_errors_and_changes_nothing(saved, tmp_path_factory, data):
-    tree = saved[0]["trees"][0]
+    tree = saved[0]["tree"]
     paths = list(_node_paths(tree))
     path = data.draw(st.sampled_from(paths))
-    replacement = data.draw(tree_nodes(sorted(saved[0]["tensors"])))
+    replacement = data.draw(tree_nodes(sorted(saved[2]["tensors"])))
     _load_mutated(saved, tmp_path_factory.mktemp("fz"), path, replacement)
 
 

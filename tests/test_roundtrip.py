@@ -11,9 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stashpoint
-from conftest import small_model, train_steps
-from stashpoint._core.format import parse_manifest
-from stashpoint._core.naming import MANIFEST_NAME
+from conftest import small_model, train_steps, whole
 from test_format import ALL_DTYPES, _random_tensor
 
 
@@ -131,7 +129,7 @@ def test_tied_weights_are_saved_once_and_come_back_tied(tmp_path):
     torch.manual_seed(0)
     model = Tied()
     stats = stashpoint.save({"model": model}, tmp_path / "ck")
-    manifest = parse_manifest((tmp_path / "ck" / MANIFEST_NAME).read_bytes(), "x")
+    manifest = whole(tmp_path / "ck")
     aliased = [e for e in manifest.tensors.values() if e.alias_of is not None]
     assert [e.key for e in aliased] == ["model/head.weight"]
     (shard,) = (tmp_path / "ck").glob("shard-*")
@@ -179,7 +177,7 @@ def test_optimizer_state_survives_a_change_in_parameter_order(tmp_path):
     optim = torch.optim.Adam([params["2.bias"], params["0.weight"], params["2.weight"], params["0.bias"]], lr=0.1)
     train_steps(model, optim, 2)
     stashpoint.save({"model": model, "optim": optim}, tmp_path / "ck")
-    manifest = parse_manifest((tmp_path / "ck" / MANIFEST_NAME).read_bytes(), "x")
+    manifest = whole(tmp_path / "ck")
     assert "optim/state/0.weight/exp_avg" in manifest.tensors  # keyed by name, not id
 
     model2 = small_model(seed=3)

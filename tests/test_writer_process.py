@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import stashpoint
-from conftest import run_python
+from conftest import run_python, whole
 from dist_util import run_world
 from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, block_checksums
 from stashpoint._core.naming import MANIFEST_NAME
@@ -75,8 +75,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def checksums(path: Path) -> dict[str, list[list[str]]]:
-    doc = json.loads((path / MANIFEST_NAME).read_text())
-    return {k: [c["checksums"] for c in v.get("chunks", [])] for k, v in doc["tensors"].items()}
+    return {k: [list(c.checksums) for c in e.chunks] for k, e in whole(path).tensors.items()}
 
 
 def mixed_state() -> dict[str, torch.Tensor]:

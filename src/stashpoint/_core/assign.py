@@ -38,6 +38,9 @@ class ChunkMeta:
 
 
 Ident = tuple[str, tuple[int, ...], tuple[int, ...]]  # ChunkMeta.ident: key, offsets, shape
+# Replicated chunks this small (scalars: an optimizer's step counts) go to their lowest holder:
+# spread over R ranks, every loader would read R indexes and files for a few bytes each.
+SMALL_CHUNK_BYTES = 256
 
 
 def assign_writers(
@@ -48,7 +51,8 @@ def assign_writers(
     Chunks held by several ranks (replicated tensors, ``Replicate`` placements) are written once.
     Biggest chunks are placed first, each on the holder that has the least to write so far
     (ties: the lowest rank), so N ranks holding S replicated bytes write about S/N each; a chunk
-    marked ``lowest`` (a module buffer) goes to its lowest holder.
+    marked ``lowest`` (a module buffer), or of at most ``SMALL_CHUNK_BYTES``, goes to its lowest
+    holder.
 
     ``staged``, per rank, the chunks that rank copied for this save (None: all it holds): a chunk
     goes only to a holder that copied it. Ranks copy only what the last plan gave them once a
@@ -91,7 +95,8 @@ def assign_writers(
     load = [0] * len(per_rank)
     out = {}
     for ident in sorted(holders, key=lambda i: (-meta[i].nbytes, i)):
-        rank = min(holders[ident]) if meta[ident].lowest else min(holders[ident], key=lambda r: (load[r], r))
+        small = meta[ident].nbytes <= SMALL_CHUNK_BYTES
+        rank = min(holders[ident]) if meta[ident].lowest or small else min(holders[ident], key=lambda r: (load[r], r))
         out[ident] = rank
         load[rank] += meta[ident].nbytes
     return out

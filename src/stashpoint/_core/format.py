@@ -7,43 +7,45 @@ Everything read from a file is validated here before use; a malformed input rais
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import xxhash
-
 from stashpoint._core.dtypes import itemsize
 from stashpoint._core.header import HEADER_ALIGN, MAX_HEADER_BYTES
 from stashpoint._core.nodes import check_tree
 from stashpoint._core.reshard import block_count
+from stashpoint._core.sealed import (
+    CHECKSUM_ALGORITHM,
+    CHECKSUM_BLOCK_BYTES,
+    FORMAT_NAME,
+    MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_ENTRIES,
+    _int,
+    _ints,
+    _want,
+    block_checksums,
+    checksum,
+    common_fields,
+    open_sealed,
+    safe_file_name,
+    seal,
+)
 from stashpoint.errors import CorruptCheckpointError
 
-FORMAT_NAME = "stashpoint"
-FORMAT_VERSION = 1
-
-CHECKSUM_ALGORITHM = "xxh3_64"
-CHECKSUM_BLOCK_BYTES = 4 * 1024 * 1024
-# What one manifest may hold, so that reading any manifest is bounded in time and memory.
-MAX_MANIFEST_BYTES = 256 * 1024 * 1024
-MAX_MANIFEST_ENTRIES = 1_000_000  # chunks plus files
-MAX_PARSE_MEMORY = 4 * 1024**3  # what parsing one manifest may allocate, by _parse_memory_bound
-MAX_DIMS = 64
-
-def checksum(data: memoryview | bytes) -> str:
-    """The checksum stashpoint records for a byte range (xxh3_64, hex)."""
-    return xxhash.xxh3_64_hexdigest(data)
-
-
-def block_checksums(data: memoryview) -> tuple[str, ...]:
-    """Checksums of each CHECKSUM_BLOCK_BYTES block of ``data`` (one for empty data)."""
-    n = len(data)
-    if n == 0:
-        return (checksum(data),)
-    return tuple(checksum(data[b : b + CHECKSUM_BLOCK_BYTES]) for b in range(0, n, CHECKSUM_BLOCK_BYTES))
-
+__all__ = [
+    "CHECKSUM_BLOCK_BYTES",
+    "MAX_MANIFEST_BYTES",
+    "Chunk",
+    "FileEntry",
+    "Manifest",
+    "TensorEntry",
+    "block_checksums",
+    "checksum",
+    "parse_manifest",
+    "seal",
+]
 
 # ---------------------------------------------------------------------------------------------
 # Records
@@ -97,13 +99,14 @@ class Manifest:
     metadata: Mapping[str, str] = field(default_factory=dict)
     world_size: int = 1
     tree_of_rank: tuple[int, ...] = (0,)  # rank -> index into trees
-    format_version: int = FORMAT_VERSION
+    format_version: int = 1  # as read; ``to_json`` writes version 1 (version 2: ``_core.index``)
     checksum_algorithm: str = CHECKSUM_ALGORITHM
+    indexes: tuple[tuple[str, int], ...] = ()  # version 2: each rank's index (name, size)
 
     def to_json(self) -> bytes:
         doc = {
             "format": FORMAT_NAME,
-            "format_version": self.format_version,
+            "format_version": 1,
             "save_id": self.save_id,
             "created": self.created,
             "library_version": self.library_version,
@@ -149,100 +152,23 @@ def _entry_doc(e: TensorEntry) -> dict[str, Any]:
     }
 
 
-def _body(doc: dict[str, Any]) -> bytes:
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
-
-
-def seal(doc: dict[str, Any]) -> bytes:
-    """The manifest's bytes: compact JSON whose last field, ``checksum``, is the xxh3-64 of the
-    same JSON without it, so that damage anywhere in the manifest is detected."""
-    doc = {k: v for k, v in doc.items() if k != "checksum"}
-    doc["checksum"] = checksum(_body(doc))
-    return _body(doc)
-
-
 # ---------------------------------------------------------------------------------------------
 # Manifest parsing (every field validated)
 
 
-def _want(cond: bool, where: str, what: str) -> None:
-    if not cond:
-        raise CorruptCheckpointError(f"malformed manifest {where}: {what}")
-
-
-def _int(v: object, where: str, what: str, lo: int = 0) -> int:
-    _want(isinstance(v, int) and not isinstance(v, bool) and v >= lo, where, f"{what} must be an int >= {lo}")
-    assert isinstance(v, int)
-    return v
-
-
-def _ints(v: object, where: str, what: str) -> tuple[int, ...]:
-    """Dimensions or offsets: each must fit torch's int64 sizes, even in a tensor of no elements."""
-    _want(isinstance(v, list) and len(v) <= MAX_DIMS, where, f"{what} must be a list of at most {MAX_DIMS} ints")
-    assert isinstance(v, list)
-    out = tuple(_int(x, where, what) for x in v)
-    _want(all(x < 2**62 for x in out), where, f"{what} holds a dimension over 2**62")
-    return out
-
-
-def safe_file_name(name: object, where: str) -> str:
-    """A shard file name must be a plain name inside the checkpoint directory."""
-    ok = (
-        isinstance(name, str)
-        and 0 < len(name) <= 255
-        and name not in (".", "..")
-        and "/" not in name
-        and "\\" not in name
-        and "\x00" not in name
-    )
-    _want(ok, where, f"file name {name!r} points outside the checkpoint (only plain names are allowed)")
-    assert isinstance(name, str)
-    return name
-
-
-def _parse_memory_bound(raw: bytes) -> int:
-    """An upper bound of what parsing ``raw`` allocates on CPython, from counts of the bytes that
-    start objects: a dict, a list, a string (two quotes) or any further item (a comma), each
-    with its pointer and growth slack; plus the text itself twice (read, and re-encoded for its
-    checksum). Checked before ``json.loads``, which would allocate up to 26 bytes per byte."""
-    counts = (raw.count(b"{"), raw.count(b"["), raw.count(b'"'), raw.count(b","))
-    return 2 * len(raw) + sum(n * w for n, w in zip(counts, (240, 96, 64, 40)))
-
-
 def parse_manifest(raw: bytes, where: str) -> Manifest:
-    """Parse and validate manifest bytes; raise :class:`CorruptCheckpointError` if malformed."""
-    _want(len(raw) <= MAX_MANIFEST_BYTES, where, "larger than the size cap")
-    _want(
-        _parse_memory_bound(raw) <= MAX_PARSE_MEMORY,
-        where,
-        f"its structure could take more than {MAX_PARSE_MEMORY >> 30} GiB to parse (too many objects)",
-    )
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise CorruptCheckpointError(f"malformed manifest {where}: not valid JSON ({e})") from None
-    _want(isinstance(doc, dict), where, "top level is not an object")
-    _want(doc.get("format") == FORMAT_NAME, where, "not a stashpoint manifest")
-    claimed = doc.pop("checksum", None)
-    try:
-        actual = checksum(_body(doc))
-    except (ValueError, RecursionError):
-        actual = None
-    _want(claimed == actual, where, "its checksum does not match its contents (the manifest is damaged)")
-    version = _int(doc.get("format_version"), where, "format_version", 1)
-    if version > FORMAT_VERSION:
-        raise CorruptCheckpointError(
-            f"manifest {where} has format version {version}, newer than this stashpoint reads "
-            f"({FORMAT_VERSION}); upgrade stashpoint (pip install -U stashpoint)."
-        )
-    _want(doc.get("checksum_algorithm") == CHECKSUM_ALGORITHM, where, "unknown checksum_algorithm")
-    _want(doc.get("checksum_block_bytes") == CHECKSUM_BLOCK_BYTES, where, "unsupported checksum_block_bytes")
-    for k in ("save_id", "created", "library_version", "torch_version"):
-        _want(isinstance(doc.get(k), str), where, f"{k} must be a string")
-    meta = doc.get("metadata", {})
-    _want(
-        isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values()), where, "metadata must map to strings"
-    )
+    """Parse and validate version-1 manifest bytes; raise :class:`CorruptCheckpointError` if
+    malformed (a version-2 manifest needs its indexes: ``_core.index.parse_head``)."""
+    doc, version = open_sealed(raw, where)
+    _want(version == 1, where, f"format version {version} is not read by parse_manifest")
+    return parse_v1(doc, where)
+
+
+def parse_v1(doc: dict[str, Any], where: str) -> Manifest:
+    """A version-1 manifest from its opened document (see :func:`open_sealed`)."""
+    version = 1
+    head = common_fields(doc, where)
+    meta = head["metadata"]
     files_doc = doc.get("files")
     _want(isinstance(files_doc, list), where, "files must be a list")
     tensors_doc = doc.get("tensors")

@@ -10,6 +10,7 @@ MANIFEST_NAME = "manifest.json"
 LOCK_NAME = ".stashpoint-manager.lock"  # the manager's lock file in its root
 
 _SHARD_RE = re.compile(r"shard-r([0-9]{5,})-([0-9]{4,})-([0-9a-f]+)\.safetensors")
+_INDEX_RE = re.compile(r"index-r([0-9]{5,})-([0-9a-f]+)\.json")
 _STEP_RE = re.compile(r"step-([0-9]{8,})")
 _SET_ASIDE_RE = re.compile(r"(step-[0-9]{8,})\.damaged-[0-9]{8}-[0-9]{6}")
 
@@ -28,9 +29,26 @@ def parse_shard_name(name: str) -> tuple[int, int, str] | None:
     return (rank, index, save_id) if shard_name(rank, index, save_id) == name else None
 
 
+def index_name(rank: int, save_id: str) -> str:
+    """The file name of the index ``rank`` writes in the save ``save_id`` (format version 2)."""
+    return f"index-r{rank:05d}-{save_id}.json"
+
+
+def parse_save_file(name: str) -> tuple[int, str] | None:
+    """``(rank, save_id)`` of a shard or index file name this module gives, else None."""
+    shard = parse_shard_name(name)
+    if shard is not None:
+        return shard[0], shard[2]
+    m = _INDEX_RE.fullmatch(name)
+    if m is None:
+        return None
+    rank, save_id = int(m[1]), m[2]
+    return (rank, save_id) if index_name(rank, save_id) == name else None
+
+
 def looks_like_shard(name: str) -> bool:
     """Whether ``name`` could be one of stashpoint's shard files (telling what a directory is)."""
-    return name.startswith("shard-")
+    return name.startswith(("shard-", "index-"))
 
 
 def step_dir(step: int) -> str:

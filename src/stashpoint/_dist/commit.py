@@ -3,12 +3,12 @@ every rank reports its outcome, rank 0 commits only if all succeeded, and tells 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from stashpoint._core.assign import ChunkMeta
-from stashpoint._core.format import FileEntry
+from stashpoint._core.catalog import Placement
 from stashpoint._dist.group import DistContext
 
 
@@ -42,8 +42,7 @@ class Plan:
     layout_hash: str  # this rank's layout when the plan was made
     mine: frozenset[Any]  # the chunk idents this rank writes
     hashes: tuple[str, ...] | None = None  # rank 0: every rank's layout hash
-    layouts: tuple[LayoutMsg, ...] | None = None  # rank 0: every rank's layout
-    writers: dict[Any, int] | None = None  # rank 0: who writes each chunk
+    catalog: Mapping[str, Placement] | None = None  # rank 0: the manifest's catalog
 
 
 @dataclass(frozen=True)
@@ -70,12 +69,12 @@ MAX_NAMED = 64  # failed ranks named in one message: bounded whatever the world 
 
 @dataclass(frozen=True)
 class Written:
-    """What a rank wrote: its files, each key's byte range and checksums, its state tree."""
+    """What a rank wrote, as rank 0 needs it to commit: its index's size and checksum, and how
+    many shard files it wrote (the index itself stays beside the data)."""
 
-    files: tuple[FileEntry, ...]
-    chunks: dict[str, tuple[str, int, int, tuple[str, ...]]]
-    tree: dict[str, Any]
-    nbytes: int
+    index_size: int
+    index_checksum: str
+    files: int
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from stashpoint.errors import CheckpointError
 log = logging.getLogger("stashpoint")
 
 DEFAULT_TIMEOUT_S = 600.0
-GATHER_SLOT = 1016  # a gathered message up to this long travels in one collective (slot + length: 1 KiB)
+GATHER_SLOT = 504  # a gathered message up to this long travels in one collective (slot + length: 512 B)
 
 
 class CollectiveError(CheckpointError):
@@ -65,8 +65,10 @@ class DistContext:
     plans_made: int = 0  # how many times the layouts were exchanged and a plan computed
     saves: int = 0  # collective saves started on this rank: every rank must agree on the count
     calls: int = 0  # collectives issued on this group by this rank (the same count on every rank)
+    sent: int = 0  # payload bytes this rank sent on the group (gather slots, pickled messages)
+    received: int = 0  # and received (rank 0 receives every gathered slot)
 
-    hosts: tuple[str, ...] | None = None
+    spans_hosts: bool | None = None
     purpose: str = "save"  # contexts of other purposes (tier uploads) have their own group
     applied_timeout_s: float | None = None  # the group's timeout, set by the thread that uses it
 
@@ -82,11 +84,12 @@ class DistContext:
 
     def multi_host(self) -> bool:
         """Whether the ranks run on more than one host (asked once, then remembered)."""
-        if self.hosts is None:
+        if self.spans_hosts is None:
             import socket
 
-            self.hosts = tuple(self.all_gather("host names", socket.gethostname()))
-        return len(set(self.hosts)) > 1
+            names = self.gather("host names", socket.gethostname())  # rank 0 alone receives R
+            self.spans_hosts = bool(self.broadcast("several hosts", None if names is None else len(set(names)) > 1))
+        return self.spans_hosts
 
     @classmethod
     def solo(cls) -> DistContext:
@@ -135,6 +138,8 @@ class DistContext:
             return [obj]
         out: list[Any] = [None] * self.world
         self.collective(what, dist.all_gather_object, out, obj)
+        self.sent += _size(obj)
+        self.received += sum(_size(o) for o in out)
         return out
 
     def gather(self, what: str, obj: Any) -> list[Any] | None:
@@ -157,6 +162,8 @@ class DistContext:
             slot[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         slots = [torch.empty_like(slot) for _ in range(self.world)] if root else None
         self.collective(what, dist.gather, slot, gather_list=slots, dst=self.ranks[0])
+        self.sent += len(slot)
+        self.received += 8 + (len(slot) * self.world if root else 0)  # and the length broadcast below
         sizes = [int(s[:8].view(torch.int64)[0]) for s in slots] if slots is not None else []
         longest = torch.tensor([max(sizes) if root else 0], dtype=torch.int64)
         if self.world > 1:
@@ -167,6 +174,8 @@ class DistContext:
             pad[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             bigs = [torch.empty_like(pad) for _ in range(self.world)] if root else None
             self.collective(f"{what} (long)", dist.gather, pad, gather_list=bigs, dst=self.ranks[0])
+            self.sent += big
+            self.received += big * self.world if root else 0
             if bigs is not None:
                 slots = [torch.cat([s[:8], b]) for s, b in zip(slots or [], bigs)]
         if slots is None:
@@ -183,6 +192,9 @@ class DistContext:
             return objs[0]
         out: list[Any] = [None]
         self.collective(what, dist.scatter_object_list, out, objs, src=self.ranks[0])
+        if objs is not None:
+            self.sent += sum(_size(o) for o in objs)
+        self.received += 8 + _size(out[0])
         return out[0]
 
     def broadcast(self, what: str, obj: Any) -> Any:
@@ -192,7 +204,18 @@ class DistContext:
             return obj
         box = [obj]
         self.collective(what, dist.broadcast_object_list, box, src=self.ranks[0])
+        if self.rank == 0:
+            self.sent += 8 + _size(obj)
+        else:
+            self.received += 8 + _size(box[0])
         return box[0]
+
+
+def _size(obj: Any) -> int:
+    """The pickled size of a message (what the object collectives send), for the byte counts."""
+    import pickle
+
+    return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 _lock = threading.Lock()

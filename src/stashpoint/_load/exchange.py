@@ -79,14 +79,23 @@ def broadcast_shares(ctx: DistContext, readers: dict[Item, int], dests: dict[Ite
     return received
 
 
-def agree(ctx: DistContext, what: str, status: Any, error: type[CheckpointError] = CheckpointError) -> list[Any]:
-    """Exchange one status per rank; raise ``error`` on every rank if any rank reported an error
-    string, so that all ranks take the same path (e.g. all fall back to an older checkpoint)."""
-    statuses = ctx.all_gather(what, status)
-    failed = [(r, s) for r, s in enumerate(statuses) if isinstance(s, str)]
-    if failed:
-        raise error(
-            f"loading failed on rank(s) {', '.join(str(r) for r, _ in failed)}: "
-            + "; ".join(f"rank {r}: {s}" for r, s in failed)[:4000]
-        )
-    return statuses
+def agree(ctx: DistContext, what: str, status: Any, error: type[CheckpointError] = CheckpointError) -> bool:
+    """Tell rank 0 one status per rank; raise ``error`` on every rank if any rank reported an
+    error string, so that all ranks take the same path (e.g. all fall back to an older
+    checkpoint). Returns whether every rank's status was the same. Each rank sends one status
+    and receives one small answer (rank 0 alone sees all R)."""
+    statuses = ctx.gather(what, status)
+    verdict: tuple[str, Any] | None = None
+    if statuses is not None:
+        failed = [(r, s) for r, s in enumerate(statuses) if isinstance(s, str)]
+        shown = "; ".join(f"rank {r}: {s}" for r, s in failed[:16])[:4000]
+        if failed:
+            ranks = ", ".join(str(r) for r, _ in failed[:64]) + (" ..." if len(failed) > 64 else "")
+            verdict = ("failed", f"loading failed on rank(s) {ranks}: {shown}")
+        else:
+            verdict = ("ok", all(s == statuses[0] for s in statuses))
+    verdict = ctx.broadcast(f"{what} (verdict)", verdict)
+    assert verdict is not None
+    if verdict[0] == "failed":
+        raise error(verdict[1])
+    return bool(verdict[1])

@@ -8,13 +8,16 @@ import warnings
 from typing import Any
 
 import torch
+import xxhash
 
 from stashpoint._core.assign import Item, assign_readers
 from stashpoint._core.format import Manifest
+from stashpoint._core.index import Head
+from stashpoint._core.reshard import Box
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext, rank_of
 from stashpoint._load.exchange import agree, broadcast_shares
-from stashpoint._load.manifest import read_manifest, unlisted_shards
+from stashpoint._load.manifest import read_head, read_view, unlisted_shards, writers_of
 from stashpoint._load.reads import Fetched, execute_reads, fetch
 from stashpoint._load.restore import Planner, Read
 from stashpoint._load.restore import RestorePlan as Plan
@@ -82,28 +85,31 @@ def load(
     wait_staged()  # an overlap=True save still copying these objects must not see loaded values
     storage = storage_for(path)
     wait_all(storage.location)  # loading a checkpoint still being saved sees it committed
-    manifest = read_manifest(storage)
-    extra = unlisted_shards(storage, manifest)
-    if extra:
-        raise CorruptCheckpointError(
-            f"shard {storage.location}/{extra[0]} belongs to this checkpoint's save but its manifest does not list it "
-            f"({len(extra)} such file(s)): the manifest is damaged or incomplete. Load an earlier checkpoint."
-        )
+    head = read_head(storage)
     rank, world = rank_of(process_group)
-    if world != manifest.world_size and len(manifest.trees) > 1:
+    if isinstance(head, Manifest):  # format version 1: the manifest lists every chunk
+        extra = unlisted_shards(storage, head)
+        if extra:
+            raise CorruptCheckpointError(
+                f"shard {storage.location}/{extra[0]} belongs to this checkpoint's save but its manifest does not "
+                f"list it ({len(extra)} such file(s)): the manifest is damaged or incomplete. Load an earlier "
+                "checkpoint."
+            )
+    if world != head.world_size and head.world_size > 1:
         log.warning(
             "stashpoint: %s was saved by %d ranks and is loaded by %d; rank %d restores the per-rank values "
             "(RNG states, ...) of saved rank %d",
             storage.location,
-            manifest.world_size,
+            head.world_size,
             world,
             rank,
-            rank % manifest.world_size,
+            rank % head.world_size,
         )
+    manifest = head if isinstance(head, Manifest) else Manifest("", "", "", "", (), {}, ({},))
     plan: Plan | None = None
     plan_error: CheckpointError | None = None
     try:
-        plan = Planner(manifest, state, allow_pickle=allow_pickle, where=storage.location, rank=rank).run()
+        manifest, plan = _plan(storage, head, state, rank, allow_pickle=allow_pickle)
         if plan.problems and strict:
             plan_error = StateMismatchError(storage.location, plan.problems)
     except CheckpointError as e:
@@ -124,6 +130,21 @@ def load(
         assert ctx is not None
         plan = _load_together(ctx, storage, manifest, plan, plan_error, verify=verify, atomic=atomic, exchange=exchange)
     _apply(plan, storage.location)
+
+
+def _plan(
+    storage: Storage, head: Manifest | Head, state: Any, rank: int, *, allow_pickle: bool
+) -> tuple[Manifest, Plan]:
+    """This rank's restore plan and the part of the checkpoint it reads: a version-2 checkpoint
+    reads its own rank's index (its tree), plans, then the indexes of the chunks it needs."""
+    if isinstance(head, Manifest):
+        plan = Planner(head, state, allow_pickle=allow_pickle, where=storage.location, rank=rank).run()
+        return head, plan
+    own = rank % head.world_size
+    manifest = read_view(storage, head, (), own)
+    plan = Planner(manifest, state, allow_pickle=allow_pickle, where=storage.location, rank=rank).run()
+    needed = writers_of(head, ((r.key, r.region) for r in plan.reads))
+    return read_view(storage, head, needed, own), plan
 
 
 def _warn_skipped(plan: Plan, location: str, stacklevel: int) -> None:
@@ -169,17 +190,25 @@ def _load_together(
     ``exchange``, regions every rank needs are read once in total and broadcast."""
     share = exchange if exchange is not None else ctx.multi_host()
     reads: list[Read] = [] if plan is None or plan_error else plan.reads
-    wanted = {(r.key, r.region): r.region.numel * r.dest.element_size() for r in reads} if share else {}
+    # Only whole tensors can be wanted by every rank (a part is one rank's shard). Each rank
+    # sends a hash of those; when all ranks want the same, each works out alone who reads what.
+    wanted = {
+        (r.key, r.region): r.region.numel * r.dest.element_size()
+        for r in reads
+        if share and r.region == Box.whole(manifest.tensors[r.key].shape)
+    }
+    items = sorted((k, b.offsets, b.shape, n) for (k, b), n in wanted.items())
+    digest = xxhash.xxh3_128_intdigest(repr(items).encode())  # not a str: a str status is an error
     try:
-        statuses = agree(ctx, "load plans", str(plan_error) if plan_error else wanted)
+        alike = agree(ctx, "load plans", str(plan_error) if plan_error else digest)
     except CheckpointError:
         if plan_error:
             raise plan_error from None
         raise
     assert plan is not None  # every rank planned: agree() raised otherwise
     readers: dict[Item, int] = {}
-    if share:
-        readers = assign_readers(statuses)
+    if share and alike and wanted:
+        readers = assign_readers([wanted] * ctx.world)
         reads = [r for r in reads if readers.get((r.key, r.region), ctx.rank) == ctx.rank]
     _warn_skipped(plan, storage.location, 4)
     fetched, error = _read(storage, manifest, reads, verify=verify, atomic=atomic, shared_host=not share)

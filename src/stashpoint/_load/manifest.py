@@ -4,11 +4,14 @@ is there instead (nothing, a file, a run directory, a DCP checkpoint, an unfinis
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import NoReturn
 
-from stashpoint._core.format import MAX_MANIFEST_BYTES, FileEntry, Manifest, checksum, parse_manifest
+from stashpoint._core.format import MAX_MANIFEST_BYTES, FileEntry, Manifest, checksum
 from stashpoint._core.header import parse_header
-from stashpoint._core.naming import MANIFEST_NAME, looks_like_shard, parse_shard_name, parse_step_dir
+from stashpoint._core.index import Head, RankIndex, assemble, parse_head, parse_index
+from stashpoint._core.naming import MANIFEST_NAME, looks_like_shard, parse_save_file, parse_step_dir
+from stashpoint._core.reshard import Box
 from stashpoint._storage import LocalStorage, Storage, storage_for
 from stashpoint.errors import (
     CheckpointError,
@@ -20,8 +23,9 @@ from stashpoint.errors import (
 _TORCH_FILES = (".pt", ".pth", ".bin")
 
 
-def read_manifest(storage: Storage) -> Manifest:
-    """Read and validate the manifest of the checkpoint at ``storage``."""
+def read_head(storage: Storage) -> Manifest | Head:
+    """Read and validate the manifest of the checkpoint at ``storage``: a version-1 manifest
+    whole, a version-2 one as its head (the catalog and the list of indexes)."""
     loc = storage.location
     if isinstance(storage, LocalStorage) and storage.root.is_file():
         hint = (
@@ -36,7 +40,53 @@ def read_manifest(storage: Storage) -> Manifest:
         raw = storage.read(MANIFEST_NAME)
     except FileNotFoundError:
         _no_manifest(storage)
-    return parse_manifest(raw, f"{loc}/{MANIFEST_NAME}")
+    return parse_head(raw, f"{loc}/{MANIFEST_NAME}")
+
+
+def read_index(storage: Storage, head: Head, rank: int) -> RankIndex:
+    """Rank ``rank``'s index of the checkpoint ``head`` commits, checked against the size and
+    checksum the manifest records for it."""
+    name = head.index_name(rank)
+    where = f"{storage.location}/{name}"
+    size, sums = head.indexes[rank]
+    try:
+        actual = storage.size(name)
+        if actual != size:
+            raise CorruptCheckpointError(f"index {where} is {actual} bytes, the manifest says {size}")
+        raw = storage.read(name)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"index {where} listed in the manifest is missing") from None
+    except OSError as e:
+        raise CorruptCheckpointError(f"reading index {where} failed: {e.strerror or e}") from None
+    if len(raw) != size or checksum(raw) != sums:
+        raise CorruptCheckpointError(f"index {where} does not match the manifest's checksum (damaged, or replaced)")
+    return parse_index(raw, where, head, rank)
+
+
+def writers_of(head: Head, regions: Iterable[tuple[str, Box]]) -> set[int]:
+    """The ranks whose indexes describe the stored chunks overlapping ``regions`` ((key, region)
+    pairs of stored, not aliased, keys): one step per chunk found."""
+    ranks: set[int] = set()
+    for key, region in regions:
+        p = head.catalog.get(key)
+        if p is not None:
+            ranks.update(w for _, w in p.overlapping(region))
+    return ranks
+
+
+def read_view(storage: Storage, head: Head, ranks: Iterable[int], tree_rank: int) -> Manifest:
+    """The checkpoint as the indexes of ``ranks`` (and ``tree_rank``'s, whose tree it carries) see it."""
+    wanted = sorted({*ranks, tree_rank})
+    return assemble(head, {r: read_index(storage, head, r) for r in wanted}, tree_rank)
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    """The whole checkpoint at ``storage``: a version-2 one with every rank's index read (for
+    the tools; loads read only the indexes they need)."""
+    head = read_head(storage)
+    if isinstance(head, Manifest):
+        return head
+    return assemble(head, {r: read_index(storage, head, r) for r in range(head.world_size)})
 
 
 def open_checkpoint(path: str | os.PathLike[str] | Storage) -> tuple[Storage, Manifest]:
@@ -85,8 +135,8 @@ def unlisted_shards(storage: Storage, manifest: Manifest) -> list[str]:
 
     (Shards of other saves — leftovers of an interrupted overwrite — are not part of the
     checkpoint and do not count.)"""
-    listed = {f.name for f in manifest.files}
-    own = (n for n in storage.list() if (p := parse_shard_name(n)) is not None and p[2] == manifest.save_id)
+    listed = {f.name for f in manifest.files} | {name for name, _ in manifest.indexes}
+    own = (n for n in storage.list() if (p := parse_save_file(n)) is not None and p[1] == manifest.save_id)
     return sorted(n for n in own if n not in listed)
 
 

@@ -9,6 +9,7 @@ own (pinned for CUDA destinations) before anything lands in the live state; the 
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures as cf
 import mmap
 import threading
@@ -213,15 +214,20 @@ def plan_pieces(
         pieces.extend(found)
     # Destinations that share memory under different keys (a tied model loading an untied
     # checkpoint) must not be read into concurrently: all but the first go through a buffer.
-    spans: list[tuple[int, int]] = []
+    # The spans kept are disjoint: sorted by start, each new one is checked against its two
+    # neighbours only (n log n, where checking against all was quadratic).
+    starts: list[int] = []
+    ends: list[int] = []
     for p in pieces:
         if p.buf is p.target and p.target.numel():
             lo = p.target.data_ptr()
             hi = lo + p.target.numel() * p.target.element_size()
-            if any(a < hi and lo < b for a, b in spans):
+            i = bisect.bisect_right(starts, lo)
+            if (i > 0 and ends[i - 1] > lo) or (i < len(starts) and starts[i] < hi):
                 p.bounce()
             else:
-                spans.append((lo, hi))
+                starts.insert(i, lo)
+                ends.insert(i, hi)
     if missing:
         raise CorruptCheckpointError(
             f"the checkpoint does not hold every part of: {', '.join(missing[:5])}; some rank's shards are missing"

@@ -41,9 +41,17 @@ def agreed_restore_order(
         if mine.error:
             raise CheckpointError(f"listing the checkpoints failed: {mine.error}")
         return restore_order(list(mine.local), list(mine.remote), step)
-    seen: list[StepsSeen] = ctx.all_gather("restore: the steps each rank has", mine)
-    errors = [s.error for s in seen if s.error]
-    if errors:
-        raise CheckpointError("listing the checkpoints to restore failed: " + "; ".join(errors))
-    everywhere = sorted(set.intersection(*(set(s.local) for s in seen)))
-    return restore_order(everywhere, list(seen[0].remote), step)
+    seen: list[StepsSeen] | None = ctx.gather("restore: the steps each rank has", mine)  # on rank 0 only
+    answer: tuple[str, Any] | None = None
+    if seen is not None:
+        errors = [s.error for s in seen if s.error]
+        if errors:
+            answer = ("error", "; ".join(errors[:16])[:4000])
+        else:
+            everywhere = sorted(set.intersection(*(set(s.local) for s in seen)))
+            answer = ("ok", restore_order(everywhere, list(seen[0].remote), step))
+    answer = ctx.broadcast("restore: the order", answer)
+    assert answer is not None
+    if answer[0] == "error":
+        raise CheckpointError("listing the checkpoints to restore failed: " + answer[1])
+    return list(answer[1])

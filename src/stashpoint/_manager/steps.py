@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from stashpoint._core.naming import MANIFEST_NAME, parse_step_dir, set_aside_name, step_dir
 from stashpoint._core.policy import parse_metrics
-from stashpoint._load.manifest import read_manifest
+from stashpoint._load.manifest import read_head
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError
 
@@ -30,7 +30,7 @@ def committed_steps(root: Storage) -> list[int]:
 def read_metrics(step: Storage) -> dict[str, float]:
     """The metrics a step was saved with ({} when unreadable)."""
     try:
-        return parse_metrics(read_manifest(step).metadata.get(METRICS_KEY, "{}"))
+        return parse_metrics(read_head(step).metadata.get(METRICS_KEY, "{}"))
     except (CheckpointError, OSError):
         return {}
 

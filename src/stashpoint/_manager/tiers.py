@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stashpoint._core.naming import MANIFEST_NAME, step_dir
+from stashpoint._core.naming import MANIFEST_NAME, parse_save_file, step_dir
 from stashpoint._core.policy import Retention, steps_to_keep
 from stashpoint._dist import group as _dist
 from stashpoint._dist.commit import Outcome, RankFailure, finish_together
@@ -59,6 +59,11 @@ def copy_file(src: Storage, dst: Storage, name: str, size: int) -> None:
     except BaseException:
         writer.abort()
         raise
+
+
+def _rank_of(name: str) -> int | None:
+    parsed = parse_save_file(name)
+    return None if parsed is None else parsed[0]
 
 
 def _commit_copy(src: Storage, dst: Storage, outcomes: Sequence[Outcome]) -> int:
@@ -233,6 +238,7 @@ class Uploader:
         try:
             manifest = read_manifest(src)
             files = [(f.name, f.size, f.rank) for f in manifest.files]
+            files += [(name, size, rank) for name, size in manifest.indexes if (rank := _rank_of(name)) is not None]
             if dst.exists(MANIFEST_NAME):
                 if read_manifest(dst).save_id == manifest.save_id:
                     return ("done", None)

@@ -11,15 +11,16 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stashpoint._core.assign import assign_writers, merge_trees
-from stashpoint._core.format import Chunk, FileEntry, Manifest, TensorEntry
-from stashpoint._core.naming import MANIFEST_NAME, parse_shard_name
+from stashpoint._core.assign import assign_writers
+from stashpoint._core.catalog import catalog_of
+from stashpoint._core.format import Chunk, checksum
+from stashpoint._core.index import Head, RankIndex
+from stashpoint._core.naming import MANIFEST_NAME, index_name, parse_save_file
 from stashpoint._core.plan import TensorSpec, plan_files
 from stashpoint._dist import group as _dist
 from stashpoint._dist.commit import (
@@ -37,7 +38,7 @@ from stashpoint._dist.commit import (
 from stashpoint._dist.group import CollectiveError, DistContext
 from stashpoint._save.handle import SaveStats
 from stashpoint._save.layout import Layout
-from stashpoint._save.persist import Writer, write_shards
+from stashpoint._save.persist import Writer, WrittenShards, write_shards
 from stashpoint._save.staging import StagingBuffers, StagingPool
 from stashpoint._storage import Storage
 from stashpoint._version import __version__
@@ -51,8 +52,7 @@ log = logging.getLogger("stashpoint")
 
 
 def _shard_of(name: str, rank: int, save_id: str) -> bool:
-    parsed = parse_shard_name(name)
-    return parsed is not None and parsed[0] == rank and parsed[2] == save_id
+    return parse_save_file(name) == (rank, save_id)
 
 
 @dataclass(frozen=True)
@@ -141,9 +141,12 @@ class PersistJob:
             if len(ctx.copy_all) < 64:
                 ctx.copy_all.add(self.layout.hash)
             raise CheckpointError(part.error)
-        hashes = None if hellos is None else tuple(h.layout_hash for h in hellos)
-        kept = None if layouts is None else tuple(layouts)
-        ctx.last_plan = Plan(self.layout.hash, part.mine, hashes, kept, writers)
+        hashes = catalog = None
+        if hellos is not None and layouts is not None and writers is not None:
+            hashes = tuple(h.layout_hash for h in hellos)
+            keyinfo = (kv for m in layouts for kv in m.keyinfo.items())
+            catalog = catalog_of(keyinfo, (kv for m in layouts for kv in m.aliases.items()), writers)
+        ctx.last_plan = Plan(self.layout.hash, part.mine, hashes, catalog)
         ctx.plan_constrained = part.constrained
         ctx.plans_made += 1
         return start.save_id, part.mine
@@ -171,9 +174,10 @@ class PersistJob:
                 written = write_shards(
                     self.storage, files, self.staged, rank=ctx.rank, save_id=save_id, writer=self.writer
                 )
+                index = self._write_index(save_id, written)
                 self.storage.sync()
-                wrote = Written(tuple(written.files), dict(written.chunks), self.tree, written.bytes_written)
-                outcome = Outcome(payload=wrote, nbytes=written.bytes_written)
+                wrote = Written(len(index), checksum(index), len(written.files))
+                outcome = Outcome(payload=wrote, nbytes=written.bytes_written + len(index))
             except Exception as e:
                 local_error = e
                 outcome = Outcome(error=f"{type(e).__name__}: {e}")
@@ -268,61 +272,52 @@ class PersistJob:
         storage = storage or self.storage
         try:
             for name in storage.list():
-                if parse_shard_name(name) is not None and doomed(name):
+                if parse_save_file(name) is not None and doomed(name):
                     storage.delete(name)
         except OSError as e:  # best effort
             log.warning("stashpoint: could not remove files in %s: %s", storage.location, e)
+
+    def _write_index(self, save_id: str, written: WrittenShards) -> bytes:
+        """Write this rank's index (what it wrote, and its state tree) beside its shards."""
+        where = {c.key: c for c in self.layout.chunks}
+        chunks = {
+            key: Chunk(fname, where[key].offsets, where[key].shape, start, end, sums)
+            for key, (fname, start, end, sums) in written.chunks.items()
+        }
+        raw = RankIndex(self.ctx.rank, save_id, written.files, chunks, self.tree).to_json()
+        out = self.storage.open_writer(index_name(self.ctx.rank, save_id), len(raw))
+        try:
+            out.write(raw)
+        except BaseException:
+            out.abort()
+            raise
+        out.close()
+        return raw
 
     def _commit(self, save_id: str, outcomes: list[Outcome]) -> Totals:
         """Rank 0: write the manifest (the commit); with ``overwrite``, then remove the old shards."""
         loc = self.storage.location
         plan = self.ctx.last_plan
-        assert plan is not None and plan.layouts is not None
-        manifest = self._manifest(save_id, plan.layouts, [o.payload for o in outcomes])
-        manifest_bytes = manifest.to_json()
+        assert plan is not None and plan.catalog is not None
+        written: list[Written] = [o.payload for o in outcomes]
+        head = Head(
+            save_id=save_id,
+            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            library_version=__version__,
+            torch_version=torch.__version__,
+            world_size=self.ctx.world,
+            indexes=tuple((w.index_size, w.index_checksum) for w in written),
+            catalog=plan.catalog,
+            metadata=self.opts.metadata,
+        )
         try:  # without overwrite, of two saves racing to one new path exactly one commits
-            self.storage.commit(MANIFEST_NAME, manifest_bytes, exclusive=not self.opts.overwrite)
+            self.storage.commit(MANIFEST_NAME, head.to_json(), exclusive=not self.opts.overwrite)
         except FileExistsError:
             raise CheckpointError(
                 f"another save committed a checkpoint at {loc} while this one was being written "
                 "(overwrite=False); this save's files are removed. Pass overwrite=True to replace it, "
                 "or save to a new path"
             ) from None
-        if self.opts.overwrite:
-            keep = {f.name for o in outcomes for f in o.payload.files}
-            self._remove(lambda name: name not in keep)
-        return Totals(sum(o.nbytes for o in outcomes), len(manifest.files), len(manifest.tensors))
-
-    def _manifest(self, save_id: str, layouts: Sequence[LayoutMsg], written: list[Written]) -> Manifest:
-        keyinfo: dict[str, tuple[str, tuple[int, ...]]] = {}
-        aliases: dict[str, str] = {}
-        chunks: dict[str, list[Chunk]] = {}
-        for layout, wrote in zip(layouts, written):
-            for key, info in layout.keyinfo.items():
-                keyinfo.setdefault(key, info)
-            for key, target in layout.aliases.items():
-                aliases.setdefault(key, target)
-            where = {c.key: c for c in layout.chunks}
-            for key, (fname, start, end, sums) in wrote.chunks.items():
-                c = where[key]
-                chunks.setdefault(key, []).append(Chunk(fname, c.offsets, c.shape, start, end, sums))
-        tensors: dict[str, TensorEntry] = {}
-        for key, (dtype, shape) in keyinfo.items():
-            if key in chunks:
-                tensors[key] = TensorEntry(key, dtype, shape, tuple(sorted(chunks[key], key=lambda c: c.offsets)))
-            else:
-                tensors[key] = TensorEntry(key, dtype, shape, (), aliases[key])
-        files: list[FileEntry] = [f for w in written for f in w.files]
-        trees, of_rank = merge_trees([w.tree for w in written])
-        return Manifest(
-            save_id=save_id,
-            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            library_version=__version__,
-            torch_version=torch.__version__,
-            files=tuple(files),
-            tensors=tensors,
-            trees=trees,
-            metadata=self.opts.metadata,
-            world_size=self.ctx.world,
-            tree_of_rank=of_rank,
-        )
+        if self.opts.overwrite:  # the files of earlier saves there
+            self._remove(lambda name: (p := parse_save_file(name)) is not None and p[1] != save_id)
+        return Totals(sum(o.nbytes for o in outcomes), sum(w.files for w in written), len(plan.catalog))

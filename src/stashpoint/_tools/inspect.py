@@ -28,7 +28,7 @@ from stashpoint._core.format import (
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._core.nodes import Node, decode_plain, join
 from stashpoint._core.policy import parse_metrics
-from stashpoint._load.manifest import open_checkpoint, read_manifest, shard_problem, unlisted_shards
+from stashpoint._load.manifest import open_checkpoint, read_head, shard_problem, unlisted_shards
 from stashpoint._manager.runcheck import RunContents, run_contents
 from stashpoint._manager.steps import METRICS_KEY
 from stashpoint._storage import LocalStorage, Storage, storage_for
@@ -131,7 +131,7 @@ def _steps_of(root: Storage) -> tuple[tuple[str, int], ...]:
 
 def _describe_committed(info: StepInfo, d: Storage, now: float) -> None:
     try:
-        m = read_manifest(d)
+        m = read_head(d)  # a listing reads no index
     except CheckpointError as e:
         info.status, info.error = "unreadable", str(e)
         return
@@ -297,7 +297,7 @@ def verify(path: str | os.PathLike[str], progress: Progress | None = None) -> Ve
             f"{storage.location}/{name}: a shard of this checkpoint's save that the manifest does not list "
             "(the manifest is damaged or incomplete)"
         )
-    listed = {f.name for f in m.files} | {MANIFEST_NAME} | own
+    listed = {f.name for f in m.files} | {name for name, _ in m.indexes} | {MANIFEST_NAME} | own
     for name in storage.list():
         if name not in listed:
             rep.warnings.append(

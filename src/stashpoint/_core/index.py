@@ -1,0 +1,281 @@
+"""Format version 2: each rank's index beside its data, and a small manifest that names them.
+
+A version-1 manifest lists every chunk of every rank: it grows with ranks x tensors, rank 0
+rebuilds it on every save and every loader parses all of it. In version 2 each rank writes an
+*index* of what it wrote (its files, each chunk's byte range and checksums, its state tree), and
+the manifest, written last by rank 0, holds only:
+
+* ``indexes``: each rank's index by size and checksum (one short entry per rank);
+* ``tensors``: the *catalog*, per tensor its dtype and global shape and where its chunks are:
+  a :class:`Grid` (regular layouts, e.g. FSDP2's even row blocks: a few numbers whatever the
+  world size) or, for irregular layouts, each chunk's box and writing rank.
+
+A loader reads the manifest and then only the indexes of the ranks whose chunks overlap what it
+needs (same world size: its own, and rank 0's for small replicated tensors). See docs/FORMAT.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from stashpoint._core.assign import merge_trees
+from stashpoint._core.catalog import Grid, Placement
+from stashpoint._core.dtypes import itemsize
+from stashpoint._core.format import Chunk, FileEntry, Manifest, TensorEntry, _check_byte_ranges, _check_tiling, parse_v1
+from stashpoint._core.header import HEADER_ALIGN, MAX_HEADER_BYTES
+from stashpoint._core.naming import index_name
+from stashpoint._core.nodes import check_tree
+from stashpoint._core.reshard import Box, block_count
+from stashpoint._core.sealed import (
+    CHECKSUM_ALGORITHM,
+    CHECKSUM_BLOCK_BYTES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MAX_MANIFEST_ENTRIES,
+    _int,
+    _ints,
+    _want,
+    common_fields,
+    open_sealed,
+    safe_file_name,
+    seal,
+)
+from stashpoint.errors import CorruptCheckpointError
+
+INDEX_FORMAT = "stashpoint-index"
+MAX_WORLD = 1 << 24
+
+# ---------------------------------------------------------------------------------------------
+# The manifest (rank 0, written last) and the indexes (one per rank)
+
+
+@dataclass(frozen=True)
+class Head:
+    """A version-2 manifest: the commit record, the catalog and the list of indexes."""
+
+    save_id: str
+    created: str
+    library_version: str
+    torch_version: str
+    world_size: int
+    indexes: tuple[tuple[int, str], ...]  # per rank: its index's size and checksum
+    catalog: Mapping[str, Placement]
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    def index_name(self, rank: int) -> str:
+        return index_name(rank, self.save_id)
+
+    def to_json(self) -> bytes:
+        return seal(
+            {
+                "format": FORMAT_NAME,
+                "format_version": FORMAT_VERSION,
+                "save_id": self.save_id,
+                "created": self.created,
+                "library_version": self.library_version,
+                "torch_version": self.torch_version,
+                "world_size": self.world_size,
+                "checksum_algorithm": CHECKSUM_ALGORITHM,
+                "checksum_block_bytes": CHECKSUM_BLOCK_BYTES,
+                "metadata": dict(self.metadata),
+                "indexes": [[size, sums] for size, sums in self.indexes],
+                "tensors": {k: _placement_doc(p) for k, p in self.catalog.items()},
+            }
+        )
+
+
+def _placement_doc(p: Placement) -> dict[str, Any]:
+    doc: dict[str, Any] = {"dtype": p.dtype, "shape": list(p.shape)}
+    if p.alias_of is not None:
+        doc["alias_of"] = p.alias_of
+    elif p.grid is not None:
+        doc["grid"] = {"block": list(p.grid.block), "base": p.grid.base, "strides": list(p.grid.strides)}
+    else:
+        doc["chunks"] = [[list(o), list(s), w] for o, s, w in p.cells]
+    return doc
+
+
+@dataclass(frozen=True)
+class RankIndex:
+    """What one rank wrote: its files, the chunk of each key it wrote, and its state tree."""
+
+    rank: int
+    save_id: str
+    files: tuple[FileEntry, ...]
+    chunks: Mapping[str, Chunk]
+    tree: dict[str, Any]
+
+    def to_json(self) -> bytes:
+        number = {f.name: i for i, f in enumerate(self.files)}
+        return seal(
+            {
+                "format": INDEX_FORMAT,
+                "format_version": FORMAT_VERSION,
+                "save_id": self.save_id,
+                "rank": self.rank,
+                "checksum_algorithm": CHECKSUM_ALGORITHM,
+                "checksum_block_bytes": CHECKSUM_BLOCK_BYTES,
+                "files": [[f.name, f.size, f.data_start, f.header_checksum] for f in self.files],
+                "chunks": {
+                    k: [number[c.file], list(c.offsets), list(c.shape), c.start, c.end, list(c.checksums)]
+                    for k, c in self.chunks.items()
+                },
+                "tree": self.tree,
+            }
+        )
+
+
+def parse_head(raw: bytes, where: str) -> Manifest | Head:
+    """A manifest of either version: version 1 whole, version 2 as its :class:`Head`."""
+    doc, version = open_sealed(raw, where)
+    if version == 1:
+        return parse_v1(doc, where)
+    head = common_fields(doc, where)
+    world = _int(doc.get("world_size"), where, "world_size", 1)
+    _want(world <= MAX_WORLD, where, f"world_size is over {MAX_WORLD}")
+    refs = doc.get("indexes")
+    _want(isinstance(refs, list) and len(refs) == world, where, "indexes must list one index per rank")
+    assert isinstance(refs, list)
+    indexes = []
+    for ref in refs:
+        ok = isinstance(ref, list) and len(ref) == 2 and isinstance(ref[1], str)
+        _want(ok, where, "an index entry must be [size, checksum]")
+        indexes.append((_int(ref[0], where, "index size"), ref[1]))
+    tensors = doc.get("tensors")
+    _want(isinstance(tensors, dict), where, "tensors must be an object")
+    assert isinstance(tensors, dict)
+    cells = sum(len(e.get("chunks", ())) for e in tensors.values() if isinstance(e, dict))
+    _want(cells + world <= MAX_MANIFEST_ENTRIES, where, f"it lists {cells} chunks (the cap is {MAX_MANIFEST_ENTRIES})")
+    catalog = {key: _parse_placement(key, e, world, where) for key, e in tensors.items()}
+    for key, p in catalog.items():
+        if p.alias_of is not None:
+            target = catalog.get(p.alias_of)
+            _want(target is not None and target.alias_of is None, where, f"{key!r} aliases a missing entry")
+            assert target is not None
+            _want((target.dtype, target.shape) == (p.dtype, p.shape), where, f"{key!r} aliases another dtype or shape")
+    return Head(world_size=world, indexes=tuple(indexes), catalog=catalog, **head)
+
+
+def _parse_placement(key: str, e: object, world: int, where: str) -> Placement:
+    _want(isinstance(e, dict), where, f"entry {key!r} must be an object")
+    assert isinstance(e, dict)
+    dtype = e.get("dtype")
+    itemsize(dtype, f"entry {key!r} of manifest {where}")
+    assert isinstance(dtype, str)
+    shape = _ints(e.get("shape"), where, f"shape of {key!r}")
+    if "alias_of" in e:
+        _want(isinstance(e["alias_of"], str), where, f"alias_of of {key!r} must be a string")
+        return Placement(key, dtype, shape, alias_of=e["alias_of"])
+    if "grid" in e:
+        g = e["grid"]
+        _want(isinstance(g, dict), where, f"grid of {key!r} must be an object")
+        block = _ints(g.get("block"), where, f"grid block of {key!r}")
+        strides = g.get("strides")
+        ok = isinstance(strides, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in strides)
+        _want(ok and len(block) == len(shape) == len(strides), where, f"grid of {key!r} does not match its shape")
+        _want(all(b > 0 for b in block) and math.prod(shape) > 0, where, f"grid of {key!r} has an empty block")
+        grid = Grid(block, _int(g.get("base"), where, f"grid base of {key!r}"), tuple(strides))
+        counts = grid.counts(shape)
+        lo = grid.base + sum(min(0, s * (c - 1)) for s, c in zip(grid.strides, counts))
+        hi = grid.base + sum(max(0, s * (c - 1)) for s, c in zip(grid.strides, counts))
+        _want(lo >= 0 and hi < world, where, f"grid of {key!r} names ranks outside the world")
+        return Placement(key, dtype, shape, grid)
+    doc = e.get("chunks")
+    _want(isinstance(doc, list), where, f"{key!r} has neither a grid nor chunks")
+    assert isinstance(doc, list)
+    cells = []
+    for c in doc:
+        _want(isinstance(c, list) and len(c) == 3, where, f"a chunk of {key!r} must be [offsets, shape, rank]")
+        off, shp = _ints(c[0], where, f"offsets of {key!r}"), _ints(c[1], where, f"chunk shape of {key!r}")
+        writer = _int(c[2], where, f"rank of a chunk of {key!r}")
+        _want(writer < world and len(off) == len(shp) == len(shape), where, f"a chunk of {key!r} is malformed")
+        _want(all(o + n <= s for o, n, s in zip(off, shp, shape)), where, f"chunk of {key!r} out of bounds")
+        cells.append((off, shp, writer))
+    boxes = tuple(Chunk("", o, s, 0, 0, ()) for o, s, _ in cells)
+    _check_tiling(TensorEntry(key, dtype, shape, boxes), where)
+    return Placement(key, dtype, shape, None, tuple(cells))
+
+
+def parse_index(raw: bytes, where: str, head: Head, rank: int) -> RankIndex:
+    """Rank ``rank``'s index of the save ``head`` commits, validated against its catalog: every
+    chunk is one the catalog gives this rank, inside its file, with a checksum per block."""
+    doc, _ = open_sealed(raw, where, INDEX_FORMAT)
+    _want(doc.get("save_id") == head.save_id and doc.get("rank") == rank, where, "it is another save's or rank's")
+    files_doc, chunks_doc = doc.get("files"), doc.get("chunks")
+    _want(isinstance(files_doc, list) and isinstance(chunks_doc, dict), where, "files and chunks are missing")
+    assert isinstance(files_doc, list) and isinstance(chunks_doc, dict)
+    _want(len(files_doc) + len(chunks_doc) <= MAX_MANIFEST_ENTRIES, where, "it lists too many chunks")
+    files = []
+    for f in files_doc:
+        _want(isinstance(f, list) and len(f) == 4 and isinstance(f[3], str), where, "a file entry is malformed")
+        name = safe_file_name(f[0], where)
+        size = _int(f[1], where, f"size of {name!r}")
+        start = _int(f[2], where, f"data_start of {name!r}", 8)
+        _want(start <= size and start <= 8 + MAX_HEADER_BYTES + HEADER_ALIGN, where, f"data_start of {name!r}")
+        files.append(FileEntry(name, size, start, f[3], rank))
+    _want(len({f.name for f in files}) == len(files), where, "a file is listed twice")
+    chunks: dict[str, Chunk] = {}
+    for key, c in chunks_doc.items():
+        p = head.catalog.get(key)
+        _want(p is not None and p.alias_of is None, where, f"{key!r} is not a stored tensor of the catalog")
+        assert p is not None
+        ok = isinstance(c, list) and len(c) == 6 and isinstance(c[0], int) and 0 <= c[0] < len(files)
+        _want(ok, where, f"the chunk of {key!r} is malformed")
+        fe = files[c[0]]
+        off, shp = _ints(c[1], where, f"offsets of {key!r}"), _ints(c[2], where, f"chunk shape of {key!r}")
+        start, end = _int(c[3], where, f"start of {key!r}"), _int(c[4], where, f"end of {key!r}")
+        numel = math.prod(shp)
+        _want(numel == 0 or p.expects(Box(off, shp), rank), where, f"the catalog does not give {key!r} {off} here")
+        _want(end - start == numel * itemsize(p.dtype, key), where, f"byte range of {key!r} does not match its shape")
+        _want(fe.data_start <= start <= end <= fe.size, where, f"byte range of {key!r} is outside {fe.name!r}")
+        sums = c[5]
+        ok = isinstance(sums, list) and len(sums) == block_count(end - start, CHECKSUM_BLOCK_BYTES)
+        _want(ok and all(isinstance(x, str) for x in sums), where, f"checksums of {key!r} do not match its size")
+        chunks[key] = Chunk(fe.name, off, shp, start, end, tuple(sums))
+    entries = {k: TensorEntry(k, head.catalog[k].dtype, head.catalog[k].shape, (c,)) for k, c in chunks.items()}
+    _check_byte_ranges(entries, where)
+    tree = doc.get("tree")
+    try:
+        check_tree(tree, head.catalog, where, 0)
+    except RecursionError:
+        raise CorruptCheckpointError(f"malformed index {where}: tree nested too deeply") from None
+    assert isinstance(tree, dict)
+    return RankIndex(rank, head.save_id, tuple(files), chunks, tree)
+
+
+def assemble(head: Head, indexes: Mapping[int, RankIndex], tree_rank: int | None = None) -> Manifest:
+    """A :class:`Manifest` of what ``indexes`` hold: every tensor of the catalog, with the
+    chunks of the given ranks (all ranks: the whole checkpoint). Its trees are those of every
+    given rank, or of ``tree_rank`` alone (a load's own, whatever its rank in the saving world)."""
+    chunks: dict[str, list[Chunk]] = {}
+    for rank in sorted(indexes):
+        for key, c in indexes[rank].chunks.items():
+            chunks.setdefault(key, []).append(c)
+    tensors = {
+        k: TensorEntry(k, p.dtype, p.shape, tuple(sorted(chunks.get(k, ()), key=lambda c: c.offsets)), p.alias_of)
+        for k, p in head.catalog.items()
+    }
+    trees: tuple[dict[str, Any], ...]
+    of_rank: tuple[int, ...]
+    if tree_rank is not None:
+        trees, of_rank = (indexes[tree_rank].tree,), (0,)
+    else:
+        trees, of_rank = merge_trees([indexes[r].tree for r in sorted(indexes)])
+    return Manifest(
+        save_id=head.save_id,
+        created=head.created,
+        library_version=head.library_version,
+        torch_version=head.torch_version,
+        files=tuple(f for r in sorted(indexes) for f in indexes[r].files),
+        tensors=tensors,
+        trees=trees,
+        metadata=head.metadata,
+        world_size=head.world_size,
+        tree_of_rank=of_rank,
+        format_version=FORMAT_VERSION,
+        indexes=tuple((head.index_name(r), head.indexes[r][0]) for r in sorted(indexes)),
+    )
+

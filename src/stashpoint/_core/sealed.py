@@ -1,0 +1,137 @@
+"""Sealed JSON documents (the manifest, and the per-rank indexes of format version 2): the
+checksum that seals them, a parse bounded in time and memory, and the validators every field
+goes through. A malformed input raises :class:`CorruptCheckpointError` naming the file."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import xxhash
+
+from stashpoint.errors import CorruptCheckpointError
+
+FORMAT_NAME = "stashpoint"
+FORMAT_VERSION = 2  # 2: per-rank indexes and a catalog (docs/FORMAT.md); 1 still loads
+
+CHECKSUM_ALGORITHM = "xxh3_64"
+CHECKSUM_BLOCK_BYTES = 4 * 1024 * 1024
+# What one manifest may hold, so that reading any manifest is bounded in time and memory.
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+MAX_MANIFEST_ENTRIES = 1_000_000  # chunks plus files
+MAX_PARSE_MEMORY = 4 * 1024**3  # what parsing one manifest may allocate, by _parse_memory_bound
+MAX_DIMS = 64
+
+def checksum(data: memoryview | bytes) -> str:
+    """The checksum stashpoint records for a byte range (xxh3_64, hex)."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def block_checksums(data: memoryview) -> tuple[str, ...]:
+    """Checksums of each CHECKSUM_BLOCK_BYTES block of ``data`` (one for empty data)."""
+    n = len(data)
+    if n == 0:
+        return (checksum(data),)
+    return tuple(checksum(data[b : b + CHECKSUM_BLOCK_BYTES]) for b in range(0, n, CHECKSUM_BLOCK_BYTES))
+
+
+def _body(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def seal(doc: dict[str, Any]) -> bytes:
+    """The manifest's bytes: compact JSON whose last field, ``checksum``, is the xxh3-64 of the
+    same JSON without it, so that damage anywhere in the manifest is detected."""
+    doc = {k: v for k, v in doc.items() if k != "checksum"}
+    doc["checksum"] = checksum(_body(doc))
+    return _body(doc)
+
+
+def _want(cond: bool, where: str, what: str) -> None:
+    if not cond:
+        raise CorruptCheckpointError(f"malformed manifest {where}: {what}")
+
+
+def _int(v: object, where: str, what: str, lo: int = 0) -> int:
+    _want(isinstance(v, int) and not isinstance(v, bool) and v >= lo, where, f"{what} must be an int >= {lo}")
+    assert isinstance(v, int)
+    return v
+
+
+def _ints(v: object, where: str, what: str) -> tuple[int, ...]:
+    """Dimensions or offsets: each must fit torch's int64 sizes, even in a tensor of no elements."""
+    _want(isinstance(v, list) and len(v) <= MAX_DIMS, where, f"{what} must be a list of at most {MAX_DIMS} ints")
+    assert isinstance(v, list)
+    out = tuple(_int(x, where, what) for x in v)
+    _want(all(x < 2**62 for x in out), where, f"{what} holds a dimension over 2**62")
+    return out
+
+
+def safe_file_name(name: object, where: str) -> str:
+    """A shard file name must be a plain name inside the checkpoint directory."""
+    ok = (
+        isinstance(name, str)
+        and 0 < len(name) <= 255
+        and name not in (".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\x00" not in name
+    )
+    _want(ok, where, f"file name {name!r} points outside the checkpoint (only plain names are allowed)")
+    assert isinstance(name, str)
+    return name
+
+
+def _parse_memory_bound(raw: bytes) -> int:
+    """An upper bound of what parsing ``raw`` allocates on CPython, from counts of the bytes that
+    start objects: a dict, a list, a string (two quotes) or any further item (a comma), each
+    with its pointer and growth slack; plus the text itself twice (read, and re-encoded for its
+    checksum). Checked before ``json.loads``, which would allocate up to 26 bytes per byte."""
+    counts = (raw.count(b"{"), raw.count(b"["), raw.count(b'"'), raw.count(b","))
+    return 2 * len(raw) + sum(n * w for n, w in zip(counts, (240, 96, 64, 40)))
+
+
+
+
+def open_sealed(raw: bytes, where: str, name: str = FORMAT_NAME) -> tuple[dict[str, Any], int]:
+    """The document in ``raw`` (its format field must be ``name``), its seal checked and the
+    seal removed, and its format version. Bounded: size and parse memory are checked first."""
+    kind = "manifest" if name == FORMAT_NAME else "index"
+    _want(len(raw) <= MAX_MANIFEST_BYTES, where, "larger than the size cap")
+    _want(
+        _parse_memory_bound(raw) <= MAX_PARSE_MEMORY,
+        where,
+        f"its structure could take more than {MAX_PARSE_MEMORY >> 30} GiB to parse (too many objects)",
+    )
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"malformed manifest {where}: not valid JSON ({e})") from None
+    _want(isinstance(doc, dict), where, "top level is not an object")
+    _want(doc.get("format") == name, where, f"not a stashpoint {kind}")
+    claimed = doc.pop("checksum", None)
+    try:
+        actual = checksum(_body(doc))
+    except (ValueError, RecursionError):
+        actual = None
+    _want(claimed == actual, where, f"its checksum does not match its contents (the {kind} is damaged)")
+    version = _int(doc.get("format_version"), where, "format_version", 1)
+    if version > FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"{kind} {where} has format version {version}, newer than this stashpoint reads "
+            f"({FORMAT_VERSION}); upgrade stashpoint (pip install -U stashpoint)."
+        )
+    _want(doc.get("checksum_algorithm") == CHECKSUM_ALGORITHM, where, "unknown checksum_algorithm")
+    _want(doc.get("checksum_block_bytes") == CHECKSUM_BLOCK_BYTES, where, "unsupported checksum_block_bytes")
+    return doc, version
+
+
+def common_fields(doc: dict[str, Any], where: str) -> dict[str, Any]:
+    """The fields every manifest version has, validated."""
+    for k in ("save_id", "created", "library_version", "torch_version"):
+        _want(isinstance(doc.get(k), str), where, f"{k} must be a string")
+    meta = doc.get("metadata", {})
+    _want(
+        isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values()), where, "metadata must map to strings"
+    )
+    return {k: doc[k] for k in ("save_id", "created", "library_version", "torch_version")} | {"metadata": meta}

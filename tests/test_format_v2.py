@@ -1,0 +1,207 @@
+"""Format version 2: per-rank indexes beside the data, a small manifest with the catalog.
+
+Grids are checked against brute force; a hostile manifest or index (re-sealed, so that its
+checksum matches) raises only CheckpointError, through loads and every tool; version-1
+checkpoints still load."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import stashpoint
+from conftest import index_doc, reseal_index, to_v1
+from stashpoint._core.catalog import Grid, Placement, compact, placement
+from stashpoint._core.format import seal
+from stashpoint._core.index import parse_head
+from stashpoint._core.naming import MANIFEST_NAME
+from stashpoint._core.reshard import Box, intersect
+from stashpoint.errors import CheckpointError, CorruptCheckpointError
+from test_format import _paths, json_values
+
+# -- the catalog's grids ---------------------------------------------------------------------
+
+
+def _even(shape, parts, order):
+    """Chunks of ``shape`` split evenly (torch.chunk sizes) into ``parts`` per dimension, each
+    written by the rank its cell has in ``order`` (a permutation of the axes' strides)."""
+    blocks = [-(-n // p) for n, p in zip(shape, parts)]
+    counts = [-(-n // b) for n, b in zip(shape, blocks)]
+    strides = [math.prod(counts[d + 1 :]) for d in range(len(counts))]
+    strides = [strides[i] for i in order]
+    cells = []
+    for cell in itertools.product(*(range(c) for c in counts)):
+        off = tuple(i * b for i, b in zip(cell, blocks))
+        shp = tuple(min(b, n - o) for b, n, o in zip(blocks, shape, off))
+        cells.append((off, shp, sum(s * i for s, i in zip(strides, cell))))
+    return cells
+
+
+@given(
+    st.lists(st.integers(1, 9), min_size=0, max_size=3).flatmap(
+        lambda shape: st.tuples(
+            st.just(tuple(shape)),
+            st.tuples(*(st.integers(1, n) for n in shape)),
+            st.permutations(range(len(shape))),
+        )
+    ),
+    st.data(),
+)
+@settings(max_examples=200, deadline=None)
+def test_even_layouts_compact_to_grids_whose_chunks_and_overlaps_match_brute_force(case, data):
+    shape, parts, order = case
+    cells = _even(shape, parts, order)
+    grid = compact(shape, cells)
+    assert grid is not None
+    p = Placement("k", "float32", shape, grid)
+    for off, shp, writer in cells:
+        assert p.expects(Box(off, shp), writer)
+        assert not p.expects(Box(off, shp), writer + 1)
+    lo = tuple(data.draw(st.integers(0, n - 1)) for n in shape)
+    region = Box(lo, tuple(data.draw(st.integers(1, n - o)) for n, o in zip(shape, lo)))
+    want = sorted((off, shp, w) for off, shp, w in cells if intersect(Box(off, shp), region) is not None)
+    got = sorted((b.offsets, b.shape, w) for b, w in p.overlapping(region))
+    assert got == want
+
+
+def test_irregular_layouts_keep_every_chunk_and_empty_chunks_are_dropped():
+    cells = [((0,), (3,), 0), ((3,), (2,), 1), ((5,), (5,), 2), ((10,), (0,), 3)]
+    assert compact((10,), cells) is None
+    p = placement("k", "float32", (10,), cells)
+    assert p.grid is None and len(p.cells) == 3
+    assert [w for _, w in p.overlapping(Box((4,), (2,)))] == [1, 2]
+    fsdp = [((0,), (1,), 0), ((1,), (1,), 1), ((2,), (0,), 2), ((2,), (0,), 3)]  # 2 rows on 4 ranks
+    assert placement("k", "float32", (2,), fsdp).grid == Grid((1,), 0, (1,))
+
+
+# -- hostile manifests and indexes -------------------------------------------------------------
+
+
+def _state():
+    return {"a": torch.ones(3), "m": torch.nn.Linear(2, 2), "b": {"c": [1, 2.5, "x"]}, "step": 7}
+
+
+def test_a_version_1_checkpoint_still_loads_and_every_tool_reads_it(tmp_path):
+    src = _state()
+    stashpoint.save(src, tmp_path / "ck")
+    to_v1(tmp_path / "ck")
+    assert json.loads((tmp_path / "ck" / MANIFEST_NAME).read_bytes())["format_version"] == 1
+    out = {"a": torch.zeros(3), "m": torch.nn.Linear(2, 2), "b": {}, "step": 0}
+    stashpoint.load(out, tmp_path / "ck")
+    assert torch.equal(out["m"].weight, src["m"].weight) and out["step"] == 7 and out["b"] == {"c": [1, 2.5, "x"]}
+    assert stashpoint.verify(tmp_path / "ck").ok
+    assert torch.equal(stashpoint.read(tmp_path / "ck")["a"], torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d["indexes"].append([10, "0"]), "one index per rank"),
+        (lambda d: d["tensors"]["a"].update(grid={"block": [1], "base": 5, "strides": [1]}), "outside the world"),
+        (lambda d: d["tensors"]["a"].update(grid={"block": [0], "base": 0, "strides": [0]}), "empty block"),
+        (lambda d: d["tensors"]["a"].pop("grid"), "neither a grid nor chunks"),
+        (lambda d: d["tensors"]["a"].update(chunks=[[[0], [2], 0]]), "hold 2 elements"),
+        (lambda d: d["tensors"]["a"].update(dtype="evil"), "unknown dtype"),
+        (lambda d: d["tensors"]["a"].update(alias_of="nope"), "aliases a missing entry"),
+    ],
+)
+def test_manifest_validation_names_the_problem(tmp_path, mutate, message):
+    stashpoint.save(_state(), tmp_path / "ck")
+    doc = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_bytes())
+    if message == "hold 2 elements":
+        doc["tensors"]["a"].pop("grid")
+    mutate(doc)
+    with pytest.raises(CorruptCheckpointError, match=message):
+        parse_head(seal(doc), "x")
+
+
+def _share(bias, a):
+    """Point the 2-element chunk ``bias`` at the first bytes of ``a`` (same file)."""
+    bias[0], bias[3], bias[4] = a[0], a[3], a[3] + 8
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.update(rank=1), "another save's or rank's"),
+        (lambda d: d.update(save_id="00"), "another save's or rank's"),
+        (lambda d: d["files"][0].__setitem__(0, "../evil"), "points outside the checkpoint"),
+        (lambda d: d["chunks"]["a"].__setitem__(4, 10**12), "does not match its shape"),
+        (lambda d: d["chunks"]["a"].__setitem__(1, [1]), "does not give 'a'"),
+        (lambda d: d["chunks"]["a"].__setitem__(0, 5), "malformed"),
+        (lambda d: d["chunks"]["a"].__setitem__(5, []), "checksums of 'a'"),
+        (lambda d: d["chunks"].update(zzz=d["chunks"]["a"]), "not a stored tensor"),
+        (lambda d: _share(d["chunks"]["m/bias"], d["chunks"]["a"]), "share bytes"),
+        (lambda d: d.update(tree={"dict": [["a", {"tensor": "nope"}]]}), "no entry"),
+    ],
+)
+def test_index_validation_names_the_problem_even_when_resealed(tmp_path, mutate, message):
+    stashpoint.save(_state(), tmp_path / "ck")
+    path, doc = index_doc(tmp_path / "ck")
+    mutate(doc)
+    reseal_index(tmp_path / "ck", path, doc)
+    with pytest.raises(CorruptCheckpointError, match=message):
+        stashpoint.load({"a": torch.zeros(3), "m": torch.nn.Linear(2, 2), "b": {}, "step": 0}, tmp_path / "ck")
+
+
+def test_a_missing_or_replaced_index_is_named(tmp_path):
+    stashpoint.save(_state(), tmp_path / "ck")
+    path, doc = index_doc(tmp_path / "ck")
+    raw = path.read_bytes()
+    path.write_bytes(seal({**doc, "extra": 1}))  # sealed, but not the index the manifest names
+    with pytest.raises(CorruptCheckpointError, match=r"index .* is \d+ bytes, the manifest says|checksum"):
+        stashpoint.load({}, tmp_path / "ck", strict=False)
+    path.unlink()
+    with pytest.raises(CorruptCheckpointError, match="listed in the manifest is missing"):
+        stashpoint.load({}, tmp_path / "ck", strict=False)
+    path.write_bytes(raw)
+    stashpoint.load({}, tmp_path / "ck", strict=False)
+
+
+@pytest.fixture(scope="module")
+def v2_checkpoint(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fuzz2") / "ck"
+    stashpoint.save(_state(), d)
+    return d
+
+
+@given(st.data())
+@settings(max_examples=int(os.environ.get("STASHPOINT_FUZZ_EXAMPLES", "150")), deadline=None)
+def test_loading_a_fuzzed_manifest_or_index_raises_only_checkpoint_errors(v2_checkpoint, tmp_path_factory, data):
+    """Replace any node of the manifest or of the index by arbitrary JSON and re-seal both:
+    loads and tools raise nothing but CheckpointError."""
+    d = tmp_path_factory.mktemp("fz2") / "ck"
+    shutil.copytree(v2_checkpoint, d)
+    path, index = index_doc(d)
+    head = json.loads((d / MANIFEST_NAME).read_bytes())
+    doc = data.draw(st.sampled_from([head, index]))
+    where = data.draw(st.sampled_from([p for p in _paths(doc) if p]))
+    parent = doc
+    for part in where[:-1]:
+        parent = parent[part]
+    parent[where[-1]] = data.draw(json_values)
+    if doc is index:
+        reseal_index(d, path, index)
+    else:
+        (d / MANIFEST_NAME).write_bytes(seal(head))
+    from stashpoint._tools.inspect import describe
+
+    for tool in (
+        lambda: stashpoint.load({"a": torch.zeros(3), "m": torch.nn.Linear(2, 2), "b": {}, "step": 0}, d),
+        lambda: stashpoint.load({}, d, strict=False),
+        lambda: stashpoint.verify(d),
+        lambda: describe(d),
+        lambda: stashpoint.read(d),
+    ):
+        try:
+            tool()
+        except CheckpointError:
+            pass
