@@ -338,22 +338,26 @@ def scenario_save_bytes(root: str) -> None:
     result(per_save=per_save, plans=ctx.plans_made)
 
 
-def scenario_indexes_read(path: str, kind: str) -> None:
-    """Load a checkpoint and say which ranks' indexes this rank read."""
+def scenario_indexes_read(path: str, kind: str, *more: str) -> None:
+    """Load checkpoints (``path``, then each of ``more``) and say which ranks' indexes this rank
+    read for each, and whether the values came back."""
     from stashpoint._load import manifest as _manifest
 
-    read = []
     real = _manifest.read_index
+    out = []
+    for p in (path, *more):
+        read = []
 
-    def spy(storage, head, rank):
-        read.append(rank)
-        return real(storage, head, rank)
+        def spy(storage, head, rank, read=read):
+            read.append(rank)
+            return real(storage, head, rank)
 
-    _manifest.read_index = spy
-    state = {"t": dtensor_state(kind, seed=5), "step": 0}
-    stashpoint.load(state, path)
-    ok = all(torch.equal(v.full_tensor(), full_tensors()[k]) for k, v in state["t"].items())
-    result(read=sorted(set(read)), ok=ok)
+        _manifest.read_index = spy
+        state = {"t": dtensor_state(kind, seed=5), "step": 0}
+        stashpoint.load(state, p)
+        ok = all(torch.equal(v.full_tensor(), full_tensors()[k]) for k, v in state["t"].items())
+        out.append({"read": sorted(set(read)), "ok": ok and state["step"] == 1})
+    result(loads=out)
 
 
 def scenario_asym_error(root: str) -> None:

@@ -171,25 +171,24 @@ def test_later_saves_send_and_receive_a_bounded_few_hundred_bytes_per_rank(tmp_p
         assert _manifest(tmp_path / f"s{i}")["world_size"] == world
 
 
-def test_a_load_reads_only_the_indexes_its_regions_need(tmp_path):
-    """Same world: a rank's own index, and rank 0's (replicated scalars, plain values of its own
-    tree aside); a 1-D sharding loaded as another reads the writers of the overlapping rows."""
-    ck = tmp_path / "ck"
+def test_a_load_reads_only_the_indexes_its_regions_need_and_version_1_still_loads(tmp_path):
+    """Same world: a rank's own index and rank 0's (small replicated tensors); on half the world,
+    also the writers of the rows it loads. A version-1 copy (every chunk in the manifest, no
+    indexes) of the same checkpoint loads too."""
+    import shutil
+
+    ck, old = tmp_path / "ck", tmp_path / "v1"
     run_world(4, "dtensor_save", str(ck), "s0")
     assert len(list(ck.glob("index-*.json"))) == 4
+    shutil.copytree(ck, old)
+    to_v1(old)
+    assert not list(old.glob("index-*"))
     for rank, r in enumerate(run_world(4, "indexes_read", str(ck), "s0")):
-        assert r["ok"] and set(r["read"]) <= {0, rank}, (rank, r)
-    for rank, r in enumerate(run_world(2, "indexes_read", str(ck), "s0")):
-        assert r["ok"] and set(r["read"]) <= {0, rank, 2 * rank, 2 * rank + 1}, (rank, r)  # rank: its tree
-
-
-def test_a_version_1_checkpoint_of_several_ranks_still_loads_on_any_world(tmp_path):
-    ck = tmp_path / "ck"
-    run_world(2, "dtensor_save", str(ck), "s0")
-    to_v1(ck)
-    assert not list(ck.glob("index-*"))
-    for r in run_world(3, "dtensor_load", str(ck), "s1"):
-        assert all(r["ok"].values()), r
+        assert r["loads"][0]["ok"] and set(r["loads"][0]["read"]) <= {0, rank}, (rank, r)
+    for rank, r in enumerate(run_world(2, "indexes_read", str(ck), "s0", str(old))):
+        new, legacy = r["loads"]
+        assert new["ok"] and set(new["read"]) <= {0, rank, 2 * rank, 2 * rank + 1}, (rank, r)  # rank: its tree
+        assert legacy["ok"] and legacy["read"] == [], (rank, r)
 
 
 def test_an_error_on_one_rank_fails_that_save_on_all_and_the_ranks_stay_in_step(tmp_path):

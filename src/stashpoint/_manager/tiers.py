@@ -24,12 +24,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stashpoint._core.naming import MANIFEST_NAME, parse_save_file, step_dir
+from stashpoint._core.format import Manifest
+from stashpoint._core.naming import MANIFEST_NAME, step_dir
 from stashpoint._core.policy import Retention, steps_to_keep
 from stashpoint._dist import group as _dist
 from stashpoint._dist.commit import Outcome, RankFailure, finish_together
 from stashpoint._dist.group import CollectiveError, DistContext
-from stashpoint._load.manifest import read_manifest
+from stashpoint._load.manifest import read_head, read_index
 from stashpoint._manager.steps import committed_steps, delete_step, quietly, remove_leftovers
 from stashpoint._storage import LocalStorage, Storage, storage_for
 from stashpoint.errors import CheckpointError
@@ -61,9 +62,30 @@ def copy_file(src: Storage, dst: Storage, name: str, size: int) -> None:
         raise
 
 
-def _rank_of(name: str) -> int | None:
-    parsed = parse_save_file(name)
-    return None if parsed is None else parsed[0]
+def _decide(starts: Sequence[UploadStart]) -> tuple[str, Any]:
+    """Rank 0: what every rank does about an upload, from every rank's view of it."""
+    if len({(u.seq, u.step) for u in starts}) > 1:
+        odd = [(r, u) for r, u in enumerate(starts) if (u.seq, u.step) != (starts[0].seq, starts[0].step)]
+        seen = ", ".join(f"rank {r}: upload #{u.seq} of step {u.step}" for r, u in [(0, starts[0]), *odd[:8]])
+        return ("broken", f"the ranks' uploads are out of step ({seen})")
+    if any(u.kind == "skip" for u in starts):
+        return ("skip", None)
+    return (starts[0].kind, starts[0].detail)
+
+
+def _own_files(src: Storage, rank: int, world: int) -> list[tuple[str, int]]:
+    """The files of the checkpoint at ``src`` this rank uploads: those of the saved ranks ``s``
+    with ``s % world == rank`` (its own, when the world is the one that saved), each with its
+    index; a version-1 checkpoint's files go by the rank the manifest names."""
+    head = read_head(src)
+    if isinstance(head, Manifest):
+        return [(f.name, f.size) for f in head.files if f.rank % world == rank]
+    out = []
+    for saved in range(rank, head.world_size, world):
+        index = read_index(src, head, saved)
+        out += [(f.name, f.size) for f in index.files]
+        out.append((head.index_name(saved), head.indexes[saved][0]))
+    return out
 
 
 def _commit_copy(src: Storage, dst: Storage, outcomes: Sequence[Outcome]) -> int:
@@ -172,29 +194,31 @@ class Uploader:
         src = self.local.child(step_dir(step))
         dst = self.remote.child(step_dir(step))
         t0 = time.perf_counter()
-        # 1. agree that there is something to upload (every rank saw its save succeed)
+        # 1. agree that there is something to upload (every rank saw its save succeed); rank 0
+        # alone sees every rank's view and answers each with the decision
         kind, detail = self._start_status(step, after, src, dst)
-        starts: list[UploadStart] = self._gather("upload start", UploadStart(seq, step, kind, detail))
-        if len({(u.seq, u.step) for u in starts}) > 1:
-            seen = ", ".join(f"rank {r}: upload #{u.seq} of step {u.step}" for r, u in enumerate(starts))
-            self._broken = CollectiveError(f"the ranks' uploads are out of step ({seen})")
+        starts: list[UploadStart] | None = self._collective(
+            self.ctx.gather, "upload start", UploadStart(seq, step, kind, detail)
+        )
+        decision = _decide(starts) if starts is not None else None
+        kind, detail = self._broadcast("upload decision", decision)
+        if kind == "broken":
+            self._broken = CollectiveError(detail)
             raise CheckpointError(f"uploading step {step} failed: {self._broken}")
-        if any(u.kind == "skip" for u in starts):
+        if kind == "skip":
             return False
-        first = starts[0]
-        if first.kind == "done":
+        if kind == "done":
             return True
-        if first.kind == "error":
-            raise CheckpointError(f"uploading step {step} to {dst.location} failed: {first.detail}")
+        if kind == "error":
+            raise CheckpointError(f"uploading step {step} to {dst.location} failed: {detail}")
         # 2. every rank copies the files it wrote; 3. rank 0 commits the remote copy (manifest last)
         outcome, local = Outcome(), None
         try:
             dst.prepare()
             nbytes = 0
-            for name, size, rank in first.detail:
-                if rank == ctx.rank:
-                    copy_file(src, dst, name, size)
-                    nbytes += size
+            for name, size in _own_files(src, ctx.rank, ctx.world):
+                copy_file(src, dst, name, size)
+                nbytes += size
             dst.sync()
             outcome = Outcome(nbytes=nbytes)
         except Exception as e:
@@ -236,22 +260,17 @@ class Uploader:
         if self.ctx.rank != 0:
             return ("ok", None)
         try:
-            manifest = read_manifest(src)
-            files = [(f.name, f.size, f.rank) for f in manifest.files]
-            files += [(name, size, rank) for name, size in manifest.indexes if (rank := _rank_of(name)) is not None]
+            head = read_head(src)
             if dst.exists(MANIFEST_NAME):
-                if read_manifest(dst).save_id == manifest.save_id:
+                if read_head(dst).save_id == head.save_id:
                     return ("done", None)
                 # another save of this step number is there (a run rewound and saved it anew):
                 # uncommit it first, then upload this one
                 dst.delete(MANIFEST_NAME)
                 dst.remove_tree()
-            return ("ok", files)
+            return ("ok", None)
         except Exception as e:
             return ("error", f"{type(e).__name__}: {e}")
-
-    def _gather(self, what: str, obj: Any) -> list[Any]:
-        return self._collective(self.ctx.all_gather, what, obj)  # type: ignore[no-any-return]
 
     def _broadcast(self, what: str, obj: Any) -> Any:
         return self._collective(self.ctx.broadcast, what, obj)
@@ -268,8 +287,8 @@ class Uploader:
 
 @dataclass(frozen=True)
 class UploadStart:
-    """A rank's view before an upload: kind "skip" (detail: why), "done", "ok" (rank 0's detail:
-    the files as (name, size, rank)) or "error" (detail: why)."""
+    """A rank's view before an upload: kind "skip" (detail: why), "done", "ok" or "error"
+    (detail: why)."""
 
     seq: int
     step: int
