@@ -220,10 +220,10 @@ def availability(m: Method, world: int, layout: str, *, no_steps: bool = False) 
     """None if ``m`` can run on ``world`` ranks with ``layout``; else (status, reason)."""
     if m.kind == "reference" and no_steps:
         return NOT_APPLICABLE, "measured in the training loop only (--no-steps was given)"
+    if world not in m.worlds:  # before the install check: installing it would not make it apply
+        return NOT_APPLICABLE, f"measured on {' or '.join(map(str, m.worlds))} process(es) only"
     if m.module is not None and importlib.util.find_spec(m.module) is None:
         return NOT_INSTALLED, f"not installed (pip install {m.pip}, or pip install -e '.[bench]')"
-    if world not in m.worlds:
-        return NOT_APPLICABLE, f"measured on {' or '.join(map(str, m.worlds))} process(es) only"
     if m.name == "dcp_async_pinned":
         import torch
 
