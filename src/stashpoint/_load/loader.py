@@ -141,10 +141,11 @@ def _plan(
         plan = Planner(head, state, allow_pickle=allow_pickle, where=storage.location, rank=rank).run()
         return head, plan
     own = rank % head.world_size
-    manifest = read_view(storage, head, (), own)
+    have: dict[int, Any] = {}  # each index is read once, its own rank's first (the tree to plan with)
+    manifest = read_view(storage, head, (), own, have)
     plan = Planner(manifest, state, allow_pickle=allow_pickle, where=storage.location, rank=rank).run()
     needed = writers_of(head, ((r.key, r.region) for r in plan.reads))
-    return read_view(storage, head, needed, own), plan
+    return read_view(storage, head, needed, own, have), plan
 
 
 def _warn_skipped(plan: Plan, location: str, stacklevel: int) -> None:

@@ -74,10 +74,15 @@ def writers_of(head: Head, regions: Iterable[tuple[str, Box]]) -> set[int]:
     return ranks
 
 
-def read_view(storage: Storage, head: Head, ranks: Iterable[int], tree_rank: int) -> Manifest:
-    """The checkpoint as the indexes of ``ranks`` (and ``tree_rank``'s, whose tree it carries) see it."""
-    wanted = sorted({*ranks, tree_rank})
-    return assemble(head, {r: read_index(storage, head, r) for r in wanted}, tree_rank)
+def read_view(
+    storage: Storage, head: Head, ranks: Iterable[int], tree_rank: int, have: dict[int, RankIndex] | None = None
+) -> Manifest:
+    """The checkpoint as the indexes of ``ranks`` (and ``tree_rank``'s, whose tree it carries) see it.
+    ``have``: indexes already read, reused and completed with those read here."""
+    have = {} if have is None else have
+    for r in sorted({*ranks, tree_rank} - have.keys()):
+        have[r] = read_index(storage, head, r)
+    return assemble(head, {r: have[r] for r in sorted({*ranks, tree_rank})}, tree_rank)
 
 
 def read_manifest(storage: Storage) -> Manifest:
