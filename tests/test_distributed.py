@@ -171,18 +171,23 @@ def test_later_saves_send_and_receive_a_bounded_few_hundred_bytes_per_rank(tmp_p
         assert _manifest(tmp_path / f"s{i}")["world_size"] == world
 
 
-def test_a_load_reads_only_the_indexes_its_regions_need_and_version_1_still_loads(tmp_path):
+def test_a_load_reads_only_the_indexes_its_regions_need_and_version_1_still_loads(tmp_path, monkeypatch):
     """Same world: a rank's own index and rank 0's (small replicated tensors); on half the world,
     also the writers of the rows it loads. A version-1 copy (every chunk in the manifest, no
-    indexes) of the same checkpoint loads too."""
+    indexes) of the same checkpoint loads too. The files of each two ranks share a directory, as
+    those of each 1,024 do in a larger world."""
     import shutil
 
     ck, old = tmp_path / "ck", tmp_path / "v1"
+    monkeypatch.setenv("STASHPOINT_RANKS_PER_DIR", "2")
     run_world(4, "dtensor_save", str(ck), "s0")
-    assert len(list(ck.glob("index-*.json"))) == 4
+    monkeypatch.delenv("STASHPOINT_RANKS_PER_DIR")
+    assert sorted(p.name for p in ck.iterdir()) == ["g00000", "g00001", MANIFEST_NAME]
+    indexes = sorted(p.relative_to(ck).as_posix()[:19] for p in ck.glob("*/index-*.json"))
+    assert indexes == ["g00000/index-r00000", "g00000/index-r00001", "g00001/index-r00002", "g00001/index-r00003"]
     shutil.copytree(ck, old)
     to_v1(old)
-    assert not list(old.glob("index-*"))
+    assert not list(old.glob("*/index-*"))
     for rank, r in enumerate(run_world(4, "indexes_read", str(ck), "s0")):
         assert r["loads"][0]["ok"] and set(r["loads"][0]["read"]) <= {0, rank}, (rank, r)
     for rank, r in enumerate(run_world(2, "indexes_read", str(ck), "s0", str(old))):

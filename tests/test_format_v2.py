@@ -111,6 +111,8 @@ def test_a_version_1_checkpoint_still_loads_and_every_tool_reads_it(tmp_path):
         (lambda d: d["tensors"]["a"].update(chunks=[[[0], [2], 0]]), "hold 2 elements"),
         (lambda d: d["tensors"]["a"].update(dtype="evil"), "unknown dtype"),
         (lambda d: d["tensors"]["a"].update(alias_of="nope"), "aliases a missing entry"),
+        (lambda d: d.update(save_id="/../../etc/x"), "save_id must be 1 to 64 hex digits"),
+        (lambda d: d.update(ranks_per_dir=-1), "ranks_per_dir must be an int"),
     ],
 )
 def test_manifest_validation_names_the_problem(tmp_path, mutate, message):
@@ -134,6 +136,8 @@ def _share(bias, a):
         (lambda d: d.update(rank=1), "another save's or rank's"),
         (lambda d: d.update(save_id="00"), "another save's or rank's"),
         (lambda d: d["files"][0].__setitem__(0, "../evil"), "points outside the checkpoint"),
+        (lambda d: d["files"][0].__setitem__(0, "sub/x"), "points outside the checkpoint"),
+        (lambda d: d["files"][0].__setitem__(0, "g00001/" + d["files"][0][0]), "outside rank 0's directory"),
         (lambda d: d["chunks"]["a"].__setitem__(4, 10**12), "does not match its shape"),
         (lambda d: d["chunks"]["a"].__setitem__(1, [1]), "does not give 'a'"),
         (lambda d: d["chunks"]["a"].__setitem__(0, 5), "malformed"),
@@ -205,3 +209,15 @@ def test_loading_a_fuzzed_manifest_or_index_raises_only_checkpoint_errors(v2_che
             tool()
         except CheckpointError:
             pass
+
+
+def test_group_directories_are_named_by_rank_and_only_exact_names_pass():
+    from stashpoint._core.naming import group_dir, index_name, parse_save_file, placed, split_group
+
+    assert (group_dir(1023, 1024), group_dir(1024, 1024), group_dir(5, 0)) == ("g00000", "g00001", "")
+    assert placed("x", 2048, 1024) == "g00002/x" and placed("x", 2048, 0) == "x"
+    assert parse_save_file(placed(index_name(2048, "ab"), 2048, 1024)) == (2048, "ab")
+    assert split_group("g00002/x") == ("g00002", "x") and split_group("x") == ("", "x")
+    for bad in ("g2/x", "g000002/x", "g00002/../x", "g00002/..", "a/b", "g00002/sub/x", "/x", "g00002/", "a\\b"):
+        assert split_group(bad) is None, bad
+        assert parse_save_file(bad) is None, bad

@@ -116,10 +116,13 @@ def test_an_uncommitted_prefix_is_incomplete_and_a_missing_one_not_found(s3_url)
         stashpoint.load(_fresh(), s3_url)
 
 
-def test_two_ranks_save_on_s3_and_load_on_one_and_on_two_resharded(s3_url, tmp_path):
+def test_two_ranks_save_on_s3_and_load_on_one_and_on_two_resharded(s3_url, tmp_path, monkeypatch):
     expected_path = tmp_path / "expected.pt"
+    monkeypatch.setenv("STASHPOINT_RANKS_PER_DIR", "1")  # each rank's files under a prefix of its own
     saved = run_world(2, "save", s3_url, str(expected_path), worker=S3_WORKER)
     assert all(r["bytes"] > 0 for r in saved), "both ranks wrote shards"
+    names = storage_for(s3_url).list()
+    assert {n.partition("/")[0] for n in names} == {"g00000", "g00001", "manifest.json"}, names
     # 2 -> 1: a plain model, optimizer and the whole of the sharded tensor in this process
     expected = torch.load(expected_path, weights_only=True)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))

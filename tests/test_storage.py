@@ -217,6 +217,35 @@ class StorageSuite:
         assert run.children() == ["step-2"]
         assert run.child("step-2").read("x") == b"2"
 
+    def test_group_directories_hold_files_of_the_checkpoint(self, tmp_path):
+        s = self.make(tmp_path / "ck")
+        s.prepare()
+        _write(s, "g00001/index-r01024-ab.json", b"idx")
+        _write(s, "g00001/shard", b"abc" * 1000)
+        _write(s, "root-file", b"r")
+        s.sync()
+        assert s.list() == ["g00001/index-r01024-ab.json", "g00001/shard", "root-file"]
+        assert s.children() == []  # part of the checkpoint, not a sub-root
+        assert s.read("g00001/shard", 3, 3) == b"abc" and s.size("g00001/shard") == 3000
+        buf = bytearray(4)
+        s.read_into("g00001/shard", 1, memoryview(buf))
+        assert bytes(buf) == b"bcab"
+        assert s.exists("g00001/shard") and not s.exists("g00001/other") and not s.exists("g00002/shard")
+        with pytest.raises(FileNotFoundError):
+            s.read("g00002/shard")
+        w = s.open_writer("g00004/aborted", 10)
+        w.write(b"x")
+        w.abort()
+        s.delete("g00001/shard")
+        s.delete("g00001/shard")  # a missing file, or a missing directory, is fine
+        s.delete("g00003/x")
+        assert [n for n in s.list() if not n.startswith("g00004/")] == ["g00001/index-r01024-ab.json", "root-file"]
+        moved = s.move("ck2")
+        assert moved.read("g00001/index-r01024-ab.json") == b"idx"
+        for bad in ("sub/x", "g1/x", "g00001/sub/x", "../x", "g00001/.."):
+            with pytest.raises((ValueError, FileNotFoundError)):
+                moved.read(bad)
+
 
 def _write(s: Storage, name: str, data: bytes) -> None:
     w = s.open_writer(name, len(data))
@@ -244,6 +273,24 @@ class TestS3Storage(StorageSuite):
 class TestLocalStorage(StorageSuite):
     def make(self, path: Path) -> Storage:
         return LocalStorage(path)
+
+    def test_a_group_directory_is_never_reached_through_a_link_or_a_file(self, tmp_path):
+        from stashpoint.errors import CorruptCheckpointError
+
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (outside / "shard-r00001-0000-ab.safetensors").write_bytes(b"secret")
+        s = LocalStorage(tmp_path / "ck")
+        s.prepare()
+        (s.root / "g00000").symlink_to(outside)
+        (s.root / "g00001").write_bytes(b"a file")
+        for group in ("g00000", "g00001"):
+            name = f"{group}/shard-r00001-0000-ab.safetensors"
+            for op in (s.read, s.size, s.delete, lambda n: s.open_writer(n, 1)):
+                with pytest.raises(CorruptCheckpointError, match=f"{group} is a .*not a directory"):
+                    op(name)
+        assert (outside / "shard-r00001-0000-ab.safetensors").read_bytes() == b"secret"
+        assert s.list() == ["g00001"]  # the link is not followed; the file is a file
 
 
 def _direct_io_works(path: Path) -> bool:

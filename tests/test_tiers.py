@@ -196,13 +196,17 @@ def test_a_step_saved_anew_after_a_rewind_replaces_the_remote_copy(tmp_path):
     assert torch.equal(out["w"], _state(20)["w"]), "the remote copy is the new save, not the old one"
 
 
-def test_two_ranks_upload_their_own_files_and_restore_agrees_on_the_copy(tmp_path):
+def test_two_ranks_upload_their_own_files_and_restore_agrees_on_the_copy(tmp_path, monkeypatch):
     from dist_util import run_world
 
     worker = Path(__file__).with_name("tier_worker.py")
     local, remote = tmp_path / "nvme", tmp_path / "remote"
+    monkeypatch.setenv("STASHPOINT_RANKS_PER_DIR", "1")  # each rank's files in a directory of its own
     for r in run_world(2, "save", str(local), str(remote), worker=worker):
         assert r == {"local": [3], "remote": [2, 3]}
+    for tier in (local, remote):
+        names = sorted(p.name for p in (tier / "step-00000003").iterdir())
+        assert names == ["g00000", "g00001", "manifest.json"], names
     manifest = stashpoint._load.manifest.open_checkpoint(remote / "step-00000003")[1]
     assert {f.rank for f in manifest.files} == {0, 1}, "both ranks wrote (and uploaded) shards"
     assert stashpoint.verify(remote / "step-00000003").ok

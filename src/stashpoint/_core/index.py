@@ -17,6 +17,7 @@ needs (same world size: its own, and rank 0's for small replicated tensors). See
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,7 @@ from stashpoint._core.catalog import Grid, Placement
 from stashpoint._core.dtypes import itemsize
 from stashpoint._core.format import Chunk, FileEntry, Manifest, TensorEntry, _check_byte_ranges, _check_tiling, parse_v1
 from stashpoint._core.header import HEADER_ALIGN, MAX_HEADER_BYTES
-from stashpoint._core.naming import index_name
+from stashpoint._core.naming import group_dir, index_name, placed
 from stashpoint._core.nodes import check_tree
 from stashpoint._core.reshard import Box, block_count
 from stashpoint._core.sealed import (
@@ -46,6 +47,7 @@ from stashpoint._core.sealed import (
 from stashpoint.errors import CorruptCheckpointError
 
 INDEX_FORMAT = "stashpoint-index"
+_SAVE_ID = re.compile(r"[0-9a-f]{1,64}")
 MAX_WORLD = 1 << 24
 
 # ---------------------------------------------------------------------------------------------
@@ -64,9 +66,10 @@ class Head:
     indexes: tuple[tuple[int, str], ...]  # per rank: its index's size and checksum
     catalog: Mapping[str, Placement]
     metadata: Mapping[str, str] = field(default_factory=dict)
+    ranks_per_dir: int = 0  # each rank's files are in its group directory (0: all at the root)
 
     def index_name(self, rank: int) -> str:
-        return index_name(rank, self.save_id)
+        return placed(index_name(rank, self.save_id), rank, self.ranks_per_dir)
 
     def to_json(self) -> bytes:
         return seal(
@@ -78,6 +81,7 @@ class Head:
                 "library_version": self.library_version,
                 "torch_version": self.torch_version,
                 "world_size": self.world_size,
+                "ranks_per_dir": self.ranks_per_dir,
                 "checksum_algorithm": CHECKSUM_ALGORITHM,
                 "checksum_block_bytes": CHECKSUM_BLOCK_BYTES,
                 "metadata": dict(self.metadata),
@@ -136,6 +140,10 @@ def parse_head(raw: bytes, where: str) -> Manifest | Head:
     head = common_fields(doc, where)
     world = _int(doc.get("world_size"), where, "world_size", 1)
     _want(world <= MAX_WORLD, where, f"world_size is over {MAX_WORLD}")
+    # the save id and the group size make the indexes' file names: nothing else may get in
+    _want(_SAVE_ID.fullmatch(head["save_id"]) is not None, where, "save_id must be 1 to 64 hex digits")
+    per_dir = _int(doc.get("ranks_per_dir", 0), where, "ranks_per_dir")
+    _want(per_dir <= MAX_WORLD, where, f"ranks_per_dir is over {MAX_WORLD}")
     refs = doc.get("indexes")
     _want(isinstance(refs, list) and len(refs) == world, where, "indexes must list one index per rank")
     assert isinstance(refs, list)
@@ -156,7 +164,7 @@ def parse_head(raw: bytes, where: str) -> Manifest | Head:
             _want(target is not None and target.alias_of is None, where, f"{key!r} aliases a missing entry")
             assert target is not None
             _want((target.dtype, target.shape) == (p.dtype, p.shape), where, f"{key!r} aliases another dtype or shape")
-    return Head(world_size=world, indexes=tuple(indexes), catalog=catalog, **head)
+    return Head(world_size=world, indexes=tuple(indexes), catalog=catalog, ranks_per_dir=per_dir, **head)
 
 
 def _parse_placement(key: str, e: object, world: int, where: str) -> Placement:
@@ -209,9 +217,11 @@ def parse_index(raw: bytes, where: str, head: Head, rank: int) -> RankIndex:
     assert isinstance(files_doc, list) and isinstance(chunks_doc, dict)
     _want(len(files_doc) + len(chunks_doc) <= MAX_MANIFEST_ENTRIES, where, "it lists too many chunks")
     files = []
+    own_dir = group_dir(rank, head.ranks_per_dir)
     for f in files_doc:
         _want(isinstance(f, list) and len(f) == 4 and isinstance(f[3], str), where, "a file entry is malformed")
         name = safe_file_name(f[0], where)
+        _want(name.rpartition("/")[0] == own_dir, where, f"{name!r} is outside rank {rank}'s directory {own_dir!r}")
         size = _int(f[1], where, f"size of {name!r}")
         start = _int(f[2], where, f"data_start of {name!r}", 8)
         _want(start <= size and start <= 8 + MAX_HEADER_BYTES + HEADER_ALIGN, where, f"data_start of {name!r}")

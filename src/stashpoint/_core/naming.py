@@ -11,6 +11,7 @@ LOCK_NAME = ".stashpoint-manager.lock"  # the manager's lock file in its root
 
 _SHARD_RE = re.compile(r"shard-r([0-9]{5,})-([0-9]{4,})-([0-9a-f]+)\.safetensors")
 _INDEX_RE = re.compile(r"index-r([0-9]{5,})-([0-9a-f]+)\.json")
+_GROUP_RE = re.compile(r"g([0-9]{5,})")
 _STEP_RE = re.compile(r"step-([0-9]{8,})")
 _SET_ASIDE_RE = re.compile(r"(step-[0-9]{8,})\.damaged-[0-9]{8}-[0-9]{6}")
 
@@ -34,8 +35,46 @@ def index_name(rank: int, save_id: str) -> str:
     return f"index-r{rank:05d}-{save_id}.json"
 
 
+RANKS_PER_DIR = 1024  # ranks whose files share a directory once a world has more (about 3,000 entries)
+
+
+def group_dir(rank: int, ranks_per_dir: int) -> str:
+    """The directory under a checkpoint that ``rank``'s files go in: ``g`` and the group number
+    (``""``: the checkpoint's root, when ``ranks_per_dir`` is 0). One directory (or object-store
+    prefix) per ``ranks_per_dir`` ranks keeps each to a few thousand entries at any world size."""
+    return f"g{rank // ranks_per_dir:05d}" if ranks_per_dir else ""
+
+
+def placed(name: str, rank: int, ranks_per_dir: int) -> str:
+    """``name`` inside ``rank``'s group directory (``g00012/name``), or ``name`` itself."""
+    group = group_dir(rank, ranks_per_dir)
+    return f"{group}/{name}" if group else name
+
+
+def is_group_dir(name: str) -> bool:
+    """Whether ``name`` is exactly a group directory name :func:`group_dir` gives."""
+    m = _GROUP_RE.fullmatch(name)
+    return m is not None and f"g{int(m[1]):05d}" == name
+
+
+def split_group(name: str) -> tuple[str, str] | None:
+    """``(group, file)`` of a file name inside the checkpoint (group ``""`` at its root), or None
+    unless it is a plain name or one group directory and a plain name."""
+    group, sep, leaf = name.rpartition("/")
+    if not leaf or "/" in group or "\\" in name or leaf in (".", ".."):
+        return None
+    if sep and not is_group_dir(group):
+        return None
+    return group, leaf
+
+
 def parse_save_file(name: str) -> tuple[int, str] | None:
-    """``(rank, save_id)`` of a shard or index file name this module gives, else None."""
+    """``(rank, save_id)`` of a shard or index file name this module gives (at the root or in
+    a group directory), else None."""
+    parts = split_group(name)
+    if parts is None:
+        return None
+    name = parts[1]
     shard = parse_shard_name(name)
     if shard is not None:
         return shard[0], shard[2]
@@ -48,7 +87,7 @@ def parse_save_file(name: str) -> tuple[int, str] | None:
 
 def looks_like_shard(name: str) -> bool:
     """Whether ``name`` could be one of stashpoint's shard files (telling what a directory is)."""
-    return name.startswith(("shard-", "index-"))
+    return name.rpartition("/")[2].startswith(("shard-", "index-"))
 
 
 def step_dir(step: int) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 
 import xxhash
 
+from stashpoint._core.naming import split_group
 from stashpoint.errors import CorruptCheckpointError
 
 FORMAT_NAME = "stashpoint"
@@ -68,16 +69,12 @@ def _ints(v: object, where: str, what: str) -> tuple[int, ...]:
 
 
 def safe_file_name(name: object, where: str) -> str:
-    """A shard file name must be a plain name inside the checkpoint directory."""
-    ok = (
-        isinstance(name, str)
-        and 0 < len(name) <= 255
-        and name not in (".", "..")
-        and "/" not in name
-        and "\\" not in name
-        and "\x00" not in name
-    )
-    _want(ok, where, f"file name {name!r} points outside the checkpoint (only plain names are allowed)")
+    """A shard file name must be a plain name inside the checkpoint directory, or inside one of
+    its group directories (``g00012/name``), and nowhere else."""
+    ok = isinstance(name, str) and 0 < len(name) <= 255 and "\x00" not in name
+    ok = ok and split_group(name) is not None  # type: ignore[arg-type]
+    allowed = "only plain names, or g<digits>/name, are allowed"
+    _want(ok, where, f"file name {name!r} points outside the checkpoint ({allowed})")
     assert isinstance(name, str)
     return name
 

@@ -53,6 +53,7 @@ class Start:
     save_id: str
     reuse: bool
     failed: tuple[tuple[int, str], ...] = ()
+    ranks_per_dir: int = 0  # the files of each group of this many ranks share a directory (0: one for all)
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,11 @@ class RankFailure(Exception):
         return "; ".join(f"rank {r}: {cause}" for r, cause in self.failed)
 
 
-def start_save(ctx: DistContext, hellos: Sequence[SaveHello], last: Plan | None, constrained: bool) -> Start:
-    """Rank 0: decide from every rank's hello whether and how the save starts."""
+def start_save(
+    ctx: DistContext, hellos: Sequence[SaveHello], last: Plan | None, constrained: bool, ranks_per_dir: int = 0
+) -> Start:
+    """Rank 0: decide from every rank's hello whether and how the save starts (``ranks_per_dir``:
+    rank 0's choice of directories, which every rank follows)."""
     failed = [(r, h.error) for r, h in enumerate(hellos) if h.error is not None]
     if failed:
         return Start("", False, _named(failed))
@@ -117,7 +121,7 @@ def start_save(ctx: DistContext, hellos: Sequence[SaveHello], last: Plan | None,
         and not constrained
         and all(h.covers_last_plan for h in hellos)
     )
-    return Start(hellos[0].save_id, reuse)
+    return Start(hellos[0].save_id, reuse, ranks_per_dir=ranks_per_dir)
 
 
 def _named(failed: list[tuple[int, str]]) -> tuple[tuple[int, str], ...]:

@@ -116,7 +116,9 @@ class _Engine:
         return handle
 
     def _stage(self, state: Any, storage: Storage, opts: SaveOptions, ctx: DistContext) -> tuple[PersistJob, float]:
-        if storage.exists(MANIFEST_NAME) and not opts.overwrite:
+        # rank 0 alone asks the storage (one request per save, not one per rank); its refusal
+        # fails the save on every rank, as any one rank's error does
+        if ctx.rank == 0 and not opts.overwrite and storage.exists(MANIFEST_NAME):
             raise CheckpointError(
                 f"a committed checkpoint already exists at {storage.location}; pass overwrite=True to "
                 "replace it (it stays loadable until the new one commits) or save to a new path."

@@ -20,7 +20,7 @@ from stashpoint._core.assign import assign_writers
 from stashpoint._core.catalog import catalog_of
 from stashpoint._core.format import Chunk, checksum
 from stashpoint._core.index import Head, RankIndex
-from stashpoint._core.naming import MANIFEST_NAME, index_name, parse_save_file
+from stashpoint._core.naming import MANIFEST_NAME, RANKS_PER_DIR, group_dir, index_name, parse_save_file, placed
 from stashpoint._core.plan import TensorSpec, plan_files
 from stashpoint._dist import group as _dist
 from stashpoint._dist.commit import (
@@ -40,7 +40,7 @@ from stashpoint._save.handle import SaveStats
 from stashpoint._save.layout import Layout
 from stashpoint._save.persist import Writer, WrittenShards, write_shards
 from stashpoint._save.staging import StagingBuffers, StagingPool
-from stashpoint._storage import Storage
+from stashpoint._storage import Storage, env_number
 from stashpoint._version import __version__
 from stashpoint.errors import CheckpointError
 
@@ -53,6 +53,13 @@ log = logging.getLogger("stashpoint")
 
 def _shard_of(name: str, rank: int, save_id: str) -> bool:
     return parse_save_file(name) == (rank, save_id)
+
+
+def ranks_per_dir(world: int) -> int:
+    """How many ranks' files share a directory in a world of ``world`` ranks: all of them (0, the
+    checkpoint's root) up to ``STASHPOINT_RANKS_PER_DIR`` (default 1,024) ranks, that many above."""
+    per_dir = int(env_number("STASHPOINT_RANKS_PER_DIR", RANKS_PER_DIR, 1, 1 << 24))
+    return per_dir if world > per_dir else 0
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ class PersistJob:
     writer: Writer | None = None  # the writer process; None: write on this (the writer) thread
     staged_keys: frozenset[str] | None = None  # the keys copied for this save; None: every key
     reported_ok: bool = False  # this rank told the others its part succeeded
+    ranks_per_dir: int = 0  # rank 0's choice for this save (see ``ranks_per_dir()``)
 
     @classmethod
     def failed(
@@ -109,11 +117,13 @@ class PersistJob:
         loc = self.storage.location
         mine = SaveHello(self.layout.hash, uuid.uuid4().hex[:16], self.seq, loc, err, self._covers(last))
         hellos: list[SaveHello] | None = ctx.gather("save hellos", mine)
-        start = start_save(ctx, hellos, last, ctx.plan_constrained) if hellos is not None else None
+        spread = ranks_per_dir(ctx.world)
+        start = start_save(ctx, hellos, last, ctx.plan_constrained, spread) if hellos is not None else None
         start = ctx.broadcast("save start", start)
         assert isinstance(start, Start)
         if start.failed:
             raise RankFailure(list(start.failed))
+        self.ranks_per_dir = start.ranks_per_dir
         if start.reuse:
             assert last is not None
             return start.save_id, last.mine
@@ -172,7 +182,13 @@ class PersistJob:
                 self.staged.trim()
                 self.storage.prepare()
                 written = write_shards(
-                    self.storage, files, self.staged, rank=ctx.rank, save_id=save_id, writer=self.writer
+                    self.storage,
+                    files,
+                    self.staged,
+                    rank=ctx.rank,
+                    save_id=save_id,
+                    writer=self.writer,
+                    directory=group_dir(ctx.rank, self.ranks_per_dir),
                 )
                 index = self._write_index(save_id, written)
                 self.storage.sync()
@@ -236,7 +252,8 @@ class PersistJob:
                 loc,
             )
         elif save_id:
-            self._remove(lambda name: _shard_of(name, rank, save_id), self.storage.best_effort())
+            own = group_dir(rank, self.ranks_per_dir)
+            self._remove(lambda name: _shard_of(name, rank, save_id), self.storage.best_effort(), own)
         if isinstance(e, CollectiveError):
             _dist.forget(self.ctx)
         if isinstance(e, RankFailure):
@@ -268,13 +285,15 @@ class PersistJob:
             return None
         return isinstance(doc, dict) and doc.get("save_id") == save_id
 
-    def _remove(self, doomed: Any, storage: Storage | None = None) -> None:
+    def _remove(self, doomed: Any, storage: Storage | None = None, group: str | None = None) -> None:
+        """Delete the save files that ``doomed(name)`` picks: anywhere, or in ``group`` alone."""
         storage = storage or self.storage
         try:
-            for name in storage.list():
+            names = storage.list() if not group else [f"{group}/{n}" for n in storage.child(group).list()]
+            for name in names:
                 if parse_save_file(name) is not None and doomed(name):
                     storage.delete(name)
-        except OSError as e:  # best effort
+        except (OSError, CheckpointError) as e:  # best effort
             log.warning("stashpoint: could not remove files in %s: %s", storage.location, e)
 
     def _write_index(self, save_id: str, written: WrittenShards) -> bytes:
@@ -285,7 +304,8 @@ class PersistJob:
             for key, (fname, start, end, sums) in written.chunks.items()
         }
         raw = RankIndex(self.ctx.rank, save_id, written.files, chunks, self.tree).to_json()
-        out = self.storage.open_writer(index_name(self.ctx.rank, save_id), len(raw))
+        name = placed(index_name(self.ctx.rank, save_id), self.ctx.rank, self.ranks_per_dir)
+        out = self.storage.open_writer(name, len(raw))
         try:
             out.write(raw)
         except BaseException:
@@ -309,6 +329,7 @@ class PersistJob:
             indexes=tuple((w.index_size, w.index_checksum) for w in written),
             catalog=plan.catalog,
             metadata=self.opts.metadata,
+            ranks_per_dir=self.ranks_per_dir,
         )
         try:  # without overwrite, of two saves racing to one new path exactly one commits
             self.storage.commit(MANIFEST_NAME, head.to_json(), exclusive=not self.opts.overwrite)

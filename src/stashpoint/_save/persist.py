@@ -42,9 +42,12 @@ class Writer(Protocol):
         ...
 
 
-def shard_writes(files: Sequence[FilePlan], staged: StagingBuffers, *, rank: int, save_id: str) -> list[ShardWrite]:
-    """The shard files of ``files``: each one's safetensors header, and where each tensor's
-    bytes lie in ``staged`` (any plan's layout of the same tensors)."""
+def shard_writes(
+    files: Sequence[FilePlan], staged: StagingBuffers, *, rank: int, save_id: str, directory: str = ""
+) -> list[ShardWrite]:
+    """The shard files of ``files`` (in ``directory`` under the checkpoint): each one's
+    safetensors header, and where each tensor's bytes lie in ``staged`` (any plan's layout of
+    the same tensors)."""
     writes = []
     for fplan in files:
         entries = []
@@ -54,7 +57,8 @@ def shard_writes(files: Sequence[FilePlan], staged: StagingBuffers, *, rank: int
             entries.append((p.key, st_dtype, st_shape, p.begin, p.end))
         header = encode_header(entries, {"format": "stashpoint", "save_id": save_id})
         pieces = tuple(Piece(p.key, staged.offsets[p.key], p.end - p.begin) for p in fplan.placements)
-        writes.append(ShardWrite(shard_name(rank, fplan.index, save_id), header, pieces))
+        name = shard_name(rank, fplan.index, save_id)
+        writes.append(ShardWrite(f"{directory}/{name}" if directory else name, header, pieces))
     return writes
 
 
@@ -66,13 +70,14 @@ def write_shards(
     rank: int,
     save_id: str,
     writer: Writer | None = None,
+    directory: str = "",
 ) -> WrittenShards:
     """Write each planned shard durably from ``staged``, on this thread or with ``writer``.
 
     Tensors that lie back to back in staging memory are written as one run in large aligned
     blocks (direct I/O where the storage allows); checksums are computed in the same pass.
     """
-    writes = shard_writes(files, staged, rank=rank, save_id=save_id)
+    writes = shard_writes(files, staged, rank=rank, save_id=save_id, directory=directory)
     if writer is None or not writes:
         sums = write_files(storage, writes, staged.memoryview(), block=CHECKSUM_BLOCK_BYTES)
     else:

@@ -12,7 +12,7 @@ from stashpoint._storage.local import LocalStorage
 # scheme -> (module, class): backends are imported only when a path needs them
 SCHEMES: dict[str, tuple[str, str]] = {"s3": ("stashpoint._storage.s3", "S3Storage")}
 
-__all__ = ["FileWriter", "LocalStorage", "Storage", "storage_for"]
+__all__ = ["FileWriter", "LocalStorage", "Storage", "env_number", "storage_for"]
 
 
 def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:

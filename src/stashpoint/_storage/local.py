@@ -4,23 +4,26 @@ and directories, an exclusive commit by hard link, and only regular files read."
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import os
 import shutil
 import stat
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from stashpoint._core.naming import is_group_dir, split_group
 from stashpoint._storage.base import FileWriter, Storage
-from stashpoint._storage.directio import ALIGN, MIN_DIRECT_BYTES, BouncePool, address, readv_direct
+from stashpoint._storage.directio import ALIGN, MIN_DIRECT_BYTES, BouncePool, readv_direct
+from stashpoint._storage.localwrite import LocalWriter, fsync_dir, link_new
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
-_BLOCK = 64 * 1024 * 1024
 _IOV_MAX = 512
 
 
 _NOFOLLOW = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
 def _kind(mode: int) -> str:
@@ -35,30 +38,6 @@ def not_regular(path: Path, kind: str) -> CorruptCheckpointError:
         f"{path} is a {kind}, not a regular file; a checkpoint holds only regular files, so it is refused "
         "(remove it, or load an earlier checkpoint)"
     )
-
-
-def _link_new(src: Path, dst: Path) -> None:
-    """Give ``src`` the name ``dst`` atomically, failing with FileExistsError if ``dst`` exists
-    (a hard link is created or not; a rename would replace). File systems without hard links
-    fall back to a check and a rename, which two racing writers can both pass."""
-    try:
-        os.link(src, dst)
-    except FileExistsError:
-        raise FileExistsError(errno.EEXIST, "already exists", str(dst)) from None
-    except OSError as e:
-        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
-            raise
-        if os.path.lexists(dst):
-            raise FileExistsError(errno.EEXIST, "already exists", str(dst)) from None
-        os.replace(src, dst)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 DIRECT_ALIGN = ALIGN
@@ -76,77 +55,6 @@ def _drop_front(buffers: list[memoryview], n: int) -> list[memoryview]:
             out[0] = out[0][n:]
             n = 0
     return out
-
-
-class _LocalWriter(FileWriter):
-    """Writes a file in order. Aligned spans go through O_DIRECT where the filesystem allows it
-    (steady bandwidth, no CPU spent copying into the page cache); the rest is buffered."""
-
-    def __init__(self, path: Path, size: int, *, direct: bool = False) -> None:
-        self._path = path
-        self._pos = 0
-        self._dfd = -1
-        cloexec = getattr(os, "O_CLOEXEC", 0)
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | cloexec, 0o644)
-        try:
-            if size > 0 and hasattr(os, "posix_fallocate"):
-                try:  # reserve the space up front: a full disk fails now, not half-way through
-                    os.posix_fallocate(self._fd, 0, size)
-                except OSError as e:
-                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                        raise
-            if direct and hasattr(os, "O_DIRECT"):
-                try:
-                    self._dfd = os.open(path, os.O_WRONLY | os.O_DIRECT | cloexec)
-                except OSError:  # e.g. tmpfs: no direct I/O, buffered writes only
-                    self._dfd = -1
-        except BaseException:
-            self.abort()
-            raise
-
-    def _pwrite_all(self, fd: int, mv: memoryview) -> None:
-        while len(mv):
-            n = os.pwrite(fd, mv[:_BLOCK], self._pos)
-            mv = mv[n:]
-            self._pos += n
-
-    def write(self, data: memoryview | bytes) -> None:
-        mv = memoryview(data).cast("B")
-        if self._dfd >= 0 and self._pos % DIRECT_ALIGN == 0:
-            addr = address(mv)
-            aligned = len(mv) // DIRECT_ALIGN * DIRECT_ALIGN
-            if addr is not None and addr % DIRECT_ALIGN == 0 and aligned:
-                start = self._pos
-                try:
-                    self._pwrite_all(self._dfd, mv[:aligned])
-                    mv = mv[aligned:]
-                except OSError as e:
-                    if e.errno != errno.EINVAL:
-                        raise
-                    os.close(self._dfd)  # this filesystem refuses the alignment: buffered from now on
-                    self._dfd = -1
-                    mv = mv[self._pos - start :]
-        if len(mv):
-            self._pwrite_all(self._fd, mv)
-
-    def close(self) -> None:
-        try:
-            os.fsync(self._fd)
-        finally:
-            self._close_fds()
-
-    def _close_fds(self) -> None:
-        for fd in (self._fd, self._dfd):
-            if fd >= 0:
-                os.close(fd)
-        self._fd = self._dfd = -1
-
-    def abort(self) -> None:
-        self._close_fds()
-        try:
-            self._path.unlink()
-        except FileNotFoundError:
-            pass
 
 
 class LocalStorage(Storage):
@@ -168,6 +76,7 @@ class LocalStorage(Storage):
         self.write_streams = write_streams
         self._bounce = BouncePool()
         self._direct_reads = direct_io and hasattr(os, "O_DIRECT")  # off once the file system refuses
+        self._touched: set[str] = set()  # group directories written into since the last sync()
 
     @property
     def location(self) -> str:
@@ -184,27 +93,78 @@ class LocalStorage(Storage):
         if self.root.is_symlink() or not self.root.is_dir():
             raise CheckpointError(f"{self.root} is not a directory (a symbolic link?); choose another path")
 
+    def _split(self, name: str) -> tuple[str, str]:
+        parts = split_group(name)
+        if parts is None:
+            raise ValueError(f"{name!r} is not a file name inside a checkpoint (a plain name, or g<digits>/name)")
+        return parts
+
+    def _open_dir(self, group: str, *, create: bool = False) -> int:
+        """A descriptor of the group directory ``group``, never reached through a symbolic link
+        (which could lead reads and deletes outside the checkpoint)."""
+        path = self.root / group
+        if create:
+            with contextlib.suppress(FileExistsError):
+                path.mkdir()
+        try:
+            return os.open(path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW)
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            kind = "symbolic link" if path.is_symlink() else "file"
+            raise CorruptCheckpointError(
+                f"{path} is a {kind}, not a directory; a checkpoint's group directories are plain directories, "
+                "so it is refused (remove it, or use another path)"
+            ) from None
+
+    @contextlib.contextmanager
+    def _where(self, name: str) -> Iterator[tuple[int | None, str | Path]]:
+        """``(dir_fd, path)`` to reach ``name`` by: the root's path, or its group's descriptor."""
+        group, leaf = self._split(name)
+        if not group:
+            yield None, self.root / leaf
+            return
+        fd = self._open_dir(group)
+        try:
+            yield fd, leaf
+        finally:
+            os.close(fd)
+
     def open_writer(self, name: str, size: int) -> FileWriter:
-        return _LocalWriter(self.root / name, size, direct=self.direct_io)
+        group, leaf = self._split(name)
+        if not group:
+            return LocalWriter(self.root / leaf, size, direct=self.direct_io)
+        fd = self._open_dir(group, create=True)
+        self._touched.add(group)
+        return LocalWriter(self.root / name, size, direct=self.direct_io, dir_fd=fd)  # which owns fd
 
     def sync(self) -> None:
-        _fsync_dir(self.root)
+        """Make the names written since the last call durable: the root's and its group
+        directories' entries."""
+        for group in sorted(self._touched):
+            fd = self._open_dir(group)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self._touched.clear()
+        fsync_dir(self.root)
 
     def commit(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
         tmp = self.root / f".{name}.{uuid.uuid4().hex}.partial"
         try:
-            w = _LocalWriter(tmp, len(data))
+            w = LocalWriter(tmp, len(data))
             w.write(data)
             w.close()
             if exclusive:
-                _link_new(tmp, self.root / name)
+                link_new(tmp, self.root / name)
                 tmp.unlink()
             else:
                 os.replace(tmp, self.root / name)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def _open_read(self, name: str, flags: int = 0) -> int:
         """Open a file of the checkpoint for reading. Only a regular file is opened: a symbolic
@@ -212,7 +172,8 @@ class LocalStorage(Storage):
         some writer came (the open does not block; what it opened is checked before any read)."""
         path = self.root / name
         try:
-            fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | flags)
+            with self._where(name) as (at, leaf):
+                fd = os.open(leaf, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | flags, dir_fd=at)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise not_regular(path, "symbolic link") from None
@@ -275,29 +236,51 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def size(self, name: str) -> int:
-        st = (self.root / name).lstat()
+        with self._where(name) as (at, leaf):
+            st = os.stat(leaf, dir_fd=at, follow_symlinks=False)
         if not stat.S_ISREG(st.st_mode):
             raise not_regular(self.root / name, _kind(st.st_mode))
         return st.st_size
 
     def exists(self, name: str | None = None) -> bool:
-        return (self.root if name is None else self.root / name).exists()
+        if name is None or "/" not in name:
+            return (self.root if name is None else self.root / name).exists()
+        try:
+            with self._where(name) as (at, leaf):
+                os.stat(leaf, dir_fd=at, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
 
     def list(self) -> list[str]:
+        """The files at the root, and those in its group directories as ``g00012/name``."""
+        out = []
         try:
-            return sorted(p.name for p in self.root.iterdir() if not p.is_dir())
+            for p in self.root.iterdir():
+                if not p.is_dir():
+                    out.append(p.name)
+                elif is_group_dir(p.name) and not p.is_symlink():
+                    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                        out.extend(f"{p.name}/{q.name}" for q in p.iterdir() if not q.is_dir())
         except FileNotFoundError:
             return []
+        return sorted(out)
 
     def delete(self, name: str) -> None:
-        (self.root / name).unlink(missing_ok=True)
+        try:
+            with self._where(name) as (at, leaf):
+                os.unlink(leaf, dir_fd=at)
+        except FileNotFoundError:
+            pass
 
     def child(self, name: str) -> LocalStorage:
         return type(self)(self.root / name, direct_io=self.direct_io, write_streams=self.write_streams)
 
     def children(self) -> builtins.list[str]:
         try:
-            return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.is_symlink())
+            return sorted(
+                p.name for p in self.root.iterdir() if p.is_dir() and not p.is_symlink() and not is_group_dir(p.name)
+            )
         except FileNotFoundError:
             return []
 
@@ -315,5 +298,5 @@ class LocalStorage(Storage):
     def move(self, name: str) -> LocalStorage:
         target = self.root.parent / name
         self.root.rename(target)
-        _fsync_dir(self.root.parent)
+        fsync_dir(self.root.parent)
         return type(self)(target, direct_io=self.direct_io, write_streams=self.write_streams)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from stashpoint import _runtime
-from stashpoint._core.naming import MANIFEST_NAME
+from stashpoint._core.naming import MANIFEST_NAME, is_group_dir, split_group
 from stashpoint._storage.base import FileWriter, Storage
 from stashpoint._storage.s3config import S3Client, S3Error, S3Options, check_installed, client_for
 from stashpoint._storage.s3io import S3Writer, copy_into, server_said, status_of
@@ -108,9 +108,13 @@ class S3Storage(Storage):
         return hash((self.url, self.options))
 
     def key(self, name: str) -> str:
-        if not name or name.startswith("/") or "//" in name:
-            raise ValueError(f"{name!r} is not a valid object name under {self.url}")
-        return f"{self.prefix}/{name}" if self.prefix else name
+        """The object key of the checkpoint's file ``name`` (a plain name, or ``g00012/name``)."""
+        if split_group(name) is None:
+            raise ValueError(f"{name!r} is not a file name inside a checkpoint under {self.url}")
+        return self._under(name)
+
+    def _under(self, path: str) -> str:
+        return f"{self.prefix}/{path}" if self.prefix else path
 
     def url_of(self, name: str) -> str:
         return f"{self.url}/{name}"
@@ -280,7 +284,11 @@ class S3Storage(Storage):
         return objects, [name for p in res["common_prefixes"] if (name := p[cut:].rstrip("/"))]
 
     def list(self) -> builtins.list[str]:
-        return sorted(self._list_level()[0])
+        """The objects directly under the prefix, and those under its group prefixes as ``g00012/name``."""
+        objects, prefixes = self._list_level()
+        for group in filter(is_group_dir, prefixes):
+            objects += [f"{group}/{name}" for name in self.child(group)._list_level()[0]]
+        return sorted(objects)
 
     def delete(self, name: str) -> None:
         import obstore
@@ -293,7 +301,7 @@ class S3Storage(Storage):
         return S3Storage(f"{self.url}/{name}", self.options)
 
     def children(self) -> builtins.list[str]:
-        return sorted(self._list_level()[1])
+        return sorted(p for p in self._list_level()[1] if not is_group_dir(p))
 
     def _all_keys(self) -> builtins.list[str]:
         """Every object key under the prefix, at any depth."""
@@ -357,7 +365,7 @@ class S3Storage(Storage):
         for group in (rest, manifests):
             with cf.ThreadPoolExecutor(self.options.concurrency, "stashpoint-s3-copy") as pool:
                 futures = [
-                    pool.submit(self.call, "copying", k[cut:], obstore.copy, store, k, target.key(k[cut:]))
+                    pool.submit(self.call, "copying", k[cut:], obstore.copy, store, k, target._under(k[cut:]))
                     for k in group
                 ]
                 for f in futures:
