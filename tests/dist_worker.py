@@ -319,7 +319,8 @@ def scenario_plan_cache(root: str) -> None:
     state["extra"] = torch.ones(3)  # a new structure: planned again
     stashpoint.save(state, f"{root}/b", timeout=60)
     ctx = next(iter(_dist._contexts().values()))
-    result(plans=ctx.plans_made, threads=sorted({t for _, t in calls}), kinds=sorted({w for w, _ in calls}))
+    kinds = sorted({w for w, _ in calls})
+    result(plans=ctx.plans_made, described=ctx.plans_described, threads=sorted({t for _, t in calls}), kinds=kinds)
 
 
 def scenario_save_bytes(root: str) -> None:

@@ -257,6 +257,10 @@ def main() -> None:
                 return
             cell.step()  # training goes on while the save persists
             handle.wait()
+            from stashpoint._dist import group as _group
+
+            ctxs = list(_group._contexts().values())
+            result["planned"] = "described" if any(c.plans_described for c in ctxs) else "general"
             if rank == 0:
                 torch.save({"model": msd, "optim": ostate}, d / "ref.pt")
                 saved = stashpoint.read(d / "ckpt")

@@ -9,6 +9,7 @@ from typing import Any
 
 from stashpoint._core.assign import ChunkMeta
 from stashpoint._core.catalog import Placement
+from stashpoint._core.described import MAX_DESCRIPTIONS
 from stashpoint._dist.group import DistContext
 
 
@@ -22,6 +23,8 @@ class SaveHello:
     location: str
     error: str | None  # this rank failed before staging
     covers_last_plan: bool  # this rank copied everything the last plan gives it to write
+    description: str | None = None  # the digest of its layout's description (None: it has none)
+    copied_all: bool = True  # it copied every tensor it holds for this save
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class Start:
     reuse: bool
     failed: tuple[tuple[int, str], ...] = ()
     ranks_per_dir: int = 0  # the files of each group of this many ranks share a directory (0: one for all)
+    # a new plan from descriptions: the rank that broadcasts each distinct one, and per rank
+    # (one byte each) which it holds; None: every rank sends its layout to rank 0
+    described: tuple[tuple[int, ...], bytes] | None = None
 
 
 @dataclass(frozen=True)
@@ -121,7 +127,21 @@ def start_save(
         and not constrained
         and all(h.covers_last_plan for h in hellos)
     )
-    return Start(hellos[0].save_id, reuse, ranks_per_dir=ranks_per_dir)
+    return Start(hellos[0].save_id, reuse, ranks_per_dir=ranks_per_dir, described=None if reuse else _described(hellos))
+
+
+def _described(hellos: Sequence[SaveHello]) -> tuple[tuple[int, ...], bytes] | None:
+    """Who broadcasts each distinct description, and which each rank holds; None when some
+    rank has none, copied only part of its state, or there are too many distinct ones."""
+    if any(h.description is None or not h.copied_all for h in hellos):
+        return None
+    first: dict[str | None, int] = {}
+    for rank, h in enumerate(hellos):
+        first.setdefault(h.description, rank)
+    if len(first) > MAX_DESCRIPTIONS:
+        return None
+    index = {d: i for i, d in enumerate(first)}
+    return tuple(first.values()), bytes(index[h.description] for h in hellos)
 
 
 def _named(failed: list[tuple[int, str]]) -> tuple[tuple[int, str], ...]:

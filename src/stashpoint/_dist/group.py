@@ -63,6 +63,7 @@ class DistContext:
     # those, this rank copies everything (on every rank alike, so it cannot happen again).
     copy_all: set[str] = field(default_factory=set)
     plans_made: int = 0  # how many times the layouts were exchanged and a plan computed
+    plans_described: int = 0  # of those, how many from descriptions (no rank sent its layout)
     saves: int = 0  # collective saves started on this rank: every rank must agree on the count
     calls: int = 0  # collectives issued on this group by this rank (the same count on every rank)
     sent: int = 0  # payload bytes this rank sent on the group (gather slots, pickled messages)
@@ -197,14 +198,15 @@ class DistContext:
         self.received += 8 + _size(out[0])
         return out[0]
 
-    def broadcast(self, what: str, obj: Any) -> Any:
+    def broadcast(self, what: str, obj: Any, src: int = 0) -> Any:
+        """``obj`` of the group's rank ``src``, on every rank."""
         import torch.distributed as dist
 
         if self.world == 1:
             return obj
         box = [obj]
-        self.collective(what, dist.broadcast_object_list, box, src=self.ranks[0])
-        if self.rank == 0:
+        self.collective(what, dist.broadcast_object_list, box, src=self.ranks[src])
+        if self.rank == src:
             self.sent += 8 + _size(obj)
         else:
             self.received += 8 + _size(box[0])

@@ -9,19 +9,23 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import math
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from stashpoint._core.assign import assign_writers
-from stashpoint._core.catalog import catalog_of
+from stashpoint._core.assign import ChunkMeta, assign_writers
+from stashpoint._core.catalog import Placement, catalog_of
+from stashpoint._core.described import described_catalog
 from stashpoint._core.format import Chunk, checksum
 from stashpoint._core.index import Head, RankIndex
 from stashpoint._core.naming import MANIFEST_NAME, RANKS_PER_DIR, group_dir, index_name, parse_save_file, placed
 from stashpoint._core.plan import TensorSpec, plan_files
+from stashpoint._core.reshard import Box
 from stashpoint._dist import group as _dist
 from stashpoint._dist.commit import (
     Assignment,
@@ -53,6 +57,12 @@ log = logging.getLogger("stashpoint")
 
 def _shard_of(name: str, rank: int, save_id: str) -> bool:
     return parse_save_file(name) == (rank, save_id)
+
+
+def _written_here(catalog: Mapping[str, Placement], c: ChunkMeta, rank: int) -> bool:
+    """Whether a described plan's ``catalog`` gives ``rank`` its chunk ``c`` to write (chunks of
+    no elements are written by nobody: the catalog needs none)."""
+    return math.prod(c.shape) > 0 and catalog[c.key].expects(Box(c.offsets, c.shape), rank)
 
 
 def ranks_per_dir(world: int) -> int:
@@ -109,13 +119,26 @@ class PersistJob:
         every rank's layout is the same as then and every rank copied its part of it, else a
         new one. Returns the save's id and the chunks this rank writes.
 
-        Every rank sends rank 0 a small hello and gets its answer; only for a new plan does
-        each rank send its layout, to rank 0 alone, which answers each with its own part."""
+        Every rank sends rank 0 a small hello and gets its answer. A new plan comes from the
+        ranks' descriptions where every rank has one (one broadcast per distinct description,
+        ``_core.described``), else each rank sends its layout to rank 0 alone, which answers
+        each with its own part."""
         ctx = self.ctx
         err = None if self.early_error is None else f"{type(self.early_error).__name__}: {self.early_error}"
         last: Plan | None = ctx.last_plan
         loc = self.storage.location
-        mine = SaveHello(self.layout.hash, uuid.uuid4().hex[:16], self.seq, loc, err, self._covers(last))
+        # a description numbers ranks as the device meshes do: the world's ranks
+        desc = self.layout.description if ctx.ranks == tuple(range(ctx.world)) else None
+        mine = SaveHello(
+            self.layout.hash,
+            uuid.uuid4().hex[:16],
+            self.seq,
+            loc,
+            err,
+            self._covers(last),
+            None if desc is None else desc.digest(),
+            self.staged_keys is None,
+        )
         hellos: list[SaveHello] | None = ctx.gather("save hellos", mine)
         spread = ranks_per_dir(ctx.world)
         start = start_save(ctx, hellos, last, ctx.plan_constrained, spread) if hellos is not None else None
@@ -127,6 +150,19 @@ class PersistJob:
         if start.reuse:
             assert last is not None
             return start.save_id, last.mine
+        hashes = None if hellos is None else tuple(h.layout_hash for h in hellos)
+        if start.described is not None:
+            reps, members = start.described
+            descs = [ctx.broadcast("description", desc if ctx.rank == r else None, src=r) for r in reps]
+            try:
+                catalog = described_catalog(descs, members)
+            except CheckpointError as e:
+                self._plan_failed(str(e))
+            if catalog is not None:  # else (alike on every rank) the general path below
+                given = frozenset(c.ident for c in self.layout.chunks if _written_here(catalog, c, ctx.rank))
+                self._planned(Plan(self.layout.hash, given, hashes, catalog if ctx.rank == 0 else None), False)
+                ctx.plans_described += 1
+                return start.save_id, given
         keys = self.staged_keys
         staged = None if keys is None else tuple(c.ident for c in self.layout.chunks if c.key in keys)
         layouts: list[LayoutMsg] | None = ctx.gather("layouts", self.layout.message(staged))
@@ -136,30 +172,35 @@ class PersistJob:
             copied = [None if m.copied is None else set(m.copied) for m in layouts]
             try:
                 writers = assign_writers([m.chunks for m in layouts], copied)
-                given: list[set[Any]] = [set() for _ in layouts]
+                given_to: list[set[Any]] = [set() for _ in layouts]
                 for ident, rank in writers.items():
-                    given[rank].add(ident)
+                    given_to[rank].add(ident)
                 constrained = any(c is not None for c in copied)
-                parts = [Assignment(frozenset(g), constrained) for g in given]
+                parts = [Assignment(frozenset(g), constrained) for g in given_to]
             except CheckpointError as e:
                 parts = [Assignment(frozenset(), error=str(e))] * ctx.world
         part: Assignment = ctx.scatter("assignments", parts)
         if part.error is not None:
-            # on every rank alike: the next save copies everything everywhere, and this layout
-            # always will (a structure that did this once may do it again, e.g. saved in turn)
-            ctx.last_plan = None
-            if len(ctx.copy_all) < 64:
-                ctx.copy_all.add(self.layout.hash)
-            raise CheckpointError(part.error)
-        hashes = catalog = None
-        if hellos is not None and layouts is not None and writers is not None:
-            hashes = tuple(h.layout_hash for h in hellos)
+            self._plan_failed(part.error)
+        catalog = None
+        if layouts is not None and writers is not None:
             keyinfo = (kv for m in layouts for kv in m.keyinfo.items())
             catalog = catalog_of(keyinfo, (kv for m in layouts for kv in m.aliases.items()), writers)
-        ctx.last_plan = Plan(self.layout.hash, part.mine, hashes, catalog)
-        ctx.plan_constrained = part.constrained
-        ctx.plans_made += 1
+        self._planned(Plan(self.layout.hash, part.mine, hashes, catalog), part.constrained)
         return start.save_id, part.mine
+
+    def _planned(self, plan: Plan, constrained: bool) -> None:
+        self.ctx.last_plan = plan
+        self.ctx.plan_constrained = constrained
+        self.ctx.plans_made += 1
+
+    def _plan_failed(self, error: str) -> NoReturn:
+        # on every rank alike: the next save copies everything everywhere, and this layout
+        # always will (a structure that did this once may do it again, e.g. saved in turn)
+        self.ctx.last_plan = None
+        if len(self.ctx.copy_all) < 64:
+            self.ctx.copy_all.add(self.layout.hash)
+        raise CheckpointError(error)
 
     def run(self, t_start: float, staging_s: float) -> SaveStats:
         t0 = time.perf_counter()

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 
 from stashpoint._core.assign import ChunkMeta, layout_hash
+from stashpoint._core.described import Description, KeyDesc
 from stashpoint._core.plan import group_aliases
 from stashpoint._dist.commit import LayoutMsg
 from stashpoint._dist.group import DistContext
-from stashpoint._state.dtensor import is_dtensor, local_part, local_tensor
+from stashpoint._state.dtensor import describe, is_dtensor, local_part, local_tensor
 from stashpoint._state.dtypes import dtype_name
 from stashpoint._state.tree import check_tensor
 
@@ -72,6 +73,9 @@ class Layout:
     hash: str
     signatures: dict[str, tuple[Any, ...] | None] = field(default_factory=dict)  # every key's local bytes
     key_of: dict[int, str] = field(default_factory=dict)  # id() of each tensor of the state -> its key
+    # what the first plan of a structure needs of this rank, the same on every rank of a regular
+    # parallelism (None: some tensor's layout is irregular; see ``_core.described``)
+    description: Description | None = None
 
     @classmethod
     def of(cls, tensors: Sequence[tuple[str, torch.Tensor]], lowest: Collection[str] = ()) -> Layout:
@@ -80,7 +84,8 @@ class Layout:
         sigs = [signature(loc) for _, loc, _, _ in parts]
         firsts = group_aliases(sigs)
         chunks, sources, aliases, keyinfo = [], {}, {}, {}
-        for (key, loc, box, gshape), first in zip(parts, firsts):
+        described: list[KeyDesc | None] = []
+        for (key, loc, box, gshape), first, (_, t) in zip(parts, firsts, tensors):
             keyinfo[key] = (dtype_name(loc.dtype), gshape)
             if first is not None:
                 aliases[key] = parts[first][0]
@@ -88,9 +93,13 @@ class Layout:
             dtype = dtype_name(loc.dtype)
             chunks.append(ChunkMeta(key, dtype, gshape, box.offsets, box.shape, loc.element_size(), key in lowest))
             sources[key] = loc
+            described.append(describe(key, t, box, dtype, key in lowest))
         signatures = {k: s for (k, _, _, _), s in zip(parts, sigs)}
         key_of = {id(t): k for k, t in tensors}
-        return cls(chunks, sources, aliases, keyinfo, layout_hash(chunks, aliases), signatures, key_of)
+        desc = None
+        if all(d is not None for d in described):
+            desc = Description(tuple(d for d in described if d is not None), tuple(sorted(aliases.items())))
+        return cls(chunks, sources, aliases, keyinfo, layout_hash(chunks, aliases), signatures, key_of, desc)
 
     def expected_writes(self, ctx: DistContext) -> frozenset[str] | None:
         """The keys the last plan gave this rank to write, if that plan was made for this
@@ -155,4 +164,4 @@ class LayoutCache:
         cached = entry.layout
         sources = {k: local_tensor(t, entry.shapes[k]) for k, t in tensors if k in entry.shapes}
         key_of = {id(t): k for k, t in tensors}
-        return Layout(cached.chunks, sources, cached.aliases, cached.keyinfo, cached.hash, cached.signatures, key_of)
+        return dataclasses.replace(cached, sources=sources, key_of=key_of)

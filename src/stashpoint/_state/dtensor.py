@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from stashpoint import _runtime
+from stashpoint._core.described import KeyDesc, Spread, spread_grid
 from stashpoint._core.reshard import Box
 
 try:
@@ -121,3 +124,69 @@ def _strided_box(
             )
         offsets[dim] = ids[0] if ids else global_shape[dim]  # an empty shard: where torch puts it
     return tuple(shape), tuple(offsets)
+
+
+def _affine_meshes() -> dict[int, tuple[object, tuple[int, tuple[int, ...]] | None]]:
+    return _runtime.slot("state.affine_meshes", dict)
+
+
+def _affine(mesh: object) -> tuple[int, tuple[int, ...]] | None:
+    """``(base, strides)`` when the mesh's rank at every coordinate is ``base + sum(strides *
+    coordinate)`` (meshes made by ``init_device_mesh``), else None; remembered per mesh."""
+    cache = _affine_meshes()
+    hit = cache.get(id(mesh))
+    if hit is not None and hit[0] is mesh:
+        return hit[1]
+    ranks = mesh.mesh  # type: ignore[attr-defined]
+    base = int(ranks.flatten()[0])
+    strides = []
+    for k, n in enumerate(ranks.shape):
+        unit = tuple(int(j == k) for j in range(ranks.ndim))
+        strides.append(int(ranks[unit]) - base if n > 1 else 0)
+    expect = torch.full(tuple(ranks.shape), base, dtype=torch.int64)
+    for k, (n, s) in enumerate(zip(ranks.shape, strides)):
+        expect += (torch.arange(n, dtype=torch.int64) * s).view([n if j == k else 1 for j in range(ranks.ndim)])
+    result = (base, tuple(strides)) if torch.equal(expect, ranks.to(torch.int64)) else None
+    if len(cache) > 64:
+        cache.clear()
+    cache[id(mesh)] = (mesh, result)
+    return result
+
+
+def describe(key: str, t: torch.Tensor, box: Box, dtype: str, lowest: bool) -> KeyDesc | None:
+    """``t``'s entry in this rank's description (see ``_core.described``): a plain tensor as
+    itself; a DTensor by its mesh and placements, when those are ``Shard``/``Replicate`` on an
+    affine mesh and this rank's shard is exactly the chunk the grid gives its coordinate (else
+    None: the general plan)."""
+    shape, itemsize = tuple(t.shape), t.element_size()
+    if not is_dtensor(t):
+        return KeyDesc(key, dtype, shape, itemsize, None, lowest)
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
+    affine = _affine(mesh)
+    coords = mesh.get_coordinate()
+    dims: list[int | None] = []
+    for p in placements:
+        if type(p) is Shard:
+            dims.append(p.dim % max(1, len(shape)))
+        elif type(p) is Replicate:
+            dims.append(None)
+        else:  # _StridedShard, Partial
+            return None
+    if affine is None or coords is None:
+        return None
+    kd = KeyDesc(key, dtype, shape, itemsize, Spread(tuple(mesh.mesh.shape), affine[0], affine[1], tuple(dims)), lowest)
+    if math.prod(shape) == 0:
+        return kd
+    grid = spread_grid(kd)
+    if grid is None:
+        return None
+    off, shp = [0] * len(shape), list(shape)
+    for k, dim in enumerate(dims):
+        if dim is not None:
+            off[dim] = min(coords[k] * grid.block[dim], shape[dim])
+            shp[dim] = max(0, min(grid.block[dim], shape[dim] - coords[k] * grid.block[dim]))
+    if math.prod(shp) == 0:
+        return kd if box.numel == 0 else None
+    return kd if (box.offsets, box.shape) == (tuple(off), tuple(shp)) else None
