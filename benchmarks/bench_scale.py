@@ -14,9 +14,12 @@ parallel mesh (rows over R/8 data-parallel ranks, columns over 8). Per world siz
 - the manifest's and one index's bytes;
 - a loader's planning on the same world and on half of it: parse the manifest, find the
   indexes its regions need, parse them, assemble its view;
-- the first save (and any save after a change of structure): each rank's layout, sent to rank 0
-  only; rank 0's writer assignment and catalog over R x T chunks (measured up to
-  ``--first-up-to`` ranks, projected linearly beyond).
+- the first save (and any save after a change of structure), from descriptions: the one
+  description every rank receives (broadcast by one rank), the membership byte per rank in rank
+  0's answer, and the time each rank takes to work out the catalog and its own part;
+- the same by the general path (irregular layouts): each rank's layout sent to rank 0 only, and
+  rank 0's writer assignment and catalog over R x T chunks (measured up to ``--first-up-to``
+  ranks, projected linearly beyond).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 
 from stashpoint._core.assign import ChunkMeta, assign_writers
 from stashpoint._core.catalog import catalog_of, placement
+from stashpoint._core.described import Description, KeyDesc, Spread, described_catalog
 from stashpoint._core.format import Chunk, FileEntry
 from stashpoint._core.index import Head, RankIndex, assemble, parse_head, parse_index
 from stashpoint._core.naming import shard_name
@@ -64,6 +68,33 @@ def layout(rank: int, ranks: int, tensors: int, kind: str) -> LayoutMsg:
     chunks = [ChunkMeta(k, "float32", gshape, off, shp, 4) for k in _keys(tensors)]
     chunks += [ChunkMeta(k, "float32", (), (), (), 4) for k in _scalars(tensors)]
     return LayoutMsg(tuple(chunks), {}, {c.key: (c.dtype, c.global_shape) for c in chunks}, None)
+
+
+def description(ranks: int, tensors: int, kind: str) -> Description:
+    """What every rank describes: the same on all of them."""
+    gshape, _, _ = _boxes(0, ranks, kind)
+    spread = Spread((ranks,), 0, (1,), (0,)) if kind == "fsdp" else Spread((ranks // TP, TP), 0, (TP, 1), (0, 1))
+    keys = [KeyDesc(k, "float32", gshape, 4, spread) for k in _keys(tensors)]
+    keys += [KeyDesc(k, "float32", (), 4, None) for k in _scalars(tensors)]
+    return Description(tuple(keys), ())
+
+
+def _described_first(ranks: int, tensors: int, kind: str) -> tuple[int, float]:
+    """A described first plan, as each rank makes it: (description bytes, seconds for the
+    catalog and this rank's part; the best of 3)."""
+    desc = description(ranks, tensors, kind)
+    raw = pickle.dumps(desc, protocol=pickle.HIGHEST_PROTOCOL)
+    rank = ranks // 2 + 1
+    mine = layout(rank, ranks, tensors, kind).chunks
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        got = described_catalog([pickle.loads(raw)], bytes(ranks))
+        assert got is not None
+        given = [c for c in mine if got[c.key].expects(Box(c.offsets, c.shape), rank)]
+        best = min(best, time.perf_counter() - t0)
+    assert len(given) == tensors, "each rank writes its block of every sharded tensor"
+    return len(raw), best
 
 
 def catalog(ranks: int, tensors: int, kind: str) -> dict[str, Any]:
@@ -157,7 +188,7 @@ def _plan_load(raw: bytes, ranks: int, saved: int, tensors: int, kind: str, *, r
 
 def measure(ranks: int, tensors: int, kind: str, first_up_to: int) -> dict[str, Any]:
     loc = "/checkpoints/run/step-00001000"
-    hello = pickle.dumps(SaveHello("0" * 32, SAVE_ID, 1, loc, None, True), protocol=pickle.HIGHEST_PROTOCOL)
+    hello = pickle.dumps(SaveHello("0" * 32, SAVE_ID, 1, loc, None, True, "0" * 32), protocol=pickle.HIGHEST_PROTOCOL)
     idx = index_of(0, ranks, tensors, kind).to_json()
     outcome = pickle.dumps(Outcome(payload=Written(len(idx), "0" * 16, 1), nbytes=10**9),
                            protocol=pickle.HIGHEST_PROTOCOL)
@@ -184,6 +215,8 @@ def measure(ranks: int, tensors: int, kind: str, first_up_to: int) -> dict[str, 
         "catalog_s": catalog_s,
         "layout_msg": len(pickle.dumps(layout(1, ranks, tensors, kind), protocol=pickle.HIGHEST_PROTOCOL)),
     }
+    row["desc_bytes"], row["desc_s"] = _described_first(ranks, tensors, kind)
+    row["start_bytes"] = len(pickle.dumps(Start(SAVE_ID, False, described=((0,), bytes(ranks)))))
     if ranks <= first_up_to:
         layouts = [layout(r, ranks, tensors, kind) for r in range(ranks)]
         t0 = time.perf_counter()
@@ -291,8 +324,17 @@ def main() -> None:
             f"| {s1 * 1000:.0f} ms ({n1}) | " + (f"{s2 * 1000:.0f} ms ({n2}) |" if n2 else "- |")
         )
     print()
-    print("First save (or a changed structure): each rank sends its layout to rank 0 only; rank 0 assigns writers "
-          "and builds the catalog")
+    print("First save (or a changed structure) from descriptions: one rank broadcasts the description; every rank "
+          "works out the catalog and its own part")
+    print("| R | hello per rank (to rank 0) | received per rank: description + rank 0's answer | rank 0 receives "
+          "| each rank: catalog + own part |")
+    print("|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['ranks']:,} | {_b(SLOT)} | {_b(r['desc_bytes'])} + {_b(r['start_bytes'])} "
+              f"| {_b(SLOT * r['ranks'])} | {r['desc_s'] * 1000:.0f} ms |")
+    print()
+    print("First save by the general path (irregular layouts): each rank sends its layout to rank 0 only; rank 0 "
+          "assigns writers and builds the catalog")
     print("| R | layout sent per rank | rank 0 receives | rank 0: assign + catalog |")
     print("|---:|---:|---:|---:|")
     measured = [r for r in rows if "first_s" in r]
@@ -305,7 +347,7 @@ def main() -> None:
 def _print_gloo(worlds: list[int], tensors: int) -> None:
     print(f"real gloo saves, T = {tensors} DTensor blocks + {tensors // 10} replicated scalars per rank; later saves")
     print("| R | model: per rank sent / received | measured: other ranks' max sent / received | rank 0 sent / "
-          "received | first save, rank 0 received | later save time (median) |")
+          "received | first save: rank 0 / other ranks' max received | later save time (median) |")
     print("|---:|---:|---:|---:|---:|---:|")
     for ranks in worlds:
         res = gloo(ranks, tensors)
@@ -314,9 +356,10 @@ def _print_gloo(worlds: list[int], tensors: int) -> None:
         others = [s for r in res[1:] for s in r["saves"][1:]]
         root = res[0]["saves"][1:]
         times = sorted(s[2] for s in later)
-        print(f"| {ranks} | {_b(2 * SLOT)} / ~{_b(330)} | {_b(max(s[0] for s in others))} / "
+        print(f"| {ranks} | {_b(2 * SLOT)} / ~{_b(350)} | {_b(max(s[0] for s in others))} / "
               f"{_b(max(s[1] for s in others))} | {_b(max(s[0] for s in root))} / {_b(max(s[1] for s in root))} "
-              f"| {_b(res[0]['saves'][0][1])} | {times[len(times) // 2] * 1000:.0f} ms |")
+              f"| {_b(res[0]['saves'][0][1])} / {_b(max(r['saves'][0][1] for r in res[1:]))} "
+              f"| {times[len(times) // 2] * 1000:.0f} ms |")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ except stashpoint.CheckpointError as e:
 
 def test_of_two_processes_saving_to_one_new_path_exactly_one_commits_and_the_other_leaves_nothing(tmp_path):
     env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    for trial in range(4):
+    for trial in range(2):  # each trial races the two commits anew
         path = tmp_path / f"ckpt{trial}"
         start = time.time() + 4  # both processes imported torch and wait at the same instant
         procs = [

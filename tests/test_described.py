@@ -128,6 +128,15 @@ def test_disagreements_are_named_and_mixed_spreads_take_the_general_path():
     assert described_catalog([strided], [0, 0, 0, 0]) is None
 
 
+def test_a_mesh_rank_without_the_tensor_or_outside_the_world_takes_the_general_path():
+    spread = Spread((4,), 0, (1,), (0,))
+    w = KeyDesc("w", "float32", (8, 2), 4, spread)
+    full, short = Description((w,), ()), Description((), ())
+    assert described_catalog([full], [0, 0, 0, 0]) is not None
+    assert described_catalog([full, short], [0, 0, 0, 1]) is None  # rank 3 would write a chunk it lacks
+    assert described_catalog([full], [0, 0, 0]) is None  # rank 3 is not in the world
+
+
 def test_aliases_and_empty_tensors():
     d = Description(
         (KeyDesc("w", "float32", (4,), 4, None), KeyDesc("e", "float32", (0, 3), 4, None)), (("tied", "w"),)

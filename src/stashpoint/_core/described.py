@@ -129,14 +129,19 @@ def described_catalog(descs: Sequence[Description], members: Sequence[int]) -> d
         return None
     out: dict[str, Placement] = {}
     plain: list[tuple[KeyDesc, tuple[int, ...]]] = []
+    covered: dict[tuple[tuple[int, ...], Spread], bool] = {}
     for key, (kd, where) in stored.items():
+        held_by = tuple(sorted(set(where)))
         if math.prod(kd.shape) == 0:
             out[key] = Placement(key, kd.dtype, kd.shape)
         elif kd.spread is None:
-            plain.append((kd, tuple(sorted(set(where)))))
+            plain.append((kd, held_by))
         else:
             grid = spread_grid(kd)
-            if grid is None:
+            mesh_ok = covered.get((held_by, kd.spread))
+            if mesh_ok is None:
+                mesh_ok = covered[held_by, kd.spread] = _holds_mesh(kd.spread, held_by, holders, len(members))
+            if grid is None or not mesh_ok:
                 return None
             out[key] = Placement(key, kd.dtype, kd.shape, grid)
     out.update(_plain_writers(plain, holders))
@@ -144,6 +149,21 @@ def described_catalog(descs: Sequence[Description], members: Sequence[int]) -> d
         t = out[target]
         out[key] = Placement(key, t.dtype, t.shape, alias_of=target)
     return out
+
+
+def _holds_mesh(s: Spread, where: tuple[int, ...], holders: list[list[int]], world: int) -> bool:
+    """Whether every rank of the mesh ``s`` is in the world and holds a description among
+    ``where``: a grid gives each of them a chunk to write, so none may lack the tensor. Checked
+    once per distinct (mesh, descriptions) pair, not per tensor."""
+    ranks = {s.mesh_base}
+    for n, stride in zip(s.mesh_shape, s.mesh_strides):
+        ranks = {r + i * stride for r in ranks for i in range(n)}
+    if min(ranks) < 0 or max(ranks) >= world:
+        return False
+    if len(where) == len(holders):
+        return True
+    have = {r for i in where for r in holders[i]}
+    return ranks <= have
 
 
 def _plain_writers(plain: list[tuple[KeyDesc, tuple[int, ...]]], holders: list[list[int]]) -> dict[str, Placement]:

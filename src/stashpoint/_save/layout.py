@@ -98,7 +98,9 @@ class Layout:
         key_of = {id(t): k for k, t in tensors}
         desc = None
         if all(d is not None for d in described):
-            desc = Description(tuple(d for d in described if d is not None), tuple(sorted(aliases.items())))
+            spreads: dict[Any, Any] = {}  # one object per distinct spread: pickled once, not per tensor
+            keys = tuple(dataclasses.replace(d, spread=spreads.setdefault(d.spread, d.spread)) for d in described if d)
+            desc = Description(keys, tuple(sorted(aliases.items())))
         return cls(chunks, sources, aliases, keyinfo, layout_hash(chunks, aliases), signatures, key_of, desc)
 
     def expected_writes(self, ctx: DistContext) -> frozenset[str] | None:
