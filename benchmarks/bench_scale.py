@@ -91,7 +91,7 @@ def _described_first(ranks: int, tensors: int, kind: str) -> tuple[int, float]:
         t0 = time.perf_counter()
         got = described_catalog([pickle.loads(raw)], bytes(ranks))
         assert got is not None
-        given = [c for c in mine if got[c.key].expects(Box(c.offsets, c.shape), rank)]
+        given = [c for c in mine if got.writes(*c.ident, rank)]
         best = min(best, time.perf_counter() - t0)
     assert len(given) == tensors, "each rank writes its block of every sharded tensor"
     return len(raw), best

@@ -100,8 +100,9 @@ def plain_worlds(draw):
 @settings(max_examples=200, deadline=None)
 def test_plain_tensors_get_the_writers_the_general_assignment_gives(world):
     descs, members = world
-    catalog = described_catalog(descs, members)
-    assert catalog is not None
+    plan = described_catalog(descs, members)
+    assert plan is not None
+    catalog = plan.catalog
     per_rank = [
         [ChunkMeta(k.key, k.dtype, k.shape, (0,), k.shape, k.itemsize, k.lowest) for k in descs[i].keys]
         for i in members
@@ -110,8 +111,8 @@ def test_plain_tensors_get_the_writers_the_general_assignment_gives(world):
     assert {i[0] for i in general} == set(catalog)
     for (key, _, shape), rank in general.items():
         p = catalog[key]
-        if math.prod(shape) == 0:  # no chunk to write: none in the catalog either
-            assert p.grid is None and p.cells == ()
+        if math.prod(shape) == 0:  # no bytes: no cell in the catalog, the same writer for its empty chunk
+            assert p.grid is None and p.cells == () and plan.writes(key, (0,), shape, rank)
         else:
             assert p.grid is not None and p.grid.base == rank, (key, rank, p)
 
@@ -141,10 +142,13 @@ def test_aliases_and_empty_tensors():
     d = Description(
         (KeyDesc("w", "float32", (4,), 4, None), KeyDesc("e", "float32", (0, 3), 4, None)), (("tied", "w"),)
     )
-    catalog = described_catalog([d], [0, 0])
-    assert catalog is not None
+    plan = described_catalog([d], [0, 0])
+    assert plan is not None
+    catalog = plan.catalog
     assert catalog["tied"].alias_of == "w" and catalog["tied"].shape == (4,)
     assert catalog["e"].grid is None and catalog["e"].cells == ()
+    # the empty tensor's chunk is written once (by its lowest holder), as the general plan does
+    assert plan.writes("e", (0, 0), (0, 3), 0) and not plan.writes("e", (0, 0), (0, 3), 1)
     dangling = Description((KeyDesc("w", "float32", (4,), 4, None),), (("tied", "gone"),))
     assert described_catalog([dangling], [0]) is None
 
@@ -153,6 +157,8 @@ def test_a_described_plan_at_scale_is_one_grid_per_tensor():
     world, tensors = 4096, 200
     spread = Spread((world,), 0, (1,), (0,))
     d = Description(tuple(KeyDesc(f"p{i}", "float32", (world * 3 + i, 16), 4, spread) for i in range(tensors)), ())
-    catalog = described_catalog([d], [0] * world)
-    assert catalog is not None and all(p.grid is not None and p.grid.strides == (1, 0) for p in catalog.values())
+    plan = described_catalog([d], [0] * world)
+    assert plan is not None
+    catalog = plan.catalog
+    assert all(p.grid is not None and p.grid.strides == (1, 0) for p in catalog.values())
     assert torch.Size(catalog["p1"].grid.block) == torch.Size([4, 16])

@@ -221,3 +221,10 @@ def test_group_directories_are_named_by_rank_and_only_exact_names_pass():
     for bad in ("g2/x", "g000002/x", "g00002/../x", "g00002/..", "a/b", "g00002/sub/x", "/x", "g00002/", "a\\b"):
         assert split_group(bad) is None, bad
         assert parse_save_file(bad) is None, bad
+
+
+def test_a_bad_ranks_per_dir_setting_fails_the_save_clearly_and_commits_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("STASHPOINT_RANKS_PER_DIR", "abc")
+    with pytest.raises(stashpoint.CheckpointError, match="STASHPOINT_RANKS_PER_DIR='abc' is not a number"):
+        stashpoint.save({"a": torch.ones(2)}, tmp_path / "ck")
+    assert not (tmp_path / "ck" / MANIFEST_NAME).exists()

@@ -24,6 +24,7 @@ import xxhash
 
 from stashpoint._core.assign import SMALL_CHUNK_BYTES
 from stashpoint._core.catalog import Grid, Placement
+from stashpoint._core.reshard import Box
 from stashpoint.errors import CheckpointError
 
 MAX_DESCRIPTIONS = 255  # distinct descriptions in one plan (a membership byte per rank); more: the general path
@@ -92,8 +93,24 @@ def spread_grid(d: KeyDesc) -> Grid | None:
     return Grid(tuple(block), base, tuple(strides))
 
 
-def described_catalog(descs: Sequence[Description], members: Sequence[int]) -> dict[str, Placement] | None:
-    """The catalog of a save whose ranks sent ``descs`` (rank ``r`` holds ``descs[members[r]]``):
+@dataclass(frozen=True)
+class DescribedPlan:
+    """A plan made from descriptions: the save's catalog, and who writes the (empty) chunk of
+    each tensor of no elements, so that every tensor has one, as the general plan gives."""
+
+    catalog: dict[str, Placement]
+    empty: dict[str, int]
+
+    def writes(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...], rank: int) -> bool:
+        """Whether ``rank`` writes its chunk ``(offsets, shape)`` of ``key`` (an empty chunk of a
+        tensor with elements: nobody, the catalog needs none)."""
+        if key in self.empty:
+            return self.empty[key] == rank
+        return math.prod(shape) > 0 and self.catalog[key].expects(Box(offsets, shape), rank)
+
+
+def described_catalog(descs: Sequence[Description], members: Sequence[int]) -> DescribedPlan | None:
+    """The plan of a save whose ranks sent ``descs`` (rank ``r`` holds ``descs[members[r]]``):
     where every chunk is and who writes it. None when the descriptions cannot make one (a key
     spread differently by different ranks, an irregular spread): the general path plans then.
 
@@ -128,12 +145,14 @@ def described_catalog(descs: Sequence[Description], members: Sequence[int]) -> d
     if aliases.keys() & stored.keys() or not set(aliases.values()) <= stored.keys():
         return None
     out: dict[str, Placement] = {}
+    empty: dict[str, int] = {}
     plain: list[tuple[KeyDesc, tuple[int, ...]]] = []
     covered: dict[tuple[tuple[int, ...], Spread], bool] = {}
     for key, (kd, where) in stored.items():
         held_by = tuple(sorted(set(where)))
         if math.prod(kd.shape) == 0:
             out[key] = Placement(key, kd.dtype, kd.shape)
+            empty[key] = min(holders[i][0] for i in held_by)
         elif kd.spread is None:
             plain.append((kd, held_by))
         else:
@@ -148,7 +167,7 @@ def described_catalog(descs: Sequence[Description], members: Sequence[int]) -> d
     for key, target in aliases.items():
         t = out[target]
         out[key] = Placement(key, t.dtype, t.shape, alias_of=target)
-    return out
+    return DescribedPlan(out, empty)
 
 
 def _holds_mesh(s: Spread, where: tuple[int, ...], holders: list[list[int]], world: int) -> bool:

@@ -9,23 +9,20 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
-import math
 import time
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from stashpoint._core.assign import ChunkMeta, assign_writers
-from stashpoint._core.catalog import Placement, catalog_of
+from stashpoint._core.assign import assign_writers
+from stashpoint._core.catalog import catalog_of
 from stashpoint._core.described import described_catalog
 from stashpoint._core.format import Chunk, checksum
 from stashpoint._core.index import Head, RankIndex
 from stashpoint._core.naming import MANIFEST_NAME, RANKS_PER_DIR, group_dir, index_name, parse_save_file, placed
 from stashpoint._core.plan import TensorSpec, plan_files
-from stashpoint._core.reshard import Box
 from stashpoint._dist import group as _dist
 from stashpoint._dist.commit import (
     Assignment,
@@ -57,12 +54,6 @@ log = logging.getLogger("stashpoint")
 
 def _shard_of(name: str, rank: int, save_id: str) -> bool:
     return parse_save_file(name) == (rank, save_id)
-
-
-def _written_here(catalog: Mapping[str, Placement], c: ChunkMeta, rank: int) -> bool:
-    """Whether a described plan's ``catalog`` gives ``rank`` its chunk ``c`` to write (chunks of
-    no elements are written by nobody: the catalog needs none)."""
-    return math.prod(c.shape) > 0 and catalog[c.key].expects(Box(c.offsets, c.shape), rank)
 
 
 def ranks_per_dir(world: int) -> int:
@@ -140,8 +131,12 @@ class PersistJob:
             self.staged_keys is None,
         )
         hellos: list[SaveHello] | None = ctx.gather("save hellos", mine)
-        spread = ranks_per_dir(ctx.world)
-        start = start_save(ctx, hellos, last, ctx.plan_constrained, spread) if hellos is not None else None
+        start = None
+        if hellos is not None:  # rank 0 decides, and its answer reaches every rank even on a bad setting
+            try:
+                start = start_save(ctx, hellos, last, ctx.plan_constrained, ranks_per_dir(ctx.world))
+            except ValueError as e:
+                start = Start("", False, ((0, str(e)),))
         start = ctx.broadcast("save start", start)
         assert isinstance(start, Start)
         if start.failed:
@@ -155,12 +150,13 @@ class PersistJob:
             reps, members = start.described
             descs = [ctx.broadcast("description", desc if ctx.rank == r else None, src=r) for r in reps]
             try:
-                catalog = described_catalog(descs, members)
+                described = described_catalog(descs, members)
             except CheckpointError as e:
                 self._plan_failed(str(e))
-            if catalog is not None:  # else (alike on every rank) the general path below
-                given = frozenset(c.ident for c in self.layout.chunks if _written_here(catalog, c, ctx.rank))
-                self._planned(Plan(self.layout.hash, given, hashes, catalog if ctx.rank == 0 else None), False)
+            if described is not None:  # else (alike on every rank) the general path below
+                given = frozenset(c.ident for c in self.layout.chunks if described.writes(*c.ident, ctx.rank))
+                catalog = described.catalog if ctx.rank == 0 else None
+                self._planned(Plan(self.layout.hash, given, hashes, catalog), False)
                 ctx.plans_described += 1
                 return start.save_id, given
         keys = self.staged_keys
@@ -349,10 +345,10 @@ class PersistJob:
         out = self.storage.open_writer(name, len(raw))
         try:
             out.write(raw)
+            out.close()
         except BaseException:
             out.abort()
             raise
-        out.close()
         return raw
 
     def _commit(self, save_id: str, outcomes: list[Outcome]) -> Totals:

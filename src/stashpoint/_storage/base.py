@@ -13,6 +13,12 @@ Call order during a save, on each rank:
 
 Loads use ``read``/``read_into`` (ranged), ``size``, ``exists`` and ``list``.
 
+File names are plain names, or a plain name inside a *group directory* (``g00012/name``: in worlds
+of more than 1,024 ranks each 1,024 ranks' files go in one, see docs/FORMAT.md). A backend
+creates a group directory when a file is written into it, makes its entries durable in
+``sync()``, and lists its files in ``list()`` as ``g00012/name``; it never treats one as a
+sub-root (``children()``).
+
 A run directory (the :class:`~stashpoint.CheckpointManager`'s root) is a storage too: its steps
 are ``child(name)`` storages, listed by ``children()``, removed by ``remove_tree()`` and moved
 aside by ``move()``.

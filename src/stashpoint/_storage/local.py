@@ -248,7 +248,7 @@ class LocalStorage(Storage):
         try:
             with self._where(name) as (at, leaf):
                 os.stat(leaf, dir_fd=at, follow_symlinks=False)
-        except (FileNotFoundError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError, CorruptCheckpointError):  # not reachable inside the checkpoint
             return False
         return True
 

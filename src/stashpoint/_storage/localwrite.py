@@ -13,6 +13,11 @@ from stashpoint._storage.directio import ALIGN, address
 _BLOCK = 64 * 1024 * 1024
 
 
+def _ident(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
 def link_new(src: Path, dst: Path) -> None:
     """Give ``src`` the name ``dst`` atomically, failing with FileExistsError if ``dst`` exists
     (a hard link is created or not; a rename would replace). File systems without hard links
@@ -58,8 +63,12 @@ class LocalWriter(FileWriter):
                         raise
             if direct and hasattr(os, "O_DIRECT"):
                 try:
-                    self._dfd = os.open(self._name, os.O_WRONLY | os.O_DIRECT | cloexec, dir_fd=dir_fd)
+                    nofollow = getattr(os, "O_NOFOLLOW", 0)
+                    self._dfd = os.open(self._name, os.O_WRONLY | os.O_DIRECT | cloexec | nofollow, dir_fd=dir_fd)
                 except OSError:  # e.g. tmpfs: no direct I/O, buffered writes only
+                    self._dfd = -1
+                if self._dfd >= 0 and _ident(self._dfd) != _ident(self._fd):  # replaced in between: not ours
+                    os.close(self._dfd)
                     self._dfd = -1
         except BaseException:
             if self._fd >= 0:
@@ -105,19 +114,30 @@ class LocalWriter(FileWriter):
         self._close_fds()
 
     def _close_fds(self, keep_dir: bool = False) -> None:
-        for fd in (self._fd, self._dfd):
-            if fd >= 0:
-                os.close(fd)
+        # each descriptor is forgotten before it is closed: a failed close() has freed it
+        # anyway, and closing its number again could close another thread's file
+        fds = [self._fd, self._dfd]
         self._fd = self._dfd = -1
         if self._at is not None and not keep_dir:
-            os.close(self._at)
+            fds.append(self._at)
             self._at = None
+        errors = []
+        for fd in fds:
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError as e:
+                    errors.append(e)
+        if errors:
+            raise errors[0]
 
     def abort(self) -> None:
-        self._close_fds(keep_dir=True)
         try:
-            os.unlink(self._name, dir_fd=self._at)
-        except FileNotFoundError:
-            pass
+            self._close_fds(keep_dir=True)
         finally:
-            self._close_fds()
+            try:
+                os.unlink(self._name, dir_fd=self._at)
+            except FileNotFoundError:
+                pass
+            finally:
+                self._close_fds()

@@ -288,7 +288,7 @@ class S3Storage(Storage):
         objects, prefixes = self._list_level()
         for group in filter(is_group_dir, prefixes):
             objects += [f"{group}/{name}" for name in self.child(group)._list_level()[0]]
-        return sorted(objects)
+        return sorted(n for n in objects if split_group(n) is not None)  # only names a checkpoint can hold
 
     def delete(self, name: str) -> None:
         import obstore

@@ -94,9 +94,10 @@ def list_steps(root: str | os.PathLike[str]) -> list[StepInfo]:
     out = []
     for name, step in _steps_of(LocalStorage(r)):
         d = r / name
-        files = [f for f in d.iterdir() if f.is_file()]
-        info = StepInfo(step, str(d), "partial", sum(f.stat().st_size for f in files), None, None)
-        info.age_s = now - max([d.stat().st_mtime] + [f.stat().st_mtime for f in files])
+        files = [d / f for f in LocalStorage(d).list()]  # group directories' files too
+        stats = [f.lstat() for f in files]
+        info = StepInfo(step, str(d), "partial", sum(st.st_size for st in stats), None, None)
+        info.age_s = now - max([d.stat().st_mtime] + [st.st_mtime for st in stats])
         if (d / MANIFEST_NAME).exists():
             _describe_committed(info, LocalStorage(d), now)
         out.append(info)
