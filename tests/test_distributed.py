@@ -23,7 +23,7 @@ def _bytes_per_rank(path) -> dict[int, int]:
     return out
 
 
-@pytest.mark.parametrize("n_save", [2, 3])
+@pytest.mark.parametrize("n_save", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_ddp_replicated_state_is_written_once_spread_over_ranks_and_loads_on_any_world(tmp_path, n_save):
     ck = tmp_path / "ck"
     saved = run_world(n_save, "ddp_save", str(ck))
@@ -47,13 +47,15 @@ def test_ddp_replicated_state_is_written_once_spread_over_ranks_and_loads_on_any
             assert r["rng_next"] == saved[src]["rng_next"], "the RNG streams continue per rank"
 
 
+# the default tier runs one of each kind (a sharding change with a new world size, sharded from
+# replicated, 2-D and HSDP-like); the slow tier all of them
 DTENSOR_CASES = [
     (2, "s0", 3, "s1"),
-    (2, "s1", 2, "rep"),
-    (3, "s0", 2, "s0"),
+    pytest.param(2, "s1", 2, "rep", marks=pytest.mark.slow),
+    pytest.param(3, "s0", 2, "s0", marks=pytest.mark.slow),
     (2, "rep", 3, "s0"),
     (4, "s0s1", 2, "s1"),
-    (4, "s1rep", 4, "reps0"),
+    pytest.param(4, "s1rep", 4, "reps0", marks=pytest.mark.slow),
 ]
 
 

@@ -7,6 +7,8 @@ temporary working directory, which executes the page's samples in order:
 - after ``<!-- run: torchrun N -->`` a block is a program of its own, run as a real N-process
   gloo world (``python -m torch.distributed.run --standalone``); ``<!-- run: torchrun N twice -->``
   runs it twice in the same directory (a first run that saves, a second, fresh one that resumes);
+  ``... slow`` at the end (``<!-- run: torchrun 4 twice slow -->``) runs that program in the slow
+  tier only (``-m slow``), to keep the default run short;
   after ``<!-- run: continues -->`` a block is appended to the torchrun program above it;
 - after ``<!-- run: bash -->`` a shell block runs with ``bash -e`` (``stashpoint`` on the PATH);
 - after ``<!-- not run: REASON -->`` a block is shown, not run, and the reason is required.
@@ -139,6 +141,7 @@ class Step:
     blocks: tuple[Block, ...]
     nproc: int = 1
     runs: int = 1  # a torchrun program run twice: first saves, then a fresh run resumes
+    slow: bool = False  # a torchrun program run by the slow tier only
 
     @property
     def label(self) -> str:
@@ -228,7 +231,7 @@ def plan_page(blocks: list[Block], page: str) -> Plan:
     for b in blocks:
         m = _MARKER.match(b.marker) if b.marker else None
         kind, spec = (m.group("kind"), m.group("spec")) if m else ("", "")
-        torchrun = re.fullmatch(r"torchrun\s+([1-9]\d*)(\s+twice)?", spec)
+        torchrun = re.fullmatch(r"torchrun\s+([1-9]\d*)(\s+twice)?(\s+slow)?", spec)
         if b.lang not in PYTHON_LANGS | SHELL_LANGS:
             if m:
                 plan.problems.append(f"{b.where}: marker {b.marker!r} is on a {b.lang or 'plain'} block: never run")
@@ -248,10 +251,11 @@ def plan_page(blocks: list[Block], page: str) -> Plan:
         elif not m:
             plan.steps.append(Step("python", (b,)))
         elif torchrun:
-            plan.steps.append(Step("torchrun", (b,), int(torchrun.group(1)), 2 if torchrun.group(2) else 1))
+            runs = 2 if torchrun.group(2) else 1
+            plan.steps.append(Step("torchrun", (b,), int(torchrun.group(1)), runs, bool(torchrun.group(3))))
         elif spec == "continues" and plan.steps and plan.steps[-1].kind == "torchrun":
             last = plan.steps.pop()
-            plan.steps.append(Step("torchrun", (*last.blocks, b), last.nproc, last.runs))
+            plan.steps.append(Step("torchrun", (*last.blocks, b), last.nproc, last.runs, last.slow))
         elif spec == "continues":
             plan.problems.append(
                 f"{b.where}: 'continues' appends to a torchrun program, but the block before it is not one "
@@ -259,7 +263,7 @@ def plan_page(blocks: list[Block], page: str) -> Plan:
             )
         else:
             plan.problems.append(
-                f"{b.where}: unknown marker {b.marker!r}; use '<!-- run: torchrun N [twice] -->', "
+                f"{b.where}: unknown marker {b.marker!r}; use '<!-- run: torchrun N [twice] [slow] -->', "
                 "'<!-- run: continues -->', '<!-- run: bash -->' or '<!-- not run: REASON -->'"
             )
     return plan
@@ -416,15 +420,32 @@ def test_every_sample_is_run_or_marked_with_a_reason() -> None:
 S3_PAGES = {"docs/guide/object-storage.md": ("my-bucket",)}
 
 
-@pytest.mark.parametrize("page", [p for p in doc_pages() if load_plan(p).steps])
-def test_page_samples_run(page: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def _steps(page: str, slow: bool) -> Plan:
+    """The page's plan with only its slow-tier torchrun programs, or only the others."""
+    plan = load_plan(page)
+    return Plan(plan.page, [s for s in plan.steps if s.slow == slow], plan.problems)
+
+
+def _run_samples(page: str, slow: bool, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     if page in S3_PAGES:
         server = request.getfixturevalue("s3_env")
         for bucket in S3_PAGES[page]:
             server.create_bucket(bucket)
-    res = run_page(load_plan(page), tmp_path / "work")
+    res = run_page(_steps(page, slow), tmp_path / "work")
     if res.failure:
         pytest.fail(res.failure, pytrace=False)
+
+
+@pytest.mark.parametrize("page", [p for p in doc_pages() if _steps(p, False).steps])
+def test_page_samples_run(page: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    _run_samples(page, False, tmp_path, request)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", [p for p in doc_pages() if _steps(p, True).steps])
+def test_slow_page_samples_run(page: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """The torchrun programs marked ``slow`` (each a program of its own)."""
+    _run_samples(page, True, tmp_path, request)
 
 
 def test_the_guide_index_lists_every_page_and_the_guide_runs_every_kind_of_sample() -> None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +38,7 @@ def _assert_bitwise_equal(a, b, where="") -> None:
         assert a == b, where
 
 
+@pytest.mark.slow  # the default tier resumes through the manager (below), the demo and the stacks
 def test_exact_resume_in_a_fresh_process(tmp_path):
     n = 15  # 96 samples / batch 8 = 12 steps per epoch: the resume crosses an epoch boundary
     _run("straight", str(tmp_path / "straight.pt"), str(n))

@@ -24,7 +24,7 @@ slow = pytest.mark.slow
 SAME_WORLD = [
     pytest.param("gpt2", "fsdp2", 2, (), id="gpt2-fsdp2"),
     pytest.param("gpt2", "ddp", 2, (), id="gpt2-ddp"),
-    pytest.param("cnn", "single", 1, ("--optim", "sgd", "--scaler"), id="cnn-single-sgd-gradscaler"),
+    pytest.param("cnn", "single", 1, ("--optim", "sgd", "--scaler"), id="cnn-single-sgd-gradscaler", marks=slow),
     pytest.param("gpt2", "single", 1, ("--compile",), id="gpt2-single-compile", marks=slow),
     pytest.param("gpt2", "ddp", 2, ("--compile",), id="gpt2-ddp-compile", marks=slow),
     pytest.param("llama", "single", 1, ("--optim", "sgd"), id="llama-single-sgd", marks=slow),
@@ -40,7 +40,7 @@ SAME_WORLD = [
 # id: (model, saved with, ranks, loaded into, ranks)
 RESHARD = [
     pytest.param("gpt2", "fsdp2", 2, "fsdp2", 3, id="gpt2-fsdp2-2to3"),
-    pytest.param("gpt2", "fsdp2", 2, "single", 1, id="gpt2-fsdp2-to-plain"),
+    pytest.param("gpt2", "fsdp2", 2, "single", 1, id="gpt2-fsdp2-to-plain", marks=slow),
     pytest.param("gpt2", "single", 1, "fsdp2", 2, id="gpt2-plain-to-fsdp2", marks=slow),
     pytest.param("llama", "fsdp2", 4, "fsdp2", 2, id="llama-fsdp2-4to2", marks=slow),
     pytest.param("llama", "tp2d", 4, "fsdp2", 2, id="llama-2d-to-1d", marks=slow),
