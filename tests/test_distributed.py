@@ -47,10 +47,10 @@ def test_ddp_replicated_state_is_written_once_spread_over_ranks_and_loads_on_any
             assert r["rng_next"] == saved[src]["rng_next"], "the RNG streams continue per rank"
 
 
-# the default tier runs one of each kind (a sharding change with a new world size, sharded from
-# replicated, 2-D and HSDP-like); the slow tier all of them
+# the default tier runs a sharded load of a replicated save and a 2-D one on fewer ranks (the
+# stacks load FSDP2 2 -> 3); the slow tier all of them
 DTENSOR_CASES = [
-    (2, "s0", 3, "s1"),
+    pytest.param(2, "s0", 3, "s1", marks=pytest.mark.slow),
     pytest.param(2, "s1", 2, "rep", marks=pytest.mark.slow),
     pytest.param(3, "s0", 2, "s0", marks=pytest.mark.slow),
     (2, "rep", 3, "s0"),
@@ -102,7 +102,7 @@ def test_training_all_reduces_while_background_saves_coordinate(tmp_path):
     assert results[0]["steps"] == [27, 30], "rank 0 applied the retention (keep_last=2) before closing"
 
 
-@pytest.mark.parametrize("how", ["kill", "stall"])
+@pytest.mark.parametrize("how", ["kill", pytest.param("stall", marks=pytest.mark.slow)])
 def test_a_rank_dying_or_stalling_mid_save_fails_it_on_the_others_within_the_timeout(tmp_path, how):
     import torch
 

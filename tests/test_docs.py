@@ -8,7 +8,8 @@ temporary working directory, which executes the page's samples in order:
   gloo world (``python -m torch.distributed.run --standalone``); ``<!-- run: torchrun N twice -->``
   runs it twice in the same directory (a first run that saves, a second, fresh one that resumes);
   ``... slow`` at the end (``<!-- run: torchrun 4 twice slow -->``) runs that program in the slow
-  tier only (``-m slow``), to keep the default run short;
+  tier only (``-m slow``), to keep the default run short (only for a program no later block
+  needs: the two tiers run a page's other blocks without it, and it alone);
   after ``<!-- run: continues -->`` a block is appended to the torchrun program above it;
 - after ``<!-- run: bash -->`` a shell block runs with ``bash -e`` (``stashpoint`` on the PATH);
 - after ``<!-- not run: REASON -->`` a block is shown, not run, and the reason is required.

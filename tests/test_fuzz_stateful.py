@@ -112,7 +112,7 @@ def _load_mutated(saved, tmp_path, path, replacement):
 
 
 @given(st.data())
-@settings(max_examples=int(os.environ.get("STASHPOINT_FUZZ_EXAMPLES", "300")), deadline=None)
+@settings(max_examples=int(os.environ.get("STASHPOINT_FUZZ_EXAMPLES", "150")), deadline=None)
 def test_a_hostile_state_tree_raises_only_checkpoint_errors_and_changes_nothing(saved, tmp_path_factory, data):
     tree = saved[0]["tree"]
     paths = list(_node_paths(tree))

@@ -38,7 +38,7 @@ def _assert_bitwise_equal(a, b, where="") -> None:
         assert a == b, where
 
 
-@pytest.mark.slow  # the default tier resumes through the manager (below), the demo and the stacks
+@pytest.mark.slow  # the default tier: the demo's kill-and-resume and the stacks
 def test_exact_resume_in_a_fresh_process(tmp_path):
     n = 15  # 96 samples / batch 8 = 12 steps per epoch: the resume crosses an epoch boundary
     _run("straight", str(tmp_path / "straight.pt"), str(n))
@@ -52,6 +52,7 @@ def test_exact_resume_in_a_fresh_process(tmp_path):
     assert (tmp_path / "ckpt" / "manifest.json").exists()
 
 
+@pytest.mark.slow  # the default tier: the demo's kill-and-resume, the stacks, the manager's tests
 def test_exact_resume_through_the_manager(tmp_path):
     n = 15
     _run("straight", str(tmp_path / "straight.pt"), str(n))

@@ -4,7 +4,7 @@ After every kill a new manager opens the root: the newest committed step is at l
 one reported committed (no checkpoint lost), every listed step verifies and loads with the values
 it was saved with (no corruption missed), and no leftover of the killed save remains.
 
-The default run does a few trials (6 + 1); the slow tier (200 + 100) (``bash scripts/test.sh -m slow``) does
+The default run does a few trials (4 + 1); the slow tier (200 + 100) (``bash scripts/test.sh -m slow``) does
 hundreds. Set STASHPOINT_TORTURE_REPORT=path.json to record the figures (docs/GUARANTEES.md).
 """
 
@@ -86,7 +86,7 @@ def _single_rank(tmp_path: Path, trials: int, seed: int) -> None:
 
 
 def test_crash_torture_single_rank(tmp_path):
-    _single_rank(tmp_path, trials=6, seed=1)
+    _single_rank(tmp_path, trials=4, seed=1)
 
 
 @pytest.mark.slow

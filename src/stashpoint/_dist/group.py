@@ -283,6 +283,16 @@ def forget(ctx: DistContext) -> None:
                 del contexts[k]
 
 
+#: ``process_group=LOCAL``: this process alone, even when torch.distributed is initialized (a
+#: framework that saves on rank 0 only, e.g. Lightning under DDP): no collective at all.
+class _Local:
+    def __repr__(self) -> str:
+        return "stashpoint's LOCAL group (this process alone)"
+
+
+LOCAL: Any = _Local()
+
+
 def context(process_group: Any = None, timeout_s: float | None = None, purpose: str = "save") -> DistContext | None:
     """The checkpoint context for ``process_group`` (default: the world), or None when not
     distributed. Creates stashpoint's own gloo group over the same ranks on first use; every
@@ -292,6 +302,8 @@ def context(process_group: Any = None, timeout_s: float | None = None, purpose: 
     and loads once saves are done) and ``"upload"`` (the tier uploader)."""
     import torch.distributed as dist
 
+    if process_group is LOCAL:
+        return None
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
             raise CheckpointError(
@@ -337,7 +349,7 @@ def rank_of(process_group: Any = None) -> tuple[int, int]:
     """``(rank, world size)`` in ``process_group`` (default: the world); ``(0, 1)`` when not distributed."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if process_group is LOCAL or not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     src = process_group if process_group is not None else dist.group.WORLD
     return dist.get_rank(src), dist.get_world_size(src)

@@ -1,0 +1,127 @@
+"""PyTorch Lightning: checkpoints saved by stashpoint, switched on with one line.
+
+.. code-block:: python
+
+    from stashpoint.integrations.lightning import StashpointCheckpointIO
+
+    trainer = Trainer(plugins=[StashpointCheckpointIO()], callbacks=[ModelCheckpoint(...)])
+
+Lightning builds its checkpoint dict (weights, optimizer and scheduler states, loops, callbacks,
+hyper-parameters) and hands it to the plugin, which stages it and returns: the write, checksums,
+fsync and atomic commit run in the background while training goes on. Each ``.ckpt`` path
+becomes a stashpoint checkpoint directory. ``ModelCheckpoint`` (``save_top_k``, ``save_last``,
+``every_n_train_steps``) and ``Trainer.fit(ckpt_path="last")`` work as with ``torch.save``.
+
+A later save, a load, a removal of the checkpoint being written and ``teardown()`` first wait
+for the save in flight; a background failure is raised there, with its cause. Under DDP Lightning
+saves on rank 0 alone, and the plugin saves without any collective; every rank loads.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+try:
+    from lightning.fabric.plugins import CheckpointIO
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "stashpoint.integrations.lightning needs PyTorch Lightning 2.x: pip install 'stashpoint[lightning]'"
+    ) from e
+
+from stashpoint._dist.group import LOCAL
+from stashpoint._load.read import read
+from stashpoint._save.engine import DEFAULT_MAX_SHARD_BYTES, async_save
+from stashpoint._save.handle import SaveHandle
+from stashpoint._storage import storage_for
+from stashpoint.errors import CheckpointError
+
+__all__ = ["StashpointCheckpointIO"]
+
+
+class StashpointCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that saves with :func:`stashpoint.async_save` and loads
+    with :func:`stashpoint.read`.
+
+    Args:
+        allow_pickle: values of the checkpoint dict that are not tensors, numbers, strings,
+            ``None`` or containers of them (custom objects in ``hyper_parameters``, a callback's
+            state) fail the save with an error naming their keys; ``True`` pickles them instead,
+            and loading then unpickles them (only for checkpoints you trust).
+        timeout: seconds a save may wait for the previous one (default: as long as it takes).
+        writer: ``"thread"`` or ``"process"``, as in :func:`stashpoint.async_save`.
+        max_shard_bytes: the largest data section of one shard file.
+        metadata: strings stored in every checkpoint's manifest.
+    """
+
+    def __init__(
+        self,
+        *,
+        allow_pickle: bool = False,
+        timeout: float | None = None,
+        writer: str = "thread",
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.allow_pickle = allow_pickle
+        self.timeout = timeout
+        self.writer = writer
+        self.max_shard_bytes = max_shard_bytes
+        self.metadata = dict(metadata or {})
+        self._pending: SaveHandle | None = None
+        self._pending_path: str | None = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Stage ``checkpoint`` and return; it is written to ``path`` (a directory) in the background."""
+        if storage_options is not None:
+            raise TypeError(
+                f"StashpointCheckpointIO.save_checkpoint takes no storage_options (got {storage_options!r}); "
+                "configure the plugin's constructor instead"
+            )
+        self.wait()
+        target = os.fspath(path)
+        self._pending = async_save(
+            checkpoint,
+            target,
+            overwrite=True,  # Lightning saves last.ckpt again and again at one path
+            allow_pickle=self.allow_pickle,
+            metadata={"framework": "lightning", **self.metadata},
+            max_shard_bytes=self.max_shard_bytes,
+            process_group=LOCAL,
+            writer=self.writer,
+        )
+        self._pending_path = target
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, *args: Any, **kwargs: Any
+    ) -> dict[str, Any]:
+        """The checkpoint at ``path`` as the dict Lightning saved (tensors on ``map_location``
+        when it names a device, else on the CPU; Lightning moves them where they belong).
+        Accepts ``map_location`` positionally (older Lightning) or by keyword, and the newer
+        keywords (``weights_only``, ``state``): the checkpoint is returned for Lightning to apply."""
+        self.wait()
+        device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
+        out = read(os.fspath(path), device=device, allow_pickle=self.allow_pickle)
+        if not isinstance(out, dict):
+            raise CheckpointError(f"{os.fspath(path)} holds a {type(out).__name__}, not a Lightning checkpoint dict")
+        return out
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete the checkpoint at ``path`` (waiting first if it is the one being written)."""
+        target = os.fspath(path)
+        if self._pending is not None and self._pending_path == target:
+            self.wait()
+        storage_for(target).remove_tree()
+
+    def teardown(self) -> None:
+        """Wait for the save in flight (raising its failure, if any)."""
+        self.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; raise :class:`CheckpointError` if it failed."""
+        handle, self._pending = self._pending, None
+        if handle is not None:
+            handle.wait(self.timeout)

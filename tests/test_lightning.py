@@ -1,0 +1,122 @@
+"""The PyTorch Lightning plugin (issue 20) with a real ``Trainer``: ``ModelCheckpoint`` retention,
+``fit(ckpt_path="last")`` after a ``kill -9`` mid-fit, damage, values that are not JSON-like, and
+DDP on two CPU processes (slow tier: ``bash scripts/test.sh -m slow tests/test_lightning.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import lightning as L
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import stashpoint
+from conftest import ROOT
+from stashpoint.integrations.lightning import StashpointCheckpointIO
+
+WORKER = Path(__file__).with_name("lightning_worker.py")
+ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
+
+
+def _run(d: Path, epochs: int, *flags: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    res = subprocess.run(
+        [sys.executable, str(WORKER), str(d), str(epochs), *flags], env=ENV, capture_output=True, text=True, timeout=300
+    )
+    if check and res.returncode != 0:
+        raise AssertionError(f"lightning_worker {d} {epochs} {flags} exited {res.returncode}:\n{res.stderr[-4000:]}")
+    return res
+
+
+def _losses(d: Path, rank: int = 0) -> dict[int, float]:
+    """Loss per global step; a step run again after a resume replaces the first run's entry."""
+    out: dict[int, float] = {}
+    for line in (d / f"losses-{rank}.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec["loss"]
+    return out
+
+
+def test_a_run_killed_mid_fit_resumes_from_last_and_trains_on_exactly_as_an_uninterrupted_one(tmp_path):
+    from lightning_worker import main
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    straight.mkdir()
+    killed.mkdir()
+    main([str(straight), "6"])  # the uninterrupted run, in this process
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), str(killed), "6", "--slow", "0.1"], env=ENV, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 120
+    try:  # kill -9 once epoch 3's checkpoint is committed and epoch 4 is under way
+        while time.monotonic() < deadline and proc.poll() is None:
+            log = killed / "losses-0.jsonl"
+            if log.exists() and len(log.read_text().splitlines()) >= 8 * 3 + 3:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert (killed / "ckpts" / "last.ckpt" / "manifest.json").exists()
+    assert len(_losses(killed)) < 48
+    _run(killed, 6, "--resume")
+    assert _losses(killed) == _losses(straight), "the resumed run's losses differ from the uninterrupted run's"
+    # ModelCheckpoint kept the best two and last (it removed the others through the plugin), each a
+    # whole stashpoint checkpoint
+    kept = sorted(p.name for p in (killed / "ckpts").iterdir())
+    assert len(kept) == 3 and "last.ckpt" in kept, kept
+    assert all(stashpoint.verify(killed / "ckpts" / name).ok for name in kept)
+    best = json.loads((killed / "done.json").read_text())["best"]
+    assert Path(best).name in kept
+    # a damaged newest checkpoint fails the next resume, naming the file
+    shard = next((killed / "ckpts" / "last.ckpt").glob("shard-*.safetensors"))
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(stashpoint.CorruptCheckpointError, match=shard.name):
+        main([str(killed), "7", "--resume"])
+
+
+def _trainer(d: Path, io: StashpointCheckpointIO) -> L.Trainer:
+    return L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        plugins=[io],
+        callbacks=[ModelCheckpoint(dirpath=d, save_last=True)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def test_values_that_are_not_json_like_fail_naming_their_keys_or_are_pickled_when_allowed(tmp_path):
+    from lightning_worker import Model, data
+
+    with pytest.raises(stashpoint.UnsupportedStateError, match=r"hyper_parameters/note"):
+        _trainer(tmp_path / "refused", StashpointCheckpointIO()).fit(Model(note=Fraction(1, 3)), data())
+    io = StashpointCheckpointIO(allow_pickle=True)
+    _trainer(tmp_path / "pickled", io).fit(Model(note=Fraction(1, 3)), data())
+    got = io.load_checkpoint(tmp_path / "pickled" / "last.ckpt")
+    assert got["hyper_parameters"]["note"] == Fraction(1, 3) and got["global_step"] == 8
+    with pytest.raises(stashpoint.CheckpointError, match="allow_pickle"):
+        StashpointCheckpointIO().load_checkpoint(tmp_path / "pickled" / "last.ckpt")
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint({}, tmp_path / "x", storage_options={"a": 1})
+
+
+@pytest.mark.slow  # two DDP runs of two processes each (~30 s)
+def test_ddp_saves_on_rank_0_without_collectives_and_every_rank_resumes(tmp_path):
+    _run(tmp_path, 2, "--ddp")
+    assert stashpoint.verify(tmp_path / "ckpts" / "last.ckpt").ok
+    _run(tmp_path, 3, "--ddp", "--resume")
+    assert json.loads((tmp_path / "done.json").read_text())["global_step"] == 3 * 4  # 32 samples per rank / 8
+    for rank in (0, 1):
+        assert sorted(_losses(tmp_path, rank)) == list(range(12)), rank
