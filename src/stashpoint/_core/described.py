@@ -15,6 +15,7 @@ Pure functions, no I/O.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Sequence
@@ -60,7 +61,9 @@ class Description:
     keys: tuple[KeyDesc, ...]
     aliases: tuple[tuple[str, str], ...]  # key -> the key whose bytes it shares
 
+    @functools.cached_property
     def digest(self) -> str:
+        """Sent in every save's hello: worked out once per description (layouts are cached)."""
         return xxhash.xxh3_128_hexdigest(repr(self).encode())
 
 

@@ -19,6 +19,7 @@ One save, on every rank's writer thread:
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import logging
 import threading
 import time
@@ -82,6 +83,11 @@ class DistContext:
 
         distributed_c10d._set_pg_timeout(_dt.timedelta(seconds=self.timeout_s), self.group)
         self.applied_timeout_s = self.timeout_s
+
+    @functools.cached_property
+    def world_numbered(self) -> bool:
+        """Whether group rank ``r`` is global rank ``r`` (as device meshes number ranks); once."""
+        return self.ranks == tuple(range(self.world))
 
     def multi_host(self) -> bool:
         """Whether the ranks run on more than one host (asked once, then remembered)."""

@@ -118,8 +118,7 @@ class PersistJob:
         err = None if self.early_error is None else f"{type(self.early_error).__name__}: {self.early_error}"
         last: Plan | None = ctx.last_plan
         loc = self.storage.location
-        # a description numbers ranks as the device meshes do: the world's ranks
-        desc = self.layout.description if ctx.ranks == tuple(range(ctx.world)) else None
+        desc = self.layout.description if ctx.world_numbered else None
         mine = SaveHello(
             self.layout.hash,
             uuid.uuid4().hex[:16],
@@ -127,7 +126,7 @@ class PersistJob:
             loc,
             err,
             self._covers(last),
-            None if desc is None else desc.digest(),
+            None if desc is None else desc.digest,
             self.staged_keys is None,
         )
         hellos: list[SaveHello] | None = ctx.gather("save hellos", mine)
