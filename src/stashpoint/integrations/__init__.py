@@ -3,4 +3,5 @@ imported itself (never by ``import stashpoint``); install the matching extra, e.
 ``pip install 'stashpoint[lightning]'``.
 
 - :mod:`stashpoint.integrations.lightning`: a PyTorch Lightning ``CheckpointIO`` plugin.
+- :mod:`stashpoint.integrations.accelerate`: ``save_state`` / ``load_state`` for Hugging Face Accelerate.
 """

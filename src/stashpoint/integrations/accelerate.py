@@ -1,0 +1,251 @@
+"""Hugging Face Accelerate: ``Accelerator.save_state`` / ``load_state``, staged and written in the background.
+
+.. code-block:: python
+
+    from stashpoint.integrations.accelerate import load_state, save_state
+
+    save_state(accelerator, "ckpt/step-100")   # returns once staged; written in the background
+    load_state(accelerator, "ckpt/step-100")   # in a fresh process, after accelerator.prepare(...)
+
+What is saved is what ``Accelerator.save_state`` saves: the prepared models, optimizers and
+schedulers, the gradient scaler, the dataloaders' positions, every process's RNG states, the
+objects given to ``register_for_checkpointing`` and the accelerator's step counters. Unlike
+``save_state`` nothing is pickled, the models' and optimizers' shards are written once in total
+across DDP ranks, and FSDP2 (``fully_shard``) models are saved shard by shard and load on any
+number of processes. :func:`accelerator_state` gives the same objects as a dict, for
+:class:`stashpoint.CheckpointManager` (retention, tiers) or :func:`stashpoint.async_save`.
+
+Why functions and not Accelerate's ``register_save_state_pre_hook``: those hooks only see the
+models' weights; the optimizers, schedulers, samplers and RNG states would still go through
+``torch.save`` (pickle, synchronous, on every process), so they cannot make a save asynchronous.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+try:
+    from accelerate import Accelerator
+    from accelerate.data_loader import SeedableRandomSampler
+    from accelerate.utils import DistributedType
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "stashpoint.integrations.accelerate needs Hugging Face Accelerate: pip install 'stashpoint[accelerate]'"
+    ) from e
+
+from stashpoint._load.loader import load
+from stashpoint._save.engine import async_save
+from stashpoint._save.handle import SaveHandle
+from stashpoint._state.dtypes import dtype_name, torch_dtype
+from stashpoint._state.rng import RNGState
+from stashpoint.errors import UnsupportedStateError
+
+__all__ = ["accelerator_state", "load_state", "save_state"]
+
+_REFUSED = {
+    DistributedType.DEEPSPEED: "DeepSpeed saves its engine's state itself (model.save_checkpoint)",
+    DistributedType.MEGATRON_LM: "Megatron-LM saves its model, optimizer and scheduler itself",
+    DistributedType.XLA: "XLA tensors are not staged by stashpoint",
+}
+
+
+def accelerator_state(accelerator: Accelerator) -> dict[str, Any]:
+    """The live objects ``Accelerator.save_state`` checkpoints, as a state for stashpoint.
+
+    Keys: ``models``, ``optimizers``, ``schedulers``, ``dataloaders`` and ``custom`` (lists, in
+    the order they were prepared or registered), ``scaler`` (when mixed precision uses one),
+    ``rng`` (this process's generators) and ``accelerator`` (``step`` and the checkpoint
+    ``iteration``). Saving reads them at that moment; loading restores them in place. Build it
+    after ``accelerator.prepare(...)``.
+
+    Raises:
+        UnsupportedStateError: for DeepSpeed, Megatron-LM and XLA runs, which checkpoint their
+            engines themselves, and for FSDP1 models (use FSDP2, ``fsdp_version=2``).
+    """
+    refused = _REFUSED.get(accelerator.distributed_type)
+    if refused is not None:
+        raise UnsupportedStateError(
+            f"stashpoint cannot checkpoint an Accelerator of type {accelerator.distributed_type.value}: {refused}. "
+            "Use accelerator.save_state for it, or run with DDP or FSDP2."
+        )
+    state: dict[str, Any] = {
+        "models": list(accelerator._models),
+        "optimizers": [getattr(o, "optimizer", o) for o in accelerator._optimizers],
+        "schedulers": [getattr(s, "scheduler", s) for s in accelerator._schedulers],
+        "dataloaders": [_LoaderPosition(dl) for dl in accelerator._dataloaders],
+        "custom": list(accelerator._custom_objects),
+        "rng": RNGState(),
+        "accelerator": _Counters(accelerator),
+    }
+    if accelerator.scaler is not None:
+        state["scaler"] = accelerator.scaler
+    return state
+
+
+def save_state(
+    accelerator: Accelerator,
+    path: str | os.PathLike[str],
+    *,
+    overwrite: bool = True,
+    **options: Any,
+) -> SaveHandle:
+    """Checkpoint what ``accelerator.save_state`` would, to the directory ``path``, asynchronously.
+
+    Returns once the state is staged in host memory; training may go on while it is written,
+    checksummed and committed. Every process calls it (the save is collective). ``handle.wait()``
+    returns the :class:`stashpoint.SaveStats` or raises the failure; the next save and
+    :func:`stashpoint.shutdown` (run at exit) wait for it too. Like ``save_state`` it counts the
+    accelerator's checkpoint ``iteration`` up by one.
+
+    Args:
+        accelerator: the ``Accelerator`` after ``prepare(...)``.
+        path: the checkpoint directory to create (or a storage URL such as ``s3://bucket/run/step-100``).
+        overwrite: replace a committed checkpoint at ``path``, as ``Accelerator.save_state``
+            writes over its directory (the old one stays loadable until the new one commits);
+            ``False`` refuses instead.
+        **options: passed on to :func:`stashpoint.async_save` (``metadata``, ``writer``,
+            ``overlap``, ``timeout``, ``allow_pickle``, ...).
+    """
+    metadata = {"framework": "accelerate", **dict(options.pop("metadata", None) or {})}
+    config = accelerator.project_configuration
+    config.iteration += 1  # before staging, so that the checkpoint holds the count a resume continues from
+    try:
+        return async_save(accelerator_state(accelerator), path, overwrite=overwrite, metadata=metadata, **options)
+    except BaseException:
+        config.iteration -= 1
+        raise
+
+
+def load_state(accelerator: Accelerator, path: str | os.PathLike[str], **options: Any) -> None:
+    """Restore a checkpoint written by :func:`save_state` into the prepared objects, in place.
+
+    Call it in every process, after ``accelerator.prepare(...)`` with the same models,
+    optimizers, schedulers and dataloaders (and the same ``register_for_checkpointing`` objects)
+    as the run that saved; the optimizers may be fresh. The number of processes may differ:
+    tensors are resharded, and process ``r`` gets the RNG states and dataloader position saved
+    by process ``r mod N``.
+
+    Args:
+        accelerator: the ``Accelerator`` after ``prepare(...)``.
+        path: the checkpoint directory.
+        **options: passed on to :func:`stashpoint.load` (``strict``, ``verify``, ``allow_pickle``, ...).
+
+    Raises:
+        CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError: as :func:`stashpoint.load`.
+    """
+    load(accelerator_state(accelerator), path, **options)
+
+
+class _Counters:
+    """The accelerator's ``step`` (gradient accumulation) and checkpoint ``iteration``."""
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self._acc = accelerator
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": int(self._acc.step), "iteration": int(self._acc.project_configuration.iteration)}
+
+    def _stashpoint_check(self, sd: Any) -> str | None:
+        if not (isinstance(sd, dict) and set(sd) == {"step", "iteration"} and all(_is_int(v) for v in sd.values())):
+            return "the accelerator's counters are two integers, 'step' and 'iteration'"
+        return None
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self._acc.step = int(sd["step"])
+        self._acc.project_configuration.iteration = int(sd["iteration"])
+
+
+class _LoaderPosition:
+    """A prepared dataloader's position: its epoch (``iteration``), the seedable sampler's seed
+    and, with ``DataLoaderConfiguration(use_stateful_dataloader=True)``, the batch within the
+    epoch. Kept as plain values, so each process saves and restores its own."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def state_dict(self) -> dict[str, Any]:
+        dl = self._loader
+        sd: dict[str, Any] = {"epoch": int(getattr(dl, "iteration", 0))}
+        sampler = _seedable(dl)
+        if sampler is not None:
+            sd["sampler"] = {"initial_seed": int(sampler.initial_seed), "epoch": int(sampler.epoch)}
+        if getattr(dl, "use_stateful_dataloader", False):
+            sd["batches"] = _plain(dl.state_dict())
+        return sd
+
+    def _stashpoint_check(self, sd: Any) -> str | None:
+        if not (isinstance(sd, dict) and _is_int(sd.get("epoch")) and set(sd) <= {"epoch", "sampler", "batches"}):
+            return "a dataloader's position holds an integer 'epoch' and optionally 'sampler' and 'batches'"
+        sampler = sd.get("sampler")
+        if sampler is not None and not (
+            isinstance(sampler, dict) and all(_is_int(sampler.get(k)) for k in ("initial_seed", "epoch"))
+        ):
+            return "the sampler's position is two integers, 'initial_seed' and 'epoch'"
+        if "batches" in sd and not getattr(self._loader, "use_stateful_dataloader", False):
+            return (
+                "the checkpoint holds a position within the epoch, but this dataloader is not stateful: prepare it "
+                "with DataLoaderConfiguration(use_stateful_dataloader=True), as the run that saved it did"
+            )
+        if "batches" in sd and not isinstance(sd["batches"], dict):
+            return "the position within the epoch is not a stateful dataloader's state dict"
+        return None
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        problem = self._stashpoint_check(sd)
+        if problem is not None:
+            raise ValueError(problem)
+        dl = self._loader
+        if hasattr(dl, "set_epoch"):
+            dl.set_epoch(int(sd["epoch"]))
+        sampler = _seedable(dl)
+        saved = sd.get("sampler")
+        if sampler is not None and saved is not None:
+            sampler.initial_seed = int(saved["initial_seed"])
+            sampler.epoch = int(saved["epoch"])
+        if "batches" in sd:
+            dl.load_state_dict(_tensors(sd["batches"]))
+
+
+def _seedable(loader: Any) -> SeedableRandomSampler | None:
+    get = getattr(loader, "get_sampler", None)
+    sampler = get() if callable(get) else None
+    return sampler if isinstance(sampler, SeedableRandomSampler) else None
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_TENSOR = "__stashpoint_tensor__"
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with its tensors (a sampler's generator state) turned into plain values: plain
+    values are kept per process, tensors under one key would be taken for replicas."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return {_TENSOR: dtype_name(t.dtype), "shape": list(t.shape), "data": data}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def _tensors(value: Any) -> Any:
+    if isinstance(value, dict):
+        if _TENSOR in value:
+            dtype = torch_dtype(value[_TENSOR], "a dataloader's state")
+            if not value["data"]:
+                return torch.empty(value["shape"], dtype=dtype)
+            raw = torch.frombuffer(bytearray(value["data"]), dtype=torch.uint8)
+            return raw.view(dtype).reshape(value["shape"])
+        return {k: _tensors(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_tensors(v) for v in value)
+    return value

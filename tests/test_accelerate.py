@@ -1,0 +1,185 @@
+"""The Hugging Face Accelerate adapter (issue 20) with a real ``Accelerator`` and a transformers
+GPT-2: a run killed with ``kill -9`` resumes from the newest committed step and trains on exactly
+as an uninterrupted run, on one process and on two (torchrun, gloo); every object
+``Accelerator.save_state`` covers comes back into fresh ones; damage and misuse fail clearly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+
+import stashpoint
+from conftest import ROOT
+from dist_util import free_port
+from stashpoint.integrations.accelerate import accelerator_state, load_state, save_state
+
+WORKER = Path(__file__).with_name("accelerate_worker.py")
+ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state():
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _losses(d: Path, rank: int = 0) -> dict[int, float]:
+    """Loss per step; a step run again after a resume replaces the first run's entry."""
+    out: dict[int, float] = {}
+    for line in (d / f"losses-{rank}.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec["loss"]
+    return out
+
+
+def _run(cmd: list[str]) -> None:
+    res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    if res.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd[-6:])} exited {res.returncode}:\n{res.stderr[-4000:]}")
+
+
+def test_a_run_killed_mid_training_resumes_from_the_newest_step_and_trains_on_exactly(tmp_path):
+    from accelerate_worker import main
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    straight.mkdir()
+    killed.mkdir()
+    main([str(straight), "14", "--manager"])  # the uninterrupted run, in this process
+    AcceleratorState._reset_state(reset_partial_state=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), str(killed), "14", "--manager", "--slow", "0.3"],
+        env=ENV,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    try:  # kill -9 two steps after the save at step 6 was started (it crosses no epoch: 10 batches each)
+        while time.monotonic() < deadline and proc.poll() is None:
+            log = killed / "losses-0.jsonl"
+            if log.exists() and len(log.read_text().splitlines()) >= 8:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert len(_losses(killed)) < 14
+    _run([sys.executable, str(WORKER), str(killed), "14", "--manager", "--resume"])
+    assert _losses(killed) == _losses(straight), "the resumed run's losses differ from the uninterrupted run's"
+    done = json.loads((killed / "done-0.json").read_text())
+    assert done == json.loads((straight / "done-0.json").read_text())
+    assert done["tokens"] == 14 * 4 * 16 and done["epoch"] == 1
+    assert sorted(p.name for p in (killed / "ckpts").iterdir() if p.name.startswith("step-")) == [
+        "step-00000009",
+        "step-00000012",
+    ]
+
+
+def test_two_processes_resume_from_save_state_in_fresh_processes_exactly(tmp_path):
+    """torchrun, two processes (DDP on gloo): the run saves at steps 4 and 8 and goes on to 9;
+    fresh processes load step 4 and must repeat steps 5-9 (an epoch ends at step 5) exactly."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight.mkdir()
+    resumed.mkdir()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    _run([*torchrun, f"--master_port={free_port()}", str(WORKER), str(straight), "9", "--every", "4"])
+    step4 = straight / "ckpts" / "step-0004"
+    manifest = json.loads((step4 / "manifest.json").read_text())
+    assert manifest["world_size"] == 2
+    _run(
+        [
+            *torchrun,
+            f"--master_port={free_port()}",
+            str(WORKER),
+            str(resumed),
+            "9",
+            "--every",
+            "4",
+            "--resume-from",
+            str(step4),
+        ]
+    )
+    for rank in (0, 1):
+        want = {s: v for s, v in _losses(straight, rank).items() if s > 4}
+        assert _losses(resumed, rank) == want, f"rank {rank}'s resumed losses differ"
+        assert json.loads((resumed / f"done-{rank}.json").read_text()) == json.loads(
+            (straight / f"done-{rank}.json").read_text()
+        )
+    # the ranks' RNG states and data positions are kept per process, the DDP weights once
+    ckpt = stashpoint.read(step4)
+    assert len(ckpt["dataloaders"]) == 1 and ckpt["dataloaders"][0]["batches"]["_num_yielded"] == 4
+    assert stashpoint.verify(step4).ok
+
+
+def test_every_object_save_state_covers_comes_back_into_fresh_ones(tmp_path):
+    from accelerate_worker import build
+
+    acc, model, opt, sched, loader, tally = build(seed=0)
+    it = iter(loader)
+    for _ in range(3):
+        (batch,) = next(it)
+        acc.backward(model(input_ids=batch, labels=batch).loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    tally.tokens = 123
+    acc.step = 7
+    handle = save_state(acc, tmp_path / "ckpt", metadata={"run": "t"})
+    stats = handle.wait()
+    assert stats.bytes_written > 0
+    assert acc.save_iteration == 1  # counted up, as Accelerator.save_state does
+    (expected,) = next(it)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {k: v["exp_avg"].clone() for k, v in opt.state_dict()["state"].items()}
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+    acc2, model2, opt2, sched2, loader2, tally2 = build(seed=1)  # other weights, a fresh optimizer
+    assert not opt2.state_dict()["state"]
+    load_state(acc2, tmp_path / "ckpt")
+    for k, v in model2.state_dict().items():
+        torch.testing.assert_close(v, weights[k], rtol=0, atol=0, msg=k)
+    for k, v in opt2.state_dict()["state"].items():
+        torch.testing.assert_close(v["exp_avg"], moments[k], rtol=0, atol=0)
+    assert sched2.scheduler.last_epoch == sched.scheduler.last_epoch == 3
+    assert tally2.tokens == 123 and acc2.step == 7 and acc2.save_iteration == 1
+    (got,) = next(iter(loader2))  # the dataloader goes on with the batch after the third
+    assert torch.equal(got, expected)
+    assert stashpoint.read(tmp_path / "ckpt", select="accelerator") == {"step": 7, "iteration": 1}
+    assert set(accelerator_state(acc2)) == {
+        "models",
+        "optimizers",
+        "schedulers",
+        "dataloaders",
+        "custom",
+        "rng",
+        "accelerator",
+    }
+
+    # a damaged checkpoint fails naming the shard; nothing pickled is in the files
+    shard = next((tmp_path / "ckpt").glob("shard-*.safetensors"))
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(stashpoint.CorruptCheckpointError, match=shard.name):
+        load_state(acc2, tmp_path / "ckpt")
+    assert not any(p.suffix in {".pkl", ".bin"} for p in (tmp_path / "ckpt").iterdir())
+
+
+def test_a_position_within_the_epoch_needs_a_stateful_dataloader(tmp_path):
+    from accelerate_worker import build
+
+    acc, *_ = build()
+    save_state(acc, tmp_path / "ckpt").wait()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc2, *_ = build(stateful=False)
+    with pytest.raises(stashpoint.CheckpointError, match="use_stateful_dataloader=True"):
+        load_state(acc2, tmp_path / "ckpt")
