@@ -12,7 +12,8 @@ schedulers, the gradient scaler, the dataloaders' positions, every process's RNG
 objects given to ``register_for_checkpointing`` and the accelerator's step counters. Unlike
 ``save_state`` nothing is pickled, the models' and optimizers' shards are written once in total
 across DDP ranks, and FSDP2 (``fully_shard``) models are saved shard by shard and load on any
-number of processes. :func:`accelerator_state` gives the same objects as a dict, for
+number of processes (Accelerate runs FSDP on GPUs only; this path is tested without
+Accelerate). :func:`accelerator_state` gives the same objects as a dict, for
 :class:`stashpoint.CheckpointManager` (retention, tiers) or :func:`stashpoint.async_save`.
 
 Why functions and not Accelerate's ``register_save_state_pre_hook``: those hooks only see the
