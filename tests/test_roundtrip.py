@@ -171,6 +171,34 @@ def test_training_objects_round_trip(tmp_path):
     assert_same(model.state_dict(), model2.state_dict())
 
 
+def test_a_partial_load_takes_what_the_state_holds_and_reads_nothing_else(tmp_path, monkeypatch):
+    from stashpoint._load import loader
+
+    model = small_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, optim, 2)
+    stashpoint.save({"model": model, "optim": optim, "extra": torch.ones(3), "step": 2}, tmp_path / "ck")
+    fresh = small_model(seed=3)
+    with pytest.raises(stashpoint.StateMismatchError, match="unexpected key 'optim'"):
+        stashpoint.load({"model": fresh}, tmp_path / "ck")
+    plans = []
+    real_plan = loader._plan
+
+    def recording_plan(*args, **kwargs):
+        out = real_plan(*args, **kwargs)
+        plans.append(out[1])
+        return out
+
+    monkeypatch.setattr(loader, "_plan", recording_plan)
+    state = {"model": fresh}
+    stashpoint.load(state, tmp_path / "ck", partial=True)
+    assert set(state) == {"model"}  # no key of the checkpoint's is added
+    assert_same(model.state_dict(), fresh.state_dict())
+    assert {r.key.split("/")[0] for r in plans[0].reads} == {"model"}  # the optimizer's bytes are not read
+    with pytest.raises(stashpoint.StateMismatchError, match="missing key 'other'"):
+        stashpoint.load({"model": fresh, "other": torch.zeros(1)}, tmp_path / "ck", partial=True)
+
+
 def test_optimizer_state_survives_a_change_in_parameter_order(tmp_path):
     model = small_model()
     params = dict(model.named_parameters())

@@ -35,6 +35,7 @@ def load(
     path: str | os.PathLike[str] | Storage,
     *,
     strict: bool = True,
+    partial: bool = False,
     verify: bool = True,
     allow_pickle: bool = False,
     process_group: Any = None,
@@ -53,6 +54,9 @@ def load(
         strict: raise :class:`StateMismatchError` listing every missing or unexpected key and
             every shape or dtype difference. With ``strict=False`` what matches is loaded and the
             rest is reported as a warning.
+        partial: load only what ``state`` holds: keys of the checkpoint's dicts that the state
+            lacks are skipped and their bytes not read (e.g. ``{"model": model}`` from a full
+            training checkpoint). Keys the state holds and the checkpoint lacks still fail.
         verify: check every tensor's checksum (:class:`CorruptCheckpointError` on mismatch).
         allow_pickle: unpickle values saved with ``allow_pickle=True``. Unpickling runs code
             from the file: only for files you trust.
@@ -109,7 +113,7 @@ def load(
     plan: Plan | None = None
     plan_error: CheckpointError | None = None
     try:
-        manifest, plan = _plan(storage, head, state, rank, allow_pickle=allow_pickle)
+        manifest, plan = _plan(storage, head, state, rank, allow_pickle=allow_pickle, partial=partial)
         if plan.problems and strict:
             plan_error = StateMismatchError(storage.location, plan.problems)
     except CheckpointError as e:
@@ -133,17 +137,17 @@ def load(
 
 
 def _plan(
-    storage: Storage, head: Manifest | Head, state: Any, rank: int, *, allow_pickle: bool
+    storage: Storage, head: Manifest | Head, state: Any, rank: int, *, allow_pickle: bool, partial: bool = False
 ) -> tuple[Manifest, Plan]:
     """This rank's restore plan and the part of the checkpoint it reads: a version-2 checkpoint
     reads its own rank's index (its tree), plans, then the indexes of the chunks it needs."""
     if isinstance(head, Manifest):
-        plan = Planner(head, state, allow_pickle=allow_pickle, where=storage.location, rank=rank).run()
+        plan = Planner(head, state, allow_pickle=allow_pickle, where=storage.location, rank=rank, partial=partial).run()
         return head, plan
     own = rank % head.world_size
     have: dict[int, Any] = {}  # each index is read once, its own rank's first (the tree to plan with)
     manifest = read_view(storage, head, (), own, have)
-    plan = Planner(manifest, state, allow_pickle=allow_pickle, where=storage.location, rank=rank).run()
+    plan = Planner(manifest, state, allow_pickle=allow_pickle, where=storage.location, rank=rank, partial=partial).run()
     needed = writers_of(head, ((r.key, r.region) for r in plan.reads))
     return read_view(storage, head, needed, own, have), plan
 

@@ -67,8 +67,11 @@ def _holds_tensors(obj: Any) -> bool:
 
 
 class Planner:
-    def __init__(self, manifest: Manifest, root: Any, *, allow_pickle: bool, where: str, rank: int = 0) -> None:
+    def __init__(
+        self, manifest: Manifest, root: Any, *, allow_pickle: bool, where: str, rank: int = 0, partial: bool = False
+    ) -> None:
         self.m = manifest
+        self.partial = partial  # keys the state lacks are skipped, not reported
         self.tree = manifest.tree_for(rank)
         self.root = root
         self.allow_pickle = allow_pickle
@@ -227,6 +230,8 @@ class Planner:
             cw = join(where, k)
             if k in live:
                 self.restore(child, live[k], cw, _bind(live.__setitem__, k), materialize=materialize)
+            elif self.partial and not materialize:
+                continue
             elif materialize or is_plain(child):
                 self._set(_bind(live.__setitem__, k), self.build(child, cw))
             else:
