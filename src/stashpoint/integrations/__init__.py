@@ -4,4 +4,5 @@ imported itself (never by ``import stashpoint``); install the matching extra, e.
 
 - :mod:`stashpoint.integrations.lightning`: a PyTorch Lightning ``CheckpointIO`` plugin.
 - :mod:`stashpoint.integrations.accelerate`: ``save_state`` / ``load_state`` for Hugging Face Accelerate.
+- :mod:`stashpoint.integrations.torchtitan`: a torchtitan checkpoint manager, selected by one flag.
 """

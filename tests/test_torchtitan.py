@@ -1,0 +1,119 @@
+"""The torchtitan adapter (issue 20) with torchtitan's own trainer and debug model (llama3
+"debugmodel", FSDP2 over two CPU ranks on gloo), selected by one command-line flag: a job
+killed with ``kill -9`` mid-training resumes in fresh processes from the newest committed step
+and repeats the lost steps exactly; a model-only final save loads into another job, on another
+number of ranks, as its initial checkpoint. tests/titan_job.py says what is adapted for the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import stashpoint
+from conftest import ROOT
+from dist_util import free_port
+
+pytestmark = pytest.mark.xdist_group("torchtitan")  # one worker runs the shared job (scripts/test.sh: loadgroup)
+JOB = Path(__file__).with_name("titan_job.py")
+ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
+USE = "stashpoint.integrations.torchtitan.use_stashpoint"
+_STEP = re.compile(r"step:\s+(\d+)\s+\S*\s*loss:\s+([0-9.]+)")
+
+
+def _cmd(ranks: int, *flags: str) -> list[str]:
+    parallel = ["--parallelism.spmd-backend", "full_dtensor"] if ranks > 1 else []
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), f"--master_port={free_port()}",
+        str(JOB), "--module", "titan_job", "--config", "debug_cpu", *parallel,
+        "--checkpoint.enable", "--override.imports", USE, *flags,
+    ]  # fmt: skip
+
+
+def _losses(log: str) -> dict[int, float]:
+    return {int(m[1]): float(m[2]) for m in _STEP.finditer(re.sub(r"\x1b\[[0-9;]*m", "", log))}
+
+
+def _steps(folder: Path) -> list[int]:
+    with stashpoint.CheckpointManager(folder) as mgr:  # (it owns the folder while open)
+        return mgr.steps()
+
+
+def _run(cwd: Path, cmd: list[str]) -> str:
+    res = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=400)
+    if res.returncode != 0:
+        raise AssertionError(f"the torchtitan job exited {res.returncode}:\n{res.stderr[-5000:]}")
+    return res.stderr + res.stdout
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A two-rank job of 8 steps saving every 2 (keeping 2), killed with ``kill -9`` once step 6
+    is logged, then the same command again: the logs, the loss per step and what was committed."""
+    from titan_job import write_assets
+
+    d = tmp_path_factory.mktemp("titan")
+    write_assets(d)
+    flags = ("--training.steps", "8", "--checkpoint.interval", "2", "--checkpoint.keep-latest-k", "2")
+    log_path = d / "killed.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(_cmd(2, *flags), cwd=d, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    try:  # kill every process of the job once step 6 is logged (its save is staged or in flight)
+        while time.monotonic() < deadline and proc.poll() is None and 6 not in _losses(log_path.read_text()):
+            time.sleep(0.1)
+        assert proc.poll() is None, f"the job ended before it could be killed:\n{log_path.read_text()[-3000:]}"
+        # torchrun starts each rank in a session of its own: kill them all, as a node failure would
+        victims = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+        for victim in victims:
+            victim.send_signal(signal.SIGKILL)
+        psutil.wait_procs(victims, timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    folder = d / "outputs" / "checkpoint"
+    committed = _steps(folder)
+    resumed = _run(d, _cmd(2, *flags))
+    return {"dir": d, "folder": folder, "committed": committed, "first": _losses(log_path.read_text()),
+            "resumed_log": resumed, "resumed": _losses(resumed)}  # fmt: skip
+
+
+def test_a_killed_job_resumes_from_the_newest_committed_step_and_repeats_the_lost_steps_exactly(killed_and_resumed):
+    run = killed_and_resumed
+    committed, first, again = run["committed"], run["first"], run["resumed"]
+    assert committed and committed[-1] in (4, 6), committed
+    assert f"Training starts at step {committed[-1] + 1}" in run["resumed_log"], run["resumed_log"][-3000:]
+    assert sorted(again) == list(range(committed[-1] + 1, 9))
+    redone = {s: v for s, v in again.items() if s in first}
+    assert redone and redone == {s: first[s] for s in redone}, (redone, first)
+    # keep_latest_k=2; the last step (8) is a full, resumable save in the debug config
+    folder = run["folder"]
+    assert _steps(folder) == [6, 8]
+    assert stashpoint.read(folder / "step-00000008", select="train_state")["step"] == 8
+    assert json.loads((folder / "step-00000008" / "manifest.json").read_text())["world_size"] == 2
+
+
+def test_a_model_only_last_save_is_the_initial_checkpoint_of_a_job_on_another_number_of_ranks(killed_and_resumed):
+    d, full = killed_and_resumed["dir"], killed_and_resumed["folder"] / "step-00000008"
+    log = _run(
+        d,
+        _cmd(
+            1,
+            "--training.steps", "2", "--checkpoint.interval", "100", "--checkpoint.folder", "finetune",
+            "--checkpoint.initial-load-path", str(full), "--checkpoint.last-save-model-only",
+        ),
+    )  # fmt: skip
+    assert "Training starts at step 1" in log and f"stashpoint: loaded model of {full}" in log
+    losses = _losses(log)
+    assert losses[1] < 7.0, losses  # the trained model (2 ranks' shards on 1 rank), not a fresh one (~8.0)
+    final = d / "outputs" / "finetune" / "step-00000002"
+    assert set(stashpoint.read(final)) == {"model"}
+    assert json.loads((final / "manifest.json").read_text())["metadata"]["torchtitan"] == "model-only"
