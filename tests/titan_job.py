@@ -14,8 +14,9 @@ accelerator in a few places; :func:`_cpu` adapts exactly those, and nothing of c
 - FSDP2's gradient division becomes ``PREMUL_SUM``, which gloo lacks: a plain sum instead;
 - FlexAttention has no backward on the CPU: :func:`debug_cpu` uses SDPA (causal).
 
-With ``TITAN_TIMES=path`` every ``checkpointer.save`` call's duration and every training step's
-end time are written to ``path.<rank>.json`` at the end (for the benchmark).
+With ``TITAN_TIMES=path`` every ``checkpointer.save`` call's duration, each save's time until
+durable and every training step's end time are written to ``path.<rank>.json`` at the end (for
+the benchmark).
 """
 
 from __future__ import annotations
@@ -107,18 +108,31 @@ def debug_cpu() -> Any:
 
 
 def _record_times(path: str) -> None:
+    import concurrent.futures as cf
+
     from torchtitan.components.checkpointer import BaseCheckpointManager
     from torchtitan.trainer import Trainer
 
-    saves: list[list[float]] = []
+    saves: list[list[float]] = []  # [step, seconds the call held the loop, 1.0 if the last step]
+    durable: list[list[float]] = []  # [step, seconds from the call until the save was durable]
+    handles: list[tuple[int, Any]] = []
     steps: list[float] = []
     save, train_step, close = BaseCheckpointManager.save, Trainer.train_step, Trainer.close
 
     def timed_save(self: Any, curr_step: int, last_step: bool = False) -> bool:
+        before = getattr(self, "save_future", None)
         t0 = time.perf_counter()
         did = save(self, curr_step, last_step)
-        if did:
-            saves.append([curr_step, time.perf_counter() - t0, float(last_step)])
+        if not did:
+            return did
+        saves.append([curr_step, time.perf_counter() - t0, float(last_step)])
+        fut = getattr(self, "save_future", None)
+        if isinstance(fut, cf.Future) and fut is not before:  # DCP async: written in a thread
+            fut.add_done_callback(lambda _f, s=curr_step, t=t0: durable.append([s, time.perf_counter() - t]))
+        elif fut is not None and fut is not before and hasattr(fut, "stats"):  # a stashpoint SaveHandle
+            handles.append((curr_step, fut))
+        else:  # written (and, for DCP, fsynced) before save() returned
+            durable.append([curr_step, saves[-1][1]])
         return did
 
     def timed_step(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -131,8 +145,11 @@ def _record_times(path: str) -> None:
         self.checkpointer.maybe_wait_for_saving()
         drain = time.perf_counter() - t0
         close(self)
+        for step, handle in handles:
+            durable.append([step, handle.wait().total_s])
         rank = int(os.environ.get("RANK", "0"))
-        Path(f"{path}.{rank}.json").write_text(json.dumps({"saves": saves, "steps": steps, "drain": drain}))
+        out = {"saves": saves, "durable": sorted(durable), "steps": steps, "drain": drain}
+        Path(f"{path}.{rank}.json").write_text(json.dumps(out))
 
     BaseCheckpointManager.save = timed_save  # type: ignore[method-assign]
     Trainer.train_step = timed_step  # type: ignore[method-assign]

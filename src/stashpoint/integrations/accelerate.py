@@ -8,7 +8,8 @@
     load_state(accelerator, "ckpt/step-100")   # in a fresh process, after accelerator.prepare(...)
 
 What is saved is what ``Accelerator.save_state`` saves: the prepared models, optimizers and
-schedulers, the gradient scaler, the dataloaders' positions, every process's RNG states, the
+schedulers, the gradient scaler, the dataloaders' positions, every process's RNG states
+(Python, NumPy, torch on the CPU and CUDA; not XPU, NPU, MLU or HPU generators), the
 objects given to ``register_for_checkpointing`` and the accelerator's step counters. Unlike
 ``save_state`` nothing is pickled, the models' and optimizers' shards are written once in total
 across DDP ranks, and FSDP2 (``fully_shard``) models are saved shard by shard and load on any
@@ -23,7 +24,10 @@ models' weights; the optimizers, schedulers, samplers and RNG states would still
 
 from __future__ import annotations
 
+import logging
+import math
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,9 +47,11 @@ from stashpoint._save.engine import async_save
 from stashpoint._save.handle import SaveHandle
 from stashpoint._state.dtypes import dtype_name, torch_dtype
 from stashpoint._state.rng import RNGState
-from stashpoint.errors import UnsupportedStateError
+from stashpoint.errors import CorruptCheckpointError, UnsupportedStateError
 
 __all__ = ["accelerator_state", "load_state", "save_state"]
+
+log = logging.getLogger("stashpoint")
 
 _REFUSED = {
     DistributedType.DEEPSPEED: "DeepSpeed saves its engine's state itself (model.save_checkpoint)",
@@ -73,11 +79,17 @@ def accelerator_state(accelerator: Accelerator) -> dict[str, Any]:
             f"stashpoint cannot checkpoint an Accelerator of type {accelerator.distributed_type.value}: {refused}. "
             "Use accelerator.save_state for it, or run with DDP or FSDP2."
         )
+    fsdp = getattr(accelerator.state, "fsdp_plugin", None)
+    if accelerator.distributed_type == DistributedType.FSDP and getattr(fsdp, "fsdp_version", 2) != 2:
+        raise UnsupportedStateError(
+            "stashpoint checkpoints FSDP2 models, not FSDP1 (its state_dict() runs collectives on the training's "
+            "process group): use FullyShardedDataParallelPlugin(fsdp_version=2)"
+        )
     state: dict[str, Any] = {
         "models": list(accelerator._models),
         "optimizers": [getattr(o, "optimizer", o) for o in accelerator._optimizers],
         "schedulers": [getattr(s, "scheduler", s) for s in accelerator._schedulers],
-        "dataloaders": [_LoaderPosition(dl) for dl in accelerator._dataloaders],
+        "dataloaders": [_LoaderPosition(dl, accelerator.num_processes) for dl in accelerator._dataloaders],
         "custom": list(accelerator._custom_objects),
         "rng": RNGState(),
         "accelerator": _Counters(accelerator),
@@ -111,6 +123,7 @@ def save_state(
         **options: passed on to :func:`stashpoint.async_save` (``metadata``, ``writer``,
             ``overlap``, ``timeout``, ``allow_pickle``, ...).
     """
+    _warn_hooks(accelerator._save_model_state_pre_hook, "register_save_state_pre_hook", "save")
     metadata = {"framework": "accelerate", **dict(options.pop("metadata", None) or {})}
     config = accelerator.project_configuration
     config.iteration += 1  # before staging, so that the checkpoint holds the count a resume continues from
@@ -127,8 +140,9 @@ def load_state(accelerator: Accelerator, path: str | os.PathLike[str], **options
     Call it in every process, after ``accelerator.prepare(...)`` with the same models,
     optimizers, schedulers and dataloaders (and the same ``register_for_checkpointing`` objects)
     as the run that saved; the optimizers may be fresh. The number of processes may differ:
-    tensors are resharded, and process ``r`` gets the RNG states and dataloader position saved
-    by process ``r mod N``.
+    tensors are resharded and process ``r`` gets the RNG states saved by process ``r mod N``;
+    a position within an epoch (stateful dataloaders) loads only on the number of processes that
+    saved it, since each process's share of the data depends on it.
 
     Args:
         accelerator: the ``Accelerator`` after ``prepare(...)``.
@@ -138,7 +152,20 @@ def load_state(accelerator: Accelerator, path: str | os.PathLike[str], **options
     Raises:
         CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError: as :func:`stashpoint.load`.
     """
+    _warn_hooks(accelerator._load_model_state_pre_hook, "register_load_state_pre_hook", "load")
     load(accelerator_state(accelerator), path, **options)
+
+
+def _warn_hooks(hooks: Mapping[Any, Any], register: str, what: str) -> None:
+    """Hooks registered for Accelerate's own save_state / load_state (a library writing its own
+    files, e.g. save_pretrained) do not run here: say so rather than drop their files silently."""
+    if hooks:
+        msg = (
+            f"stashpoint: {len(hooks)} hook(s) registered with accelerator.{register} do not run in stashpoint's "
+            f"{what}_state (they belong to Accelerator.{what}_state); call what they do yourself"
+        )
+        warnings.warn(msg, stacklevel=3)
+        log.warning(msg)
 
 
 class _Counters:
@@ -165,12 +192,13 @@ class _LoaderPosition:
     and, with ``DataLoaderConfiguration(use_stateful_dataloader=True)``, the batch within the
     epoch. Kept as plain values, so each process saves and restores its own."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, processes: int) -> None:
         self._loader = loader
+        self._processes = processes
 
     def state_dict(self) -> dict[str, Any]:
         dl = self._loader
-        sd: dict[str, Any] = {"epoch": int(getattr(dl, "iteration", 0))}
+        sd: dict[str, Any] = {"epoch": int(getattr(dl, "iteration", 0)), "processes": self._processes}
         sampler = _seedable(dl)
         if sampler is not None:
             sd["sampler"] = {"initial_seed": int(sampler.initial_seed), "epoch": int(sampler.epoch)}
@@ -179,20 +207,31 @@ class _LoaderPosition:
         return sd
 
     def _stashpoint_check(self, sd: Any) -> str | None:
-        if not (isinstance(sd, dict) and _is_int(sd.get("epoch")) and set(sd) <= {"epoch", "sampler", "batches"}):
-            return "a dataloader's position holds an integer 'epoch' and optionally 'sampler' and 'batches'"
+        keys = {"epoch", "processes", "sampler", "batches"}
+        if not (isinstance(sd, dict) and all(_is_int(sd.get(k)) for k in ("epoch", "processes")) and set(sd) <= keys):
+            return "a dataloader's position holds integers 'epoch' and 'processes', optionally 'sampler' and 'batches'"
         sampler = sd.get("sampler")
         if sampler is not None and not (
             isinstance(sampler, dict) and all(_is_int(sampler.get(k)) for k in ("initial_seed", "epoch"))
         ):
             return "the sampler's position is two integers, 'initial_seed' and 'epoch'"
-        if "batches" in sd and not getattr(self._loader, "use_stateful_dataloader", False):
+        if "batches" not in sd:
+            return None
+        if not getattr(self._loader, "use_stateful_dataloader", False):
             return (
                 "the checkpoint holds a position within the epoch, but this dataloader is not stateful: prepare it "
                 "with DataLoaderConfiguration(use_stateful_dataloader=True), as the run that saved it did"
             )
-        if "batches" in sd and not isinstance(sd["batches"], dict):
-            return "the position within the epoch is not a stateful dataloader's state dict"
+        if sd["processes"] != self._processes:
+            return (
+                f"the position within the epoch was saved by {sd['processes']} processes and each process's share of "
+                f"the data depends on their number ({self._processes} now): resume on {sd['processes']} processes, "
+                "or from a checkpoint taken at the end of an epoch"
+            )
+        try:
+            _tensors(sd["batches"])
+        except ValueError as e:
+            return f"the position within the epoch is malformed: {e}"
         return None
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
@@ -239,13 +278,21 @@ def _plain(value: Any) -> Any:
 
 
 def _tensors(value: Any) -> Any:
+    """The inverse of :func:`_plain`; ValueError names what is malformed (a hostile file)."""
     if isinstance(value, dict):
         if _TENSOR in value:
-            dtype = torch_dtype(value[_TENSOR], "a dataloader's state")
-            if not value["data"]:
-                return torch.empty(value["shape"], dtype=dtype)
-            raw = torch.frombuffer(bytearray(value["data"]), dtype=torch.uint8)
-            return raw.view(dtype).reshape(value["shape"])
+            try:
+                dtype = torch_dtype(value[_TENSOR], "a dataloader's state")
+            except CorruptCheckpointError as e:
+                raise ValueError(str(e)) from None
+            data, shape = value.get("data"), value.get("shape")
+            if not (isinstance(data, bytes) and isinstance(shape, list) and all(_is_int(n) and n >= 0 for n in shape)):
+                raise ValueError("a tensor of it is not 'data' bytes and a 'shape' of non-negative integers")
+            if math.prod(shape) * dtype.itemsize != len(data):
+                raise ValueError(f"a tensor of shape {shape} and dtype {value[_TENSOR]} has {len(data)} bytes")
+            if not data:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
         return {k: _tensors(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_tensors(v) for v in value)
