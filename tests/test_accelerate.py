@@ -187,10 +187,9 @@ def test_a_position_within_the_epoch_needs_a_stateful_dataloader(tmp_path):
 
 def test_a_dataloader_position_from_a_hostile_file_or_another_number_of_processes_is_refused(tmp_path):
     from accelerate_worker import build
-
     from stashpoint.integrations.accelerate import _LoaderPosition
 
-    acc, _model, _opt, _sched, loader, _tally = build()
+    _acc, _model, _opt, _sched, loader, _tally = build()
     next(iter(loader))
     good = _LoaderPosition(loader, 1).state_dict()
     assert _LoaderPosition(loader, 1)._stashpoint_check(good) is None

@@ -56,19 +56,21 @@ def _run(cwd: Path, cmd: list[str]) -> str:
 
 @pytest.fixture(scope="module")
 def killed_and_resumed(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """A two-rank job of 8 steps saving every 2 (keeping 2), killed with ``kill -9`` once step 6
-    is logged, then the same command again: the logs, the loss per step and what was committed."""
+    """A two-rank job of 8 steps saving every 2 (keeping 2, the last step's save model-only),
+    killed with ``kill -9`` once step 7 is logged, then the same command again: the logs, the loss
+    per step and what was committed."""
     from titan_job import write_assets
 
     d = tmp_path_factory.mktemp("titan")
     write_assets(d)
-    flags = ("--training.steps", "8", "--checkpoint.interval", "2", "--checkpoint.keep-latest-k", "2")
+    flags = ("--training.steps", "8", "--checkpoint.interval", "2", "--checkpoint.keep-latest-k", "2",
+             "--checkpoint.last-save-model-only")  # fmt: skip
     log_path = d / "killed.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(_cmd(2, *flags), cwd=d, env=ENV, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
-    try:  # kill every process of the job once step 6 is logged (its save is staged or in flight)
-        while time.monotonic() < deadline and proc.poll() is None and 6 not in _losses(log_path.read_text()):
+    try:  # kill every process of the job once step 7 is logged (step 6's save committed or in flight)
+        while time.monotonic() < deadline and proc.poll() is None and 7 not in _losses(log_path.read_text()):
             time.sleep(0.1)
         assert proc.poll() is None, f"the job ended before it could be killed:\n{log_path.read_text()[-3000:]}"
         # torchrun starts each rank in a session of its own: kill them all, as a node failure would
@@ -94,26 +96,105 @@ def test_a_killed_job_resumes_from_the_newest_committed_step_and_repeats_the_los
     assert sorted(again) == list(range(committed[-1] + 1, 9))
     redone = {s: v for s, v in again.items() if s in first}
     assert redone and redone == {s: first[s] for s in redone}, (redone, first)
-    # keep_latest_k=2; the last step (8) is a full, resumable save in the debug config
+    # keep_latest_k=2 resumable steps; the last step's save holds the model alone, beside them
     folder = run["folder"]
-    assert _steps(folder) == [6, 8]
-    assert stashpoint.read(folder / "step-00000008", select="train_state")["step"] == 8
-    assert json.loads((folder / "step-00000008" / "manifest.json").read_text())["world_size"] == 2
+    assert _steps(folder) == [4, 6]
+    assert stashpoint.read(folder / "step-00000006", select="train_state")["step"] == 6
+    assert json.loads((folder / "step-00000006" / "manifest.json").read_text())["world_size"] == 2
+    final = folder / "model-step-00000008"
+    assert set(stashpoint.read(final)) == {"model"}
+    assert json.loads((final / "manifest.json").read_text())["metadata"]["torchtitan"] == "model-only"
 
 
 def test_a_model_only_last_save_is_the_initial_checkpoint_of_a_job_on_another_number_of_ranks(killed_and_resumed):
-    d, full = killed_and_resumed["dir"], killed_and_resumed["folder"] / "step-00000008"
-    log = _run(
-        d,
-        _cmd(
-            1,
-            "--training.steps", "2", "--checkpoint.interval", "100", "--checkpoint.folder", "finetune",
-            "--checkpoint.initial-load-path", str(full), "--checkpoint.last-save-model-only",
-        ),
-    )  # fmt: skip
-    assert "Training starts at step 1" in log and f"stashpoint: loaded model of {full}" in log
+    d, final = killed_and_resumed["dir"], killed_and_resumed["folder"] / "model-step-00000008"
+    flags = ("--training.steps", "1", "--checkpoint.folder", "finetune", "--checkpoint.initial-load-path", str(final))
+    log = _run(d, _cmd(1, *flags))
+    assert "Training starts at step 1" in log and f"stashpoint: loaded model of {final}" in log
     losses = _losses(log)
-    assert losses[1] < 7.0, losses  # the trained model (2 ranks' shards on 1 rank), not a fresh one (~8.0)
-    final = d / "outputs" / "finetune" / "step-00000002"
-    assert set(stashpoint.read(final)) == {"model"}
-    assert json.loads((final / "manifest.json").read_text())["metadata"]["torchtitan"] == "model-only"
+    assert losses[1] < 7.0, losses  # the trained model (two ranks' shards on one rank), not a fresh one (~8.0)
+
+
+class _TrainState:
+    """The trainer's part of the state (torchtitan's Trainer is itself the ``train_state``)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.step = sd["step"]
+
+
+def _manager(folder: Path, **config: object):
+    import torch
+
+    from stashpoint.integrations.torchtitan import StashpointCheckpointManager
+
+    torch.manual_seed(len(str(config)))
+    model = torch.nn.Linear(4, 4)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    train = _TrainState()
+    cfg = StashpointCheckpointManager.Config(**{"enable": True, "interval": 2, "keep_latest_k": 0, **config})
+    mgr = StashpointCheckpointManager(
+        cfg,
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optim,
+        lr_schedulers=torch.optim.lr_scheduler.StepLR(optim, 1),
+        states={"train_state": train},
+        sd_adapter=None,
+        base_folder=str(folder),
+    )
+    return mgr, model, train
+
+
+def test_the_manager_refuses_to_lose_work_rolls_back_on_request_and_reads_without_owning(tmp_path):
+    import torch
+
+    mgr, model, train = _manager(tmp_path)
+    for step in (2, 4, 6):
+        train.step = step
+        assert mgr.save(step, last_step=step == 6)
+    mgr.close()
+    folder = tmp_path / "checkpoint"
+    assert sorted(p.name for p in folder.iterdir() if "step" in p.name) == [
+        "model-step-00000006",
+        "step-00000002",
+        "step-00000004",
+    ]
+    # restarting a finished run would train its last steps again: refused, naming the way on
+    mgr, _, _ = _manager(tmp_path)
+    with pytest.raises(stashpoint.CheckpointError, match=r"model-only save of a finished run.*model-step-00000006"):
+        mgr.load()
+    mgr.close()
+    # an evaluation job reads while a training job owns the folder
+    owner, _, _ = _manager(tmp_path)
+    reader, read_model, read_train = _manager(tmp_path, load_only=True)
+    assert reader.load() and read_train.step == 4 and torch.equal(read_model.weight, model.weight)
+    assert not reader.save(8)
+    reader.close()
+    owner.close()
+    # --checkpoint.load_step 2: the newer step goes aside and training saves it again
+    (folder / "model-step-00000006").rename(tmp_path / "final")
+    mgr, _, train = _manager(tmp_path)
+    assert mgr.load(step=2) and train.step == 2
+    assert [p.name.split(".")[0] for p in folder.iterdir() if "rolled-back" in p.name] == ["step-00000004"]
+    assert mgr.save(4)
+    mgr.close()
+    # a seed checkpoint (step 0, model only) starts a run; a DCP folder is refused, naming it
+    seed = tmp_path / "seed"
+    mgr, seed_model, _ = _manager(seed)
+    assert mgr.save(0, last_step=True)
+    mgr.close()
+    mgr, fresh, train = _manager(seed, interval=3)
+    assert mgr.load() and train.step == 0 and torch.equal(fresh.weight, seed_model.weight)
+    mgr.close()
+    (tmp_path / "dcp" / "checkpoint" / "step-10").mkdir(parents=True)
+    (tmp_path / "dcp" / "checkpoint" / "step-10" / ".metadata").write_bytes(b"")
+    mgr, _, _ = _manager(tmp_path / "dcp")
+    with pytest.raises(stashpoint.CheckpointError, match=r"DCP checkpoints \(step-10/.metadata\)"):
+        mgr.load()
+    mgr.close()

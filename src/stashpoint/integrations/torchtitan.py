@@ -21,7 +21,6 @@ interrupted is never taken for one. Saving in Hugging Face format (``last_save_i
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,11 +37,14 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "stashpoint.integrations.torchtitan needs torchtitan 0.3: pip install 'stashpoint[torchtitan]'"
     ) from e
 
+from stashpoint._core.naming import MANIFEST_NAME, parse_step_dir, step_dir
 from stashpoint._load.loader import load
-from stashpoint._load.manifest import read_head
 from stashpoint._manager.manager import CheckpointManager as StepManager
+from stashpoint._manager.steps import committed_steps
+from stashpoint._save.engine import save
+from stashpoint._state.validate import structure_problem
 from stashpoint._storage import storage_for
-from stashpoint.errors import CheckpointNotFoundError
+from stashpoint.errors import CheckpointError
 
 __all__ = ["StashpointCheckpointManager", "use_stashpoint"]
 
@@ -51,25 +53,40 @@ _MODEL_ONLY = "model-only"
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-class _AsObject:
-    """Hands stashpoint an object's ``state_dict()`` as it is: torchtitan's optimizer container
-    is a ``torch.optim.Optimizer`` whose state dict is already flat and keyed by name."""
+class _Part:
+    """Hands stashpoint a part's ``state_dict()`` as it is: torchtitan's optimizer container is a
+    ``torch.optim.Optimizer`` whose state dict is already flat and keyed by name."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, hint: str = "") -> None:
         self.inner = inner
+        self.hint = hint
 
     def state_dict(self) -> Any:
         return self.inner.state_dict()
+
+    def _stashpoint_check(self, sd: Any) -> str | None:
+        problem = structure_problem(sd, self.inner.state_dict())
+        return f"{problem}; {self.hint}" if problem and self.hint else problem
 
     def load_state_dict(self, sd: Any) -> None:
         self.inner.load_state_dict(sd)
 
 
+_HINTS = {
+    MODEL: "a model-only save in another --checkpoint.export_dtype than the model's loads only into a model of that "
+    "dtype",
+    DATALOADER: "a dataloader's position loads only on as many data-parallel ranks as saved it: add "
+    "--checkpoint.exclude_from_loading dataloader",
+}
+
+
 class StashpointCheckpointManager(BaseCheckpointManager):
     """torchtitan's checkpoint manager interface, implemented with :class:`stashpoint.CheckpointManager`.
 
-    Checkpoints go to ``<dump_folder>/<checkpoint.folder>/step-NNNNNNNN``. ``keep_latest_k``
-    keeps the newest k committed steps (0: all).
+    Checkpoints go to ``<dump_folder>/<checkpoint.folder>/step-NNNNNNNN``; ``keep_latest_k``
+    keeps the newest k (0: all). A model-only save (the last step's, with
+    ``last_save_model_only``, or the seed checkpoint of step 0) goes to ``model-step-NNNNNNNN``
+    beside them: it is no resumable step.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -82,7 +99,7 @@ class StashpointCheckpointManager(BaseCheckpointManager):
         copied there in the background, and a restart falls back to it."""
 
         timeout: float = 600.0
-        """Seconds a save's collective steps may wait for the other ranks."""
+        """Seconds a save's or a load's collective steps may wait for the other ranks."""
 
     def __init__(
         self,
@@ -103,8 +120,7 @@ class StashpointCheckpointManager(BaseCheckpointManager):
         if config.last_save_in_hf or config.initial_load_in_hf:
             raise ValueError(
                 "StashpointCheckpointManager does not read or write Hugging Face safetensors checkpoints "
-                "(checkpoint.last_save_in_hf / initial_load_in_hf): export the final model with "
-                "'stashpoint export', or use torchtitan's own CheckpointManager for that run"
+                "(checkpoint.last_save_in_hf / initial_load_in_hf): use torchtitan's own CheckpointManager for that run"
             )
         self.config = config
         # a URL (s3://...) or an absolute path stands alone, as with torchtitan's own manager
@@ -114,21 +130,23 @@ class StashpointCheckpointManager(BaseCheckpointManager):
         if dataloader is not None:
             self.states[DATALOADER] = dataloader
         for key in config.exclude_from_loading:
-            if key not in self.states:
+            if key not in self.states and key != DATALOADER:
                 raise ValueError(
                     f"checkpoint.exclude_from_loading names {key!r}, which is not one of {sorted(self.states)}"
                 )
-        self.manager = StepManager(
+        self.root = storage_for(self.folder)
+        # load_only (an evaluation job, say) reads a folder a training job may own: no manager
+        self.manager = None if config.load_only else StepManager(
             self.folder,
             keep_last=config.keep_latest_k or None,
             remote_root=config.remote_folder or None,
             writer=config.writer,
-        )
+        )  # fmt: skip
 
     # -- saving ---------------------------------------------------------------------------------
 
-    def _state(self, keys: Any = None) -> dict[str, Any]:
-        return {k: _AsObject(v) for k, v in self.states.items() if keys is None or k in keys}
+    def _state(self, keys: Any) -> dict[str, Any]:
+        return {k: _Part(v, _HINTS.get(k, "")) for k, v in self.states.items() if k in keys}
 
     def _should_save(self, step: int, last_step: bool) -> bool:
         c = self.config
@@ -139,16 +157,20 @@ class StashpointCheckpointManager(BaseCheckpointManager):
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if not self._should_save(curr_step, last_step):
             return False
+        assert self.manager is not None
         if last_step and self.config.last_save_model_only:
-            # the finished model for evaluation or export, durable before training returns
+            # the finished model, for evaluation or another job's initial_load_path; durable before training returns
+            self.manager.wait()
             dtype = _DTYPES[self.config.export_dtype]
             model = {
                 k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype else v
                 for k, v in self.states[MODEL].state_dict().items()
             }
-            self.manager.save(curr_step, {MODEL: model}, metadata={"torchtitan": _MODEL_ONLY}).wait()
+            where = self.root.child(_model_dir(curr_step))
+            meta = {"torchtitan": _MODEL_ONLY}
+            save({MODEL: model}, where, overwrite=True, metadata=meta, timeout=self.config.timeout)
             return True
-        handle = self.manager.save(curr_step, self._state(), timeout=self.config.timeout)
+        handle = self.manager.save(curr_step, self._state(self.states), timeout=self.config.timeout)
         self.save_future = handle  # type: ignore[assignment]  # only compared with None by torchtitan
         if last_step:
             self.manager.wait()
@@ -159,43 +181,94 @@ class StashpointCheckpointManager(BaseCheckpointManager):
 
     def _wait_for_saving(self) -> None:
         self.save_future = None
-        self.manager.wait()
+        if self.manager is not None:
+            self.manager.wait()
 
     def _close(self) -> None:
-        try:
-            self.manager.wait()
-        finally:
-            self.save_future = None
-            self.manager.close()
+        self.save_future = None
+        if self.manager is not None:
+            try:
+                self.manager.wait()
+            finally:
+                self.manager.close()
 
     # -- loading --------------------------------------------------------------------------------
 
     def _load(self, step: int = -1) -> bool:
-        steps = self.manager.steps()
-        if step != -1 and step not in steps:
-            raise CheckpointNotFoundError(
-                f"--checkpoint.load_step={step}: no committed checkpoint of that step in {self.folder} "
-                f"(committed: {steps[-5:] or 'none'})"
-            )
-        if steps:  # a restart: the run's own newest step; initial_load_* apply to a fresh run only
-            chosen = steps[-1] if step == -1 else step
-            where: Any = self.manager.path(chosen)
-            model_only = chosen == 0 or _is_model_only(where)
-        elif self.config.initial_load_path:
-            chosen, where, model_only = None, self.config.initial_load_path, self.config.initial_load_model_only
-        else:
-            return False
-        keys = {MODEL} if model_only else set(self.states) - set(self.config.exclude_from_loading)
+        full = set(self.states) - set(self.config.exclude_from_loading)
+        options: dict[str, Any] = {"partial": True, "timeout": self.config.timeout}
         t0 = time.monotonic()
-        load(self._state(keys), where, partial=True, timeout=self.config.timeout)
-        took = time.monotonic() - t0
-        log.info("stashpoint: loaded %s of %s in %.2f s", ", ".join(sorted(keys)), os.fspath(where), took)
+        if self.manager is None:  # load_only: read what is committed, change nothing
+            steps = committed_steps(self.root)
+            chosen = steps[-1] if step == -1 and steps else step
+            if chosen != -1:
+                load(self._state(full), self.root.child(step_dir(chosen)), **options)
+        else:
+            if step != -1:
+                self._roll_back_past(step)
+            elif self.manager.steps():
+                self._refuse_a_finished_run()
+            restored = self.manager.restore(self._state(full), None if step == -1 else step, **options)
+            chosen = -1 if restored is None else restored
+        if chosen != -1:
+            self._loaded(full, f"step {chosen} of {self.folder}", t0)
+            return True
+        seed = self.root.child(_model_dir(0))
+        if seed.exists(MANIFEST_NAME):  # a seed checkpoint (--checkpoint.create_seed_checkpoint)
+            load(self._state({MODEL}), seed, **options)
+            self._loaded({MODEL}, seed.location, t0)
+            return True
+        self._refuse_dcp_steps()
+        if not self.config.initial_load_path:
+            return False
+        keys = {MODEL} if self.config.initial_load_model_only else full
+        load(self._state(keys), self.config.initial_load_path, **options)
+        self._loaded(keys, self.config.initial_load_path, t0)
         return True
 
+    def _loaded(self, keys: Any, what: str, t0: float) -> None:
+        log.info("stashpoint: loaded %s of %s in %.2f s", ", ".join(sorted(keys)), what, time.monotonic() - t0)
 
-def _is_model_only(path: Any) -> bool:
-    """Whether the checkpoint at ``path`` is a final, model-only save (its manifest says so)."""
-    return read_head(storage_for(path)).metadata.get("torchtitan") == _MODEL_ONLY
+    def _roll_back_past(self, step: int) -> None:
+        """--checkpoint.load_step older than the newest step: training will reach the newer
+        steps again, so they are moved aside (``step-N.rolled-back-<time>``), as DCP would
+        overwrite them; rank 0 does it before the load, whose collectives order it first."""
+        assert self.manager is not None
+        newer = [s for s in self.manager.steps() if s > step]
+        if newer and step in self.manager.steps() and self.manager.rank == 0:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for s in newer:
+                moved = self.root.child(step_dir(s)).move(f"{step_dir(s)}.rolled-back-{stamp}")
+                log.warning("stashpoint: loading step %d, so step %d is moved aside to %s", step, s, moved.location)
+
+    def _refuse_a_finished_run(self) -> None:
+        assert self.manager is not None
+        newest = self.manager.steps()[-1]
+        done = [n for n in (_model_step(c) for c in self.root.children()) if n is not None and n > newest]
+        if done:
+            raise CheckpointError(
+                f"{self.folder} holds the model-only save of a finished run (step {max(done)}), newer than its newest "
+                f"resumable step ({newest}): to train on from step {newest}, move {_model_dir(max(done))} away; to "
+                "start a new run from that model, give it as --checkpoint.initial_load_path with another "
+                "--checkpoint.folder"
+            )
+
+    def _refuse_dcp_steps(self) -> None:
+        for name in self.root.children():
+            if name.startswith("step-") and self.root.child(name).exists(".metadata"):
+                raise CheckpointError(
+                    f"{self.folder} holds torchtitan DCP checkpoints ({name}/.metadata), which this manager does not "
+                    "read: keep torchtitan's own manager for this run, or give the stashpoint run a new "
+                    "--checkpoint.folder"
+                )
+
+
+def _model_dir(step: int) -> str:
+    return f"model-{step_dir(step)}"
+
+
+def _model_step(name: str) -> int | None:
+    return parse_step_dir(name[len("model-") :]) if name.startswith("model-") else None
 
 
 @override(
