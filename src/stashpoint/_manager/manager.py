@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import functools
 import json
 import logging
 import os
+import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -19,6 +21,7 @@ from stashpoint._core.policy import Retention, Schedule, steps_to_keep
 from stashpoint._dist.group import rank_of
 from stashpoint._load.loader import load
 from stashpoint._manager.lock import acquire_root_lock
+from stashpoint._manager.preempt import Preemption, stop
 from stashpoint._manager.restoring import agreed_restore_order
 from stashpoint._manager.steps import (
     METRICS_KEY,
@@ -70,6 +73,16 @@ class CheckpointManager:
         overlap: save with ``overlap=True`` (see :func:`stashpoint.async_save`) by default.
         writer: the default ``writer`` of this manager's saves, ``"thread"`` or ``"process"``
             (see :func:`stashpoint.async_save`); None: the library's default.
+        preemption_deadline: opt in to preemption handling (create the manager in the main
+            thread). On one of ``preemption_signals`` the next :meth:`maybe_save` of every rank
+            (they agree over a gloo group of stashpoint's own, so a signal to one node is
+            enough) waits for the save in flight, saves that step unless it is saved already,
+            all within this many seconds, and raises ``SystemExit(128 + signal)``, as the
+            signal would have ended the process. Keep it below the launcher's grace period
+            (torchrun waits 30 s before SIGKILL). In a distributed run each ``maybe_save`` then
+            costs one small all-reduce on that group.
+        preemption_signals: the signals that mean preemption (default: SIGTERM, which torchrun,
+            Kubernetes and SLURM send before they kill).
 
     Only one manager may own a root at a time; a second one is refused with an error. On
     opening, directories of saves that never committed (a crash) are removed.
@@ -99,6 +112,8 @@ class CheckpointManager:
         remote_keep_last: int | None = None,
         overlap: bool = False,
         writer: str | None = None,
+        preemption_deadline: float | None = None,
+        preemption_signals: Sequence[int] = (signal.SIGTERM,),
     ) -> None:
         self.retention = Retention.of(keep_last, keep_every, keep_best)
         # the remote tier keeps everything unless remote_keep_last is given
@@ -125,6 +140,9 @@ class CheckpointManager:
         self._deletions: list[cf.Future[None]] = []
         self._closed = False
         self.rank, self.world = rank_of()
+        self._preemption = None if preemption_deadline is None else Preemption(
+            preemption_deadline, preemption_signals, self.world
+        )  # fmt: skip
         self._tier: RemoteTier | None = None
         self._restored_from: str | None = None
         self.storage.prepare()
@@ -142,6 +160,8 @@ class CheckpointManager:
                 )
         except BaseException:
             self._release()
+            if self._preemption is not None:
+                self._preemption.close()
             raise
 
     @property
@@ -190,8 +210,21 @@ class CheckpointManager:
     def maybe_save(
         self, step: int, state: Any, *, metrics: Mapping[str, float] | None = None, **options: Any
     ) -> SaveHandle | None:
-        """Save if :meth:`should_save` says so; return the handle, or None when no save was due."""
+        """Save if :meth:`should_save` says so; return the handle, or None when no save was due.
+
+        With ``preemption_deadline``, first agree whether a preemption signal came (on any rank):
+        if so, save this step and exit (see the class docstring)."""
+        if self._preemption is not None:
+            signum = self._preemption.agreed()
+            if signum is not None:
+                emergency = functools.partial(self.save, step, state, metrics=metrics, **options)
+                stop(self, self._preemption, signum, step, emergency)
         return self.save(step, state, metrics=metrics, **options) if self.should_save(step) else None
+
+    def in_flight(self) -> list[tuple[SaveHandle, cf.Future[None]]]:
+        """This manager's saves not yet done, with the futures of their bookkeeping."""
+        with self._lock:
+            return [(h, a) for h, a in self._handles if not a.done()]
 
     def save(self, step: int, state: Any, *, metrics: Mapping[str, float] | None = None, **options: Any) -> SaveHandle:
         """Start an asynchronous save of ``state`` as ``step``; returns once the state is staged.
@@ -392,6 +425,8 @@ class CheckpointManager:
         finally:
             if self._tier is not None:
                 self._tier.close()
+            if self._preemption is not None:
+                self._preemption.close()
             with self._lock:
                 self._closed = True
             self._release()

@@ -1,0 +1,55 @@
+"""A training loop under a CheckpointManager with preemption handling, for tests/test_preempt.py.
+
+    python preempt_worker.py DIR STEPS [--every N] [--deadline S]      (one process, or under torchrun)
+
+Resumes from DIR/ckpt, then trains a small model one step at a time (deterministic data, 0.2 s
+per step), writing ``DIR/progress-<rank>`` (the step just trained) before each ``maybe_save``.
+Prints ``RESUMED <step>`` after the restore and writes ``DIR/done-<rank>`` at a normal end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import stashpoint
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dir")
+    ap.add_argument("steps", type=int)
+    ap.add_argument("--every", type=int, default=1000)
+    ap.add_argument("--deadline", type=float, default=20.0)
+    args = ap.parse_args()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = Path(args.dir)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {"model": model, "optim": optim, "rng": stashpoint.RNGState()}
+    with stashpoint.CheckpointManager(out / "ckpt", every_steps=args.every, preemption_deadline=args.deadline) as mgr:
+        start = (mgr.restore(state) or 0) + 1
+        print(f"RESUMED {start - 1}", flush=True)
+        for step in range(start, args.steps + 1):
+            x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step))
+            model(x).pow(2).mean().backward()
+            optim.step()
+            optim.zero_grad()
+            (out / f"progress-{rank}").write_text(str(step))
+            time.sleep(0.2)
+            mgr.maybe_save(step, state)
+    (out / f"done-{rank}").write_text("ok")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

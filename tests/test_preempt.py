@@ -1,0 +1,99 @@
+"""Preemption (issue 21): a real SIGTERM to a training process, or to one of two torchrun nodes,
+makes every rank save the step it is at, commit it and exit; a fresh process resumes there."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import stashpoint
+from conftest import ROOT
+from dist_util import free_port
+
+WORKER = Path(__file__).with_name("preempt_worker.py")
+ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
+
+
+def _progress(d: Path, rank: int = 0) -> int:
+    try:
+        return int((d / f"progress-{rank}").read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def _wait_for(cond, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _steps(d: Path) -> list[int]:
+    with stashpoint.CheckpointManager(d / "ckpt") as mgr:
+        return mgr.steps()
+
+
+@pytest.mark.parametrize("every", [1000, 1], ids=["no-save-due", "a-save-every-step"])
+def test_sigterm_saves_the_current_step_commits_it_and_exits_then_a_fresh_process_resumes_there(tmp_path, every):
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), str(tmp_path), "200", "--every", str(every)], env=ENV, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _wait_for(lambda: _progress(tmp_path) >= 4 or proc.poll() is not None, "step 4")
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    at = _progress(tmp_path)
+    # every 1000: no save was due, the emergency save is the only step; every step: the save in
+    # flight finished, and this step (its own save not yet started) was saved on top
+    assert _steps(tmp_path) == ([at] if every == 1000 else [at - 2, at - 1, at])
+    assert f"preempted by SIGTERM: step {at} committed" in err
+    assert not (tmp_path / "done-0").exists()
+    res = subprocess.run(
+        [sys.executable, str(WORKER), str(tmp_path), str(at + 2)], env=ENV, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"RESUMED {at}" in res.stdout
+
+
+def test_sigterm_to_one_of_two_nodes_stops_both_at_the_same_step_with_one_committed_checkpoint(tmp_path):
+    """Two torchrun agents on this host are two nodes (one rank each). Only node 1's agent gets
+    SIGTERM (it passes it to its rank); the ranks agree at the next maybe_save, both save that step
+    and exit."""
+    port = free_port()
+
+    def node(rank: int) -> subprocess.Popen[str]:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+            "--node_rank", str(rank), "--rdzv_backend", "c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+            "--rdzv_id", "preempt", "--max_restarts", "0", str(WORKER), str(tmp_path), "200",
+        ]  # fmt: skip
+        return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    nodes = [node(0), node(1)]
+    try:
+        _wait_for(lambda: min(_progress(tmp_path, r) for r in (0, 1)) >= 4, "both nodes at step 4")
+        nodes[1].send_signal(signal.SIGTERM)
+        logs = [p.communicate(timeout=90)[1] for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    committed = _steps(tmp_path)
+    assert len(committed) == 1, (committed, logs[0][-2000:], logs[1][-2000:])
+    (at,) = committed
+    assert _progress(tmp_path, 0) == _progress(tmp_path, 1) == at
+    for log in logs:
+        assert f"preempted by SIGTERM: step {at} committed" in log, log[-3000:]
+    manifest = json.loads((tmp_path / "ckpt" / f"step-{at:08d}" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2
+    assert stashpoint.verify(tmp_path / "ckpt" / f"step-{at:08d}").ok
