@@ -22,7 +22,7 @@ from stashpoint._dist.group import rank_of
 from stashpoint._load.loader import load
 from stashpoint._manager.lock import acquire_root_lock
 from stashpoint._manager.preempt import Preemption, stop
-from stashpoint._manager.restoring import agreed_restore_order
+from stashpoint._manager.restoring import agreed_restore_order, try_in_order
 from stashpoint._manager.steps import (
     METRICS_KEY,
     committed_steps,
@@ -36,7 +36,7 @@ from stashpoint._manager.tiers import RemoteTier, restore_order
 from stashpoint._save.engine import SaveOptions, get_engine
 from stashpoint._save.handle import SaveHandle, SaveStats
 from stashpoint._storage import LocalStorage, Storage, storage_for
-from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from stashpoint.errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
 
@@ -356,30 +356,18 @@ class CheckpointManager:
         order = self._restore_order(step, options)
         if step is not None and not order:
             order = [(step, "local")]  # raises CheckpointNotFoundError, naming the path
-        damaged: list[tuple[int, str]] = []
-        errors: list[CheckpointError] = []
-        for candidate, tier in order:
-            where = self._at(candidate) if tier == "local" or self._tier is None else self._tier.at(candidate)
-            try:
-                load(state, where, strict=strict, **options)
-            except (CorruptCheckpointError, IncompleteCheckpointError) as e:
-                if step is not None and (candidate, tier) == order[-1] and not errors:
-                    raise
-                log.error("stashpoint: the %s copy of step %d is unusable (%s); trying another", tier, candidate, e)
-                errors.append(e)
-                damaged.append((candidate, tier))
-                continue
-            if step is None and self.rank == 0:
-                for s, t in damaged:
-                    move_aside(self.storage if t == "local" or self._tier is None else self._tier.remote, s)
-            self._restored_from = tier
-            return candidate
-        if len(errors) > 1 and step is not None:  # both copies of the step asked for
-            copies = "\n".join(f"- the {t} copy: {e}" for (_, t), e in zip(damaged, errors))
-            raise CorruptCheckpointError(f"every copy of step {step} is unusable:\n{copies}")
-        if errors:
-            raise errors[0]
-        return None
+        found = try_in_order(order, step, self._copy, lambda at: load(state, at, strict=strict, **options))
+        if found is None:
+            return None
+        candidate, tier, damaged = found
+        if step is None and self.rank == 0:
+            for s, t in damaged:
+                move_aside(self.storage if t == "local" or self._tier is None else self._tier.remote, s)
+        self._restored_from = tier
+        return candidate
+
+    def _copy(self, step: int, tier: str) -> Storage:
+        return self._at(step) if tier == "local" or self._tier is None else self._tier.at(step)
 
     def _restore_order(self, step: int | None, options: dict[str, Any]) -> list[tuple[int, str]]:
         if self._tier is None or self.world == 1:

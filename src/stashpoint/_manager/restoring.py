@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from stashpoint._manager.tiers import restore_order
-from stashpoint.errors import CheckpointError
+from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+
+log = logging.getLogger("stashpoint")
 
 
 @dataclass(frozen=True)
@@ -55,3 +58,30 @@ def agreed_restore_order(
     if answer[0] == "error":
         raise CheckpointError("listing the checkpoints to restore failed: " + answer[1])
     return list(answer[1])
+
+
+def try_in_order(
+    order: list[tuple[int, str]], step: int | None, where: Callable[[int, str], Any], load_one: Callable[[Any], None]
+) -> tuple[int, str, list[tuple[int, str]]] | None:
+    """Load the first usable (step, tier) of ``order``; return it with the damaged ones tried
+    before it, or None when ``order`` is empty. A damaged copy is logged and the next one tried;
+    with ``step`` given, the copies of that step are all there is, and their errors are raised."""
+    damaged: list[tuple[int, str]] = []
+    errors: list[CheckpointError] = []
+    for candidate, tier in order:
+        try:
+            load_one(where(candidate, tier))
+        except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+            if step is not None and (candidate, tier) == order[-1] and not errors:
+                raise
+            log.error("stashpoint: the %s copy of step %d is unusable (%s); trying another", tier, candidate, e)
+            errors.append(e)
+            damaged.append((candidate, tier))
+            continue
+        return candidate, tier, damaged
+    if len(errors) > 1 and step is not None:  # both copies of the step asked for
+        copies = "\n".join(f"- the {t} copy: {e}" for (_, t), e in zip(damaged, errors))
+        raise CorruptCheckpointError(f"every copy of step {step} is unusable:\n{copies}")
+    if errors:
+        raise errors[0]
+    return None
