@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -152,3 +153,13 @@ def whole(ck: Path):
     from stashpoint._storage import storage_for
 
     return read_manifest(storage_for(ck))
+
+
+def read_losses(d: Path, rank: int = 0) -> dict[int, float]:
+    """Loss per step from ``d/losses-<rank>.jsonl`` (lines of {"step", "loss"}) as the training
+    workers write it; a step run again after a resume replaces the first run's entry."""
+    out: dict[int, float] = {}
+    for line in (d / f"losses-{rank}.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec["loss"]
+    return out

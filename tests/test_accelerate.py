@@ -18,7 +18,7 @@ import torch
 from accelerate.state import AcceleratorState
 
 import stashpoint
-from conftest import ROOT
+from conftest import ROOT, read_losses
 from dist_util import free_port
 from stashpoint.integrations.accelerate import accelerator_state, load_state, save_state
 
@@ -32,13 +32,7 @@ def _fresh_accelerator_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def _losses(d: Path, rank: int = 0) -> dict[int, float]:
-    """Loss per step; a step run again after a resume replaces the first run's entry."""
-    out: dict[int, float] = {}
-    for line in (d / f"losses-{rank}.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = rec["loss"]
-    return out
+_losses = read_losses
 
 
 def _run(cmd: list[str]) -> None:

@@ -18,7 +18,7 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import stashpoint
-from conftest import ROOT
+from conftest import ROOT, read_losses
 from stashpoint.integrations.lightning import StashpointCheckpointIO
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
@@ -34,13 +34,7 @@ def _run(d: Path, epochs: int, *flags: str, check: bool = True) -> subprocess.Co
     return res
 
 
-def _losses(d: Path, rank: int = 0) -> dict[int, float]:
-    """Loss per global step; a step run again after a resume replaces the first run's entry."""
-    out: dict[int, float] = {}
-    for line in (d / f"losses-{rank}.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = rec["loss"]
-    return out
+_losses = read_losses
 
 
 def test_a_run_killed_mid_fit_resumes_from_last_and_trains_on_exactly_as_an_uninterrupted_one(tmp_path):
