@@ -1,6 +1,6 @@
 """Loads: direct-I/O reads against buffered reads, on checkpoints never read before.
 
-    python -m benchmarks.bench_reads --size-gb 2 --repeats 3
+    python -m benchmarks.bench_reads --size-gb 2 --repeats 3 [--regime fresh-node|same-node]
 
 What a resume after a crash does: read a checkpoint that was written (by stashpoint: with direct
 I/O) and never read since. Each trial saves a fresh checkpoint of the suite's GPT + AdamW state,
@@ -9,6 +9,12 @@ evicts its pages, and loads it once into the live state, with ``LocalStorage(dir
 as before); a ``dcp.load`` of a fresh DCP checkpoint of the same state runs in the same trials
 for reference. A second load of the same files ("again") shows what a cache outside this
 machine's page cache (a virtual disk's host) adds. Trials alternate the methods.
+
+``--regime same-node`` is the restart after a process crash on the same machine instead: the
+pages stay as the save left them (buffered writes cached, direct-I/O writes not), and the load
+comes ``--idle`` seconds later. Both regimes also time a raw read of a stashpoint checkpoint's
+files (each read whole, buffered: the bytes the tier gives) and ``torch.load(mmap=True)`` plus a
+copy into the state.
 """
 
 from __future__ import annotations
@@ -23,10 +29,10 @@ import time
 from pathlib import Path
 
 from benchmarks.suite.common import GB, default_scratch_base, evict_cache, git_commit
-from benchmarks.suite.savers import dcp_loader, fqn_state_dict
+from benchmarks.suite.savers import dcp_loader, fqn_state_dict, set_fqn_state_dict
 from benchmarks.suite.state import build, choose_shape, local_bytes
 
-METHODS = ("direct", "buffered", "dcp")
+METHODS = ("direct", "buffered", "dcp", "torch", "raw")
 
 
 def log(msg: str) -> None:
@@ -39,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=None, help="scratch base (default /var/tmp; removed afterwards)")
+    ap.add_argument("--regime", choices=("fresh-node", "same-node"), default="fresh-node")
+    ap.add_argument("--idle", type=float, default=12.0, help="seconds between save and load (same-node)")
     args = ap.parse_args(argv)
 
     import torch
@@ -59,37 +67,55 @@ def main(argv: list[str] | None = None) -> int:
                 path = root / f"{method}-{trial}"
                 if method == "dcp":
                     dcp.save(fqn_state_dict(state), checkpoint_id=str(path))
+                elif method == "torch":
+                    path.mkdir()
+                    torch.save(fqn_state_dict(state), path / "state.pt")
                 else:
                     stashpoint.save(state, path)
-                os.sync()
+                if args.regime == "same-node":
+                    time.sleep(args.idle)
                 got = []
-                for _ in range(2):
-                    evict_cache(path)
+                for _ in range(2 if args.regime == "fresh-node" else 1):
+                    if args.regime == "fresh-node":
+                        os.sync()
+                        evict_cache(path)
                     t0 = time.perf_counter()
                     if method == "dcp":
                         load_dcp(path)
+                    elif method == "torch":
+                        loaded = torch.load(path / "state.pt", mmap=True, weights_only=True)
+                        set_fqn_state_dict(state, loaded)
+                    elif method == "raw":
+                        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+                            with f.open("rb", buffering=0) as fh:
+                                while fh.read(64 << 20):
+                                    pass
                     else:
                         stashpoint.load(state, LocalStorage(path, direct_io=method == "direct"))
                     got.append(time.perf_counter() - t0)
-                times[method].append((got[0], got[1]))
-                log(f"trial {trial + 1}: {method}: first {got[0]:.2f} s, again {got[1]:.2f} s")
+                times[method].append((got[0], got[-1]))
+                log(f"trial {trial + 1}: {method}: first {got[0]:.2f} s, again {got[-1]:.2f} s")
                 shutil.rmtree(path)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    how = "its pages evicted first" if args.regime == "fresh-node" else f"loaded {args.idle:g} s after its save"
     print(f"{nbytes / GB:.2f} GB state; stashpoint {stashpoint.__version__} ({git_commit()}); "
-          f"median of {args.repeats} trials, each on a fresh checkpoint, its pages evicted first:\n")  # fmt: skip
-    print("| load | first read | GB/s | read again | GB/s |")
-    print("|---|---:|---:|---:|---:|")
+          f"median of {args.repeats} trials, each on a fresh checkpoint, {how}:\n")  # fmt: skip
+    again_col = args.regime == "fresh-node"  # a same-node trial loads once
+    print("| load | first read | GB/s |" + (" read again | GB/s |" if again_col else ""))
+    print("|---|---:|---:|" + ("---:|---:|" if again_col else ""))
     labels = {
         "direct": "stashpoint.load, direct I/O (default)",
         "buffered": "stashpoint.load, buffered (direct_io=False)",
         "dcp": "dcp.load + set_state_dict",
+        "torch": "torch.load(mmap=True) + copy into the state",
+        "raw": "raw read of a stashpoint checkpoint's files (buffered)",
     }
     for method in METHODS:
         first = statistics.median(t for t, _ in times[method])
         again = statistics.median(t for _, t in times[method])
-        print(f"| {labels[method]} | {first:.2f} s | {nbytes / first / GB:.2f} | {again:.2f} s | "
-              f"{nbytes / again / GB:.2f} |")  # fmt: skip
+        row = f"| {labels[method]} | {first:.2f} s | {nbytes / first / GB:.2f} |"
+        print(row + (f" {again:.2f} s | {nbytes / again / GB:.2f} |" if again_col else ""))
     return 0
 
 
