@@ -8,6 +8,7 @@ and "parent exit" is a real Python process that exits or is killed.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -130,6 +131,7 @@ def test_round_trip_is_bitwise_the_files_match_the_thread_writers_and_the_child_
 
 
 def test_the_writer_process_maps_the_staging_memory_and_unmaps_it_when_freed(tmp_path):
+    stashpoint.shutdown()  # an empty staging pool: another test's free buffer in this process is not ours
     state = {"w": torch.randn(16 * MiB)}  # 64 MiB
     stashpoint.save(state, tmp_path / "a", writer="process")
     pid = _writerproc.current_pid()
@@ -153,6 +155,7 @@ def test_the_writer_process_maps_the_staging_memory_and_unmaps_it_when_freed(tmp
 
     del staged, region
     stashpoint.save({"w": torch.randn(64 * MiB)}, tmp_path / "b", writer="process")  # too big to reuse it
+    gc.collect()  # the freed buffer's last references may sit in a cycle
     assert _writerproc.current_pid() == pid
     assert not any(m[4].startswith(name) for m in maps(os.getpid())), "the old buffer was freed"
     assert not any(m[4].startswith(name) for m in maps(pid)), "and the writer process unmapped it"

@@ -39,8 +39,9 @@ class Preemption:
         if world > 1:
             import torch.distributed as dist
 
-            # every rank creates its manager at the same point, so every rank creates this group
-            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(60.0, deadline_s)))
+            # every rank creates its manager at the same point, so every rank creates this group;
+            # ranks may reach maybe_save minutes apart (one rank evaluating): torch's own default
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
         self._previous: dict[int, Any] = {}
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._note)
