@@ -160,9 +160,9 @@ class CheckpointManager:
                 )
         except BaseException:
             self._release()
-            if self._preemption is not None:
-                self._preemption.close()
             raise
+        if self._preemption is not None:
+            self._preemption.install()
 
     @property
     def remote(self) -> Storage | None:

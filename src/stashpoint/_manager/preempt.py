@@ -21,8 +21,8 @@ log = logging.getLogger("stashpoint")
 
 
 class Preemption:
-    """Installs handlers for ``signals`` (main thread only); :meth:`agreed` says whether any rank
-    got one. ``close`` puts the previous handlers back."""
+    """Handlers for ``signals`` (main thread only, from :meth:`install`); :meth:`agreed` says
+    whether any rank got one. ``close`` puts the previous handlers back."""
 
     def __init__(self, deadline_s: float, signals: Sequence[int], world: int) -> None:
         if not deadline_s > 0:
@@ -42,8 +42,13 @@ class Preemption:
             # every rank creates its manager at the same point, so every rank creates this group;
             # ranks may reach maybe_save minutes apart (one rank evaluating): torch's own default
             self._group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
+        self._signals = tuple(signals)
         self._previous: dict[int, Any] = {}
-        for sig in signals:
+
+    def install(self) -> None:
+        """Take over the signals (last, once the manager is set up: a manager that failed to open
+        must leave SIGTERM's default action alone)."""
+        for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._note)
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
