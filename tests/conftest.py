@@ -2,8 +2,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -163,3 +166,21 @@ def read_losses(d: Path, rank: int = 0) -> dict[int, float]:
         rec = json.loads(line)
         out[rec["step"]] = rec["loss"]
     return out
+
+
+def log_lines(path: Path) -> int:
+    """How many lines ``path`` holds so far (0 before it exists)."""
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def sigkill_once(proc: subprocess.Popen, ready: Callable[[], bool], timeout: float = 120.0) -> None:
+    """``kill -9`` ``proc`` as soon as ``ready()`` holds; fail if it ends before that."""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and proc.poll() is None and not ready():
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ import torch
 from accelerate.state import AcceleratorState
 
 import stashpoint
-from conftest import ROOT, read_losses
+from conftest import ROOT, log_lines, read_losses, sigkill_once
 from dist_util import free_port
 from stashpoint.integrations.accelerate import accelerator_state, load_state, save_state
 
@@ -54,18 +52,8 @@ def test_a_run_killed_mid_training_resumes_from_the_newest_step_and_trains_on_ex
         env=ENV,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 120
-    try:  # kill -9 two steps after the save at step 6 was started (it crosses no epoch: 10 batches each)
-        while time.monotonic() < deadline and proc.poll() is None:
-            log = killed / "losses-0.jsonl"
-            if log.exists() and len(log.read_text().splitlines()) >= 8:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before it could be killed"
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
+    # kill -9 two steps after the save at step 6 was started (it crosses no epoch: 10 batches each)
+    sigkill_once(proc, lambda: log_lines(killed / "losses-0.jsonl") >= 8)
     assert len(_losses(killed)) < 14
     _run([sys.executable, str(WORKER), str(killed), "14", "--manager", "--resume"])
     assert _losses(killed) == _losses(straight), "the resumed run's losses differ from the uninterrupted run's"

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import stashpoint
-from conftest import ROOT, read_losses
+from conftest import ROOT, log_lines, read_losses, sigkill_once
 from stashpoint.integrations.lightning import StashpointCheckpointIO
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
@@ -47,18 +45,8 @@ def test_a_run_killed_mid_fit_resumes_from_last_and_trains_on_exactly_as_an_unin
     proc = subprocess.Popen(
         [sys.executable, str(WORKER), str(killed), "6", "--slow", "0.1"], env=ENV, stderr=subprocess.DEVNULL
     )
-    deadline = time.monotonic() + 120
-    try:  # kill -9 once epoch 3's checkpoint is committed and epoch 4 is under way
-        while time.monotonic() < deadline and proc.poll() is None:
-            log = killed / "losses-0.jsonl"
-            if log.exists() and len(log.read_text().splitlines()) >= 8 * 3 + 3:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before it could be killed"
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
+    # kill -9 once epoch 3's checkpoint is committed and epoch 4 is under way
+    sigkill_once(proc, lambda: log_lines(killed / "losses-0.jsonl") >= 8 * 3 + 3)
     assert (killed / "ckpts" / "last.ckpt" / "manifest.json").exists()
     assert len(_losses(killed)) < 48
     _run(killed, 6, "--resume")

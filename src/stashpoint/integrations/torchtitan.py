@@ -60,12 +60,15 @@ class _Part:
     def __init__(self, inner: Any, hint: str = "") -> None:
         self.inner = inner
         self.hint = hint
+        self._last: Any = None  # the state dict a load planned with, not built twice
 
     def state_dict(self) -> Any:
-        return self.inner.state_dict()
+        self._last = self.inner.state_dict()
+        return self._last
 
     def _stashpoint_check(self, sd: Any) -> str | None:
-        problem = structure_problem(sd, self.inner.state_dict())
+        live = self._last if self._last is not None else self.inner.state_dict()
+        problem = structure_problem(sd, live)
         return f"{problem}; {self.hint}" if problem and self.hint else problem
 
     def load_state_dict(self, sd: Any) -> None:
