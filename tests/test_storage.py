@@ -247,6 +247,15 @@ class StorageSuite:
                 moved.read(bad)
 
 
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def _write(s: Storage, name: str, data: bytes) -> None:
     w = s.open_writer(name, len(data))
     w.write(data)
@@ -306,8 +315,9 @@ def _direct_io_works(path: Path) -> bool:
 
 
 def test_large_local_reads_use_direct_io(tmp_path, monkeypatch):
-    """Ranges of 1 MiB and more are read with O_DIRECT (through a bounce buffer) on a file
-    system that allows it; smaller ones, and storages made with direct_io=False, read buffered."""
+    """Ranges of 1 MiB and more that are not in the page cache are read with O_DIRECT (through a
+    bounce buffer) on a file system that allows it; smaller ones, and storages made with
+    direct_io=False, read buffered."""
     from stashpoint._storage import local as _storage
 
     if not _direct_io_works(tmp_path):
@@ -326,6 +336,7 @@ def test_large_local_reads_use_direct_io(tmp_path, monkeypatch):
         s = LocalStorage(tmp_path / f"ck-{direct}", direct_io=direct)
         s.prepare()
         _write(s, "f", data)
+        _evict(s.root / "f")  # what the page cache holds is read from it (tests/test_pagecache.py)
         big, small = bytearray(2 << 20), bytearray(1000)
         s.read_into("f", 12345, memoryview(big))
         s.read_into("f", 7, memoryview(small))
@@ -356,12 +367,14 @@ def test_a_short_or_refused_direct_read_is_finished_buffered(tmp_path, monkeypat
     s = LocalStorage(tmp_path / "ck")
     s.prepare()
     _write(s, "f", data)
+    _evict(s.root / "f")
     outs = [bytearray(3 << 20), bytearray(2 << 20)]
     s.readv("f", 70, [memoryview(o) for o in outs])
     assert b"".join(outs) == data[70 : 70 + (5 << 20)]
     with pytest.raises(EOFError, match="ended at byte"):
         s.read_into("f", 1 << 20, memoryview(bytearray(5 << 20)))
     mode["v"] = "refuse"
+    _evict(s.root / "f")  # the reads above cached it
     outs = [bytearray(3 << 20), bytearray(1 << 20)]
     s.readv("f", 4096, [memoryview(o) for o in outs])
     assert b"".join(outs) == data[4096 : 4096 + (4 << 20)]

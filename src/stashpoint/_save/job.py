@@ -202,6 +202,7 @@ class PersistJob:
         ctx, loc = self.ctx, self.storage.location
         save_id = ""
         local_error: BaseException | None = None
+        mine_written: list[str] = []
         try:
             save_id, given = self._plan()
             assert self.staged is not None
@@ -228,6 +229,8 @@ class PersistJob:
                 )
                 index = self._write_index(save_id, written)
                 self.storage.sync()
+                mine_written = [f.name for f in written.files]
+                mine_written.append(placed(index_name(ctx.rank, save_id), ctx.rank, self.ranks_per_dir))
                 wrote = Written(len(index), checksum(index), len(written.files))
                 outcome = Outcome(payload=wrote, nbytes=written.bytes_written + len(index))
             except Exception as e:
@@ -244,6 +247,7 @@ class PersistJob:
                 self.pending.wait()  # no copy may still write into buffers another save reuses
             if self.staged is not None:
                 self.pool.release(self.staged)
+        self.storage.keep_cached(mine_written)  # committed: the newest, which a restart here reads
         t1 = time.perf_counter()
         pending = self.pending
         staged_at = pending.done_at if pending is not None and pending.done_at is not None else self.staged_at

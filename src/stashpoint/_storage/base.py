@@ -108,6 +108,11 @@ class Storage(abc.ABC):
         copy that uses it."""
         return self
 
+    def keep_cached(self, names: Sequence[str]) -> None:
+        """A hint after a commit: this rank's files ``names`` of the newest checkpoint are the
+        ones a restart on this host reads first; a backend with a host cache keeps them there."""
+        return None
+
     def best_effort(self) -> Storage:
         """This storage for clean-up after a failure: the same files, but giving up quickly
         instead of retrying (a backend with long retries returns a copy with short ones)."""

@@ -12,11 +12,13 @@ import stat
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from stashpoint._core.naming import is_group_dir, split_group
-from stashpoint._storage.base import FileWriter, Storage
+from stashpoint._storage.base import FileWriter, Storage, env_number
 from stashpoint._storage.directio import ALIGN, MIN_DIRECT_BYTES, BouncePool, readv_direct
 from stashpoint._storage.localwrite import LocalWriter, fsync_dir, link_new
+from stashpoint._storage.pagecache import drop_front, keep_cached, read_resident
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 _IOV_MAX = 512
@@ -45,18 +47,6 @@ DIRECT_ALIGN = ALIGN
 _NO_DIRECT = {errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
 
 
-def _drop_front(buffers: list[memoryview], n: int) -> list[memoryview]:
-    """``buffers`` without their first ``n`` bytes (a partly filled buffer keeps its rest)."""
-    out = list(buffers)
-    while n and out:
-        if n >= len(out[0]):
-            n -= len(out.pop(0))
-        else:
-            out[0] = out[0][n:]
-            n = 0
-    return out
-
-
 class LocalStorage(Storage):
     """A checkpoint directory on a local or shared POSIX filesystem.
 
@@ -66,14 +56,30 @@ class LocalStorage(Storage):
     at once, each on a thread of its own, so that one file's checksums and fsync overlap
     another's writes; storage that serves several streams faster than one (striped or parallel
     file systems, NVMe arrays) gains from more (figures: benchmarks/RESULTS.md, "Parallel writes").
+
+    With ``cache_newest`` (default: on, ``STASHPOINT_CACHE_NEWEST=0`` turns it off) a committed
+    save's shards are read back into the page cache in the background, within half the memory
+    available, and the previous save's in the same run directory are let go: a process restarted
+    on this node after a crash loads from memory (reads take what is cached without waiting and
+    read the rest directly).
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, direct_io: bool = True, write_streams: int = 2) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        direct_io: bool = True,
+        write_streams: int = 2,
+        cache_newest: bool | None = None,
+    ) -> None:
         if not isinstance(write_streams, int) or isinstance(write_streams, bool) or write_streams < 1:
             raise ValueError(f"write_streams must be a whole number of at least 1, got {write_streams!r}")
         self.root = Path(root)
         self.direct_io = direct_io
         self.write_streams = write_streams
+        if cache_newest is None:
+            cache_newest = env_number("STASHPOINT_CACHE_NEWEST", 1, 0, 1) == 1
+        self.cache_newest = cache_newest
         self._bounce = BouncePool()
         self._direct_reads = direct_io and hasattr(os, "O_DIRECT")  # off once the file system refuses
         self._touched: set[str] = set()  # group directories written into since the last sync()
@@ -192,10 +198,18 @@ class LocalStorage(Storage):
     def readv(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
         pending = [b.cast("B") for b in buffers if len(b)]
         if self._direct_reads and sum(len(b) for b in pending) >= MIN_DIRECT_BYTES:
+            fd = self._open_read(name)  # what the page cache holds first (see ``cache_newest``)
+            try:
+                got = read_resident(fd, offset, pending)
+            finally:
+                os.close(fd)
+            offset += got
+            pending = drop_front(pending, got)
+        if self._direct_reads and sum(len(b) for b in pending) >= MIN_DIRECT_BYTES:
             filled = self._readv_direct(name, offset, pending)
             if filled is not None:  # None: refused, all of it read buffered below
                 offset += filled
-                pending = _drop_front(pending, filled)
+                pending = drop_front(pending, filled)
         if not pending:
             return
         fd = self._open_read(name)
@@ -206,7 +220,7 @@ class LocalStorage(Storage):
                 if n == 0:
                     raise EOFError(f"{self.root / name} ended at byte {pos}, before the data it holds")
                 pos += n
-                pending = _drop_front(pending, n)
+                pending = drop_front(pending, n)
         finally:
             os.close(fd)
 
@@ -214,7 +228,11 @@ class LocalStorage(Storage):
         """This checkpoint for reads that other processes on this host make too (ranks reading
         the same replicated tensors): through the page cache, so that the disk serves each byte
         about once and the first reader's pages serve the others."""
-        return type(self)(self.root, direct_io=False) if self._direct_reads else self
+        return type(self)(self.root, direct_io=False, cache_newest=False) if self._direct_reads else self
+
+    def keep_cached(self, names: Sequence[str]) -> None:
+        if self.cache_newest:
+            keep_cached(self.root, [self.root / n for n in names])
 
     def _readv_direct(self, name: str, offset: int, buffers: list[memoryview]) -> int | None:
         """Bytes filled by an ``O_DIRECT`` read; None if the file system refuses direct I/O."""
@@ -273,8 +291,11 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             pass
 
+    def _options(self) -> dict[str, Any]:
+        return {"direct_io": self.direct_io, "write_streams": self.write_streams, "cache_newest": self.cache_newest}
+
     def child(self, name: str) -> LocalStorage:
-        return type(self)(self.root / name, direct_io=self.direct_io, write_streams=self.write_streams)
+        return type(self)(self.root / name, **self._options())
 
     def children(self) -> builtins.list[str]:
         try:
@@ -299,4 +320,4 @@ class LocalStorage(Storage):
         target = self.root.parent / name
         self.root.rename(target)
         fsync_dir(self.root.parent)
-        return type(self)(target, direct_io=self.direct_io, write_streams=self.write_streams)
+        return type(self)(target, **self._options())

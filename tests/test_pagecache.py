@@ -1,0 +1,150 @@
+"""The newest checkpoint kept in the page cache for a same-node restart (issue 21, part 6).
+
+Residency is measured independently of the library, with mincore(2) on a mapping of each file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import stashpoint
+from stashpoint._storage import LocalStorage, pagecache
+from stashpoint._storage import local as _local
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise (Linux)")
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_PAGE = mmap.PAGESIZE
+
+
+def resident(path: Path) -> float:
+    """The fraction of ``path``'s pages in the page cache (a private mapping, never touched)."""
+    size = path.stat().st_size
+    if size == 0:
+        return 1.0
+    pages = -(-size // _PAGE)
+    vec = (ctypes.c_ubyte * pages)()
+    with path.open("rb") as f:
+        m = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        ref = ctypes.c_char.from_buffer(m)
+        rc = _libc.mincore(ctypes.c_void_p(ctypes.addressof(ref)), ctypes.c_size_t(size), vec)
+        del ref
+        if rc != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+    finally:
+        m.close()
+    return sum(v & 1 for v in vec) / pages
+
+
+def shards(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*.safetensors"))
+
+
+def wait_resident(files: list[Path], want: float, timeout: float = 20.0) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = min(resident(f) for f in files)
+        if got >= want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.1)
+
+
+def direct_io_works(tmp: Path) -> bool:
+    probe = tmp / ".probe"
+    probe.write_bytes(b"\0" * 4096)
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+
+
+@pytest.fixture
+def state():
+    g = torch.Generator().manual_seed(0)
+    # larger than a read-ahead window (WILLNEED reads at most one per call)
+    return {"w": torch.randn(6 << 20, generator=g), "b": torch.randn(3 << 18, generator=g)}
+
+
+def test_the_newest_save_is_read_back_into_the_cache_and_the_previous_one_let_go(tmp_path, state):
+    if not direct_io_works(tmp_path):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT (everything is cached there anyway)")
+    stashpoint.save(state, LocalStorage(tmp_path / "step-1"))
+    first = shards(tmp_path / "step-1")
+    assert wait_resident(first, 1.0) == 1.0, "the committed shards are read back into the page cache"
+    stashpoint.save(state, LocalStorage(tmp_path / "step-2"))
+    assert wait_resident(shards(tmp_path / "step-2"), 1.0) == 1.0
+    deadline = time.monotonic() + 20
+    while max(resident(f) for f in first) > 0.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert max(resident(f) for f in first) == 0.0, "the previous step's pages are let go"
+
+
+def test_without_cache_newest_direct_writes_leave_nothing_cached(tmp_path, state):
+    if not direct_io_works(tmp_path):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    stashpoint.save(state, LocalStorage(tmp_path / "ck", cache_newest=False))
+    time.sleep(1.0)
+    assert max(resident(f) for f in shards(tmp_path / "ck")) < 0.05
+
+
+def test_a_save_larger_than_its_share_of_memory_is_not_cached(tmp_path, state, monkeypatch):
+    if not direct_io_works(tmp_path):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    monkeypatch.setattr(pagecache, "mem_available", lambda: 16 << 20)  # an 8 MiB share < the ~27 MiB save
+    stashpoint.save(state, LocalStorage(tmp_path / "ck"))
+    time.sleep(1.0)
+    assert max(resident(f) for f in shards(tmp_path / "ck")) < 0.05
+
+
+def test_a_load_takes_cached_bytes_without_direct_reads_and_the_rest_directly(tmp_path, state, monkeypatch):
+    if not direct_io_works(tmp_path):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    calls: list[int] = []
+    real = _local.readv_direct
+
+    def spy(fd, offset, buffers, pool):
+        calls.append(sum(len(b) for b in buffers))
+        return real(fd, offset, buffers, pool)
+
+    monkeypatch.setattr(_local, "readv_direct", spy)
+    stashpoint.save(state, LocalStorage(tmp_path / "cached"))
+    assert wait_resident(shards(tmp_path / "cached"), 1.0) == 1.0
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    stashpoint.load(out, LocalStorage(tmp_path / "cached"))
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    assert calls == [], "everything was resident: no direct read"
+
+    stashpoint.save(state, LocalStorage(tmp_path / "cold", cache_newest=False))
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    stashpoint.load(out, LocalStorage(tmp_path / "cold"))
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    assert sum(calls) > 16 << 20, "nothing was cached: the bytes came from direct reads"
+
+
+def test_read_resident_fills_only_what_is_cached(tmp_path):
+    data = os.urandom(3 << 20)
+    f = tmp_path / "f"
+    f.write_bytes(data)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.pread(fd, 1 << 20, 0)  # the first MiB (and some read-ahead) cached again
+        bufs = [memoryview(bytearray(1 << 20)), memoryview(bytearray(2 << 20))]
+        n = pagecache.read_resident(fd, 0, bufs)
+        assert (1 << 20) <= n <= (3 << 20)
+        assert bytes(b"".join(bytes(b) for b in bufs))[:n] == data[:n]
+    finally:
+        os.close(fd)
