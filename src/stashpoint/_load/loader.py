@@ -13,7 +13,7 @@ import xxhash
 from stashpoint._core.assign import Item, assign_readers
 from stashpoint._core.format import Manifest
 from stashpoint._core.index import Head
-from stashpoint._core.reshard import Box
+from stashpoint._core.reshard import Box, intersect
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext, rank_of
 from stashpoint._load.exchange import agree, broadcast_shares
@@ -29,6 +29,7 @@ from stashpoint.errors import (
 )
 
 log = logging.getLogger("stashpoint")
+
 
 def load(
     state: Any,
@@ -253,3 +254,43 @@ def _apply(plan: Plan, location: str) -> None:
                 f"loading the state at {where or '<root>'!r} of {location} into its object failed: "
                 f"{type(e).__name__}: {e}"
             ) from e
+
+
+def _own_plan(
+    storage: Storage, state: Any, rank: int, partial: bool, allow_pickle: bool
+) -> tuple[Head, Plan, dict[int, Any]]:
+    head = read_head(storage)
+    if isinstance(head, Manifest):
+        raise CheckpointError(f"{storage.location} is a format-1 checkpoint; node-local restores read format 2")
+    have: dict[int, Any] = {}
+    manifest = read_view(storage, head, (), rank % head.world_size, have)
+    plan = Planner(manifest, state, allow_pickle=allow_pickle, where=storage.location, rank=rank, partial=partial).run()
+    return head, plan, have
+
+
+def writers_needed(
+    storage: Storage, state: Any, rank: int, *, partial: bool = False, allow_pickle: bool = False
+) -> set[int]:
+    """The saving ranks whose files a load of ``state`` by ``rank`` reads: its own index's
+    rank and the writers of every region it plans to read (a node-local restore fetches what
+    its node lacks first). Needs the manifest and this rank's own index only."""
+    head, plan, _ = _own_plan(storage, state, rank, partial, allow_pickle)
+    return {rank % head.world_size} | writers_of(head, ((r.key, r.region) for r in plan.reads))
+
+
+def ranges_needed(
+    storage: Storage, state: Any, rank: int, *, skip: set[int], partial: bool = False, allow_pickle: bool = False
+) -> dict[str, tuple[int, int, list[tuple[int, int]]]]:
+    """The byte ranges a load of ``state`` by ``rank`` reads of the shards of saving ranks not
+    in ``skip``: file -> (its saving rank, its size, [header, every chunk it reads]). Needs the
+    indexes of those ranks."""
+    head, plan, have = _own_plan(storage, state, rank, partial, allow_pickle)
+    needed = writers_of(head, ((r.key, r.region) for r in plan.reads)) - skip
+    manifest = read_view(storage, head, needed, rank % head.world_size, have)
+    out = {f.name: (f.rank, f.size, [(0, f.data_start)]) for f in manifest.files if f.rank in needed}
+    for r in plan.reads:
+        entry = manifest.tensors.get(r.key)
+        for c in entry.chunks if entry is not None else ():
+            if c.file in out and intersect(Box(c.offsets, c.shape), r.region) is not None:
+                out[c.file][2].append((c.start, c.end))
+    return out

@@ -21,18 +21,18 @@ from stashpoint._core.policy import Retention, Schedule, steps_to_keep
 from stashpoint._dist.group import rank_of
 from stashpoint._load.loader import load
 from stashpoint._manager.lock import acquire_root_lock
+from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, stop
-from stashpoint._manager.restoring import agreed_restore_order, try_in_order
+from stashpoint._manager.restoring import restore_run
 from stashpoint._manager.steps import (
     METRICS_KEY,
     committed_steps,
     delete_step,
-    move_aside,
     quietly,
     read_metrics,
     remove_leftovers,
 )
-from stashpoint._manager.tiers import RemoteTier, restore_order
+from stashpoint._manager.tiers import RemoteTier
 from stashpoint._save.engine import SaveOptions, get_engine
 from stashpoint._save.handle import SaveHandle, SaveStats
 from stashpoint._storage import LocalStorage, Storage, storage_for
@@ -83,6 +83,11 @@ class CheckpointManager:
             costs one small all-reduce on that group.
         preemption_signals: the signals that mean preemption (default: SIGTERM, which torchrun,
             Kubernetes and SLURM send before they kill).
+        node_local: ``root`` is a directory on each node, not shared (node-local NVMe, or
+            ``/dev/shm``): each node's ranks write their files there, every node's leader
+            (``LOCAL_RANK`` 0) commits each step, and :meth:`restore` takes the newest step the
+            nodes hold between them, fetching onto each node what its ranks read from the
+            others (docs/guide/recovery.md). Not yet with ``remote_root``.
 
     Only one manager may own a root at a time; a second one is refused with an error. On
     opening, directories of saves that never committed (a crash) are removed.
@@ -114,6 +119,7 @@ class CheckpointManager:
         writer: str | None = None,
         preemption_deadline: float | None = None,
         preemption_signals: Sequence[int] = (signal.SIGTERM,),
+        node_local: bool = False,
     ) -> None:
         self.retention = Retention.of(keep_last, keep_every, keep_best)
         # the remote tier keeps everything unless remote_keep_last is given
@@ -140,6 +146,11 @@ class CheckpointManager:
         self._deletions: list[cf.Future[None]] = []
         self._closed = False
         self.rank, self.world = rank_of()
+        if node_local and (remote_root is not None or not isinstance(self.storage, LocalStorage)):
+            raise ValueError("node_local=True needs a local directory as root, and no remote_root (not supported yet)")
+        self._nodes = NodeLocal(self.world) if node_local else None
+        # who looks after the root: rank 0, or with node-local roots each node's leader
+        self._owner = self._nodes.owner if self._nodes is not None else self.rank == 0
         self._preemption = None if preemption_deadline is None else Preemption(
             preemption_deadline, preemption_signals, self.world
         )  # fmt: skip
@@ -149,10 +160,10 @@ class CheckpointManager:
         # In a distributed run rank 0 owns the root: the lock, the cleanup and the retention.
         # (Object stores offer no lock: there, one manager per root is the user's to ensure.)
         self._lock_fd = -1
-        if self.rank == 0 and isinstance(self.storage, LocalStorage):
+        if self._owner and isinstance(self.storage, LocalStorage):
             self._lock_fd = acquire_root_lock(self.storage.root)
         try:
-            if self.rank == 0:
+            if self._owner:
                 remove_leftovers(self.storage)
             if remote_root is not None:
                 self._tier = RemoteTier(
@@ -248,13 +259,19 @@ class CheckpointManager:
                 f"step {step} already has a committed checkpoint at {target.location}; save under a new step, or "
                 "delete that directory first."
             )
-        if self.rank == 0:  # the remains of an earlier failed save of this step, if any
+        if self._owner:  # the remains of an earlier failed save of this step, if any
             target.remove_tree()
         metrics = dict(metrics or {})
         meta = dict(options.pop("metadata", None) or {})
         meta[METRICS_KEY] = json.dumps(metrics)
         if "timeout" in options:
             options["timeout_s"] = options.pop("timeout")
+        if self._nodes is not None:
+            if options.get("process_group") is not None:
+                raise ValueError(
+                    "a node-local CheckpointManager saves over the whole world; process_group is not supported"
+                )
+            options["node_leaders"] = self._nodes.save_leaders()
         if self._tier is not None and options.get("process_group") is not None:
             raise ValueError(
                 "a CheckpointManager with a remote_root uploads over the whole world; saving over a process_group "
@@ -289,7 +306,8 @@ class CheckpointManager:
     ) -> None:
         try:
             if future.exception() is not None:
-                if self.rank == 0 and not self._at(step).exists(MANIFEST_NAME):
+                # node-local: a failed save is no step of the job even where its manifest landed
+                if self._owner and (self._nodes is not None or not self._at(step).exists(MANIFEST_NAME)):
                     quietly(self._at(step).remove_tree)
                 return
             stats = future.result()
@@ -299,7 +317,7 @@ class CheckpointManager:
                     self.skipped += 1
                 else:
                     self._metrics[step] = metrics
-                    if self.rank == 0:
+                    if self._owner:
                         self._deletions.append(self._deleter.submit(self._apply_retention))
             if self.on_save is not None:
                 try:
@@ -350,29 +368,9 @@ class CheckpointManager:
         With a ``remote_root``, a step's local copy is preferred when every rank has it, and
         the remote copy is used otherwise (a fresh node) or when the local one is damaged.
         """
-        if self.remote is None and step is not None:
-            load(state, self._at(step), strict=strict, **options)
-            return step
-        order = self._restore_order(step, options)
-        if step is not None and not order:
-            order = [(step, "local")]  # raises CheckpointNotFoundError, naming the path
-        found = try_in_order(order, step, self._copy, lambda at: load(state, at, strict=strict, **options))
-        if found is None:
-            return None
-        candidate, tier, damaged = found
-        if step is None and self.rank == 0:
-            for s, t in damaged:
-                move_aside(self.storage if t == "local" or self._tier is None else self._tier.remote, s)
-        self._restored_from = tier
-        return candidate
-
-    def _copy(self, step: int, tier: str) -> Storage:
-        return self._at(step) if tier == "local" or self._tier is None else self._tier.at(step)
-
-    def _restore_order(self, step: int | None, options: dict[str, Any]) -> list[tuple[int, str]]:
-        if self._tier is None or self.world == 1:
-            return restore_order(self.steps(), self.remote_steps(), step)
-        return agreed_restore_order(self.steps, self.remote_steps, self.rank, step, options)
+        load_one = functools.partial(_load_into, state, strict, options)
+        found, self._restored_from = restore_run(self, state, load_one, step, options)
+        return found
 
     def restored_from(self) -> str | None:
         """Which tier the last :meth:`restore` read: "local", "remote", or None."""
@@ -443,3 +441,7 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"<CheckpointManager {self.root} steps={self.steps()}>"
+
+
+def _load_into(state: Any, strict: bool, options: dict[str, Any], at: Storage) -> None:
+    load(state, at, strict=strict, **options)

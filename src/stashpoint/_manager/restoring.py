@@ -85,3 +85,36 @@ def try_in_order(
     if errors:
         raise errors[0]
     return None
+
+
+def restore_run(
+    mgr: Any, state: Any, load_one: Callable[[Any], None], step: int | None, options: dict[str, Any]
+) -> tuple[int | None, str | None]:
+    """``CheckpointManager.restore`` of ``state``: the step loaded (None: no checkpoint) and
+    the tier it came from."""
+    from stashpoint._manager.steps import move_aside
+
+    if mgr._nodes is not None:
+        found = mgr._nodes.restore(mgr.storage, state, step, load_one, options)
+        return found, None if found is None else "local"
+    if mgr.remote is None and step is not None:
+        load_one(mgr._at(step))
+        return step, "local"
+    if mgr._tier is None or mgr.world == 1:
+        order = restore_order(mgr.steps(), mgr.remote_steps(), step)
+    else:
+        order = agreed_restore_order(mgr.steps, mgr.remote_steps, mgr.rank, step, options)
+    if step is not None and not order:
+        order = [(step, "local")]  # raises CheckpointNotFoundError, naming the path
+
+    def where(s: int, tier: str) -> Any:
+        return mgr._at(s) if tier == "local" or mgr._tier is None else mgr._tier.at(s)
+
+    found = try_in_order(order, step, where, load_one)
+    if found is None:
+        return None, None
+    candidate, tier, damaged = found
+    if step is None and mgr.rank == 0:
+        for s, t in damaged:
+            move_aside(mgr.storage if t == "local" or mgr._tier is None else mgr._tier.remote, s)
+    return candidate, tier

@@ -190,6 +190,7 @@ class SaveOptions:
     timeout_s: float | None = None
     overlap: bool = False
     writer: str = DEFAULT_WRITER
+    node_leaders: tuple[int, ...] = ()  # node-local directories: the ranks that commit on their node
 
     def __post_init__(self) -> None:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.metadata.items()):

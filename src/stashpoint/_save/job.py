@@ -37,6 +37,7 @@ from stashpoint._dist.commit import (
     start_save,
 )
 from stashpoint._dist.group import CollectiveError, DistContext
+from stashpoint._dist.nodecommit import commit_on_nodes
 from stashpoint._save.handle import SaveStats
 from stashpoint._save.layout import Layout
 from stashpoint._save.persist import Writer, WrittenShards, write_shards
@@ -90,6 +91,7 @@ class PersistJob:
     staged_keys: frozenset[str] | None = None  # the keys copied for this save; None: every key
     reported_ok: bool = False  # this rank told the others its part succeeded
     ranks_per_dir: int = 0  # rank 0's choice for this save (see ``ranks_per_dir()``)
+    manifest: bytes | None = None  # rank 0: the manifest it committed
 
     @classmethod
     def failed(
@@ -118,6 +120,8 @@ class PersistJob:
         err = None if self.early_error is None else f"{type(self.early_error).__name__}: {self.early_error}"
         last: Plan | None = ctx.last_plan
         loc = self.storage.location
+        if self.opts.node_leaders:  # each node's own root: only the step's name must agree
+            loc = "node-local root/" + loc.rstrip("/").rpartition("/")[2]
         desc = self.layout.description if ctx.world_numbered else None
         mine = SaveHello(
             self.layout.hash,
@@ -247,6 +251,8 @@ class PersistJob:
                 self.pending.wait()  # no copy may still write into buffers another save reuses
             if self.staged is not None:
                 self.pool.release(self.staged)
+        if self.opts.node_leaders:  # node-local directories: every node's leader commits too
+            commit_on_nodes(ctx, self.storage, self.manifest, self.opts.node_leaders, exclusive=not self.opts.overwrite)
         self.storage.keep_cached(mine_written)  # committed: the newest, which a restart here reads
         t1 = time.perf_counter()
         pending = self.pending
@@ -371,8 +377,9 @@ class PersistJob:
             metadata=self.opts.metadata,
             ranks_per_dir=self.ranks_per_dir,
         )
+        self.manifest = head.to_json()
         try:  # without overwrite, of two saves racing to one new path exactly one commits
-            self.storage.commit(MANIFEST_NAME, head.to_json(), exclusive=not self.opts.overwrite)
+            self.storage.commit(MANIFEST_NAME, self.manifest, exclusive=not self.opts.overwrite)
         except FileExistsError:
             raise CheckpointError(
                 f"another save committed a checkpoint at {loc} while this one was being written "

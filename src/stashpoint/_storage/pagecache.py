@@ -25,8 +25,20 @@ log = logging.getLogger("stashpoint")
 
 CACHE_SHARE = 0.5  # of MemAvailable, split between the node's ranks: what one rank's files may take
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
-_lock = threading.Lock()
-_cached: dict[Path, list[Path]] = {}  # run directory -> the files this process last asked to keep
+
+
+class _Kept:
+    """Per run directory, the files this process last asked the kernel to keep."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.files: dict[Path, list[Path]] = {}
+
+
+def _kept() -> _Kept:
+    from stashpoint import _runtime
+
+    return _runtime.slot("storage.page_cache", _Kept)
 
 
 def mem_available() -> int | None:
@@ -89,10 +101,10 @@ def keep_cached(checkpoint: Path, paths: Sequence[Path]) -> bool:
     if avail is None or sizes > avail * CACHE_SHARE / _local_ranks():
         log.debug("stashpoint: %s not kept in the page cache (%d bytes, %s available)", checkpoint, sizes, avail)
         return False
-    run = checkpoint.parent
-    with _lock:
-        older = [p for p in _cached.get(run, []) if p.parent != checkpoint and checkpoint not in p.parents]
-        _cached[run] = list(paths)
+    run, kept = checkpoint.parent, _kept()
+    with kept.lock:
+        older = [p for p in kept.files.get(run, []) if checkpoint not in p.parents]
+        kept.files[run] = list(paths)
 
     def work() -> None:  # on a thread: WILLNEED submits reads and may wait for the disk's queue
         _advise(older, os.POSIX_FADV_DONTNEED)

@@ -1,0 +1,144 @@
+"""Nodes of a distributed job: which node each rank runs on, and bytes sent between two ranks.
+
+A node is torchrun's node rank (``GROUP_RANK``), its leader the rank with ``LOCAL_RANK`` 0;
+``STASHPOINT_NODE`` and ``STASHPOINT_LOCAL_RANK`` say the same under other launchers. Node
+ranks are not stable across restarts (a rendezvous may number the nodes anew), so nothing
+stored relies on them: what a node's directory holds is found by listing it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from stashpoint._dist.group import CollectiveError, DistContext
+from stashpoint.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class Node:
+    """This rank's node and whether it is the node's leader (its first local rank)."""
+
+    node: int
+    leader: bool
+
+
+def _env_int(names: tuple[str, ...]) -> tuple[str, int] | None:
+    for name in names:
+        raw = os.environ.get(name)
+        if raw is not None and raw.strip():
+            try:
+                value = int(raw)
+            except ValueError:
+                raise CheckpointError(
+                    f"{name}={raw!r} is not a whole number; set it to this rank's node number"
+                ) from None
+            if value < 0:
+                raise CheckpointError(f"{name}={raw!r} is negative; node numbers start at 0")
+            return name, value
+    return None
+
+
+def this_node(world: int) -> Node:
+    """This rank's node, from the launcher's environment (one process: node 0, its leader)."""
+    node = _env_int(("STASHPOINT_NODE", "GROUP_RANK"))
+    local = _env_int(("STASHPOINT_LOCAL_RANK", "LOCAL_RANK"))
+    if world == 1 and (node is None or local is None):
+        return Node(0, True)
+    if node is None or local is None:
+        raise CheckpointError(
+            "node-local checkpoints need each rank's node: run under torchrun (which sets GROUP_RANK and "
+            "LOCAL_RANK), or set STASHPOINT_NODE (this rank's node number) and STASHPOINT_LOCAL_RANK (its "
+            "number within the node) in every rank's environment"
+        )
+    return Node(node[1], local[1] == 0)
+
+
+@dataclass(frozen=True)
+class NodeMap:
+    """The job's nodes as rank 0 found them: each node's leader; ``of_rank`` on rank 0 only."""
+
+    leaders: tuple[tuple[int, int], ...]  # (node, leader rank), by node
+    of_rank: tuple[int, ...] = ()  # each rank's node (rank 0 only: R entries are not sent)
+
+    def leader_ranks(self) -> list[int]:
+        return [r for _, r in self.leaders]
+
+
+def agree_nodes(ctx: DistContext, me: Node) -> NodeMap:
+    """Every rank's node, checked on rank 0 (each node exactly one leader); the leaders (one
+    entry per node, not per rank) sent to every rank."""
+    seen = ctx.gather("node-local: each rank's node", (me.node, me.leader))
+    answer: tuple[str, Any] | None = None
+    of_rank: tuple[int, ...] = ()
+    if seen is not None:
+        of_rank = tuple(n for n, _ in seen)
+        leaders: dict[int, list[int]] = {}
+        for rank, (node, leader) in enumerate(seen):
+            leaders.setdefault(node, [])
+            if leader:
+                leaders[node].append(rank)
+        bad = {n: rs for n, rs in leaders.items() if len(rs) != 1}
+        if bad:
+            node, ranks = next(iter(sorted(bad.items())))
+            answer = (
+                "error",
+                f"node {node} has {len(ranks)} leader rank(s) {ranks} (LOCAL_RANK / STASHPOINT_LOCAL_RANK 0); "
+                "each node needs exactly one: check the launcher's environment",
+            )
+        else:
+            answer = ("ok", tuple((n, rs[0]) for n, rs in sorted(leaders.items())))
+    answer = ctx.broadcast("node-local: the nodes' leaders", answer)
+    assert answer is not None
+    if answer[0] == "error":
+        raise CheckpointError(answer[1])
+    return NodeMap(answer[1], of_rank)
+
+
+# -- between two ranks (not collectives: only the two take part) ----------------------------------
+
+
+def _p2p(ctx: DistContext, what: str, fn: Any, tensor: Any, peer: int) -> None:
+    try:
+        fn(tensor, ctx.ranks[peer], group=ctx.group)
+    except Exception as e:
+        raise CollectiveError(f"rank {ctx.rank}: {what} with rank {peer} failed: {type(e).__name__}: {e}") from e
+
+
+def send_tensor(ctx: DistContext, peer: int, tensor: Any) -> None:
+    """Send a CPU tensor to group rank ``peer``, which receives it into one of the same size."""
+    import torch.distributed as dist
+
+    _p2p(ctx, "sending", dist.send, tensor, peer)
+
+
+def recv_tensor(ctx: DistContext, peer: int, tensor: Any) -> None:
+    import torch.distributed as dist
+
+    _p2p(ctx, "receiving", dist.recv, tensor, peer)
+
+
+def send_blob(ctx: DistContext, peer: int, data: bytes) -> None:
+    """Send a small message: its length, then its bytes."""
+    import torch
+
+    send_tensor(ctx, peer, torch.tensor([len(data)], dtype=torch.int64))
+    if data:
+        send_tensor(ctx, peer, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+
+def recv_blob(ctx: DistContext, peer: int, limit: int) -> bytes:
+    """A message of :func:`send_blob`; one announced longer than ``limit`` bytes is refused."""
+    import torch
+
+    size = torch.zeros(1, dtype=torch.int64)
+    recv_tensor(ctx, peer, size)
+    n = int(size.item())
+    if n < 0 or n > limit:
+        raise CheckpointError(f"rank {ctx.rank}: rank {peer} announced a message of {n} bytes (at most {limit})")
+    if n == 0:
+        return b""
+    buf = torch.empty(n, dtype=torch.uint8)
+    recv_tensor(ctx, peer, buf)
+    return bytes(buf.numpy())

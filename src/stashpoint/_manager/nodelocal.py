@@ -1,0 +1,154 @@
+"""Node-local run directories: each node's ranks keep their files in that node's own root.
+
+What a node holds of a step is found by listing its directory (``nodefetch.inventory``), never
+assumed from node numbers, which a new rendezvous may assign anew. A restore asks every node
+(one message per node), takes the newest step whose files the nodes hold between them, and
+before loading has every node fetch from the others what its ranks will read: first the files
+of its own ranks, then the indexes of the ranks that wrote what they read, then the byte
+ranges they read of those ranks' shards (into sparse copies). Only node leaders send and
+receive, over stashpoint's own group, in one order every rank computes alike. This module is
+the planning: pure functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from stashpoint.errors import CorruptCheckpointError
+
+
+@dataclass(frozen=True)
+class Held:
+    """What one node's directory holds of one committed step: the saving ranks whose index is
+    there, as ``[start, end)`` ranges."""
+
+    step: int
+    save_id: str
+    world: int
+    ranks: tuple[tuple[int, int], ...]
+
+
+def ranges(ranks: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    out: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if out and out[-1][1] == r:
+            out[-1][1] = r + 1
+        else:
+            out.append([r, r + 1])
+    return tuple((a, b) for a, b in out)
+
+
+def expand(spans: Iterable[tuple[int, int]]) -> set[int]:
+    return {r for a, b in spans for r in range(a, b)}
+
+
+Span = tuple[str, int, int, tuple[tuple[int, int], ...]]  # file, its saving rank, its size, byte ranges
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What the leader of node ``src`` sends the leader of node ``dst``: the files of saving
+    ranks ``ranks``, the step's manifest, the index files alone of ``indexes``, and byte
+    ranges of files (``spans``, written into sparse copies of the files' full size)."""
+
+    src: int
+    dst: int
+    ranks: tuple[tuple[int, int], ...] = ()
+    manifest: bool = False
+    indexes: tuple[tuple[int, int], ...] = ()
+    spans: tuple[Span, ...] = ()
+
+
+def coverable(seen: Mapping[int, Sequence[Held]]) -> dict[int, dict[int, Held]]:
+    """The steps the nodes hold every saving rank's files of between them (one save of each:
+    copies with another save id are ignored), with what each node holds of them."""
+    by_step: dict[int, dict[int, Held]] = {}
+    for node, helds in seen.items():
+        for h in helds:
+            by_step.setdefault(h.step, {})[node] = h
+    out = {}
+    for step, holders in by_step.items():
+        ids = {h.save_id for h in holders.values()}
+        if len(ids) != 1:  # two saves of one step (a torn overwrite): trust neither
+            continue
+        world = next(iter(holders.values())).world
+        if expand(s for h in holders.values() for s in h.ranks) >= set(range(world)):
+            out[step] = holders
+    return out
+
+
+def _sources(held: Mapping[int, set[int]]) -> dict[int, list[int]]:
+    source_of: dict[int, list[int]] = {}
+    for n in sorted(held):
+        for r in held[n]:
+            source_of.setdefault(r, []).append(n)
+    return source_of
+
+
+def _pick(source_of: dict[int, list[int]], load: dict[int, int], rank: int, cost: int) -> int:
+    """The holder of ``rank``'s files that has sent the least so far."""
+    srcs = source_of.get(rank)
+    if not srcs:
+        raise CorruptCheckpointError(f"no node holds the files of saving rank {rank}")
+    src = min(srcs, key=lambda n: (load[n], n))
+    load[src] += cost
+    return src
+
+
+def plan_transfers(
+    held: Mapping[int, set[int]], need: Mapping[int, set[int]], nodes: Sequence[int], *, indexes_only: bool = False
+) -> tuple[list[Transfer], dict[int, set[int]]]:
+    """Who sends what so that every node in ``nodes`` holds the files (or, ``indexes_only``,
+    the index files) of the saving ranks it ``need``s, and the manifest: each missing rank's
+    files come from the node holding them that has sent the fewest so far. ``held``: the
+    saving ranks each node holds every file of. Returns the transfers (in the order all ranks
+    run them) and which ranks each node then holds whole. Pure."""
+    held = {n: set(held.get(n, set())) for n in nodes}
+    source_of = _sources(held)
+    load = dict.fromkeys(nodes, 0)
+    pairs: dict[tuple[int, int], set[int]] = {}
+    has_step = {n for n in nodes if held[n]}
+    if not has_step:
+        raise CorruptCheckpointError("no node holds this step")
+    for dst in sorted(nodes):
+        for r in sorted(need.get(dst, set()) - held[dst]):
+            pairs.setdefault((_pick(source_of, load, r, 1), dst), set()).add(r)
+    for dst in sorted(set(nodes) - has_step - {d for _, d in pairs}):
+        pairs[(min(has_step), dst)] = set()
+    transfers = [
+        Transfer(src, dst, () if indexes_only else ranges(rs), dst not in has_step, ranges(rs) if indexes_only else ())
+        for (src, dst), rs in sorted(pairs.items())
+    ]
+    after = {n: held[n] | set().union(*(expand(t.ranks) for t in transfers if t.dst == n)) for n in nodes}
+    return transfers, after
+
+
+def merge(spans: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Byte ranges sorted, with overlapping and touching ones joined."""
+    out: list[list[int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return tuple((a, b) for a, b in out if b > a)
+
+
+def plan_spans(
+    held: Mapping[int, set[int]], need: Mapping[int, Mapping[str, tuple[int, int, Sequence[tuple[int, int]]]]]
+) -> list[Transfer]:
+    """Transfers of the byte ranges each node ``need``s (file -> its saving rank, size and
+    ranges) of files whose ranks it does not hold whole, each file's from the holder that has
+    sent the fewest bytes so far. Pure."""
+    source_of = _sources(held)
+    load = dict.fromkeys(held, 0)
+    pairs: dict[tuple[int, int], list[Span]] = {}
+    for dst in sorted(need):
+        for name, (rank, size, spans) in sorted(need[dst].items()):
+            if rank in held.get(dst, set()):
+                continue
+            merged = merge(spans)
+            src = _pick(source_of, load, rank, sum(b - a for a, b in merged))
+            pairs.setdefault((src, dst), []).append((name, rank, size, merged))
+    return [Transfer(src, dst, spans=tuple(sp)) for (src, dst), sp in sorted(pairs.items())]

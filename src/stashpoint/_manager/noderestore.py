@@ -1,0 +1,169 @@
+"""The restore of a manager with node-local directories (see ``nodelocal``): agree on a step the
+nodes hold between them, fetch onto each node what its ranks will read, then load."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from stashpoint._core.naming import step_dir
+from stashpoint._dist import group as _dist
+from stashpoint._dist.group import DistContext
+from stashpoint._dist.nodes import NodeMap, agree_nodes, this_node
+from stashpoint._load.exchange import agree
+from stashpoint._load.loader import ranges_needed, writers_needed
+from stashpoint._manager.nodefetch import inventory, run_transfers
+from stashpoint._manager.nodelocal import Held, Transfer, coverable, expand, plan_spans, plan_transfers, ranges
+from stashpoint._manager.restoring import try_in_order
+from stashpoint._manager.steps import delete_step, move_aside
+from stashpoint._manager.tiers import restore_order
+from stashpoint._storage import Storage
+from stashpoint.errors import CheckpointError, CorruptCheckpointError
+
+log = logging.getLogger("stashpoint")
+
+
+class NodeLocal:
+    """A manager's node-local mode on this rank: its node, the job's leaders, the restore."""
+
+    def __init__(self, world: int, timeout: float | None = None) -> None:
+        self.me = this_node(world)
+        self.world = world
+        if world == 1:
+            self.map = NodeMap(((0, 0),), (0,))
+        else:
+            ctx = _dist.context(None, timeout)
+            assert ctx is not None
+            self.map = agree_nodes(ctx, self.me)
+        self.leaders = dict(self.map.leaders)
+        self._save_id = ""  # rank 0: the save of the step being fetched
+
+    @property
+    def owner(self) -> bool:
+        """Whether this rank looks after its node's directory (lock, clean-up, retention)."""
+        return self.me.leader
+
+    def save_leaders(self) -> tuple[int, ...]:
+        return tuple(self.map.leader_ranks()) if self.world > 1 else ()
+
+    def restore(
+        self, root: Storage, state: Any, step: int | None, load_one: Callable[[Storage], None], options: dict[str, Any]
+    ) -> int | None:
+        """Load the newest step the nodes hold between them (or ``step``) into ``state``."""
+        from stashpoint._save import engine as _save
+
+        _save.wait_all()
+        ctx = _dist.context(options.get("process_group"), options.get("timeout")) or DistContext.solo()
+        mine: Any = None
+        if self.me.leader:
+            try:
+                mine = (self.me.node, inventory(root))
+            except Exception as e:
+                mine = f"rank {ctx.rank}: listing {root.location} failed: {type(e).__name__}: {e}"
+        seen = ctx.gather("node-local: what each node holds", mine)
+        answer: Any = None
+        cover: dict[int, dict[int, Held]] = {}
+        if seen is not None:
+            errors = [s for s in seen if isinstance(s, str)]
+            if errors:
+                answer = ("error", "; ".join(errors[:8])[:4000])
+            else:
+                by_node = dict(s for s in seen if s is not None)
+                cover = coverable(by_node)
+                torn = sorted({h.step for hs in by_node.values() for h in hs} - cover.keys())
+                answer = ("ok", restore_order(sorted(cover), [], step), torn)
+        answer = ctx.broadcast("node-local: the steps to try", answer)
+        if answer[0] == "error":
+            raise CheckpointError("listing the node-local checkpoints failed: " + answer[1])
+        order, torn = answer[1], answer[2]
+        if self.me.leader:  # steps no restore can take: some saving rank's files are on no node
+            for s in torn:
+                if step is None or s != step:
+                    log.warning("stashpoint: step %d is held by some nodes only; removing it here", s)
+                    delete_step(root, s)
+        if step is not None and not order:
+            order = [(step, "local")]  # raises CheckpointNotFoundError, naming the path
+
+        def fetch_and_load(candidate: int) -> None:
+            at = root.child(step_dir(candidate))
+            holders = cover.get(candidate, {})
+            self._save_id = next(iter(holders.values())).save_id if holders else ""
+            self._fetch(ctx, at, holders, state, options)
+            load_one(at)
+
+        found = try_in_order(order, step, lambda s, _t: s, fetch_and_load)
+        if found is None:
+            return None
+        candidate, _, damaged = found
+        if step is None and self.me.leader:
+            for s, _ in damaged:
+                move_aside(root, s)
+        return candidate
+
+    def _fetch(
+        self, ctx: DistContext, at: Storage, holders: dict[int, Held], state: Any, options: dict[str, Any]
+    ) -> None:
+        """Every node gets what its ranks read: their own ranks' files whole, then the indexes
+        of the ranks that wrote what they read, then the byte ranges they read of those."""
+        world = next(iter(holders.values())).world if holders else 1  # rank 0 plans: it has them
+        held = {n: expand(h.ranks) for n, h in holders.items()}
+        own: dict[int, set[int]] = {}
+        for r, n in enumerate(self.map.of_rank):
+            own.setdefault(n, set()).add(r % world)
+        held = self._transfer(ctx, at, "own files", lambda: plan_transfers(held, own, sorted(self.leaders)))
+        kw = {"partial": options.get("partial", False), "allow_pickle": options.get("allow_pickle", False)}
+        writers = self._gather_needs(ctx, at, lambda: ranges(writers_needed(at, state, ctx.rank, **kw)))
+        need_idx = {n: set().union(*(expand(w) for w in ws)) for n, ws in writers.items()}
+        self._transfer(
+            ctx, at, "indexes", lambda: plan_transfers(held, need_idx, sorted(self.leaders), indexes_only=True)
+        )
+        mine = held.get(self.me.node, set())
+        spans = self._gather_needs(ctx, at, lambda: ranges_needed(at, state, ctx.rank, skip=mine, **kw))
+        need: dict[int, dict[str, tuple[int, int, list[tuple[int, int]]]]] = {}
+        for n, per_rank in spans.items():
+            for files in per_rank:
+                for name, (rank, size, rs) in files.items():
+                    need.setdefault(n, {}).setdefault(name, (rank, size, []))[2].extend(rs)
+        self._transfer(ctx, at, "byte ranges", lambda: (plan_spans(held, need), held))
+
+    def _gather_needs(self, ctx: DistContext, at: Storage, mine: Callable[[], Any]) -> dict[int, list[Any]]:
+        """Each rank's ``mine()``, grouped by node on rank 0 ({} elsewhere); raises on every rank
+        when any rank failed."""
+        try:
+            value: Any = ("ok", mine())
+        except CheckpointError as e:
+            value = ("error", f"rank {ctx.rank}: {e}")
+        gathered = ctx.gather("node-local: what each rank's load reads", value)
+        out: dict[int, list[Any]] = {}
+        problem = None
+        if gathered is not None:
+            bad = [g[1] for g in gathered if g[0] == "error"]
+            problem = "; ".join(bad[:8])[:4000] if bad else None
+            for r, (_, v) in enumerate(gathered):
+                out.setdefault(self.map.of_rank[r], []).append(v)
+        problem = ctx.broadcast("node-local: planning", problem)
+        if problem:
+            raise CorruptCheckpointError(f"planning the load of {at.location} failed: {problem}")
+        return out
+
+    def _transfer(
+        self, ctx: DistContext, at: Storage, what: str, plan_them: Callable[[], tuple[list[Transfer], Any]]
+    ) -> dict[int, set[int]]:
+        """Rank 0 plans with ``plan_them``; every leader runs its part; all agree it worked.
+        Returns the saving ranks each node holds whole afterwards (on every rank)."""
+        plan: Any = None
+        if ctx.rank == 0:
+            try:
+                transfers, after = plan_them()
+                plan = ("ok", transfers, self._save_id, {n: ranges(rs) for n, rs in after.items()})
+            except CheckpointError as e:
+                plan = ("error", str(e))
+        plan = ctx.broadcast(f"node-local: transfers of {what}", plan)
+        if plan[0] == "error":
+            raise CorruptCheckpointError(f"fetching {what} of {at.location} across nodes: {plan[1]}")
+        status = run_transfers(ctx, plan[1], self.leaders, self.me.node, at, save_id=plan[2])
+        agree(ctx, f"node-local: {what} fetched", status or 0, CorruptCheckpointError)
+        if plan[1] and ctx.rank == 0:
+            log.info("stashpoint: fetched %s of %s across nodes: %d transfer(s)", what, at.location, len(plan[1]))
+        return {n: expand(rs) for n, rs in plan[3].items()}

@@ -1,0 +1,73 @@
+"""Training under a node-local CheckpointManager, for tests/test_nodelocal.py (issue 21).
+
+    torchrun --nnodes 2 ... node_worker.py BASE STEPS --par ddp|fsdp2|hsdp [--every N]
+
+Each node keeps its checkpoints in its own directory, ``BASE/node-<NODE_DIR>/ckpt`` (NODE_DIR
+from the environment, default the node rank: a test may hand a node another's directory, or an
+empty one). A transformers Llama from a small config under the given parallelism, AdamW, a
+stateful sampler; resumes with ``restore`` (fresh model and optimizer), then trains to STEPS,
+saving every N steps. Each rank appends ``step loss`` lines to ``BASE/losses-<rank>.txt`` and
+prints ``RESUMED <step>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import stashpoint
+
+sys.path.insert(0, str(Path(__file__).parent))
+from stack_worker import build_model, dataset, loss_of, parallelize
+
+torch.use_deterministic_algorithms(True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("base")
+    ap.add_argument("steps", type=int)
+    ap.add_argument("--par", default="fsdp2")
+    ap.add_argument("--every", type=int, default=2)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    base = Path(args.base)
+    node_dir = os.environ.get("NODE_DIR", os.environ.get("GROUP_RANK", "0"))
+    torch.manual_seed(1234)  # a resume must not depend on the initialization
+    model, blocks = build_model("llama")
+    model, dp_rank, dp_size = parallelize(model, blocks, args.par, argparse.Namespace(ac=False))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = dataset("llama")
+    sampler = stashpoint.StatefulSampler(data, seed=0, rank=dp_rank, world_size=dp_size)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator())
+    state = {"model": model, "optim": optim, "sampler": sampler, "rng": stashpoint.RNGState()}
+    with stashpoint.CheckpointManager(base / f"node-{node_dir}" / "ckpt", keep_last=2, every_steps=args.every,
+                                      node_local=True) as mgr:  # fmt: skip
+        start = (mgr.restore(state) or 0) + 1
+        print(f"RESUMED {start - 1}", flush=True)
+        batches = iter(loader)
+        with (base / f"losses-{rank}.txt").open("a") as out:
+            for step in range(start, args.steps + 1):
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    batches = iter(loader)
+                    batch = next(batches)
+                loss = loss_of("llama", model, batch)
+                loss.backward()
+                optim.step()
+                optim.zero_grad()
+                out.write(f"{step} {loss.item():.8f}\n")
+                out.flush()
+                mgr.maybe_save(step, state)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
