@@ -1,6 +1,6 @@
 """Training under a node-local CheckpointManager, for tests/test_nodelocal.py (issue 21).
 
-    torchrun --nnodes 2 ... node_worker.py BASE STEPS --par ddp|fsdp2|hsdp [--every N]
+    torchrun --nnodes 2 ... node_worker.py BASE STEPS --par ddp|fsdp2|hsdp [--every N] [--replicas K]
 
 Each node keeps its checkpoints in its own directory, ``BASE/node-<NODE_DIR>/ckpt`` (NODE_DIR
 from the environment, default the node rank: a test may hand a node another's directory, or an
@@ -13,7 +13,9 @@ prints ``RESUMED <step>``.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -29,11 +31,13 @@ torch.use_deterministic_algorithms(True)
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1)  # a test that finds the job hung asks where it is
     ap = argparse.ArgumentParser()
     ap.add_argument("base")
     ap.add_argument("steps", type=int)
     ap.add_argument("--par", default="fsdp2")
     ap.add_argument("--every", type=int, default=2)
+    ap.add_argument("--replicas", type=int, default=0)
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -48,7 +52,7 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator())
     state = {"model": model, "optim": optim, "sampler": sampler, "rng": stashpoint.RNGState()}
     with stashpoint.CheckpointManager(base / f"node-{node_dir}" / "ckpt", keep_last=2, every_steps=args.every,
-                                      node_local=True) as mgr:  # fmt: skip
+                                      node_local=True, replicas=args.replicas) as mgr:  # fmt: skip
         start = (mgr.restore(state) or 0) + 1
         print(f"RESUMED {start - 1}", flush=True)
         batches = iter(loader)
@@ -67,6 +71,10 @@ def main() -> None:
                 out.flush()
                 mgr.maybe_save(step, state)
     dist.destroy_process_group()
+    sys.stdout.flush()
+    # DDP's reducer, freed at interpreter exit, joins the training group's gloo thread, which may
+    # be waiting for the GIL the freeing thread holds (a torch teardown deadlock): skip teardown
+    os._exit(0)
 
 
 if __name__ == "__main__":

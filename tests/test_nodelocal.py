@@ -4,10 +4,13 @@ commit, or lose a node's directory."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,9 +18,19 @@ import pytest
 from conftest import ROOT
 from dist_util import free_port
 from stashpoint._core.naming import MANIFEST_NAME
+from stashpoint._core.nodeplan import (
+    Held,
+    Transfer,
+    coverable,
+    expand,
+    merge,
+    plan_spans,
+    plan_transfers,
+    ranges,
+    replica_rounds,
+)
 from stashpoint._dist.nodes import this_node
-from stashpoint._manager.nodefetch import check_offer
-from stashpoint._manager.nodelocal import Held, Transfer, coverable, expand, merge, plan_spans, plan_transfers, ranges
+from stashpoint._dist.transfer import check_offer
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 WORKER = Path(__file__).with_name("node_worker.py")
@@ -25,9 +38,9 @@ ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}"
 pytestmark = pytest.mark.xdist_group("nodelocal")
 
 
-def run_job(base: Path, steps: int, par: str, dirs: tuple[str, str] = ("0", "1")) -> list[str]:
-    """Two agents (nodes 0 and 1, one rank each); node i keeps its files in ``base/node-<dirs[i]>``.
-    Returns each agent's output."""
+def _agents(base: Path, steps: int, par: str, dirs: tuple[str, str], *extra: str, **popen) -> list[subprocess.Popen]:
+    """Two torchrun agents (nodes 0 and 1, one rank each); node i keeps its files in
+    ``base/node-<dirs[i]>``."""
     port = free_port()
     procs = []
     for node in (0, 1):
@@ -35,10 +48,22 @@ def run_job(base: Path, steps: int, par: str, dirs: tuple[str, str] = ("0", "1")
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
             "--node_rank", str(node), "--rdzv_backend", "c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
             "--rdzv_id", f"nl-{port}", "--max_restarts", "0", str(WORKER), str(base), str(steps), "--par", par,
+            *extra,
         ]  # fmt: skip
-        env = {**ENV, "NODE_DIR": dirs[node]}
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+        procs.append(subprocess.Popen(cmd, env={**ENV, "NODE_DIR": dirs[node]}, **popen))
+    return procs
+
+
+def run_job(base: Path, steps: int, par: str, dirs: tuple[str, str] = ("0", "1"), replicas: int = 0) -> list[str]:
+    """A job of two agents to ``steps``; each agent's output."""
+    procs = _agents(base, steps, par, dirs, "--replicas", str(replicas), stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=200)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        _kill_all(procs, dump=True)
+        outs = [p.communicate()[0] for p in procs]
+        pytest.fail("the job hung:\n" + "\n---\n".join(o[-6000:] for o in outs))
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-4000:]
     return outs
@@ -67,8 +92,9 @@ def ranks_in(names: set[str]) -> set[int]:
 
 @pytest.fixture(scope="module")
 def ddp_reference(tmp_path_factory):
+    """An uninterrupted DDP run of 14 steps: the losses every resumed run must repeat."""
     base = tmp_path_factory.mktemp("ref-ddp")
-    run_job(base, 8, "ddp")
+    run_job(base, 14, "ddp")
     return base
 
 
@@ -95,6 +121,7 @@ def test_each_node_holds_its_ranks_files_and_restarts_fetch_what_they_read(tmp_p
     (tmp_path / "node-1/ckpt/step-00000006" / MANIFEST_NAME).unlink()
     outs = run_job(tmp_path, 8, "ddp")
     assert resumed(outs) == {4}, "the step only one node committed is passed by"
+    assert list((tmp_path / "node-0/ckpt").glob("step-00000006.damaged-*")), "and set aside, not deleted"
     for rank in (0, 1):
         got, want = losses(tmp_path, rank), losses(ddp_reference, rank)
         assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]
@@ -125,6 +152,135 @@ def test_fsdp2_restart_fetches_only_the_bytes_its_ranks_read(tmp_path, tmp_path_
     for rank in (0, 1):
         got, want = losses(tmp_path, rank), losses(ref, rank)
         assert [got[s] for s in range(5, 7)] == [want[s] for s in range(5, 7)]
+
+
+def test_a_node_lost_with_its_disk_is_restored_from_the_replica_on_the_other_node(tmp_path, ddp_reference):
+    """replicas=1: each node also keeps the other node's files of the newest step (only the
+    newest). Node 1 lost with its directory, the job restarts with a fresh node 1: it resumes
+    from the newest step, its rank's files fetched from node 0's replica, bit for bit."""
+    run_job(tmp_path, 6, "ddp", replicas=1)
+    for node, other in (("0", 1), ("1", 0)):
+        assert ranks_in(files(tmp_path, node, 6)) == {0, 1}, "the other node's files are replicated here"
+        assert f"replica-r{other:05d}" in files(tmp_path, node, 6)
+        assert ranks_in(files(tmp_path, node, 4)) == {1 - other}, "older steps keep no replicas"
+    shutil.rmtree(tmp_path / "node-1")
+    outs = run_job(tmp_path, 8, "ddp", replicas=1)
+    assert resumed(outs) == {6}
+    for rank in (0, 1):
+        got, want = losses(tmp_path, rank), losses(ddp_reference, rank)
+        assert [got[s] for s in range(7, 9)] == [want[s] for s in range(7, 9)]
+
+
+def test_replicas_need_node_local_and_enough_nodes(tmp_path):
+    import stashpoint
+
+    with pytest.raises(ValueError, match="node_local=True"):
+        stashpoint.CheckpointManager(tmp_path / "a", replicas=1)
+    with pytest.raises(ValueError, match="at least 2 nodes"):
+        stashpoint.CheckpointManager(tmp_path / "b", node_local=True, replicas=1)
+
+
+def test_replica_rounds_pair_every_node_once_per_round():
+    for n in range(2, 9):
+        nodes = list(range(10, 10 + n))
+        for shift in range(1, n):
+            rounds = replica_rounds(nodes, shift)
+            pairs = [p for r in rounds for p in r]
+            assert sorted(pairs) == sorted((nodes[i], nodes[(i + shift) % n]) for i in range(n))
+            assert len(rounds) <= 3
+            for r in rounds:
+                touched = [x for p in r for x in p]
+                assert len(touched) == len(set(touched)), (n, shift, r)
+    assert replica_rounds([5], 1) == []
+
+
+def _start(base: Path, steps: int, replicas: int) -> list[subprocess.Popen]:
+    return _agents(base, steps, "ddp", ("0", "1"), "--replicas", str(replicas), "--every", "1",
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+
+
+def _kill_all(procs: list[subprocess.Popen], dump: bool = False) -> None:
+    """``kill -9`` every process of the job: the agents and the ranks they started (with
+    ``dump``, the ranks first print where they are: tests/node_worker.py)."""
+    import psutil
+
+    victims = []
+    for p in procs:
+        try:
+            victims += [p.pid, *(c.pid for c in psutil.Process(p.pid).children(recursive=True))]
+        except psutil.NoSuchProcess:
+            pass
+    if dump:
+        for pid in victims[1:]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(3)
+        spy = Path(sys.executable).with_name("py-spy")
+        for pid in victims if spy.exists() else ():
+            r = subprocess.run([str(spy), "dump", "--native", "--pid", str(pid)], capture_output=True, text=True)
+            print(r.stdout[-6000:], r.stderr[-500:], file=sys.stderr)
+    for pid in victims:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    for p in procs:
+        p.wait()
+
+
+def _whole_steps(node_dir: Path) -> set[int]:
+    """The steps a node's directory holds every rank's files of (read by the test itself)."""
+    out = set()
+    for step in (node_dir / "ckpt").glob("step-*"):
+        if not step.name[5:].isdigit():  # set aside: step-N.damaged-<time>
+            continue
+        names = {p.name for p in step.iterdir()} if step.is_dir() else set()
+        whole = MANIFEST_NAME in names and not any(n.startswith("partial-") for n in names)
+        if whole and ranks_in({n for n in names if n.startswith("index-")}) == {0, 1}:
+            out.add(int(step.name[5:]))
+    return out
+
+
+def _node_failures(base: Path, reference: Path, kills: int, seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    total = 14
+    for _ in range(kills):
+        losses_file = base / "losses-0.txt"
+        done = len(losses_file.read_text().splitlines()) if losses_file.exists() else 0
+        target = done + rng.randint(2, 5)
+        procs = _start(base, total, replicas=1)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            if losses_file.exists() and len(losses_file.read_text().splitlines()) >= target:
+                break
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.0))  # anywhere in a save, its commit or its replication
+        _kill_all(procs)
+        lost = rng.choice(("0", "1"))
+        survivor = base / f"node-{1 - int(lost)}"
+        expected = max(_whole_steps(survivor), default=0)
+        shutil.rmtree(base / f"node-{lost}", ignore_errors=True)
+        outs = run_job(base, expected + 1, "ddp", replicas=1) if expected + 1 <= total else None
+        if outs is not None:
+            assert resumed(outs) == {expected}, f"lost node {lost}: the survivor held {expected} whole"
+    run_job(base, total, "ddp", replicas=1)
+    for rank in (0, 1):
+        assert losses(base, rank) == {s: losses(reference, rank)[s] for s in range(1, total + 1)}
+
+
+def test_random_node_failures_with_replicas_resume_from_the_newest_step_a_node_holds(tmp_path, ddp_reference):
+    """Torture (a short run; the slow tier has more): the job is killed (kill -9, every process)
+    at a random moment, one random node's directory is deleted, and the job restarts with a
+    fresh node. It resumes from exactly the newest step the surviving node holds whole (never
+    a torn one), and in the end every step's loss equals an uninterrupted run's."""
+    _node_failures(tmp_path, ddp_reference, kills=2, seed=1)
+
+
+@pytest.mark.slow
+def test_random_node_failures_with_replicas_many(tmp_path, ddp_reference):
+    _node_failures(tmp_path, ddp_reference, kills=10, seed=2)
 
 
 # -- the pure parts ---------------------------------------------------------------------------

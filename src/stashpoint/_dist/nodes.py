@@ -57,26 +57,50 @@ def this_node(world: int) -> Node:
 
 @dataclass(frozen=True)
 class NodeMap:
-    """The job's nodes as rank 0 found them: each node's leader; ``of_rank`` on rank 0 only."""
+    """The job's nodes as rank 0 found them: each node's leader and ranks (a few numbers per
+    node, on every rank); ``of_rank``, each rank's node, on rank 0 only (R entries are not sent)."""
 
     leaders: tuple[tuple[int, int], ...]  # (node, leader rank), by node
-    of_rank: tuple[int, ...] = ()  # each rank's node (rank 0 only: R entries are not sent)
+    ranks: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()  # (node, its ranks as [a, b) ranges)
+    of_rank: tuple[int, ...] = ()
 
     def leader_ranks(self) -> list[int]:
         return [r for _, r in self.leaders]
 
 
+@dataclass(frozen=True)
+class NodeSave:
+    """What a save to node-local directories needs: this rank's node, the job's nodes, and how
+    many other nodes get a copy of each node's files (``replicas``)."""
+
+    node: int
+    nodes: NodeMap
+    replicas: int = 0
+
+
+def _spans(ranks: list[int]) -> tuple[tuple[int, int], ...]:
+    out: list[list[int]] = []
+    for r in sorted(ranks):
+        if out and out[-1][1] == r:
+            out[-1][1] = r + 1
+        else:
+            out.append([r, r + 1])
+    return tuple((a, b) for a, b in out)
+
+
 def agree_nodes(ctx: DistContext, me: Node) -> NodeMap:
-    """Every rank's node, checked on rank 0 (each node exactly one leader); the leaders (one
-    entry per node, not per rank) sent to every rank."""
+    """Every rank's node, checked on rank 0 (each node exactly one leader); the leaders and
+    each node's ranks (per node, not per rank) sent to every rank."""
     seen = ctx.gather("node-local: each rank's node", (me.node, me.leader))
-    answer: tuple[str, Any] | None = None
+    answer: tuple[Any, ...] | None = None
     of_rank: tuple[int, ...] = ()
     if seen is not None:
         of_rank = tuple(n for n, _ in seen)
         leaders: dict[int, list[int]] = {}
+        members: dict[int, list[int]] = {}
         for rank, (node, leader) in enumerate(seen):
             leaders.setdefault(node, [])
+            members.setdefault(node, []).append(rank)
             if leader:
                 leaders[node].append(rank)
         bad = {n: rs for n, rs in leaders.items() if len(rs) != 1}
@@ -88,12 +112,13 @@ def agree_nodes(ctx: DistContext, me: Node) -> NodeMap:
                 "each node needs exactly one: check the launcher's environment",
             )
         else:
-            answer = ("ok", tuple((n, rs[0]) for n, rs in sorted(leaders.items())))
+            by_node = sorted(leaders.items())
+            answer = ("ok", tuple((n, rs[0]) for n, rs in by_node), tuple((n, _spans(members[n])) for n, _ in by_node))
     answer = ctx.broadcast("node-local: the nodes' leaders", answer)
     assert answer is not None
     if answer[0] == "error":
         raise CheckpointError(answer[1])
-    return NodeMap(answer[1], of_rank)
+    return NodeMap(answer[1], answer[2], of_rank)
 
 
 # -- between two ranks (not collectives: only the two take part) ----------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 from stashpoint._core.naming import MANIFEST_NAME, step_dir
 from stashpoint._core.policy import Retention, Schedule, steps_to_keep
 from stashpoint._dist.group import rank_of
+from stashpoint._dist.transfer import ReplicaError
 from stashpoint._load.loader import load
 from stashpoint._manager.lock import acquire_root_lock
 from stashpoint._manager.noderestore import NodeLocal
@@ -88,6 +89,12 @@ class CheckpointManager:
             (``LOCAL_RANK`` 0) commits each step, and :meth:`restore` takes the newest step the
             nodes hold between them, fetching onto each node what its ranks read from the
             others (docs/guide/recovery.md). Not yet with ``remote_root``.
+        replicas: with ``node_local``, after each step commits every node's leader also sends
+            its node's files of it to the next ``replicas`` nodes, which keep them (for the
+            newest step) in their own ``root``: a node lost with its disk is then restored from
+            them. Each node needs room for ``1 + replicas`` nodes' files of a step; a copy that
+            does not fit is refused, and ``wait()`` raises saying the step is committed but not
+            copied.
 
     Only one manager may own a root at a time; a second one is refused with an error. On
     opening, directories of saves that never committed (a crash) are removed.
@@ -120,6 +127,7 @@ class CheckpointManager:
         preemption_deadline: float | None = None,
         preemption_signals: Sequence[int] = (signal.SIGTERM,),
         node_local: bool = False,
+        replicas: int = 0,
     ) -> None:
         self.retention = Retention.of(keep_last, keep_every, keep_best)
         # the remote tier keeps everything unless remote_keep_last is given
@@ -148,7 +156,10 @@ class CheckpointManager:
         self.rank, self.world = rank_of()
         if node_local and (remote_root is not None or not isinstance(self.storage, LocalStorage)):
             raise ValueError("node_local=True needs a local directory as root, and no remote_root (not supported yet)")
-        self._nodes = NodeLocal(self.world) if node_local else None
+        if replicas and not node_local:
+            raise ValueError("replicas need node_local=True: they are copies of each node's files on other nodes")
+        self._nodes = NodeLocal(self.world, replicas) if node_local else None
+        self._replicas = replicas
         # who looks after the root: rank 0, or with node-local roots each node's leader
         self._owner = self._nodes.owner if self._nodes is not None else self.rank == 0
         self._preemption = None if preemption_deadline is None else Preemption(
@@ -271,7 +282,7 @@ class CheckpointManager:
                 raise ValueError(
                     "a node-local CheckpointManager saves over the whole world; process_group is not supported"
                 )
-            options["node_leaders"] = self._nodes.save_leaders()
+            options["nodes"] = self._nodes.for_save(self._replicas)
         if self._tier is not None and options.get("process_group") is not None:
             raise ValueError(
                 "a CheckpointManager with a remote_root uploads over the whole world; saving over a process_group "
@@ -305,10 +316,16 @@ class CheckpointManager:
         self, step: int, metrics: dict[str, float], future: cf.Future[SaveStats], after: cf.Future[None]
     ) -> None:
         try:
-            if future.exception() is not None:
+            if future.exception() is not None and not isinstance(future.exception(), ReplicaError):
                 # node-local: a failed save is no step of the job even where its manifest landed
                 if self._owner and (self._nodes is not None or not self._at(step).exists(MANIFEST_NAME)):
                     quietly(self._at(step).remove_tree)
+                return
+            if future.exception() is not None:  # committed, not copied to other nodes: kept, and raised by wait()
+                with self._lock:
+                    self._metrics[step] = metrics
+                    if self._owner:
+                        self._deletions.append(self._deleter.submit(self._apply_retention))
                 return
             stats = future.result()
             with self._lock:

@@ -1,5 +1,5 @@
-"""The restore of a manager with node-local directories (see ``nodelocal``): agree on a step the
-nodes hold between them, fetch onto each node what its ranks will read, then load."""
+"""The restore of a manager with node-local directories (planned by ``_core.nodeplan``): agree
+on a step the nodes hold between them, fetch onto each node what its ranks will read, then load."""
 
 from __future__ import annotations
 
@@ -7,16 +7,17 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from stashpoint._core.naming import step_dir
+from stashpoint._core.naming import index_name, parse_save_file, step_dir
+from stashpoint._core.nodeplan import Held, Transfer, coverable, expand, plan_spans, plan_transfers, ranges
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext
-from stashpoint._dist.nodes import NodeMap, agree_nodes, this_node
+from stashpoint._dist.nodes import NodeMap, NodeSave, agree_nodes, this_node
+from stashpoint._dist.transfer import PARTIAL_RE, run_transfers
 from stashpoint._load.exchange import agree
 from stashpoint._load.loader import ranges_needed, writers_needed
-from stashpoint._manager.nodefetch import inventory, run_transfers
-from stashpoint._manager.nodelocal import Held, Transfer, coverable, expand, plan_spans, plan_transfers, ranges
+from stashpoint._load.manifest import read_head
 from stashpoint._manager.restoring import try_in_order
-from stashpoint._manager.steps import delete_step, move_aside
+from stashpoint._manager.steps import committed_steps, move_aside
 from stashpoint._manager.tiers import restore_order
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
@@ -24,19 +25,44 @@ from stashpoint.errors import CheckpointError, CorruptCheckpointError
 log = logging.getLogger("stashpoint")
 
 
+def inventory(root: Storage) -> tuple[Held, ...]:
+    """Every committed step under this node's ``root`` and the saving ranks it holds whole."""
+    found = []
+    for step in committed_steps(root):
+        where = root.child(step_dir(step))
+        try:
+            head = read_head(where)
+        except CheckpointError:
+            continue  # a damaged manifest: nothing of the step here is usable
+        whole, partial = set(), set()
+        for name in where.list():
+            if (m := PARTIAL_RE.fullmatch(name)) is not None:
+                partial.add(int(m[1]))
+            parsed = parse_save_file(name)
+            if parsed is not None and parsed[1] == head.save_id and name.rpartition("/")[2] == index_name(*parsed):
+                whole.add(parsed[0])
+        found.append(Held(step, head.save_id, head.world_size, ranges(whole - partial)))
+    return tuple(found)
+
+
 class NodeLocal:
     """A manager's node-local mode on this rank: its node, the job's leaders, the restore."""
 
-    def __init__(self, world: int, timeout: float | None = None) -> None:
+    def __init__(self, world: int, replicas: int = 0, timeout: float | None = None) -> None:
         self.me = this_node(world)
         self.world = world
         if world == 1:
-            self.map = NodeMap(((0, 0),), (0,))
+            self.map = NodeMap(((0, 0),), ((0, ((0, 1),)),), (0,))
         else:
             ctx = _dist.context(None, timeout)
             assert ctx is not None
             self.map = agree_nodes(ctx, self.me)
         self.leaders = dict(self.map.leaders)
+        if replicas and not 0 < replicas < len(self.leaders):
+            raise ValueError(
+                f"replicas={replicas} needs at least {replicas + 1} nodes (a copy on another node each); this job "
+                f"runs on {len(self.leaders)}"
+            )
         self._save_id = ""  # rank 0: the save of the step being fetched
 
     @property
@@ -44,8 +70,9 @@ class NodeLocal:
         """Whether this rank looks after its node's directory (lock, clean-up, retention)."""
         return self.me.leader
 
-    def save_leaders(self) -> tuple[int, ...]:
-        return tuple(self.map.leader_ranks()) if self.world > 1 else ()
+    def for_save(self, replicas: int) -> NodeSave | None:
+        """What this manager's saves pass on (None in a world of one: nothing to do per node)."""
+        return NodeSave(self.me.node, self.map, replicas) if self.world > 1 else None
 
     def restore(
         self, root: Storage, state: Any, step: int | None, load_one: Callable[[Storage], None], options: dict[str, Any]
@@ -77,11 +104,11 @@ class NodeLocal:
         if answer[0] == "error":
             raise CheckpointError("listing the node-local checkpoints failed: " + answer[1])
         order, torn = answer[1], answer[2]
-        if self.me.leader:  # steps no restore can take: some saving rank's files are on no node
+        if self.me.leader:  # no restore can take them (some rank's files are on no node): set aside
             for s in torn:
-                if step is None or s != step:
-                    log.warning("stashpoint: step %d is held by some nodes only; removing it here", s)
-                    delete_step(root, s)
+                if (step is None or s != step) and root.child(step_dir(s)).exists():
+                    log.warning("stashpoint: step %d lacks some rank's files on every node; moving it aside", s)
+                    move_aside(root, s)
         if step is not None and not order:
             order = [(step, "local")]  # raises CheckpointNotFoundError, naming the path
 

@@ -190,7 +190,7 @@ class SaveOptions:
     timeout_s: float | None = None
     overlap: bool = False
     writer: str = DEFAULT_WRITER
-    node_leaders: tuple[int, ...] = ()  # node-local directories: the ranks that commit on their node
+    nodes: Any = None  # node-local directories: a ``_dist.nodes.NodeSave``
 
     def __post_init__(self) -> None:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.metadata.items()):

@@ -38,6 +38,7 @@ from stashpoint._dist.commit import (
 )
 from stashpoint._dist.group import CollectiveError, DistContext
 from stashpoint._dist.nodecommit import commit_on_nodes
+from stashpoint._dist.transfer import replicate
 from stashpoint._save.handle import SaveStats
 from stashpoint._save.layout import Layout
 from stashpoint._save.persist import Writer, WrittenShards, write_shards
@@ -120,7 +121,7 @@ class PersistJob:
         err = None if self.early_error is None else f"{type(self.early_error).__name__}: {self.early_error}"
         last: Plan | None = ctx.last_plan
         loc = self.storage.location
-        if self.opts.node_leaders:  # each node's own root: only the step's name must agree
+        if self.opts.nodes is not None:  # each node's own root: only the step's name must agree
             loc = "node-local root/" + loc.rstrip("/").rpartition("/")[2]
         desc = self.layout.description if ctx.world_numbered else None
         mine = SaveHello(
@@ -251,9 +252,13 @@ class PersistJob:
                 self.pending.wait()  # no copy may still write into buffers another save reuses
             if self.staged is not None:
                 self.pool.release(self.staged)
-        if self.opts.node_leaders:  # node-local directories: every node's leader commits too
-            commit_on_nodes(ctx, self.storage, self.manifest, self.opts.node_leaders, exclusive=not self.opts.overwrite)
+        nodes = self.opts.nodes
+        if nodes is not None:  # node-local directories: every node's leader commits too
+            leaders = nodes.nodes.leader_ranks()
+            commit_on_nodes(ctx, self.storage, self.manifest, leaders, exclusive=not self.opts.overwrite)
         self.storage.keep_cached(mine_written)  # committed: the newest, which a restart here reads
+        if nodes is not None and nodes.replicas:
+            replicate(ctx, self.storage, nodes, save_id)  # raises ReplicaError: committed, not copied
         t1 = time.perf_counter()
         pending = self.pending
         staged_at = pending.done_at if pending is not None and pending.done_at is not None else self.staged_at

@@ -1,6 +1,6 @@
 """Node-local run directories: each node's ranks keep their files in that node's own root.
 
-What a node holds of a step is found by listing its directory (``nodefetch.inventory``), never
+What a node holds of a step is found by listing its directory (``noderestore.inventory``), never
 assumed from node numbers, which a new rendezvous may assign anew. A restore asks every node
 (one message per node), takes the newest step whose files the nodes hold between them, and
 before loading has every node fetch from the others what its ranks will read: first the files
@@ -152,3 +152,25 @@ def plan_spans(
             src = _pick(source_of, load, rank, sum(b - a for a, b in merged))
             pairs.setdefault((src, dst), []).append((name, rank, size, merged))
     return [Transfer(src, dst, spans=tuple(sp)) for (src, dst), sp in sorted(pairs.items())]
+
+
+def replica_rounds(nodes: Sequence[int], shift: int) -> list[list[tuple[int, int]]]:
+    """The pairs (node, the node ``shift`` places after it, cyclically) in rounds where no node
+    takes part twice, so that every pair of a round can run at once: two rounds, or three when
+    a cycle of the pairs has an odd length. Pure."""
+    n = len(nodes)
+    rounds: list[list[tuple[int, int]]] = [[], [], []]
+    if n < 2 or shift % n == 0:
+        return []
+    seen: set[int] = set()
+    for start in range(n):
+        cycle = []
+        i = start
+        while i not in seen:
+            seen.add(i)
+            cycle.append(i)
+            i = (i + shift) % n
+        for j, i in enumerate(cycle):
+            color = 2 if len(cycle) % 2 and j == len(cycle) - 1 else j % 2
+            rounds[color].append((nodes[i], nodes[(i + shift) % n]))
+    return [r for r in rounds if r]

@@ -1,0 +1,130 @@
+"""Time to resume (issue 21, part 5): two torchrun agents on this host are two nodes.
+
+    python -m benchmarks.bench_recovery [--size-gb 0.5] [--repeats 2]
+
+The suite's GPT + AdamW under FSDP2 over the two nodes (one rank each) is saved once as step 1
+(benchmarks/recovery_worker.py): node-local with one replica, to S3 (a SeaweedFS server this
+script starts), and with ``dcp.save`` to this host's disk. Then fresh jobs resume it, each
+reporting the load alone and the time from launching torchrun to the end of the first
+training step:
+
+- **own tier**: each node's own directory (a restart on the same nodes; the page cache holds
+  the files, as after a crash);
+- **peer replica**: node 1's directory deleted first (a node lost with its disk): its rank's
+  files come from node 0's replica;
+- **S3**: a manager whose local root is empty (fresh nodes) and whose remote tier is S3;
+- **dcp.load** from the disk, into the same fresh state.
+
+And the training time lost per save, node-local with replicas on and off: 13 steps, a save
+every 3; per save, the sum over the steps of their excess over the run's median step of those
+away from saves, divided by the saves. Run it alone: two cores serve both nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+WORKER = REPO / "benchmarks" / "recovery_worker.py"
+SOURCES = ("own", "replica", "s3", "dcp")
+
+
+def log(msg: str) -> None:
+    print(f"[bench_recovery {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def job(base: Path, phase: str, env: dict[str, str], *extra: str) -> list[dict]:
+    from dist_util import free_port
+
+    port = free_port()
+    procs = []
+    env = {**env, "BENCH_T0": repr(time.time())}
+    for node in (0, 1):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+            "--node_rank", str(node), "--rdzv_backend", "c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+            "--rdzv_id", f"rec-{port}", "--max_restarts", "0", str(WORKER), str(base), phase, *extra,
+        ]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        if p.returncode != 0:
+            raise SystemExit(f"{phase} {extra} failed:\n{out[-4000:]}")
+    return [json.loads(line[7:]) for out in outs for line in out.splitlines() if line.startswith("RESULT ")]
+
+
+def lost_per_save(steps: list[float], saves: set[int]) -> float:
+    near = {s + d for s in saves for d in (0, 1, 2)}
+    base = statistics.median(t for i, t in enumerate(steps, 1) if i not in near)
+    return sum(max(0.0, t - base) for t in steps) / len(saves)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_recovery", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--size-gb", type=float, default=0.5)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args(argv)
+    from s3_server import SeaweedServer
+
+    base = Path(tempfile.mkdtemp(prefix="bench-recovery-", dir="/var/tmp"))
+    server = SeaweedServer(base / "weed")
+    server.start()
+    try:
+        server.create_bucket("bench")
+        env = {**os.environ, **server.env(), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}  # fmt: skip
+        common = ("--size-gb", str(args.size_gb), "--s3", "s3://bench/run")
+        log("saving step 1 (node-local with a replica, S3, DCP)")
+        job(base, "save", env, *common)
+        nbytes = sum(p.stat().st_size for p in (base / "dcp").rglob("*") if p.is_file())
+        results: dict[str, list[tuple[float, float]]] = {s: [] for s in SOURCES}
+        for trial in range(args.repeats):
+            for source in SOURCES:
+                if source == "replica":
+                    shutil.copytree(base / "node-1", base / "node-1.kept")
+                    shutil.rmtree(base / "node-1")
+                got = job(base, "resume", env, *common, "--source", source)
+                if source == "replica":
+                    shutil.rmtree(base / "node-1")
+                    (base / "node-1.kept").rename(base / "node-1")
+                load = max(r["load_s"] for r in got)
+                first = max(r["to_first_step_s"] for r in got)
+                results[source].append((load, first))
+                log(f"trial {trial + 1}: {source}: load {load:.2f} s, launch to first step {first:.2f} s")
+        lost = {}
+        for replicas in (0, 1):
+            shutil.rmtree(base / "node-0", ignore_errors=True)
+            shutil.rmtree(base / "node-1", ignore_errors=True)
+            got = job(base, "train", env, *common, "--replicas", str(replicas))
+            lost[replicas] = max(lost_per_save(r["step_s"], {3, 6, 9, 12}) for r in got)
+            log(f"replicas={replicas}: lost per save {lost[replicas]:.3f} s")
+    finally:
+        server.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"{nbytes / 1e9:.2f} GB state (FSDP2 over 2 nodes x 1 rank); median of {args.repeats} trials\n")
+    print("| restore from | load | launch to first step |")
+    print("|---|---:|---:|")
+    names = {"own": "the node's own tier", "replica": "a peer's replica (node 1 lost)", "s3": "S3 (SeaweedFS)",
+             "dcp": "`dcp.load` from disk"}  # fmt: skip
+    for s in SOURCES:
+        load = statistics.median(x for x, _ in results[s])
+        first = statistics.median(y for _, y in results[s])
+        print(f"| {names[s]} | {load:.2f} s | {first:.2f} s |")
+    ratio = f" ({lost[1] / lost[0]:.2f}x)" if lost[0] > 0 else ""
+    print(f"\ntraining time lost per save: replicas off {lost[0]:.3f} s, on {lost[1]:.3f} s{ratio}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""One node's process of benchmarks/bench_recovery.py (run by torchrun, one rank per node).
+
+    recovery_worker.py BASE PHASE [--size-gb G] [--source own|replica|s3|dcp] [--replicas K]
+
+PHASE ``save``: the suite's GPT + AdamW under FSDP2 (``build("fsdp", ...)``), saved as step 1
+three ways: a node-local manager with replicas (BASE/node-<NODE_DIR>/ckpt), a manager with an
+S3 remote tier (BASE/s3-local, removed afterwards: the restart is a fresh node), and
+``dcp.save`` to BASE/dcp. PHASE ``resume``: a fresh state, restored from ``--source``, then one
+training step; prints ``RESULT {json}`` with the load's time and the time from the launch
+(``BENCH_T0`` in the environment) to the end of that step. PHASE ``train``: 13 steps with a
+node-local save every 3 (``--replicas``), or none (``--replicas -1``); prints each step's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import stashpoint
+from benchmarks.suite.savers import dcp_loader, fqn_state_dict
+from benchmarks.suite.state import build, choose_shape
+
+
+def train_step(state: dict) -> None:
+    model, optim = state["model"], state["optim"]
+    tokens = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(state["step"]))
+    model(tokens).float().square().mean().backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    state["step"] += 1
+
+
+def node_root(base: Path) -> Path:
+    return base / f"node-{os.environ.get('NODE_DIR', os.environ.get('GROUP_RANK', '0'))}" / "ckpt"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("base", type=Path)
+    ap.add_argument("phase", choices=("save", "resume", "train"))
+    ap.add_argument("--size-gb", type=float, default=0.5)
+    ap.add_argument("--source", default="own")
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--s3", default="")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    state = build("fsdp", choose_shape(args.size_gb), 0, rank, world)
+    out: dict = {"rank": rank}
+    if args.phase == "save":
+        with stashpoint.CheckpointManager(node_root(args.base), node_local=True, replicas=args.replicas) as mgr:
+            mgr.save(1, state)
+        with stashpoint.CheckpointManager(args.base / "s3-local", remote_root=args.s3) as mgr:
+            mgr.save(1, state)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(args.base / "s3-local")
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(fqn_state_dict(state), checkpoint_id=str(args.base / "dcp"))
+    elif args.phase == "resume":
+        t0 = float(os.environ["BENCH_T0"])
+        t1 = time.perf_counter()
+        if args.source == "dcp":
+            dcp_loader(state)(args.base / "dcp")
+        elif args.source == "s3":
+            fresh = args.base / f"fresh-{os.environ['BENCH_T0']}"  # empty: the local tier of fresh nodes
+            with stashpoint.CheckpointManager(fresh, remote_root=args.s3) as m:
+                assert m.restore(state) == 1 and m.restored_from() == "remote"
+        else:
+            with stashpoint.CheckpointManager(node_root(args.base), node_local=True, replicas=args.replicas) as m:
+                assert m.restore(state) == 1
+        out["load_s"] = time.perf_counter() - t1
+        train_step(state)
+        out["to_first_step_s"] = time.time() - t0
+    else:
+        times = []
+        mgr = None
+        if args.replicas >= 0:
+            mgr = stashpoint.CheckpointManager(
+                node_root(args.base), node_local=True, replicas=args.replicas, keep_last=2, every_steps=3
+            )
+        for step in range(1, 14):
+            t = time.perf_counter()
+            train_step(state)
+            if mgr is not None:
+                mgr.maybe_save(step, state)
+            times.append(time.perf_counter() - t)
+        if mgr is not None:
+            mgr.close()
+        out["step_s"] = times
+    print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+    os._exit(0)  # skip the gloo teardown at interpreter exit (tests/node_worker.py says why)
+
+
+if __name__ == "__main__":
+    main()

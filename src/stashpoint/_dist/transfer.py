@@ -1,0 +1,335 @@
+"""Transfers of a step's files between node leaders (planned by ``_core.nodeplan``): what a
+restore fetches onto a node, and the replicas a save sends to other nodes.
+
+A saving rank's files count as held when its index is there and no ``partial-r<rank>`` marker
+is: a restore that fetched only a rank's index, or byte ranges of its shards (sparse copies),
+marks it, so that neither a later inventory nor a transfer takes those copies for whole ones.
+Every byte fetched is still verified by the load against the checksums the manifest seals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from stashpoint._core.naming import MANIFEST_NAME, index_name, parse_save_file, split_group
+from stashpoint._core.nodeplan import Transfer, expand, replica_rounds
+from stashpoint._core.sealed import MAX_MANIFEST_BYTES
+from stashpoint._dist.group import DistContext
+from stashpoint._dist.nodes import NodeSave, recv_blob, recv_tensor, send_blob, send_tensor
+from stashpoint._storage import LocalStorage, Storage
+from stashpoint.errors import CheckpointError, CorruptCheckpointError
+
+_CHUNK = 64 << 20
+_MAX_LISTING = 64 << 20  # a transfer's list of files
+_MAX_FILE = 1 << 44
+PARTIAL_RE = re.compile(r"partial-r([0-9]{5,})")
+
+
+REPLICA_RE = re.compile(r"replica-r([0-9]{5,})")
+
+
+def partial_name(rank: int) -> str:
+    return f"partial-r{rank:05d}"
+
+
+def replica_name(rank: int) -> str:
+    return f"replica-r{rank:05d}"
+
+
+class ReplicaError(CheckpointError):
+    """A step committed on every node, but copying it to other nodes failed."""
+
+
+def _check_space(step: Storage, needed: int) -> None:
+    if not isinstance(step, LocalStorage):
+        return
+    where = step.root if step.root.exists() else step.root.parent
+    st = os.statvfs(where)
+    free = st.f_bavail * st.f_frsize
+    if needed > free:
+        raise CheckpointError(
+            f"{where} has {free} bytes free and {needed} are needed: use a larger tier, fewer replicas, or a "
+            "smaller keep_last"
+        )
+
+
+def as_memoryview(t: Any) -> memoryview:
+    """The bytes of a contiguous CPU uint8 tensor, without a copy."""
+    return t.numpy().data.cast("B")  # type: ignore[no-any-return]
+
+
+def _files_of(step: Storage, ranks: set[int], save_id: str, indexes_only: bool) -> list[tuple[str, int]]:
+    out = []
+    for name in step.list():
+        parsed = parse_save_file(name)
+        if parsed is None or parsed[0] not in ranks or parsed[1] != save_id:
+            continue
+        if not indexes_only or name.rpartition("/")[2] == index_name(*parsed):
+            out.append((name, step.size(name)))
+    return out
+
+
+class _Stream:
+    """One transfer's bytes in 64 MiB pieces. A side that fails part-way (a file that cannot
+    be read, a disk that is full) still sends or receives every piece announced, zeros or
+    discarded, so that its peer and every later transfer stay in step; it raises at the end."""
+
+    def __init__(self, ctx: DistContext, peer: int) -> None:
+        import torch
+
+        self.ctx, self.peer = ctx, peer
+        self.buf = torch.empty(_CHUNK, dtype=torch.uint8)
+        self.mv = as_memoryview(self.buf)
+        self.error: BaseException | None = None
+
+    def send(self, step: Storage, name: str, start: int, end: int) -> None:
+        for off in range(start, end, _CHUNK):
+            n = min(_CHUNK, end - off)
+            if self.error is None:
+                try:
+                    step.readv(name, off, [self.mv[:n]])
+                except (OSError, EOFError, CheckpointError) as e:
+                    self.error = CheckpointError(f"reading {step.location}/{name} to send it: {e}")
+            if self.error is not None:
+                self.mv[:n] = bytes(n)
+            send_tensor(self.ctx, self.peer, self.buf[:n])
+
+    def receive(self, size: int, sink: Any) -> None:
+        """``size`` bytes, each piece given to ``sink(offset, memoryview)`` while it works."""
+        for off in range(0, size, _CHUNK):
+            n = min(_CHUNK, size - off)
+            recv_tensor(self.ctx, self.peer, self.buf[:n])
+            if self.error is None:
+                try:
+                    sink(off, self.mv[:n])
+                except (OSError, CheckpointError) as e:
+                    self.error = e
+
+    def done(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def send_step_files(ctx: DistContext, peer: int, step: Storage, t: Transfer, save_id: str) -> None:
+
+    files = _files_of(step, expand(t.ranks), save_id, False) + _files_of(step, expand(t.indexes), save_id, True)
+    if t.manifest:
+        files.append((MANIFEST_NAME, step.size(MANIFEST_NAME)))
+    send_blob(ctx, peer, json.dumps({"files": files, "spans": t.spans}).encode())
+    refused = recv_blob(ctx, peer, 4096)  # the receiver checks the offer and its space first
+    if refused:
+        raise CheckpointError(f"rank {peer} refused the files: {refused.decode(errors='replace')}")
+    stream = _Stream(ctx, peer)
+    for name, size in files:
+        stream.send(step, name, 0, size)
+    for name, _, _, spans in t.spans:
+        for a, b in spans:
+            stream.send(step, name, a, b)
+    stream.done()
+
+
+def _listing(raw: bytes, peer: int) -> tuple[list[tuple[str, int]], list[Any]]:
+    try:
+        doc = json.loads(raw)
+        files, spans = doc["files"], doc["spans"]
+        ok = all(isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and type(f[1]) is int for f in files)
+        ok = ok and all(isinstance(s, list) and len(s) == 4 and isinstance(s[3], list) for s in spans)
+    except (ValueError, TypeError, KeyError):
+        ok = False
+    if not ok:
+        raise CorruptCheckpointError(f"rank {peer} sent a malformed list of files")
+    return [(n, s) for n, s in files], spans
+
+
+def check_offer(raw: bytes, t: Transfer, save_id: str, peer: int) -> list[tuple[str, int]]:
+    """The whole files a peer's listing offers, if it offers exactly what ``t`` plans: names
+    of its saving ranks and save (index files alone where only indexes are planned), the
+    manifest only where planned, sizes in bounds, and the planned byte ranges."""
+    files, spans = _listing(raw, peer)
+    whole, idx = expand(t.ranks), expand(t.indexes)
+    for name, size in files:
+        parsed = parse_save_file(name)
+        fits = (name == MANIFEST_NAME and t.manifest and size <= MAX_MANIFEST_BYTES) or (
+            parsed is not None
+            and parsed[1] == save_id
+            and (parsed[0] in whole or (parsed[0] in idx and name.rpartition("/")[2] == index_name(*parsed)))
+        )
+        if not fits or not 0 <= size <= _MAX_FILE:
+            raise CorruptCheckpointError(f"rank {peer} offered {name!r} ({size} bytes), not a file of this transfer")
+    offered = [(s[0], s[1], s[2], tuple(tuple(r) for r in s[3])) for s in spans]
+    if offered != list(t.spans):
+        raise CorruptCheckpointError(f"rank {peer} offered byte ranges other than those planned")
+    return files
+
+
+def recv_step_files(
+    ctx: DistContext, peer: int, step: Storage, t: Transfer, save_id: str, *, replica: bool = False
+) -> None:
+    """Receive a :func:`send_step_files` into this node's ``step``. Only names of the saving
+    ranks and save this transfer is for are accepted, and only byte ranges inside the file's
+    size, and only what fits the free space (the sender is told why not before it sends a
+    byte); whole files replace what was there, the manifest is committed last. ``replica``:
+    the files are a copy of another node's, marked so that a newer replica replaces them."""
+
+    try:
+        files = check_offer(recv_blob(ctx, peer, _MAX_LISTING), t, save_id, peer)
+        _check_space(step, sum(size for _, size in files) + sum(b - a for s in t.spans for a, b in s[3]))
+    except CheckpointError as e:
+        send_blob(ctx, peer, str(e).encode()[:4000])
+        raise
+    send_blob(ctx, peer, b"")
+    whole, idx = expand(t.ranks), expand(t.indexes)
+    stream = _Stream(ctx, peer)
+    try:
+        step.prepare()
+        # marked before any byte lands: a crash or a failure part-way leaves copies known as partial
+        for r in whole | idx | {rank for _, rank, _, _ in t.spans}:
+            step.commit(partial_name(r), b"")
+        for r in whole if replica else ():
+            step.commit(replica_name(r), b"")
+    except (OSError, CheckpointError) as e:
+        stream.error = e
+    manifest: list[bytes] = []
+    for name, size in files:
+        if name == MANIFEST_NAME:
+            stream.receive(size, lambda _off, mv: manifest.append(bytes(mv)))
+            continue
+        out = _fresh_writer(step, name, size, stream)
+        stream.receive(size, lambda _off, mv, out=out: out.write(mv) if out is not None else None)
+        if out is not None:
+            if stream.error is None:
+                out.close()
+            else:
+                out.abort()
+    for span in t.spans:
+        _recv_sparse(stream, step, span)
+    stream.done()
+    step.sync()
+    for r in whole:  # whole copies now (also where an earlier restore had fetched parts)
+        step.delete(partial_name(r))
+    if manifest:
+        step.commit(MANIFEST_NAME, b"".join(manifest))
+
+
+def _fresh_writer(step: Storage, name: str, size: int, stream: _Stream) -> Any:
+    if stream.error is not None:
+        return None
+    try:
+        step.delete(name)  # a part left by an interrupted transfer, or a sparse copy
+        return step.open_writer(name, size)
+    except (OSError, CheckpointError) as e:
+        stream.error = e
+        return None
+
+
+def _recv_sparse(stream: _Stream, step: Storage, span: Any) -> None:
+    """Byte ranges of a file (``span``: name, rank, size, ranges) into a copy of its full
+    size (the rest a hole), on local disk."""
+    name, _, size, spans = span
+    parts = split_group(name)
+    fd = -1
+    if stream.error is None and (not isinstance(step, LocalStorage) or parts is None):
+        stream.error = CheckpointError(f"node-local directories are local; {step.location} is not")
+    if stream.error is None:
+        assert isinstance(step, LocalStorage) and parts is not None
+        try:
+            path = Path(step.root, *[p for p in parts if p])
+            path.parent.mkdir(exist_ok=True)
+            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+            fd = os.open(path, flags, 0o644)
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)
+        except OSError as e:
+            stream.error = e
+    try:
+        for a, b in spans:
+            stream.receive(b - a, lambda off, mv, a=a: os.pwrite(fd, mv, a + off) if fd >= 0 else None)
+        if fd >= 0 and stream.error is None:
+            os.fsync(fd)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def run_transfers(
+    ctx: DistContext,
+    transfers: Sequence[Transfer],
+    leaders: Mapping[int, int],
+    node: int,
+    step: Storage,
+    *,
+    save_id: str,
+) -> str | None:
+    """This rank's part of ``transfers`` (in their order): every one of them, whatever failed
+    before (its peers wait for it); the errors as a string, else None."""
+    errors = []
+    for t in transfers:
+        try:
+            if t.src == node and ctx.rank == leaders[node]:
+                send_step_files(ctx, leaders[t.dst], step, t, save_id)
+            elif t.dst == node and ctx.rank == leaders[node]:
+                recv_step_files(ctx, leaders[t.src], step, t, save_id)
+        except Exception as e:
+            errors.append(f"rank {ctx.rank}: {type(e).__name__}: {e}")
+    return "; ".join(errors[:4]) or None
+
+
+def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str) -> None:
+    """After a step committed on every node: each node's leader sends its own ranks' files of
+    it to the leaders of the next ``ns.replicas`` nodes, in rounds where every leader sends or
+    receives at most once (all pairs of a round at once); each receiver then drops the replicas
+    it kept of older steps. Raises :class:`ReplicaError` on every rank alike if any failed."""
+    leaders, ranks = dict(ns.nodes.leaders), dict(ns.nodes.ranks)
+    status = None
+    if ctx.rank == leaders.get(ns.node):
+        errors = []
+        for shift in range(1, ns.replicas + 1):
+            for pairs in replica_rounds(sorted(leaders), shift):
+                for src, dst in pairs:  # every pair, whatever failed before: the peers wait for it
+                    t = Transfer(src, dst, ranks=ranks[src])
+                    try:
+                        if src == ns.node:
+                            send_step_files(ctx, leaders[dst], step, t, save_id)
+                        elif dst == ns.node:
+                            recv_step_files(ctx, leaders[src], step, t, save_id, replica=True)
+                    except Exception as e:
+                        errors.append(f"{type(e).__name__}: {e}")
+        if not errors and isinstance(step, LocalStorage):
+            try:
+                _drop_older_replicas(step.root)
+            except OSError as e:
+                errors.append(f"dropping older replicas: {e}")
+        status = f"rank {ctx.rank} (node {ns.node}): " + "; ".join(errors[:4]) if errors else None
+    statuses = ctx.gather("replicas: each node's outcome", status)
+    verdict = None
+    if statuses is not None:
+        bad = [s for s in statuses if s]
+        verdict = "; ".join(bad[:8])[:4000] if bad else None
+    verdict = ctx.broadcast("replicas: the verdict", verdict)
+    if verdict:
+        raise ReplicaError(
+            f"the step at {step.location} is committed on every node, but copying it to other nodes failed "
+            f"({verdict}); a node lost now takes its files of this step with it"
+        )
+
+
+def _drop_older_replicas(step_root: Path) -> None:
+    """Replicas are kept of the newest step alone: other nodes' files in older steps go."""
+    for other in step_root.parent.iterdir():
+        if other == step_root or not other.name.startswith("step-") or not other.is_dir() or other.is_symlink():
+            continue
+        marked = {int(m[1]) for p in other.iterdir() if (m := REPLICA_RE.fullmatch(p.name))}
+        if not marked:
+            continue
+        storage = LocalStorage(other)
+        for name in storage.list():
+            parsed = parse_save_file(name)
+            if parsed is not None and parsed[0] in marked:
+                storage.delete(name)
+        for r in marked:
+            storage.delete(replica_name(r))
