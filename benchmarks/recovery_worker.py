@@ -7,8 +7,8 @@ three ways: a node-local manager with replicas (BASE/node-<NODE_DIR>/ckpt), a ma
 S3 remote tier (BASE/s3-local, removed afterwards: the restart is a fresh node), and
 ``dcp.save`` to BASE/dcp. PHASE ``resume``: a fresh state, restored from ``--source``, then one
 training step; prints ``RESULT {json}`` with the load's time and the time from the launch
-(``BENCH_T0`` in the environment) to the end of that step. PHASE ``train``: 13 steps with a
-node-local save every 3 (``--replicas``), or none (``--replicas -1``); prints each step's time.
+(``BENCH_T0`` in the environment) to the end of that step. PHASE ``train``: 40 steps with a
+node-local save at steps 16, 24 and 32 of 40 (``--replicas``); prints each step's time.
 """
 
 from __future__ import annotations
@@ -29,11 +29,16 @@ import stashpoint
 from benchmarks.suite.savers import dcp_loader, fqn_state_dict
 from benchmarks.suite.state import build, choose_shape
 
+TRAIN_STEPS = 40
+SAVES = (16, 24, 32)  # steps 1-12 without saves give the baseline
+
 
 def train_step(state: dict) -> None:
+    """A step that touches every parameter (the suite's GPT holds state, it has no forward):
+    a loss over the parameters, its backward, and AdamW's update."""
     model, optim = state["model"], state["optim"]
-    tokens = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(state["step"]))
-    model(tokens).float().square().mean().backward()
+    loss = sum((p.float() * 1e-3).square().sum() for p in model.parameters())
+    loss.backward()
     optim.step()
     optim.zero_grad(set_to_none=True)
     state["step"] += 1
@@ -87,14 +92,13 @@ def main() -> None:
         times = []
         mgr = None
         if args.replicas >= 0:
-            mgr = stashpoint.CheckpointManager(
-                node_root(args.base), node_local=True, replicas=args.replicas, keep_last=2, every_steps=3
-            )
-        for step in range(1, 14):
+            root = node_root(args.base)
+            mgr = stashpoint.CheckpointManager(root, node_local=True, replicas=args.replicas, keep_last=2)
+        for step in range(1, TRAIN_STEPS + 1):
             t = time.perf_counter()
             train_step(state)
-            if mgr is not None:
-                mgr.maybe_save(step, state)
+            if mgr is not None and step in SAVES:
+                mgr.save(step, state)
             times.append(time.perf_counter() - t)
         if mgr is not None:
             mgr.close()

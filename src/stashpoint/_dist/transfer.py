@@ -9,6 +9,7 @@ Every byte fetched is still verified by the load against the checksums the manif
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import re
@@ -22,6 +23,7 @@ from stashpoint._core.sealed import MAX_MANIFEST_BYTES
 from stashpoint._dist.group import DistContext
 from stashpoint._dist.nodes import NodeSave, recv_blob, recv_tensor, send_blob, send_tensor
 from stashpoint._storage import LocalStorage, Storage
+from stashpoint._storage.localwrite import LocalWriter
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 _CHUNK = 64 << 20
@@ -74,43 +76,85 @@ def _files_of(step: Storage, ranks: set[int], save_id: str, indexes_only: bool) 
     return out
 
 
+class _Landing(LocalStorage):
+    """A step directory that received files are written into through the page cache (the load
+    that follows reads them there), without an fsync each unless ``durable`` (a replica is a
+    recovery copy; a restore's fetch can be fetched again, and the load verifies every byte)."""
+
+    def __init__(self, root: Path, *, durable: bool) -> None:
+        super().__init__(root, direct_io=False, cache_newest=False)
+        self.durable = durable
+
+    def open_writer(self, name: str, size: int) -> Any:
+        parts = split_group(name)
+        if parts is None or parts[0]:
+            return super().open_writer(name, size)  # group directories: the usual path
+        return LocalWriter(self.root / parts[1], size, durable=self.durable)
+
+
 class _Stream:
-    """One transfer's bytes in 64 MiB pieces. A side that fails part-way (a file that cannot
-    be read, a disk that is full) still sends or receives every piece announced, zeros or
-    discarded, so that its peer and every later transfer stay in step; it raises at the end."""
+    """One transfer's bytes in 64 MiB pieces, two buffers deep: the next piece is read while
+    one is sent, and the last one written while the next is received. A side that fails
+    part-way (a file that cannot be read, a disk that is full) still sends or receives every
+    piece announced, zeros or discarded, so that its peer and every later transfer stay in
+    step; it raises at the end (:meth:`done`)."""
 
     def __init__(self, ctx: DistContext, peer: int) -> None:
         import torch
 
         self.ctx, self.peer = ctx, peer
-        self.buf = torch.empty(_CHUNK, dtype=torch.uint8)
-        self.mv = as_memoryview(self.buf)
+        self.bufs = [torch.empty(_CHUNK, dtype=torch.uint8) for _ in range(2)]
+        self.mvs = [as_memoryview(b) for b in self.bufs]
         self.error: BaseException | None = None
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="stashpoint-transfer")
+        self._turn = 0
+
+    def _read(self, step: Storage, name: str, off: int, mv: memoryview) -> None:
+        if self.error is None:
+            try:
+                step.readv(name, off, [mv])
+                return
+            except (OSError, EOFError, CheckpointError) as e:
+                self.error = CheckpointError(f"reading {step.location}/{name} to send it: {e}")
+        mv[:] = bytes(len(mv))
 
     def send(self, step: Storage, name: str, start: int, end: int) -> None:
-        for off in range(start, end, _CHUNK):
-            n = min(_CHUNK, end - off)
-            if self.error is None:
-                try:
-                    step.readv(name, off, [self.mv[:n]])
-                except (OSError, EOFError, CheckpointError) as e:
-                    self.error = CheckpointError(f"reading {step.location}/{name} to send it: {e}")
-            if self.error is not None:
-                self.mv[:n] = bytes(n)
-            send_tensor(self.ctx, self.peer, self.buf[:n])
+        pieces = [(off, min(_CHUNK, end - off)) for off in range(start, end, _CHUNK)]
+        ahead: cf.Future[None] | None = None
+        for i, (off, n) in enumerate(pieces):
+            k = (self._turn + i) % 2
+            if ahead is None:
+                self._read(step, name, off, self.mvs[k][:n])
+            else:
+                ahead.result()
+            if i + 1 < len(pieces):
+                nk, (noff, nn) = (k + 1) % 2, pieces[i + 1]
+                ahead = self._pool.submit(self._read, step, name, noff, self.mvs[nk][:nn])
+            send_tensor(self.ctx, self.peer, self.bufs[k][:n])
+        self._turn = (self._turn + len(pieces)) % 2
+
+    def _sink(self, sink: Any, off: int, mv: memoryview) -> None:
+        if self.error is None:
+            try:
+                sink(off, mv)
+            except (OSError, CheckpointError) as e:
+                self.error = e
 
     def receive(self, size: int, sink: Any) -> None:
-        """``size`` bytes, each piece given to ``sink(offset, memoryview)`` while it works."""
-        for off in range(0, size, _CHUNK):
-            n = min(_CHUNK, size - off)
-            recv_tensor(self.ctx, self.peer, self.buf[:n])
-            if self.error is None:
-                try:
-                    sink(off, self.mv[:n])
-                except (OSError, CheckpointError) as e:
-                    self.error = e
+        """``size`` bytes, each piece given in order to ``sink(offset, memoryview)`` (on
+        another thread, while the next piece arrives) until it fails."""
+        behind: cf.Future[None] | None = None
+        for i, off in enumerate(range(0, size, _CHUNK)):
+            n, k = min(_CHUNK, size - off), i % 2
+            recv_tensor(self.ctx, self.peer, self.bufs[k][:n])
+            if behind is not None:
+                behind.result()
+            behind = self._pool.submit(self._sink, sink, off, self.mvs[k][:n])
+        if behind is not None:
+            behind.result()
 
     def done(self) -> None:
+        self._pool.shutdown(wait=True)
         if self.error is not None:
             raise self.error
 
@@ -183,6 +227,8 @@ def recv_step_files(
         send_blob(ctx, peer, str(e).encode()[:4000])
         raise
     send_blob(ctx, peer, b"")
+    if isinstance(step, LocalStorage):  # through the page cache: the load that follows reads it there
+        step = _Landing(step.root, durable=replica)
     whole, idx = expand(t.ranks), expand(t.indexes)
     stream = _Stream(ctx, peer)
     try:

@@ -4,6 +4,7 @@ on a step the nodes hold between them, fetch onto each node what its ranks will 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -189,8 +190,10 @@ class NodeLocal:
         plan = ctx.broadcast(f"node-local: transfers of {what}", plan)
         if plan[0] == "error":
             raise CorruptCheckpointError(f"fetching {what} of {at.location} across nodes: {plan[1]}")
+        t0 = time.perf_counter()
         status = run_transfers(ctx, plan[1], self.leaders, self.me.node, at, save_id=plan[2])
         agree(ctx, f"node-local: {what} fetched", status or 0, CorruptCheckpointError)
-        if plan[1] and ctx.rank == 0:
-            log.info("stashpoint: fetched %s of %s across nodes: %d transfer(s)", what, at.location, len(plan[1]))
+        if plan[1]:
+            log.info("stashpoint: fetched %s of %s across nodes: %d transfer(s), %.2f s on rank %d", what,
+                     at.location, len(plan[1]), time.perf_counter() - t0, ctx.rank)  # fmt: skip
         return {n: expand(rs) for n, rs in plan[3].items()}

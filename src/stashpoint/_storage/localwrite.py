@@ -46,8 +46,12 @@ class LocalWriter(FileWriter):
     """Writes a file in order. Aligned spans go through O_DIRECT where the filesystem allows it
     (steady bandwidth, no CPU spent copying into the page cache); the rest is buffered."""
 
-    def __init__(self, path: Path, size: int, *, direct: bool = False, dir_fd: int | None = None) -> None:
-        # dir_fd: the file is ``path.name`` in that directory, which this writer then owns
+    def __init__(
+        self, path: Path, size: int, *, direct: bool = False, dir_fd: int | None = None, durable: bool = True
+    ) -> None:
+        # dir_fd: the file is ``path.name`` in that directory, which this writer then owns;
+        # durable=False: no fsync at the end (a copy that can be fetched again)
+        self._durable = durable
         self._path = path
         self._at = dir_fd
         self._pos = 0
@@ -108,7 +112,8 @@ class LocalWriter(FileWriter):
 
     def close(self) -> None:
         try:
-            os.fsync(self._fd)
+            if self._durable:
+                os.fsync(self._fd)
         finally:
             self._close_fds(keep_dir=True)  # an abort after a failed fsync still needs it
         self._close_fds()
