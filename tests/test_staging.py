@@ -12,15 +12,15 @@ def test_pool_reuses_memory_for_a_new_layout_of_the_same_size_and_allocates_when
     second = plan_files(specs, max_file_bytes=8000)  # the same tensors in two files
     assert first != second and len(second.files) == 2
     pool = StagingPool()
-    a = pool.acquire(first, specs, pinned=False)
+    a = pool.acquire(first, specs, pin_device=None)
     ptr = a.buffer.data_ptr()
     pool.release(a)
-    b = pool.acquire(second, specs, pinned=False)
+    b = pool.acquire(second, specs, pin_device=None)
     assert b.buffer.data_ptr() == ptr, "a new layout of the same tensors reuses the touched pages"
     assert b.views["t2"].data_ptr() % 4096 == 0, "each file's region starts page-aligned"
     pool.release(b)
     big = tuple(TensorSpec(f"t{i}", "float32", (100_000,), 4) for i in range(4))
-    d = pool.acquire(plan_files(big, max_file_bytes=1 << 30), big, pinned=False)
+    d = pool.acquire(plan_files(big, max_file_bytes=1 << 30), big, pin_device=None)
     assert d.buffer.numel() >= 1_600_000, "too small to reuse: fresh memory, the idle buffer dropped"
     assert pool._free == [] and pool.allocations == 2
 
@@ -35,10 +35,10 @@ def test_a_layout_with_more_padding_still_reuses_the_touched_buffer():
     second = plan_files(specs, max_file_bytes=4100)  # a file each
     assert _layout_bytes(second) > _layout_bytes(first), "the split layout needs more room"
     pool = StagingPool()
-    a = pool.acquire(first, specs, pinned=False)
+    a = pool.acquire(first, specs, pin_device=None)
     ptr = a.buffer.data_ptr()
     pool.release(a)
-    b = pool.acquire(second, specs, pinned=False)
+    b = pool.acquire(second, specs, pin_device=None)
     assert b.buffer.data_ptr() == ptr, "fresh memory for a re-plan of the same tensors"
     assert b.plan == second and pool._free == [] and pool.allocations == 1
 
@@ -64,12 +64,12 @@ def test_a_much_larger_idle_buffer_is_reused_and_gives_back_what_the_smaller_pla
     whole = plan_files(specs, max_file_bytes=1 << 30)
     half = plan_files(specs[:2], max_file_bytes=1 << 30)
     pool = StagingPool()
-    a = pool.acquire(whole, specs, pinned=False)
+    a = pool.acquire(whole, specs, pin_device=None)
     a.buffer.fill_(7)  # touched, as a save's copies touch it
     region, ptr = a.region, a.buffer.data_ptr()
     assert region is not None and _allocated(region) >= 4_000_000
     pool.release(a)
-    b = pool.acquire(half, specs[:2], pinned=False)
+    b = pool.acquire(half, specs[:2], pin_device=None)
     assert b.buffer.data_ptr() == ptr and pool.allocations == 1, "the touched pages are reused"
     assert b.views["t1"].min().item() != 0, "what the smaller plan uses keeps its pages"
     assert b.trim_to is not None and _allocated(region) >= 4_000_000, "given back later, not in the call"
@@ -78,7 +78,7 @@ def test_a_much_larger_idle_buffer_is_reused_and_gives_back_what_the_smaller_pla
     assert b.resident < 2_200_000 <= b.nbytes
     b.views["t1"].fill_(1.5)
     pool.release(b)
-    c = pool.acquire(whole, specs, pinned=False)  # the whole state again (the structure changed)
+    c = pool.acquire(whole, specs, pin_device=None)  # the whole state again (the structure changed)
     assert c.buffer.data_ptr() == ptr and pool.allocations == 1, "the mapping is still large enough"
     assert c.views["t3"].abs().max().item() == 0, "given-back pages come back as zeros"
     c.views["t3"].fill_(3.0)
@@ -110,7 +110,7 @@ def test_buffers_are_shared_memory_whose_descriptors_go_when_the_pool_drops_them
     drops: list[int] = []
     pool.on_drop = lambda: drops.append(len(_staging.freed))
     monkeypatch.setattr(_staging, "report_freed", True)  # as once a writer process runs
-    a = pool.acquire(plan_files(specs, max_file_bytes=1 << 30), specs, pinned=False)
+    a = pool.acquire(plan_files(specs, max_file_bytes=1 << 30), specs, pin_device=None)
     region = a.region
     assert region is not None, "memfd shared memory where the OS has it"
     token = region.token
@@ -122,7 +122,7 @@ def test_buffers_are_shared_memory_whose_descriptors_go_when_the_pool_drops_them
     pool.release(a)
     del a
     big = (TensorSpec("t", "float32", (3_000_000,), 4),)
-    b = pool.acquire(plan_files(big, max_file_bytes=1 << 30), big, pinned=False)
+    b = pool.acquire(plan_files(big, max_file_bytes=1 << 30), big, pin_device=None)
     gc.collect()
     assert drops and token in _staging.freed, "the dropped buffer is reported, for the writer process to unmap"
     assert _memfds(token) == [], "its descriptors are closed"

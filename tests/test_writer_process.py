@@ -206,7 +206,7 @@ def test_kill_9_of_the_writer_mid_save_fails_that_save_cleanly_and_the_next_save
 def test_an_error_in_the_writer_process_comes_back_with_its_traceback_and_the_child_lives_on(tmp_path):
     specs = (TensorSpec("x", "float32", (1000,), 4),)
     plan = plan_files(specs, max_file_bytes=1 << 30)
-    staged = StagingBuffers.allocate(plan, specs, pinned=False)
+    staged = StagingBuffers.allocate(plan, specs, pin_device=None)
     writes = shard_writes(plan.files, staged, rank=0, save_id="0" * 16)
     writer = _writerproc.get()
     missing = tmp_path / "no" / "such" / "dir"

@@ -63,7 +63,12 @@ def broadcast_shares(ctx: DistContext, readers: dict[Item, int], dests: dict[Ite
             n = t.numel() * t.element_size()
             if n > _WINDOW:
                 direct = t.device.type == "cpu" and t.is_contiguous() and t.dim() > 0
-                buf = t if direct else t.detach().cpu().contiguous()
+                if direct:
+                    buf = t
+                elif ctx.rank == src:
+                    buf = t.detach().cpu().contiguous()
+                else:  # a receiver's destination (on a GPU, say) is overwritten: nothing to copy out
+                    buf = torch.empty(t.shape, dtype=t.dtype)
                 ctx.collective("broadcast a read share", dist.broadcast, buf, src=ctx.ranks[src])
                 if ctx.rank != src:
                     if not direct:

@@ -3,17 +3,17 @@
 Every (stored chunk, destination region) intersection is a piece. Whole chunks are read with
 large vectored reads; partial chunks read only the byte ranges they need (whole checksum blocks
 around them when verifying). :func:`fetch` reads and verifies every piece into buffers of its
-own (pinned for CUDA destinations) before anything lands in the live state; the faster
-:func:`execute_reads` reads whole chunks straight into contiguous CPU destinations.
+own before anything lands in the live state; the faster :func:`execute_reads` reads whole chunks
+straight into contiguous CPU destinations. Pieces bound for CUDA tensors are read into pageable
+host buffers and copied to the device through a small ring of pinned buffers (``pinring``).
 """
 
 from __future__ import annotations
 
 import bisect
 import concurrent.futures as cf
-import mmap
-import threading
 from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +26,11 @@ from stashpoint._core.format import (
     checksum,
 )
 from stashpoint._core.reshard import Box, block_spans, intersect, local, runs
+from stashpoint._load.arena import Arena
 from stashpoint._load.manifest import shard_problem
+from stashpoint._load.pinring import PinnedRing, ring
 from stashpoint._load.restore import Read
+from stashpoint._load.slotreads import SlotReads
 from stashpoint._save.staging import as_memoryview
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
@@ -79,9 +82,8 @@ class _Piece:
             and not view.is_conj()
             and not view.is_neg()
         )
-        # CUDA destinations get pinned bounce buffers: their copies to the device are asynchronous
-        pin = view.device.type == "cuda"
-        buf = view if direct else torch.empty(inter.shape, dtype=view.dtype, pin_memory=pin)
+        # CUDA destinations get pageable buffers too: only the ring their copies go through is pinned
+        buf = view if direct else torch.empty(inter.shape, dtype=view.dtype)
         return cls(key, chunk, inter, view, buf, whole, as_memoryview(buf), buf.element_size())
 
     def bad(self, storage: Storage) -> CorruptCheckpointError:
@@ -121,10 +123,15 @@ class _Piece:
         if self.whole and block_checksums(self.mv) != self.chunk.checksums:
             raise self.bad(storage)
 
-    def place(self) -> None:
-        if self.buf is not self.target:
-            with torch.no_grad():  # the destination may be a view of a parameter
-                self.target.copy_(self.buf, non_blocking=self.buf.is_pinned())
+    def place(self, pinned: PinnedRing | None = None) -> None:
+        """Copy the buffer into the destination: through ``pinned`` if it is a CUDA tensor."""
+        if self.buf is self.target:
+            return
+        if pinned is not None and self.target.device.type == "cuda":
+            pinned.copy(self.target, self.buf)
+            return
+        with torch.no_grad():  # the destination may be a view of a parameter
+            self.target.copy_(self.buf)
 
     def bounce(self) -> None:
         """Read into a buffer of its own (its destination shares memory with another's)."""
@@ -257,15 +264,10 @@ class Fetched:
     pieces: list[_Piece]
 
     def land(self) -> None:
-        """Copy every piece into its destination (CUDA ones on a side stream, waited for)."""
-        streams: dict[torch.device, torch.cuda.Stream] = {}
-        for p in self.pieces:
-            if p.target.device.type == "cuda":
-                _place_on_side_stream(p, streams)
-            else:
-                p.place()
-        for stream in streams.values():
-            stream.synchronize()
+        """Copy every piece into its destination (CUDA ones through the pinned ring, waited for)."""
+        with _ring_for(self.pieces) as pinned:
+            for p in self.pieces:
+                p.place(pinned)
 
 
 def fetch(
@@ -276,84 +278,55 @@ def fetch(
     :meth:`Fetched.land` then places it all."""
     pieces = plan_pieces(manifest, reads, shared_whole=ranks_share_host, staged=True)
     check_files(storage, manifest, (p.chunk.file for p in pieces))
-    with _Arena(pieces):
+    with Arena(pieces):
         _execute_pipelined(storage, pieces, verify, place=False)
     return Fetched(pieces)
 
 
-class _Arena:
-    """One mapping for the host buffers of a fetch's CPU-bound pieces, laid out in read order,
-    its pages populated by a thread that keeps ahead of the readers: a fetch faults in as many
-    fresh pages as it reads bytes, and this takes most of that work off the readers' path."""
-
-    _POPULATE_WRITE = 23  # MADV_POPULATE_WRITE (Linux 5.14)
-    _STEP = 32 << 20
-
-    def __init__(self, pieces: list[_Piece]) -> None:
-        mine = sorted((p for p in pieces if p.buf.device.type == "cpu" and not p.buf.is_pinned()),
-                      key=lambda p: (p.chunk.file, p.chunk.start))
-        sizes = [-(-p.buf.numel() * p.itemsize // 4096) * 4096 for p in mine]
-        self.total = sum(sizes)
-        self.stop = threading.Event()
-        self.thread: threading.Thread | None = None
-        if self.total < self._STEP:
-            return
-        self.map = mmap.mmap(-1, self.total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        whole = torch.frombuffer(self.map, dtype=torch.uint8)
-        at = 0
-        for p, n in zip(mine, sizes):
-            p.buf = whole[at : at + p.buf.numel() * p.itemsize].view(p.buf.dtype).view(p.buf.shape)
-            p.mv = as_memoryview(p.buf)
-            at += n
-        self.thread = threading.Thread(target=self._populate, name="stashpoint-populate", daemon=True)
-
-    def _populate(self) -> None:
-        for off in range(0, self.total, self._STEP):
-            if self.stop.is_set():
-                return
-            try:
-                self.map.madvise(self._POPULATE_WRITE, off, min(self._STEP, self.total - off))
-            except (OSError, ValueError):  # an older kernel: the readers fault the pages in
-                return
-
-    def __enter__(self) -> _Arena:
-        if self.thread is not None:
-            self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        if self.thread is not None:
-            self.thread.join()
-
-
 def _execute_pipelined(storage: Storage, pieces: list[_Piece], verify: bool, place: bool = True) -> None:
     """Read, verify and (with ``place``) place every piece. A piece bound for a CUDA tensor is
-    read into pinned memory and verified, and its copy to the device is issued (asynchronously,
-    on a side stream) as soon as it is ready, while later reads go on; CPU destinations are
+    read into host memory and verified, and copied to the device through the pinned ring as soon
+    as it is ready (asynchronously, on a side stream), while later reads go on; CPU destinations are
     placed at the end. A load that fails part-way may then leave some destinations already
-    written (pieces read straight into CPU tensors, CUDA pieces already verified)."""
-    jobs = _read_jobs([p for p in pieces if p.whole])
-    index = {id(p): i for i, p in enumerate(pieces)}
-    left: dict[int, int] = {}  # piece -> its read jobs still running
-    for job in jobs:
-        for owner in set(job.owners):
-            left[index[owner]] = left.get(index[owner], 0) + 1
+    written (pieces read straight into CPU tensors, CUDA pieces already verified).
+
+    A whole piece bound for a contiguous CUDA tensor skips host memory of its own: readers fill
+    the ring's pinned slots with it, one slot-sized segment at a time, each verified block by
+    block, and each slot goes on to the device (``SlotReads``)."""
     errors: list[str] = []
-    streams: dict[torch.device, torch.cuda.Stream] = {}
-    with cf.ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="stashpoint-reader") as pool:
+    with (
+        _ring_for(pieces if place else []) as pinned,
+        cf.ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="stashpoint-reader") as pool,
+    ):
+        direct = SlotReads.pieces(pieces) if pinned is not None else []
+        skip = {id(p) for p in direct}
+        jobs = _read_jobs([p for p in pieces if p.whole and id(p) not in skip])
+        index = {id(p): i for i, p in enumerate(pieces)}
+        left: dict[int, int] = {}  # piece -> its read jobs still running
+        for job in jobs:
+            for owner in set(job.owners):
+                left[index[owner]] = left.get(index[owner], 0) + 1
         what: dict[cf.Future[None], tuple[str, list[int]]] = {}
-        shared = storage.shared_reads() if any(j.shared for j in jobs) else storage
+        sharing = any(j.shared for j in jobs) or any(p.shared for p in direct)
+        shared = storage.shared_reads() if sharing else storage
         for job in jobs:
             members = sorted({index[o] for o in job.owners})
             what[pool.submit(job.run, shared if job.shared else storage)] = ("read", members)
         for i, p in enumerate(pieces):
             if not p.whole:  # read_partial verifies as it reads
                 what[pool.submit(p.read_partial, storage, verify)] = ("ready", [i])
+        slots = SlotReads(direct, pinned, storage, shared, verify) if pinned is not None and direct else None
         pending = set(what)
+        if slots is not None:
+            pending |= slots.feed(pool)
         while pending:
             done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
             for f in done:
+                if slots is not None and f in slots.inflight:
+                    if (e := slots.landed(f, errors)) is not None:
+                        _gather([e], storage, errors)
+                    pending |= slots.feed(pool) if not errors else set()
+                    continue
                 kind, members = what.pop(f)
                 if f.exception() is not None:
                     _gather([f], storage, errors)
@@ -367,10 +340,8 @@ def _execute_pipelined(storage: Storage, pieces: list[_Piece], verify: bool, pla
                             pending.add(nf)
                         continue
                 for m in members:
-                    if place and not errors and pieces[m].target.device.type == "cuda":
-                        _place_on_side_stream(pieces[m], streams)
-    for stream in streams.values():
-        stream.synchronize()
+                    if pinned is not None and not errors and pieces[m].target.device.type == "cuda":
+                        pieces[m].place(pinned)
     if errors:
         raise CorruptCheckpointError("\n".join(errors))
     for p in pieces if place else ():
@@ -383,12 +354,8 @@ def _finished(left: dict[int, int], piece: int) -> bool:
     return left[piece] == 0
 
 
-def _place_on_side_stream(p: _Piece, streams: dict[torch.device, torch.cuda.Stream]) -> None:
-    from stashpoint._save.staging import side_stream
-
-    device = p.target.device
-    if device not in streams:
-        streams[device] = side_stream(device)
-        streams[device].wait_stream(torch.cuda.current_stream(device))  # after work queued on the targets
-    with torch.cuda.stream(streams[device]):
-        p.place()
+def _ring_for(pieces: list[_Piece]) -> AbstractContextManager[PinnedRing | None]:
+    """The process's pinned ring, held for this load, if some piece is bound for a CUDA tensor."""
+    if any(p.target.device.type == "cuda" for p in pieces):
+        return ring().session()
+    return nullcontext()

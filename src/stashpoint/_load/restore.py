@@ -27,6 +27,7 @@ from stashpoint._core.reshard import Box
 from stashpoint._state import stateful as _stateful
 from stashpoint._state.dtensor import local_part, local_tensor
 from stashpoint._state.dtypes import dtype_name, torch_dtype
+from stashpoint._state.scaler import scaler_load_state
 from stashpoint._state.validate import named_optimizer_problem, optimizer_problem, structure_problem
 from stashpoint.errors import CorruptCheckpointError
 
@@ -286,6 +287,11 @@ class Planner:
             self.plan.problems.append(
                 f"{self._name(where)}: the saved state does not fit this {type(live).__name__}: {problem}"
             )
+            return
+        if isinstance(live, torch.amp.GradScaler):
+            # saved with its scale and growth tracker as tensors (read by then): back to the
+            # numbers torch's state_dict() gives, which load_state_dict keeps as _init_scale
+            self.plan.finalizers.append((where, lambda: live.load_state_dict(scaler_load_state(built))))
             return
         self.plan.finalizers.append((where, lambda: live.load_state_dict(built)))
 

@@ -11,8 +11,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from stashpoint import _runtime
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._core.plan import SavePlan, TensorSpec, plan_files
@@ -20,10 +18,11 @@ from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext
 from stashpoint._save import overlap as _overlap
 from stashpoint._save import writerproc as _writerproc
+from stashpoint._save.cudacopy import cuda_device, refuse_capture, stage
 from stashpoint._save.handle import SaveHandle, SaveStats
 from stashpoint._save.job import PersistJob
 from stashpoint._save.layout import LayoutCache
-from stashpoint._save.staging import StagingPool, stage
+from stashpoint._save.staging import StagingPool
 from stashpoint._state.tree import flatten_with_buffers
 from stashpoint._storage import Storage, storage_for
 from stashpoint.errors import CheckpointError
@@ -132,17 +131,19 @@ class _Engine:
         chunks = layout.chunks if keys is None else [c for c in layout.chunks if c.key in keys]
         specs = tuple(TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in chunks)
         plan = self.plan(specs, opts.max_shard_bytes, ctx.rank)
-        pinned = torch.cuda.is_available() and any(t.device.type == "cuda" for t in layout.sources.values())
+        pin_device = cuda_device(layout.sources.values())
+        if pin_device is not None:  # before anything touches CUDA: a pin or a wait breaks a capture
+            refuse_capture(t.device for t in layout.sources.values())
         self.pool.max_free = max(self.pool.max_free, opts.max_inflight)
-        staged = self.pool.acquire(plan, specs, pinned)
+        staged = self.pool.acquire(plan, specs, pin_device)
         t_stage = time.perf_counter()
         pending = None
         try:
             if opts.overlap:
                 triples = [(k, layout.sources[k], staged.views[k]) for k in staged.views]
-                pending = _overlap.start(state, triples, self.copier, storage.location, layout)
+                pending = _overlap.start(state, triples, self.copier, storage.location, layout, staged.starts)
             else:
-                stage([(layout.sources[k], staged.views[k]) for k in staged.views])
+                stage([(layout.sources[k], staged.views[k]) for k in staged.views], staged.starts)
         except BaseException:
             self.pool.release(staged)
             raise
@@ -150,7 +151,7 @@ class _Engine:
         writer = _writerproc.choose(opts.writer, storage, staged)
         job = PersistJob(
             storage, staged, self.pool, tree, layout, opts, ctx, pending=pending, staged_at=t_staged, writer=writer,
-            staged_keys=keys,
+            staged_keys=keys, staging_pinned=None if pin_device is None else staged.pinned,
         )  # fmt: skip
         return job, t_staged - t_stage
 

@@ -36,6 +36,9 @@ class SaveStats:
     or ``"process"`` (the writer process). ``staged_bytes`` is what this rank copied out of the
     live state: every tensor it holds, except in a distributed save of a structure saved before,
     where each rank copies only what it writes (a replicated tensor is copied by one rank).
+    ``staging_pinned`` is None when the state holds no CUDA tensor; else whether the staging
+    memory was page-locked (False: CUDA refused to pin it, a warning said why, and the copies
+    from the GPU were synchronous; each later save tries again).
     """
 
     path: str
@@ -53,6 +56,7 @@ class SaveStats:
     step_wait_s: float = 0.0
     writer: str = "thread"
     staged_bytes: int = 0
+    staging_pinned: bool | None = None
 
     @property
     def throughput_gbps(self) -> float:

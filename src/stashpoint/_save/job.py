@@ -93,6 +93,7 @@ class PersistJob:
     reported_ok: bool = False  # this rank told the others its part succeeded
     ranks_per_dir: int = 0  # rank 0's choice for this save (see ``ranks_per_dir()``)
     manifest: bytes | None = None  # rank 0: the manifest it committed
+    staging_pinned: bool | None = None  # set at the call: see SaveStats.staging_pinned
 
     @classmethod
     def failed(
@@ -277,6 +278,7 @@ class PersistJob:
             step_wait_s=pending.step_wait_s if pending is not None else 0.0,
             writer="thread" if self.writer is None else "process",
             staged_bytes=0 if self.staged is None else sum(s.nbytes for s in self.staged.specs),
+            staging_pinned=self.staging_pinned,
         )
         log.info("stashpoint: saved %s", stats)
         return stats

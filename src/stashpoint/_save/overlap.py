@@ -10,12 +10,20 @@ With ``overlap=True`` a save splits its copies into the live state's staging buf
   and that optimizer's own state tensors (moments, step counts), which only ``optimizer.step()``
   changes.
 
-CPU tensors are copied by one dedicated copy thread (not the writer thread, which runs the
-collectives of distributed saves and may still be persisting the previous save). CUDA tensors are
-copied on a side stream, ordered after the work queued on the current stream at the time of the
-call. Until the deferred copies are done, a step pre-hook on each optimizer of the state holds its
-``step()`` back: it waits for the CPU copies and makes the current CUDA stream wait for the GPU
-ones. The persist of the save starts writing only once every copy is done.
+Deferred copies are made by one dedicated copy thread (not the writer thread, which runs the
+collectives of distributed saves and may still be persisting the previous save): it launches the
+CUDA ones on a side stream, ordered after an event recorded on the current stream at the time of
+the call, then copies the CPU ones; the call itself launches none (a Python-level launch per
+tensor would block for tens of microseconds each). Until the deferred copies are done, a step
+pre-hook on each optimizer of the state holds its ``step()`` back: it waits for the CPU copies
+and the launch, and makes the current CUDA stream wait for the GPU copies. The persist of the
+save starts writing only once every copy is done.
+
+Limits: work queued on streams other than the current one is not ordered before the copies
+(join it first: ``torch.cuda.current_stream().wait_stream(s)``); a save refuses to start while
+a CUDA graph is being captured; an optimizer built with ``capturable=True`` (its step may be
+replayed from a graph, which runs no hook) has its tensors copied before the call returns; and a
+step captured while copies are pending raises :class:`CheckpointError` instead of racing them.
 
 Removing a hook: torch iterates an optimizer's step pre-hooks without taking a copy, so removing
 one while another thread (or the hook itself) is in that loop breaks the loop. A guard is
@@ -37,14 +45,14 @@ from typing import Any
 import torch
 
 from stashpoint import _runtime
+from stashpoint._save.cudacopy import Pair, launch_cuda, mark_now, stage
 from stashpoint._save.layout import Layout, signature
-from stashpoint._save.staging import launch_cuda, stage
+from stashpoint._save.staging import side_stream
 from stashpoint._state.dtensor import local_part
 from stashpoint._state.stateful import find_all
 from stashpoint.errors import CheckpointError
 
 Triple = tuple[str, torch.Tensor, torch.Tensor]  # (key, live source, staging view)
-
 
 
 @dataclass
@@ -94,8 +102,13 @@ def split(
     A copy is deferred only if its source is exactly (same memory, shape, strides, dtype) a
     parameter or a state tensor of one of ``optimizers``, and lives on the CPU or a CUDA device.
     ``layout``, the layout the triples come from, saves working signatures out again.
+    The tensors of an optimizer built with ``capturable=True`` are copied eagerly: its step may
+    be captured in a CUDA graph, whose replay runs no hook that could hold it back.
     """
-    stepped = _updated_by_step(optimizers, layout)
+    captured = [o for o in optimizers if capturable(o)]
+    stepped = _updated_by_step([o for o in optimizers if not capturable(o)], layout)
+    if captured:
+        stepped -= _updated_by_step(captured, layout)
     sigs = layout.signatures if layout is not None else {}
     eager: list[Triple] = []
     deferred: list[Triple] = []
@@ -104,6 +117,11 @@ def split(
         late = src.device.type in ("cpu", "cuda") and sig in stepped
         (deferred if late else eager).append((key, src, dst))
     return eager, deferred
+
+
+def capturable(optim: torch.optim.Optimizer) -> bool:
+    """Whether ``optim`` was built for CUDA graph capture (``capturable=True`` in a group)."""
+    return any(bool(g.get("capturable")) for g in optim.param_groups)
 
 
 def copy_deferred(triples: Sequence[Triple]) -> None:
@@ -120,14 +138,30 @@ def copy_deferred(triples: Sequence[Triple]) -> None:
 class PendingCopies:
     """The deferred copies of one save: run on the copy thread, awaited by hooks, the persist and
     :meth:`SaveHandle.wait_staged`. Every wait returns once the copies end, whether they
-    succeeded or not; only :meth:`result` raises their failure."""
+    succeeded or not; only :meth:`result` raises their failure.
 
-    def __init__(self, location: str, cpu: list[Triple], events: list[tuple[torch.device, torch.cuda.Event]]) -> None:
+    The copy thread first launches the CUDA copies (``cuda``, on the side streams after the
+    ``after`` events recorded at the call, gathered around ``fences``), then does the CPU
+    copies, then waits for the GPU: the call itself launches none of them.
+    """
+
+    def __init__(  # noqa: PLR0917
+        self,
+        location: str,
+        cpu: list[Triple],
+        events: list[tuple[torch.device, torch.cuda.Event]],
+        cuda: Sequence[Pair] = (),
+        after: dict[torch.device, torch.cuda.Event] | None = None,
+        fences: Sequence[int] | None = None,
+    ) -> None:
         self.location = location
         self.done_at: float | None = None  # perf_counter() once every copy is done
         self.step_wait_s = 0.0  # time optimizer steps were held back (final once done)
         self._cpu = cpu
         self._events = events
+        self._cuda = list(cuda)
+        self._after = after or {}
+        self._fences = fences
         self._cpu_done = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -135,8 +169,18 @@ class PendingCopies:
         self._guards: list[_StepGuard] = []
 
     def run(self) -> None:
-        """Do the CPU copies, then wait for the GPU ones. Never raises; always ends the wait."""
+        """Launch the GPU copies, do the CPU ones, then wait for the GPU. Never raises; always
+        ends the wait."""
         try:
+            if self._cuda:
+                try:
+                    events = launch_cuda(self._cuda, after=self._after, fences=self._fences)
+                except BaseException:  # no copy launched before the failure may still be running
+                    for device in {s.device for s, _ in self._cuda}:
+                        side_stream(device).synchronize()
+                    raise
+                with _reg().lock:
+                    self._events += events
             if self._cpu:
                 copy_deferred(self._cpu)
         except BaseException as e:
@@ -161,6 +205,7 @@ class PendingCopies:
         with reg.lock:
             self.done_at = time.perf_counter()
             self._events = []
+            self._cuda, self._after = [], {}  # the sources may go now
             if self in reg.active:
                 reg.active.remove(self)
             for guard in self._guards:
@@ -195,15 +240,23 @@ class PendingCopies:
             ) from e
 
     def hold_step(self) -> None:
-        """In an optimizer's step pre-hook: wait for the CPU copies, and order the current CUDA
-        streams after the GPU copies (no host wait for those)."""
+        """In an optimizer's step pre-hook: wait for the CPU copies and the launch of the GPU
+        ones, and order the current CUDA streams after the GPU copies (no host wait for those)."""
+        if not self._done.is_set() and _capturing():
+            raise CheckpointError(
+                f"optimizer.step() is being captured in a CUDA graph while the save to {self.location} still "
+                "copies the parameters it changes (overlap=True). Call handle.wait_staged() before capturing, "
+                "build the optimizer with capturable=True (its tensors are then copied before async_save "
+                "returns), or save with overlap=False."
+            )
         with _reg().lock:
             waiting = not self._cpu_done.is_set()
             if waiting:
                 self._waiting.append(time.perf_counter())
-            events = list(self._events)
         if waiting:
             self._cpu_done.wait()
+        with _reg().lock:  # launched by now (before the CPU copies); none left once all are done
+            events = list(self._events)
         for device, event in events:
             torch.cuda.current_stream(device).wait_event(event)
 
@@ -242,6 +295,12 @@ class _StepGuard:
         return safe
 
 
+def _capturing() -> bool:
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
+        return False
+    return bool(torch.cuda.is_current_stream_capturing())
+
+
 def sweep() -> None:
     """Remove the guards left registered that this thread may now remove."""
     reg = _reg()
@@ -259,8 +318,13 @@ def wait_pending(timeout: float | None = None) -> None:
     sweep()
 
 
-def start(
-    state: Any, triples: Sequence[Triple], copier: cf.Executor, location: str, layout: Layout | None = None
+def start(  # noqa: PLR0917
+    state: Any,
+    triples: Sequence[Triple],
+    copier: cf.Executor,
+    location: str,
+    layout: Layout | None = None,
+    fences: Sequence[int] | None = None,
 ) -> PendingCopies | None:
     """Copy what must be copied now, start the rest in the background, guard the optimizers.
 
@@ -269,17 +333,20 @@ def start(
     """
     optimizers = optimizers_in(state)
     eager, deferred = split(triples, optimizers, layout)
+    if fences is None:
+        fences = sorted(d.data_ptr() for _, _, d in triples if d.numel())
     events: list[tuple[torch.device, torch.cuda.Event]] = []
+    after: dict[torch.device, torch.cuda.Event] = {}
+    cuda_late = [(s, d) for _, s, d in deferred if s.device.type == "cuda"]
     try:
         stage([(s, d) for _, s, d in eager if s.device.type != "cuda"])
         cuda_eager = [(s, d) for _, s, d in eager if s.device.type == "cuda"]
         if cuda_eager:
-            events = launch_cuda(cuda_eager)
+            events = launch_cuda(cuda_eager, fences=fences)
             for device, event in events:  # training's next kernels run after these copies
                 torch.cuda.current_stream(device).wait_event(event)
-        cuda_late = [(s, d) for _, s, d in deferred if s.device.type == "cuda"]
-        if cuda_late:
-            events += launch_cuda(cuda_late)
+        if cuda_late:  # launched by the copy thread, after what is queued now
+            after = mark_now(s.device for s, _ in cuda_late)
     except BaseException:
         for _, event in events:
             try:
@@ -288,9 +355,9 @@ def start(
                 continue
         raise
     cpu_late = [t for t in deferred if t[1].device.type != "cuda"]
-    if not cpu_late and not events:
+    if not cpu_late and not events and not cuda_late:
         return None
-    pending = PendingCopies(location, cpu_late, events)
+    pending = PendingCopies(location, cpu_late, events, cuda_late, after, fences)
     reg = _reg()
     with reg.lock:
         reg.active.append(pending)

@@ -14,20 +14,21 @@ torch's allocator on CUDA, and saves use the writer thread.
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import logging
 import mmap
 import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from stashpoint import _runtime
 from stashpoint._core.plan import SavePlan, TensorSpec
+from stashpoint._save.pinning import pin, unpin
 from stashpoint._state.dtypes import torch_dtype
 
 log = logging.getLogger("stashpoint")
@@ -46,27 +47,10 @@ def as_memoryview(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def _cudart() -> Any:
-    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
-
-
-def _host_register(ptr: int, nbytes: int) -> bool:
-    """Pin ``nbytes`` at ``ptr`` for fast, asynchronous device copies; False (logged) if CUDA refuses."""
-    try:
-        torch.cuda.check_error(_cudart().cudaHostRegister(ptr, nbytes, 0))
-    except Exception as e:  # staging still works unpinned, only slower
-        log.warning("stashpoint: could not pin %d bytes of staging memory (cudaHostRegister: %s)", nbytes, e)
-        return False
-    return True
-
-
-def _release(fd: int, ptr: int, registered: bool, token: int) -> None:
+def _release(fd: int, ptr: int, pinned_on: list[int], token: int) -> None:
     """Finalizer of a :class:`SharedRegion`: unpin, close the descriptor, tell the writer process."""
-    if registered:
-        try:
-            torch.cuda.check_error(_cudart().cudaHostUnregister(ptr))
-        except Exception as e:  # at interpreter exit CUDA may already be gone
-            log.debug("stashpoint: cudaHostUnregister failed: %s", e)
+    for device in pinned_on:
+        unpin(ptr, device)
     os.close(fd)
     if report_freed:
         freed.append(token)
@@ -83,13 +67,13 @@ class SharedRegion:
     """``nbytes`` of page-aligned ``MAP_SHARED`` memory backed by an anonymous memory file.
 
     ``fd`` is what another process maps to see the same pages; ``token`` names the region in
-    messages to it. With ``pinned`` the pages are registered with CUDA (page-locked) and
-    unregistered when the region is freed. The mapping itself lives as long as any tensor made
-    from :attr:`mm` does; the descriptor is closed (and the pages unpinned) when the region is
-    dropped.
+    messages to it. With ``pin_device`` the pages are registered with CUDA (page-locked) for
+    that device and unregistered when the region is freed; :attr:`pinned` says whether that
+    worked. The mapping itself lives as long as any tensor made from :attr:`mm` does; the
+    descriptor is closed (and the pages unpinned) when the region is dropped.
     """
 
-    def __init__(self, nbytes: int, pinned: bool) -> None:
+    def __init__(self, nbytes: int, pin_device: int | None = None) -> None:
         if nbytes <= 0:
             raise ValueError(f"a shared region needs a positive size, got {nbytes}")
         self.token = next(_tokens)
@@ -103,10 +87,24 @@ class SharedRegion:
             raise
         self.fd = fd
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.pinned = pinned and _host_register(self.tensor.data_ptr(), nbytes)
+        self.pin_device = pin_device
+        self._pinned_on: list[int] = []  # the device it is registered for, once it is
         self.resident = nbytes  # the first bytes that may hold pages (see trim)
-        finalizer = weakref.finalize(self, _release, fd, self.tensor.data_ptr(), self.pinned, self.token)
+        finalizer = weakref.finalize(self, _release, fd, self.tensor.data_ptr(), self._pinned_on, self.token)
         finalizer.atexit = False  # the process is ending: nothing to unpin or tell
+        self.repin()
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the pages are registered with CUDA (page-locked) now."""
+        return bool(self._pinned_on)
+
+    def repin(self) -> bool:
+        """Try to pin the region if it was to be pinned and is not (an earlier try failed)."""
+        device = self.pin_device
+        if device is not None and not self._pinned_on and pin(self.tensor.data_ptr(), self.nbytes, device):
+            self._pinned_on.append(device)
+        return self.pinned
 
     def memoryview(self) -> memoryview:
         """A writable byte view of the whole region (no copy)."""
@@ -133,13 +131,13 @@ class SharedRegion:
         self.resident = keep
 
 
-def _host_buffer(nbytes: int, pinned: bool) -> tuple[torch.Tensor, SharedRegion | None]:
+def _host_buffer(nbytes: int, pin_device: int | None) -> tuple[torch.Tensor, SharedRegion | None]:
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8), None
     if hasattr(os, "memfd_create"):
-        region = SharedRegion(nbytes, pinned)
+        region = SharedRegion(nbytes, pin_device)
         return region.tensor, region
-    if pinned:
+    if pin_device is not None:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None
     # Page-aligned anonymous memory, so shard writes can use direct I/O straight from it.
     # No transparent huge pages: their first touch is slower (the kernel compacts memory).
@@ -170,16 +168,30 @@ class StagingBuffers:
 
     ``region`` is the shared memory behind ``buffer`` (None where there is none: an empty
     buffer, or no ``memfd_create``); ``offsets`` is where each view starts in ``buffer``.
+    ``pin_device`` is the CUDA device the buffer is to be pinned for (None: pageable);
+    :attr:`pinned` says whether it is.
     """
 
     plan: SavePlan
     specs: tuple[TensorSpec, ...]
-    pinned: bool
+    pin_device: int | None
     buffer: torch.Tensor
     views: dict[str, torch.Tensor] = field(default_factory=dict)
     region: SharedRegion | None = None
     offsets: dict[str, int] = field(default_factory=dict)
     trim_to: int | None = None  # pages past this are to be given back (see :meth:`trim`)
+    shrink: bool = False  # pinned and much larger than its layout: replaced on release
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the buffer is page-locked now (pinning can fail; then copies are synchronous)."""
+        if self.region is not None:
+            return self.region.pinned
+        return self.pin_device is not None and self.buffer.numel() > 0 and self.buffer.is_pinned()
+
+    def repin(self) -> bool:
+        """Retry pinning a buffer that was to be pinned and is not."""
+        return self.region.repin() if self.region is not None else self.pinned
 
     def trim(self) -> None:
         """Give back the pages this layout does not use, if the pool asked for it (the persist
@@ -192,6 +204,12 @@ class StagingBuffers:
     def nbytes(self) -> int:
         return self.buffer.numel()
 
+    @functools.cached_property
+    def starts(self) -> tuple[int, ...]:
+        """The sorted start addresses of the non-empty views (gathered copies check against them)."""
+        base = self.buffer.data_ptr()
+        return tuple(sorted(base + off for key, off in self.offsets.items() if self.views[key].numel()))
+
     @property
     def resident(self) -> int:
         """The bytes of the buffer that may hold memory (less than ``nbytes`` once trimmed)."""
@@ -202,9 +220,9 @@ class StagingBuffers:
         return self.region.memoryview() if self.region is not None else as_memoryview(self.buffer)
 
     @classmethod
-    def allocate(cls, plan: SavePlan, specs: tuple[TensorSpec, ...], pinned: bool) -> StagingBuffers:
-        buffer, region = _host_buffer(_alloc_bytes(plan), pinned)
-        return cls.layout(buffer, plan, specs, pinned, region)
+    def allocate(cls, plan: SavePlan, specs: tuple[TensorSpec, ...], pin_device: int | None) -> StagingBuffers:
+        buffer, region = _host_buffer(_alloc_bytes(plan), pin_device)
+        return cls.layout(buffer, plan, specs, pin_device, region)
 
     @classmethod
     def layout(
@@ -212,7 +230,7 @@ class StagingBuffers:
         buffer: torch.Tensor,
         plan: SavePlan,
         specs: tuple[TensorSpec, ...],
-        pinned: bool,
+        pin_device: int | None,
         region: SharedRegion | None = None,
     ) -> StagingBuffers:
         """Lay ``plan`` out in ``buffer`` (at least :func:`_layout_bytes` long)."""
@@ -227,7 +245,7 @@ class StagingBuffers:
                 views[p.key] = buffer[base + p.begin : base + p.end].view(dtype).reshape(spec.shape)
                 offsets[p.key] = base + p.begin
             base += -(-f.data_size // _PAGE) * _PAGE
-        return cls(plan, specs, pinned, buffer, views, region, offsets)
+        return cls(plan, specs, pin_device, buffer, views, region, offsets)
 
 
 class StagingPool:
@@ -237,9 +255,12 @@ class StagingPool:
     enough is laid out anew: its pages are already touched, which is what makes a copy fast. If
     it holds much more than the plan needs (a distributed save's second plan copies only what
     the rank writes), the pages past what the plan needs are to be given back
-    (:meth:`StagingBuffers.trim`, which the persist calls; shared memory only: a pinned buffer
-    that is too large is dropped instead). Only when none fits is fresh
-    memory allocated, and idle buffers are dropped first so memory never grows.
+    (:meth:`StagingBuffers.trim`, which the persist calls). Pinned memory cannot be trimmed
+    (the device's mapping keeps the pages): a pinned buffer that is too large is used as is and
+    replaced by one of the right size when it is released, off the training's path (a DDP
+    run's first save copies every replicated tensor, later ones only what the rank writes).
+    Only when none fits is fresh memory allocated, and idle buffers are dropped first so memory
+    never grows. A buffer to be pinned whose pinning failed is pinned again when reused.
 
     ``on_drop`` is called (outside the pool's lock) after idle buffers were dropped: the engine
     uses it to have the writer process unmap them at once, so that their memory is returned.
@@ -256,34 +277,50 @@ class StagingPool:
         if self.on_drop is not None:
             self.on_drop()
 
-    def acquire(self, plan: SavePlan, specs: tuple[TensorSpec, ...], pinned: bool) -> StagingBuffers:
-        """Buffers laid out for ``plan`` and ``specs``."""
+    def acquire(self, plan: SavePlan, specs: tuple[TensorSpec, ...], pin_device: int | None) -> StagingBuffers:
+        """Buffers laid out for ``plan`` and ``specs``, pinned for ``pin_device`` if it is set."""
+        got = self._reuse(plan, specs, pin_device)
+        if got is not None:
+            if pin_device is not None and not got.pinned:
+                got.repin()
+            return got
+        log.debug("stashpoint: allocating %d bytes of fresh staging memory", _alloc_bytes(plan))
+        return StagingBuffers.allocate(plan, specs, pin_device)
+
+    def _reuse(self, plan: SavePlan, specs: tuple[TensorSpec, ...], pin_device: int | None) -> StagingBuffers | None:
         need = _layout_bytes(plan)
+        want_pin = pin_device is not None
         with self._lock:
             for i, b in enumerate(self._free):
-                if b.plan == plan and b.specs == specs and b.pinned == pinned:
+                if b.plan == plan and b.specs == specs and (b.pin_device is not None) == want_pin:
                     return self._free.pop(i)
             for i, b in enumerate(self._free):
-                if b.pinned != pinned or need > b.nbytes:
+                if (b.pin_device is not None) != want_pin or need > b.nbytes:
                     continue
                 too_big = b.resident > _alloc_bytes(plan) + need // 4
-                if too_big and not (b.region is not None and b.region.trimmable):
-                    continue
                 old = self._free.pop(i)
                 if old.region is not None:
                     old.region.resident = max(old.region.resident, need)
-                new = StagingBuffers.layout(old.buffer, plan, specs, pinned, old.region)
-                new.trim_to = _alloc_bytes(plan) if too_big else None
+                new = StagingBuffers.layout(old.buffer, plan, specs, old.pin_device, old.region)
+                trimmable = old.region is not None and old.region.trimmable
+                new.trim_to = _alloc_bytes(plan) if too_big and trimmable else None
+                new.shrink = too_big and not trimmable
                 return new
             dropped = bool(self._free)
             self._free.clear()
             self.allocations += 1
         if dropped:
             self._dropped()
-        log.debug("stashpoint: allocating %d bytes of fresh staging memory", _alloc_bytes(plan))
-        return StagingBuffers.allocate(plan, specs, pinned)
+        return None
 
     def release(self, buffers: StagingBuffers) -> None:
+        if buffers.shrink:  # replaced by a buffer of the right size here, not in the next save's call
+            buffers.shrink = False
+            log.debug("stashpoint: replacing a %d-byte pinned staging buffer by one for its layout", buffers.nbytes)
+            buffers = StagingBuffers.allocate(buffers.plan, buffers.specs, buffers.pin_device)
+            with self._lock:
+                self.allocations += 1
+            self._dropped()
         with self._lock:
             self._free.append(buffers)
             extra = max(0, len(self._free) - self.max_free)
@@ -297,48 +334,8 @@ def _streams() -> dict[torch.device, torch.cuda.Stream]:
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream stashpoint's copies with ``device`` run on (one per device, made once)."""
     streams = _streams()
     if device not in streams:
         streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
     return streams[device]
-
-
-def stage(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each ``(source, staging view)`` pair; returns once every copy has completed.
-
-    CUDA sources are copied on a per-device side stream that first waits for the work already
-    queued on the current stream, so the copies see the latest values.
-    """
-    cuda = []
-    for src, dst in pairs:
-        if src.device.type == "cuda":
-            cuda.append((src, dst))
-        else:
-            dst.copy_(src)
-    for _, event in launch_cuda(cuda):
-        event.synchronize()
-
-
-def launch_cuda(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.device, torch.cuda.Event]]:
-    """Queue the copies of CUDA sources without waiting for them; return one event per device.
-
-    Each device's copies run on its side stream after the work already queued on the current
-    stream (so they see the values at the time of the call); the event is recorded after them.
-    Every source is marked as used by the side stream, so that its memory is not handed to
-    another tensor before the copy has read it, even if the caller drops it.
-    """
-    by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for src, dst in pairs:
-        by_device.setdefault(src.device, []).append((src, dst))
-    events = []
-    for device, items in by_device.items():
-        stream = side_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for src, dst in items:
-                dst.copy_(src, non_blocking=True)
-                src.record_stream(stream)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
-        events.append((device, event))
-    return events

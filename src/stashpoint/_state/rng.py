@@ -20,8 +20,11 @@ class RNGState:
 
     Put an instance in the saved state (``{"rng": stashpoint.RNGState(), ...}``); saving reads
     the generators at that moment, loading sets them. The states are per process: in a
-    distributed run each rank saves and restores its own. When the number of CUDA devices
-    differs at load time, the devices both runs have are restored.
+    distributed run each rank saves and restores its own. The state of the rank's current CUDA
+    device goes back to its current device at load time, even where ``CUDA_VISIBLE_DEVICES``
+    numbers the devices otherwise (a rank on GPU 3 of 8 at save, on its only visible GPU at
+    resume); the other devices are restored by index only when both runs see the same devices
+    and the same current one (see :func:`cuda_targets`).
     """
 
     def state_dict(self) -> dict[str, Any]:
@@ -39,6 +42,7 @@ class RNGState:
             }
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             sd["cuda"] = [_to_bytes(t) for t in torch.cuda.get_rng_state_all()]
+            sd["cuda_current"] = torch.cuda.current_device()
         return sd
 
     def _stashpoint_check(self, state_dict: Any) -> str | None:
@@ -57,6 +61,11 @@ class RNGState:
                 isinstance(cuda, (list, tuple)) and all(isinstance(s, (bytes, torch.Tensor)) for s in cuda)
             ):
                 return "the CUDA RNG states are not a list of byte strings"
+            current = state_dict.get("cuda_current")
+            if current is not None and not (
+                type(current) is int and cuda is not None and 0 <= current < len(cuda)
+            ):
+                return f"the current CUDA device {current!r} is not one of the saved CUDA RNG states"
         except (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as e:
             return f"the RNG state does not fit its generator ({type(e).__name__}: {str(e)[:80]})"
         return None
@@ -73,11 +82,30 @@ class RNGState:
             _np.random.set_state(_numpy_state(np_state))
         cuda = state_dict.get("cuda")
         if cuda and torch.cuda.is_available():
-            for i, s in enumerate(cuda[: torch.cuda.device_count()]):
-                torch.cuda.set_rng_state(_from_bytes(s), i)
+            pairs = cuda_targets(
+                len(cuda), state_dict.get("cuda_current"), torch.cuda.device_count(), torch.cuda.current_device()
+            )
+            for saved, device in pairs:
+                torch.cuda.set_rng_state(_from_bytes(cuda[saved]), device)
 
 
-_KEYS = {"python", "torch", "numpy", "cuda"}
+def cuda_targets(saved: int, saved_current: int | None, count: int, current: int) -> list[tuple[int, int]]:
+    """``(saved index, device index)`` of each CUDA RNG state to restore.
+
+    The saved current device's state goes to the current device. The others go by index only
+    when the run sees as many devices and the same current one as the saving run (the same
+    ``CUDA_VISIBLE_DEVICES``, as a rule); otherwise index ``i`` may be another GPU, whose
+    generator is left alone. A checkpoint from before the current device was recorded
+    (``saved_current`` None) is restored by index.
+    """
+    if saved_current is None:
+        return [(i, i) for i in range(min(saved, count))]
+    if saved == count and saved_current == current:
+        return [(i, i) for i in range(count)]
+    return [(saved_current, current)]
+
+
+_KEYS = {"python", "torch", "numpy", "cuda", "cuda_current"}
 
 
 def _numpy_state(np_state: dict[str, Any]) -> dict[str, Any]:

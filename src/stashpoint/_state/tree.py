@@ -17,6 +17,7 @@ from stashpoint._core.nodes import MAX_TREE_DEPTH, Node, join
 from stashpoint._state import stateful as _stateful
 from stashpoint._state.dtensor import is_dtensor, is_strided
 from stashpoint._state.dtypes import STORABLE
+from stashpoint._state.scaler import scaler_state
 from stashpoint.errors import UnsupportedStateError
 
 _SUB_BYTE = {
@@ -163,7 +164,11 @@ class Flattener:
                 )
                 return node
         if kind is not None:
-            return {"stateful": kind, "state": self._node(obj.state_dict(), key)}
+            # a GradScaler's state with its scale and growth tracker as tensors: its own
+            # state_dict() calls .item() on them, which waits for the whole GPU queue
+            scaler_sd = scaler_state(obj)
+            state = obj.state_dict() if scaler_sd is None else scaler_sd
+            return {"stateful": kind, "state": self._node(state, key)}
         if isinstance(obj, Mapping):
             items = []
             for k, v in obj.items():
