@@ -331,7 +331,8 @@ def dcp_pinned_async(state: dict[str, Any], scratch: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(state["model"], state["optim"])
-    sd = {"model": msd, "optim": osd}
+    # plain dicts: torch 2.11's DefaultStager cannot deep-copy an OrderedDict (KeyError: type)
+    sd = {"model": dict(msd), "optim": {"state": {k: dict(v) for k, v in osd["state"].items()}}}
     out: dict[str, Any] = {}
     try:
         for i in range(2):

@@ -21,6 +21,7 @@ inside a component are percent-escaped. Objects with ``state_dict()`` add no com
 from __future__ import annotations
 
 import base64
+import functools
 import pickle
 from collections.abc import Container
 from typing import Any
@@ -36,8 +37,9 @@ def _want(cond: bool, where: str, what: str) -> None:
         raise CorruptCheckpointError(f"malformed manifest {where}: {what}")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def escape(component: str | int) -> str:
-    """Escape one key-path component."""
+    """Escape one key-path component (remembered: a save escapes the same names every time)."""
     return str(component).replace("%", "%25").replace("/", "%2F")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import gc
 import logging
 import os
 import threading
@@ -10,6 +11,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from stashpoint import _runtime
 from stashpoint._core.naming import MANIFEST_NAME
@@ -99,12 +102,19 @@ class _Engine:
                 )
                 return SaveHandle.skipped(storage.location, opts.step, time.perf_counter() - t_start)
             ctx.saves += 1
+            # A state of many tensors makes tens of thousands of small records here; the garbage
+            # collections they would set off walk every object of the process, inside the call.
+            collecting = gc.isenabled()
+            gc.disable()
             try:
                 job, staging_s = self._stage(state, storage, opts, ctx)
             except BaseException as e:
                 if ctx.world == 1:
                     raise
                 job, staging_s = PersistJob.failed(storage, self.pool, opts, ctx, e), 0.0
+            finally:
+                if collecting:
+                    gc.enable()
             job.seq = ctx.saves
             job.blocking_s = time.perf_counter() - t_start
             future = self.executor.submit(job.run, t_start, staging_s)
@@ -128,12 +138,11 @@ class _Engine:
         # write: a replicated tensor (DDP, HSDP's replicas) is copied by one rank, not by all.
         # The agreement checks that the plan still holds (``PersistJob._plan``).
         keys = layout.expected_writes(ctx) if ctx.world > 1 else None
-        chunks = layout.chunks if keys is None else [c for c in layout.chunks if c.key in keys]
-        specs = tuple(TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in chunks)
+        specs = layout.specs(keys)
         plan = self.plan(specs, opts.max_shard_bytes, ctx.rank)
         pin_device = cuda_device(layout.sources.values())
         if pin_device is not None:  # before anything touches CUDA: a pin or a wait breaks a capture
-            refuse_capture(t.device for t in layout.sources.values())
+            refuse_capture([torch.device("cuda", pin_device)])
         self.pool.max_free = max(self.pool.max_free, opts.max_inflight)
         staged = self.pool.acquire(plan, specs, pin_device)
         t_stage = time.perf_counter()

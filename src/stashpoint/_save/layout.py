@@ -22,7 +22,7 @@ import torch
 
 from stashpoint._core.assign import ChunkMeta, layout_hash
 from stashpoint._core.described import Description, KeyDesc
-from stashpoint._core.plan import group_aliases
+from stashpoint._core.plan import TensorSpec, group_aliases
 from stashpoint._dist.commit import LayoutMsg
 from stashpoint._dist.group import DistContext
 from stashpoint._state.dtensor import describe, is_dtensor, local_part, local_tensor
@@ -76,6 +76,18 @@ class Layout:
     # what the first plan of a structure needs of this rank, the same on every rank of a regular
     # parallelism (None: some tensor's layout is irregular; see ``_core.described``)
     description: Description | None = None
+    _specs: dict[frozenset[str] | None, tuple[TensorSpec, ...]] = field(default_factory=dict, repr=False, compare=False)
+
+    def specs(self, keys: frozenset[str] | None) -> tuple[TensorSpec, ...]:
+        """What planning needs of the chunks this rank copies (``keys``; None: all), made once
+        per layout and set of keys (tens of thousands of frozen records cost tenths of a second)."""
+        got = self._specs.get(keys)
+        if got is None:
+            if len(self._specs) > 4:  # key sets that came and went
+                self._specs.clear()
+            chunks = self.chunks if keys is None else [c for c in self.chunks if c.key in keys]
+            got = self._specs[keys] = tuple(TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in chunks)
+        return got
 
     @classmethod
     def of(cls, tensors: Sequence[tuple[str, torch.Tensor]], lowest: Collection[str] = ()) -> Layout:
