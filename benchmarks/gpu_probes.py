@@ -331,8 +331,12 @@ def dcp_pinned_async(state: dict[str, Any], scratch: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(state["model"], state["optim"])
-    # plain dicts: torch 2.11's DefaultStager cannot deep-copy an OrderedDict (KeyError: type)
-    sd = {"model": dict(msd), "optim": {"state": {k: dict(v) for k, v in osd["state"].items()}}}
+    # CUDA tensors alone (AdamW's CPU step counts left out): torch 2.11's DefaultStager failed to
+    # deep-copy this state on an H200 (KeyError: <class 'type'> in _reconstruct)
+    sd = {
+        "model": {k: v for k, v in msd.items() if v.is_cuda},
+        "optim": {f"{k}.{n}": t for k, v in osd["state"].items() for n, t in v.items() if t.is_cuda},
+    }
     out: dict[str, Any] = {}
     try:
         for i in range(2):

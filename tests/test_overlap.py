@@ -338,12 +338,13 @@ def test_a_user_hook_registered_after_ours_keeps_working(tmp_path, gate):
 def test_overlap_through_the_manager(tmp_path, gate):
     state = make_training(256)
     train_step(state, 0)
-    gate.release_after(0.2)
     with stashpoint.CheckpointManager(tmp_path / "run", keep_last=None) as mgr:
         state["step"] = 1
         ref = snapshot(state)
         h = mgr.save(1, state, overlap=True)
-        for i in range(1, 4):
+        assert gate.entered.wait(30), "the background copies started"
+        gate.release_after(0.2)  # from here: the steps below must wait (released earlier, a fast
+        for i in range(1, 4):  # machine had the copies done before the first step)
             train_step(state, i)
         mgr.wait()
         assert h.stats is not None and h.stats.step_wait_s > 0
