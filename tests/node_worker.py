@@ -1,19 +1,22 @@
 """Training under a node-local CheckpointManager, for tests/test_nodelocal.py (issue 21).
 
     torchrun --nnodes 2 ... node_worker.py BASE STEPS --par ddp|fsdp2|hsdp [--every N] [--replicas K]
+                                           [--remote DIR]
 
 Each node keeps its checkpoints in its own directory, ``BASE/node-<NODE_DIR>/ckpt`` (NODE_DIR
 from the environment, default the node rank: a test may hand a node another's directory, or an
 empty one). A transformers Llama from a small config under the given parallelism, AdamW, a
 stateful sampler; resumes with ``restore`` (fresh model and optimizer), then trains to STEPS,
-saving every N steps. Each rank appends ``step loss`` lines to ``BASE/losses-<rank>.txt`` and
-prints ``RESUMED <step>``.
+saving every N steps (and, with ``--remote``, uploading each step to DIR, the remote tier). Each
+rank appends ``step loss`` lines to ``BASE/losses-<rank>.txt``, prints ``RESUMED <step>`` and
+``REPORT <json>`` (its ``mgr.last_restore``).
 """
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
+import json
 import os
 import signal
 import sys
@@ -38,6 +41,7 @@ def main() -> None:
     ap.add_argument("--par", default="fsdp2")
     ap.add_argument("--every", type=int, default=2)
     ap.add_argument("--replicas", type=int, default=0)
+    ap.add_argument("--remote", default=None)
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -51,10 +55,16 @@ def main() -> None:
     sampler = stashpoint.StatefulSampler(data, seed=0, rank=dp_rank, world_size=dp_size)
     loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator())
     state = {"model": model, "optim": optim, "sampler": sampler, "rng": stashpoint.RNGState()}
+    opts = {"node_local": True, "replicas": args.replicas, "remote_root": args.remote}
     with stashpoint.CheckpointManager(base / f"node-{node_dir}" / "ckpt", keep_last=2, every_steps=args.every,
-                                      node_local=True, replicas=args.replicas) as mgr:  # fmt: skip
+                                      **opts) as mgr:  # fmt: skip
         start = (mgr.restore(state) or 0) + 1
         print(f"RESUMED {start - 1}", flush=True)
+        report = mgr.last_restore
+        if report is not None:
+            doc = {"rank": rank, "step": report.step, "tier": report.tier, "order": report.order,
+                   "passed_by": report.passed_by, "fetched": report.fetched}  # fmt: skip
+            print("REPORT " + json.dumps(doc), flush=True)
         batches = iter(loader)
         with (base / f"losses-{rank}.txt").open("a") as out:
             for step in range(start, args.steps + 1):
@@ -70,6 +80,7 @@ def main() -> None:
                 out.write(f"{step} {loss.item():.8f}\n")
                 out.flush()
                 mgr.maybe_save(step, state)
+        mgr.wait()  # the uploads too: a test reads the remote tier next
     dist.destroy_process_group()
     sys.stdout.flush()
     # DDP's reducer, freed at interpreter exit, joins the training group's gloo thread, which may

@@ -5,6 +5,7 @@ commit, or lose a node's directory."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -19,6 +20,7 @@ from conftest import ROOT
 from dist_util import free_port
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._core.nodeplan import (
+    REMOTE,
     Held,
     Transfer,
     coverable,
@@ -31,6 +33,7 @@ from stashpoint._core.nodeplan import (
 )
 from stashpoint._dist.nodes import this_node
 from stashpoint._dist.transfer import check_offer
+from stashpoint._manager.noderestore import node_order
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 WORKER = Path(__file__).with_name("node_worker.py")
@@ -54,9 +57,17 @@ def _agents(base: Path, steps: int, par: str, dirs: tuple[str, str], *extra: str
     return procs
 
 
-def run_job(base: Path, steps: int, par: str, dirs: tuple[str, str] = ("0", "1"), replicas: int = 0) -> list[str]:
+def run_job(
+    base: Path,
+    steps: int,
+    par: str,
+    dirs: tuple[str, str] = ("0", "1"),
+    *,
+    replicas: int = 0,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
     """A job of two agents to ``steps``; each agent's output."""
-    procs = _agents(base, steps, par, dirs, "--replicas", str(replicas), stdout=subprocess.PIPE,
+    procs = _agents(base, steps, par, dirs, "--replicas", str(replicas), *extra, stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         outs = [p.communicate(timeout=200)[0] for p in procs]
@@ -71,6 +82,18 @@ def run_job(base: Path, steps: int, par: str, dirs: tuple[str, str] = ("0", "1")
 
 def resumed(outs: list[str]) -> set[int]:
     return {int(line.split()[1]) for out in outs for line in out.splitlines() if line.startswith("RESUMED ")}
+
+
+def reports(outs: list[str]) -> dict[int, dict]:
+    """Each rank's ``mgr.last_restore``, as the worker printed it."""
+    docs = [json.loads(line[7:]) for out in outs for line in out.splitlines() if line.startswith("REPORT ")]
+    return {d["rank"]: d for d in docs}
+
+
+def same_losses(base: Path, reference: Path, steps: range) -> None:
+    for rank in (0, 1):
+        got, want = losses(base, rank), losses(reference, rank)
+        assert [got[s] for s in steps] == [want[s] for s in steps], f"rank {rank}"
 
 
 def losses(base: Path, rank: int) -> dict[int, str]:
@@ -169,6 +192,72 @@ def test_a_node_lost_with_its_disk_is_restored_from_the_replica_on_the_other_nod
     for rank in (0, 1):
         got, want = losses(tmp_path, rank), losses(ddp_reference, rank)
         assert [got[s] for s in range(7, 9)] == [want[s] for s in range(7, 9)]
+
+
+def test_nodes_lost_without_replicas_restore_from_the_remote_tier(tmp_path, ddp_reference):
+    """node_local with a remote tier (a shared directory here) and no replicas. Node 1 lost with
+    its disk: the job resumes from the newest step, each node fetching from its peer what a node
+    holds and from the remote tier only what no node holds (rank 1's files). Both nodes lost:
+    the newest step straight from the remote tier. A damaged shard on a node: that node's copy
+    is passed by, set aside, and the step loads from the remote tier. Bit for bit throughout."""
+    remote = ("--remote", str(tmp_path / "remote"))
+    run_job(tmp_path, 4, "ddp", extra=remote)
+    assert (tmp_path / "remote" / "step-00000004" / MANIFEST_NAME).exists(), "every step uploaded"
+
+    shutil.rmtree(tmp_path / "node-1")
+    outs = run_job(tmp_path, 6, "ddp", extra=remote)
+    assert resumed(outs) == {4}
+    rep = reports(outs)
+    assert rep[1]["tier"] == "local", "loaded from node 1's directory once filled"
+    assert rep[1]["fetched"].get("remote", 0) > 0, "rank 1's own files: on no node, from the remote tier"
+    assert rep[1]["fetched"].get("peers", 0) > 0, "what node 0 holds came from node 0"
+    assert [tuple(x) for x in rep[0]["order"][:2]] == [(4, "local"), (4, "remote")]
+    assert rep[0]["passed_by"] == [] and rep[1]["passed_by"] == []
+    same_losses(tmp_path, ddp_reference, range(5, 7))
+
+    shutil.rmtree(tmp_path / "node-0")
+    shutil.rmtree(tmp_path / "node-1")
+    outs = run_job(tmp_path, 8, "ddp", extra=remote)
+    assert resumed(outs) == {6}
+    assert {r["tier"] for r in reports(outs).values()} == {"remote"}
+    same_losses(tmp_path, ddp_reference, range(7, 9))
+
+    shard = sorted((tmp_path / "node-0/ckpt/step-00000008").glob("shard-r00000-*"))[0]
+    with shard.open("r+b") as f:  # one byte in the middle of rank 0's data, on node 0 only
+        f.seek(shard.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    outs = run_job(tmp_path, 10, "ddp", extra=remote)
+    assert resumed(outs) == {8}
+    rep = reports(outs)
+    assert {r["tier"] for r in rep.values()} == {"remote"}
+    assert [p[:2] for p in rep[0]["passed_by"]] == [[8, "local"]], rep[0]["passed_by"]
+    assert "checksum" in rep[0]["passed_by"][0][2] or "damaged" in rep[0]["passed_by"][0][2]
+    assert list((tmp_path / "node-0/ckpt").glob("step-00000008.damaged-*")), "set aside, not deleted"
+    same_losses(tmp_path, ddp_reference, range(9, 11))
+
+
+def test_the_fall_back_order_takes_a_step_the_nodes_hold_in_part_when_the_remote_tier_has_the_rest():
+    whole = (Held(6, "s6", 2, ((0, 1),)), Held(4, "s4", 2, ((0, 1),)))
+    other = (Held(6, "s6", 2, ((1, 2),)),)
+    order, torn = node_order({0: whole, 1: other}, [2, 4], None)
+    assert order == [(6, "local"), (4, "local"), (4, "remote"), (2, "remote")]
+    assert torn == [], "step 6: both ranks on some node"
+    order, torn = node_order({0: whole}, [4], None)
+    assert order == [(4, "local"), (4, "remote")], "step 4: rank 1 from the remote tier"
+    assert torn == [6], "step 6: rank 1 on no node nor in the remote tier"
+    assert node_order({0: whole}, [4], 4)[0] == [(4, "local"), (4, "remote")]
+
+
+def test_plan_transfers_reads_from_the_remote_tier_only_what_no_node_holds():
+    held = {0: {0, 1}, 1: {0, 1}, REMOTE: {0, 1, 2, 3}}
+    need = {2: {0, 1, 2, 3}}
+    transfers, after = plan_transfers(held, need, [0, 1, 2, 3])
+    from_remote = set().union(set(), *(expand(t.ranks) for t in transfers if t.src == REMOTE))
+    assert from_remote == {2, 3}, "ranks 0 and 1 come from the nodes"
+    assert all(t.src != REMOTE for t in transfers if t.manifest), "the manifest from a node"
+    assert after[2] == {0, 1, 2, 3}
 
 
 def test_replicas_need_node_local_and_enough_nodes(tmp_path):
@@ -355,12 +444,12 @@ def test_plan_spans_sends_only_the_ranges_of_ranks_a_node_lacks_merged():
 def test_a_peers_offer_outside_the_plan_is_refused(offer, why):
     plan = Transfer(0, 1, ranks=((1, 2),), spans=(("shard-r00003-0000-abc.safetensors", 3, 9, ((0, 4),)),))
     with pytest.raises(CorruptCheckpointError, match=why):
-        check_offer(offer, plan, "abc", 0)
+        check_offer(offer, plan, "abc", "rank 0")
     ok = (
         b'{"files": [["shard-r00001-0000-abc.safetensors", 3]], '
         b'"spans": [["shard-r00003-0000-abc.safetensors", 3, 9, [[0, 4]]]]}'
     )
-    assert check_offer(ok, plan, "abc", 0) == [("shard-r00001-0000-abc.safetensors", 3)]
+    assert check_offer(ok, plan, "abc", "rank 0") == [("shard-r00001-0000-abc.safetensors", 3)]
 
 
 def test_node_identity_comes_from_the_launcher(monkeypatch):

@@ -25,6 +25,21 @@ def _steps(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
 
 
+def test_a_managers_last_restore_says_what_it_did(tmp_path):
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=2) as mgr:
+        assert mgr.last_restore is None, "before any restore"
+        assert mgr.restore(_state(0)) is None
+        empty = mgr.last_restore
+        assert empty is not None and (empty.step, empty.tier, empty.order) == (None, None, ())
+        mgr.save(3, _state(3))
+        mgr.wait()
+        assert mgr.restore(_state(0)) == 3
+        report = mgr.last_restore
+        assert report is not None and (report.step, report.tier) == (3, "local")
+        assert report.order == ((3, "local"),) and report.passed_by == ()
+        assert isinstance(report, stashpoint.RestoreReport)
+
+
 def test_restore_order():
     want = [(5, "local"), (4, "remote"), (3, "local"), (3, "remote"), (1, "remote")]
     assert restore_order([3, 5], [1, 3, 4], None) == want
@@ -72,8 +87,14 @@ def test_restore_prefers_the_local_copy_and_falls_back_when_it_is_damaged(tmp_pa
         assert mgr.steps() == [1], "the damaged local copy was moved aside"
         assert len(list(local.glob("step-00000002.damaged-*"))) == 1
         assert mgr.remote_steps() == [1, 2]
+        report = mgr.last_restore
+        assert report is not None and (report.step, report.tier) == (2, "remote")
+        assert report.order == ((2, "local"), (2, "remote"), (1, "local"), (1, "remote"))
+        assert [p[:2] for p in report.passed_by] == [(2, "local")] and "checksum" in report.passed_by[0][2]
+        assert report.fetched == {} and report.seconds > 0
         out = _state(0)
         assert mgr.restore(out) == 2, "now from the remote tier"
+        assert mgr.last_restore is not None and mgr.last_restore.passed_by == ()
 
 
 class _FailingRemote(FailingStorage):

@@ -35,6 +35,7 @@ _LAZY = {
     "RNGState": "stashpoint._state.rng",
     "SaveHandle": "stashpoint._save.handle",
     "SaveStats": "stashpoint._save.handle",
+    "RestoreReport": "stashpoint._manager.restoring",
     "async_save": "stashpoint._save.engine",
     "save": "stashpoint._save.engine",
     "load": "stashpoint._load.loader",
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from stashpoint._load.loader import load
     from stashpoint._load.read import read
     from stashpoint._manager.manager import CheckpointManager
+    from stashpoint._manager.restoring import RestoreReport
     from stashpoint._runtime import shutdown
     from stashpoint._save.engine import async_save, save
     from stashpoint._save.handle import SaveHandle, SaveStats
@@ -63,6 +65,7 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "RNGState",
+    "RestoreReport",
     "SaveHandle",
     "SaveStats",
     "StateMismatchError",

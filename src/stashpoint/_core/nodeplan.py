@@ -6,8 +6,10 @@ assumed from node numbers, which a new rendezvous may assign anew. A restore ask
 before loading has every node fetch from the others what its ranks will read: first the files
 of its own ranks, then the indexes of the ranks that wrote what they read, then the byte
 ranges they read of those ranks' shards (into sparse copies). Only node leaders send and
-receive, over stashpoint's own group, in one order every rank computes alike. This module is
-the planning: pure functions.
+receive, over stashpoint's own group, in one order every rank computes alike. With a remote
+tier, the remote copy of a step is one more holder (:data:`REMOTE`), taken only for what no
+node holds: the leader that needs those files reads them from the remote tier itself. This
+module is the planning: pure functions.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from stashpoint.errors import CorruptCheckpointError
+
+#: The remote tier as a holder of a step: every saving rank's files, read only for what no node holds.
+REMOTE = -1
 
 
 @dataclass(frozen=True)
@@ -87,11 +92,12 @@ def _sources(held: Mapping[int, set[int]]) -> dict[int, list[int]]:
 
 
 def _pick(source_of: dict[int, list[int]], load: dict[int, int], rank: int, cost: int) -> int:
-    """The holder of ``rank``'s files that has sent the least so far."""
+    """The node holding ``rank``'s files that has sent the least so far (the remote tier
+    only when no node holds them)."""
     srcs = source_of.get(rank)
     if not srcs:
         raise CorruptCheckpointError(f"no node holds the files of saving rank {rank}")
-    src = min(srcs, key=lambda n: (load[n], n))
+    src = min(srcs, key=lambda n: (n == REMOTE, load[n], n))
     load[src] += cost
     return src
 
@@ -102,22 +108,33 @@ def plan_transfers(
     """Who sends what so that every node in ``nodes`` holds the files (or, ``indexes_only``,
     the index files) of the saving ranks it ``need``s, and the manifest: each missing rank's
     files come from the node holding them that has sent the fewest so far. ``held``: the
-    saving ranks each node holds every file of. Returns the transfers (in the order all ranks
-    run them) and which ranks each node then holds whole. Pure."""
-    held = {n: set(held.get(n, set())) for n in nodes}
+    saving ranks each node (and :data:`REMOTE`, if it holds the step) holds every file of.
+    Returns the transfers (in the order all ranks run them) and which ranks each node of
+    ``nodes`` then holds whole. Pure."""
+    held = {n: set(held.get(n, set())) for n in {*nodes, *held}}
     source_of = _sources(held)
-    load = dict.fromkeys(nodes, 0)
+    load = dict.fromkeys(held, 0)
     pairs: dict[tuple[int, int], set[int]] = {}
-    has_step = {n for n in nodes if held[n]}
+    has_step = {n for n in held if held[n]}
     if not has_step:
         raise CorruptCheckpointError("no node holds this step")
     for dst in sorted(nodes):
         for r in sorted(need.get(dst, set()) - held[dst]):
             pairs.setdefault((_pick(source_of, load, r, 1), dst), set()).add(r)
     for dst in sorted(set(nodes) - has_step - {d for _, d in pairs}):
-        pairs[(min(has_step), dst)] = set()
+        pairs[(min(has_step, key=lambda n: (n == REMOTE, n)), dst)] = set()
+    # one transfer per node that lacks the step brings the manifest: a node's, where one sends
+    manifest_from: dict[int, int] = {}
+    for src, dst in sorted(pairs, key=lambda p: (p[0] == REMOTE, p)):
+        manifest_from.setdefault(dst, src)
     transfers = [
-        Transfer(src, dst, () if indexes_only else ranges(rs), dst not in has_step, ranges(rs) if indexes_only else ())
+        Transfer(
+            src,
+            dst,
+            () if indexes_only else ranges(rs),
+            dst not in has_step and manifest_from[dst] == src,
+            ranges(rs) if indexes_only else (),
+        )
         for (src, dst), rs in sorted(pairs.items())
     ]
     after = {n: held[n] | set().union(*(expand(t.ranks) for t in transfers if t.dst == n)) for n in nodes}
@@ -139,8 +156,8 @@ def plan_spans(
     held: Mapping[int, set[int]], need: Mapping[int, Mapping[str, tuple[int, int, Sequence[tuple[int, int]]]]]
 ) -> list[Transfer]:
     """Transfers of the byte ranges each node ``need``s (file -> its saving rank, size and
-    ranges) of files whose ranks it does not hold whole, each file's from the holder that has
-    sent the fewest bytes so far. Pure."""
+    ranges) of files whose ranks it does not hold whole, each file's from the node holding
+    it that has sent the fewest bytes so far (:data:`REMOTE` last). Pure."""
     source_of = _sources(held)
     load = dict.fromkeys(held, 0)
     pairs: dict[tuple[int, int], list[Span]] = {}

@@ -9,24 +9,23 @@ Every byte fetched is still verified by the load against the checksums the manif
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from stashpoint._core.naming import MANIFEST_NAME, index_name, parse_save_file, split_group
-from stashpoint._core.nodeplan import Transfer, expand, replica_rounds
+from stashpoint._core.nodeplan import REMOTE, Transfer, expand, replica_rounds
 from stashpoint._core.sealed import MAX_MANIFEST_BYTES
 from stashpoint._dist.group import DistContext
-from stashpoint._dist.nodes import NodeSave, recv_blob, recv_tensor, send_blob, send_tensor
+from stashpoint._dist.nodes import NodeSave, recv_blob, send_blob
+from stashpoint._dist.stream import Landing, Stream
 from stashpoint._storage import LocalStorage, Storage
-from stashpoint._storage.localwrite import LocalWriter
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
-_CHUNK = 64 << 20
 _MAX_LISTING = 64 << 20  # a transfer's list of files
 _MAX_FILE = 1 << 44
 PARTIAL_RE = re.compile(r"partial-r([0-9]{5,})")
@@ -60,11 +59,6 @@ def _check_space(step: Storage, needed: int) -> None:
         )
 
 
-def as_memoryview(t: Any) -> memoryview:
-    """The bytes of a contiguous CPU uint8 tensor, without a copy."""
-    return t.numpy().data.cast("B")  # type: ignore[no-any-return]
-
-
 def _files_of(step: Storage, ranks: set[int], save_id: str, indexes_only: bool) -> list[tuple[str, int]]:
     out = []
     for name in step.list():
@@ -76,89 +70,6 @@ def _files_of(step: Storage, ranks: set[int], save_id: str, indexes_only: bool) 
     return out
 
 
-class _Landing(LocalStorage):
-    """A step directory that received files are written into through the page cache (the load
-    that follows reads them there), without an fsync each unless ``durable`` (a replica is a
-    recovery copy; a restore's fetch can be fetched again, and the load verifies every byte)."""
-
-    def __init__(self, root: Path, *, durable: bool) -> None:
-        super().__init__(root, direct_io=False, cache_newest=False)
-        self.durable = durable
-
-    def open_writer(self, name: str, size: int) -> Any:
-        parts = split_group(name)
-        if parts is None or parts[0]:
-            return super().open_writer(name, size)  # group directories: the usual path
-        return LocalWriter(self.root / parts[1], size, durable=self.durable)
-
-
-class _Stream:
-    """One transfer's bytes in 64 MiB pieces, two buffers deep: the next piece is read while
-    one is sent, and the last one written while the next is received. A side that fails
-    part-way (a file that cannot be read, a disk that is full) still sends or receives every
-    piece announced, zeros or discarded, so that its peer and every later transfer stay in
-    step; it raises at the end (:meth:`done`)."""
-
-    def __init__(self, ctx: DistContext, peer: int) -> None:
-        import torch
-
-        self.ctx, self.peer = ctx, peer
-        self.bufs = [torch.empty(_CHUNK, dtype=torch.uint8) for _ in range(2)]
-        self.mvs = [as_memoryview(b) for b in self.bufs]
-        self.error: BaseException | None = None
-        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="stashpoint-transfer")
-        self._turn = 0
-
-    def _read(self, step: Storage, name: str, off: int, mv: memoryview) -> None:
-        if self.error is None:
-            try:
-                step.readv(name, off, [mv])
-                return
-            except (OSError, EOFError, CheckpointError) as e:
-                self.error = CheckpointError(f"reading {step.location}/{name} to send it: {e}")
-        mv[:] = bytes(len(mv))
-
-    def send(self, step: Storage, name: str, start: int, end: int) -> None:
-        pieces = [(off, min(_CHUNK, end - off)) for off in range(start, end, _CHUNK)]
-        ahead: cf.Future[None] | None = None
-        for i, (off, n) in enumerate(pieces):
-            k = (self._turn + i) % 2
-            if ahead is None:
-                self._read(step, name, off, self.mvs[k][:n])
-            else:
-                ahead.result()
-            if i + 1 < len(pieces):
-                nk, (noff, nn) = (k + 1) % 2, pieces[i + 1]
-                ahead = self._pool.submit(self._read, step, name, noff, self.mvs[nk][:nn])
-            send_tensor(self.ctx, self.peer, self.bufs[k][:n])
-        self._turn = (self._turn + len(pieces)) % 2
-
-    def _sink(self, sink: Any, off: int, mv: memoryview) -> None:
-        if self.error is None:
-            try:
-                sink(off, mv)
-            except (OSError, CheckpointError) as e:
-                self.error = e
-
-    def receive(self, size: int, sink: Any) -> None:
-        """``size`` bytes, each piece given in order to ``sink(offset, memoryview)`` (on
-        another thread, while the next piece arrives) until it fails."""
-        behind: cf.Future[None] | None = None
-        for i, off in enumerate(range(0, size, _CHUNK)):
-            n, k = min(_CHUNK, size - off), i % 2
-            recv_tensor(self.ctx, self.peer, self.bufs[k][:n])
-            if behind is not None:
-                behind.result()
-            behind = self._pool.submit(self._sink, sink, off, self.mvs[k][:n])
-        if behind is not None:
-            behind.result()
-
-    def done(self) -> None:
-        self._pool.shutdown(wait=True)
-        if self.error is not None:
-            raise self.error
-
-
 def send_step_files(ctx: DistContext, peer: int, step: Storage, t: Transfer, save_id: str) -> None:
 
     files = _files_of(step, expand(t.ranks), save_id, False) + _files_of(step, expand(t.indexes), save_id, True)
@@ -168,7 +79,7 @@ def send_step_files(ctx: DistContext, peer: int, step: Storage, t: Transfer, sav
     refused = recv_blob(ctx, peer, 4096)  # the receiver checks the offer and its space first
     if refused:
         raise CheckpointError(f"rank {peer} refused the files: {refused.decode(errors='replace')}")
-    stream = _Stream(ctx, peer)
+    stream = Stream(ctx, peer)
     for name, size in files:
         stream.send(step, name, 0, size)
     for name, _, _, spans in t.spans:
@@ -177,7 +88,7 @@ def send_step_files(ctx: DistContext, peer: int, step: Storage, t: Transfer, sav
     stream.done()
 
 
-def _listing(raw: bytes, peer: int) -> tuple[list[tuple[str, int]], list[Any]]:
+def _listing(raw: bytes, who: str) -> tuple[list[tuple[str, int]], list[Any]]:
     try:
         doc = json.loads(raw)
         files, spans = doc["files"], doc["spans"]
@@ -186,15 +97,16 @@ def _listing(raw: bytes, peer: int) -> tuple[list[tuple[str, int]], list[Any]]:
     except (ValueError, TypeError, KeyError):
         ok = False
     if not ok:
-        raise CorruptCheckpointError(f"rank {peer} sent a malformed list of files")
+        raise CorruptCheckpointError(f"{who} sent a malformed list of files")
     return [(n, s) for n, s in files], spans
 
 
-def check_offer(raw: bytes, t: Transfer, save_id: str, peer: int) -> list[tuple[str, int]]:
-    """The whole files a peer's listing offers, if it offers exactly what ``t`` plans: names
-    of its saving ranks and save (index files alone where only indexes are planned), the
-    manifest only where planned, sizes in bounds, and the planned byte ranges."""
-    files, spans = _listing(raw, peer)
+def check_offer(raw: bytes, t: Transfer, save_id: str, who: str) -> list[tuple[str, int]]:
+    """The whole files a listing from ``who`` (a peer, or the remote tier) offers, if it offers
+    exactly what ``t`` plans: names of its saving ranks and save (index files alone where only
+    indexes are planned), the manifest only where planned, sizes in bounds, and the planned
+    byte ranges."""
+    files, spans = _listing(raw, who)
     whole, idx = expand(t.ranks), expand(t.indexes)
     for name, size in files:
         parsed = parse_save_file(name)
@@ -204,33 +116,58 @@ def check_offer(raw: bytes, t: Transfer, save_id: str, peer: int) -> list[tuple[
             and (parsed[0] in whole or (parsed[0] in idx and name.rpartition("/")[2] == index_name(*parsed)))
         )
         if not fits or not 0 <= size <= _MAX_FILE:
-            raise CorruptCheckpointError(f"rank {peer} offered {name!r} ({size} bytes), not a file of this transfer")
+            raise CorruptCheckpointError(f"{who} offered {name!r} ({size} bytes), not a file of this transfer")
     offered = [(s[0], s[1], s[2], tuple(tuple(r) for r in s[3])) for s in spans]
     if offered != list(t.spans):
-        raise CorruptCheckpointError(f"rank {peer} offered byte ranges other than those planned")
+        raise CorruptCheckpointError(f"{who} offered byte ranges other than those planned")
     return files
+
+
+def _needed(files: Sequence[tuple[str, int]], t: Transfer) -> int:
+    return sum(size for _, size in files) + sum(b - a for s in t.spans for a, b in s[3])
 
 
 def recv_step_files(
     ctx: DistContext, peer: int, step: Storage, t: Transfer, save_id: str, *, replica: bool = False
-) -> None:
-    """Receive a :func:`send_step_files` into this node's ``step``. Only names of the saving
-    ranks and save this transfer is for are accepted, and only byte ranges inside the file's
-    size, and only what fits the free space (the sender is told why not before it sends a
-    byte); whole files replace what was there, the manifest is committed last. ``replica``:
-    the files are a copy of another node's, marked so that a newer replica replaces them."""
-
+) -> int:
+    """Receive a :func:`send_step_files` into this node's ``step``; the bytes received. Only
+    names of the saving ranks and save this transfer is for are accepted, and only byte ranges
+    inside the file's size, and only what fits the free space (the sender is told why not
+    before it sends a byte); whole files replace what was there, the manifest is committed
+    last. ``replica``: the files are a copy of another node's, marked so that a newer replica
+    replaces them."""
     try:
-        files = check_offer(recv_blob(ctx, peer, _MAX_LISTING), t, save_id, peer)
-        _check_space(step, sum(size for _, size in files) + sum(b - a for s in t.spans for a, b in s[3]))
+        files = check_offer(recv_blob(ctx, peer, _MAX_LISTING), t, save_id, f"rank {peer}")
+        _check_space(step, _needed(files, t))
     except CheckpointError as e:
         send_blob(ctx, peer, str(e).encode()[:4000])
         raise
     send_blob(ctx, peer, b"")
+    return _land(step, t, files, Stream(ctx, peer), replica)
+
+
+@dataclass(frozen=True)
+class RemoteCopy:
+    """The remote tier's copy of the step a restore fetches, and the whole files of a transfer
+    planned from it (what a peer's listing would offer: names and sizes)."""
+
+    step: Storage
+    files: Callable[[Transfer], list[tuple[str, int]]]
+
+
+def fetch_remote(remote: RemoteCopy, step: Storage, t: Transfer, save_id: str) -> int:
+    """What no node holds, read from the remote tier into this node's ``step`` as a peer's
+    transfer lands (checked alike); the bytes read."""
+    listing = json.dumps({"files": remote.files(t), "spans": t.spans}).encode()
+    files = check_offer(listing, t, save_id, f"the remote tier ({remote.step.location})")
+    _check_space(step, _needed(files, t))
+    return _land(step, t, files, Stream(None, -1, source=remote.step), False)
+
+
+def _land(step: Storage, t: Transfer, files: list[tuple[str, int]], stream: Stream, replica: bool) -> int:
     if isinstance(step, LocalStorage):  # through the page cache: the load that follows reads it there
-        step = _Landing(step.root, durable=replica)
+        step = Landing(step.root, durable=replica)
     whole, idx = expand(t.ranks), expand(t.indexes)
-    stream = _Stream(ctx, peer)
     try:
         step.prepare()
         # marked before any byte lands: a crash or a failure part-way leaves copies known as partial
@@ -243,10 +180,10 @@ def recv_step_files(
     manifest: list[bytes] = []
     for name, size in files:
         if name == MANIFEST_NAME:
-            stream.receive(size, lambda _off, mv: manifest.append(bytes(mv)))
+            stream.receive(size, lambda _off, mv: manifest.append(bytes(mv)), name)
             continue
         out = _fresh_writer(step, name, size, stream)
-        stream.receive(size, lambda _off, mv, out=out: out.write(mv) if out is not None else None)
+        stream.receive(size, lambda _off, mv, out=out: out.write(mv) if out is not None else None, name)
         if out is not None:
             if stream.error is None:
                 out.close()
@@ -260,9 +197,10 @@ def recv_step_files(
         step.delete(partial_name(r))
     if manifest:
         step.commit(MANIFEST_NAME, b"".join(manifest))
+    return _needed(files, t)
 
 
-def _fresh_writer(step: Storage, name: str, size: int, stream: _Stream) -> Any:
+def _fresh_writer(step: Storage, name: str, size: int, stream: Stream) -> Any:
     if stream.error is not None:
         return None
     try:
@@ -273,7 +211,7 @@ def _fresh_writer(step: Storage, name: str, size: int, stream: _Stream) -> Any:
         return None
 
 
-def _recv_sparse(stream: _Stream, step: Storage, span: Any) -> None:
+def _recv_sparse(stream: Stream, step: Storage, span: Any) -> None:
     """Byte ranges of a file (``span``: name, rank, size, ranges) into a copy of its full
     size (the rest a hole), on local disk."""
     name, _, size, spans = span
@@ -294,7 +232,7 @@ def _recv_sparse(stream: _Stream, step: Storage, span: Any) -> None:
             stream.error = e
     try:
         for a, b in spans:
-            stream.receive(b - a, lambda off, mv, a=a: os.pwrite(fd, mv, a + off) if fd >= 0 else None)
+            stream.receive(b - a, lambda off, mv, a=a: os.pwrite(fd, mv, a + off) if fd >= 0 else None, name, a)
         if fd >= 0 and stream.error is None:
             os.fsync(fd)
     finally:
@@ -310,16 +248,24 @@ def run_transfers(
     step: Storage,
     *,
     save_id: str,
+    remote: RemoteCopy | None = None,
+    tally: dict[str, int] | None = None,
 ) -> str | None:
     """This rank's part of ``transfers`` (in their order): every one of them, whatever failed
-    before (its peers wait for it); the errors as a string, else None."""
+    before (its peers wait for it); the errors as a string, else None. The bytes this node
+    received are added to ``tally`` under "peers" and "remote" (on its leader)."""
     errors = []
+    tally = {} if tally is None else tally
     for t in transfers:
         try:
             if t.src == node and ctx.rank == leaders[node]:
                 send_step_files(ctx, leaders[t.dst], step, t, save_id)
+            elif t.dst == node and ctx.rank == leaders[node] and t.src == REMOTE:
+                if remote is None:
+                    raise CheckpointError("the plan reads from a remote tier this manager does not have")
+                tally["remote"] = tally.get("remote", 0) + fetch_remote(remote, step, t, save_id)
             elif t.dst == node and ctx.rank == leaders[node]:
-                recv_step_files(ctx, leaders[t.src], step, t, save_id)
+                tally["peers"] = tally.get("peers", 0) + recv_step_files(ctx, leaders[t.src], step, t, save_id)
         except Exception as e:
             errors.append(f"rank {ctx.rank}: {type(e).__name__}: {e}")
     return "; ".join(errors[:4]) or None

@@ -24,7 +24,7 @@ from stashpoint._load.loader import load
 from stashpoint._manager.lock import acquire_root_lock
 from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, stop
-from stashpoint._manager.restoring import restore_run
+from stashpoint._manager.restoring import RestoreReport, restore_run
 from stashpoint._manager.steps import (
     METRICS_KEY,
     committed_steps,
@@ -88,7 +88,9 @@ class CheckpointManager:
             ``/dev/shm``): each node's ranks write their files there, every node's leader
             (``LOCAL_RANK`` 0) commits each step, and :meth:`restore` takes the newest step the
             nodes hold between them, fetching onto each node what its ranks read from the
-            others (docs/guide/recovery.md). Not yet with ``remote_root``.
+            others (docs/guide/recovery.md). With a ``remote_root``, each rank uploads its own
+            files from its node, and a restore reads from the remote copy only what no node
+            holds (:attr:`last_restore` says what came from where).
         replicas: with ``node_local``, after each step commits every node's leader also sends
             its node's files of it to the next ``replicas`` nodes, which keep them (for the
             newest step) in their own ``root``: a node lost with its disk is then restored from
@@ -154,8 +156,8 @@ class CheckpointManager:
         self._deletions: list[cf.Future[None]] = []
         self._closed = False
         self.rank, self.world = rank_of()
-        if node_local and (remote_root is not None or not isinstance(self.storage, LocalStorage)):
-            raise ValueError("node_local=True needs a local directory as root, and no remote_root (not supported yet)")
+        if node_local and not isinstance(self.storage, LocalStorage):
+            raise ValueError(f"node_local=True needs a local directory as root, not {self.storage.location}")
         if replicas and not node_local:
             raise ValueError("replicas need node_local=True: they are copies of each node's files on other nodes")
         self._nodes = NodeLocal(self.world, replicas) if node_local else None
@@ -166,7 +168,7 @@ class CheckpointManager:
             preemption_deadline, preemption_signals, self.world
         )  # fmt: skip
         self._tier: RemoteTier | None = None
-        self._restored_from: str | None = None
+        self._last_restore: RestoreReport | None = None
         self.storage.prepare()
         # In a distributed run rank 0 owns the root: the lock, the cleanup and the retention.
         # (Object stores offer no lock: there, one manager per root is the user's to ensure.)
@@ -367,7 +369,7 @@ class CheckpointManager:
     def _upload_ended(self) -> None:
         """An upload ended: local steps it protected may go now."""
         with self._lock:
-            if self.rank == 0 and not self._closed:
+            if self._owner and not self._closed:
                 self._deletions.append(self._deleter.submit(self._apply_retention))
 
     # -- restoring -----------------------------------------------------------------------------
@@ -386,12 +388,22 @@ class CheckpointManager:
         the remote copy is used otherwise (a fresh node) or when the local one is damaged.
         """
         load_one = functools.partial(_load_into, state, strict, options)
-        found, self._restored_from = restore_run(self, state, load_one, step, options)
-        return found
+        t0 = time.perf_counter()
+        r = restore_run(self, state, load_one, step, options)
+        fetched = dict(self._nodes.fetched) if self._nodes is not None else {}
+        self._last_restore = RestoreReport(r.step, r.tier, r.order, r.passed_by, fetched, time.perf_counter() - t0)
+        return r.step
 
     def restored_from(self) -> str | None:
         """Which tier the last :meth:`restore` read: "local", "remote", or None."""
-        return self._restored_from
+        return self._last_restore.tier if self._last_restore is not None else None
+
+    @property
+    def last_restore(self) -> RestoreReport | None:
+        """What the last :meth:`restore` did on this rank: the step, the tier, the fall-back
+        order, the copies passed by and why, the bytes fetched from other nodes and from the
+        remote tier (None before any restore)."""
+        return self._last_restore
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -1,5 +1,9 @@
 """The restore of a manager with node-local directories (planned by ``_core.nodeplan``): agree
-on a step the nodes hold between them, fetch onto each node what its ranks will read, then load."""
+on a step the nodes hold between them, fetch onto each node what its ranks will read, then load.
+
+With a remote tier, each step is tried from the nodes first, reading from the remote copy only
+what no node holds (a node lost without replicas), then from the remote copy alone (loaded
+straight from it); a step only the remote tier holds is loaded straight from it."""
 
 from __future__ import annotations
 
@@ -8,18 +12,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stashpoint._core.naming import index_name, parse_save_file, step_dir
-from stashpoint._core.nodeplan import Held, Transfer, coverable, expand, plan_spans, plan_transfers, ranges
+from stashpoint._core.format import Manifest
+from stashpoint._core.naming import MANIFEST_NAME, index_name, parse_save_file, step_dir
+from stashpoint._core.nodeplan import REMOTE, Held, Transfer, coverable, expand, plan_spans, plan_transfers, ranges
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext
 from stashpoint._dist.nodes import NodeMap, NodeSave, agree_nodes, this_node
-from stashpoint._dist.transfer import PARTIAL_RE, run_transfers
+from stashpoint._dist.transfer import PARTIAL_RE, RemoteCopy, run_transfers
 from stashpoint._load.exchange import agree
 from stashpoint._load.loader import ranges_needed, writers_needed
-from stashpoint._load.manifest import read_head
-from stashpoint._manager.restoring import try_in_order
+from stashpoint._load.manifest import read_head, read_index
+from stashpoint._manager.restoring import Restored, try_in_order
 from stashpoint._manager.steps import committed_steps, move_aside
-from stashpoint._manager.tiers import restore_order
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
@@ -46,6 +50,50 @@ def inventory(root: Storage) -> tuple[Held, ...]:
     return tuple(found)
 
 
+def node_order(
+    by_node: dict[int, tuple[Held, ...]], remote: list[int], step: int | None
+) -> tuple[list[tuple[int, str]], list[int]]:
+    """The copies to try, newest step first: ``(step, "local")`` where the nodes hold the step
+    between them, or hold part of it and the remote tier has it (the rest is read from there),
+    then ``(step, "remote")`` where the remote tier has it; and the steps no restore can take
+    (some rank's files are on no node, nor in the remote tier). Pure."""
+    held = {h.step for hs in by_node.values() for h in hs}
+    cover = coverable(by_node)
+    steps = sorted(held | set(remote), reverse=True) if step is None else [step]
+    order = []
+    for s in steps:
+        if s in cover or (s in held and s in remote):
+            order.append((s, "local"))
+        if s in remote:
+            order.append((s, "remote"))
+    return order, sorted(held - cover.keys() - set(remote))
+
+
+def remote_copy(at: Storage) -> RemoteCopy:
+    """The remote tier's copy ``at`` of a step, listing a transfer's whole files from its
+    (verified) manifest and indexes: what a peer's listing would offer."""
+    heads: list[Any] = []
+
+    def files(t: Transfer) -> list[tuple[str, int]]:
+        if not heads:
+            heads.append(read_head(at))
+        return remote_files(at, heads[0], t)
+
+    return RemoteCopy(at, files)
+
+
+def remote_files(remote: Storage, head: Any, t: Transfer) -> list[tuple[str, int]]:
+    if isinstance(head, Manifest):
+        raise CheckpointError(f"{remote.location} has a version-1 manifest; node-local restores read version 2")
+    out = []
+    for r in sorted(expand(t.ranks)):
+        out += [(f.name, f.size) for f in read_index(remote, head, r).files]
+    out += [(head.index_name(r), head.indexes[r][0]) for r in sorted(expand(t.ranks) | expand(t.indexes))]
+    if t.manifest:
+        out.append((MANIFEST_NAME, remote.size(MANIFEST_NAME)))
+    return out
+
+
 class NodeLocal:
     """A manager's node-local mode on this rank: its node, the job's leaders, the restore."""
 
@@ -65,6 +113,8 @@ class NodeLocal:
                 f"runs on {len(self.leaders)}"
             )
         self._save_id = ""  # rank 0: the save of the step being fetched
+        self._remote: RemoteCopy | None = None  # the remote copy of the step being fetched
+        self.fetched: dict[str, int] = {}  # bytes fetched onto this node by the last restore (leader)
 
     @property
     def owner(self) -> bool:
@@ -75,32 +125,38 @@ class NodeLocal:
         """What this manager's saves pass on (None in a world of one: nothing to do per node)."""
         return NodeSave(self.me.node, self.map, replicas) if self.world > 1 else None
 
-    def restore(
-        self, root: Storage, state: Any, step: int | None, load_one: Callable[[Storage], None], options: dict[str, Any]
-    ) -> int | None:
-        """Load the newest step the nodes hold between them (or ``step``) into ``state``."""
+    def restore(  # noqa: PLR0917
+        self,
+        root: Storage,
+        state: Any,
+        step: int | None,
+        load_one: Callable[[Storage], None],
+        options: dict[str, Any],
+        remote: Storage | None = None,
+    ) -> Restored:
+        """Load the newest step the nodes hold between them (or ``step``) into ``state``; with
+        a ``remote`` tier's root, from its copy what no node holds."""
         from stashpoint._save import engine as _save
 
         _save.wait_all()
+        self.fetched = {}
         ctx = _dist.context(options.get("process_group"), options.get("timeout")) or DistContext.solo()
         mine: Any = None
         if self.me.leader:
             try:
-                mine = (self.me.node, inventory(root))
+                mine = (self.me.node, inventory(root), committed_steps(remote) if ctx.rank == 0 and remote else [])
             except Exception as e:
                 mine = f"rank {ctx.rank}: listing {root.location} failed: {type(e).__name__}: {e}"
         seen = ctx.gather("node-local: what each node holds", mine)
         answer: Any = None
-        cover: dict[int, dict[int, Held]] = {}
+        by_node: dict[int, tuple[Held, ...]] = {}
         if seen is not None:
             errors = [s for s in seen if isinstance(s, str)]
             if errors:
                 answer = ("error", "; ".join(errors[:8])[:4000])
             else:
-                by_node = dict(s for s in seen if s is not None)
-                cover = coverable(by_node)
-                torn = sorted({h.step for hs in by_node.values() for h in hs} - cover.keys())
-                answer = ("ok", restore_order(sorted(cover), [], step), torn)
+                by_node = {s[0]: s[1] for s in seen if s is not None}
+                answer = ("ok", *node_order(by_node, seen[0][2], step))
         answer = ctx.broadcast("node-local: the steps to try", answer)
         if answer[0] == "error":
             raise CheckpointError("listing the node-local checkpoints failed: " + answer[1])
@@ -113,21 +169,43 @@ class NodeLocal:
         if step is not None and not order:
             order = [(step, "local")]  # raises CheckpointNotFoundError, naming the path
 
-        def fetch_and_load(candidate: int) -> None:
-            at = root.child(step_dir(candidate))
-            holders = cover.get(candidate, {})
-            self._save_id = next(iter(holders.values())).save_id if holders else ""
+        def fetch_and_load(candidate: tuple[int, str]) -> None:
+            s, tier = candidate
+            if tier == "remote":
+                assert remote is not None
+                load_one(remote.child(step_dir(s)))
+                return
+            at = root.child(step_dir(s))
+            self._remote = remote_copy(remote.child(step_dir(s))) if remote is not None else None
+            holders = self._holders(s, by_node, remote) if ctx.rank == 0 else {}
             self._fetch(ctx, at, holders, state, options)
             load_one(at)
 
-        found = try_in_order(order, step, lambda s, _t: s, fetch_and_load)
+        found = try_in_order(order, step, lambda s, t: (s, t), fetch_and_load)
         if found is None:
-            return None
-        candidate, _, damaged = found
-        if step is None and self.me.leader:
-            for s, _ in damaged:
-                move_aside(root, s)
-        return candidate
+            return Restored(None, None, tuple(order), ())
+        candidate, tier, damaged = found
+        if step is None:
+            for s, t, _ in damaged:
+                if t == "local" and self.me.leader:
+                    move_aside(root, s)
+                elif t == "remote" and ctx.rank == 0 and remote is not None:
+                    move_aside(remote, s)
+        return Restored(candidate, tier, tuple(order), tuple(damaged))
+
+    def _holders(self, step: int, by_node: dict[int, tuple[Held, ...]], remote: Storage | None) -> dict[int, Held]:
+        """Rank 0: what each node holds of ``step`` (one save of it), and the remote tier's
+        copy as :data:`REMOTE` where the nodes do not hold it all."""
+        nodes = {n: h for n, hs in by_node.items() for h in hs if h.step == step}
+        covered = coverable({n: (h,) for n, h in nodes.items()})
+        if step in covered or remote is None:
+            self._save_id = next(iter(nodes.values())).save_id if nodes else ""
+            return covered.get(step, nodes)
+        at = remote.child(step_dir(step))
+        head = read_head(at)
+        self._save_id = head.save_id
+        ours = {n: h for n, h in nodes.items() if h.save_id == head.save_id}
+        return {**ours, REMOTE: Held(step, head.save_id, head.world_size, ((0, head.world_size),))}
 
     def _fetch(
         self, ctx: DistContext, at: Storage, holders: dict[int, Held], state: Any, options: dict[str, Any]
@@ -136,6 +214,7 @@ class NodeLocal:
         of the ranks that wrote what they read, then the byte ranges they read of those."""
         world = next(iter(holders.values())).world if holders else 1  # rank 0 plans: it has them
         held = {n: expand(h.ranks) for n, h in holders.items()}
+        remote = {REMOTE: held[REMOTE]} if REMOTE in held else {}
         own: dict[int, set[int]] = {}
         for r, n in enumerate(self.map.of_rank):
             own.setdefault(n, set()).add(r % world)
@@ -143,9 +222,9 @@ class NodeLocal:
         kw = {"partial": options.get("partial", False), "allow_pickle": options.get("allow_pickle", False)}
         writers = self._gather_needs(ctx, at, lambda: ranges(writers_needed(at, state, ctx.rank, **kw)))
         need_idx = {n: set().union(*(expand(w) for w in ws)) for n, ws in writers.items()}
-        self._transfer(
-            ctx, at, "indexes", lambda: plan_transfers(held, need_idx, sorted(self.leaders), indexes_only=True)
-        )
+        nodes = sorted(self.leaders)
+        with_remote = {**held, **remote}
+        self._transfer(ctx, at, "indexes", lambda: plan_transfers(with_remote, need_idx, nodes, indexes_only=True))
         mine = held.get(self.me.node, set())
         spans = self._gather_needs(ctx, at, lambda: ranges_needed(at, state, ctx.rank, skip=mine, **kw))
         need: dict[int, dict[str, tuple[int, int, list[tuple[int, int]]]]] = {}
@@ -153,7 +232,7 @@ class NodeLocal:
             for files in per_rank:
                 for name, (rank, size, rs) in files.items():
                     need.setdefault(n, {}).setdefault(name, (rank, size, []))[2].extend(rs)
-        self._transfer(ctx, at, "byte ranges", lambda: (plan_spans(held, need), held))
+        self._transfer(ctx, at, "byte ranges", lambda: (plan_spans({**held, **remote}, need), held))
 
     def _gather_needs(self, ctx: DistContext, at: Storage, mine: Callable[[], Any]) -> dict[int, list[Any]]:
         """Each rank's ``mine()``, grouped by node on rank 0 ({} elsewhere); raises on every rank
@@ -191,7 +270,9 @@ class NodeLocal:
         if plan[0] == "error":
             raise CorruptCheckpointError(f"fetching {what} of {at.location} across nodes: {plan[1]}")
         t0 = time.perf_counter()
-        status = run_transfers(ctx, plan[1], self.leaders, self.me.node, at, save_id=plan[2])
+        status = run_transfers(
+            ctx, plan[1], self.leaders, self.me.node, at, save_id=plan[2], remote=self._remote, tally=self.fetched
+        )
         agree(ctx, f"node-local: {what} fetched", status or 0, CorruptCheckpointError)
         if plan[1]:
             log.info("stashpoint: fetched %s of %s across nodes: %d transfer(s), %.2f s on rank %d", what,

@@ -14,6 +14,43 @@ log = logging.getLogger("stashpoint")
 
 
 @dataclass(frozen=True)
+class Restored:
+    """What a restore found: the step and tier loaded (None, None: no checkpoint), the copies
+    it would try in order, and those it passed by as unusable, each ``(step, tier, why)``."""
+
+    step: int | None
+    tier: str | None
+    order: tuple[tuple[int, str], ...]
+    passed_by: tuple[tuple[int, str, str], ...]
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """What the last :meth:`CheckpointManager.restore` did on this rank (its telemetry).
+
+    Attributes:
+        step: the step loaded; None when there was no checkpoint.
+        tier: where it was loaded from: ``"local"`` (the local root; with ``node_local``, this
+            node's directory once what it lacked was fetched onto it) or ``"remote"``.
+        order: the fall-back order, newest step first: the ``(step, tier)`` copies the restore
+            would try, one after another, until one loads.
+        passed_by: the copies tried first and found unusable, each ``(step, tier, why)``.
+        fetched: with ``node_local``, the bytes fetched onto this rank's node before loading,
+            by source: ``"peers"`` (other nodes' directories) and ``"remote"`` (the remote
+            tier, for what no node held). Counted on the rank that fetches for its node (its
+            ``LOCAL_RANK`` 0); empty on the others.
+        seconds: the whole restore on this rank, from listing the steps to the end of the load.
+    """
+
+    step: int | None
+    tier: str | None
+    order: tuple[tuple[int, str], ...]
+    passed_by: tuple[tuple[int, str, str], ...]
+    fetched: dict[str, int]
+    seconds: float
+
+
+@dataclass(frozen=True)
 class StepsSeen:
     """What one rank found: its local steps, rank 0's remote steps, or why it could not list."""
 
@@ -62,11 +99,12 @@ def agreed_restore_order(
 
 def try_in_order(
     order: list[tuple[int, str]], step: int | None, where: Callable[[int, str], Any], load_one: Callable[[Any], None]
-) -> tuple[int, str, list[tuple[int, str]]] | None:
+) -> tuple[int, str, list[tuple[int, str, str]]] | None:
     """Load the first usable (step, tier) of ``order``; return it with the damaged ones tried
-    before it, or None when ``order`` is empty. A damaged copy is logged and the next one tried;
-    with ``step`` given, the copies of that step are all there is, and their errors are raised."""
-    damaged: list[tuple[int, str]] = []
+    before it (and why), or None when ``order`` is empty. A damaged copy is logged and the next
+    one tried; with ``step`` given, the copies of that step are all there is, and their errors
+    are raised."""
+    damaged: list[tuple[int, str, str]] = []
     errors: list[CheckpointError] = []
     for candidate, tier in order:
         try:
@@ -76,11 +114,11 @@ def try_in_order(
                 raise
             log.error("stashpoint: the %s copy of step %d is unusable (%s); trying another", tier, candidate, e)
             errors.append(e)
-            damaged.append((candidate, tier))
+            damaged.append((candidate, tier, str(e)[:2000]))
             continue
         return candidate, tier, damaged
     if len(errors) > 1 and step is not None:  # both copies of the step asked for
-        copies = "\n".join(f"- the {t} copy: {e}" for (_, t), e in zip(damaged, errors))
+        copies = "\n".join(f"- the {t} copy: {e}" for (_, t, _), e in zip(damaged, errors))
         raise CorruptCheckpointError(f"every copy of step {step} is unusable:\n{copies}")
     if errors:
         raise errors[0]
@@ -89,17 +127,17 @@ def try_in_order(
 
 def restore_run(
     mgr: Any, state: Any, load_one: Callable[[Any], None], step: int | None, options: dict[str, Any]
-) -> tuple[int | None, str | None]:
-    """``CheckpointManager.restore`` of ``state``: the step loaded (None: no checkpoint) and
-    the tier it came from."""
+) -> Restored:
+    """``CheckpointManager.restore`` of ``state``: the step loaded (None: no checkpoint), the
+    tier it came from, and the copies tried."""
     from stashpoint._manager.steps import move_aside
 
+    remote = mgr._tier.remote if mgr._tier is not None else None
     if mgr._nodes is not None:
-        found = mgr._nodes.restore(mgr.storage, state, step, load_one, options)
-        return found, None if found is None else "local"
-    if mgr.remote is None and step is not None:
+        return mgr._nodes.restore(mgr.storage, state, step, load_one, options, remote)  # type: ignore[no-any-return]
+    if remote is None and step is not None:
         load_one(mgr._at(step))
-        return step, "local"
+        return Restored(step, "local", ((step, "local"),), ())
     if mgr._tier is None or mgr.world == 1:
         order = restore_order(mgr.steps(), mgr.remote_steps(), step)
     else:
@@ -112,9 +150,9 @@ def restore_run(
 
     found = try_in_order(order, step, where, load_one)
     if found is None:
-        return None, None
+        return Restored(None, None, tuple(order), ())
     candidate, tier, damaged = found
     if step is None and mgr.rank == 0:
-        for s, t in damaged:
+        for s, t, _ in damaged:
             move_aside(mgr.storage if t == "local" or mgr._tier is None else mgr._tier.remote, s)
-    return candidate, tier
+    return Restored(candidate, tier, tuple(order), tuple(damaged))
