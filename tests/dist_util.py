@@ -22,8 +22,22 @@ def free_port() -> int:
 def run_world(
     n: int, *args: str, timeout: float = 180, allow_fail: bool = False, worker: Path = WORKER
 ) -> list[dict]:
-    """Run ``worker ARGS`` (default ``dist_worker.py``) on ``n`` ranks; return each rank's RESULT dict (or {})."""
-    port = free_port()
+    """Run ``worker ARGS`` (default ``dist_worker.py``) on ``n`` ranks; return each rank's RESULT dict (or {}).
+
+    The rendezvous store is served from this process on a port the kernel gives it and that it
+    holds until the ranks are done; the ranks join it as clients (as under torchrun's agent).
+    A port picked free and handed to rank 0 to bind could be taken in between by another test
+    (EADDRINUSE)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)
+    try:
+        return _run(n, args, timeout, allow_fail, worker, store.port)
+    finally:
+        del store
+
+
+def _run(n: int, args: tuple[str, ...], timeout: float, allow_fail: bool, worker: Path, port: int) -> list[dict]:  # noqa: PLR0917
     procs = []
     for rank in range(n):
         env = {
@@ -31,6 +45,7 @@ def run_world(
             "PYTHONPATH": str(ROOT / "src") + os.pathsep + str(ROOT / "tests"),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",  # join the store above, do not serve one
             "RANK": str(rank),
             "WORLD_SIZE": str(n),
             "OMP_NUM_THREADS": "1",

@@ -15,10 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+import stashpoint
 from conftest import ROOT
 from dist_util import free_port
-from stashpoint._core.naming import MANIFEST_NAME
+from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME
 from stashpoint._core.nodeplan import (
     REMOTE,
     Held,
@@ -34,6 +36,8 @@ from stashpoint._core.nodeplan import (
 from stashpoint._dist.nodes import this_node
 from stashpoint._dist.transfer import check_offer
 from stashpoint._manager.noderestore import node_order
+from stashpoint._tools.cli import main as cli_main
+from stashpoint._tools.inspect import describe
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 WORKER = Path(__file__).with_name("node_worker.py")
@@ -186,6 +190,12 @@ def test_a_node_lost_with_its_disk_is_restored_from_the_replica_on_the_other_nod
         assert ranks_in(files(tmp_path, node, 6)) == {0, 1}, "the other node's files are replicated here"
         assert f"replica-r{other:05d}" in files(tmp_path, node, 6)
         assert ranks_in(files(tmp_path, node, 4)) == {1 - other}, "older steps keep no replicas"
+        newest = tmp_path / f"node-{node}" / "ckpt" / "step-00000006"
+        assert describe(newest)["recoverable_without_storage"] == {"replicas": 1, "nodes": 2}
+        assert RECOVERABLE_NAME not in files(tmp_path, node, 4), "an older step is not, its replicas gone"
+        assert not [w for w in stashpoint.verify(newest).warnings if "replica-" in w or RECOVERABLE_NAME in w]
+    shown = CliRunner().invoke(cli_main, ["inspect", str(tmp_path / "node-0/ckpt/step-00000006")]).output
+    assert "recoverable without storage: each of 2 nodes' files copied to 1 other node(s)" in shown
     shutil.rmtree(tmp_path / "node-1")
     outs = run_job(tmp_path, 8, "ddp", replicas=1)
     assert resumed(outs) == {6}
@@ -261,8 +271,6 @@ def test_plan_transfers_reads_from_the_remote_tier_only_what_no_node_holds():
 
 
 def test_replicas_need_node_local_and_enough_nodes(tmp_path):
-    import stashpoint
-
     with pytest.raises(ValueError, match="node_local=True"):
         stashpoint.CheckpointManager(tmp_path / "a", replicas=1)
     with pytest.raises(ValueError, match="at least 2 nodes"):

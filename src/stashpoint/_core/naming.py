@@ -8,6 +8,11 @@ import re
 
 MANIFEST_NAME = "manifest.json"
 LOCK_NAME = ".stashpoint-manager.lock"  # the manager's lock file in its root
+#: In a node-local step directory: every node's files of this step had live copies on
+#: ``replicas`` other nodes when it was written (the manifest is sealed before the copies exist)
+RECOVERABLE_NAME = "recoverable.json"
+
+_NODE_MARKER_RE = re.compile(r"(partial|replica)-r[0-9]{5,}|recoverable\.json")
 
 _SHARD_RE = re.compile(r"shard-r([0-9]{5,})-([0-9]{4,})-([0-9a-f]+)\.safetensors")
 _INDEX_RE = re.compile(r"index-r([0-9]{5,})-([0-9a-f]+)\.json")
@@ -116,3 +121,10 @@ def set_aside_name(step: int, stamp: str) -> str:
 def is_set_aside(name: str) -> bool:
     m = _SET_ASIDE_RE.fullmatch(name)
     return m is not None and parse_step_dir(m[1]) is not None
+
+
+def is_node_marker(name: str) -> bool:
+    """A marker a node-local step directory holds beside the checkpoint's files: another rank's
+    files copied in part (``partial-rNNNNN``), kept for another node (``replica-rNNNNN``), or
+    the step recoverable without storage (:data:`RECOVERABLE_NAME`)."""
+    return _NODE_MARKER_RE.fullmatch(name) is not None

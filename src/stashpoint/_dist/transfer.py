@@ -10,6 +10,7 @@ Every byte fetched is still verified by the load against the checksums the manif
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stashpoint._core.naming import MANIFEST_NAME, index_name, parse_save_file, split_group
+from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME, index_name, parse_save_file, split_group
 from stashpoint._core.nodeplan import REMOTE, Transfer, expand, replica_rounds
 from stashpoint._core.sealed import MAX_MANIFEST_BYTES
 from stashpoint._dist.group import DistContext
@@ -25,6 +26,8 @@ from stashpoint._dist.nodes import NodeSave, recv_blob, send_blob
 from stashpoint._dist.stream import Landing, Stream
 from stashpoint._storage import LocalStorage, Storage
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
+
+log = logging.getLogger("stashpoint")
 
 _MAX_LISTING = 64 << 20  # a transfer's list of files
 _MAX_FILE = 1 << 44
@@ -303,6 +306,8 @@ def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str) -> No
         bad = [s for s in statuses if s]
         verdict = "; ".join(bad[:8])[:4000] if bad else None
     verdict = ctx.broadcast("replicas: the verdict", verdict)
+    if not verdict and ctx.rank == leaders.get(ns.node):
+        _mark_recoverable(step, ns.replicas, len(leaders))
     if verdict:
         raise ReplicaError(
             f"the step at {step.location} is committed on every node, but copying it to other nodes failed "
@@ -310,11 +315,23 @@ def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str) -> No
         )
 
 
+def _mark_recoverable(step: Storage, replicas: int, nodes: int) -> None:
+    """Say in this node's step directory that every node's files of the step now have live
+    copies on ``replicas`` other nodes (the step is recoverable without storage). Not fatal."""
+    doc = {"replicas": replicas, "nodes": nodes}
+    try:
+        step.commit(RECOVERABLE_NAME, json.dumps(doc).encode())
+    except OSError as e:
+        log.warning("stashpoint: could not mark %s recoverable without storage: %s", step.location, e)
+
+
 def _drop_older_replicas(step_root: Path) -> None:
-    """Replicas are kept of the newest step alone: other nodes' files in older steps go."""
+    """Replicas are kept of the newest step alone: other nodes' files in older steps go (and
+    with them their steps' claim to be recoverable without storage)."""
     for other in step_root.parent.iterdir():
         if other == step_root or not other.name.startswith("step-") or not other.is_dir() or other.is_symlink():
             continue
+        (other / RECOVERABLE_NAME).unlink(missing_ok=True)
         marked = {int(m[1]) for p in other.iterdir() if (m := REPLICA_RE.fullmatch(p.name))}
         if not marked:
             continue

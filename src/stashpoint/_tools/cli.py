@@ -120,6 +120,9 @@ def inspect_command(*, path: str, rank: int, as_json: bool) -> None:
         f"{d['library_version']}, torch {d['torch_version']})"
     )
     echo(f"created     {d['created']}")
+    if d["recoverable_without_storage"]:
+        r = d["recoverable_without_storage"]
+        echo(f"recoverable without storage: each of {r['nodes']} nodes' files copied to {r['replicas']} other node(s)")
     echo(
         f"world size  {d['world_size']}"
         + (f" ({d['distinct_rank_trees']} distinct per-rank value sets)" if d["distinct_rank_trees"] > 1 else "")

@@ -8,6 +8,7 @@ checkpoint: pickled values are shown as ``<pickled, not loaded>``.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -25,7 +26,7 @@ from stashpoint._core.format import (
     Manifest,
     block_checksums,
 )
-from stashpoint._core.naming import MANIFEST_NAME
+from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME, is_node_marker
 from stashpoint._core.nodes import Node, decode_plain, join
 from stashpoint._core.policy import parse_metrics
 from stashpoint._load.manifest import open_checkpoint, read_head, shard_problem, unlisted_shards
@@ -217,6 +218,7 @@ def describe(path: str | os.PathLike[str], rank: int = 0) -> dict[str, Any]:
     where = storage.location
     values = {k: jsonable(decode_value(v, where)) for k, v in plain_values(m.tree_for(rank)).items()}
     return {
+        "recoverable_without_storage": _recoverable(storage),
         "path": where,
         "format_version": m.format_version,
         "save_id": m.save_id,
@@ -232,6 +234,17 @@ def describe(path: str | os.PathLike[str], rank: int = 0) -> dict[str, Any]:
         "metadata": dict(m.metadata),
         "files": [{"name": f.name, "rank": f.rank, "size": f.size} for f in m.files],
     }
+
+
+def _recoverable(storage: Storage) -> dict[str, int] | None:
+    """A node-local step's claim to have live copies of every node's files on other nodes."""
+    try:
+        doc = json.loads(storage.read(RECOVERABLE_NAME, 0, 4096)) if storage.exists(RECOVERABLE_NAME) else None
+    except (OSError, ValueError, CheckpointError):
+        return None
+    if not (isinstance(doc, dict) and all(type(doc.get(k)) is int for k in ("replicas", "nodes"))):
+        return None
+    return {"replicas": doc["replicas"], "nodes": doc["nodes"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +313,7 @@ def verify(path: str | os.PathLike[str], progress: Progress | None = None) -> Ve
         )
     listed = {f.name for f in m.files} | {name for name, _ in m.indexes} | {MANIFEST_NAME} | own
     for name in storage.list():
-        if name not in listed:
+        if name not in listed and not is_node_marker(name):
             rep.warnings.append(
                 f"{storage.location}/{name} is not listed in the manifest (a leftover of an interrupted save?); "
                 "it is not part of the checkpoint and may be deleted"
