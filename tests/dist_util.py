@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -19,6 +20,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def rendezvous_store() -> Any:
+    """A TCP store served by this process on a free port it holds (``.port``), for processes
+    that join it as clients."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+
+
 def run_world(
     n: int, *args: str, timeout: float = 180, allow_fail: bool = False, worker: Path = WORKER
 ) -> list[dict]:
@@ -28,9 +37,7 @@ def run_world(
     holds until the ranks are done; the ranks join it as clients (as under torchrun's agent).
     A port picked free and handed to rank 0 to bind could be taken in between by another test
     (EADDRINUSE)."""
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)
+    store = rendezvous_store()
     try:
         return _run(n, args, timeout, allow_fail, worker, store.port)
     finally:

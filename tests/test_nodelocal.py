@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 import stashpoint
 from conftest import ROOT
-from dist_util import free_port
+from dist_util import rendezvous_store
 from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME
 from stashpoint._core.nodeplan import (
     REMOTE,
@@ -47,17 +47,23 @@ pytestmark = pytest.mark.xdist_group("nodelocal")
 
 def _agents(base: Path, steps: int, par: str, dirs: tuple[str, str], *extra: str, **popen) -> list[subprocess.Popen]:
     """Two torchrun agents (nodes 0 and 1, one rank each); node i keeps its files in
-    ``base/node-<dirs[i]>``."""
-    port = free_port()
+    ``base/node-<dirs[i]>``. Their rendezvous store is served from here on a port the kernel
+    gave it and that it holds while the agents live (a port picked free and bound later by an
+    agent can be taken in between); both agents join it as clients."""
+    store = rendezvous_store()
+    port = store.port
     procs = []
     for node in (0, 1):
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
             "--node_rank", str(node), "--rdzv_backend", "c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-            "--rdzv_id", f"nl-{port}", "--max_restarts", "0", str(WORKER), str(base), str(steps), "--par", par,
+            "--rdzv_id", f"nl-{port}", "--rdzv_conf", "is_host=0", "--max_restarts", "0", str(WORKER), str(base),
+            str(steps), "--par", par,
             *extra,
         ]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, env={**ENV, "NODE_DIR": dirs[node]}, **popen))
+        proc = subprocess.Popen(cmd, env={**ENV, "NODE_DIR": dirs[node]}, **popen)
+        proc.store = store  # type: ignore[attr-defined]  # served as long as the agents are
+        procs.append(proc)
     return procs
 
 
