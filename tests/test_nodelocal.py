@@ -197,11 +197,15 @@ def test_a_node_lost_with_its_disk_is_restored_from_the_replica_on_the_other_nod
         assert f"replica-r{other:05d}" in files(tmp_path, node, 6)
         assert ranks_in(files(tmp_path, node, 4)) == {1 - other}, "older steps keep no replicas"
         newest = tmp_path / f"node-{node}" / "ckpt" / "step-00000006"
-        assert describe(newest)["recoverable_without_storage"] == {"replicas": 1, "nodes": 2}
+        held = describe(newest)["recoverable_without_storage"]
+        assert held is not None and (held["replicas"], held["nodes"]) == (1, 2)
+        assert held["own_bytes"] > 0 and held["replica_bytes"] > 0, "what this node holds, counted"
+        assert abs(held["replica_bytes"] - held["own_bytes"]) < held["own_bytes"], "DDP: about as much as its own"
         assert RECOVERABLE_NAME not in files(tmp_path, node, 4), "an older step is not, its replicas gone"
         assert not [w for w in stashpoint.verify(newest).warnings if "replica-" in w or RECOVERABLE_NAME in w]
     shown = CliRunner().invoke(cli_main, ["inspect", str(tmp_path / "node-0/ckpt/step-00000006")]).output
     assert "recoverable without storage: each of 2 nodes' files copied to 1 other node(s)" in shown
+    assert "this node holds" in shown and "of other nodes'" in shown
     shutil.rmtree(tmp_path / "node-1")
     outs = run_job(tmp_path, 8, "ddp", replicas=1)
     assert resumed(outs) == {6}

@@ -281,6 +281,7 @@ def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str) -> No
     it kept of older steps. Raises :class:`ReplicaError` on every rank alike if any failed."""
     leaders, ranks = dict(ns.nodes.leaders), dict(ns.nodes.ranks)
     status = None
+    kept = 0  # bytes of other nodes' files this node received
     if ctx.rank == leaders.get(ns.node):
         errors = []
         for shift in range(1, ns.replicas + 1):
@@ -291,7 +292,7 @@ def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str) -> No
                         if src == ns.node:
                             send_step_files(ctx, leaders[dst], step, t, save_id)
                         elif dst == ns.node:
-                            recv_step_files(ctx, leaders[src], step, t, save_id, replica=True)
+                            kept += recv_step_files(ctx, leaders[src], step, t, save_id, replica=True)
                     except Exception as e:
                         errors.append(f"{type(e).__name__}: {e}")
         if not errors and isinstance(step, LocalStorage):
@@ -307,7 +308,9 @@ def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str) -> No
         verdict = "; ".join(bad[:8])[:4000] if bad else None
     verdict = ctx.broadcast("replicas: the verdict", verdict)
     if not verdict and ctx.rank == leaders.get(ns.node):
-        _mark_recoverable(step, ns.replicas, len(leaders))
+        own = sum(size for _, size in _files_of(step, set(expand(ranks[ns.node])), save_id, False))
+        doc = {"replicas": ns.replicas, "nodes": len(leaders), "own_bytes": own, "replica_bytes": kept}
+        _mark_recoverable(step, doc)
     if verdict:
         raise ReplicaError(
             f"the step at {step.location} is committed on every node, but copying it to other nodes failed "
@@ -315,10 +318,10 @@ def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str) -> No
         )
 
 
-def _mark_recoverable(step: Storage, replicas: int, nodes: int) -> None:
+def _mark_recoverable(step: Storage, doc: dict[str, int]) -> None:
     """Say in this node's step directory that every node's files of the step now have live
-    copies on ``replicas`` other nodes (the step is recoverable without storage). Not fatal."""
-    doc = {"replicas": replicas, "nodes": nodes}
+    copies on ``replicas`` other nodes (the step is recoverable without storage), and what this
+    node holds of it: its own ranks' files and the copies it keeps for others. Not fatal."""
     try:
         step.commit(RECOVERABLE_NAME, json.dumps(doc).encode())
     except OSError as e:

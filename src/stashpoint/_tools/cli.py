@@ -123,6 +123,12 @@ def inspect_command(*, path: str, rank: int, as_json: bool) -> None:
     if d["recoverable_without_storage"]:
         r = d["recoverable_without_storage"]
         echo(f"recoverable without storage: each of {r['nodes']} nodes' files copied to {r['replicas']} other node(s)")
+        if "own_bytes" in r and "replica_bytes" in r:
+            echo(
+                f"            this node holds {human_bytes(r['own_bytes'])} of its own files and "
+                f"{human_bytes(r['replica_bytes'])} of other nodes' (room needed: keep_last steps of the "
+                "first, one of the second)"
+            )
     echo(
         f"world size  {d['world_size']}"
         + (f" ({d['distinct_rank_trees']} distinct per-rank value sets)" if d["distinct_rank_trees"] > 1 else "")

@@ -244,7 +244,8 @@ def _recoverable(storage: Storage) -> dict[str, int] | None:
         return None
     if not (isinstance(doc, dict) and all(type(doc.get(k)) is int for k in ("replicas", "nodes"))):
         return None
-    return {"replicas": doc["replicas"], "nodes": doc["nodes"]}
+    keys = ("replicas", "nodes", "own_bytes", "replica_bytes")
+    return {k: doc[k] for k in keys if type(doc.get(k)) is int}
 
 
 # ---------------------------------------------------------------------------------------------
