@@ -220,6 +220,25 @@ def test_what_is_copied_before_returning_and_what_later(tmp_path):
     assert [[k for k, _, _ in part] for part in with_layout] == [[k for k, _, _ in part] for part in (eager, deferred)]
 
 
+def test_the_split_is_remembered_per_structure_and_made_again_when_the_optimizers_change():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    both = torch.optim.SGD(model.parameters(), lr=0.1)  # no state tensors: the layout stays the same
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    _, tensors = flatten({"model": model})
+    layout = Layout.of(tensors)
+    triples = [(k, t, torch.empty_like(t)) for k, t in layout.sources.items()]
+    late = {k for k, _, _ in _overlap.split(triples, [both], layout)[1]}
+    assert late == {"model/0.weight", "model/0.bias", "model/1.weight", "model/1.bias"}
+    assert len(layout.memo) == 1
+    again = {k for k, _, _ in _overlap.split(triples, [both], layout)[1]}
+    assert again == late and len(layout.memo) == 1, "the second save of the structure reuses it"
+    late = {k for k, _, _ in _overlap.split(triples, [first], layout)[1]}
+    assert late == {"model/0.weight", "model/0.bias"}, "another optimizer: made again, layer 1 copied at once"
+    both.param_groups[0]["params"] = both.param_groups[0]["params"][:2]  # the same optimizer holds less
+    late = {k for k, _, _ in _overlap.split(triples, [both], layout)[1]}
+    assert late == {"model/0.weight", "model/0.bias"}
+
+
 def test_without_an_optimizer_everything_is_copied_before_returning(tmp_path):
     model = Net(16)
     state = {"model": model, "t": torch.arange(10.0)}

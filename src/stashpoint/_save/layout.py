@@ -77,6 +77,8 @@ class Layout:
     # parallelism (None: some tensor's layout is irregular; see ``_core.described``)
     description: Description | None = None
     _specs: dict[frozenset[str] | None, tuple[TensorSpec, ...]] = field(default_factory=dict, repr=False, compare=False)
+    # what later saves of this structure can reuse (shared by the layouts a cache hit makes)
+    memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def specs(self, keys: frozenset[str] | None) -> tuple[TensorSpec, ...]:
         """What planning needs of the chunks this rank copies (``keys``; None: all), made once

@@ -105,18 +105,44 @@ def split(
     The tensors of an optimizer built with ``capturable=True`` are copied eagerly: its step may
     be captured in a CUDA graph, whose replay runs no hook that could hold it back.
     """
+    # Which keys are deferred depends only on the tensors (one layout: the same ones, found by
+    # the layout cache) and on what the optimizers hold: remembered per structure, the split of
+    # a later save is one pass (working signatures out again cost a few microseconds a tensor).
+    memo_key = (
+        "split",
+        tuple(id(o) for o in optimizers),
+        tuple(capturable(o) for o in optimizers),
+        tuple(len(o.state) for o in optimizers),
+        tuple(id(p) for o in optimizers for g in o.param_groups for p in g["params"]),
+    )
+    late = layout.memo.get(memo_key) if layout is not None else None
+    if late is None:
+        late = _deferred_keys(triples, optimizers, layout)
+        if layout is not None:
+            if len(layout.memo) > 8:
+                layout.memo.clear()
+            layout.memo[memo_key] = late
+    eager: list[Triple] = []
+    deferred: list[Triple] = []
+    for t in triples:
+        (deferred if t[0] in late else eager).append(t)
+    return eager, deferred
+
+
+def _deferred_keys(
+    triples: Sequence[Triple], optimizers: Sequence[torch.optim.Optimizer], layout: Layout | None
+) -> frozenset[str]:
     captured = [o for o in optimizers if capturable(o)]
     stepped = _updated_by_step([o for o in optimizers if not capturable(o)], layout)
     if captured:
         stepped -= _updated_by_step(captured, layout)
     sigs = layout.signatures if layout is not None else {}
-    eager: list[Triple] = []
-    deferred: list[Triple] = []
-    for key, src, dst in triples:
+    late = set()
+    for key, src, _ in triples:
         sig = sigs[key] if key in sigs else signature(src)
-        late = src.device.type in ("cpu", "cuda") and sig in stepped
-        (deferred if late else eager).append((key, src, dst))
-    return eager, deferred
+        if src.device.type in ("cpu", "cuda") and sig in stepped:
+            late.add(key)
+    return frozenset(late)
 
 
 def capturable(optim: torch.optim.Optimizer) -> bool:
