@@ -22,7 +22,6 @@ def as_memoryview(t: Any) -> memoryview:
     return t.numpy().data.cast("B")  # type: ignore[no-any-return]
 
 
-
 class Landing(LocalStorage):
     """A step directory that received files are written into through the page cache (the load
     that follows reads them there), without an fsync each unless ``durable`` (a replica is a

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import dataclasses
 import functools
 import json
 import logging
@@ -391,7 +392,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         r = restore_run(self, state, load_one, step, options)
         fetched = dict(self._nodes.fetched) if self._nodes is not None else {}
-        self._last_restore = RestoreReport(r.step, r.tier, r.order, r.passed_by, fetched, time.perf_counter() - t0)
+        self._last_restore = dataclasses.replace(r, fetched=fetched, seconds=time.perf_counter() - t0)
         return r.step
 
     def restored_from(self) -> str | None:

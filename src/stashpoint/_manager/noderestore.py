@@ -22,7 +22,7 @@ from stashpoint._dist.transfer import PARTIAL_RE, RemoteCopy, run_transfers
 from stashpoint._load.exchange import agree
 from stashpoint._load.loader import ranges_needed, writers_needed
 from stashpoint._load.manifest import read_head, read_index
-from stashpoint._manager.restoring import Restored, try_in_order
+from stashpoint._manager.restoring import RestoreReport, try_in_order
 from stashpoint._manager.steps import committed_steps, move_aside
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
@@ -133,7 +133,7 @@ class NodeLocal:
         load_one: Callable[[Storage], None],
         options: dict[str, Any],
         remote: Storage | None = None,
-    ) -> Restored:
+    ) -> RestoreReport:
         """Load the newest step the nodes hold between them (or ``step``) into ``state``; with
         a ``remote`` tier's root, from its copy what no node holds."""
         from stashpoint._save import engine as _save
@@ -183,7 +183,7 @@ class NodeLocal:
 
         found = try_in_order(order, step, lambda s, t: (s, t), fetch_and_load)
         if found is None:
-            return Restored(None, None, tuple(order), ())
+            return RestoreReport(None, None, tuple(order), ())
         candidate, tier, damaged = found
         if step is None:
             for s, t, _ in damaged:
@@ -191,7 +191,7 @@ class NodeLocal:
                     move_aside(root, s)
                 elif t == "remote" and ctx.rank == 0 and remote is not None:
                     move_aside(remote, s)
-        return Restored(candidate, tier, tuple(order), tuple(damaged))
+        return RestoreReport(candidate, tier, tuple(order), tuple(damaged))
 
     def _holders(self, step: int, by_node: dict[int, tuple[Held, ...]], remote: Storage | None) -> dict[int, Held]:
         """Rank 0: what each node holds of ``step`` (one save of it), and the remote tier's
@@ -223,8 +223,8 @@ class NodeLocal:
         writers = self._gather_needs(ctx, at, lambda: ranges(writers_needed(at, state, ctx.rank, **kw)))
         need_idx = {n: set().union(*(expand(w) for w in ws)) for n, ws in writers.items()}
         nodes = sorted(self.leaders)
-        with_remote = {**held, **remote}
-        self._transfer(ctx, at, "indexes", lambda: plan_transfers(with_remote, need_idx, nodes, indexes_only=True))
+        sources = {**held, **remote}  # the nodes once their own files arrived, and the remote tier
+        self._transfer(ctx, at, "indexes", lambda: plan_transfers(sources, need_idx, nodes, indexes_only=True))
         mine = held.get(self.me.node, set())
         spans = self._gather_needs(ctx, at, lambda: ranges_needed(at, state, ctx.rank, skip=mine, **kw))
         need: dict[int, dict[str, tuple[int, int, list[tuple[int, int]]]]] = {}
@@ -232,7 +232,7 @@ class NodeLocal:
             for files in per_rank:
                 for name, (rank, size, rs) in files.items():
                     need.setdefault(n, {}).setdefault(name, (rank, size, []))[2].extend(rs)
-        self._transfer(ctx, at, "byte ranges", lambda: (plan_spans({**held, **remote}, need), held))
+        self._transfer(ctx, at, "byte ranges", lambda: (plan_spans(sources, need), held))
 
     def _gather_needs(self, ctx: DistContext, at: Storage, mine: Callable[[], Any]) -> dict[int, list[Any]]:
         """Each rank's ``mine()``, grouped by node on rank 0 ({} elsewhere); raises on every rank

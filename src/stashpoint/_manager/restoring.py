@@ -4,24 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from stashpoint._manager.tiers import restore_order
 from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 log = logging.getLogger("stashpoint")
-
-
-@dataclass(frozen=True)
-class Restored:
-    """What a restore found: the step and tier loaded (None, None: no checkpoint), the copies
-    it would try in order, and those it passed by as unusable, each ``(step, tier, why)``."""
-
-    step: int | None
-    tier: str | None
-    order: tuple[tuple[int, str], ...]
-    passed_by: tuple[tuple[int, str, str], ...]
 
 
 @dataclass(frozen=True)
@@ -46,8 +35,8 @@ class RestoreReport:
     tier: str | None
     order: tuple[tuple[int, str], ...]
     passed_by: tuple[tuple[int, str, str], ...]
-    fetched: dict[str, int]
-    seconds: float
+    fetched: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -127,7 +116,7 @@ def try_in_order(
 
 def restore_run(
     mgr: Any, state: Any, load_one: Callable[[Any], None], step: int | None, options: dict[str, Any]
-) -> Restored:
+) -> RestoreReport:
     """``CheckpointManager.restore`` of ``state``: the step loaded (None: no checkpoint), the
     tier it came from, and the copies tried."""
     from stashpoint._manager.steps import move_aside
@@ -137,7 +126,7 @@ def restore_run(
         return mgr._nodes.restore(mgr.storage, state, step, load_one, options, remote)  # type: ignore[no-any-return]
     if remote is None and step is not None:
         load_one(mgr._at(step))
-        return Restored(step, "local", ((step, "local"),), ())
+        return RestoreReport(step, "local", ((step, "local"),), ())
     if mgr._tier is None or mgr.world == 1:
         order = restore_order(mgr.steps(), mgr.remote_steps(), step)
     else:
@@ -150,9 +139,9 @@ def restore_run(
 
     found = try_in_order(order, step, where, load_one)
     if found is None:
-        return Restored(None, None, tuple(order), ())
+        return RestoreReport(None, None, tuple(order), ())
     candidate, tier, damaged = found
     if step is None and mgr.rank == 0:
         for s, t, _ in damaged:
             move_aside(mgr.storage if t == "local" or mgr._tier is None else mgr._tier.remote, s)
-    return Restored(candidate, tier, tuple(order), tuple(damaged))
+    return RestoreReport(candidate, tier, tuple(order), tuple(damaged))

@@ -140,7 +140,8 @@ class _Engine:
         keys = layout.expected_writes(ctx) if ctx.world > 1 else None
         specs = layout.specs(keys)
         plan = self.plan(specs, opts.max_shard_bytes, ctx.rank)
-        pin_device = cuda_device(layout.sources.values())
+        # the same tensors on every save of a structure: asked once, not a device per tensor
+        pin_device = layout.remember("pin_device", lambda: cuda_device(layout.sources.values()))
         if pin_device is not None:  # before anything touches CUDA: a pin or a wait breaks a capture
             refuse_capture([torch.device("cuda", pin_device)])
         self.pool.max_free = max(self.pool.max_free, opts.max_inflight)

@@ -14,7 +14,7 @@ taken afresh on every save, and no reference to them is kept.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,20 +76,27 @@ class Layout:
     # what the first plan of a structure needs of this rank, the same on every rank of a regular
     # parallelism (None: some tensor's layout is irregular; see ``_core.described``)
     description: Description | None = None
-    _specs: dict[frozenset[str] | None, tuple[TensorSpec, ...]] = field(default_factory=dict, repr=False, compare=False)
     # what later saves of this structure can reuse (shared by the layouts a cache hit makes)
     memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def remember(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, once per structure and ``key`` (a few kept: keys that came and went go)."""
+        if key not in self.memo:
+            if len(self.memo) > 8:
+                self.memo.clear()
+            self.memo[key] = make()
+        return self.memo[key]
 
     def specs(self, keys: frozenset[str] | None) -> tuple[TensorSpec, ...]:
         """What planning needs of the chunks this rank copies (``keys``; None: all), made once
         per layout and set of keys (tens of thousands of frozen records cost tenths of a second)."""
-        got = self._specs.get(keys)
-        if got is None:
-            if len(self._specs) > 4:  # key sets that came and went
-                self._specs.clear()
+
+        def make() -> tuple[TensorSpec, ...]:
             chunks = self.chunks if keys is None else [c for c in self.chunks if c.key in keys]
-            got = self._specs[keys] = tuple(TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in chunks)
-        return got
+            return tuple(TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in chunks)
+
+        result: tuple[TensorSpec, ...] = self.remember(("specs", keys), make)
+        return result
 
     @classmethod
     def of(cls, tensors: Sequence[tuple[str, torch.Tensor]], lowest: Collection[str] = ()) -> Layout:

@@ -115,13 +115,11 @@ def split(
         tuple(len(o.state) for o in optimizers),
         tuple(id(p) for o in optimizers for g in o.param_groups for p in g["params"]),
     )
-    late = layout.memo.get(memo_key) if layout is not None else None
-    if late is None:
-        late = _deferred_keys(triples, optimizers, layout)
-        if layout is not None:
-            if len(layout.memo) > 8:
-                layout.memo.clear()
-            layout.memo[memo_key] = late
+
+    def make() -> frozenset[str]:
+        return _deferred_keys(triples, optimizers, layout)
+
+    late = layout.remember(memo_key, make) if layout is not None else make()
     eager: list[Triple] = []
     deferred: list[Triple] = []
     for t in triples:
