@@ -1,7 +1,7 @@
 """Training under a node-local CheckpointManager, for tests/test_nodelocal.py (issue 21).
 
     torchrun --nnodes 2 ... node_worker.py BASE STEPS --par ddp|fsdp2|hsdp [--every N] [--replicas K]
-                                           [--remote DIR]
+                                           [--remote DIR] [--digest]
 
 Each node keeps its checkpoints in its own directory, ``BASE/node-<NODE_DIR>/ckpt`` (NODE_DIR
 from the environment, default the node rank: a test may hand a node another's directory, or an
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import hashlib
 import json
 import os
 import signal
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=2)
     ap.add_argument("--replicas", type=int, default=0)
     ap.add_argument("--remote", default=None)
+    ap.add_argument("--digest", action="store_true", help="print DIGEST lines of the state restored and at the end")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -65,6 +67,8 @@ def main() -> None:
             doc = {"rank": rank, "step": report.step, "tier": report.tier, "order": report.order,
                    "passed_by": report.passed_by, "fetched": report.fetched}  # fmt: skip
             print("REPORT " + json.dumps(doc), flush=True)
+        if args.digest:
+            print(f"DIGEST restored {start - 1} {digest(model, optim)}", flush=True)
         batches = iter(loader)
         with (base / f"losses-{rank}.txt").open("a") as out:
             for step in range(start, args.steps + 1):
@@ -81,11 +85,41 @@ def main() -> None:
                 out.flush()
                 mgr.maybe_save(step, state)
         mgr.wait()  # the uploads too: a test reads the remote tier next
+        if args.digest:
+            print(f"DIGEST final {args.steps} {digest(model, optim)}", flush=True)
     dist.destroy_process_group()
     sys.stdout.flush()
     # DDP's reducer, freed at interpreter exit, joins the training group's gloo thread, which may
     # be waiting for the GIL the freeing thread holds (a torch teardown deadlock): skip teardown
     os._exit(0)
+
+
+def digest(model: torch.nn.Module, optim: torch.optim.Optimizer) -> str:
+    """A hash of the whole model and optimizer state, gathered (collective): the same on every
+    rank, and the same for one state however many ranks hold it."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+    h = hashlib.sha256()
+
+    def walk(prefix: str, v: object) -> None:
+        if isinstance(v, dict):
+            for k in sorted(v, key=str):
+                walk(f"{prefix}/{k}", v[k])
+        elif isinstance(v, torch.Tensor):
+            t = v.detach().cpu().contiguous()
+            h.update(f"{prefix}:{t.dtype}:{list(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(f"{prefix}={v!r}".encode())
+
+    walk("model", get_model_state_dict(model, options=opts))
+    walk("optim", get_optimizer_state_dict(model, optim, options=opts).get("state", {}))
+    return h.hexdigest()
 
 
 if __name__ == "__main__":

@@ -45,8 +45,10 @@ ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}"
 pytestmark = pytest.mark.xdist_group("nodelocal")
 
 
-def _agents(base: Path, steps: int, par: str, dirs: tuple[str, str], *extra: str, **popen) -> list[subprocess.Popen]:
-    """Two torchrun agents (nodes 0 and 1, one rank each); node i keeps its files in
+def _agents(
+    base: Path, steps: int, par: str, dirs: tuple[str, str], *extra: str, nproc: int = 1, **popen
+) -> list[subprocess.Popen]:
+    """Two torchrun agents (nodes 0 and 1, ``nproc`` ranks each); node i keeps its files in
     ``base/node-<dirs[i]>``. Their rendezvous store is served from here on a port the kernel
     gave it and that it holds while the agents live (a port picked free and bound later by an
     agent can be taken in between); both agents join it as clients."""
@@ -55,7 +57,7 @@ def _agents(base: Path, steps: int, par: str, dirs: tuple[str, str], *extra: str
     procs = []
     for node in (0, 1):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", str(nproc),
             "--node_rank", str(node), "--rdzv_backend", "c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
             "--rdzv_id", f"nl-{port}", "--rdzv_conf", "is_host=0", "--max_restarts", "0", str(WORKER), str(base),
             str(steps), "--par", par,
@@ -75,9 +77,10 @@ def run_job(
     *,
     replicas: int = 0,
     extra: tuple[str, ...] = (),
+    nproc: int = 1,
 ) -> list[str]:
-    """A job of two agents to ``steps``; each agent's output."""
-    procs = _agents(base, steps, par, dirs, "--replicas", str(replicas), *extra, stdout=subprocess.PIPE,
+    """A job of two agents (``nproc`` ranks each) to ``steps``; each agent's output."""
+    procs = _agents(base, steps, par, dirs, "--replicas", str(replicas), *extra, nproc=nproc, stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         outs = [p.communicate(timeout=200)[0] for p in procs]
@@ -185,6 +188,35 @@ def test_fsdp2_restart_fetches_only_the_bytes_its_ranks_read(tmp_path, tmp_path_
     for rank in (0, 1):
         got, want = losses(tmp_path, rank), losses(ref, rank)
         assert [got[s] for s in range(5, 7)] == [want[s] for s in range(5, 7)]
+
+
+def digests(outs: list[str], kind: str) -> set[tuple[int, str]]:
+    """The (step, hash) of the whole state each rank printed on a ``DIGEST <kind>`` line."""
+    lines = [line.split()[2:] for out in outs for line in out.splitlines() if line.startswith(f"DIGEST {kind} ")]
+    return {(int(step), h) for step, h in lines}
+
+
+def test_a_step_saved_by_four_ranks_resumes_on_two_and_back_on_four_through_the_nodes(tmp_path):
+    """FSDP2 resharded through node-local directories: saved by two nodes of two ranks, a
+    restart with one rank per node (N -> M) fetches onto each node what its rank's new slices
+    need from the other node, and a restart with two ranks per node again (M -> N) does the
+    same; the state restored is, gathered, exactly the state saved."""
+    outs = run_job(tmp_path, 4, "fsdp2", nproc=2, extra=("--digest",))
+    saved = digests(outs, "final")
+    assert len(saved) == 1 and next(iter(saved))[0] == 4, saved
+    assert ranks_in(files(tmp_path, "0", 4)) == {0, 1} and ranks_in(files(tmp_path, "1", 4)) == {2, 3}
+
+    outs = run_job(tmp_path, 6, "fsdp2", nproc=1, extra=("--digest",))
+    assert resumed(outs) == {4}
+    assert digests(outs, "restored") == saved, "4 -> 2 ranks: the gathered state differs from the saved one"
+    rep = reports(outs)
+    assert rep[1]["tier"] == "local" and rep[1]["fetched"].get("peers", 0) > 0, rep[1]
+    assert 1 in ranks_in(files(tmp_path, "1", 4)), "node 1's rank 1 read what saving rank 1 wrote: fetched"
+    saved = digests(outs, "final")
+
+    outs = run_job(tmp_path, 8, "fsdp2", nproc=2, extra=("--digest",))
+    assert resumed(outs) == {6}
+    assert digests(outs, "restored") == saved, "2 -> 4 ranks: the gathered state differs from the saved one"
 
 
 def test_a_node_lost_with_its_disk_is_restored_from_the_replica_on_the_other_node(tmp_path, ddp_reference):
