@@ -9,7 +9,7 @@ empty one). A transformers Llama from a small config under the given parallelism
 stateful sampler; resumes with ``restore`` (fresh model and optimizer), then trains to STEPS,
 saving every N steps (and, with ``--remote``, uploading each step to DIR, the remote tier). Each
 rank appends ``step loss`` lines to ``BASE/losses-<rank>.txt``, prints ``RESUMED <step>`` and
-``REPORT <json>`` (its ``mgr.last_restore``).
+``REPORT <json>`` (its ``mgr.last_restore``), and ``WAIT_ERROR ...`` when ``mgr.wait()`` raised.
 """
 
 from __future__ import annotations
@@ -84,7 +84,10 @@ def main() -> None:
                 out.write(f"{step} {loss.item():.8f}\n")
                 out.flush()
                 mgr.maybe_save(step, state)
-        mgr.wait()  # the uploads too: a test reads the remote tier next
+        try:
+            mgr.wait()  # the uploads too: a test reads the remote tier next
+        except stashpoint.CheckpointError as e:  # a test of a failure reads it here
+            print(f"WAIT_ERROR {type(e).__name__}: {e}".replace("\n", " "), flush=True)
         if args.digest:
             print(f"DIGEST final {args.steps} {digest(model, optim)}", flush=True)
     dist.destroy_process_group()

@@ -191,3 +191,24 @@ def replica_rounds(nodes: Sequence[int], shift: int) -> list[list[tuple[int, int
             color = 2 if len(cycle) % 2 and j == len(cycle) - 1 else j % 2
             rounds[color].append((nodes[i], nodes[(i + shift) % n]))
     return [r for r in rounds if r]
+
+
+def replica_bytes(own: Mapping[int, int], replicas: int) -> dict[int, int]:
+    """The bytes of other nodes' files each node keeps as replicas of a step, from each node's
+    ``own`` bytes of it: for every shift 1..``replicas``, the files of the node that shift
+    places before it (as :func:`replica_rounds` pairs them). Pure."""
+    nodes = sorted(own)
+    incoming = dict.fromkeys(nodes, 0)
+    for shift in range(1, replicas + 1):
+        for pairs in replica_rounds(nodes, shift):
+            for src, dst in pairs:
+                incoming[dst] += own[src]
+    return incoming
+
+
+def peak_bytes(own: int, incoming: int, keep: int | None) -> int | None:
+    """What a node's directory holds at the peak of a save, steps staying this size: ``keep``
+    steps of its own files and the one being written, and the copies of other nodes' files of
+    the step before beside those of the new one (older copies go once the new ones are durable).
+    None when the retention keeps steps without bound. Pure."""
+    return None if keep is None else (keep + 1) * own + 2 * incoming

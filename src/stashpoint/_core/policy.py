@@ -64,6 +64,13 @@ class Retention:
     def keeps_all(self) -> bool:
         return self.keep_last is None and self.keep_every is None and self.keep_best is None
 
+    def bound(self) -> int | None:
+        """The most steps these rules ever keep at once; None when that grows without bound
+        (``keep_every``, or no rule)."""
+        if self.keeps_all or self.keep_every is not None:
+            return None
+        return (self.keep_last or 1) + (self.keep_best or 0)
+
 
 def steps_to_keep(
     steps: Sequence[int], metrics: Mapping[int, Mapping[str, float]], policy: Retention

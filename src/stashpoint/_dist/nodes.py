@@ -70,12 +70,14 @@ class NodeMap:
 
 @dataclass(frozen=True)
 class NodeSave:
-    """What a save to node-local directories needs: this rank's node, the job's nodes, and how
-    many other nodes get a copy of each node's files (``replicas``)."""
+    """What a save to node-local directories needs: this rank's node, the job's nodes, how
+    many other nodes get a copy of each node's files (``replicas``), and how many steps each
+    node keeps (``keep``; to check that a node's directory can hold them)."""
 
     node: int
     nodes: NodeMap
     replicas: int = 0
+    keep: int | None = None  # how many steps the retention keeps at most (None: no bound)
 
 
 def _spans(ranks: list[int]) -> tuple[tuple[int, int], ...]:

@@ -9,6 +9,7 @@ Every byte fetched is still verified by the load against the checksums the manif
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -18,9 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME, index_name, parse_save_file, split_group
-from stashpoint._core.nodeplan import REMOTE, Transfer, expand, replica_rounds
+from stashpoint._core.naming import (
+    MANIFEST_NAME,
+    RECOVERABLE_NAME,
+    index_name,
+    parse_save_file,
+    parse_step_dir,
+    split_group,
+)
+from stashpoint._core.nodeplan import REMOTE, Transfer, expand, peak_bytes, replica_rounds
 from stashpoint._core.sealed import MAX_MANIFEST_BYTES
+from stashpoint._core.units import human_bytes
 from stashpoint._dist.group import DistContext
 from stashpoint._dist.nodes import NodeSave, recv_blob, send_blob
 from stashpoint._dist.stream import Landing, Stream
@@ -60,6 +69,45 @@ def _check_space(step: Storage, needed: int) -> None:
             f"{where} has {free} bytes free and {needed} are needed: use a larger tier, fewer replicas, or a "
             "smaller keep_last"
         )
+
+
+def _room_problem(step: Storage, room: tuple[int, int] | None, ns: NodeSave) -> str | None:
+    """Why this node's directory cannot hold its checkpoints with replicas, steps staying this
+    size: what it holds at the peak of a save (``peak_bytes``) against its free space plus
+    the steps already in it. None when it can, or cannot be told."""
+    keep = ns.keep
+    if room is None or keep is None or not isinstance(step, LocalStorage):
+        return None
+    peak = peak_bytes(*room, keep)
+    assert peak is not None
+    root = step.root.parent
+    try:
+        st = os.statvfs(root)
+        held = sum(_usage(d) for d in root.iterdir() if parse_step_dir(d.name) is not None and not d.is_symlink())
+    except OSError:
+        return None
+    capacity = st.f_bavail * st.f_frsize + held
+    if peak <= capacity:
+        return None
+    own, incoming = room
+    h = human_bytes
+    return (
+        f"node {ns.node}'s directory {root} cannot hold this configuration: at the peak of a save a node holds "
+        f"{keep} + 1 steps of its own files (keep_last and the one being written: {keep + 1} x {h(own)}) and two steps "
+        f"of the copies it keeps of {ns.replicas} other node(s)' files (2 x {h(incoming)}), {h(peak)} in all, and the "
+        f"directory has {h(capacity)} (free, plus the steps already there); use a larger directory, a smaller "
+        "keep_last, or fewer replicas"
+    )
+
+
+def _usage(where: Path) -> int:
+    """The bytes the files under ``where`` take on disk (sparse copies count what they hold)."""
+    total = 0
+    for dirpath, _, names in os.walk(where):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += (Path(dirpath) / name).lstat().st_blocks * 512
+    return total
 
 
 def _files_of(step: Storage, ranks: set[int], save_id: str, indexes_only: bool) -> list[tuple[str, int]]:
@@ -131,16 +179,25 @@ def _needed(files: Sequence[tuple[str, int]], t: Transfer) -> int:
 
 
 def recv_step_files(
-    ctx: DistContext, peer: int, step: Storage, t: Transfer, save_id: str, *, replica: bool = False
+    ctx: DistContext,
+    peer: int,
+    step: Storage,
+    t: Transfer,
+    save_id: str,
+    *,
+    replica: bool = False,
+    refuse: str | None = None,
 ) -> int:
     """Receive a :func:`send_step_files` into this node's ``step``; the bytes received. Only
     names of the saving ranks and save this transfer is for are accepted, and only byte ranges
     inside the file's size, and only what fits the free space (the sender is told why not
     before it sends a byte); whole files replace what was there, the manifest is committed
     last. ``replica``: the files are a copy of another node's, marked so that a newer replica
-    replaces them."""
+    replaces them. ``refuse``: why this node takes no copy (told to the sender, and raised)."""
     try:
         files = check_offer(recv_blob(ctx, peer, _MAX_LISTING), t, save_id, f"rank {peer}")
+        if refuse:
+            raise CheckpointError(refuse)
         _check_space(step, _needed(files, t))
     except CheckpointError as e:
         send_blob(ctx, peer, str(e).encode()[:4000])
@@ -274,16 +331,19 @@ def run_transfers(
     return "; ".join(errors[:4]) or None
 
 
-def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str) -> None:
+def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str, room: tuple[int, int] | None) -> None:
     """After a step committed on every node: each node's leader sends its own ranks' files of
     it to the leaders of the next ``ns.replicas`` nodes, in rounds where every leader sends or
     receives at most once (all pairs of a round at once); each receiver then drops the replicas
-    it kept of older steps. Raises :class:`ReplicaError` on every rank alike if any failed."""
+    it kept of older steps. A node whose directory cannot hold ``room`` (its own bytes of the
+    step, and the replicas it keeps) at the peak of a save takes no copy. Raises
+    :class:`ReplicaError` on every rank alike if any failed."""
     leaders, ranks = dict(ns.nodes.leaders), dict(ns.nodes.ranks)
     status = None
     kept = 0  # bytes of other nodes' files this node received
     if ctx.rank == leaders.get(ns.node):
         errors = []
+        refuse = _room_problem(step, room, ns)
         for shift in range(1, ns.replicas + 1):
             for pairs in replica_rounds(sorted(leaders), shift):
                 for src, dst in pairs:  # every pair, whatever failed before: the peers wait for it
@@ -292,7 +352,7 @@ def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str) -> No
                         if src == ns.node:
                             send_step_files(ctx, leaders[dst], step, t, save_id)
                         elif dst == ns.node:
-                            kept += recv_step_files(ctx, leaders[src], step, t, save_id, replica=True)
+                            kept += recv_step_files(ctx, leaders[src], step, t, save_id, replica=True, refuse=refuse)
                     except Exception as e:
                         errors.append(f"{type(e).__name__}: {e}")
         if not errors and isinstance(step, LocalStorage):

@@ -95,9 +95,10 @@ class CheckpointManager:
         replicas: with ``node_local``, after each step commits every node's leader also sends
             its node's files of it to the next ``replicas`` nodes, which keep them (for the
             newest step) in their own ``root``: a node lost with its disk is then restored from
-            them. Each node needs room for ``1 + replicas`` nodes' files of a step; a copy that
-            does not fit is refused, and ``wait()`` raises saying the step is committed but not
-            copied.
+            them. At the peak of a save a node holds ``keep_last + 1`` steps of its own files
+            and two steps of the copies; a node whose directory cannot hold that takes no copy
+            (checked at the first save), and ``wait()`` raises a ``CheckpointError`` saying the step
+            is committed but not copied, with the numbers.
 
     Only one manager may own a root at a time; a second one is refused with an error. On
     opening, directories of saves that never committed (a crash) are removed.
@@ -285,7 +286,7 @@ class CheckpointManager:
                 raise ValueError(
                     "a node-local CheckpointManager saves over the whole world; process_group is not supported"
                 )
-            options["nodes"] = self._nodes.for_save(self._replicas)
+            options["nodes"] = self._nodes.for_save(self._replicas, self.retention.bound())
         if self._tier is not None and options.get("process_group") is not None:
             raise ValueError(
                 "a CheckpointManager with a remote_root uploads over the whole world; saving over a process_group "

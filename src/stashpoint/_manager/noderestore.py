@@ -121,9 +121,9 @@ class NodeLocal:
         """Whether this rank looks after its node's directory (lock, clean-up, retention)."""
         return self.me.leader
 
-    def for_save(self, replicas: int) -> NodeSave | None:
+    def for_save(self, replicas: int, keep: int | None) -> NodeSave | None:
         """What this manager's saves pass on (None in a world of one: nothing to do per node)."""
-        return NodeSave(self.me.node, self.map, replicas) if self.world > 1 else None
+        return NodeSave(self.me.node, self.map, replicas, keep) if self.world > 1 else None
 
     def restore(  # noqa: PLR0917
         self,

@@ -37,7 +37,7 @@ from stashpoint._dist.commit import (
     start_save,
 )
 from stashpoint._dist.group import CollectiveError, DistContext
-from stashpoint._dist.nodecommit import commit_on_nodes
+from stashpoint._dist.nodecommit import Room, commit_on_nodes, node_room
 from stashpoint._dist.transfer import replicate
 from stashpoint._save.handle import SaveStats
 from stashpoint._save.layout import Layout
@@ -93,6 +93,7 @@ class PersistJob:
     reported_ok: bool = False  # this rank told the others its part succeeded
     ranks_per_dir: int = 0  # rank 0's choice for this save (see ``ranks_per_dir()``)
     manifest: bytes | None = None  # rank 0: the manifest it committed
+    room: dict[int, Room] | None = None  # rank 0, node-local with replicas: each node's bytes of the step
     staging_pinned: bool | None = None  # set at the call: see SaveStats.staging_pinned
 
     @classmethod
@@ -253,13 +254,13 @@ class PersistJob:
                 self.pending.wait()  # no copy may still write into buffers another save reuses
             if self.staged is not None:
                 self.pool.release(self.staged)
-        nodes = self.opts.nodes
+        nodes, room = self.opts.nodes, None
         if nodes is not None:  # node-local directories: every node's leader commits too
-            leaders = nodes.nodes.leader_ranks()
-            commit_on_nodes(ctx, self.storage, self.manifest, leaders, exclusive=not self.opts.overwrite)
+            leaders, exclusive = nodes.nodes.leader_ranks(), not self.opts.overwrite
+            room = commit_on_nodes(ctx, self.storage, self.manifest, leaders, self.room, exclusive=exclusive)
         self.storage.keep_cached(mine_written)  # committed: the newest, which a restart here reads
         if nodes is not None and nodes.replicas:
-            replicate(ctx, self.storage, nodes, save_id)  # raises ReplicaError: committed, not copied
+            replicate(ctx, self.storage, nodes, save_id, room)  # raises ReplicaError: committed, not copied
         t1 = time.perf_counter()
         pending = self.pending
         staged_at = pending.done_at if pending is not None and pending.done_at is not None else self.staged_at
@@ -385,6 +386,8 @@ class PersistJob:
             ranks_per_dir=self.ranks_per_dir,
         )
         self.manifest = head.to_json()
+        if self.opts.nodes is not None and self.opts.nodes.replicas:
+            self.room = node_room(self.opts.nodes, [o.nbytes for o in outcomes])
         try:  # without overwrite, of two saves racing to one new path exactly one commits
             self.storage.commit(MANIFEST_NAME, self.manifest, exclusive=not self.opts.overwrite)
         except FileExistsError:

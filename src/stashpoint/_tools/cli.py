@@ -82,7 +82,8 @@ def demo(directory: Path, seconds: float, every: int | None, quick: bool) -> Non
 @fails_cleanly
 def ls_command(*, root: str, as_json: bool) -> None:
     """List the step directories of a run directory: committed or partial, size, age, metrics."""
-    from stashpoint._tools.inspect import human_bytes, list_steps
+    from stashpoint._core.units import human_bytes
+    from stashpoint._tools.inspect import list_steps
 
     steps = list_steps(root)
     if as_json:
@@ -108,7 +109,8 @@ def inspect_command(*, path: str, rank: int, as_json: bool) -> None:
 
     Pickled values are shown as "<pickled, not loaded>": nothing is unpickled.
     """
-    from stashpoint._tools.inspect import describe, human_bytes
+    from stashpoint._core.units import human_bytes
+    from stashpoint._tools.inspect import describe
 
     d = describe(path, rank)
     if as_json:
@@ -126,8 +128,8 @@ def inspect_command(*, path: str, rank: int, as_json: bool) -> None:
         if "own_bytes" in r and "replica_bytes" in r:
             echo(
                 f"            this node holds {human_bytes(r['own_bytes'])} of its own files and "
-                f"{human_bytes(r['replica_bytes'])} of other nodes' (room needed: keep_last steps of the "
-                "first, one of the second)"
+                f"{human_bytes(r['replica_bytes'])} of other nodes' (room needed at the peak of a save: "
+                "keep_last + 1 steps of the first, two of the second)"
             )
     echo(
         f"world size  {d['world_size']}"
@@ -164,7 +166,8 @@ def verify_command(*, path: str, quiet: bool, as_json: bool) -> None:
     Exit code 0 if it is intact, 1 if any problem is found (all are printed), 2 if PATH is not
     a checkpoint.
     """
-    from stashpoint._tools.inspect import human_bytes, verify
+    from stashpoint._core.units import human_bytes
+    from stashpoint._tools.inspect import verify
     from stashpoint._tools.progress import Reporter
 
     if quiet or as_json:
@@ -266,8 +269,8 @@ def export_command(
     "encoder.layers.0.weight". The tensors of each output file are held in memory while it is
     written.
     """
+    from stashpoint._core.units import human_bytes
     from stashpoint._tools.convert import export
-    from stashpoint._tools.inspect import human_bytes
     from stashpoint._tools.progress import Reporter
 
     with Reporter("exporting", stream=sys.stdout) as progress:
@@ -291,8 +294,8 @@ def import_command(*, src: Path, path: str, overwrite: bool) -> None:
     A torch.save file is read with torch.load(weights_only=True). A DCP checkpoint's .metadata
     file is a pickle that torch unpickles: import only DCP checkpoints you trust.
     """
+    from stashpoint._core.units import human_bytes
     from stashpoint._tools.convert import import_checkpoint
-    from stashpoint._tools.inspect import human_bytes
 
     res = import_checkpoint(src, path, overwrite=overwrite)
     echo(f"imported {res.kind} {src}: {res.tensors} tensor(s), {human_bytes(res.bytes)}, to {res.path}")

@@ -29,6 +29,7 @@ from stashpoint._core.format import (
 from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME, is_node_marker
 from stashpoint._core.nodes import Node, decode_plain, join
 from stashpoint._core.policy import parse_metrics
+from stashpoint._core.units import human_bytes
 from stashpoint._load.manifest import open_checkpoint, read_head, shard_problem, unlisted_shards
 from stashpoint._manager.runcheck import RunContents, run_contents
 from stashpoint._manager.steps import METRICS_KEY
@@ -50,14 +51,6 @@ Progress = Callable[[str], None]
 
 # ---------------------------------------------------------------------------------------------
 # Opening
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def nbytes(dtype: str, shape: Sequence[int]) -> int:
