@@ -15,9 +15,9 @@ training step:
 - **S3**: a manager whose local root is empty (fresh nodes) and whose remote tier is S3;
 - **dcp.load** from the disk, into the same fresh state.
 
-And the training time lost per save, node-local with replicas on and off: 40 steps, saves at
-steps 16, 24 and 32; per save, the time steps 13-40 took beyond the median of steps 1-12 (no
-saves yet), divided by the saves. Run it alone: two cores serve both nodes.
+And the training time lost per save, node-local with replicas on and off: 40 steps with saves
+at steps 16, 24 and 32, against the same 40 steps without saves (medians over the trials),
+divided by the saves. Run it alone: two cores serve both nodes.
 """
 
 from __future__ import annotations
@@ -60,13 +60,20 @@ def job(base: Path, phase: str, env: dict[str, str], *extra: str) -> list[dict]:
     for p, out in zip(procs, outs):
         if p.returncode != 0:
             raise SystemExit(f"{phase} {extra} failed:\n{out[-4000:]}")
+    if env.get("BENCH_LOG"):
+        for out in outs:
+            sys.stderr.writelines(line + "\n" for line in out.splitlines() if line.startswith("[node "))
     return [json.loads(line[7:]) for out in outs for line in out.splitlines() if line.startswith("RESULT ")]
 
 
-def lost_per_save(steps: list[float], saves: tuple[int, ...]) -> float:
-    """The time steps 13 on took beyond the median of steps 1-12 (no saves yet), per save."""
-    base = statistics.median(steps[:12])
-    return sum(t - base for t in steps[12:]) / len(saves)
+SAVES = 3  # recovery_worker.py's train phase saves at steps 16, 24 and 32 of 40
+
+
+def lost_per_save(totals: dict[int, list[float]]) -> dict[int, float]:
+    """Per configuration (``--replicas`` 0 or 1), the median time of its 40 steps beyond the
+    median of the same 40 steps without saving (``--replicas -1``), per save."""
+    base = statistics.median(totals[-1])
+    return {k: (statistics.median(v) - base) / SAVES for k, v in totals.items() if k >= 0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +81,13 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--size-gb", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--sources", default=",".join(SOURCES), help="which restores to time (default: all)")
+    ap.add_argument("--no-train", action="store_true", help="skip the training time lost per save")
+    ap.add_argument("--log", action="store_true", help="the workers log stashpoint's INFO lines (to stderr here)")
     args = ap.parse_args(argv)
+    sources = [s for s in args.sources.split(",") if s]
+    if not set(sources) <= set(SOURCES):
+        ap.error(f"--sources: choose from {', '.join(SOURCES)}")
     from s3_server import SeaweedServer
 
     base = Path(tempfile.mkdtemp(prefix="bench-recovery-", dir="/var/tmp"))
@@ -83,14 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.create_bucket("bench")
         env = {**os.environ, **server.env(), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}  # fmt: skip
+               "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
+               "BENCH_LOG": "1" if args.log else ""}  # fmt: skip
         common = ("--size-gb", str(args.size_gb), "--s3", "s3://bench/run")
         log("saving step 1 (node-local with a replica, S3, DCP)")
         job(base, "save", env, *common)
         nbytes = sum(p.stat().st_size for p in (base / "dcp").rglob("*") if p.is_file())
-        results: dict[str, list[tuple[float, float]]] = {s: [] for s in SOURCES}
+        results: dict[str, list[tuple[float, float]]] = {s: [] for s in sources}
         for trial in range(args.repeats):
-            for source in SOURCES:
+            for source in sources:
                 if source == "replica":
                     shutil.copytree(base / "node-1", base / "node-1.kept")
                     shutil.rmtree(base / "node-1")
@@ -102,13 +116,15 @@ def main(argv: list[str] | None = None) -> int:
                 first = max(r["to_first_step_s"] for r in got)
                 results[source].append((load, first))
                 log(f"trial {trial + 1}: {source}: load {load:.2f} s, launch to first step {first:.2f} s")
-        lost = {}
-        for replicas in (0, 1):
-            shutil.rmtree(base / "node-0", ignore_errors=True)
-            shutil.rmtree(base / "node-1", ignore_errors=True)
-            got = job(base, "train", env, *common, "--replicas", str(replicas))
-            lost[replicas] = max(lost_per_save(r["step_s"], (16, 24, 32)) for r in got)
-            log(f"replicas={replicas}: lost per save {lost[replicas]:.3f} s")
+        totals: dict[int, list[float]] = {}
+        for trial in range(0 if args.no_train else args.repeats):
+            for replicas in (-1, 0, 1):  # -1: the same steps, no saves
+                shutil.rmtree(base / "node-0", ignore_errors=True)
+                shutil.rmtree(base / "node-1", ignore_errors=True)
+                got = job(base, "train", env, *common, "--replicas", str(replicas))
+                totals.setdefault(replicas, []).append(max(sum(r["step_s"]) for r in got))
+                log(f"trial {trial + 1}: replicas={replicas}: 40 steps in {totals[replicas][-1]:.2f} s")
+        lost = lost_per_save(totals) if totals else {}
     finally:
         server.stop()
         shutil.rmtree(base, ignore_errors=True)
@@ -117,12 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|")
     names = {"own": "the node's own tier", "replica": "a peer's replica (node 1 lost)", "s3": "S3 (SeaweedFS)",
              "dcp": "`dcp.load` from disk"}  # fmt: skip
-    for s in SOURCES:
+    for s in sources:
         load = statistics.median(x for x, _ in results[s])
         first = statistics.median(y for _, y in results[s])
         print(f"| {names[s]} | {load:.2f} s | {first:.2f} s |")
-    ratio = f" ({lost[1] / lost[0]:.2f}x)" if lost[0] > 0 else ""
-    print(f"\ntraining time lost per save: replicas off {lost[0]:.3f} s, on {lost[1]:.3f} s{ratio}")
+    if lost:
+        ratio = f" ({lost[1] / lost[0]:.2f}x)" if lost[0] > 0 else ""
+        print(f"\ntraining time lost per save: replicas off {lost[0]:.3f} s, on {lost[1]:.3f} s{ratio}")
     return 0
 
 

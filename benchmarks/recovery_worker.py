@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import sys
@@ -57,6 +58,8 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--s3", default="")
     args = ap.parse_args()
+    if os.environ.get("BENCH_LOG"):
+        logging.basicConfig(level=logging.INFO, format=f"[node {os.environ.get('GROUP_RANK')}] %(message)s")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)

@@ -61,14 +61,14 @@ def main() -> None:
     with stashpoint.CheckpointManager(base / f"node-{node_dir}" / "ckpt", keep_last=2, every_steps=args.every,
                                       **opts) as mgr:  # fmt: skip
         start = (mgr.restore(state) or 0) + 1
-        print(f"RESUMED {start - 1}", flush=True)
+        say(f"RESUMED {start - 1}")
         report = mgr.last_restore
         if report is not None:
             doc = {"rank": rank, "step": report.step, "tier": report.tier, "order": report.order,
                    "passed_by": report.passed_by, "fetched": report.fetched}  # fmt: skip
-            print("REPORT " + json.dumps(doc), flush=True)
+            say("REPORT " + json.dumps(doc))
         if args.digest:
-            print(f"DIGEST restored {start - 1} {digest(model, optim)}", flush=True)
+            say(f"DIGEST restored {start - 1} {digest(model, optim)}")
         batches = iter(loader)
         with (base / f"losses-{rank}.txt").open("a") as out:
             for step in range(start, args.steps + 1):
@@ -87,14 +87,21 @@ def main() -> None:
         try:
             mgr.wait()  # the uploads too: a test reads the remote tier next
         except stashpoint.CheckpointError as e:  # a test of a failure reads it here
-            print(f"WAIT_ERROR {type(e).__name__}: {e}".replace("\n", " "), flush=True)
+            say(f"WAIT_ERROR {type(e).__name__}: {e}".replace("\n", " "))
         if args.digest:
-            print(f"DIGEST final {args.steps} {digest(model, optim)}", flush=True)
+            say(f"DIGEST final {args.steps} {digest(model, optim)}")
     dist.destroy_process_group()
     sys.stdout.flush()
     # DDP's reducer, freed at interpreter exit, joins the training group's gloo thread, which may
     # be waiting for the GIL the freeing thread holds (a torch teardown deadlock): skip teardown
     os._exit(0)
+
+
+def say(line: str) -> None:
+    """One line in one write: the ranks of an agent share its stdout, and print() writes the
+    line and its end apart, so two ranks' lines could interleave."""
+    sys.stdout.flush()
+    os.write(1, (line + "\n").encode())
 
 
 def digest(model: torch.nn.Module, optim: torch.optim.Optimizer) -> str:

@@ -31,6 +31,7 @@ from stashpoint._core.nodeplan import (
     plan_spans,
     plan_transfers,
     ranges,
+    relay,
     replica_rounds,
 )
 from stashpoint._dist.nodes import this_node
@@ -46,18 +47,18 @@ pytestmark = pytest.mark.xdist_group("nodelocal")
 
 
 def _agents(
-    base: Path, steps: int, par: str, dirs: tuple[str, str], *extra: str, nproc: int = 1, **popen
+    base: Path, steps: int, par: str, dirs: tuple[str, ...], *extra: str, nproc: int = 1, **popen
 ) -> list[subprocess.Popen]:
-    """Two torchrun agents (nodes 0 and 1, ``nproc`` ranks each); node i keeps its files in
-    ``base/node-<dirs[i]>``. Their rendezvous store is served from here on a port the kernel
-    gave it and that it holds while the agents live (a port picked free and bound later by an
-    agent can be taken in between); both agents join it as clients."""
+    """One torchrun agent per entry of ``dirs`` (nodes 0, 1, ..., ``nproc`` ranks each); node i
+    keeps its files in ``base/node-<dirs[i]>``. Their rendezvous store is served from here on a
+    port the kernel gave it and that it holds while the agents live (a port picked free and
+    bound later by an agent can be taken in between); the agents join it as clients."""
     store = rendezvous_store()
     port = store.port
     procs = []
-    for node in (0, 1):
+    for node in range(len(dirs)):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", str(nproc),
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(dirs)), "--nproc_per_node", str(nproc),
             "--node_rank", str(node), "--rdzv_backend", "c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
             "--rdzv_id", f"nl-{port}", "--rdzv_conf", "is_host=0", "--max_restarts", "0", str(WORKER), str(base),
             str(steps), "--par", par,
@@ -73,13 +74,14 @@ def run_job(
     base: Path,
     steps: int,
     par: str,
-    dirs: tuple[str, str] = ("0", "1"),
+    dirs: tuple[str, ...] = ("0", "1"),
     *,
     replicas: int = 0,
     extra: tuple[str, ...] = (),
     nproc: int = 1,
 ) -> list[str]:
-    """A job of two agents (``nproc`` ranks each) to ``steps``; each agent's output."""
+    """A job of one agent per entry of ``dirs`` (``nproc`` ranks each) to ``steps``; each
+    agent's output."""
     procs = _agents(base, steps, par, dirs, "--replicas", str(replicas), *extra, nproc=nproc, stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
@@ -217,6 +219,25 @@ def test_a_step_saved_by_four_ranks_resumes_on_two_and_back_on_four_through_the_
     outs = run_job(tmp_path, 8, "fsdp2", nproc=2, extra=("--digest",))
     assert resumed(outs) == {6}
     assert digests(outs, "restored") == saved, "2 -> 4 ranks: the gathered state differs from the saved one"
+
+
+def test_what_every_node_reads_of_one_rank_is_passed_on_by_the_nodes_that_got_it(tmp_path):
+    """Four nodes, FSDP2: every rank reads the optimizer's step counters, which rank 0 wrote
+    once. A restart fetches rank 0's index and those bytes onto nodes 1-3 through a doubling
+    tree (node 0 sends to nodes 1 and 2, node 1 passes them on to node 3: ``relay``), run for
+    real by four agents; every node resumes with exactly the state saved."""
+    dirs = ("0", "1", "2", "3")
+    outs = run_job(tmp_path, 4, "fsdp2", dirs, extra=("--digest",))
+    saved = digests(outs, "final")
+    assert len(saved) == 1, saved
+    outs = run_job(tmp_path, 6, "fsdp2", dirs, extra=("--digest",))
+    assert resumed(outs) == {4}
+    assert digests(outs, "restored") == saved
+    rep = reports(outs)
+    assert all(rep[r]["tier"] == "local" and rep[r]["fetched"].get("peers", 0) > 0 for r in (1, 2, 3)), rep
+    for node in ("1", "2", "3"):
+        held = files(tmp_path, node, 4)
+        assert 0 in ranks_in(held) and "partial-r00000" in held, "rank 0's index and a sparse part of it"
 
 
 def test_a_node_lost_with_its_disk_is_restored_from_the_replica_on_the_other_node(tmp_path, ddp_reference):
@@ -473,9 +494,58 @@ def test_plan_spans_sends_only_the_ranges_of_ranks_a_node_lacks_merged():
     }
     transfers = plan_spans(held, need)
     assert [(t.src, t.dst, t.spans) for t in transfers] == [
-        (0, 1, (("a", 0, 100, ((0, 20), (50, 60))),)),
         (1, 0, (("b", 1, 70, ((0, 8), (30, 40))),)),
-    ]
+        (0, 1, (("a", 0, 100, ((0, 20), (50, 60))),)),
+    ], "node 0's wants first (nodes in order), then node 1's"
+
+
+def _run(order):
+    """Each node's part of ``order`` run one after another, transfers between two nodes when
+    both reach them: the steps taken, and what every node ends up holding (raises if a node
+    sends a key it has not got yet, or the order deadlocks)."""
+    queues = {}
+    for i, (src, dst, _) in enumerate(order):
+        queues.setdefault(src, []).append(i)
+        queues.setdefault(dst, []).append(i)
+    done, steps, got = set(), 0, {}
+    while len(done) < len(order):
+        ready = [i for i in range(len(order)) if i not in done and all(
+            q[0] == i for q in (queues[order[i][0]], queues[order[i][1]]))]  # fmt: skip
+        assert ready, "deadlock"
+        busy = set()
+        for i in ready:  # a step: every ready transfer whose nodes are free
+            src, dst, keys = order[i]
+            if src in busy or dst in busy:
+                continue
+            busy |= {src, dst}
+            for k in keys:
+                assert src == REMOTE or k in got.get(src, set()) or src == 0, (src, k)
+            got.setdefault(dst, set()).update(keys)
+            done.add(i)
+            queues[src].pop(0)
+            queues[dst].pop(0)
+        steps += 1
+    return steps, got
+
+
+def test_a_key_every_node_wants_spreads_through_a_doubling_tree():
+    """The replicated values one rank wrote, which every rank reads: node 0 holds them and
+    1,023 other nodes want them. Relayed by the nodes that got them, it takes about log2(1,024)
+    steps, not 1,023 sends from node 0; every node gets it, from a node that had it."""
+    nodes = 1024
+    order = relay([(n, "k") for n in range(1, nodes)], {"k": [0]})
+    assert sorted(d for _, d, _ in order) == list(range(1, nodes))
+    steps, got = _run(order)
+    assert all(got[n] == {"k"} for n in range(1, nodes))
+    assert steps <= 11, steps
+    assert max(sum(1 for s, _, _ in order if s == n) for n in range(nodes)) <= 10, "no node sends to all"
+
+
+def test_relay_takes_the_remote_tier_only_for_what_no_node_holds_and_merges_a_pairs_keys():
+    order = relay([(1, "a"), (1, "b"), (2, "c")], {"a": [0, REMOTE], "b": [0], "c": [REMOTE]})
+    assert order == [(REMOTE, 2, ["c"]), (0, 1, ["a", "b"])], "both at the first step"
+    with pytest.raises(CorruptCheckpointError, match="no node holds"):
+        relay([(1, "z")], {})
 
 
 @pytest.mark.parametrize(

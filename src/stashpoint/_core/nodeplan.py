@@ -14,10 +14,14 @@ module is the planning: pure functions.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import heapq
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from stashpoint.errors import CorruptCheckpointError
+
+K = TypeVar("K", bound=Hashable)
 
 #: The remote tier as a holder of a step: every saving rank's files, read only for what no node holds.
 REMOTE = -1
@@ -102,43 +106,104 @@ def _pick(source_of: dict[int, list[int]], load: dict[int, int], rank: int, cost
     return src
 
 
+def relay(wants: Sequence[tuple[int, K]], holders: Mapping[K, Iterable[int]]) -> list[tuple[int, int, list[K]]]:
+    """Who sends each ``(node, key)`` of ``wants``, and in which order: a node that received a
+    key may pass it on, and each goes to the holder that can deliver it first, every node taking
+    part in one transfer at a time (simulated in equal steps). Many nodes wanting one key (the
+    replicated values one rank wrote and every rank reads) thus get it through a doubling tree,
+    in log2(nodes) rounds, instead of from one node that sends to them all in turn. The remote
+    tier (:data:`REMOTE`) is taken only for keys no node holds, and serves any number at once.
+    Returns ``(src, dst, keys)`` in an order in which every node can run its part one after
+    another (a transfer between two nodes carries every key the sender held by the first of
+    theirs). Pure."""
+    have: dict[K, dict[int, int]] = {}  # key -> node -> the step at which it holds it
+    heaps: dict[K, list[tuple[int, int]]] = {}
+    for k, hs in holders.items():
+        nodes = sorted(set(hs))
+        have[k] = dict.fromkeys([n for n in nodes if n != REMOTE] or nodes, 0)
+        heaps[k] = [(0, n) for n in have[k]]
+        heapq.heapify(heaps[k])
+    busy: dict[int, int] = {}
+    planned: list[tuple[int, int, int, K]] = []
+    for dst, key in wants:
+        if dst in have.get(key, {}):
+            continue
+        heap = heaps.get(key)
+        if not heap:
+            raise CorruptCheckpointError(f"no node holds {key!r}")
+        while True:  # the holder free first (entries go stale as holders take other transfers)
+            t, src = heap[0]
+            free = 0 if src == REMOTE else max(have[key][src], busy.get(src, 0))
+            if free == t:
+                break
+            heapq.heapreplace(heap, (free, src))
+        start = max(free, busy.get(dst, 0))
+        if src != REMOTE:
+            busy[src] = start + 1
+            heapq.heapreplace(heap, (start + 1, src))
+        busy[dst] = have[key][dst] = start + 1
+        heapq.heappush(heap, (start + 1, dst))
+        planned.append((start, src, dst, key))
+    out: list[tuple[int, int, list[K]]] = []
+    starts: list[int] = []
+    first: dict[tuple[int, int], int] = {}
+    for start, src, dst, key in sorted(planned, key=lambda p: p[:3]):
+        i = first.setdefault((src, dst), len(out))
+        if i < len(out) and have[key][src] <= starts[i]:
+            out[i][2].append(key)
+        else:
+            out.append((src, dst, [key]))
+            starts.append(start)
+    return out
+
+
 def plan_transfers(
     held: Mapping[int, set[int]], need: Mapping[int, set[int]], nodes: Sequence[int], *, indexes_only: bool = False
 ) -> tuple[list[Transfer], dict[int, set[int]]]:
     """Who sends what so that every node in ``nodes`` holds the files (or, ``indexes_only``,
     the index files) of the saving ranks it ``need``s, and the manifest: each missing rank's
-    files come from the node holding them that has sent the fewest so far. ``held``: the
-    saving ranks each node (and :data:`REMOTE`, if it holds the step) holds every file of.
-    Returns the transfers (in the order all ranks run them) and which ranks each node of
-    ``nodes`` then holds whole. Pure."""
+    files come from the node holding them that has sent the fewest so far; index files, which
+    many nodes may need of one rank, are passed on by the nodes that received them
+    (:func:`relay`). ``held``: the saving ranks each node (and :data:`REMOTE`, if it holds the
+    step) holds every file of. Returns the transfers (in the order all ranks run them) and
+    which ranks each node of ``nodes`` then holds whole. Pure."""
     held = {n: set(held.get(n, set())) for n in {*nodes, *held}}
     source_of = _sources(held)
-    load = dict.fromkeys(held, 0)
-    pairs: dict[tuple[int, int], set[int]] = {}
     has_step = {n for n in held if held[n]}
     if not has_step:
         raise CorruptCheckpointError("no node holds this step")
-    for dst in sorted(nodes):
-        for r in sorted(need.get(dst, set()) - held[dst]):
-            pairs.setdefault((_pick(source_of, load, r, 1), dst), set()).add(r)
-    for dst in sorted(set(nodes) - has_step - {d for _, d in pairs}):
-        pairs[(min(has_step, key=lambda n: (n == REMOTE, n)), dst)] = set()
+    wants = [(dst, r) for dst in sorted(nodes) for r in sorted(need.get(dst, set()) - held[dst])]
+    for _dst, r in wants:
+        if not source_of.get(r):
+            raise CorruptCheckpointError(f"no node holds the files of saving rank {r}")
+    if indexes_only:
+        order = relay(wants, source_of)
+    else:
+        load = dict.fromkeys(held, 0)
+        pairs: dict[tuple[int, int], list[int]] = {}
+        for dst, r in wants:
+            pairs.setdefault((_pick(source_of, load, r, 1), dst), []).append(r)
+        order = [(src, dst, rs) for (src, dst), rs in sorted(pairs.items())]
+    for dst in sorted(set(nodes) - has_step - {d for _, d, _ in order}):
+        order.append((min(has_step, key=lambda n: (n == REMOTE, n)), dst, []))
     # one transfer per node that lacks the step brings the manifest: a node's, where one sends
-    manifest_from: dict[int, int] = {}
-    for src, dst in sorted(pairs, key=lambda p: (p[0] == REMOTE, p)):
-        manifest_from.setdefault(dst, src)
+    manifest_at: dict[int, int] = {}
+    for i in sorted(range(len(order)), key=lambda i: (order[i][0] == REMOTE, i)):
+        manifest_at.setdefault(order[i][1], i)
     transfers = [
         Transfer(
             src,
             dst,
             () if indexes_only else ranges(rs),
-            dst not in has_step and manifest_from[dst] == src,
+            dst not in has_step and manifest_at[dst] == i,
             ranges(rs) if indexes_only else (),
         )
-        for (src, dst), rs in sorted(pairs.items())
+        for i, (src, dst, rs) in enumerate(order)
     ]
-    after = {n: held[n] | set().union(*(expand(t.ranks) for t in transfers if t.dst == n)) for n in nodes}
-    return transfers, after
+    got: dict[int, set[int]] = {}
+    for t in transfers:
+        got.setdefault(t.dst, set()).update(expand(t.ranks))
+    return transfers, {n: held[n] | got.get(n, set()) for n in nodes}
 
 
 def merge(spans: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -156,19 +221,22 @@ def plan_spans(
     held: Mapping[int, set[int]], need: Mapping[int, Mapping[str, tuple[int, int, Sequence[tuple[int, int]]]]]
 ) -> list[Transfer]:
     """Transfers of the byte ranges each node ``need``s (file -> its saving rank, size and
-    ranges) of files whose ranks it does not hold whole, each file's from the node holding
-    it that has sent the fewest bytes so far (:data:`REMOTE` last). Pure."""
+    ranges) of files whose ranks it does not hold whole: from the nodes holding the rank, or
+    from a node that received the same ranges of the file before (:func:`relay`; the remote
+    tier only for what no node holds). Pure."""
     source_of = _sources(held)
-    load = dict.fromkeys(held, 0)
-    pairs: dict[tuple[int, int], list[Span]] = {}
+    wants: list[tuple[int, Span]] = []
+    holders: dict[Span, list[int]] = {}
     for dst in sorted(need):
         for name, (rank, size, spans) in sorted(need[dst].items()):
             if rank in held.get(dst, set()):
                 continue
-            merged = merge(spans)
-            src = _pick(source_of, load, rank, sum(b - a for a, b in merged))
-            pairs.setdefault((src, dst), []).append((name, rank, size, merged))
-    return [Transfer(src, dst, spans=tuple(sp)) for (src, dst), sp in sorted(pairs.items())]
+            span = (name, rank, size, merge(spans))
+            if not source_of.get(rank):
+                raise CorruptCheckpointError(f"no node holds the files of saving rank {rank}")
+            holders[span] = source_of[rank]
+            wants.append((dst, span))
+    return [Transfer(src, dst, spans=tuple(sp)) for src, dst, sp in relay(wants, holders)]
 
 
 def replica_rounds(nodes: Sequence[int], shift: int) -> list[list[tuple[int, int]]]:
