@@ -28,6 +28,7 @@ from stashpoint._core.nodeplan import (
     coverable,
     expand,
     merge,
+    plan_parts,
     plan_spans,
     plan_transfers,
     ranges,
@@ -539,6 +540,22 @@ def test_a_key_every_node_wants_spreads_through_a_doubling_tree():
     assert all(got[n] == {"k"} for n in range(1, nodes))
     assert steps <= 11, steps
     assert max(sum(1 for s, _, _ in order if s == n) for n in range(nodes)) <= 10, "no node sends to all"
+
+
+def test_each_rank_is_sent_its_nodes_part_of_a_plan_alone():
+    transfers = [
+        Transfer(0, 1, ranks=((0, 1),)),
+        Transfer(REMOTE, 2, ranks=((5, 6),)),
+        Transfer(1, 2, indexes=((1, 2),)),
+    ]
+    after = {0: {0}, 1: {0, 1}, 2: {2, 5}}
+    of_rank, leaders = [0, 0, 1, 1, 2, 2], {0: 0, 1: 2, 2: 4}
+    parts = plan_parts(transfers, after, of_rank, leaders)
+    assert parts[0] == ([transfers[0]], ((0, 1),))
+    assert parts[1] == ([], ((0, 1),)), "not its node's leader: nothing to run"
+    assert parts[2] == ([transfers[0], transfers[2]], ((0, 2),)), "a node's transfers in the plan's order"
+    assert parts[4] == ([transfers[1], transfers[2]], ((2, 3), (5, 6)))
+    assert parts[5] == ([], ((2, 3), (5, 6)))
 
 
 def test_relay_takes_the_remote_tier_only_for_what_no_node_holds_and_merges_a_pairs_keys():

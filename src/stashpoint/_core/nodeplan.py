@@ -280,3 +280,20 @@ def peak_bytes(own: int, incoming: int, keep: int | None) -> int | None:
     the step before beside those of the new one (older copies go once the new ones are durable).
     None when the retention keeps steps without bound. Pure."""
     return None if keep is None else (keep + 1) * own + 2 * incoming
+
+
+def plan_parts(
+    transfers: Sequence[Transfer], after: Mapping[int, set[int]], of_rank: Sequence[int], leaders: Mapping[int, int]
+) -> list[tuple[list[Transfer], tuple[tuple[int, int], ...]]]:
+    """Each rank's part of a pass's plan: its node's transfers, in the plan's order (for the
+    node's leader; none for the other ranks), and the saving ranks its node then holds whole.
+    Sent to each rank alone, a plan costs every rank what its node does, not what the job does.
+    Pure."""
+    mine: dict[int, list[Transfer]] = {}
+    for t in transfers:
+        for n in {t.src, t.dst}:
+            mine.setdefault(n, []).append(t)
+    return [
+        (mine.get(n, []) if leaders.get(n) == r else [], ranges(after.get(n, set()))) for r, n in enumerate(of_rank)
+    ]
+

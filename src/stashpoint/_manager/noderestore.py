@@ -14,7 +14,17 @@ from typing import Any
 
 from stashpoint._core.format import Manifest
 from stashpoint._core.naming import MANIFEST_NAME, index_name, parse_save_file, step_dir
-from stashpoint._core.nodeplan import REMOTE, Held, Transfer, coverable, expand, plan_spans, plan_transfers, ranges
+from stashpoint._core.nodeplan import (
+    REMOTE,
+    Held,
+    Transfer,
+    coverable,
+    expand,
+    plan_parts,
+    plan_spans,
+    plan_transfers,
+    ranges,
+)
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext
 from stashpoint._dist.nodes import NodeMap, NodeSave, agree_nodes, this_node
@@ -257,16 +267,20 @@ class NodeLocal:
     def _transfer(
         self, ctx: DistContext, at: Storage, what: str, plan_them: Callable[[], tuple[list[Transfer], Any]]
     ) -> dict[int, set[int]]:
-        """Rank 0 plans with ``plan_them``; every leader runs its part; all agree it worked.
-        Returns the saving ranks each node holds whole afterwards (on every rank)."""
-        plan: Any = None
+        """Rank 0 plans with ``plan_them`` and sends each rank its node's part alone; every
+        leader runs its part; all agree it worked. Returns the saving ranks each node holds
+        whole afterwards: every node's on rank 0 (which plans the next pass), this rank's
+        node's elsewhere."""
+        parts: list[Any] | None = None
+        after: dict[int, set[int]] = {}
         if ctx.rank == 0:
             try:
                 transfers, after = plan_them()
-                plan = ("ok", transfers, self._save_id, {n: ranges(rs) for n, rs in after.items()})
+                mine = plan_parts(transfers, after, self.map.of_rank, self.leaders)
+                parts = [("ok", ts, self._save_id, held) for ts, held in mine]
             except CheckpointError as e:
-                plan = ("error", str(e))
-        plan = ctx.broadcast(f"node-local: transfers of {what}", plan)
+                parts = [("error", str(e))] * ctx.world
+        plan = ctx.scatter(f"node-local: transfers of {what}", parts)
         if plan[0] == "error":
             raise CorruptCheckpointError(f"fetching {what} of {at.location} across nodes: {plan[1]}")
         t0 = time.perf_counter()
@@ -275,6 +289,6 @@ class NodeLocal:
         )
         agree(ctx, f"node-local: {what} fetched", status or 0, CorruptCheckpointError)
         if plan[1]:
-            log.info("stashpoint: fetched %s of %s across nodes: %d transfer(s), %.2f s on rank %d", what,
-                     at.location, len(plan[1]), time.perf_counter() - t0, ctx.rank)  # fmt: skip
-        return {n: expand(rs) for n, rs in plan[3].items()}
+            log.info("stashpoint: fetched %s of %s across nodes: %d transfer(s) of this node, %.2f s on rank %d",
+                     what, at.location, len(plan[1]), time.perf_counter() - t0, ctx.rank)  # fmt: skip
+        return after if ctx.rank == 0 else {self.me.node: expand(plan[3])}
