@@ -33,7 +33,7 @@ from stashpoint._core.nodeplan import (
     plan_transfers,
     ranges,
     relay,
-    replica_rounds,
+    replica_peers,
 )
 from stashpoint._dist.nodes import this_node
 from stashpoint._dist.transfer import check_offer
@@ -341,18 +341,15 @@ def test_replicas_need_node_local_and_enough_nodes(tmp_path):
         stashpoint.CheckpointManager(tmp_path / "b", node_local=True, replicas=1)
 
 
-def test_replica_rounds_pair_every_node_once_per_round():
-    for n in range(2, 9):
-        nodes = list(range(10, 10 + n))
-        for shift in range(1, n):
-            rounds = replica_rounds(nodes, shift)
-            pairs = [p for r in rounds for p in r]
-            assert sorted(pairs) == sorted((nodes[i], nodes[(i + shift) % n]) for i in range(n))
-            assert len(rounds) <= 3
-            for r in rounds:
-                touched = [x for p in r for x in p]
-                assert len(touched) == len(set(touched)), (n, shift, r)
-    assert replica_rounds([5], 1) == []
+def test_each_node_sends_to_the_node_after_it_and_receives_from_the_one_before():
+    nodes = [3, 5, 8, 9]
+    for shift in (1, 2, 3):
+        peers = {n: replica_peers(nodes, n, shift) for n in nodes}
+        assert sorted(dst for dst, _ in peers.values()) == nodes, "every node receives one copy"
+        for n, (dst, src) in peers.items():
+            assert n not in (dst, src)
+            assert peers[dst][1] == n, "the node it sends to receives from it"
+    assert replica_peers([0, 1], 0, 1) == (1, 1), "two nodes: each other's sender and receiver"
 
 
 def _start(base: Path, steps: int, replicas: int) -> list[subprocess.Popen]:

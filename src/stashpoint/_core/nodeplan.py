@@ -239,38 +239,25 @@ def plan_spans(
     return [Transfer(src, dst, spans=tuple(sp)) for src, dst, sp in relay(wants, holders)]
 
 
-def replica_rounds(nodes: Sequence[int], shift: int) -> list[list[tuple[int, int]]]:
-    """The pairs (node, the node ``shift`` places after it, cyclically) in rounds where no node
-    takes part twice, so that every pair of a round can run at once: two rounds, or three when
-    a cycle of the pairs has an odd length. Pure."""
-    n = len(nodes)
-    rounds: list[list[tuple[int, int]]] = [[], [], []]
-    if n < 2 or shift % n == 0:
-        return []
-    seen: set[int] = set()
-    for start in range(n):
-        cycle = []
-        i = start
-        while i not in seen:
-            seen.add(i)
-            cycle.append(i)
-            i = (i + shift) % n
-        for j, i in enumerate(cycle):
-            color = 2 if len(cycle) % 2 and j == len(cycle) - 1 else j % 2
-            rounds[color].append((nodes[i], nodes[(i + shift) % n]))
-    return [r for r in rounds if r]
+def replica_peers(nodes: Sequence[int], node: int, shift: int) -> tuple[int, int]:
+    """For replica ``shift`` (1, 2, ...): the node ``node`` sends its files to (``shift``
+    places after it in ``nodes``, cyclically) and the node it receives from (``shift`` places
+    before it). Pure."""
+    i, n = list(nodes).index(node), len(nodes)
+    return nodes[(i + shift) % n], nodes[(i - shift) % n]
 
 
 def replica_bytes(own: Mapping[int, int], replicas: int) -> dict[int, int]:
     """The bytes of other nodes' files each node keeps as replicas of a step, from each node's
     ``own`` bytes of it: for every shift 1..``replicas``, the files of the node that shift
-    places before it (as :func:`replica_rounds` pairs them). Pure."""
+    places before it (:func:`replica_peers`). Pure."""
     nodes = sorted(own)
     incoming = dict.fromkeys(nodes, 0)
+    if len(nodes) < 2:
+        return incoming
     for shift in range(1, replicas + 1):
-        for pairs in replica_rounds(nodes, shift):
-            for src, dst in pairs:
-                incoming[dst] += own[src]
+        for i, node in enumerate(nodes):
+            incoming[nodes[(i + shift) % len(nodes)]] += own[node]
     return incoming
 
 

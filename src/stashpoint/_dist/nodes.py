@@ -126,46 +126,48 @@ def agree_nodes(ctx: DistContext, me: Node) -> NodeMap:
 # -- between two ranks (not collectives: only the two take part) ----------------------------------
 
 
-def _p2p(ctx: DistContext, what: str, fn: Any, tensor: Any, peer: int) -> None:
+def _p2p(ctx: DistContext, what: str, fn: Any, tensor: Any, peer: int, *, tag: int) -> None:
     try:
-        fn(tensor, ctx.ranks[peer], group=ctx.group)
+        fn(tensor, ctx.ranks[peer], group=ctx.group, tag=tag)
     except Exception as e:
         raise CollectiveError(f"rank {ctx.rank}: {what} with rank {peer} failed: {type(e).__name__}: {e}") from e
 
 
-def send_tensor(ctx: DistContext, peer: int, tensor: Any) -> None:
-    """Send a CPU tensor to group rank ``peer``, which receives it into one of the same size."""
+def send_tensor(ctx: DistContext, peer: int, tensor: Any, tag: int = 0) -> None:
+    """Send a CPU tensor to group rank ``peer``, which receives it into one of the same size
+    (with the same ``tag``: messages of two exchanges running at once between the same two
+    ranks, one per thread, are told apart by their tags)."""
     import torch.distributed as dist
 
-    _p2p(ctx, "sending", dist.send, tensor, peer)
+    _p2p(ctx, "sending", dist.send, tensor, peer, tag=tag)
 
 
-def recv_tensor(ctx: DistContext, peer: int, tensor: Any) -> None:
+def recv_tensor(ctx: DistContext, peer: int, tensor: Any, tag: int = 0) -> None:
     import torch.distributed as dist
 
-    _p2p(ctx, "receiving", dist.recv, tensor, peer)
+    _p2p(ctx, "receiving", dist.recv, tensor, peer, tag=tag)
 
 
-def send_blob(ctx: DistContext, peer: int, data: bytes) -> None:
+def send_blob(ctx: DistContext, peer: int, data: bytes, tag: int = 0) -> None:
     """Send a small message: its length, then its bytes."""
     import torch
 
-    send_tensor(ctx, peer, torch.tensor([len(data)], dtype=torch.int64))
+    send_tensor(ctx, peer, torch.tensor([len(data)], dtype=torch.int64), tag)
     if data:
-        send_tensor(ctx, peer, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        send_tensor(ctx, peer, torch.frombuffer(bytearray(data), dtype=torch.uint8), tag)
 
 
-def recv_blob(ctx: DistContext, peer: int, limit: int) -> bytes:
+def recv_blob(ctx: DistContext, peer: int, limit: int, tag: int = 0) -> bytes:
     """A message of :func:`send_blob`; one announced longer than ``limit`` bytes is refused."""
     import torch
 
     size = torch.zeros(1, dtype=torch.int64)
-    recv_tensor(ctx, peer, size)
+    recv_tensor(ctx, peer, size, tag)
     n = int(size.item())
     if n < 0 or n > limit:
         raise CheckpointError(f"rank {ctx.rank}: rank {peer} announced a message of {n} bytes (at most {limit})")
     if n == 0:
         return b""
     buf = torch.empty(n, dtype=torch.uint8)
-    recv_tensor(ctx, peer, buf)
+    recv_tensor(ctx, peer, buf, tag)
     return bytes(buf.numpy())

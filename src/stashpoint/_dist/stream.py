@@ -45,11 +45,11 @@ class Stream:
     piece announced, zeros or discarded, so that its peer and every later transfer stay in
     step; it raises at the end (:meth:`done`)."""
 
-    def __init__(self, ctx: DistContext | None, peer: int, source: Storage | None = None) -> None:
+    def __init__(self, ctx: DistContext | None, peer: int, source: Storage | None = None, tag: int = 0) -> None:
         import torch
 
         # source: receive from that storage (a step's remote copy) instead of from rank ``peer``
-        self.ctx, self.peer, self.source = ctx, peer, source
+        self.ctx, self.peer, self.source, self.tag = ctx, peer, source, tag
         self.bufs = [torch.empty(CHUNK, dtype=torch.uint8) for _ in range(2)]
         self.mvs = [as_memoryview(b) for b in self.bufs]
         self.error: BaseException | None = None
@@ -78,7 +78,7 @@ class Stream:
                 nk, (noff, nn) = (k + 1) % 2, pieces[i + 1]
                 ahead = self._pool.submit(self._read, step, name, noff, self.mvs[nk][:nn])
             assert self.ctx is not None
-            send_tensor(self.ctx, self.peer, self.bufs[k][:n])
+            send_tensor(self.ctx, self.peer, self.bufs[k][:n], self.tag)
         self._turn = (self._turn + len(pieces)) % 2
 
     def _sink(self, sink: Any, off: int, mv: memoryview) -> None:
@@ -99,7 +99,7 @@ class Stream:
                 self._read(self.source, name, start + off, self.mvs[k][:n])
             else:
                 assert self.ctx is not None
-                recv_tensor(self.ctx, self.peer, self.bufs[k][:n])
+                recv_tensor(self.ctx, self.peer, self.bufs[k][:n], self.tag)
             if behind is not None:
                 behind.result()
             behind = self._pool.submit(self._sink, sink, off, self.mvs[k][:n])

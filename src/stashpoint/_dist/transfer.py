@@ -9,6 +9,7 @@ Every byte fetched is still verified by the load against the checksums the manif
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import json
 import logging
@@ -27,7 +28,7 @@ from stashpoint._core.naming import (
     parse_step_dir,
     split_group,
 )
-from stashpoint._core.nodeplan import REMOTE, Transfer, expand, peak_bytes, replica_rounds
+from stashpoint._core.nodeplan import REMOTE, Transfer, expand, peak_bytes, replica_peers
 from stashpoint._core.sealed import MAX_MANIFEST_BYTES
 from stashpoint._core.units import human_bytes
 from stashpoint._dist.group import DistContext
@@ -121,16 +122,16 @@ def _files_of(step: Storage, ranks: set[int], save_id: str, indexes_only: bool) 
     return out
 
 
-def send_step_files(ctx: DistContext, peer: int, step: Storage, t: Transfer, save_id: str) -> None:
+def send_step_files(ctx: DistContext, peer: int, step: Storage, t: Transfer, save_id: str, *, tag: int = 0) -> None:
 
     files = _files_of(step, expand(t.ranks), save_id, False) + _files_of(step, expand(t.indexes), save_id, True)
     if t.manifest:
         files.append((MANIFEST_NAME, step.size(MANIFEST_NAME)))
-    send_blob(ctx, peer, json.dumps({"files": files, "spans": t.spans}).encode())
-    refused = recv_blob(ctx, peer, 4096)  # the receiver checks the offer and its space first
+    send_blob(ctx, peer, json.dumps({"files": files, "spans": t.spans}).encode(), tag)
+    refused = recv_blob(ctx, peer, 4096, tag)  # the receiver checks the offer and its space first
     if refused:
         raise CheckpointError(f"rank {peer} refused the files: {refused.decode(errors='replace')}")
-    stream = Stream(ctx, peer)
+    stream = Stream(ctx, peer, tag=tag)
     for name, size in files:
         stream.send(step, name, 0, size)
     for name, _, _, spans in t.spans:
@@ -187,6 +188,7 @@ def recv_step_files(
     *,
     replica: bool = False,
     refuse: str | None = None,
+    tag: int = 0,
 ) -> int:
     """Receive a :func:`send_step_files` into this node's ``step``; the bytes received. Only
     names of the saving ranks and save this transfer is for are accepted, and only byte ranges
@@ -195,15 +197,15 @@ def recv_step_files(
     last. ``replica``: the files are a copy of another node's, marked so that a newer replica
     replaces them. ``refuse``: why this node takes no copy (told to the sender, and raised)."""
     try:
-        files = check_offer(recv_blob(ctx, peer, _MAX_LISTING), t, save_id, f"rank {peer}")
+        files = check_offer(recv_blob(ctx, peer, _MAX_LISTING, tag), t, save_id, f"rank {peer}")
         if refuse:
             raise CheckpointError(refuse)
         _check_space(step, _needed(files, t))
     except CheckpointError as e:
-        send_blob(ctx, peer, str(e).encode()[:4000])
+        send_blob(ctx, peer, str(e).encode()[:4000], tag)
         raise
-    send_blob(ctx, peer, b"")
-    return _land(step, t, files, Stream(ctx, peer), replica)
+    send_blob(ctx, peer, b"", tag)
+    return _land(step, t, files, Stream(ctx, peer, tag=tag), replica)
 
 
 @dataclass(frozen=True)
@@ -333,28 +335,38 @@ def run_transfers(
 
 def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str, room: tuple[int, int] | None) -> None:
     """After a step committed on every node: each node's leader sends its own ranks' files of
-    it to the leaders of the next ``ns.replicas`` nodes, in rounds where every leader sends or
-    receives at most once (all pairs of a round at once); each receiver then drops the replicas
-    it kept of older steps. A node whose directory cannot hold ``room`` (its own bytes of the
-    step, and the replicas it keeps) at the peak of a save takes no copy. Raises
-    :class:`ReplicaError` on every rank alike if any failed."""
+    it to the leaders of the next ``ns.replicas`` nodes, one replica after another; for each,
+    every leader sends to the node after it while it receives from the node before it (a ring
+    of full-duplex transfers, all at once). Each receiver then drops the replicas it kept of
+    older steps. A node whose directory cannot hold ``room`` (its own bytes of the step, and
+    the replicas it keeps) at the peak of a save takes no copy. Raises :class:`ReplicaError`
+    on every rank alike if any failed."""
     leaders, ranks = dict(ns.nodes.leaders), dict(ns.nodes.ranks)
     status = None
     kept = 0  # bytes of other nodes' files this node received
     if ctx.rank == leaders.get(ns.node):
         errors = []
         refuse = _room_problem(step, room, ns)
+        nodes = sorted(leaders)
         for shift in range(1, ns.replicas + 1):
-            for pairs in replica_rounds(sorted(leaders), shift):
-                for src, dst in pairs:  # every pair, whatever failed before: the peers wait for it
-                    t = Transfer(src, dst, ranks=ranks[src])
-                    try:
-                        if src == ns.node:
-                            send_step_files(ctx, leaders[dst], step, t, save_id)
-                        elif dst == ns.node:
-                            kept += recv_step_files(ctx, leaders[src], step, t, save_id, replica=True, refuse=refuse)
-                    except Exception as e:
-                        errors.append(f"{type(e).__name__}: {e}")
+            dst, src = replica_peers(nodes, ns.node, shift)
+            out, into = Transfer(ns.node, dst, ranks=ranks[ns.node]), Transfer(src, ns.node, ranks=ranks[src])
+            # tags: the two directions between one pair of nodes (two nodes: each other's
+            # sender and receiver) are told apart by their sender's place in the ring
+            mine = 1 + nodes.index(ns.node)
+            with cf.ThreadPoolExecutor(1, thread_name_prefix="stashpoint-replica") as pool:
+                sending = pool.submit(send_step_files, ctx, leaders[dst], step, out, save_id, tag=mine)
+                try:  # whatever fails, both directions run to their end: the peers wait for them
+                    got = recv_step_files(
+                        ctx, leaders[src], step, into, save_id, replica=True, refuse=refuse, tag=1 + nodes.index(src)
+                    )
+                    kept += got
+                except Exception as e:
+                    errors.append(f"receiving from node {src}: {type(e).__name__}: {e}")
+                try:
+                    sending.result()
+                except Exception as e:
+                    errors.append(f"sending to node {dst}: {type(e).__name__}: {e}")
         if not errors and isinstance(step, LocalStorage):
             try:
                 _drop_older_replicas(step.root)
