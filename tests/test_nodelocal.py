@@ -170,6 +170,7 @@ def test_each_node_holds_its_ranks_files_and_restarts_fetch_what_they_read(tmp_p
     assert resumed(outs) == {0}, "no step is whole without node 1's files: a fresh start"
 
 
+@pytest.mark.slow  # the four-node relay test checks the same sparse fetch in the default tier
 def test_fsdp2_restart_fetches_only_the_bytes_its_ranks_read(tmp_path, tmp_path_factory):
     """FSDP2: each rank reads its own shards, which its node holds, and a few replicated bytes
     another rank wrote: a restart fetches just those byte ranges, and trains on exactly as an
@@ -241,6 +242,8 @@ def test_what_every_node_reads_of_one_rank_is_passed_on_by_the_nodes_that_got_it
     for node in ("1", "2", "3"):
         held = files(tmp_path, node, 4)
         assert 0 in ranks_in(held) and "partial-r00000" in held, "rank 0's index and a sparse part of it"
+        for shard in (tmp_path / f"node-{node}" / "ckpt" / "step-00000004").glob("shard-r00000-*"):
+            assert shard.stat().st_blocks * 512 < shard.stat().st_size, "a sparse copy, not the whole shard"
 
 
 def test_a_node_lost_with_its_disk_is_restored_from_the_replica_on_the_other_node(tmp_path, ddp_reference):
