@@ -23,6 +23,9 @@ from stashpoint.errors import CorruptCheckpointError
 
 K = TypeVar("K", bound=Hashable)
 
+#: A node's bytes of a step: its own ranks' files, and the other nodes' it keeps as replicas
+Room = tuple[int, int]
+
 #: The remote tier as a holder of a step: every saving rank's files, read only for what no node holds.
 REMOTE = -1
 
@@ -95,14 +98,11 @@ def _sources(held: Mapping[int, set[int]]) -> dict[int, list[int]]:
     return source_of
 
 
-def _pick(source_of: dict[int, list[int]], load: dict[int, int], rank: int, cost: int) -> int:
+def _pick(source_of: dict[int, list[int]], load: dict[int, int], rank: int) -> int:
     """The node holding ``rank``'s files that has sent the least so far (the remote tier
     only when no node holds them)."""
-    srcs = source_of.get(rank)
-    if not srcs:
-        raise CorruptCheckpointError(f"no node holds the files of saving rank {rank}")
-    src = min(srcs, key=lambda n: (n == REMOTE, load[n], n))
-    load[src] += cost
+    src = min(source_of[rank], key=lambda n: (n == REMOTE, load[n], n))
+    load[src] += 1
     return src
 
 
@@ -182,7 +182,7 @@ def plan_transfers(
         load = dict.fromkeys(held, 0)
         pairs: dict[tuple[int, int], list[int]] = {}
         for dst, r in wants:
-            pairs.setdefault((_pick(source_of, load, r, 1), dst), []).append(r)
+            pairs.setdefault((_pick(source_of, load, r), dst), []).append(r)
         order = [(src, dst, rs) for (src, dst), rs in sorted(pairs.items())]
     for dst in sorted(set(nodes) - has_step - {d for _, d, _ in order}):
         order.append((min(has_step, key=lambda n: (n == REMOTE, n)), dst, []))

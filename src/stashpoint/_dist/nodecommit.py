@@ -13,14 +13,12 @@ import struct
 from collections.abc import Sequence
 
 from stashpoint._core.naming import MANIFEST_NAME
-from stashpoint._core.nodeplan import replica_bytes
+from stashpoint._core.nodeplan import Room, replica_bytes
 from stashpoint._core.sealed import MAX_MANIFEST_BYTES
 from stashpoint._dist.group import DistContext
 from stashpoint._dist.nodes import NodeSave, recv_blob, send_blob
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError
-
-Room = tuple[int, int]  # a node's bytes of a step: its own ranks' files, and the replicas it will keep
 
 
 def node_room(ns: NodeSave, rank_bytes: Sequence[int]) -> dict[int, Room]:
@@ -44,7 +42,7 @@ def commit_on_nodes(
 ) -> Room | None:
     """After rank 0 committed ``manifest`` (its bytes, on rank 0) in ``storage`` of its node:
     the same bytes into ``storage`` of every other node, by their ``leaders`` (group ranks),
-    with each node's :data:`Room` where rank 0 has ``room`` (a save with replicas). Returns
+    with each node's ``Room`` where rank 0 has ``room`` (a save with replicas). Returns
     this leader's room (None elsewhere, or without). Raises :class:`CheckpointError` on every
     rank alike when any node's commit failed."""
     status: str | None = None

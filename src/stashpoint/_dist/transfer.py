@@ -28,7 +28,7 @@ from stashpoint._core.naming import (
     parse_step_dir,
     split_group,
 )
-from stashpoint._core.nodeplan import REMOTE, Transfer, expand, peak_bytes, replica_peers
+from stashpoint._core.nodeplan import REMOTE, Room, Transfer, expand, peak_bytes, replica_peers
 from stashpoint._core.sealed import MAX_MANIFEST_BYTES
 from stashpoint._core.units import human_bytes
 from stashpoint._dist.group import DistContext
@@ -72,7 +72,7 @@ def _check_space(step: Storage, needed: int) -> None:
         )
 
 
-def _room_problem(step: Storage, room: tuple[int, int] | None, ns: NodeSave) -> str | None:
+def _room_problem(step: Storage, room: Room | None, ns: NodeSave) -> str | None:
     """Why this node's directory cannot hold its checkpoints with replicas, steps staying this
     size: what it holds at the peak of a save (``peak_bytes``) against its free space plus
     the steps already in it. None when it can, or cannot be told."""
@@ -333,7 +333,7 @@ def run_transfers(
     return "; ".join(errors[:4]) or None
 
 
-def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str, room: tuple[int, int] | None) -> None:
+def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str, room: Room | None) -> None:
     """After a step committed on every node: each node's leader sends its own ranks' files of
     it to the leaders of the next ``ns.replicas`` nodes, one replica after another; for each,
     every leader sends to the node after it while it receives from the node before it (a ring
@@ -348,12 +348,12 @@ def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str, room:
         errors = []
         refuse = _room_problem(step, room, ns)
         nodes = sorted(leaders)
+        # tags: the two directions between one pair of nodes (two nodes: each other's sender
+        # and receiver) are told apart by their sender's place in the ring
+        mine = 1 + nodes.index(ns.node)
         for shift in range(1, ns.replicas + 1):
             dst, src = replica_peers(nodes, ns.node, shift)
             out, into = Transfer(ns.node, dst, ranks=ranks[ns.node]), Transfer(src, ns.node, ranks=ranks[src])
-            # tags: the two directions between one pair of nodes (two nodes: each other's
-            # sender and receiver) are told apart by their sender's place in the ring
-            mine = 1 + nodes.index(ns.node)
             with cf.ThreadPoolExecutor(1, thread_name_prefix="stashpoint-replica") as pool:
                 sending = pool.submit(send_step_files, ctx, leaders[dst], step, out, save_id, tag=mine)
                 try:  # whatever fails, both directions run to their end: the peers wait for them

@@ -22,6 +22,7 @@ from stashpoint._core.described import described_catalog
 from stashpoint._core.format import Chunk, checksum
 from stashpoint._core.index import Head, RankIndex
 from stashpoint._core.naming import MANIFEST_NAME, RANKS_PER_DIR, group_dir, index_name, parse_save_file, placed
+from stashpoint._core.nodeplan import Room
 from stashpoint._core.plan import TensorSpec, plan_files
 from stashpoint._dist import group as _dist
 from stashpoint._dist.commit import (
@@ -37,7 +38,7 @@ from stashpoint._dist.commit import (
     start_save,
 )
 from stashpoint._dist.group import CollectiveError, DistContext
-from stashpoint._dist.nodecommit import Room, commit_on_nodes, node_room
+from stashpoint._dist.nodecommit import commit_on_nodes, node_room
 from stashpoint._dist.transfer import replicate
 from stashpoint._save.handle import SaveStats
 from stashpoint._save.layout import Layout
