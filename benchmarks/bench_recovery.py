@@ -1,6 +1,6 @@
 """Time to resume (issue 21, part 5): two torchrun agents on this host are two nodes.
 
-    python -m benchmarks.bench_recovery [--size-gb 0.5] [--repeats 2]
+    python -m benchmarks.bench_recovery [--size-gb 0.5] [--repeats 2] [--tier disk|memory]
 
 The suite's GPT + AdamW under FSDP2 over the two nodes (one rank each) is saved once as step 1
 (benchmarks/recovery_worker.py): node-local with one replica, to S3 (a SeaweedFS server this
@@ -17,7 +17,9 @@ training step:
 
 And the training time lost per save, node-local with replicas on and off: 40 steps with saves
 at steps 16, 24 and 32, against the same 40 steps without saves (medians over the trials),
-divided by the saves. Run it alone: two cores serve both nodes.
+divided by the saves. ``--tier memory`` puts the nodes' directories on ``/dev/shm`` (a memory
+tier: replicas in the peers' host memory); S3 and DCP stay on disk. Run it alone: two cores
+serve both nodes.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--sources", default=",".join(SOURCES), help="which restores to time (default: all)")
     ap.add_argument("--no-train", action="store_true", help="skip the training time lost per save")
+    ap.add_argument("--tier", choices=("disk", "memory"), default="disk",
+                    help="where the nodes' directories are: this host's disk, or /dev/shm")  # fmt: skip
     ap.add_argument("--log", action="store_true", help="the workers log stashpoint's INFO lines (to stderr here)")
     args = ap.parse_args(argv)
     sources = [s for s in args.sources.split(",") if s]
@@ -91,13 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     from s3_server import SeaweedServer
 
     base = Path(tempfile.mkdtemp(prefix="bench-recovery-", dir="/var/tmp"))
+    nodes = Path(tempfile.mkdtemp(prefix="bench-recovery-", dir="/dev/shm")) if args.tier == "memory" else base
     server = SeaweedServer(base / "weed")
     server.start()
     try:
         server.create_bucket("bench")
         env = {**os.environ, **server.env(), "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
-               "BENCH_LOG": "1" if args.log else ""}  # fmt: skip
+               "BENCH_LOG": "1" if args.log else "", "BENCH_NODES": str(nodes)}  # fmt: skip
         common = ("--size-gb", str(args.size_gb), "--s3", "s3://bench/run")
         log("saving step 1 (node-local with a replica, S3, DCP)")
         job(base, "save", env, *common)
@@ -106,12 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         for trial in range(args.repeats):
             for source in sources:
                 if source == "replica":
-                    shutil.copytree(base / "node-1", base / "node-1.kept")
-                    shutil.rmtree(base / "node-1")
+                    shutil.copytree(nodes / "node-1", nodes / "node-1.kept")
+                    shutil.rmtree(nodes / "node-1")
                 got = job(base, "resume", env, *common, "--source", source)
                 if source == "replica":
-                    shutil.rmtree(base / "node-1")
-                    (base / "node-1.kept").rename(base / "node-1")
+                    shutil.rmtree(nodes / "node-1")
+                    (nodes / "node-1.kept").rename(nodes / "node-1")
                 load = max(r["load_s"] for r in got)
                 first = max(r["to_first_step_s"] for r in got)
                 results[source].append((load, first))
@@ -119,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         totals: dict[int, list[float]] = {}
         for trial in range(0 if args.no_train else args.repeats):
             for replicas in (-1, 0, 1):  # -1: the same steps, no saves
-                shutil.rmtree(base / "node-0", ignore_errors=True)
-                shutil.rmtree(base / "node-1", ignore_errors=True)
+                shutil.rmtree(nodes / "node-0", ignore_errors=True)
+                shutil.rmtree(nodes / "node-1", ignore_errors=True)
                 got = job(base, "train", env, *common, "--replicas", str(replicas))
                 totals.setdefault(replicas, []).append(max(sum(r["step_s"]) for r in got))
                 log(f"trial {trial + 1}: replicas={replicas}: 40 steps in {totals[replicas][-1]:.2f} s")
@@ -128,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
         shutil.rmtree(base, ignore_errors=True)
-    print(f"{nbytes / 1e9:.2f} GB state (FSDP2 over 2 nodes x 1 rank); median of {args.repeats} trials\n")
+        shutil.rmtree(nodes, ignore_errors=True)
+    print(f"{nbytes / 1e9:.2f} GB state (FSDP2 over 2 nodes x 1 rank), the nodes' directories on {args.tier}; "
+          f"median of {args.repeats} trials\n")  # fmt: skip
     print("| restore from | load | launch to first step |")
     print("|---|---:|---:|")
     names = {"own": "the node's own tier", "replica": "a peer's replica (node 1 lost)", "s3": "S3 (SeaweedFS)",

@@ -3,7 +3,7 @@
     recovery_worker.py BASE PHASE [--size-gb G] [--source own|replica|s3|dcp] [--replicas K]
 
 PHASE ``save``: the suite's GPT + AdamW under FSDP2 (``build("fsdp", ...)``), saved as step 1
-three ways: a node-local manager with replicas (BASE/node-<NODE_DIR>/ckpt), a manager with an
+three ways: a node-local manager with replicas (BASE/node-<NODE_DIR>/ckpt, or under ``BENCH_NODES``), a manager with an
 S3 remote tier (BASE/s3-local, removed afterwards: the restart is a fresh node), and
 ``dcp.save`` to BASE/dcp. PHASE ``resume``: a fresh state, restored from ``--source``, then one
 training step; prints ``RESULT {json}`` with the load's time and the time from the launch
@@ -46,7 +46,8 @@ def train_step(state: dict) -> None:
 
 
 def node_root(base: Path) -> Path:
-    return base / f"node-{os.environ.get('NODE_DIR', os.environ.get('GROUP_RANK', '0'))}" / "ckpt"
+    nodes = Path(os.environ.get("BENCH_NODES", base))  # the nodes' tier: a disk, or /dev/shm (memory)
+    return nodes / f"node-{os.environ.get('NODE_DIR', os.environ.get('GROUP_RANK', '0'))}" / "ckpt"
 
 
 def main() -> None:

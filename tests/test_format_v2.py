@@ -228,3 +228,52 @@ def test_a_bad_ranks_per_dir_setting_fails_the_save_clearly_and_commits_nothing(
     with pytest.raises(stashpoint.CheckpointError, match="STASHPOINT_RANKS_PER_DIR='abc' is not a number"):
         stashpoint.save({"a": torch.ones(2)}, tmp_path / "ck")
     assert not (tmp_path / "ck" / MANIFEST_NAME).exists()
+
+
+def test_within_a_restore_each_manifest_and_index_is_parsed_once_and_changed_bytes_anew(tmp_path, monkeypatch):
+    """A restore reads the manifest and indexes in several passes: ``remembering`` parses each
+    distinct content once; a file whose bytes changed is parsed (and checked) again."""
+    from stashpoint._load import manifest as m
+
+    calls = {"head": 0, "index": 0}
+    real_head, real_index = m.parse_head, m.parse_index
+
+    def head(*a):
+        calls["head"] += 1
+        return real_head(*a)
+
+    def index(*a):
+        calls["index"] += 1
+        return real_index(*a)
+
+    monkeypatch.setattr(m, "parse_head", head)
+    monkeypatch.setattr(m, "parse_index", index)
+    from stashpoint._storage import LocalStorage
+
+    state = {"w": torch.arange(6.0), "n": 3}
+    stashpoint.save(state, tmp_path / "c")
+    storage = LocalStorage(tmp_path / "c")
+    with m.remembering():
+        h = m.read_head(storage)
+        assert m.read_head(storage) is h
+        assert m.read_index(storage, h, 0) is m.read_index(storage, h, 0)
+        assert calls == {"head": 1, "index": 1}
+        raw = (tmp_path / "c" / MANIFEST_NAME).read_bytes()
+        (tmp_path / "c" / MANIFEST_NAME).write_bytes(raw.replace(b'"format_version"', b'"format_versioN"'))
+        with pytest.raises(CorruptCheckpointError):
+            m.read_head(storage)  # new bytes: checked anew, not taken from the memo
+        (tmp_path / "c" / MANIFEST_NAME).write_bytes(raw)
+        target = {"w": torch.zeros(6), "n": 0}
+        stashpoint.load(target, tmp_path / "c")  # plans once more (its first plan of this state), parses nothing
+        assert calls["head"] == 2 and calls["index"] == 1
+    assert torch.equal(target["w"], state["w"]) and target["n"] == 3
+    m.read_head(storage)  # outside: no memo
+    m.read_head(storage)
+    assert calls["head"] == 4
+    # a node-local restore: the listing, its three passes and the load parse the step's once
+    with stashpoint.CheckpointManager(tmp_path / "run", node_local=True) as mgr:
+        mgr.save(1, state)
+    calls.update(head=0, index=0)
+    with stashpoint.CheckpointManager(tmp_path / "run", node_local=True) as mgr:
+        assert mgr.restore(target) == 1
+    assert calls == {"head": 1, "index": 1}

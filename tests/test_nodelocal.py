@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import stashpoint
 from conftest import ROOT
@@ -36,6 +38,7 @@ from stashpoint._core.nodeplan import (
     replica_peers,
 )
 from stashpoint._dist.nodes import this_node
+from stashpoint._dist.stream import pieces
 from stashpoint._dist.transfer import check_offer
 from stashpoint._manager.noderestore import node_order
 from stashpoint._tools.cli import main as cli_main
@@ -453,6 +456,18 @@ def test_ranges_round_trip():
     assert ranges([5, 1, 2, 3, 7, 6]) == ((1, 4), (5, 8))
     assert expand(ranges({0, 9, 10})) == {0, 9, 10}
     assert ranges([]) == ()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 40)), max_size=12), st.integers(1, 32))
+def test_a_files_byte_ranges_go_packed_into_full_messages_in_order(spans, chunk):
+    """Many small ranges (a sparse copy's step counters) go as one message; each message but the
+    last is full, and the messages hold exactly the ranges' bytes, in order."""
+    ranges = [(a, a + n) for a, n in spans]
+    out = pieces(ranges, chunk)
+    assert [i for p in out for a, b in p for i in range(a, b)] == [i for a, b in ranges for i in range(a, b)]
+    sizes = [sum(b - a for a, b in p) for p in out]
+    assert all(s == chunk for s in sizes[:-1]) and all(0 < s <= chunk for s in sizes)
 
 
 def test_merge_joins_overlapping_and_touching_ranges():

@@ -1,9 +1,10 @@
-"""How a transfer's bytes move: read from a step's files (or received from a peer) in 64 MiB
-pieces, two buffers deep, and landed in a node's step directory through the page cache."""
+"""How a transfer's bytes move: read from a step's files (or received from a peer) in messages
+of up to 64 MiB, two buffers deep, and landed in a node's step directory through the page cache."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +39,38 @@ class Landing(LocalStorage):
         return LocalWriter(self.root / parts[1], size, durable=self.durable)
 
 
+def pieces(ranges: Sequence[tuple[int, int]], chunk: int = CHUNK) -> list[list[tuple[int, int]]]:
+    """Byte ranges of one file packed, in order, into messages of at most ``chunk`` bytes (a
+    range larger than that is split across messages): the many small ranges of a sparse copy
+    (the step counters of every parameter) go as one message, not one each. Pure."""
+    out: list[list[tuple[int, int]]] = []
+    cur: list[tuple[int, int]] = []
+    room = chunk
+    for a, b in ranges:
+        at = a
+        while at < b:
+            n = min(b - at, room)
+            cur.append((at, at + n))
+            at, room = at + n, room - n
+            if room == 0:
+                out.append(cur)
+                cur, room = [], chunk
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _size(piece: list[tuple[int, int]]) -> int:
+    return sum(b - a for a, b in piece)
+
+
 class Stream:
-    """One transfer's bytes in 64 MiB pieces, two buffers deep: the next piece is read while
-    one is sent, and the last one written while the next is received. A side that fails
-    part-way (a file that cannot be read, a disk that is full) still sends or receives every
-    piece announced, zeros or discarded, so that its peer and every later transfer stay in
-    step; it raises at the end (:meth:`done`)."""
+    """One transfer's bytes, a file's byte ranges packed into messages of up to 64 MiB
+    (:func:`pieces`), two buffers deep: the next message is read while one is sent, and the
+    last one written while the next is received. A side that fails part-way (a file that
+    cannot be read, a disk that is full) still sends or receives every message announced,
+    zeros or discarded, so that its peer and every later transfer stay in step; it raises at
+    the end (:meth:`done`)."""
 
     def __init__(self, ctx: DistContext | None, peer: int, source: Storage | None = None, tag: int = 0) -> None:
         import torch
@@ -56,53 +83,61 @@ class Stream:
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="stashpoint-transfer")
         self._turn = 0
 
-    def _read(self, step: Storage, name: str, off: int, mv: memoryview) -> None:
+    def _read(self, step: Storage, name: str, piece: list[tuple[int, int]], mv: memoryview) -> None:
         if self.error is None:
             try:
-                step.readv(name, off, [mv])
+                pos = 0
+                for a, b in piece:
+                    step.readv(name, a, [mv[pos : pos + b - a]])
+                    pos += b - a
                 return
             except (OSError, EOFError, CheckpointError) as e:
                 self.error = CheckpointError(f"reading {step.location}/{name}: {e}")
         mv[:] = bytes(len(mv))
 
-    def send(self, step: Storage, name: str, start: int, end: int) -> None:
-        pieces = [(off, min(CHUNK, end - off)) for off in range(start, end, CHUNK)]
+    def send(self, step: Storage, name: str, ranges: Sequence[tuple[int, int]]) -> None:
+        """Send the byte ranges ``ranges`` of ``name`` (in ``step``), in order."""
+        ps = pieces(ranges)
         ahead: cf.Future[None] | None = None
-        for i, (off, n) in enumerate(pieces):
-            k = (self._turn + i) % 2
+        for i, piece in enumerate(ps):
+            k, n = (self._turn + i) % 2, _size(piece)
             if ahead is None:
-                self._read(step, name, off, self.mvs[k][:n])
+                self._read(step, name, piece, self.mvs[k][:n])
             else:
                 ahead.result()
-            if i + 1 < len(pieces):
-                nk, (noff, nn) = (k + 1) % 2, pieces[i + 1]
-                ahead = self._pool.submit(self._read, step, name, noff, self.mvs[nk][:nn])
+            if i + 1 < len(ps):
+                nk, nxt = (k + 1) % 2, ps[i + 1]
+                ahead = self._pool.submit(self._read, step, name, nxt, self.mvs[nk][: _size(nxt)])
             assert self.ctx is not None
             send_tensor(self.ctx, self.peer, self.bufs[k][:n], self.tag)
-        self._turn = (self._turn + len(pieces)) % 2
+        self._turn = (self._turn + len(ps)) % 2
 
-    def _sink(self, sink: Any, off: int, mv: memoryview) -> None:
-        if self.error is None:
+    def _sink(self, sink: Any, piece: list[tuple[int, int]], mv: memoryview) -> None:
+        pos = 0
+        for a, b in piece:
+            if self.error is not None:
+                return
             try:
-                sink(off, mv)
+                sink(a, mv[pos : pos + b - a])
             except (OSError, CheckpointError) as e:
                 self.error = e
+            pos += b - a
 
-    def receive(self, size: int, sink: Any, name: str, start: int = 0) -> None:
-        """``size`` bytes of ``name`` from ``start``, each piece given in order to
-        ``sink(offset, memoryview)`` (on another thread, while the next piece arrives) until it
-        fails."""
+    def receive(self, name: str, ranges: Sequence[tuple[int, int]], sink: Any) -> None:
+        """The byte ranges ``ranges`` of ``name`` (as :meth:`send` sent them), each given in
+        order to ``sink(file_offset, memoryview)`` (on another thread, while the next message
+        arrives) until it fails."""
         behind: cf.Future[None] | None = None
-        for i, off in enumerate(range(0, size, CHUNK)):
-            n, k = min(CHUNK, size - off), i % 2
+        for i, piece in enumerate(pieces(ranges)):
+            n, k = _size(piece), i % 2
             if self.source is not None:
-                self._read(self.source, name, start + off, self.mvs[k][:n])
+                self._read(self.source, name, piece, self.mvs[k][:n])
             else:
                 assert self.ctx is not None
                 recv_tensor(self.ctx, self.peer, self.bufs[k][:n], self.tag)
             if behind is not None:
                 behind.result()
-            behind = self._pool.submit(self._sink, sink, off, self.mvs[k][:n])
+            behind = self._pool.submit(self._sink, sink, piece, self.mvs[k][:n])
         if behind is not None:
             behind.result()
 

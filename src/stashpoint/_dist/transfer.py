@@ -133,10 +133,9 @@ def send_step_files(ctx: DistContext, peer: int, step: Storage, t: Transfer, sav
         raise CheckpointError(f"rank {peer} refused the files: {refused.decode(errors='replace')}")
     stream = Stream(ctx, peer, tag=tag)
     for name, size in files:
-        stream.send(step, name, 0, size)
+        stream.send(step, name, [(0, size)])
     for name, _, _, spans in t.spans:
-        for a, b in spans:
-            stream.send(step, name, a, b)
+        stream.send(step, name, spans)
     stream.done()
 
 
@@ -242,10 +241,10 @@ def _land(step: Storage, t: Transfer, files: list[tuple[str, int]], stream: Stre
     manifest: list[bytes] = []
     for name, size in files:
         if name == MANIFEST_NAME:
-            stream.receive(size, lambda _off, mv: manifest.append(bytes(mv)), name)
+            stream.receive(name, [(0, size)], lambda _off, mv: manifest.append(bytes(mv)))
             continue
         out = _fresh_writer(step, name, size, stream)
-        stream.receive(size, lambda _off, mv, out=out: out.write(mv) if out is not None else None, name)
+        stream.receive(name, [(0, size)], lambda _off, mv, out=out: out.write(mv) if out is not None else None)
         if out is not None:
             if stream.error is None:
                 out.close()
@@ -293,8 +292,7 @@ def _recv_sparse(stream: Stream, step: Storage, span: Any) -> None:
         except OSError as e:
             stream.error = e
     try:
-        for a, b in spans:
-            stream.receive(b - a, lambda off, mv, a=a: os.pwrite(fd, mv, a + off) if fd >= 0 else None, name, a)
+        stream.receive(name, spans, lambda off, mv: os.pwrite(fd, mv, off) if fd >= 0 else None)
         if fd >= 0 and stream.error is None:
             os.fsync(fd)
     finally:

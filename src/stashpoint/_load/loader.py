@@ -17,7 +17,7 @@ from stashpoint._core.reshard import Box, intersect
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext, rank_of
 from stashpoint._load.exchange import agree, broadcast_shares
-from stashpoint._load.manifest import read_head, read_view, unlisted_shards, writers_of
+from stashpoint._load.manifest import read_head, read_view, remembered, unlisted_shards, writers_of
 from stashpoint._load.reads import Fetched, execute_reads, fetch
 from stashpoint._load.restore import Planner, Read
 from stashpoint._load.restore import RestorePlan as Plan
@@ -146,12 +146,9 @@ def _plan(
     if isinstance(head, Manifest):
         plan = Planner(head, state, allow_pickle=allow_pickle, where=storage.location, rank=rank, partial=partial).run()
         return head, plan
-    own = rank % head.world_size
-    have: dict[int, Any] = {}  # each index is read once, its own rank's first (the tree to plan with)
-    manifest = read_view(storage, head, (), own, have)
-    plan = Planner(manifest, state, allow_pickle=allow_pickle, where=storage.location, rank=rank, partial=partial).run()
+    plan, have = _own_plan(storage, head, state, rank, partial=partial, allow_pickle=allow_pickle)
     needed = writers_of(head, ((r.key, r.region) for r in plan.reads))
-    return read_view(storage, head, needed, own, have), plan
+    return read_view(storage, head, needed, rank % head.world_size, have), plan
 
 
 def _warn_skipped(plan: Plan, location: str, stacklevel: int) -> None:
@@ -257,15 +254,29 @@ def _apply(plan: Plan, location: str) -> None:
 
 
 def _own_plan(
-    storage: Storage, state: Any, rank: int, partial: bool, allow_pickle: bool
-) -> tuple[Head, Plan, dict[int, Any]]:
+    storage: Storage, head: Head, state: Any, rank: int, *, partial: bool, allow_pickle: bool
+) -> tuple[Plan, dict[int, Any]]:
+    """This rank's plan from its own index (the tree to plan with), and the indexes read so far
+    (each is read once: a load adds the others it needs). Within ``remembering`` (a restore),
+    planned once per checkpoint and state."""
+
+    def make() -> tuple[Any, Head, Plan, dict[int, Any]]:
+        have: dict[int, Any] = {}
+        manifest = read_view(storage, head, (), rank % head.world_size, have)
+        where = storage.location
+        plan = Planner(manifest, state, allow_pickle=allow_pickle, where=where, rank=rank, partial=partial).run()
+        return state, head, plan, have  # held: their ids stay theirs while remembered
+
+    key = ("plan", storage.location, id(state), id(head), rank, partial, allow_pickle)
+    _, _, plan, have = remembered(key, make)
+    return plan, have
+
+
+def _head_v2(storage: Storage) -> Head:
     head = read_head(storage)
     if isinstance(head, Manifest):
         raise CheckpointError(f"{storage.location} is a format-1 checkpoint; node-local restores read format 2")
-    have: dict[int, Any] = {}
-    manifest = read_view(storage, head, (), rank % head.world_size, have)
-    plan = Planner(manifest, state, allow_pickle=allow_pickle, where=storage.location, rank=rank, partial=partial).run()
-    return head, plan, have
+    return head
 
 
 def writers_needed(
@@ -274,7 +285,8 @@ def writers_needed(
     """The saving ranks whose files a load of ``state`` by ``rank`` reads: its own index's
     rank and the writers of every region it plans to read (a node-local restore fetches what
     its node lacks first). Needs the manifest and this rank's own index only."""
-    head, plan, _ = _own_plan(storage, state, rank, partial, allow_pickle)
+    head = _head_v2(storage)
+    plan, _ = _own_plan(storage, head, state, rank, partial=partial, allow_pickle=allow_pickle)
     return {rank % head.world_size} | writers_of(head, ((r.key, r.region) for r in plan.reads))
 
 
@@ -284,7 +296,8 @@ def ranges_needed(
     """The byte ranges a load of ``state`` by ``rank`` reads of the shards of saving ranks not
     in ``skip``: file -> (its saving rank, its size, [header, every chunk it reads]). Needs the
     indexes of those ranks."""
-    head, plan, have = _own_plan(storage, state, rank, partial, allow_pickle)
+    head = _head_v2(storage)
+    plan, have = _own_plan(storage, head, state, rank, partial=partial, allow_pickle=allow_pickle)
     needed = writers_of(head, ((r.key, r.region) for r in plan.reads)) - skip
     manifest = read_view(storage, head, needed, rank % head.world_size, have)
     out = {f.name: (f.rank, f.size, [(0, f.data_start)]) for f in manifest.files if f.rank in needed}

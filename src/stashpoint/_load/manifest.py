@@ -4,8 +4,10 @@ is there instead (nothing, a file, a run directory, a DCP checkpoint, an unfinis
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
-from typing import NoReturn
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, NoReturn, TypeVar
 
 from stashpoint._core.format import MAX_MANIFEST_BYTES, FileEntry, Manifest, checksum
 from stashpoint._core.header import parse_header
@@ -21,6 +23,34 @@ from stashpoint.errors import (
 )
 
 _TORCH_FILES = (".pt", ".pth", ".bin")
+_T = TypeVar("_T")
+# Within a restore, what has been parsed (and planned) once: keyed by the very bytes read, so a
+# file that changed is parsed anew. None outside one.
+_MEMO: ContextVar[dict[Any, Any] | None] = ContextVar("stashpoint_parsed", default=None)
+
+
+@contextmanager
+def remembering() -> Iterator[None]:
+    """Within it, this thread parses each distinct manifest and index once, and a load plans a
+    state once per checkpoint: a node-local restore reads them in three passes and then loads.
+    Every read still reads the file and checks it against the manifest's checksums."""
+    token = _MEMO.set({}) if _MEMO.get() is None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _MEMO.reset(token)
+
+
+def remembered(key: Any, make: Callable[[], _T]) -> _T:
+    """``make()``, or within :func:`remembering` the value it gave for ``key`` (errors are not
+    remembered)."""
+    memo = _MEMO.get()
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]  # type: ignore[no-any-return]
 
 
 def read_head(storage: Storage) -> Manifest | Head:
@@ -40,7 +70,7 @@ def read_head(storage: Storage) -> Manifest | Head:
         raw = storage.read(MANIFEST_NAME)
     except FileNotFoundError:
         _no_manifest(storage)
-    return parse_head(raw, f"{loc}/{MANIFEST_NAME}")
+    return remembered(("head", raw), lambda: parse_head(raw, f"{loc}/{MANIFEST_NAME}"))
 
 
 def read_index(storage: Storage, head: Head, rank: int) -> RankIndex:
@@ -60,7 +90,8 @@ def read_index(storage: Storage, head: Head, rank: int) -> RankIndex:
         raise CorruptCheckpointError(f"reading index {where} failed: {e.strerror or e}") from None
     if len(raw) != size or checksum(raw) != sums:
         raise CorruptCheckpointError(f"index {where} does not match the manifest's checksum (damaged, or replaced)")
-    return parse_index(raw, where, head, rank)
+    # the head is held by the memo's value, so its id is not reused while it is remembered
+    return remembered(("index", id(head), rank, raw), lambda: (head, parse_index(raw, where, head, rank)))[1]
 
 
 def writers_of(head: Head, regions: Iterable[tuple[str, Box]]) -> set[int]:

@@ -22,6 +22,7 @@ from stashpoint._core.policy import Retention, Schedule, steps_to_keep
 from stashpoint._dist.group import rank_of
 from stashpoint._dist.transfer import ReplicaError
 from stashpoint._load.loader import load
+from stashpoint._load.manifest import remembering
 from stashpoint._manager.lock import acquire_root_lock
 from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, stop
@@ -391,7 +392,8 @@ class CheckpointManager:
         """
         load_one = functools.partial(_load_into, state, strict, options)
         t0 = time.perf_counter()
-        r = restore_run(self, state, load_one, step, options)
+        with remembering():  # the passes of a restore parse and plan once
+            r = restore_run(self, state, load_one, step, options)
         fetched = dict(self._nodes.fetched) if self._nodes is not None else {}
         self._last_restore = dataclasses.replace(r, fetched=fetched, seconds=time.perf_counter() - t0)
         return r.step
