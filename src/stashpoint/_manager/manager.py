@@ -6,7 +6,6 @@ import collections
 import concurrent.futures as cf
 import dataclasses
 import functools
-import json
 import logging
 import os
 import signal
@@ -20,18 +19,16 @@ from typing import Any
 from stashpoint._core.naming import MANIFEST_NAME, step_dir
 from stashpoint._core.policy import Retention, Schedule, steps_to_keep
 from stashpoint._dist.group import rank_of
-from stashpoint._dist.transfer import ReplicaError
 from stashpoint._load.loader import load
 from stashpoint._load.manifest import remembering
 from stashpoint._manager.lock import acquire_root_lock
 from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, stop
 from stashpoint._manager.restoring import RestoreReport, restore_run
+from stashpoint._manager.saving import after_save, save_options
 from stashpoint._manager.steps import (
-    METRICS_KEY,
     committed_steps,
     delete_step,
-    quietly,
     read_metrics,
     remove_leftovers,
 )
@@ -278,26 +275,7 @@ class CheckpointManager:
         if self._owner:  # the remains of an earlier failed save of this step, if any
             target.remove_tree()
         metrics = dict(metrics or {})
-        meta = dict(options.pop("metadata", None) or {})
-        meta[METRICS_KEY] = json.dumps(metrics)
-        if "timeout" in options:
-            options["timeout_s"] = options.pop("timeout")
-        if self._nodes is not None:
-            if options.get("process_group") is not None:
-                raise ValueError(
-                    "a node-local CheckpointManager saves over the whole world; process_group is not supported"
-                )
-            options["nodes"] = self._nodes.for_save(self._replicas, self.retention.bound())
-        if self._tier is not None and options.get("process_group") is not None:
-            raise ValueError(
-                "a CheckpointManager with a remote_root uploads over the whole world; saving over a process_group "
-                "is not supported with tiers (use a manager without remote_root)"
-            )
-        if self.overlap:
-            options.setdefault("overlap", True)
-        if self.writer is not None:
-            options.setdefault("writer", self.writer)
-        opts = SaveOptions(metadata=meta, max_inflight=self.max_inflight, on_busy=self.on_busy, step=step, **options)
+        opts = save_options(self, step, metrics, options)
         self._last_save_time = time.monotonic()
         try:
             handle = get_engine().submit(state, target, opts)
@@ -312,42 +290,10 @@ class CheckpointManager:
             # keep saves in flight, and failed ones until wait() has reported them
             self._handles = [(h, a) for h, a in self._handles if not a.done() or h.exception() is not None]
             self._handles.append((handle, after))
-        handle._future.add_done_callback(lambda f: self._after_save(step, metrics, f, after))
+        handle._future.add_done_callback(lambda f: after_save(self, step, metrics, f, after))
         if self._tier is not None:
             self._tier.submit(step, handle._future)
         return handle
-
-    def _after_save(
-        self, step: int, metrics: dict[str, float], future: cf.Future[SaveStats], after: cf.Future[None]
-    ) -> None:
-        try:
-            if future.exception() is not None and not isinstance(future.exception(), ReplicaError):
-                # node-local: a failed save is no step of the job even where its manifest landed
-                if self._owner and (self._nodes is not None or not self._at(step).exists(MANIFEST_NAME)):
-                    quietly(self._at(step).remove_tree)
-                return
-            if future.exception() is not None:  # committed, not copied to other nodes: kept, and raised by wait()
-                with self._lock:
-                    self._metrics[step] = metrics
-                    if self._owner:
-                        self._deletions.append(self._deleter.submit(self._apply_retention))
-                return
-            stats = future.result()
-            with self._lock:
-                self.history.append(stats)
-                if stats.skipped:
-                    self.skipped += 1
-                else:
-                    self._metrics[step] = metrics
-                    if self._owner:
-                        self._deletions.append(self._deleter.submit(self._apply_retention))
-            if self.on_save is not None:
-                try:
-                    self.on_save(stats)
-                except Exception:
-                    log.exception("stashpoint: the on_save callback raised")
-        finally:
-            after.set_result(None)
 
     # -- retention -----------------------------------------------------------------------------
 
