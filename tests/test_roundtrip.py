@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stashpoint
-from conftest import small_model, train_steps, whole
+from conftest import ROOT, small_model, train_steps, whole
 from test_format import ALL_DTYPES, _random_tensor
 
 
@@ -330,3 +330,29 @@ def test_raw_state_dicts_load_into_live_objects(tmp_path):
     stashpoint.load({"model": model2, "optim": optim2}, tmp_path / "ck")
     assert_same(model.state_dict(), model2.state_dict())
     assert_same(optim.state_dict(), optim2.state_dict())
+
+
+def test_a_program_without_dtensors_does_not_import_them_through_stashpoint(tmp_path):
+    """DTensor's module takes 0.7 s to import; no DTensor exists before it is imported, so a
+    save, a load and a manager's restore of a plain model (an evaluation job loading weights)
+    leave it (and FSDP) unimported. (Creating a torch optimizer imports them, through
+    torch._dynamo: none is made here.)"""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, torch, stashpoint
+m = torch.nn.Linear(4, 4)
+state = {{"model": m, "step": torch.tensor(3), "epoch": 2}}
+stashpoint.save(state, {str(tmp_path / "c")!r})
+stashpoint.load(state, {str(tmp_path / "c")!r})
+with stashpoint.CheckpointManager({str(tmp_path / "run")!r}) as mgr:
+    mgr.save(1, state)
+    mgr.wait()
+    assert mgr.restore(state) == 1
+print(sorted(k for k in ("torch.distributed.tensor", "torch.distributed.fsdp") if k in sys.modules))
+"""
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

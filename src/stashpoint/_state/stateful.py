@@ -11,6 +11,7 @@ Three kinds of stateful objects are told apart:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -54,11 +55,10 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def refuse_fsdp1(module: torch.nn.Module) -> None:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return
-    if isinstance(module, FullyShardedDataParallel):  # FSDP1 always wraps the root
+    # only a program that imported FSDP has FSDP modules: the others skip its costly import
+    fsdp: Any = sys.modules.get("torch.distributed.fsdp")
+    cls = getattr(fsdp, "FullyShardedDataParallel", None)
+    if cls is not None and isinstance(module, cls):  # FSDP1 always wraps the root
         raise UnsupportedStateError(
             "FullyShardedDataParallel (FSDP1) is not supported: its state_dict() gathers or reshards over the "
             "training's process group, which a background save must not touch. Use FSDP2 "
