@@ -17,7 +17,8 @@ training step:
 
 And the training time lost per save, node-local with replicas on and off: 40 steps with saves
 at steps 16, 24 and 32, against the same 40 steps without saves (medians over the trials),
-divided by the saves. ``--tier memory`` puts the nodes' directories on ``/dev/shm`` (a memory
+divided by the saves; and the CPU time both nodes' processes used per save, the same way (what
+the saves cost a host whose cores training keeps busy). ``--tier memory`` puts the nodes' directories on ``/dev/shm`` (a memory
 tier: replicas in the peers' host memory); S3 and DCP stay on disk. Run it alone: two cores
 serve both nodes.
 """
@@ -72,8 +73,8 @@ SAVES = 3  # recovery_worker.py's train phase saves at steps 16, 24 and 32 of 40
 
 
 def lost_per_save(totals: dict[int, list[float]]) -> dict[int, float]:
-    """Per configuration (``--replicas`` 0 or 1), the median time of its 40 steps beyond the
-    median of the same 40 steps without saving (``--replicas -1``), per save."""
+    """Per configuration (``--replicas`` 0 or 1), the median of its 40 steps' time (or CPU time)
+    beyond the median of the same 40 steps without saving (``--replicas -1``), per save."""
     base = statistics.median(totals[-1])
     return {k: (statistics.median(v) - base) / SAVES for k, v in totals.items() if k >= 0}
 
@@ -122,14 +123,18 @@ def main(argv: list[str] | None = None) -> int:
                 results[source].append((load, first))
                 log(f"trial {trial + 1}: {source}: load {load:.2f} s, launch to first step {first:.2f} s")
         totals: dict[int, list[float]] = {}
+        cpu: dict[int, list[float]] = {}  # both nodes' processes together
         for trial in range(0 if args.no_train else args.repeats):
             for replicas in (-1, 0, 1):  # -1: the same steps, no saves
                 shutil.rmtree(nodes / "node-0", ignore_errors=True)
                 shutil.rmtree(nodes / "node-1", ignore_errors=True)
                 got = job(base, "train", env, *common, "--replicas", str(replicas))
                 totals.setdefault(replicas, []).append(max(sum(r["step_s"]) for r in got))
-                log(f"trial {trial + 1}: replicas={replicas}: 40 steps in {totals[replicas][-1]:.2f} s")
+                cpu.setdefault(replicas, []).append(sum(r["cpu_s"] for r in got))
+                log(f"trial {trial + 1}: replicas={replicas}: 40 steps in {totals[replicas][-1]:.2f} s, "
+                    f"{cpu[replicas][-1]:.2f} CPU s")  # fmt: skip
         lost = lost_per_save(totals) if totals else {}
+        cpu_lost = lost_per_save(cpu) if cpu else {}
     finally:
         server.stop()
         shutil.rmtree(base, ignore_errors=True)
@@ -147,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     if lost:
         ratio = f" ({lost[1] / lost[0]:.2f}x)" if lost[0] > 0 else ""
         print(f"\ntraining time lost per save: replicas off {lost[0]:.3f} s, on {lost[1]:.3f} s{ratio}")
+        ratio = f" ({cpu_lost[1] / cpu_lost[0]:.2f}x)" if cpu_lost[0] > 0 else ""
+        print(f"CPU time per save (both nodes): replicas off {cpu_lost[0]:.3f} s, on {cpu_lost[1]:.3f} s{ratio}")
     return 0
 
 

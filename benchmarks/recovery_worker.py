@@ -8,7 +8,8 @@ S3 remote tier (BASE/s3-local, removed afterwards: the restart is a fresh node),
 ``dcp.save`` to BASE/dcp. PHASE ``resume``: a fresh state, restored from ``--source``, then one
 training step; prints ``RESULT {json}`` with the load's time and the time from the launch
 (``BENCH_T0`` in the environment) to the end of that step. PHASE ``train``: 40 steps with a
-node-local save at steps 16, 24 and 32 of 40 (``--replicas``); prints each step's time.
+node-local save at steps 16, 24 and 32 of 40 (``--replicas``); prints each step's time and the
+CPU time the process used.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import shutil
 import sys
 import time
@@ -105,8 +107,10 @@ def main() -> None:
                 mgr.save(step, state)
             times.append(time.perf_counter() - t)
         if mgr is not None:
-            mgr.close()
+            mgr.close()  # every save durable, its replicas sent and received
         out["step_s"] = times
+        use = resource.getrusage(resource.RUSAGE_SELF)
+        out["cpu_s"] = use.ru_utime + use.ru_stime  # the whole process: its training, saves and copies
     print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
     os._exit(0)  # skip the gloo teardown at interpreter exit (tests/node_worker.py says why)
