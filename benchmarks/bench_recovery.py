@@ -18,9 +18,10 @@ training step:
 And the training time lost per save, node-local with replicas on and off: 40 steps with saves
 at steps 16, 24 and 32, against the same 40 steps without saves (medians over the trials),
 divided by the saves; and the CPU time both nodes' processes used per save, the same way (what
-the saves cost a host whose cores training keeps busy). ``--tier memory`` puts the nodes' directories on ``/dev/shm`` (a memory
-tier: replicas in the peers' host memory); S3 and DCP stay on disk. Run it alone: two cores
-serve both nodes.
+the saves cost a host whose cores training keeps busy). ``--cost``: the CPU time of a save
+alone, without training (from its call until ``wait()`` returns: durable, and copied).
+``--tier memory`` puts the nodes' directories on ``/dev/shm`` (a memory tier: replicas in the
+peers' host memory); S3 and DCP stay on disk. Run it alone: two cores serve both nodes.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--sources", default=",".join(SOURCES), help="which restores to time (default: all)")
     ap.add_argument("--no-train", action="store_true", help="skip the training time lost per save")
+    ap.add_argument("--cost", action="store_true", help="also the CPU time of a save alone, replicas off and on")
     ap.add_argument("--tier", choices=("disk", "memory"), default="disk",
                     help="where the nodes' directories are: this host's disk, or /dev/shm")  # fmt: skip
     ap.add_argument("--log", action="store_true", help="the workers log stashpoint's INFO lines (to stderr here)")
@@ -134,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"trial {trial + 1}: replicas={replicas}: 40 steps in {totals[replicas][-1]:.2f} s, "
                     f"{cpu[replicas][-1]:.2f} CPU s")  # fmt: skip
         lost = lost_per_save(totals) if totals else {}
+        cost: dict[int, list[tuple[float, float]]] = {}  # replicas -> (CPU s, wall s) of each save, per node
+        for _ in range(args.repeats if args.cost else 0):
+            for replicas in (0, 1):
+                shutil.rmtree(nodes / "node-0", ignore_errors=True)
+                shutil.rmtree(nodes / "node-1", ignore_errors=True)
+                for r in job(base, "cost", env, *common, "--replicas", str(replicas)):
+                    cost.setdefault(replicas, []).extend(zip(r["save_cpu_s"], r["save_s"]))
         cpu_lost = lost_per_save(cpu) if cpu else {}
     finally:
         server.stop()
@@ -154,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ntraining time lost per save: replicas off {lost[0]:.3f} s, on {lost[1]:.3f} s{ratio}")
         ratio = f" ({cpu_lost[1] / cpu_lost[0]:.2f}x)" if cpu_lost[0] > 0 else ""
         print(f"CPU time per save (both nodes): replicas off {cpu_lost[0]:.3f} s, on {cpu_lost[1]:.3f} s{ratio}")
+    for replicas, got in sorted(cost.items()):
+        cpu_s, wall = statistics.median(c for c, _ in got), statistics.median(w for _, w in got)
+        print(f"a save alone, replicas={replicas}: {cpu_s:.3f} CPU s per node, {wall:.3f} s until wait() returned "
+              f"(median of {len(got)})")  # fmt: skip
     return 0
 
 

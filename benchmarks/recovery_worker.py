@@ -9,7 +9,9 @@ S3 remote tier (BASE/s3-local, removed afterwards: the restart is a fresh node),
 training step; prints ``RESULT {json}`` with the load's time and the time from the launch
 (``BENCH_T0`` in the environment) to the end of that step. PHASE ``train``: 40 steps with a
 node-local save at steps 16, 24 and 32 of 40 (``--replicas``); prints each step's time and the
-CPU time the process used.
+CPU time the process used. PHASE ``cost``: no training, four node-local saves (``--replicas``);
+the CPU time the process used and the wall time from each save's call until ``wait()`` returned
+(the first save, which allocates its buffers, left out).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def node_root(base: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("base", type=Path)
-    ap.add_argument("phase", choices=("save", "resume", "train"))
+    ap.add_argument("phase", choices=("save", "resume", "train", "cost"))
     ap.add_argument("--size-gb", type=float, default=0.5)
     ap.add_argument("--source", default="own")
     ap.add_argument("--replicas", type=int, default=1)
@@ -94,6 +96,18 @@ def main() -> None:
         out["load_s"] = time.perf_counter() - t1
         train_step(state)
         out["to_first_step_s"] = time.time() - t0
+    elif args.phase == "cost":
+        out["save_cpu_s"], out["save_s"] = [], []
+        with stashpoint.CheckpointManager(node_root(args.base), node_local=True, replicas=args.replicas) as mgr:
+            for step in range(1, 5):  # the first save allocates its buffers: not counted
+                dist.barrier()
+                u0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+                mgr.save(step, state)
+                mgr.wait()  # durable on every node, and with replicas, copied
+                u1 = resource.getrusage(resource.RUSAGE_SELF)
+                if step > 1:
+                    out["save_cpu_s"].append(u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime)
+                    out["save_s"].append(time.perf_counter() - t)
     else:
         times = []
         mgr = None
