@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stashpoint._save.staging import as_memoryview
+from stashpoint._state.dtypes import as_memoryview
 from stashpoint._storage import LocalStorage, Storage, storage_for
 from stashpoint._storage.local import DIRECT_ALIGN
 

@@ -11,16 +11,12 @@ from typing import Any
 from stashpoint._core.naming import split_group
 from stashpoint._dist.group import DistContext
 from stashpoint._dist.nodes import recv_tensor, send_tensor
+from stashpoint._state.dtypes import as_memoryview
 from stashpoint._storage import LocalStorage, Storage
 from stashpoint._storage.localwrite import LocalWriter
 from stashpoint.errors import CheckpointError
 
 CHUNK = 64 << 20
-
-
-def as_memoryview(t: Any) -> memoryview:
-    """The bytes of a contiguous CPU uint8 tensor, without a copy."""
-    return t.numpy().data.cast("B")  # type: ignore[no-any-return]
 
 
 class Landing(LocalStorage):

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from stashpoint._save.staging import as_memoryview
+from stashpoint._state.dtypes import as_memoryview
 
 
 class Arena:

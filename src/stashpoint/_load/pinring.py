@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from stashpoint import _runtime
-from stashpoint._save.staging import as_memoryview
+from stashpoint._state.dtypes import as_memoryview
 
 log = logging.getLogger("stashpoint")
 

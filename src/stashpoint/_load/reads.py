@@ -31,7 +31,7 @@ from stashpoint._load.manifest import shard_problem
 from stashpoint._load.pinring import PinnedRing, ring
 from stashpoint._load.restore import Read
 from stashpoint._load.slotreads import SlotReads
-from stashpoint._save.staging import as_memoryview
+from stashpoint._state.dtypes import as_memoryview
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 

@@ -13,7 +13,6 @@ torch's allocator on CUDA, and saves use the writer thread.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
 import logging
@@ -29,22 +28,11 @@ import torch
 from stashpoint import _runtime
 from stashpoint._core.plan import SavePlan, TensorSpec
 from stashpoint._save.pinning import pin, unpin
-from stashpoint._state.dtypes import torch_dtype
+from stashpoint._state.dtypes import as_memoryview, torch_dtype
 
 log = logging.getLogger("stashpoint")
 
 _PAGE = 4096
-
-
-def as_memoryview(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (no copy).
-
-    The caller keeps ``t`` alive while the view is in use.
-    """
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(bytearray(0))
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def _release(fd: int, ptr: int, pinned_on: list[int], token: int) -> None:
