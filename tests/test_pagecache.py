@@ -120,6 +120,10 @@ def test_a_load_takes_cached_bytes_without_direct_reads_and_the_rest_directly(tm
 
     monkeypatch.setattr(_local, "readv_direct", spy)
     stashpoint.save(state, LocalStorage(tmp_path / "cached"))
+    # the save's read-back is the kernel's best effort (the test above checks it; under a
+    # loaded CI run it left 0.2% out): this test is about the load, so fill any gap first
+    for f in shards(tmp_path / "cached"):
+        f.read_bytes()
     assert wait_resident(shards(tmp_path / "cached"), 1.0) == 1.0
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     stashpoint.load(out, LocalStorage(tmp_path / "cached"))
