@@ -92,7 +92,15 @@ def main() -> None:
                 assert m.restore(state) == 1 and m.restored_from() == "remote"
         else:
             with stashpoint.CheckpointManager(node_root(args.base), node_local=True, replicas=args.replicas) as m:
-                assert m.restore(state) == 1
+                profile = os.environ.get("BENCH_PROFILE")  # a directory: each rank's restore profiled there
+                if profile:
+                    import cProfile
+
+                    with cProfile.Profile() as prof:
+                        assert m.restore(state) == 1
+                    prof.dump_stats(Path(profile) / f"{args.source}-rank{rank}.prof")
+                else:
+                    assert m.restore(state) == 1
         out["load_s"] = time.perf_counter() - t1
         train_step(state)
         out["to_first_step_s"] = time.time() - t0

@@ -11,15 +11,19 @@ Modules keep no mutable globals of their own; they ask for a slot::
 from __future__ import annotations
 
 import atexit
+import functools
+import gc
 import logging
 import os
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, ParamSpec, TypeVar
 
 log = logging.getLogger("stashpoint")
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 _lock = threading.RLock()
 _slots: dict[str, Any] = {}
@@ -89,6 +93,53 @@ def shutdown() -> None:
             log.warning("stashpoint: shutting down %s failed: %s: %s", name, type(e).__name__, e)
     with _lock:
         _slots.clear()
+
+
+class _GcPause:
+    """Nested pauses of Python's cyclic garbage collector, from any thread: the first one in
+    disables it (if it was enabled), the last one out enables it again."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.was_enabled = False
+
+    def resume_in_child(self) -> None:  # a fork during a pause: the child collects as before
+        if self.depth and self.was_enabled:
+            gc.enable()
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No automatic cyclic garbage collection while the block runs. A load or a save's call
+    allocates many small objects (parsed indexes, plans); in a process whose heap holds millions
+    of objects (a model's code, a dataset's) those allocations set off full collections that
+    cost as much as the load itself (0.17 s at 300,000 objects). What the block leaves behind is
+    collected afterwards as usual."""
+    pause = slot("gc.pause", _GcPause, after_fork=_GcPause.resume_in_child)
+    with pause.lock:
+        if pause.depth == 0:
+            pause.was_enabled = gc.isenabled()
+            gc.disable()
+        pause.depth += 1
+    try:
+        yield
+    finally:
+        with pause.lock:
+            pause.depth -= 1
+            if pause.depth == 0 and pause.was_enabled:
+                gc.enable()
+
+
+def without_gc(fn: Callable[P, T]) -> Callable[P, T]:
+    """``fn`` run under :func:`gc_paused`."""
+
+    @functools.wraps(fn)
+    def paused(*args: P.args, **kwargs: P.kwargs) -> T:
+        with gc_paused():
+            return fn(*args, **kwargs)
+
+    return paused
 
 
 def _after_fork_in_child() -> None:

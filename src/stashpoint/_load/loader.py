@@ -21,6 +21,7 @@ from stashpoint._load.manifest import read_head, read_view, remembered, unlisted
 from stashpoint._load.reads import Fetched, execute_reads, fetch
 from stashpoint._load.restore import Planner, Read
 from stashpoint._load.restore import RestorePlan as Plan
+from stashpoint._runtime import gc_paused
 from stashpoint._storage import Storage, storage_for
 from stashpoint.errors import (
     CheckpointError,
@@ -88,54 +89,57 @@ def load(
     """
     from stashpoint._save.engine import wait_all, wait_staged
 
-    wait_staged()  # an overlap=True save still copying these objects must not see loaded values
-    storage = storage_for(path)
-    wait_all(storage.location)  # loading a checkpoint still being saved sees it committed
-    head = read_head(storage)
-    rank, world = rank_of(process_group)
-    if isinstance(head, Manifest):  # format version 1: the manifest lists every chunk
-        extra = unlisted_shards(storage, head)
-        if extra:
-            raise CorruptCheckpointError(
-                f"shard {storage.location}/{extra[0]} belongs to this checkpoint's save but its manifest does not "
-                f"list it ({len(extra)} such file(s)): the manifest is damaged or incomplete. Load an earlier "
-                "checkpoint."
+    with gc_paused():  # see gc_paused: the load's small objects must not set off full collections
+        wait_staged()  # an overlap=True save still copying these objects must not see loaded values
+        storage = storage_for(path)
+        wait_all(storage.location)  # loading a checkpoint still being saved sees it committed
+        head = read_head(storage)
+        rank, world = rank_of(process_group)
+        if isinstance(head, Manifest):  # format version 1: the manifest lists every chunk
+            extra = unlisted_shards(storage, head)
+            if extra:
+                raise CorruptCheckpointError(
+                    f"shard {storage.location}/{extra[0]} belongs to this checkpoint's save but its manifest does not "
+                    f"list it ({len(extra)} such file(s)): the manifest is damaged or incomplete. Load an earlier "
+                    "checkpoint."
+                )
+        if world != head.world_size and head.world_size > 1:
+            log.warning(
+                "stashpoint: %s was saved by %d ranks and is loaded by %d; rank %d restores the per-rank values "
+                "(RNG states, ...) of saved rank %d",
+                storage.location,
+                head.world_size,
+                world,
+                rank,
+                rank % head.world_size,
             )
-    if world != head.world_size and head.world_size > 1:
-        log.warning(
-            "stashpoint: %s was saved by %d ranks and is loaded by %d; rank %d restores the per-rank values "
-            "(RNG states, ...) of saved rank %d",
-            storage.location,
-            head.world_size,
-            world,
-            rank,
-            rank % head.world_size,
-        )
-    manifest = head if isinstance(head, Manifest) else Manifest("", "", "", "", (), {}, ({},))
-    plan: Plan | None = None
-    plan_error: CheckpointError | None = None
-    try:
-        manifest, plan = _plan(storage, head, state, rank, allow_pickle=allow_pickle, partial=partial)
-        if plan.problems and strict:
-            plan_error = StateMismatchError(storage.location, plan.problems)
-    except CheckpointError as e:
-        plan_error = e
-    if world == 1:
-        if plan_error is not None:
-            raise plan_error
-        assert plan is not None
-        _warn_skipped(plan, storage.location, 3)
-        fetched, error = _read(storage, manifest, plan.reads, verify=verify, atomic=atomic, shared_host=False)
-        if error is not None:
-            raise error
-        if fetched is not None:
-            fetched.land()
-    else:
-        wait_all()  # the checkpoint group is used by one thread at a time: saves in flight first
-        ctx = _dist.context(process_group, timeout)
-        assert ctx is not None
-        plan = _load_together(ctx, storage, manifest, plan, plan_error, verify=verify, atomic=atomic, exchange=exchange)
-    _apply(plan, storage.location)
+        manifest = head if isinstance(head, Manifest) else Manifest("", "", "", "", (), {}, ({},))
+        plan: Plan | None = None
+        plan_error: CheckpointError | None = None
+        try:
+            manifest, plan = _plan(storage, head, state, rank, allow_pickle=allow_pickle, partial=partial)
+            if plan.problems and strict:
+                plan_error = StateMismatchError(storage.location, plan.problems)
+        except CheckpointError as e:
+            plan_error = e
+        if world == 1:
+            if plan_error is not None:
+                raise plan_error
+            assert plan is not None
+            _warn_skipped(plan, storage.location, 3)
+            fetched, error = _read(storage, manifest, plan.reads, verify=verify, atomic=atomic, shared_host=False)
+            if error is not None:
+                raise error
+            if fetched is not None:
+                fetched.land()
+        else:
+            wait_all()  # the checkpoint group is used by one thread at a time: saves in flight first
+            ctx = _dist.context(process_group, timeout)
+            assert ctx is not None
+            plan = _load_together(
+                ctx, storage, manifest, plan, plan_error, verify=verify, atomic=atomic, exchange=exchange
+            )
+        _apply(plan, storage.location)
 
 
 def _plan(

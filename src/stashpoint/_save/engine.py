@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import gc
 import logging
 import os
 import threading
@@ -19,6 +18,7 @@ from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._core.plan import SavePlan, TensorSpec, plan_files
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext
+from stashpoint._runtime import gc_paused
 from stashpoint._save import overlap as _overlap
 from stashpoint._save import writerproc as _writerproc
 from stashpoint._save.cudacopy import cuda_device, refuse_capture, stage
@@ -104,17 +104,13 @@ class _Engine:
             ctx.saves += 1
             # A state of many tensors makes tens of thousands of small records here; the garbage
             # collections they would set off walk every object of the process, inside the call.
-            collecting = gc.isenabled()
-            gc.disable()
-            try:
-                job, staging_s = self._stage(state, storage, opts, ctx)
-            except BaseException as e:
-                if ctx.world == 1:
-                    raise
-                job, staging_s = PersistJob.failed(storage, self.pool, opts, ctx, e), 0.0
-            finally:
-                if collecting:
-                    gc.enable()
+            with gc_paused():
+                try:
+                    job, staging_s = self._stage(state, storage, opts, ctx)
+                except BaseException as e:
+                    if ctx.world == 1:
+                        raise
+                    job, staging_s = PersistJob.failed(storage, self.pool, opts, ctx, e), 0.0
             job.seq = ctx.saves
             job.blocking_s = time.perf_counter() - t_start
             future = self.executor.submit(job.run, t_start, staging_s)
