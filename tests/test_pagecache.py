@@ -82,9 +82,11 @@ def test_the_newest_save_is_read_back_into_the_cache_and_the_previous_one_let_go
         pytest.skip(f"{tmp_path} refuses O_DIRECT (everything is cached there anyway)")
     stashpoint.save(state, LocalStorage(tmp_path / "step-1"))
     first = shards(tmp_path / "step-1")
-    assert wait_resident(first, 1.0) == 1.0, "the committed shards are read back into the page cache"
+    # the kernel's read-back is best effort: it may leave a few pages out (0.2% seen under a
+    # loaded CI run), which a load reads through (test_a_load_reads_small_gaps_... below)
+    assert wait_resident(first, 0.99) >= 0.99, "the committed shards are read back into the page cache"
     stashpoint.save(state, LocalStorage(tmp_path / "step-2"))
-    assert wait_resident(shards(tmp_path / "step-2"), 1.0) == 1.0
+    assert wait_resident(shards(tmp_path / "step-2"), 0.99) >= 0.99
     deadline = time.monotonic() + 20
     while max(resident(f) for f in first) > 0.0 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -150,5 +152,60 @@ def test_read_resident_fills_only_what_is_cached(tmp_path):
         n = pagecache.read_resident(fd, 0, bufs)
         assert (1 << 20) <= n <= (3 << 20)
         assert bytes(b"".join(bytes(b) for b in bufs))[:n] == data[:n]
+    finally:
+        os.close(fd)
+
+
+def punch_gaps(path: Path, every: int = 2 << 20, gap: int = 64 << 10) -> None:
+    """Evict ``gap`` bytes of ``path``'s cached pages every ``every`` bytes."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for off in range(every // 2, path.stat().st_size - gap, every):
+            os.posix_fadvise(fd, off, gap, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_a_load_reads_small_gaps_in_cached_files_without_direct_reads(tmp_path, state, monkeypatch):
+    """A few pages left out of the cache (the read-back's best effort) are read on their own:
+    they do not send the rest of a 64 MiB read to the disk."""
+    if not direct_io_works(tmp_path):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    calls: list[int] = []
+    real = _local.readv_direct
+
+    def spy(fd, offset, buffers, pool):
+        calls.append(sum(len(b) for b in buffers))
+        return real(fd, offset, buffers, pool)
+
+    monkeypatch.setattr(_local, "readv_direct", spy)
+    stashpoint.save(state, LocalStorage(tmp_path / "ck", cache_newest=False))
+    files = shards(tmp_path / "ck")
+    for f in files:
+        f.read_bytes()
+        punch_gaps(f)
+    assert 0.9 < min(resident(f) for f in files) < 1.0, "gaps in cached files"
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    stashpoint.load(out, LocalStorage(tmp_path / "ck"))
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    assert calls == [], "only the gaps were read from the disk, with ordinary reads"
+
+
+def test_read_resident_reads_through_a_gap_and_stops_where_the_disk_part_begins(tmp_path):
+    data = os.urandom(12 << 20)
+    f = tmp_path / "f"
+    f.write_bytes(data)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past what is read
+        os.pread(fd, 6 << 20, 0)  # the first 6 MiB cached
+        os.posix_fadvise(fd, 2 << 20, 8 << 10, os.POSIX_FADV_DONTNEED)  # a gap of two pages
+        assert resident(f) == pytest.approx(0.5, abs=0.01)
+        buf = memoryview(bytearray(12 << 20))
+        n = pagecache.read_resident(fd, 0, [buf])
+        assert n == 6 << 20, "through the gap, up to the 6 MiB that are not cached"
+        assert bytes(buf[:n]) == data[:n]
     finally:
         os.close(fd)
