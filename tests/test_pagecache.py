@@ -110,7 +110,8 @@ def test_a_save_larger_than_its_share_of_memory_is_not_cached(tmp_path, state, m
     assert max(resident(f) for f in shards(tmp_path / "ck")) < 0.05
 
 
-def test_a_load_takes_cached_bytes_without_direct_reads_and_the_rest_directly(tmp_path, state, monkeypatch):
+def direct_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the direct reads made from now on (the test skipped where there are none)."""
     if not direct_io_works(tmp_path):
         pytest.skip(f"{tmp_path} refuses O_DIRECT")
     calls: list[int] = []
@@ -121,6 +122,11 @@ def test_a_load_takes_cached_bytes_without_direct_reads_and_the_rest_directly(tm
         return real(fd, offset, buffers, pool)
 
     monkeypatch.setattr(_local, "readv_direct", spy)
+    return calls
+
+
+def test_a_load_takes_cached_bytes_without_direct_reads_and_the_rest_directly(tmp_path, state, monkeypatch):
+    calls = direct_reads(tmp_path, monkeypatch)
     stashpoint.save(state, LocalStorage(tmp_path / "cached"))
     # the save's read-back is the kernel's best effort (the test above checks it; under a
     # loaded CI run it left 0.2% out): this test is about the load, so fill any gap first
@@ -169,16 +175,7 @@ def punch_gaps(path: Path, every: int = 2 << 20, gap: int = 64 << 10) -> None:
 def test_a_load_reads_small_gaps_in_cached_files_without_direct_reads(tmp_path, state, monkeypatch):
     """A few pages left out of the cache (the read-back's best effort) are read on their own:
     they do not send the rest of a 64 MiB read to the disk."""
-    if not direct_io_works(tmp_path):
-        pytest.skip(f"{tmp_path} refuses O_DIRECT")
-    calls: list[int] = []
-    real = _local.readv_direct
-
-    def spy(fd, offset, buffers, pool):
-        calls.append(sum(len(b) for b in buffers))
-        return real(fd, offset, buffers, pool)
-
-    monkeypatch.setattr(_local, "readv_direct", spy)
+    calls = direct_reads(tmp_path, monkeypatch)
     stashpoint.save(state, LocalStorage(tmp_path / "ck", cache_newest=False))
     files = shards(tmp_path / "ck")
     for f in files:
