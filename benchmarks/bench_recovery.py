@@ -113,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, list[tuple[float, float]]] = {s: [] for s in sources}
         for trial in range(args.repeats):
             for source in sources:
-                if source == "replica":
-                    shutil.copytree(nodes / "node-1", nodes / "node-1.kept")
-                    shutil.rmtree(nodes / "node-1")
+                if source == "replica":  # node 1's directory gone (renamed: copying it would leave
+                    # 0.25 GB of dirty pages that the restore's writes then wait behind)
+                    (nodes / "node-1").rename(nodes / "node-1.kept")
                 got = job(base, "resume", env, *common, "--source", source)
                 if source == "replica":
                     shutil.rmtree(nodes / "node-1")

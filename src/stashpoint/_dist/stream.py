@@ -1,9 +1,11 @@
 """How a transfer's bytes move: read from a step's files (or received from a peer) in messages
-of up to 64 MiB, two buffers deep, and landed in a node's step directory through the page cache."""
+of up to 64 MiB, two page-aligned buffers deep, and landed in a node's step directory with
+direct I/O where the file system allows it."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import mmap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,19 +22,21 @@ CHUNK = 64 << 20
 
 
 class Landing(LocalStorage):
-    """A step directory that received files are written into through the page cache (the load
-    that follows reads them there), without an fsync each unless ``durable`` (a replica is a
-    recovery copy; a restore's fetch can be fetched again, and the load verifies every byte)."""
+    """A step directory that received files are written into with direct I/O (as saves write),
+    without an fsync each unless ``durable`` (a replica is a recovery copy; a restore's fetch
+    can be fetched again, and the load verifies every byte). Buffered writes were 4-5x slower
+    on this project's test host (0.65 s against 0.12-0.17 s per 256 MiB) and hold the bytes in
+    the page cache twice over a replica's life; the load that follows reads them directly."""
 
     def __init__(self, root: Path, *, durable: bool) -> None:
-        super().__init__(root, direct_io=False, cache_newest=False)
+        super().__init__(root, cache_newest=False)
         self.durable = durable
 
     def open_writer(self, name: str, size: int) -> Any:
         parts = split_group(name)
         if parts is None or parts[0]:
             return super().open_writer(name, size)  # group directories: the usual path
-        return LocalWriter(self.root / parts[1], size, durable=self.durable)
+        return LocalWriter(self.root / parts[1], size, direct=True, durable=self.durable)
 
 
 def pieces(ranges: Sequence[tuple[int, int]], chunk: int = CHUNK) -> list[list[tuple[int, int]]]:
@@ -73,7 +77,8 @@ class Stream:
 
         # source: receive from that storage (a step's remote copy) instead of from rank ``peer``
         self.ctx, self.peer, self.source, self.tag = ctx, peer, source, tag
-        self.bufs = [torch.empty(CHUNK, dtype=torch.uint8) for _ in range(2)]
+        # page-aligned (a mapping of their own): direct reads and writes use them as they are
+        self.bufs = [torch.frombuffer(mmap.mmap(-1, CHUNK), dtype=torch.uint8) for _ in range(2)]
         self.mvs = [as_memoryview(b) for b in self.bufs]
         self.error: BaseException | None = None
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="stashpoint-transfer")

@@ -226,7 +226,7 @@ def fetch_remote(remote: RemoteCopy, step: Storage, t: Transfer, save_id: str) -
 
 
 def _land(step: Storage, t: Transfer, files: list[tuple[str, int]], stream: Stream, replica: bool) -> int:
-    if isinstance(step, LocalStorage):  # through the page cache: the load that follows reads it there
+    if isinstance(step, LocalStorage):  # direct writes, no fsync each unless a replica (Landing)
         step = Landing(step.root, durable=replica)
     whole, idx = expand(t.ranks), expand(t.indexes)
     try:
