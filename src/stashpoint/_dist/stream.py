@@ -7,36 +7,15 @@ from __future__ import annotations
 import concurrent.futures as cf
 import mmap
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from stashpoint._core.naming import split_group
 from stashpoint._dist.group import DistContext
 from stashpoint._dist.nodes import recv_tensor, send_tensor
 from stashpoint._state.dtypes import as_memoryview
-from stashpoint._storage import LocalStorage, Storage
-from stashpoint._storage.localwrite import LocalWriter
+from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError
 
 CHUNK = 64 << 20
-
-
-class Landing(LocalStorage):
-    """A step directory that received files are written into with direct I/O (as saves write),
-    without an fsync each unless ``durable`` (a replica is a recovery copy; a restore's fetch
-    can be fetched again, and the load verifies every byte). Buffered writes were 4-5x slower
-    on this project's test host (0.65 s against 0.12-0.17 s per 256 MiB) and hold the bytes in
-    the page cache twice over a replica's life; the load that follows reads them directly."""
-
-    def __init__(self, root: Path, *, durable: bool) -> None:
-        super().__init__(root, cache_newest=False)
-        self.durable = durable
-
-    def open_writer(self, name: str, size: int) -> Any:
-        parts = split_group(name)
-        if parts is None or parts[0]:
-            return super().open_writer(name, size)  # group directories: the usual path
-        return LocalWriter(self.root / parts[1], size, direct=True, durable=self.durable)
 
 
 def pieces(ranges: Sequence[tuple[int, int]], chunk: int = CHUNK) -> list[list[tuple[int, int]]]:

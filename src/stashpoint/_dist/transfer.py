@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,14 +25,14 @@ from stashpoint._core.naming import (
     index_name,
     parse_save_file,
     parse_step_dir,
-    split_group,
 )
 from stashpoint._core.nodeplan import REMOTE, Room, Transfer, expand, peak_bytes, replica_peers
 from stashpoint._core.sealed import MAX_MANIFEST_BYTES
 from stashpoint._core.units import human_bytes
 from stashpoint._dist.group import DistContext
+from stashpoint._dist.landing import REPLICA_RE, land, needed, replica_name
 from stashpoint._dist.nodes import NodeSave, recv_blob, send_blob
-from stashpoint._dist.stream import Landing, Stream
+from stashpoint._dist.stream import Stream
 from stashpoint._storage import LocalStorage, Storage
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
@@ -41,18 +40,6 @@ log = logging.getLogger("stashpoint")
 
 _MAX_LISTING = 64 << 20  # a transfer's list of files
 _MAX_FILE = 1 << 44
-PARTIAL_RE = re.compile(r"partial-r([0-9]{5,})")
-
-
-REPLICA_RE = re.compile(r"replica-r([0-9]{5,})")
-
-
-def partial_name(rank: int) -> str:
-    return f"partial-r{rank:05d}"
-
-
-def replica_name(rank: int) -> str:
-    return f"replica-r{rank:05d}"
 
 
 class ReplicaError(CheckpointError):
@@ -174,10 +161,6 @@ def check_offer(raw: bytes, t: Transfer, save_id: str, who: str) -> list[tuple[s
     return files
 
 
-def _needed(files: Sequence[tuple[str, int]], t: Transfer) -> int:
-    return sum(size for _, size in files) + sum(b - a for s in t.spans for a, b in s[3])
-
-
 def recv_step_files(
     ctx: DistContext,
     peer: int,
@@ -199,12 +182,12 @@ def recv_step_files(
         files = check_offer(recv_blob(ctx, peer, _MAX_LISTING, tag), t, save_id, f"rank {peer}")
         if refuse:
             raise CheckpointError(refuse)
-        _check_space(step, _needed(files, t))
+        _check_space(step, needed(files, t))
     except CheckpointError as e:
         send_blob(ctx, peer, str(e).encode()[:4000], tag)
         raise
     send_blob(ctx, peer, b"", tag)
-    return _land(step, t, files, Stream(ctx, peer, tag=tag), replica)
+    return land(step, t, files, Stream(ctx, peer, tag=tag), replica)
 
 
 @dataclass(frozen=True)
@@ -221,83 +204,8 @@ def fetch_remote(remote: RemoteCopy, step: Storage, t: Transfer, save_id: str) -
     transfer lands (checked alike); the bytes read."""
     listing = json.dumps({"files": remote.files(t), "spans": t.spans}).encode()
     files = check_offer(listing, t, save_id, f"the remote tier ({remote.step.location})")
-    _check_space(step, _needed(files, t))
-    return _land(step, t, files, Stream(None, -1, source=remote.step), False)
-
-
-def _land(step: Storage, t: Transfer, files: list[tuple[str, int]], stream: Stream, replica: bool) -> int:
-    if isinstance(step, LocalStorage):  # direct writes, no fsync each unless a replica (Landing)
-        step = Landing(step.root, durable=replica)
-    whole, idx = expand(t.ranks), expand(t.indexes)
-    try:
-        step.prepare()
-        # marked before any byte lands: a crash or a failure part-way leaves copies known as partial
-        for r in whole | idx | {rank for _, rank, _, _ in t.spans}:
-            step.commit(partial_name(r), b"")
-        for r in whole if replica else ():
-            step.commit(replica_name(r), b"")
-    except (OSError, CheckpointError) as e:
-        stream.error = e
-    manifest: list[bytes] = []
-    for name, size in files:
-        if name == MANIFEST_NAME:
-            stream.receive(name, [(0, size)], lambda _off, mv: manifest.append(bytes(mv)))
-            continue
-        out = _fresh_writer(step, name, size, stream)
-        stream.receive(name, [(0, size)], lambda _off, mv, out=out: out.write(mv) if out is not None else None)
-        if out is not None:
-            if stream.error is None:
-                out.close()
-            else:
-                out.abort()
-    for span in t.spans:
-        _recv_sparse(stream, step, span)
-    stream.done()
-    step.sync()
-    for r in whole:  # whole copies now (also where an earlier restore had fetched parts)
-        step.delete(partial_name(r))
-    if manifest:
-        step.commit(MANIFEST_NAME, b"".join(manifest))
-    return _needed(files, t)
-
-
-def _fresh_writer(step: Storage, name: str, size: int, stream: Stream) -> Any:
-    if stream.error is not None:
-        return None
-    try:
-        step.delete(name)  # a part left by an interrupted transfer, or a sparse copy
-        return step.open_writer(name, size)
-    except (OSError, CheckpointError) as e:
-        stream.error = e
-        return None
-
-
-def _recv_sparse(stream: Stream, step: Storage, span: Any) -> None:
-    """Byte ranges of a file (``span``: name, rank, size, ranges) into a copy of its full
-    size (the rest a hole), on local disk."""
-    name, _, size, spans = span
-    parts = split_group(name)
-    fd = -1
-    if stream.error is None and (not isinstance(step, LocalStorage) or parts is None):
-        stream.error = CheckpointError(f"node-local directories are local; {step.location} is not")
-    if stream.error is None:
-        assert isinstance(step, LocalStorage) and parts is not None
-        try:
-            path = Path(step.root, *[p for p in parts if p])
-            path.parent.mkdir(exist_ok=True)
-            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-            fd = os.open(path, flags, 0o644)
-            if os.fstat(fd).st_size != size:
-                os.ftruncate(fd, size)
-        except OSError as e:
-            stream.error = e
-    try:
-        stream.receive(name, spans, lambda off, mv: os.pwrite(fd, mv, off) if fd >= 0 else None)
-        if fd >= 0 and stream.error is None:
-            os.fsync(fd)
-    finally:
-        if fd >= 0:
-            os.close(fd)
+    _check_space(step, needed(files, t))
+    return land(step, t, files, Stream(None, -1, source=remote.step), False)
 
 
 def run_transfers(

@@ -27,8 +27,9 @@ from stashpoint._core.nodeplan import (
 )
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext
+from stashpoint._dist.landing import PARTIAL_RE
 from stashpoint._dist.nodes import NodeMap, NodeSave, agree_nodes, this_node
-from stashpoint._dist.transfer import PARTIAL_RE, RemoteCopy, run_transfers
+from stashpoint._dist.transfer import RemoteCopy, run_transfers
 from stashpoint._load.exchange import agree
 from stashpoint._load.loader import ranges_needed, writers_needed
 from stashpoint._load.manifest import read_head, read_index
