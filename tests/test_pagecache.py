@@ -5,11 +5,13 @@ Residency is measured independently of the library, with mincore(2) on a mapping
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import mmap
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -59,11 +61,19 @@ def wait_resident(files: list[Path], want: float, timeout: float = 20.0) -> floa
 
 
 def direct_io_works(tmp: Path) -> bool:
+    """Whether ``tmp`` is on a disk with a page cache: direct I/O opens, and a written page can
+    be evicted (tmpfs takes O_DIRECT since Linux 6.6, but its pages are the file)."""
     probe = tmp / ".probe"
-    probe.write_bytes(b"\0" * 4096)
+    probe.write_bytes(b"\1" * 4096)
     try:
         os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
-        return True
+        fd = os.open(probe, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return resident(probe) == 0.0
     except OSError:
         return False
     finally:
@@ -79,7 +89,7 @@ def state():
 
 def test_the_newest_save_is_read_back_into_the_cache_and_the_previous_one_let_go(tmp_path, state):
     if not direct_io_works(tmp_path):
-        pytest.skip(f"{tmp_path} refuses O_DIRECT (everything is cached there anyway)")
+        pytest.skip(f"{tmp_path} is not on a disk with a page cache (everything is cached there anyway)")
     stashpoint.save(state, LocalStorage(tmp_path / "step-1"))
     first = shards(tmp_path / "step-1")
     # the kernel's read-back is best effort: it may leave a few pages out (0.2% seen under a
@@ -95,7 +105,7 @@ def test_the_newest_save_is_read_back_into_the_cache_and_the_previous_one_let_go
 
 def test_without_cache_newest_direct_writes_leave_nothing_cached(tmp_path, state):
     if not direct_io_works(tmp_path):
-        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+        pytest.skip(f"{tmp_path} is not on a disk with a page cache")
     stashpoint.save(state, LocalStorage(tmp_path / "ck", cache_newest=False))
     time.sleep(1.0)
     assert max(resident(f) for f in shards(tmp_path / "ck")) < 0.05
@@ -103,7 +113,7 @@ def test_without_cache_newest_direct_writes_leave_nothing_cached(tmp_path, state
 
 def test_a_save_larger_than_its_share_of_memory_is_not_cached(tmp_path, state, monkeypatch):
     if not direct_io_works(tmp_path):
-        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+        pytest.skip(f"{tmp_path} is not on a disk with a page cache")
     monkeypatch.setattr(pagecache, "mem_available", lambda: 16 << 20)  # an 8 MiB share < the ~27 MiB save
     stashpoint.save(state, LocalStorage(tmp_path / "ck"))
     time.sleep(1.0)
@@ -113,7 +123,7 @@ def test_a_save_larger_than_its_share_of_memory_is_not_cached(tmp_path, state, m
 def direct_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The sizes of the direct reads made from now on (the test skipped where there are none)."""
     if not direct_io_works(tmp_path):
-        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+        pytest.skip(f"{tmp_path} is not on a disk with a page cache")
     calls: list[int] = []
     real = _local.readv_direct
 
@@ -188,14 +198,26 @@ def test_a_load_reads_small_gaps_in_cached_files_without_direct_reads(tmp_path, 
     assert calls == [], "only the gaps were read from the disk, with ordinary reads"
 
 
-def test_read_resident_reads_through_a_gap_and_stops_where_the_disk_part_begins(tmp_path):
-    data = os.urandom(12 << 20)
-    f = tmp_path / "f"
-    f.write_bytes(data)
-    fd = os.open(f, os.O_RDONLY)
+@contextlib.contextmanager
+def evicted_file(path: Path, data: bytes) -> Iterator[int]:
+    """A read descriptor of ``path``, written with ``data``, none of its pages cached (the test
+    skipped on a file system that keeps them, such as tmpfs)."""
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if resident(path) > 0.0:
+            pytest.skip(f"{path.parent} keeps its pages (tmpfs?): nothing can be evicted")
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def test_read_resident_reads_through_a_gap_and_stops_where_the_disk_part_begins(tmp_path):
+    data = os.urandom(12 << 20)
+    f = tmp_path / "f"
+    with evicted_file(f, data) as fd:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past what is read
         os.pread(fd, 6 << 20, 0)  # the first 6 MiB cached
         os.posix_fadvise(fd, 2 << 20, 8 << 10, os.POSIX_FADV_DONTNEED)  # a gap of two pages
@@ -204,5 +226,22 @@ def test_read_resident_reads_through_a_gap_and_stops_where_the_disk_part_begins(
         n = pagecache.read_resident(fd, 0, [buf])
         assert n == 6 << 20, "through the gap, up to the 6 MiB that are not cached"
         assert bytes(buf[:n]) == data[:n]
-    finally:
-        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to become another user")
+def test_read_resident_does_not_trust_mincore_for_a_file_the_process_may_not_write(tmp_path):
+    """mincore says every page is cached when the caller neither owns the file nor may write
+    it: there the non-blocking reads decide, and a cold file is left to the direct reads."""
+    with evicted_file(tmp_path / "f", os.urandom(8 << 20)) as fd:
+        pid = os.fork()
+        if pid == 0:  # as nobody, on the descriptor root opened
+            code = 3
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                n = pagecache.read_resident(fd, 0, [memoryview(bytearray(8 << 20))])
+                code = 0 if n < (1 << 20) else 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "a cold file read buffered: mincore was trusted"

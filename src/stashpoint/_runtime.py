@@ -11,19 +11,17 @@ Modules keep no mutable globals of their own; they ask for a slot::
 from __future__ import annotations
 
 import atexit
-import functools
 import gc
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 log = logging.getLogger("stashpoint")
 
 T = TypeVar("T")
-P = ParamSpec("P")
 
 _lock = threading.RLock()
 _slots: dict[str, Any] = {}
@@ -129,17 +127,6 @@ def gc_paused() -> Iterator[None]:
             pause.depth -= 1
             if pause.depth == 0 and pause.was_enabled:
                 gc.enable()
-
-
-def without_gc(fn: Callable[P, T]) -> Callable[P, T]:
-    """``fn`` run under :func:`gc_paused`."""
-
-    @functools.wraps(fn)
-    def paused(*args: P.args, **kwargs: P.kwargs) -> T:
-        with gc_paused():
-            return fn(*args, **kwargs)
-
-    return paused
 
 
 def _after_fork_in_child() -> None:

@@ -57,7 +57,10 @@ class Stream:
         # source: receive from that storage (a step's remote copy) instead of from rank ``peer``
         self.ctx, self.peer, self.source, self.tag = ctx, peer, source, tag
         # page-aligned (a mapping of their own): direct reads and writes use them as they are
-        self.bufs = [torch.frombuffer(mmap.mmap(-1, CHUNK), dtype=torch.uint8) for _ in range(2)]
+        self.bufs = [
+            torch.frombuffer(mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
+            for _ in range(2)
+        ]
         self.mvs = [as_memoryview(b) for b in self.bufs]
         self.error: BaseException | None = None
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="stashpoint-transfer")

@@ -89,12 +89,16 @@ def load(
     """
     from stashpoint._save.engine import wait_all, wait_staged
 
-    with gc_paused():  # see gc_paused: the load's small objects must not set off full collections
-        wait_staged()  # an overlap=True save still copying these objects must not see loaded values
-        storage = storage_for(path)
-        wait_all(storage.location)  # loading a checkpoint still being saved sees it committed
+    wait_staged()  # an overlap=True save still copying these objects must not see loaded values
+    storage = storage_for(path)
+    wait_all(storage.location)  # loading a checkpoint still being saved sees it committed
+    rank, world = rank_of(process_group)
+    if world > 1:
+        wait_all()  # the checkpoint group is used by one thread at a time: saves in flight first
+    # the waits above are not paused: only the load's own work (its small objects must not set
+    # off full collections; see gc_paused)
+    with gc_paused():
         head = read_head(storage)
-        rank, world = rank_of(process_group)
         if isinstance(head, Manifest):  # format version 1: the manifest lists every chunk
             extra = unlisted_shards(storage, head)
             if extra:
@@ -133,7 +137,6 @@ def load(
             if fetched is not None:
                 fetched.land()
         else:
-            wait_all()  # the checkpoint group is used by one thread at a time: saves in flight first
             ctx = _dist.context(process_group, timeout)
             assert ctx is not None
             plan = _load_together(

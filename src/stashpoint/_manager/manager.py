@@ -33,7 +33,6 @@ from stashpoint._manager.steps import (
     remove_leftovers,
 )
 from stashpoint._manager.tiers import RemoteTier
-from stashpoint._runtime import gc_paused
 from stashpoint._save.engine import SaveOptions, get_engine
 from stashpoint._save.handle import SaveHandle, SaveStats
 from stashpoint._storage import LocalStorage, Storage, storage_for
@@ -339,7 +338,7 @@ class CheckpointManager:
         """
         load_one = functools.partial(_load_into, state, strict, options)
         t0 = time.perf_counter()
-        with remembering(), gc_paused():  # the passes of a restore parse and plan once
+        with remembering():  # the passes of a restore parse and plan once
             r = restore_run(self, state, load_one, step, options)
         fetched = dict(self._nodes.fetched) if self._nodes is not None else {}
         self._last_restore = dataclasses.replace(r, fetched=fetched, seconds=time.perf_counter() - t0)

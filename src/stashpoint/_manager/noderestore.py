@@ -35,6 +35,7 @@ from stashpoint._load.loader import ranges_needed, writers_needed
 from stashpoint._load.manifest import read_head, read_index
 from stashpoint._manager.restoring import RestoreReport, try_in_order
 from stashpoint._manager.steps import committed_steps, move_aside
+from stashpoint._runtime import gc_paused
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
@@ -249,7 +250,8 @@ class NodeLocal:
         """Each rank's ``mine()``, grouped by node on rank 0 ({} elsewhere); raises on every rank
         when any rank failed."""
         try:
-            value: Any = ("ok", mine())
+            with gc_paused():  # parses and plans as a load does (the load pauses its own)
+                value: Any = ("ok", mine())
         except CheckpointError as e:
             value = ("error", f"rank {ctx.rank}: {e}")
         gathered = ctx.gather("node-local: what each rank's load reads", value)

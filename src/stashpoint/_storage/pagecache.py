@@ -124,13 +124,13 @@ def read_resident(fd: int, offset: int, buffers: list[memoryview]) -> int:
     when the range starts with a run of pages that are not cached).
 
     ``mincore`` tells, ``_PROBE_BYTES`` at a time, which pages are cached. Cached runs, and gaps
-    shorter than that between cached pages (the kernel's read-back leaves 0.1-0.2% of a
-    checkpoint's pages out, scattered), are read with ordinary reads; a longer run of pages
+    of at most ``_GAP_BYTES`` between cached pages (the kernel's read-back leaves 0.1-0.2% of
+    a checkpoint's pages out, scattered), are read with ordinary reads; a longer run of pages
     that are not cached is where the disk's part begins. A non-blocking read
     (``RWF_NOWAIT``) alone was not enough: it stops at any page busy for a moment, and at
     each gap, and the rest of a 64 MiB read then came from the disk (up to 400 of a cached
     checkpoint's 660 MB); and where it stops it starts the kernel's read-ahead, which a check
-    after it would take for cached pages. It is the way where ``mincore`` cannot be called."""
+    after it would take for cached pages. It is the way where ``mincore`` cannot be asked."""
     filled, pending = 0, buffers
     while pending:
         left = sum(len(b) for b in pending)
@@ -138,9 +138,12 @@ def read_resident(fd: int, offset: int, buffers: list[memoryview]) -> int:
         if run is None:
             return filled + _read_nowait(fd, offset + filled, pending)
         cached, n = run
-        if not cached and n >= min(left, _PROBE_BYTES):
+        if not cached and (n > _GAP_BYTES or n >= left):
             break  # the disk's part: read directly by the caller
-        got = os.preadv(fd, _front(pending[:512], n), offset + filled)
+        try:
+            got = os.preadv(fd, _front(pending[:512], n), offset + filled)
+        except OSError:
+            break  # the caller's direct or buffered read decides
         if got <= 0:
             break
         filled += got
@@ -170,12 +173,16 @@ def _read_nowait(fd: int, offset: int, buffers: list[memoryview]) -> int:
 def _page_run(fd: int, offset: int, limit: int) -> tuple[bool, int] | None:
     """Whether the page at ``offset`` of ``fd`` is cached, and how many bytes from ``offset``
     (at most ``limit`` and ``_PROBE_BYTES``) lie in pages that are alike, by ``mincore`` on a
-    mapping never touched; None where that cannot be asked."""
+    mapping never touched; None where that cannot be asked. The kernel answers truly only
+    for a file this process owns or may write: for others it says every page is cached."""
     libc = _libc()
     if libc is None or limit <= 0:
         return None
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() and not os.access(f"/proc/self/fd/{fd}", os.W_OK, effective_ids=True):
+        return None
     start = offset - offset % _PAGE
-    length = min(offset + min(limit, _PROBE_BYTES), os.fstat(fd).st_size) - start
+    length = min(offset + min(limit, _PROBE_BYTES), st.st_size) - start
     if length <= offset - start:
         return None
     pages = -(-length // _PAGE)
@@ -188,13 +195,16 @@ def _page_run(fd: int, offset: int, limit: int) -> tuple[bool, int] | None:
             return None
     finally:
         libc.munmap(ctypes.c_void_p(addr), length)
-    cached = bool(vec[0] & 1)
-    run = next((i for i in range(pages) if bool(vec[i] & 1) != cached), pages)
-    return cached, min(start + run * _PAGE, offset + limit) - offset
+    flags = bytes(vec).translate(_LOW_BIT)  # 1 per cached page (the other bits are reserved)
+    cached = flags[0] == 1
+    run = flags.find(b"\0" if cached else b"\1")
+    return cached, min(start + (pages if run < 0 else run) * _PAGE, offset + limit) - offset
 
 
 _PAGE = mmap.PAGESIZE
-_PROBE_BYTES = 4 << 20  # what one check covers (1024 pages): a gap this long is where the disk's part begins
+_PROBE_BYTES = 4 << 20  # what one check covers (1024 pages)
+_GAP_BYTES = 256 << 10  # the longest run of uncached pages among cached ones read with them
+_LOW_BIT = bytes(i & 1 for i in range(256))
 
 
 @functools.cache
