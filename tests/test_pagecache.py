@@ -60,6 +60,12 @@ def wait_resident(files: list[Path], want: float, timeout: float = 20.0) -> floa
         time.sleep(0.1)
 
 
+def evict(fd: int) -> None:
+    """Drop the open file's pages from the page cache (written back first: only clean pages go)."""
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def direct_io_works(tmp: Path) -> bool:
     """Whether ``tmp`` is on a disk with a page cache: direct I/O opens, and a written page can
     be evicted (tmpfs takes O_DIRECT since Linux 6.6, but its pages are the file)."""
@@ -69,8 +75,7 @@ def direct_io_works(tmp: Path) -> bool:
         os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
         fd = os.open(probe, os.O_RDONLY)
         try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            evict(fd)
         finally:
             os.close(fd)
         return resident(probe) == 0.0
@@ -157,19 +162,12 @@ def test_a_load_takes_cached_bytes_without_direct_reads_and_the_rest_directly(tm
 
 def test_read_resident_fills_only_what_is_cached(tmp_path):
     data = os.urandom(3 << 20)
-    f = tmp_path / "f"
-    f.write_bytes(data)
-    fd = os.open(f, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    with evicted_file(tmp_path / "f", data) as fd:
         os.pread(fd, 1 << 20, 0)  # the first MiB (and some read-ahead) cached again
         bufs = [memoryview(bytearray(1 << 20)), memoryview(bytearray(2 << 20))]
         n = pagecache.read_resident(fd, 0, bufs)
         assert (1 << 20) <= n <= (3 << 20)
         assert bytes(b"".join(bytes(b) for b in bufs))[:n] == data[:n]
-    finally:
-        os.close(fd)
 
 
 def punch_gaps(path: Path, every: int = 2 << 20, gap: int = 64 << 10) -> None:
@@ -205,8 +203,7 @@ def evicted_file(path: Path, data: bytes) -> Iterator[int]:
     path.write_bytes(data)
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        evict(fd)
         if resident(path) > 0.0:
             pytest.skip(f"{path.parent} keeps its pages (tmpfs?): nothing can be evicted")
         yield fd
