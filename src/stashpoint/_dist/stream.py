@@ -1,21 +1,57 @@
 """How a transfer's bytes move: read from a step's files (or received from a peer) in messages
-of up to 64 MiB, two page-aligned buffers deep, and landed in a node's step directory with
-direct I/O where the file system allows it."""
+of up to 16 MiB, two page-aligned buffers deep, and landed in a node's step directory with
+direct I/O where the file system allows it.
+
+The buffers are kept for the next transfer of the process (a replica is sent and received at
+every save): fresh ones had their pages faulted in at every transfer."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import mmap
+import threading
 from collections.abc import Sequence
 from typing import Any
 
+from stashpoint import _runtime
 from stashpoint._dist.group import DistContext
 from stashpoint._dist.nodes import recv_tensor, send_tensor
 from stashpoint._state.dtypes import as_memoryview
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError
 
-CHUNK = 64 << 20
+CHUNK = 16 << 20  # gloo moves these as fast as larger ones, with less memory to fault in
+_KEEP = 4  # idle buffers kept: a replica's send and receive run at once, two buffers each
+
+
+class _Pool:
+    """Page-aligned buffers of :data:`CHUNK` bytes (mappings of their own, so that direct reads
+    and writes use them as they are), backed by huge pages where the kernel allows it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[mmap.mmap] = []
+
+    def take(self, n: int) -> list[mmap.mmap]:
+        with self._lock:
+            got, self._free = self._free[:n], self._free[n:]
+        while len(got) < n:
+            m = mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                try:
+                    m.madvise(mmap.MADV_HUGEPAGE)  # 8 faults a buffer instead of 4,096
+                except OSError:
+                    pass
+            got.append(m)
+        return got
+
+    def give(self, maps: list[mmap.mmap]) -> None:
+        with self._lock:
+            self._free = (self._free + maps)[:_KEEP]
+
+
+def _pool() -> _Pool:
+    return _runtime.slot("dist.stream-buffers", _Pool)
 
 
 def pieces(ranges: Sequence[tuple[int, int]], chunk: int = CHUNK) -> list[list[tuple[int, int]]]:
@@ -44,7 +80,7 @@ def _size(piece: list[tuple[int, int]]) -> int:
 
 
 class Stream:
-    """One transfer's bytes, a file's byte ranges packed into messages of up to 64 MiB
+    """One transfer's bytes, a file's byte ranges packed into messages of up to 16 MiB
     (:func:`pieces`), two buffers deep: the next message is read while one is sent, and the
     last one written while the next is received. A side that fails part-way (a file that
     cannot be read, a disk that is full) still sends or receives every message announced,
@@ -56,11 +92,8 @@ class Stream:
 
         # source: receive from that storage (a step's remote copy) instead of from rank ``peer``
         self.ctx, self.peer, self.source, self.tag = ctx, peer, source, tag
-        # page-aligned (a mapping of their own): direct reads and writes use them as they are
-        self.bufs = [
-            torch.frombuffer(mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
-            for _ in range(2)
-        ]
+        self._maps = _pool().take(2)
+        self.bufs = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
         self.mvs = [as_memoryview(b) for b in self.bufs]
         self.error: BaseException | None = None
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="stashpoint-transfer")
@@ -126,5 +159,9 @@ class Stream:
 
     def done(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._maps:  # no thread of this stream touches them any more
+            del self.bufs, self.mvs
+            _pool().give(self._maps)
+            self._maps = []
         if self.error is not None:
             raise self.error

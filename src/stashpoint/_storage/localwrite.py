@@ -47,10 +47,19 @@ class LocalWriter(FileWriter):
     (steady bandwidth, no CPU spent copying into the page cache); the rest is buffered."""
 
     def __init__(
-        self, path: Path, size: int, *, direct: bool = False, dir_fd: int | None = None, durable: bool = True
+        self,
+        path: Path,
+        size: int,
+        *,
+        direct: bool = False,
+        dir_fd: int | None = None,
+        durable: bool = True,
+        reserve: bool = True,
     ) -> None:
         # dir_fd: the file is ``path.name`` in that directory, which this writer then owns;
-        # durable=False: no fsync at the end (a copy that can be fetched again)
+        # durable=False: no fsync at the end (a copy that can be fetched again); reserve=False:
+        # no space reserved up front (the caller checked it; on tmpfs reserving zeroes every page
+        # on the caller's thread, where writing allocates them on the writer's)
         self._durable = durable
         self._path = path
         self._at = dir_fd
@@ -59,7 +68,7 @@ class LocalWriter(FileWriter):
         cloexec = getattr(os, "O_CLOEXEC", 0)
         try:
             self._fd = os.open(self._name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | cloexec, 0o644, dir_fd=dir_fd)
-            if size > 0 and hasattr(os, "posix_fallocate"):
+            if reserve and size > 0 and hasattr(os, "posix_fallocate"):
                 try:  # reserve the space up front: a full disk fails now, not half-way through
                     os.posix_fallocate(self._fd, 0, size)
                 except OSError as e:
