@@ -344,6 +344,44 @@ def test_large_local_reads_use_direct_io(tmp_path, monkeypatch):
     assert calls == [(12345, 2 << 20)]
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    offset=st.sampled_from([0, 4096, 8192, 100, 4097]),
+    parts=st.lists(st.tuples(st.integers(1, 300_000), st.booleans()), min_size=1, max_size=5),
+)
+def test_direct_reads_fill_aligned_destinations_in_place_and_bounce_the_rest(tmp_path, monkeypatch, offset, parts):
+    """Page-aligned destinations at page-aligned file positions are read into as they are (a
+    transfer's stream buffers: no copy through the bounce buffer); any mix with unaligned ones
+    reads back the same bytes."""
+    from stashpoint._storage import directio
+
+    if not _direct_io_works(tmp_path):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    path = tmp_path / "f"
+    if not path.exists():
+        path.write_bytes(os.urandom(2 << 20))
+    data = path.read_bytes()
+    bounced = []
+    real = directio._scatter
+
+    def spy(src, addr, dests):
+        bounced.append(len(src))
+        real(src, addr, dests)
+
+    monkeypatch.setattr(directio, "_scatter", spy)
+    # aligned: a page-aligned mapping of a whole number of pages; else one byte into a mapping
+    outs = [_aligned(n // 4096 * 4096 or 4096) if al else memoryview(mmap.mmap(-1, n + 1))[1:] for n, al in parts]
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        filled = directio.readv_direct(fd, offset, outs, directio.BouncePool())
+    finally:
+        os.close(fd)
+    want = data[offset : offset + sum(len(o) for o in outs)]
+    assert filled == len(want) and b"".join(bytes(o) for o in outs)[:filled] == want
+    if offset % 4096 == 0 and all(al for _, al in parts):
+        assert bounced == []
+
+
 def test_a_short_or_refused_direct_read_is_finished_buffered(tmp_path, monkeypatch):
     """A direct read that comes back short (some network file systems do) is finished with
     buffered reads; one refused part-way (EINVAL) is read again whole, buffered, and direct reads

@@ -5,7 +5,9 @@ fills are aligned to 64 bytes at best. So a large read is done in aligned pieces
 page-aligned bounce buffer, and each piece is copied (``memmove``, without the GIL) into the
 destination buffers: a file written with direct I/O is not in the page cache, and reading it
 directly beats the small read-ahead requests of a buffered read by far more than the copy out
-of the bounce buffer costs (figures: benchmarks/RESULTS.md, "Loads").
+of the bounce buffer costs (figures: benchmarks/RESULTS.md, "Loads"). Destinations that are
+page-aligned themselves, at page-aligned file positions (a transfer's stream buffers), are read
+into as they are.
 
 Imports no torch: the writer process shares this package's I/O code.
 """
@@ -78,6 +80,25 @@ def _scatter(src: memoryview, src_addr: int, dests: list[memoryview]) -> None:
             dests[0] = d[n:]
 
 
+def _aligned_run(dests: list[memoryview], pos: int, at: int) -> memoryview | None:
+    """The front of the next destination when it can be read into as it is: its address and
+    the file position page-aligned, nothing skipped before it, at least a page long."""
+    if not dests or pos != at or pos % ALIGN or len(dests[0]) < ALIGN:
+        return None
+    addr = address(dests[0])
+    if addr is None or addr % ALIGN:
+        return None
+    return dests[0][: len(dests[0]) // ALIGN * ALIGN]
+
+
+def _consume(dests: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of the front destination (all of it when filled)."""
+    if n >= len(dests[0]):
+        dests.pop(0)
+    else:
+        dests[0] = dests[0][n:]
+
+
 def readv_direct(fd: int, offset: int, buffers: Sequence[memoryview], pool: BouncePool) -> int:
     """Fill ``buffers`` (writable) in order from ``offset`` of the ``O_DIRECT`` descriptor ``fd``.
 
@@ -99,6 +120,14 @@ def readv_direct(fd: int, offset: int, buffers: Sequence[memoryview], pool: Boun
         base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
         try:
             while pos < end:
+                if (whole := _aligned_run(dests, pos, offset + filled)) is not None:
+                    n = os.preadv(fd, [whole], pos)  # straight into the destination: no copy
+                    filled += n
+                    pos += n
+                    _consume(dests, n)
+                    if n < len(whole):
+                        break
+                    continue
                 want = min(len(mv), -(-(end - pos) // ALIGN) * ALIGN)
                 n = os.preadv(fd, [mv[:want]], pos)
                 skip = max(0, offset - pos)
