@@ -13,7 +13,8 @@ import pytest
 from stashpoint import _runtime
 from stashpoint._core.nodeplan import Transfer
 from stashpoint._dist import stream as stream_mod
-from stashpoint._dist.landing import land
+from stashpoint._dist.group import CollectiveError, DistContext
+from stashpoint._dist.landing import Landing, land
 from stashpoint._dist.stream import CHUNK, Stream
 from stashpoint._storage import LocalStorage
 from stashpoint._storage.localwrite import LocalWriter
@@ -70,7 +71,7 @@ def test_the_pool_keeps_at_most_four_idle_buffers():
 def test_landing_reserves_no_space_per_file_where_saves_do(tmp_path: Path):
     size = 8 << 20
     reserved = LocalWriter(tmp_path / "saved", size)
-    landed = LocalWriter(tmp_path / "landed", size, reserve=False)
+    landed = Landing(tmp_path, durable=False).open_writer("landed", size)
     try:
         if os.stat(tmp_path / "saved").st_blocks == 0:
             pytest.skip("this file system reserves no space with posix_fallocate")
@@ -78,3 +79,23 @@ def test_landing_reserves_no_space_per_file_where_saves_do(tmp_path: Path):
     finally:
         reserved.abort()
         landed.abort()
+
+
+def test_a_stream_that_raised_keeps_its_buffers(tmp_path: Path, monkeypatch):
+    """A send that failed part-way (a peer gone) never reaches done(): its buffers, which a
+    read-ahead may still be filling, are not handed to the next transfer."""
+    src = LocalStorage(tmp_path / "src")
+    src.prepare()
+    (tmp_path / "src" / "a.bin").write_bytes(os.urandom(CHUNK + 1))
+
+    def gone(*_args, **_kw):
+        raise CollectiveError("rank 1: sending with rank 0 failed: peer gone")
+
+    monkeypatch.setattr(stream_mod, "send_tensor", gone)
+    s = Stream(DistContext.solo(), 0)
+    used = _addresses(s)
+    with pytest.raises(CollectiveError):
+        s.send(src, "a.bin", [(0, CHUNK + 1)])
+    fresh = Stream(None, -1, source=src)
+    assert not set(_addresses(fresh)) & set(used)
+    fresh.done()

@@ -61,7 +61,9 @@ def land(step: Storage, t: Transfer, files: list[tuple[str, int]], stream: Strea
     """Receive a transfer's ``files`` (whole, the manifest last) and byte ranges from ``stream``
     into this node's ``step``; the bytes it needed. The saving ranks it brings are marked
     partial before any byte lands and unmarked once whole (``replica``: marked as a copy of
-    another node's, which a newer replica replaces)."""
+    another node's, which a newer replica replaces). Nothing reserves the space: the caller
+    checks the room for all of it first (a file system filled meanwhile fails the landing
+    part-way, its ranks left marked partial)."""
     if isinstance(step, LocalStorage):  # direct writes, no fsync each unless a replica (Landing)
         step = Landing(step.root, durable=replica)
     whole, idx = expand(t.ranks), expand(t.indexes)

@@ -39,7 +39,7 @@ class _Pool:
             m = mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 try:
-                    m.madvise(mmap.MADV_HUGEPAGE)  # 8 faults a buffer instead of 4,096
+                    m.madvise(mmap.MADV_HUGEPAGE)  # a few faults a buffer, not 4,096
                 except OSError:
                     pass
             got.append(m)
@@ -96,7 +96,7 @@ class Stream:
         self.bufs = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
         self.mvs = [as_memoryview(b) for b in self.bufs]
         self.error: BaseException | None = None
-        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="stashpoint-transfer")
+        self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="stashpoint-transfer")
         self._turn = 0
 
     def _read(self, step: Storage, name: str, piece: list[tuple[int, int]], mv: memoryview) -> None:
@@ -123,7 +123,7 @@ class Stream:
                 ahead.result()
             if i + 1 < len(ps):
                 nk, nxt = (k + 1) % 2, ps[i + 1]
-                ahead = self._pool.submit(self._read, step, name, nxt, self.mvs[nk][: _size(nxt)])
+                ahead = self._executor.submit(self._read, step, name, nxt, self.mvs[nk][: _size(nxt)])
             assert self.ctx is not None
             send_tensor(self.ctx, self.peer, self.bufs[k][:n], self.tag)
         self._turn = (self._turn + len(ps)) % 2
@@ -153,13 +153,14 @@ class Stream:
                 recv_tensor(self.ctx, self.peer, self.bufs[k][:n], self.tag)
             if behind is not None:
                 behind.result()
-            behind = self._pool.submit(self._sink, sink, piece, self.mvs[k][:n])
+            behind = self._executor.submit(self._sink, sink, piece, self.mvs[k][:n])
         if behind is not None:
             behind.result()
 
     def done(self) -> None:
-        self._pool.shutdown(wait=True)
-        if self._maps:  # no thread of this stream touches them any more
+        self._executor.shutdown(wait=True)
+        if self._maps:  # no thread of this stream touches them any more (a stream that raised
+            # before this point keeps its buffers: they are never handed to another)
             del self.bufs, self.mvs
             _pool().give(self._maps)
             self._maps = []

@@ -6,8 +6,8 @@ page-aligned bounce buffer, and each piece is copied (``memmove``, without the G
 destination buffers: a file written with direct I/O is not in the page cache, and reading it
 directly beats the small read-ahead requests of a buffered read by far more than the copy out
 of the bounce buffer costs (figures: benchmarks/RESULTS.md, "Loads"). Destinations that are
-page-aligned themselves, at page-aligned file positions (a transfer's stream buffers), are read
-into as they are.
+page-aligned themselves, at page-aligned file positions (a transfer's stream buffers, a load's
+arena and pinned slots), are read into as they are.
 
 Imports no torch: the writer process shares this package's I/O code.
 """
@@ -15,6 +15,7 @@ Imports no torch: the writer process shares this package's I/O code.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -24,6 +25,7 @@ from contextlib import contextmanager
 ALIGN = 4096  # file offsets, lengths and memory of O_DIRECT reads: a multiple of any block size in use
 BOUNCE_BYTES = 16 * 1024 * 1024  # one bounce buffer: 4 MiB block requests, several in flight
 MIN_DIRECT_BYTES = 1024 * 1024  # smaller reads stay buffered (headers, manifests, partial reads)
+_MAX_IN_PLACE = 1 << 30  # one read into a destination (Linux returns at most 2 GiB - 4 KiB per read)
 _MAX_IDLE = 8
 
 
@@ -88,7 +90,7 @@ def _aligned_run(dests: list[memoryview], pos: int, at: int) -> memoryview | Non
     addr = address(dests[0])
     if addr is None or addr % ALIGN:
         return None
-    return dests[0][: len(dests[0]) // ALIGN * ALIGN]
+    return dests[0][: min(len(dests[0]), _MAX_IN_PLACE) // ALIGN * ALIGN]
 
 
 def _consume(dests: list[memoryview], n: int) -> None:
@@ -115,13 +117,21 @@ def readv_direct(fd: int, offset: int, buffers: Sequence[memoryview], pool: Boun
     end = offset + total
     pos = offset - offset % ALIGN  # aligned start; the bytes before ``offset`` are skipped
     filled = 0
+    in_place = True
     with pool.buffer() as buf:
         mv = memoryview(buf)
         base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
         try:
             while pos < end:
-                if (whole := _aligned_run(dests, pos, offset + filled)) is not None:
-                    n = os.preadv(fd, [whole], pos)  # straight into the destination: no copy
+                whole = _aligned_run(dests, pos, offset + filled) if in_place else None
+                if whole is not None:
+                    try:
+                        n = os.preadv(fd, [whole], pos)  # straight into the destination: no copy
+                    except OSError as e:
+                        if e.errno != errno.EFAULT:
+                            raise
+                        in_place = False  # memory the kernel cannot read into directly: bounce it
+                        continue
                     filled += n
                     pos += n
                     _consume(dests, n)

@@ -1,5 +1,6 @@
 """Writing one local file durably: in order, with direct I/O where the file system allows it,
-space reserved up front, and an fsync at the end; and the directory-level steps around it."""
+space reserved up front (unless the caller checked the room itself), and an fsync at the end;
+and the directory-level steps around it."""
 
 from __future__ import annotations
 
