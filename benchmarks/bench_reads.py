@@ -15,8 +15,9 @@ pages stay as the save left them (buffered writes cached, direct-I/O writes not)
 comes ``--idle`` seconds later (stashpoint's committed shards are read back into the page
 cache in that time: ``LocalStorage(cache_newest=True)``, the default). Both regimes also time
 a raw read of a stashpoint checkpoint's files (each read whole, buffered, into one reused
-64 MiB buffer: the bytes the tier gives, with no memory of its own to fault in) and
-``torch.load(mmap=True)`` plus a copy into the state.
+64 MiB buffer: the bytes the tier gives, with no memory of its own to fault in), the same read
+into memory the size of the files (allocated and touched before: each byte lands somewhere of
+its own, as a load's must), and ``torch.load(mmap=True)`` plus a copy into the state.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from benchmarks.suite.common import GB, default_scratch_base, evict_cache, git_c
 from benchmarks.suite.savers import dcp_loader, fqn_state_dict, set_fqn_state_dict
 from benchmarks.suite.state import build, choose_shape, local_bytes
 
-METHODS = ("direct", "buffered", "dcp", "torch", "raw")
+METHODS = ("direct", "buffered", "dcp", "torch", "raw", "raw_state")
 
 
 def log(msg: str) -> None:
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-reads-", dir=args.dir or default_scratch_base()))
     load_dcp = dcp_loader(state)
     raw_buf = memoryview(bytearray(64 << 20))  # the raw read's, touched once
+    state_buf = memoryview(bytearray(0))  # the raw read into memory of its own: grown, touched, reused
     times: dict[str, list[tuple[float, float]]] = {m: [] for m in METHODS}
     try:
         for trial in range(args.repeats):
@@ -83,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                     stashpoint.save(state, LocalStorage(path, cache_newest=args.regime == "same-node"))
                 if args.regime == "same-node":
                     time.sleep(args.idle)
+                files = sorted(p for p in path.rglob("*") if p.is_file())
+                if method == "raw_state" and len(state_buf) < sum(f.stat().st_size for f in files):
+                    state_buf = memoryview(bytearray(sum(f.stat().st_size for f in files)))
                 got = []
                 for _ in range(2 if args.regime == "fresh-node" else 1):
                     if args.regime == "fresh-node":
@@ -95,10 +100,16 @@ def main(argv: list[str] | None = None) -> int:
                         loaded = torch.load(path / "state.pt", mmap=True, weights_only=True)
                         set_fqn_state_dict(state, loaded)
                     elif method == "raw":
-                        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+                        for f in files:
                             with f.open("rb", buffering=0) as fh:
                                 while fh.readinto(raw_buf):
                                     pass
+                    elif method == "raw_state":
+                        pos = 0
+                        for f in files:
+                            with f.open("rb", buffering=0) as fh:
+                                while n := fh.readinto(state_buf[pos:]):
+                                    pos += n
                     else:
                         stashpoint.load(state, LocalStorage(path, direct_io=method == "direct"))
                     got.append(time.perf_counter() - t0)
@@ -119,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "dcp": "dcp.load + set_state_dict",
         "torch": "torch.load(mmap=True) + copy into the state",
         "raw": "raw read of a stashpoint checkpoint's files (buffered)",
+        "raw_state": "the same raw read into memory the size of the files",
     }
     for method in METHODS:
         first = statistics.median(t for t, _ in times[method])

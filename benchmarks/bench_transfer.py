@@ -25,18 +25,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from benchmarks.suite.common import evict_cache
     from stashpoint._core.nodeplan import Transfer
     from stashpoint._dist import group
     from stashpoint._dist.landing import land
@@ -56,17 +49,13 @@ def worker(args: argparse.Namespace) -> None:
         block = os.urandom(1 << 20)
         for name, n in files:
             (src / name).write_bytes(block * (n >> 20))
-            fd = os.open(src / name, os.O_RDONLY)
-            os.fsync(fd)  # written back: eviction then drops it
-            os.close(fd)
     bufs = [torch.ones(16 << 20, dtype=torch.uint8) for _ in range(2)]
     got: dict[str, list[float]] = {"stashpoint": [], "gloo": []}
     for _ in range(args.repeats):
         if rank == 1:
             shutil.rmtree(dst, ignore_errors=True)
         if rank == 0 and args.cold:
-            for name, _ in files:
-                _evict(src / name)
+            evict_cache(src)
         dist.barrier()
         t0 = time.perf_counter()
         if rank == 0:
