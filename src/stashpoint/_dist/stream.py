@@ -22,6 +22,9 @@ from stashpoint.errors import CheckpointError
 
 CHUNK = 16 << 20  # gloo moves these as fast as larger ones, with less memory to fault in
 _KEEP = 4  # idle buffers kept: a replica's send and receive run at once, two buffers each
+# reads from a remote tier: each readv fetches its ranged GETs in parallel (32 MiB parts by
+# default), so larger reads keep several requests in flight
+_REMOTE_CHUNK = 64 << 20
 
 
 class _Pool:
@@ -32,11 +35,14 @@ class _Pool:
         self._lock = threading.Lock()
         self._free: list[mmap.mmap] = []
 
-    def take(self, n: int) -> list[mmap.mmap]:
-        with self._lock:
-            got, self._free = self._free[:n], self._free[n:]
+    def take(self, n: int, size: int = CHUNK) -> list[mmap.mmap]:
+        """``n`` buffers of ``size`` bytes (only those of :data:`CHUNK` come from the pool)."""
+        got: list[mmap.mmap] = []
+        if size == CHUNK:
+            with self._lock:
+                got, self._free = self._free[:n], self._free[n:]
         while len(got) < n:
-            m = mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 try:
                     m.madvise(mmap.MADV_HUGEPAGE)  # a few faults a buffer, not 4,096
@@ -47,7 +53,7 @@ class _Pool:
 
     def give(self, maps: list[mmap.mmap]) -> None:
         with self._lock:
-            self._free = (self._free + maps)[:_KEEP]
+            self._free = (self._free + [m for m in maps if len(m) == CHUNK])[:_KEEP]
 
 
 def _pool() -> _Pool:
@@ -92,7 +98,8 @@ class Stream:
 
         # source: receive from that storage (a step's remote copy) instead of from rank ``peer``
         self.ctx, self.peer, self.source, self.tag = ctx, peer, source, tag
-        self._maps = _pool().take(2)
+        self.chunk = CHUNK if source is None else _REMOTE_CHUNK
+        self._maps = _pool().take(2, self.chunk)
         self.bufs = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
         self.mvs = [as_memoryview(b) for b in self.bufs]
         self.error: BaseException | None = None
@@ -144,7 +151,7 @@ class Stream:
         order to ``sink(file_offset, memoryview)`` (on another thread, while the next message
         arrives) until it fails."""
         behind: cf.Future[None] | None = None
-        for i, piece in enumerate(pieces(ranges)):
+        for i, piece in enumerate(pieces(ranges, self.chunk)):
             n, k = _size(piece), i % 2
             if self.source is not None:
                 self._read(self.source, name, piece, self.mvs[k][:n])
