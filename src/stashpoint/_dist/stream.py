@@ -45,7 +45,10 @@ class _Pool:
             m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 try:
-                    m.madvise(mmap.MADV_HUGEPAGE)  # a few faults a buffer, not 4,096
+                    # direct I/O pins a buffer's pages per request: a few huge pages, not 4,096
+                    # small ones (the first fault may wait for the kernel to compact memory:
+                    # once, as the buffers are kept)
+                    m.madvise(mmap.MADV_HUGEPAGE)
                 except OSError:
                     pass
             got.append(m)
