@@ -107,3 +107,36 @@ def test_a_stream_that_raised_keeps_its_buffers(tmp_path: Path, monkeypatch):
     fresh = Stream(DistContext.solo(), 0)
     assert not set(_addresses(fresh)) & set(used)
     fresh.done()
+
+
+def _smaps_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds ``address`` (the kernel may merge
+    neighbouring mappings of the same kind into one)."""
+    fields: dict[str, str] = {}
+    found = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+            if found:
+                break
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            found = lo <= address < hi
+        elif found:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_transfer_and_bounce_buffers_ask_for_huge_pages_and_come_populated():
+    """Direct I/O pins a buffer's pages per request: the buffers kept for it ask for huge
+    pages (VmFlags ``hg``) and are faulted in when made, not by the first read."""
+    from stashpoint._storage.directio import huge_mapping
+
+    m = huge_mapping(16 << 20)
+    fields = _smaps_of(ctypes.addressof(ctypes.c_char.from_buffer(m)))
+    assert "hg" in fields["VmFlags"].split()
+    assert int(fields["Rss"].split()[0]) >= 16 << 10  # kB: every page resident already
+    s = Stream(DistContext.solo(), 0)
+    assert all("hg" in _smaps_of(a)["VmFlags"].split() for a in _addresses(s))
+    s.done()

@@ -18,6 +18,7 @@ from stashpoint._dist.group import DistContext
 from stashpoint._dist.nodes import recv_tensor, send_tensor
 from stashpoint._state.dtypes import as_memoryview
 from stashpoint._storage import Storage
+from stashpoint._storage.directio import huge_mapping
 from stashpoint.errors import CheckpointError
 
 CHUNK = 16 << 20  # gloo moves these as fast as larger ones, with less memory to fault in
@@ -29,7 +30,9 @@ _REMOTE_CHUNK = 64 << 20
 
 class _Pool:
     """Page-aligned buffers of :data:`CHUNK` bytes (mappings of their own, so that direct reads
-    and writes use them as they are), backed by huge pages where the kernel allows it."""
+    and writes use them as they are), backed by huge pages where the kernel allows it: direct
+    I/O pins a buffer's pages per request. The first fault may wait for the kernel to compact
+    memory, once, as the buffers are kept."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -42,16 +45,7 @@ class _Pool:
             with self._lock:
                 got, self._free = self._free[:n], self._free[n:]
         while len(got) < n:
-            m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            if hasattr(mmap, "MADV_HUGEPAGE"):
-                try:
-                    # direct I/O pins a buffer's pages per request: a few huge pages, not 4,096
-                    # small ones (the first fault may wait for the kernel to compact memory:
-                    # once, as the buffers are kept)
-                    m.madvise(mmap.MADV_HUGEPAGE)
-                except OSError:
-                    pass
-            got.append(m)
+            got.append(huge_mapping(size))
         return got
 
     def give(self, maps: list[mmap.mmap]) -> None:

@@ -40,7 +40,8 @@ class BouncePool:
     """Page-aligned bounce buffers, reused by the reads of one storage object and freed with it.
 
     At most ``_MAX_IDLE`` idle buffers are kept (a load's reader threads use one each); each is
-    mapped with its pages populated, so a direct read never faults them in one by one.
+    mapped with its pages populated (huge pages where allowed: :func:`huge_mapping`), so a
+    direct read never faults them in one by one.
     """
 
     def __init__(self, nbytes: int = BOUNCE_BYTES) -> None:
@@ -53,8 +54,7 @@ class BouncePool:
         with self._lock:
             buf = self._idle.pop() if self._idle else None
         if buf is None:
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-            buf = mmap.mmap(-1, self.nbytes, flags=flags)
+            buf = huge_mapping(self.nbytes)
         try:
             yield buf
         finally:
@@ -64,6 +64,35 @@ class BouncePool:
                     buf = None
             if buf is not None:
                 buf.close()
+
+
+POPULATE_WRITE = 23  # MADV_POPULATE_WRITE (Linux 5.14)
+
+
+def huge_mapping(nbytes: int, populate: bool = True) -> mmap.mmap:
+    """``nbytes`` of private anonymous memory, page-aligned, backed by huge pages where the
+    kernel allows it (``MADV_HUGEPAGE``) and, with ``populate``, faulted in now. A direct read
+    or write pins its buffer's pages for each request: a few huge pages cost far less than
+    thousands of small ones (figures: RESULTS.md, "Huge pages for direct I/O"). For buffers
+    kept and reused: a large mapping made for each use pays the kernel's compaction every time
+    (an atomic load's arena was slower with huge pages)."""
+    huge = hasattr(mmap, "MADV_HUGEPAGE")
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if populate and not huge:
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
+    buf = mmap.mmap(-1, nbytes, flags=flags)
+    if huge:
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+        if populate:
+            try:
+                buf.madvise(POPULATE_WRITE)
+            except (OSError, ValueError):  # an older kernel: touch each page
+                for at in range(0, nbytes, mmap.PAGESIZE):
+                    buf[at] = 0
+    return buf
 
 
 def _scatter(src: memoryview, src_addr: int, dests: list[memoryview]) -> None:
