@@ -1,6 +1,6 @@
 """How a transfer's bytes move: read from a step's files (or received from a peer) in messages
-of up to 16 MiB, two page-aligned buffers deep, and landed in a node's step directory with
-direct I/O where the file system allows it.
+of up to 16 MiB (64 MiB pieces from a remote tier), two page-aligned buffers deep, and landed
+in a node's step directory with direct I/O where the file system allows it.
 
 The buffers are kept for the next transfer of the process (a replica is sent and received at
 every save): fresh ones had their pages faulted in at every transfer."""
@@ -29,10 +29,11 @@ _REMOTE_CHUNK = 64 << 20
 
 
 class _Pool:
-    """Page-aligned buffers of :data:`CHUNK` bytes (mappings of their own, so that direct reads
-    and writes use them as they are), backed by huge pages where the kernel allows it: direct
-    I/O pins a buffer's pages per request. The first fault may wait for the kernel to compact
-    memory, once, as the buffers are kept."""
+    """Page-aligned buffers (mappings of their own, so that direct reads and writes use them as
+    they are). Those of :data:`CHUNK` bytes are kept, backed by huge pages where the kernel
+    allows it (direct I/O pins a buffer's pages per request) and faulted in when made, which
+    may wait for the kernel to compact memory, once. A remote tier's larger ones are made for
+    each fetch and faulted in as they fill."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -44,8 +45,9 @@ class _Pool:
         if size == CHUNK:
             with self._lock:
                 got, self._free = self._free[:n], self._free[n:]
-        while len(got) < n:
-            got.append(huge_mapping(size))
+        while len(got) < n:  # kept ones: huge pages, faulted in once; a remote read's: neither
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            got.append(huge_mapping(size) if size == CHUNK else mmap.mmap(-1, size, flags=flags))
         return got
 
     def give(self, maps: list[mmap.mmap]) -> None:
@@ -84,11 +86,11 @@ def _size(piece: list[tuple[int, int]]) -> int:
 
 class Stream:
     """One transfer's bytes, a file's byte ranges packed into messages of up to 16 MiB
-    (:func:`pieces`), two buffers deep: the next message is read while one is sent, and the
-    last one written while the next is received. A side that fails part-way (a file that
-    cannot be read, a disk that is full) still sends or receives every message announced,
-    zeros or discarded, so that its peer and every later transfer stay in step; it raises at
-    the end (:meth:`done`)."""
+    (:func:`pieces`; from a remote tier, ``source``, pieces of 64 MiB), two buffers deep: the
+    next message is read while one is sent, and the last one written while the next is
+    received. A side that fails part-way (a file that cannot be read, a disk that is full)
+    still sends or receives every message announced, zeros or discarded, so that its peer and
+    every later transfer stay in step; it raises at the end (:meth:`done`)."""
 
     def __init__(self, ctx: DistContext | None, peer: int, source: Storage | None = None, tag: int = 0) -> None:
         import torch
@@ -117,7 +119,8 @@ class Stream:
 
     def send(self, step: Storage, name: str, ranges: Sequence[tuple[int, int]]) -> None:
         """Send the byte ranges ``ranges`` of ``name`` (in ``step``), in order."""
-        ps = pieces(ranges)
+        assert self.source is None, "a remote tier's stream only receives"
+        ps = pieces(ranges, self.chunk)  # as the peer's receive splits them
         ahead: cf.Future[None] | None = None
         for i, piece in enumerate(ps):
             k, n = (self._turn + i) % 2, _size(piece)

@@ -20,7 +20,7 @@ import mmap
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 ALIGN = 4096  # file offsets, lengths and memory of O_DIRECT reads: a multiple of any block size in use
 BOUNCE_BYTES = 16 * 1024 * 1024  # one bounce buffer: 4 MiB block requests, several in flight
@@ -63,7 +63,8 @@ class BouncePool:
                     self._idle.append(buf)
                     buf = None
             if buf is not None:
-                buf.close()
+                with suppress(BufferError):  # a view still held (an error's traceback): freed later
+                    buf.close()
 
 
 POPULATE_WRITE = 23  # MADV_POPULATE_WRITE (Linux 5.14)
@@ -88,10 +89,12 @@ def huge_mapping(nbytes: int, populate: bool = True) -> mmap.mmap:
             pass
         if populate:
             try:
-                buf.madvise(POPULATE_WRITE)
-            except (OSError, ValueError):  # an older kernel: touch each page
-                for at in range(0, nbytes, mmap.PAGESIZE):
-                    buf[at] = 0
+                buf.madvise(getattr(mmap, "MADV_POPULATE_WRITE", POPULATE_WRITE))
+            except OSError as e:  # EINVAL: an older kernel, so touch each page; else (ENOMEM)
+                # leave the faults to the first use, as MAP_POPULATE would
+                if e.errno == errno.EINVAL:
+                    for at in range(0, nbytes, mmap.PAGESIZE):
+                        buf[at] = 0
     return buf
 
 
