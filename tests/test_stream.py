@@ -39,7 +39,7 @@ def test_buffers_are_page_aligned_and_serve_the_next_transfer(tmp_path: Path):
     assert all(a % 4096 == 0 for a in used) and all(len(m) == CHUNK for m in first._maps)
     first.done()
     second = Stream(DistContext.solo(), 0)
-    assert _addresses(second) == used  # the same mappings: nothing faulted in again
+    assert sorted(_addresses(second)) == sorted(used)  # the same mappings: nothing faulted in again
     second.done()
 
 
@@ -54,7 +54,7 @@ def test_a_remote_tiers_stream_reads_larger_pieces_and_lands_them(tmp_path: Path
     assert all(len(m) == stream_mod._REMOTE_CHUNK for m in s._maps)
     land(LocalStorage(tmp_path / "dst"), Transfer(0, 1), [("a.bin", len(data))], s, False)
     assert (tmp_path / "dst" / "a.bin").read_bytes() == data
-    assert stream_mod._pool()._free == []
+    assert stream_mod._pool()._idle == []
 
 
 def test_a_failed_stream_still_gives_its_buffers_back(tmp_path: Path):
@@ -66,14 +66,15 @@ def test_a_failed_stream_still_gives_its_buffers_back(tmp_path: Path):
     assert bytes(s.mvs[0][:100]) == bytes(100)  # zeros in its place, the error kept for done()
     with pytest.raises(CheckpointError, match=r"missing\.bin"):
         s.done()
-    assert _addresses(Stream(DistContext.solo(), 0)) == used
+    assert sorted(_addresses(Stream(DistContext.solo(), 0))) == sorted(used)
 
 
 def test_the_pool_keeps_at_most_four_idle_buffers():
     pool = stream_mod._pool()
-    maps = pool.take(6)
-    pool.give(maps)
-    again = pool.take(6)
+    maps = [pool.take() for _ in range(6)]
+    for m in maps:
+        pool.give(m)
+    again = [pool.take() for _ in range(6)]
     assert sum(any(m is k for k in maps) for m in again) == stream_mod._KEEP
 
 

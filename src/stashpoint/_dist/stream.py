@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import mmap
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +17,7 @@ from stashpoint._dist.group import DistContext
 from stashpoint._dist.nodes import recv_tensor, send_tensor
 from stashpoint._state.dtypes import as_memoryview
 from stashpoint._storage import Storage
-from stashpoint._storage.directio import huge_mapping
+from stashpoint._storage.directio import BouncePool
 from stashpoint.errors import CheckpointError
 
 CHUNK = 16 << 20  # gloo moves these as fast as larger ones, with less memory to fault in
@@ -28,35 +27,10 @@ _KEEP = 4  # idle buffers kept: a replica's send and receive run at once, two bu
 _REMOTE_CHUNK = 64 << 20
 
 
-class _Pool:
-    """Page-aligned buffers (mappings of their own, so that direct reads and writes use them as
-    they are). Those of :data:`CHUNK` bytes are kept, backed by huge pages where the kernel
-    allows it (direct I/O pins a buffer's pages per request) and faulted in when made, which
-    may wait for the kernel to compact memory, once. A remote tier's larger ones are made for
-    each fetch and faulted in as they fill."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: list[mmap.mmap] = []
-
-    def take(self, n: int, size: int = CHUNK) -> list[mmap.mmap]:
-        """``n`` buffers of ``size`` bytes (only those of :data:`CHUNK` come from the pool)."""
-        got: list[mmap.mmap] = []
-        if size == CHUNK:
-            with self._lock:
-                got, self._free = self._free[:n], self._free[n:]
-        while len(got) < n:  # kept ones: huge pages, faulted in once; a remote read's: neither
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-            got.append(huge_mapping(size) if size == CHUNK else mmap.mmap(-1, size, flags=flags))
-        return got
-
-    def give(self, maps: list[mmap.mmap]) -> None:
-        with self._lock:
-            self._free = (self._free + [m for m in maps if len(m) == CHUNK])[:_KEEP]
-
-
-def _pool() -> _Pool:
-    return _runtime.slot("dist.stream-buffers", _Pool)
+def _pool() -> BouncePool:
+    """The process's transfer buffers: page-aligned (direct reads and writes use them as they
+    are), on huge pages where the kernel allows it, kept for the next transfer."""
+    return _runtime.slot("dist.stream-buffers", lambda: BouncePool(CHUNK, keep=_KEEP))
 
 
 def pieces(ranges: Sequence[tuple[int, int]], chunk: int = CHUNK) -> list[list[tuple[int, int]]]:
@@ -98,7 +72,10 @@ class Stream:
         # source: receive from that storage (a step's remote copy) instead of from rank ``peer``
         self.ctx, self.peer, self.source, self.tag = ctx, peer, source, tag
         self.chunk = CHUNK if source is None else _REMOTE_CHUNK
-        self._maps = _pool().take(2, self.chunk)
+        # a remote tier's are made for each fetch and filled by S3, not by direct I/O: plain
+        # mappings, faulted in as they fill
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        self._maps = [_pool().take() if source is None else mmap.mmap(-1, self.chunk, flags=flags) for _ in range(2)]
         self.bufs = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
         self.mvs = [as_memoryview(b) for b in self.bufs]
         self.error: BaseException | None = None
@@ -169,7 +146,8 @@ class Stream:
         if self._maps:  # no thread of this stream touches them any more (a stream that raised
             # before this point keeps its buffers: they are never handed to another)
             del self.bufs, self.mvs
-            _pool().give(self._maps)
+            for m in self._maps if self.source is None else ():
+                _pool().give(m)
             self._maps = []
         if self.error is not None:
             raise self.error

@@ -37,34 +37,41 @@ def address(mv: memoryview) -> int | None:
 
 
 class BouncePool:
-    """Page-aligned bounce buffers, reused by the reads of one storage object and freed with it.
+    """Page-aligned buffers of ``nbytes``, reused: a storage object's bounce buffers (freed
+    with it), or a process's transfer buffers.
 
-    At most ``_MAX_IDLE`` idle buffers are kept (a load's reader threads use one each); each is
+    At most ``keep`` idle buffers are kept (a load's reader threads use one each); each is
     mapped with its pages populated (huge pages where allowed: :func:`huge_mapping`), so a
     direct read never faults them in one by one.
     """
 
-    def __init__(self, nbytes: int = BOUNCE_BYTES) -> None:
+    def __init__(self, nbytes: int = BOUNCE_BYTES, keep: int = _MAX_IDLE) -> None:
         self.nbytes = nbytes
+        self.keep = keep
         self._idle: list[mmap.mmap] = []
         self._lock = threading.Lock()
 
-    @contextmanager
-    def buffer(self) -> Iterator[mmap.mmap]:
+    def take(self) -> mmap.mmap:
         with self._lock:
             buf = self._idle.pop() if self._idle else None
-        if buf is None:
-            buf = huge_mapping(self.nbytes)
+        return huge_mapping(self.nbytes) if buf is None else buf
+
+    def give(self, buf: mmap.mmap) -> None:
+        """Return ``buf``, which nothing reads or writes any more."""
+        with self._lock:
+            if len(self._idle) < self.keep:
+                self._idle.append(buf)
+                return
+        with suppress(BufferError):  # a view still held (an error's traceback): freed later
+            buf.close()
+
+    @contextmanager
+    def buffer(self) -> Iterator[mmap.mmap]:
+        buf = self.take()
         try:
             yield buf
         finally:
-            with self._lock:
-                if len(self._idle) < _MAX_IDLE:
-                    self._idle.append(buf)
-                    buf = None
-            if buf is not None:
-                with suppress(BufferError):  # a view still held (an error's traceback): freed later
-                    buf.close()
+            self.give(buf)
 
 
 POPULATE_WRITE = 23  # MADV_POPULATE_WRITE (Linux 5.14)
@@ -125,12 +132,16 @@ def _aligned_run(dests: list[memoryview], pos: int, at: int) -> memoryview | Non
     return dests[0][: min(len(dests[0]), _MAX_IN_PLACE) // ALIGN * ALIGN]
 
 
-def _consume(dests: list[memoryview], n: int) -> None:
-    """Drop the first ``n`` bytes of the front destination (all of it when filled)."""
-    if n >= len(dests[0]):
-        dests.pop(0)
-    else:
-        dests[0] = dests[0][n:]
+def drop_front(buffers: list[memoryview], n: int) -> list[memoryview]:
+    """``buffers`` without their first ``n`` bytes (a partly filled buffer keeps its rest)."""
+    out = list(buffers)
+    while n and out:
+        if n >= len(out[0]):
+            n -= len(out.pop(0))
+        else:
+            out[0] = out[0][n:]
+            n = 0
+    return out
 
 
 def readv_direct(fd: int, offset: int, buffers: Sequence[memoryview], pool: BouncePool) -> int:
@@ -166,7 +177,7 @@ def readv_direct(fd: int, offset: int, buffers: Sequence[memoryview], pool: Boun
                         continue
                     filled += n
                     pos += n
-                    _consume(dests, n)
+                    dests[:] = drop_front(dests, n)
                     if n < len(whole):
                         break
                     continue

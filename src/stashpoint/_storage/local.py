@@ -16,9 +16,9 @@ from typing import Any
 
 from stashpoint._core.naming import is_group_dir, split_group
 from stashpoint._storage.base import FileWriter, Storage, env_number
-from stashpoint._storage.directio import ALIGN, MIN_DIRECT_BYTES, BouncePool, readv_direct
+from stashpoint._storage.directio import ALIGN, MIN_DIRECT_BYTES, BouncePool, drop_front, readv_direct
 from stashpoint._storage.localwrite import LocalWriter, fsync_dir, link_new
-from stashpoint._storage.pagecache import drop_front, keep_cached, read_resident
+from stashpoint._storage.pagecache import keep_cached, read_resident
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 _IOV_MAX = 512

@@ -25,6 +25,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from stashpoint._storage.directio import drop_front
+
 log = logging.getLogger("stashpoint")
 
 CACHE_SHARE = 0.5  # of MemAvailable, split between the node's ranks: what one rank's files may take
@@ -132,9 +134,10 @@ def read_resident(fd: int, offset: int, buffers: list[memoryview]) -> int:
     checkpoint's 660 MB); and where it stops it starts the kernel's read-ahead, which a check
     after it would take for cached pages. It is the way where ``mincore`` cannot be asked."""
     filled, pending = 0, buffers
+    size = _trusted_size(fd)
     while pending:
         left = sum(len(b) for b in pending)
-        run = _page_run(fd, offset + filled, left)
+        run = _page_run(fd, offset + filled, left, size) if size is not None else None
         if run is None:
             return filled + _read_nowait(fd, offset + filled, pending)
         cached, n = run
@@ -170,19 +173,28 @@ def _read_nowait(fd: int, offset: int, buffers: list[memoryview]) -> int:
     return filled
 
 
-def _page_run(fd: int, offset: int, limit: int) -> tuple[bool, int] | None:
-    """Whether the page at ``offset`` of ``fd`` is cached, and how many bytes from ``offset``
-    (at most ``limit`` and ``_PROBE_BYTES``) lie in pages that are alike, by ``mincore`` on a
-    mapping never touched; None where that cannot be asked. The kernel answers truly only
-    for a file this process owns or may write: for others it says every page is cached."""
-    libc = _libc()
-    if libc is None or limit <= 0:
+def _trusted_size(fd: int) -> int | None:
+    """The size of ``fd``'s file if ``mincore`` can be asked about it, else None. The kernel
+    answers truly only for a file this process owns or may write: for others it says every
+    page is cached."""
+    if _libc() is None:
         return None
     st = os.fstat(fd)
     if st.st_uid != os.geteuid() and not os.access(f"/proc/self/fd/{fd}", os.W_OK, effective_ids=True):
         return None
+    return st.st_size
+
+
+def _page_run(fd: int, offset: int, limit: int, size: int) -> tuple[bool, int] | None:
+    """Whether the page at ``offset`` of ``fd`` (a file of ``size`` bytes that
+    :func:`_trusted_size` cleared) is cached, and how many bytes from ``offset`` (at most
+    ``limit`` and ``_PROBE_BYTES``) lie in pages that are alike, by ``mincore`` on a mapping
+    never touched; None where that cannot be asked."""
+    libc = _libc()
+    if libc is None or limit <= 0:
+        return None
     start = offset - offset % _PAGE
-    length = min(offset + min(limit, _PROBE_BYTES), st.st_size) - start
+    length = min(offset + min(limit, _PROBE_BYTES), size) - start
     if length <= offset - start:
         return None
     pages = -(-length // _PAGE)
@@ -228,16 +240,4 @@ def _front(buffers: list[memoryview], n: int) -> list[memoryview]:
             break
         out.append(b[:n])
         n -= len(out[-1])
-    return out
-
-
-def drop_front(buffers: list[memoryview], n: int) -> list[memoryview]:
-    """``buffers`` without their first ``n`` bytes (a partly filled buffer keeps its rest)."""
-    out = list(buffers)
-    while n and out:
-        if n >= len(out[0]):
-            n -= len(out.pop(0))
-        else:
-            out[0] = out[0][n:]
-            n = 0
     return out
