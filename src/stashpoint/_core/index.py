@@ -24,7 +24,7 @@ from typing import Any
 
 from stashpoint._core.assign import merge_trees
 from stashpoint._core.catalog import Grid, Placement
-from stashpoint._core.dtypes import itemsize
+from stashpoint._core.dtypes import ITEMSIZE, itemsize
 from stashpoint._core.format import Chunk, FileEntry, Manifest, TensorEntry, _check_byte_ranges, _check_tiling, parse_v1
 from stashpoint._core.header import HEADER_ALIGN, MAX_HEADER_BYTES
 from stashpoint._core.naming import group_dir, index_name, placed
@@ -36,6 +36,7 @@ from stashpoint._core.sealed import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MAX_MANIFEST_ENTRIES,
+    _fail,
     _int,
     _ints,
     _want,
@@ -168,43 +169,56 @@ def parse_head(raw: bytes, where: str) -> Manifest | Head:
 
 
 def _parse_placement(key: str, e: object, world: int, where: str) -> Placement:
-    _want(isinstance(e, dict), where, f"entry {key!r} must be an object")
-    assert isinstance(e, dict)
+    # per entry: each check's message is formatted only when it fails
+    if type(e) is not dict:
+        _fail(where, f"entry {key!r} must be an object")
     dtype = e.get("dtype")
-    itemsize(dtype, f"entry {key!r} of manifest {where}")
-    assert isinstance(dtype, str)
-    shape = _ints(e.get("shape"), where, f"shape of {key!r}")
+    if type(dtype) is not str or dtype not in ITEMSIZE:
+        raise CorruptCheckpointError(f"unknown dtype {dtype!r} in entry {key!r} of manifest {where}")
+    shape = _ints(e.get("shape"), where, "shape", key=key)
     if "alias_of" in e:
-        _want(isinstance(e["alias_of"], str), where, f"alias_of of {key!r} must be a string")
+        if type(e["alias_of"]) is not str:
+            _fail(where, f"alias_of of {key!r} must be a string")
         return Placement(key, dtype, shape, alias_of=e["alias_of"])
     if "grid" in e:
-        g = e["grid"]
-        _want(isinstance(g, dict), where, f"grid of {key!r} must be an object")
-        block = _ints(g.get("block"), where, f"grid block of {key!r}")
-        strides = g.get("strides")
-        ok = isinstance(strides, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in strides)
-        _want(ok and len(block) == len(shape) == len(strides), where, f"grid of {key!r} does not match its shape")
-        _want(all(b > 0 for b in block) and math.prod(shape) > 0, where, f"grid of {key!r} has an empty block")
-        grid = Grid(block, _int(g.get("base"), where, f"grid base of {key!r}"), tuple(strides))
-        counts = grid.counts(shape)
-        lo = grid.base + sum(min(0, s * (c - 1)) for s, c in zip(grid.strides, counts))
-        hi = grid.base + sum(max(0, s * (c - 1)) for s, c in zip(grid.strides, counts))
-        _want(lo >= 0 and hi < world, where, f"grid of {key!r} names ranks outside the world")
-        return Placement(key, dtype, shape, grid)
+        return _parse_grid(key, e["grid"], dtype, shape, world=world, where=where)
     doc = e.get("chunks")
-    _want(isinstance(doc, list), where, f"{key!r} has neither a grid nor chunks")
-    assert isinstance(doc, list)
+    if type(doc) is not list:
+        _fail(where, f"{key!r} has neither a grid nor chunks")
     cells = []
     for c in doc:
-        _want(isinstance(c, list) and len(c) == 3, where, f"a chunk of {key!r} must be [offsets, shape, rank]")
-        off, shp = _ints(c[0], where, f"offsets of {key!r}"), _ints(c[1], where, f"chunk shape of {key!r}")
-        writer = _int(c[2], where, f"rank of a chunk of {key!r}")
-        _want(writer < world and len(off) == len(shp) == len(shape), where, f"a chunk of {key!r} is malformed")
-        _want(all(o + n <= s for o, n, s in zip(off, shp, shape)), where, f"chunk of {key!r} out of bounds")
+        if not (type(c) is list and len(c) == 3):
+            _fail(where, f"a chunk of {key!r} must be [offsets, shape, rank]")
+        off, shp = _ints(c[0], where, "offsets", key=key), _ints(c[1], where, "chunk shape", key=key)
+        writer = _int(c[2], where, "rank of a chunk", key=key)
+        if not (writer < world and len(off) == len(shp) == len(shape)):
+            _fail(where, f"a chunk of {key!r} is malformed")
+        if not all(o + n <= s for o, n, s in zip(off, shp, shape)):
+            _fail(where, f"chunk of {key!r} out of bounds")
         cells.append((off, shp, writer))
     boxes = tuple(Chunk("", o, s, 0, 0, ()) for o, s, _ in cells)
     _check_tiling(TensorEntry(key, dtype, shape, boxes), where)
     return Placement(key, dtype, shape, None, tuple(cells))
+
+
+def _parse_grid(key: str, g: object, dtype: str, shape: tuple[int, ...], *, world: int, where: str) -> Placement:
+    if type(g) is not dict:
+        _fail(where, f"grid of {key!r} must be an object")
+    block = _ints(g.get("block"), where, "grid block", key=key)
+    strides = g.get("strides")
+    if not (
+        type(strides) is list and all(type(s) is int for s in strides) and len(block) == len(shape) == len(strides)
+    ):
+        _fail(where, f"grid of {key!r} does not match its shape")
+    if not (all(b > 0 for b in block) and math.prod(shape) > 0):
+        _fail(where, f"grid of {key!r} has an empty block")
+    grid = Grid(block, _int(g.get("base"), where, "grid base", key=key), tuple(strides))
+    counts = grid.counts(shape)
+    lo = grid.base + sum(min(0, s * (c - 1)) for s, c in zip(grid.strides, counts))
+    hi = grid.base + sum(max(0, s * (c - 1)) for s, c in zip(grid.strides, counts))
+    if not (lo >= 0 and hi < world):
+        _fail(where, f"grid of {key!r} names ranks outside the world")
+    return Placement(key, dtype, shape, grid)
 
 
 def parse_index(raw: bytes, where: str, head: Head, rank: int) -> RankIndex:
@@ -228,22 +242,26 @@ def parse_index(raw: bytes, where: str, head: Head, rank: int) -> RankIndex:
         files.append(FileEntry(name, size, start, f[3], rank))
     _want(len({f.name for f in files}) == len(files), where, "a file is listed twice")
     chunks: dict[str, Chunk] = {}
-    for key, c in chunks_doc.items():
+    for key, c in chunks_doc.items():  # per chunk: each message is formatted only when it fails
         p = head.catalog.get(key)
-        _want(p is not None and p.alias_of is None, where, f"{key!r} is not a stored tensor of the catalog")
-        assert p is not None
-        ok = isinstance(c, list) and len(c) == 6 and isinstance(c[0], int) and 0 <= c[0] < len(files)
-        _want(ok, where, f"the chunk of {key!r} is malformed")
+        if p is None or p.alias_of is not None:
+            _fail(where, f"{key!r} is not a stored tensor of the catalog")
+        if not (type(c) is list and len(c) == 6 and type(c[0]) is int and 0 <= c[0] < len(files)):
+            _fail(where, f"the chunk of {key!r} is malformed")
         fe = files[c[0]]
-        off, shp = _ints(c[1], where, f"offsets of {key!r}"), _ints(c[2], where, f"chunk shape of {key!r}")
-        start, end = _int(c[3], where, f"start of {key!r}"), _int(c[4], where, f"end of {key!r}")
+        off, shp = _ints(c[1], where, "offsets", key=key), _ints(c[2], where, "chunk shape", key=key)
+        start, end = _int(c[3], where, "start", key=key), _int(c[4], where, "end", key=key)
         numel = math.prod(shp)
-        _want(numel == 0 or p.expects(Box(off, shp), rank), where, f"the catalog does not give {key!r} {off} here")
-        _want(end - start == numel * itemsize(p.dtype, key), where, f"byte range of {key!r} does not match its shape")
-        _want(fe.data_start <= start <= end <= fe.size, where, f"byte range of {key!r} is outside {fe.name!r}")
+        if not (numel == 0 or p.expects(Box(off, shp), rank)):
+            _fail(where, f"the catalog does not give {key!r} {off} here")
+        if end - start != numel * itemsize(p.dtype, key):
+            _fail(where, f"byte range of {key!r} does not match its shape")
+        if not fe.data_start <= start <= end <= fe.size:
+            _fail(where, f"byte range of {key!r} is outside {fe.name!r}")
         sums = c[5]
-        ok = isinstance(sums, list) and len(sums) == block_count(end - start, CHECKSUM_BLOCK_BYTES)
-        _want(ok and all(isinstance(x, str) for x in sums), where, f"checksums of {key!r} do not match its size")
+        ok = type(sums) is list and len(sums) == block_count(end - start, CHECKSUM_BLOCK_BYTES)
+        if not (ok and all(type(x) is str for x in sums)):
+            _fail(where, f"checksums of {key!r} do not match its size")
         chunks[key] = Chunk(fe.name, off, shp, start, end, tuple(sums))
     entries = {k: TensorEntry(k, head.catalog[k].dtype, head.catalog[k].shape, (c,)) for k, c in chunks.items()}
     _check_byte_ranges(entries, where)
@@ -288,4 +306,3 @@ def assemble(head: Head, indexes: Mapping[int, RankIndex], tree_rank: int | None
         format_version=FORMAT_VERSION,
         indexes=tuple((head.index_name(r), head.indexes[r][0]) for r in sorted(indexes)),
     )
-

@@ -24,12 +24,16 @@ import base64
 import functools
 import pickle
 from collections.abc import Container
-from typing import Any
+from typing import Any, NoReturn
 
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 Node = dict[str, Any]
 MAX_TREE_DEPTH = 100  # containers nested in a state; deeper ones are refused when saving and loading
+
+
+def _bad(where: str, what: str) -> NoReturn:
+    raise CorruptCheckpointError(f"malformed manifest {where}: {what}")
 
 
 def _want(cond: bool, where: str, what: str) -> None:
@@ -113,33 +117,38 @@ _LEAF_TYPES: dict[str, tuple[type, ...]] = {
 def check_tree(node: object, tensors: Container[str], where: str, depth: int) -> None:
     """Every tree node has one known form (see the module doc); every tensor it names is in
     ``tensors``; nesting is bounded. Raises :class:`CorruptCheckpointError` naming ``where``."""
-    _want(depth <= MAX_TREE_DEPTH, where, f"the state tree is nested deeper than {MAX_TREE_DEPTH} levels")
-    _want(isinstance(node, dict), where, "tree node must be an object")
-    assert isinstance(node, dict)
+    # per node: each message is formatted only when its check fails (str(node) is the subtree)
+    if depth > MAX_TREE_DEPTH:
+        _bad(where, f"the state tree is nested deeper than {MAX_TREE_DEPTH} levels")
+    if type(node) is not dict:
+        _bad(where, "tree node must be an object")
     if "stateful" in node:
-        _want(node["stateful"] in ("module", "optimizer", "object"), where, "unknown stateful kind")
-        _want(node.get("keyed_by", "name") in ("name", "index"), where, "unknown optimizer keying")
+        if node["stateful"] not in ("module", "optimizer", "object"):
+            _bad(where, "unknown stateful kind")
+        if node.get("keyed_by", "name") not in ("name", "index"):
+            _bad(where, "unknown optimizer keying")
         check_tree(node.get("state"), tensors, where, depth + 1)
         return
-    _want(len(node) == 1, where, f"tree node {str(node)[:80]!r} must have exactly one field")
+    if len(node) != 1:
+        _bad(where, f"tree node {str(node)[:80]!r} must have exactly one field")
     ((kind, value),) = node.items()
     if kind == "tensor":
-        _want(
-            isinstance(value, str) and value in tensors, where, f"tree names tensor {str(value)[:80]!r} with no entry"
-        )
+        if not (type(value) is str and value in tensors):
+            _bad(where, f"tree names tensor {str(value)[:80]!r} with no entry")
     elif kind in _LEAF_TYPES:
-        _want(isinstance(value, _LEAF_TYPES[kind]), where, f"malformed {kind} node")
-        if kind == "float":
-            _want(value in ("nan", "inf", "-inf"), where, "malformed float node")
+        if not isinstance(value, _LEAF_TYPES[kind]) or (kind == "float" and value not in ("nan", "inf", "-inf")):
+            _bad(where, f"malformed {kind} node")
     elif kind == "dict":
-        _want(isinstance(value, list), where, "dict node must hold a list of [key, node] pairs")
+        if type(value) is not list:
+            _bad(where, "dict node must hold a list of [key, node] pairs")
         for item in value:
-            ok = isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))
-            _want(ok and not isinstance(item[0], bool), where, "dict node must hold [key, node] pairs")
+            if not (type(item) is list and len(item) == 2 and type(item[0]) in (str, int)):
+                _bad(where, "dict node must hold [key, node] pairs")
             check_tree(item[1], tensors, where, depth + 1)
     elif kind in ("list", "tuple"):
-        _want(isinstance(value, list), where, f"{kind} node must hold a list")
+        if type(value) is not list:
+            _bad(where, f"{kind} node must hold a list")
         for item in value:
             check_tree(item, tensors, where, depth + 1)
     else:
-        _want(False, where, f"unknown tree node kind {kind!r}")
+        _bad(where, f"unknown tree node kind {kind!r}")

@@ -1,0 +1,174 @@
+"""The manifest and index parsers check each entry without formatting a message unless a check
+fails, and check the seal on the bytes as read. These tests hold them to the plain form of
+each rule (written out here as the oracle): the same values pass, the same values fail, with
+the same message; and a seal checked on the raw bytes still finds any damage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import stashpoint
+from stashpoint._core.naming import MANIFEST_NAME
+from stashpoint._core.nodes import _LEAF_TYPES, MAX_TREE_DEPTH, check_tree
+from stashpoint._core.sealed import MAX_DIMS, _int, _ints, _sealed_as_read, open_sealed, seal
+from stashpoint.errors import CorruptCheckpointError
+from test_format import json_values
+
+
+def _want(cond: bool, what: str) -> None:
+    if not cond:
+        raise CorruptCheckpointError(f"malformed manifest w: {what}")
+
+
+def oracle_int(v: object, what: str, lo: int = 0) -> int:
+    _want(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"{what} must be an int >= {lo}")
+    assert isinstance(v, int)
+    return v
+
+
+def oracle_ints(v: object, what: str) -> tuple[int, ...]:
+    _want(isinstance(v, list) and len(v) <= MAX_DIMS, f"{what} must be a list of at most {MAX_DIMS} ints")
+    assert isinstance(v, list)
+    out = tuple(oracle_int(x, what) for x in v)
+    _want(all(x < 2**62 for x in out), f"{what} holds a dimension over 2**62")
+    return out
+
+
+def oracle_tree(node: object, tensors: set[str], depth: int) -> None:
+    _want(depth <= MAX_TREE_DEPTH, f"the state tree is nested deeper than {MAX_TREE_DEPTH} levels")
+    _want(isinstance(node, dict), "tree node must be an object")
+    assert isinstance(node, dict)
+    if "stateful" in node:
+        _want(node["stateful"] in ("module", "optimizer", "object"), "unknown stateful kind")
+        _want(node.get("keyed_by", "name") in ("name", "index"), "unknown optimizer keying")
+        oracle_tree(node.get("state"), tensors, depth + 1)
+        return
+    _want(len(node) == 1, f"tree node {str(node)[:80]!r} must have exactly one field")
+    ((kind, value),) = node.items()
+    if kind == "tensor":
+        _want(isinstance(value, str) and value in tensors, f"tree names tensor {str(value)[:80]!r} with no entry")
+    elif kind in _LEAF_TYPES:
+        _want(isinstance(value, _LEAF_TYPES[kind]), f"malformed {kind} node")
+        if kind == "float":
+            _want(value in ("nan", "inf", "-inf"), "malformed float node")
+    elif kind == "dict":
+        _want(isinstance(value, list), "dict node must hold a list of [key, node] pairs")
+        for item in value:
+            ok = isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))
+            _want(ok and not isinstance(item[0], bool), "dict node must hold [key, node] pairs")
+            oracle_tree(item[1], tensors, depth + 1)
+    elif kind in ("list", "tuple"):
+        _want(isinstance(value, list), f"{kind} node must hold a list")
+        for item in value:
+            oracle_tree(item, tensors, depth + 1)
+    else:
+        _want(False, f"unknown tree node kind {kind!r}")
+
+
+def _outcome(fn, *args):
+    try:
+        return ("ok", fn(*args))
+    except CorruptCheckpointError as e:
+        return ("error", str(e))
+
+
+ints_like = st.lists(st.integers(-3, 2**63) | st.booleans() | st.none() | st.text(max_size=2), max_size=4)
+
+
+@given(st.one_of(json_values, ints_like, st.lists(st.integers(0, 9), min_size=MAX_DIMS, max_size=MAX_DIMS + 1)))
+@settings(max_examples=400, deadline=None)
+def test_int_checks_pass_and_fail_as_the_plain_rules_do(v):
+    assert _outcome(lambda: _ints(v, "w", "offsets", key="k")) == _outcome(oracle_ints, v, "offsets of 'k'")
+    assert _outcome(_ints, v, "w", "shape") == _outcome(oracle_ints, v, "shape")
+    for lo in (0, 1, 8):
+        assert _outcome(lambda: _int(v, "w", "start", lo, key="k")) == _outcome(oracle_int, v, "start of 'k'", lo)
+
+
+tree_leaf = st.one_of(
+    st.fixed_dictionaries({"tensor": st.sampled_from(["a", "b", "zz"]) | json_values}),
+    st.fixed_dictionaries({"value": json_values}),
+    st.fixed_dictionaries({"float": st.sampled_from(["nan", "inf", "-inf", "1.0"]) | json_values}),
+    st.fixed_dictionaries({"bytes": json_values}),
+    json_values,
+)
+trees = st.recursive(
+    tree_leaf,
+    lambda kids: st.one_of(
+        st.fixed_dictionaries(
+            {
+                "dict": st.lists(
+                    st.tuples(st.text(max_size=3) | st.integers() | st.booleans(), kids).map(list), max_size=3
+                )
+            }
+        ),
+        st.fixed_dictionaries({"list": st.lists(kids, max_size=3)}),
+        st.fixed_dictionaries({"tuple": st.lists(kids, max_size=3) | json_values}),
+        st.fixed_dictionaries(
+            {"stateful": st.sampled_from(["module", "optimizer", "object", "x"]), "state": kids},
+            optional={"keyed_by": st.sampled_from(["name", "index", "rank"])},
+        ),
+        st.dictionaries(st.sampled_from(["dict", "list", "value", "future"]), kids, min_size=2, max_size=3),
+    ),
+    max_leaves=16,
+)
+
+
+@given(trees)
+@settings(max_examples=400, deadline=None)
+def test_tree_checks_pass_and_fail_as_the_plain_rules_do(tree):
+    assert _outcome(check_tree, tree, {"a", "b"}, "w", 0) == _outcome(oracle_tree, tree, {"a", "b"}, 0)
+
+
+def test_a_tree_nested_too_deep_is_refused_with_the_same_message():
+    tree: dict = {"value": 1}
+    for _ in range(MAX_TREE_DEPTH + 1):
+        tree = {"list": [tree]}
+    assert _outcome(check_tree, tree, set(), "w", 0) == _outcome(oracle_tree, tree, set(), 0)
+    assert _outcome(check_tree, tree, set(), "w", 0)[0] == "error"
+
+
+def test_the_seal_is_checked_on_the_bytes_as_read_and_finds_any_damage(tmp_path):
+    stashpoint.save({"w": torch.ones(4), "step": 7}, tmp_path / "ck")
+    raw = (tmp_path / "ck" / MANIFEST_NAME).read_bytes()
+    doc = json.loads(raw)
+    assert _sealed_as_read(raw, doc["checksum"])  # what seal() writes takes the fast path
+    open_sealed(raw, "m")
+    for i in range(0, len(raw) - 1, max(1, len(raw) // 97)):  # one byte changed anywhere
+        bad = raw[:i] + bytes([raw[i] ^ 0x01]) + raw[i + 1 :]
+        with pytest.raises(CorruptCheckpointError):
+            open_sealed(bad, "m")
+    # the same document written with spaces (not as seal() writes it) is checked the slow way
+    spaced = json.dumps(json.loads(raw), indent=1).encode()
+    assert not _sealed_as_read(spaced, doc["checksum"])
+    assert open_sealed(spaced, "m")[0] == open_sealed(raw, "m")[0]
+    (tmp_path / "ck" / MANIFEST_NAME).write_bytes(spaced)
+    out = {"w": torch.zeros(4), "step": 0}
+    stashpoint.load(out, tmp_path / "ck")
+    assert torch.equal(out["w"], torch.ones(4)) and out["step"] == 7
+    # a body changed but the seal's tail kept: the raw check fails, and so does the slow one
+    j = raw.index(b'"step"') if b'"step"' in raw else raw.index(b"float32")
+    changed = raw[:j] + raw[j : j + 8].upper() + raw[j + 8 :]
+    with pytest.raises(CorruptCheckpointError, match="checksum does not match"):
+        open_sealed(changed, "m")
+
+
+def test_a_manifest_resealed_after_any_change_still_goes_through_every_rule(tmp_path):
+    stashpoint.save({"w": torch.ones(4)}, tmp_path / "ck")
+    path = tmp_path / "ck" / MANIFEST_NAME
+    doc = json.loads(path.read_bytes())
+    key = next(iter(doc["tensors"]))
+    for field, value, message in (
+        ("shape", [4, True], "shape of"),
+        ("shape", [-1], "shape of"),
+        ("dtype", "float99", "unknown dtype 'float99'"),
+    ):
+        bad = json.loads(json.dumps(doc))
+        bad["tensors"][key][field] = value
+        path.write_bytes(seal(bad))
+        with pytest.raises(CorruptCheckpointError, match=message):
+            stashpoint.load({"w": torch.zeros(4)}, tmp_path / "ck")
