@@ -211,6 +211,18 @@ def evicted_file(path: Path, data: bytes) -> Iterator[int]:
         os.close(fd)
 
 
+def test_a_storage_tells_whether_the_page_cache_holds_a_position(tmp_path):
+    data = os.urandom(16 << 20)
+    with evicted_file(tmp_path / "f", data) as fd:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past what is read
+        storage = LocalStorage(tmp_path)
+        assert not storage.cached("f", 0) and not storage.cached("f", 12 << 20)
+        os.pread(fd, 1 << 20, 0)
+        assert storage.cached("f", 0) and storage.cached("f", (1 << 20) - 1)
+        assert not storage.cached("f", 12 << 20)
+    assert not storage.cached("missing", 0)  # a hint: never an error
+
+
 def test_read_resident_reads_through_a_gap_and_stops_where_the_disk_part_begins(tmp_path):
     data = os.urandom(12 << 20)
     f = tmp_path / "f"

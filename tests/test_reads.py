@@ -70,3 +70,57 @@ def test_whole_tensors_are_marked_shared_only_when_ranks_share_the_host(tmp_path
     assert not any(p.shared for p in plan_pieces(manifest, reads))
     jobs = _read_jobs([p for p in plan_pieces(manifest, reads, shared_whole=True) if p.whole])
     assert [(j.keys, j.shared) for j in jobs] == [(["b"], True)]
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_damage_in_any_block_of_a_chunk_read_by_several_jobs_is_named_once(tmp_path, monkeypatch, cached):
+    """Jobs check each checksum block right after it lands (cached bytes: a block per read;
+    else one read per job): a chunk split over two jobs (over 64 MiB) is checked in every
+    block, and small chunks read together are told apart."""
+    from stashpoint._core.format import CHECKSUM_BLOCK_BYTES
+    from stashpoint._load.reads import _read_jobs
+
+    monkeypatch.setattr(LocalStorage, "cached", lambda self, name, offset: cached)
+
+    state = {"big": torch.arange(18 * CHECKSUM_BLOCK_BYTES // 4, dtype=torch.int32)}
+    state |= {f"s{i}": torch.full((1000,), float(i)) for i in range(5)}
+    stashpoint.save(state, tmp_path / "ck")
+    storage = LocalStorage(tmp_path / "ck")
+    m = read_manifest(storage)
+
+    def reads():
+        return [Read(k, torch.empty_like(v), Box.whole(tuple(v.shape))) for k, v in state.items()]
+
+    pieces = plan_pieces(m, reads())
+    jobs = _read_jobs(pieces)
+    big = [j for j in jobs if "big" in j.keys]
+    assert len(big) == 2  # 72 MiB: a 64 MiB job and the rest
+    for j in jobs:
+        for most in (CHECKSUM_BLOCK_BYTES, j.size):
+            steps = list(j._steps(most))
+            assert all(sum(len(v) for v, _, _ in s) <= most for s in steps)
+            assert [v.obj for s in steps for v, _, _ in s] == [
+                b.obj for b in j.buffers for _ in range(0, len(b), CHECKSUM_BLOCK_BYTES)
+            ]
+            assert sum(len(v) for s in steps for v, _, _ in s) == j.size
+    _execute_pipelined(storage, pieces, True)  # undamaged: every block passes
+    for k, v in state.items():
+        assert torch.equal(pieces[[p.key for p in pieces].index(k)].target, v)
+
+    def damage(key, block):
+        chunk = m.tensors[key].chunks[0]
+        path = tmp_path / "ck" / chunk.file
+        data = bytearray(path.read_bytes())
+        data[chunk.start + block * CHECKSUM_BLOCK_BYTES + 3] ^= 0x10
+        path.write_bytes(bytes(data))
+
+    damage("big", 17)  # the last block, read by the second job
+    with pytest.raises(stashpoint.CorruptCheckpointError, match="for key 'big'"):
+        _execute_pipelined(storage, plan_pieces(m, reads()), True)
+    damage("big", 1)  # and one read by the first job, and a small chunk read with the others
+    damage("s3", 0)
+    with pytest.raises(stashpoint.CorruptCheckpointError) as info:
+        _execute_pipelined(storage, plan_pieces(m, reads()), True)
+    lines = str(info.value).splitlines()
+    assert len(lines) == 2 and "'big'" in lines[0] + lines[1] and "'s3'" in lines[0] + lines[1]
+    _execute_pipelined(storage, plan_pieces(m, reads()), False)  # unverified: read as it is

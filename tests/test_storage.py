@@ -45,6 +45,13 @@ class StorageSuite:
         assert bytes(out) == (b"abc" + payload[3:])[50:150]
         assert s.read("f.bin", 10, 5) == (b"abc" + payload[3:])[10:15]
 
+    def test_the_cache_hint_is_a_bool_and_never_an_error(self, tmp_path):
+        s = self.make(tmp_path / "ck")
+        s.prepare()
+        s.commit("f", b"x" * 5000)
+        assert s.cached("f", 0) in (True, False) and s.cached("f", 4999) in (True, False)
+        assert s.cached("missing", 0) is False and s.cached("f", 1 << 40) is False
+
     def test_read_past_the_end_raises(self, tmp_path):
         s = self.make(tmp_path / "ck")
         s.prepare()

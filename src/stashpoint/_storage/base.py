@@ -108,6 +108,12 @@ class Storage(abc.ABC):
         copy that uses it."""
         return self
 
+    def cached(self, name: str, offset: int) -> bool:
+        """A hint for a reader: whether the host's cache holds the bytes of ``name`` at
+        ``offset`` (then small reads cost nothing more than large ones; from a device or a
+        network, large reads keep its queue full). False where it cannot be told."""
+        return False
+
     def keep_cached(self, names: Sequence[str]) -> None:
         """A hint after a commit: this rank's files ``names`` of the newest checkpoint are the
         ones a restart on this host reads first; a backend with a host cache keeps them there."""

@@ -18,7 +18,7 @@ from stashpoint._core.naming import is_group_dir, split_group
 from stashpoint._storage.base import FileWriter, Storage, env_number
 from stashpoint._storage.directio import ALIGN, MIN_DIRECT_BYTES, BouncePool, drop_front, readv_direct
 from stashpoint._storage.localwrite import LocalWriter, fsync_dir, link_new
-from stashpoint._storage.pagecache import keep_cached, read_resident
+from stashpoint._storage.pagecache import keep_cached, read_resident, resident_at
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 _IOV_MAX = 512
@@ -221,6 +221,16 @@ class LocalStorage(Storage):
                     raise EOFError(f"{self.root / name} ended at byte {pos}, before the data it holds")
                 pos += n
                 pending = drop_front(pending, n)
+        finally:
+            os.close(fd)
+
+    def cached(self, name: str, offset: int) -> bool:
+        try:
+            fd = self._open_read(name)
+        except (OSError, CheckpointError):
+            return False
+        try:
+            return resident_at(fd, offset)
         finally:
             os.close(fd)
 

@@ -154,6 +154,14 @@ def read_resident(fd: int, offset: int, buffers: list[memoryview]) -> int:
     return filled
 
 
+def resident_at(fd: int, offset: int) -> bool:
+    """Whether the page cache holds the page of ``fd`` at ``offset`` (False where ``mincore``
+    cannot be asked)."""
+    size = _trusted_size(fd)
+    run = _page_run(fd, offset, _PAGE, size) if size is not None else None
+    return run is not None and run[0]
+
+
 def _read_nowait(fd: int, offset: int, buffers: list[memoryview]) -> int:
     """The front of ``buffers`` filled by non-blocking reads, up to the first page they refuse."""
     if not _NOWAIT:
