@@ -172,3 +172,48 @@ def test_a_manifest_resealed_after_any_change_still_goes_through_every_rule(tmp_
         path.write_bytes(seal(bad))
         with pytest.raises(CorruptCheckpointError, match=message):
             stashpoint.load({"w": torch.zeros(4)}, tmp_path / "ck")
+
+
+def _sealed_over_its_bytes(doc: dict, **dumps) -> bytes:
+    """``doc`` written as ``json.dumps(**dumps)`` writes it, sealed over those very bytes (not
+    over the compact form seal() hashes)."""
+    from stashpoint._core.sealed import checksum
+
+    text = json.dumps({k: v for k, v in doc.items() if k != "checksum"}, **dumps)
+    assert text.endswith("}")
+    prefix = text[:-1]
+    return (prefix + ',"checksum":' + json.dumps(checksum((prefix + "}").encode())) + "}").encode()
+
+
+def test_a_document_sealed_over_its_own_bytes_passes_only_with_finite_numbers(tmp_path):
+    stashpoint.save({"w": torch.ones(4)}, tmp_path / "ck")
+    doc = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_bytes())
+    spaced = _sealed_over_its_bytes(doc, indent=1)  # another writer's layout, sealed as written
+    assert open_sealed(spaced, "m")[0] == {k: v for k, v in doc.items() if k != "checksum"}
+    for odd in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(CorruptCheckpointError, match="checksum does not match"):
+            open_sealed(_sealed_over_its_bytes({**doc, "extra": odd}, indent=1), "m")
+    big = _sealed_over_its_bytes({**doc, "extra": 1.5}, indent=1).replace(b"1.5", b"1e400")
+    with pytest.raises(CorruptCheckpointError, match="checksum does not match"):
+        open_sealed(big, "m")  # 1e400 parses as inf (its seal is stale too: either way, refused)
+
+
+def test_hostile_catalog_and_index_entries_raise_checkpoint_errors(tmp_path):
+    from conftest import index_doc, reseal_index
+
+    stashpoint.save({"w": torch.ones(4)}, tmp_path / "ck")
+    path = tmp_path / "ck" / MANIFEST_NAME
+    doc = json.loads(path.read_bytes())
+    key = next(iter(doc["tensors"]))
+    for chunks in (3, 1.5, None, True):  # counted before parsing: len() of these raised TypeError
+        bad = json.loads(json.dumps(doc))
+        bad["tensors"][key] = {"dtype": "float32", "shape": [4], "chunks": chunks}
+        path.write_bytes(seal(bad))
+        with pytest.raises(CorruptCheckpointError, match="neither a grid nor chunks"):
+            stashpoint.load({"w": torch.zeros(4)}, tmp_path / "ck")
+    path.write_bytes(seal(doc))
+    ipath, index = index_doc(tmp_path / "ck")
+    index["chunks"][key][0] = False  # a file number given as a bool
+    reseal_index(tmp_path / "ck", ipath, index)
+    with pytest.raises(CorruptCheckpointError, match=f"the chunk of '{key}' is malformed"):
+        stashpoint.load({"w": torch.zeros(4)}, tmp_path / "ck")

@@ -124,3 +124,27 @@ def test_damage_in_any_block_of_a_chunk_read_by_several_jobs_is_named_once(tmp_p
     lines = str(info.value).splitlines()
     assert len(lines) == 2 and "'big'" in lines[0] + lines[1] and "'s3'" in lines[0] + lines[1]
     _execute_pipelined(storage, plan_pieces(m, reads()), False)  # unverified: read as it is
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_an_atomic_load_of_a_damaged_checkpoint_changes_nothing_whichever_way_it_reads(tmp_path, monkeypatch, cached):
+    """``fetch`` (atomic loads) goes through the same jobs: a block damaged in a tied pair of
+    tensors or in a plain one is found before anything lands in the live state."""
+    monkeypatch.setattr(LocalStorage, "cached", lambda self, name, offset: cached)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64)
+    state = {"m": lin, "tied": lin.weight, "w": torch.randn(3 << 20)}  # w: 12 MiB, three blocks
+    stashpoint.save(state, tmp_path / "ck")
+    m = read_manifest(LocalStorage(tmp_path / "ck"))
+    chunk = m.tensors["w"].chunks[0]
+    path = tmp_path / "ck" / chunk.file
+    data = bytearray(path.read_bytes())
+    data[chunk.start + (9 << 20)] ^= 0x01  # in w's third block
+    path.write_bytes(bytes(data))
+    live = torch.nn.Linear(64, 64)
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    target = {"m": live, "tied": live.weight, "w": torch.zeros(3 << 20)}
+    with pytest.raises(stashpoint.CorruptCheckpointError, match="for key 'w'"):
+        stashpoint.load(target, tmp_path / "ck", atomic=True)
+    assert all(torch.equal(v, before[k]) for k, v in live.state_dict().items())
+    assert not target["w"].any()

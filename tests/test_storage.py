@@ -290,6 +290,20 @@ class TestLocalStorage(StorageSuite):
     def make(self, path: Path) -> Storage:
         return LocalStorage(path)
 
+    def test_the_cache_hint_opens_only_regular_files_of_the_checkpoint(self, tmp_path):
+        s = LocalStorage(tmp_path / "ck")
+        s.prepare()
+        (tmp_path / "secret").write_bytes(b"x" * 8192)
+        (tmp_path / "secret").read_bytes()  # cached, but outside the checkpoint
+        os.symlink(tmp_path / "secret", tmp_path / "ck" / "link")
+        os.mkfifo(tmp_path / "ck" / "fifo")  # opening it for reading would block: never opened
+        (tmp_path / "ck" / "g00001").mkdir()
+        for name in ("link", "fifo", "g00001", "g00001/missing", "g00002/x", "../secret", "", "a\x00b", "/etc/passwd"):
+            assert s.cached(name, 0) is False, name
+        s.commit("f", b"y" * 8192)
+        (tmp_path / "ck" / "f").read_bytes()
+        assert s.cached("f", 0) in (True, False) and s.cached("f", -1) is False
+
     def test_a_group_directory_is_never_reached_through_a_link_or_a_file(self, tmp_path):
         from stashpoint.errors import CorruptCheckpointError
 

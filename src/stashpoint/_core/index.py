@@ -156,7 +156,7 @@ def parse_head(raw: bytes, where: str) -> Manifest | Head:
     tensors = doc.get("tensors")
     _want(isinstance(tensors, dict), where, "tensors must be an object")
     assert isinstance(tensors, dict)
-    cells = sum(len(e.get("chunks", ())) for e in tensors.values() if isinstance(e, dict))
+    cells = sum(len(c) for e in tensors.values() if isinstance(e, dict) and isinstance(c := e.get("chunks"), list))
     _want(cells + world <= MAX_MANIFEST_ENTRIES, where, f"it lists {cells} chunks (the cap is {MAX_MANIFEST_ENTRIES})")
     catalog = {key: _parse_placement(key, e, world, where) for key, e in tensors.items()}
     for key, p in catalog.items():

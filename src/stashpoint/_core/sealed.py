@@ -5,6 +5,7 @@ goes through. A malformed input raises :class:`CorruptCheckpointError` naming th
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, NoReturn
 
 import xxhash
@@ -106,10 +107,19 @@ def _parse_memory_bound(raw: bytes) -> int:
     return 2 * len(raw) + sum(n * w for n, w in zip(counts, (240, 96, 64, 40)))
 
 
+def _finite(text: str, odd: list[str]) -> float:
+    value = float(text)  # also "NaN", "Infinity" and "-Infinity", which json.loads accepts
+    if not math.isfinite(value):
+        odd.append(text)
+    return value
+
+
 def _sealed_as_read(raw: bytes, claimed: str) -> bool:
-    """Whether ``raw`` is the compact JSON :func:`seal` writes, ``claimed`` its seal: then the
-    seal is checked on the bytes as read instead of on the document encoded once more (a
-    manifest written otherwise, e.g. with spaces, is checked the slow way)."""
+    """Whether ``raw`` ends in the seal ``claimed`` and the bytes before it hash to it: then the
+    seal is checked on the bytes as read instead of on the document encoded once more. A file
+    :func:`seal` did not write (spaces, escapes, a key twice) passes only if its writer sealed
+    those very bytes, and every rule of the parser still applies to what it holds; numbers that
+    are not finite, which JSON has no form for, always go the slow way and fail there."""
     tail = b',"checksum":' + json.dumps(claimed).encode() + b"}"
     if not raw.endswith(tail):
         return False
@@ -128,14 +138,15 @@ def open_sealed(raw: bytes, where: str, name: str = FORMAT_NAME) -> tuple[dict[s
         where,
         f"its structure could take more than {MAX_PARSE_MEMORY >> 30} GiB to parse (too many objects)",
     )
+    odd: list[str] = []  # non-finite numbers: refused by the seal's check, so never the fast one
     try:
-        doc = json.loads(raw)
+        doc = json.loads(raw, parse_constant=lambda c: _finite(c, odd), parse_float=lambda f: _finite(f, odd))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptCheckpointError(f"malformed manifest {where}: not valid JSON ({e})") from None
     _want(isinstance(doc, dict), where, "top level is not an object")
     _want(doc.get("format") == name, where, f"not a stashpoint {kind}")
     claimed = doc.pop("checksum", None)
-    if not (isinstance(claimed, str) and _sealed_as_read(raw, claimed)):
+    if odd or not (isinstance(claimed, str) and _sealed_as_read(raw, claimed)):
         try:
             actual = checksum(_body(doc))
         except (ValueError, RecursionError):

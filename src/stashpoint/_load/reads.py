@@ -184,7 +184,7 @@ class _ReadJob:
         most ``most`` bytes (or one block)."""
         step: list[tuple[memoryview, str, str]] = []
         size = 0
-        for buf, key, first, sums in zip(self.buffers, self.keys, self.firsts, self.sums):
+        for buf, key, first, sums in zip(self.buffers, self.keys, self.firsts, self.sums, strict=True):
             for b in range(0, len(buf), CHECKSUM_BLOCK_BYTES):
                 view = buf[b : b + CHECKSUM_BLOCK_BYTES]
                 if step and size + len(view) > most:

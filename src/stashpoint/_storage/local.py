@@ -227,7 +227,7 @@ class LocalStorage(Storage):
     def cached(self, name: str, offset: int) -> bool:
         try:
             fd = self._open_read(name)
-        except (OSError, CheckpointError):
+        except (OSError, ValueError, CheckpointError):  # a hint: a name it cannot open is not cached
             return False
         try:
             return resident_at(fd, offset)
