@@ -43,6 +43,25 @@ def test_buffers_are_page_aligned_and_serve_the_next_transfer(tmp_path: Path):
     second.done()
 
 
+def test_buffers_made_ahead_on_a_thread_serve_the_first_transfer(monkeypatch):
+    """A node-local manager's leader makes its transfer buffers while the restore lists and
+    plans: the first stream takes them, none made on its caller's thread."""
+    stream_mod.warm(2).join()
+    ahead = sorted(ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in stream_mod._pool()._idle)
+    assert len(ahead) == 2
+    made = []
+    original = stream_mod.BouncePool.take
+
+    def take(self):
+        made.append(not self._idle)
+        return original(self)
+
+    monkeypatch.setattr(stream_mod.BouncePool, "take", take)
+    s = Stream(DistContext.solo(), 0)
+    assert made == [False, False] and sorted(_addresses(s)) == ahead
+    s.done()
+
+
 def test_a_remote_tiers_stream_reads_larger_pieces_and_lands_them(tmp_path: Path):
     """Reads from a remote tier (here a local directory standing in as the source) go in
     pieces of several ranged GETs, through buffers of their own that the pool does not keep."""

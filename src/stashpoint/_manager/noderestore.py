@@ -26,6 +26,7 @@ from stashpoint._core.nodeplan import (
     ranges,
 )
 from stashpoint._dist import group as _dist
+from stashpoint._dist import stream
 from stashpoint._dist.group import DistContext
 from stashpoint._dist.landing import PARTIAL_RE
 from stashpoint._dist.nodes import NodeMap, NodeSave, agree_nodes, this_node
@@ -119,6 +120,8 @@ class NodeLocal:
             assert ctx is not None
             self.map = agree_nodes(ctx, self.me)
         self.leaders = dict(self.map.leaders)
+        if self.me.leader and world > 1:  # leaders run the transfers: their buffers made meanwhile
+            stream.warm()
         if replicas and not 0 < replicas < len(self.leaders):
             raise ValueError(
                 f"replicas={replicas} needs at least {replicas + 1} nodes (a copy on another node each); this job "
