@@ -49,3 +49,28 @@ def test_of_two_processes_saving_to_one_new_path_exactly_one_commits_and_the_oth
         assert len({n.split("-")[-1].split(".")[0] for n in names if n != "manifest.json"}) == 1, names
         got = stashpoint.read(path)
         assert got["who"] == winners[0] + 1 and torch.equal(got["w"], torch.full((512, 1024), got["who"]))
+
+
+def test_a_load_waits_for_a_save_of_the_same_checkpoint_still_in_flight(tmp_path):
+    state = {"w": torch.randn(1 << 20), "step": 3}
+    handle = stashpoint.async_save(state, tmp_path / "ck")
+    out = {"w": torch.zeros(1 << 20), "step": 0}
+    stashpoint.load(out, tmp_path / "ck")  # committed by then, not half written
+    handle.wait()
+    assert torch.equal(out["w"], state["w"]) and out["step"] == 3
+
+
+def test_a_load_in_a_process_that_never_saved_does_not_import_the_save_engine(tmp_path):
+    """A restarted process loads first: the save engine (a tenth of its first load's time to
+    import) is not needed to know that no save of its own is in flight."""
+    stashpoint.save({"w": torch.ones(8)}, tmp_path / "ck")
+    code = (
+        "import sys, torch, stashpoint\n"
+        "out = {'w': torch.zeros(8)}\n"
+        f"stashpoint.load(out, {str(tmp_path / 'ck')!r})\n"
+        "assert torch.equal(out['w'], torch.ones(8))\n"
+        "print('stashpoint._save.engine' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"
