@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import warnings
 from typing import Any
 
 import torch
 import xxhash
 
+from stashpoint import _runtime
 from stashpoint._core.assign import Item, assign_readers
 from stashpoint._core.format import Manifest
 from stashpoint._core.index import Head
@@ -88,17 +88,19 @@ def load(
 
     A save to ``path`` still in flight in this process (``async_save``) is waited for first.
     """
-    # a process that never imported the save engine has no save in flight: a restarted one
-    # skips importing it here (22 ms, a tenth of its first load)
-    saves = sys.modules.get("stashpoint._save.engine")
-    if saves is not None:
-        saves.wait_staged()  # an overlap=True save still copying these objects must not see loaded values
+    # a process that never started a save has none in flight: a restarted one loads without
+    # importing the save engine (22 ms, a tenth of its first load)
+    saved = _runtime.peek("save.engine") is not None or _runtime.peek("save.overlap") is not None
+    if saved:
+        from stashpoint._save.engine import wait_all, wait_staged
+
+        wait_staged()  # an overlap=True save still copying these objects must not see loaded values
     storage = storage_for(path)
-    if saves is not None:
-        saves.wait_all(storage.location)  # loading a checkpoint still being saved sees it committed
+    if saved:
+        wait_all(storage.location)  # loading a checkpoint still being saved sees it committed
     rank, world = rank_of(process_group)
-    if world > 1 and saves is not None:
-        saves.wait_all()  # the checkpoint group is used by one thread at a time: saves in flight first
+    if world > 1 and saved:
+        wait_all()  # the checkpoint group is used by one thread at a time: saves in flight first
     # the waits above are not paused: only the load's own work (its small objects must not set
     # off full collections; see gc_paused)
     with gc_paused():

@@ -120,13 +120,13 @@ class NodeLocal:
             assert ctx is not None
             self.map = agree_nodes(ctx, self.me)
         self.leaders = dict(self.map.leaders)
-        if self.me.leader and world > 1:  # leaders run the transfers: their buffers made meanwhile
-            stream.warm()
         if replicas and not 0 < replicas < len(self.leaders):
             raise ValueError(
                 f"replicas={replicas} needs at least {replicas + 1} nodes (a copy on another node each); this job "
                 f"runs on {len(self.leaders)}"
             )
+        if self.me.leader and len(self.leaders) > 1:  # leaders move files between nodes: buffers made meanwhile
+            stream.warm()
         self._save_id = ""  # rank 0: the save of the step being fetched
         self._remote: RemoteCopy | None = None  # the remote copy of the step being fetched
         self.fetched: dict[str, int] = {}  # bytes fetched onto this node by the last restore (leader)

@@ -15,7 +15,9 @@ Imports no torch: the writer process shares this package's I/O code.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import errno
+import functools
 import mmap
 import os
 import threading
@@ -96,13 +98,41 @@ def huge_mapping(nbytes: int, populate: bool = True) -> mmap.mmap:
             pass
         if populate:
             try:
-                buf.madvise(getattr(mmap, "MADV_POPULATE_WRITE", POPULATE_WRITE))
+                _madvise(buf, getattr(mmap, "MADV_POPULATE_WRITE", POPULATE_WRITE))
             except OSError as e:  # EINVAL: an older kernel, so touch each page; else (ENOMEM)
                 # leave the faults to the first use, as MAP_POPULATE would
                 if e.errno == errno.EINVAL:
                     for at in range(0, nbytes, mmap.PAGESIZE):
                         buf[at] = 0
     return buf
+
+
+def _madvise(buf: mmap.mmap, advice: int) -> None:
+    """``buf.madvise(advice)`` through libc, so that the kernel's work runs without the GIL:
+    populating huge pages may wait for the kernel to compact memory (35 ms per 16 MiB seen),
+    and ``mmap.madvise`` holds the GIL throughout, stopping every other thread."""
+    libc = _libc()
+    if libc is None:
+        buf.madvise(advice)
+        return
+    view = memoryview(buf)
+    try:
+        addr = address(view)
+    finally:
+        view.release()
+    if addr is None or libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(buf)), advice) != 0:
+        err = ctypes.get_errno() if addr is not None else errno.EINVAL
+        raise OSError(err, os.strerror(err))
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
 
 
 def _scatter(src: memoryview, src_addr: int, dests: list[memoryview]) -> None:
