@@ -254,38 +254,3 @@ def test_read_resident_does_not_trust_mincore_for_a_file_the_process_may_not_wri
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0, "a cold file read buffered: mincore was trusted"
-
-
-def test_a_replica_landed_beside_own_files_is_kept_cached_and_let_go_with_them(tmp_path, state):
-    """The copy of a peer's files a node keeps is what a fetch after that peer's loss reads: it
-    is read back into the page cache like the node's own files, without letting them go, and
-    both go when the next step is kept. Without ``cache_newest`` nothing is."""
-    from stashpoint._core.nodeplan import Transfer
-    from stashpoint._dist.landing import land
-    from stashpoint._dist.stream import Stream
-
-    if not direct_io_works(tmp_path):
-        pytest.skip(f"{tmp_path} is not on a disk with a page cache")
-    src = LocalStorage(tmp_path / "peer")
-    src.prepare()
-    data = os.urandom(24 << 20)
-    (tmp_path / "peer" / "replica.bin").write_bytes(data)
-
-    def step(n: int, cache: bool = True) -> tuple[list[Path], Path]:
-        stashpoint.save(state, LocalStorage(tmp_path / "run" / f"step-{n}", cache_newest=cache))
-        landed = LocalStorage(tmp_path / "run" / f"step-{n}", cache_newest=cache)
-        land(landed, Transfer(0, 1), [("replica.bin", len(data))], Stream(None, -1, source=src), True)
-        return shards(tmp_path / "run" / f"step-{n}"), tmp_path / "run" / f"step-{n}" / "replica.bin"
-
-    own, copy = step(1)
-    assert copy.read_bytes() == data
-    assert wait_resident([copy, *own], 0.99) >= 0.99, "the replica and the own files are both cached"
-    own2, copy2 = step(2)
-    assert wait_resident([copy2, *own2], 0.99) >= 0.99
-    deadline = time.monotonic() + 20
-    while max(resident(f) for f in [copy, *own]) > 0.0 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert max(resident(f) for f in [copy, *own]) == 0.0, "the previous step's files, the copy too, let go"
-    _, copy3 = step(3, cache=False)
-    time.sleep(1.0)
-    assert resident(copy3) < 0.05

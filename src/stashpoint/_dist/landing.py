@@ -64,7 +64,6 @@ def land(step: Storage, t: Transfer, files: list[tuple[str, int]], stream: Strea
     another node's, which a newer replica replaces). Nothing reserves the space: the caller
     checks the room for all of it first (a file system filled meanwhile fails the landing
     part-way, its ranks left marked partial)."""
-    keep = step.keep_cached if replica else None  # the node's storage, as the user set it up
     if isinstance(step, LocalStorage):  # direct writes, no fsync each unless a replica (Landing)
         step = Landing(step.root, durable=replica)
     whole, idx = expand(t.ranks), expand(t.indexes)
@@ -97,8 +96,6 @@ def land(step: Storage, t: Transfer, files: list[tuple[str, int]], stream: Strea
         step.delete(partial_name(r))
     if manifest:
         step.commit(MANIFEST_NAME, b"".join(manifest))
-    if keep is not None:  # the copy a fetch after a node loss reads: kept in memory, as own files are
-        keep([name for name, _ in files if name != MANIFEST_NAME])
     return needed(files, t)
 
 

@@ -90,8 +90,7 @@ def _advise(paths: Sequence[Path], advice: int) -> None:
 
 def keep_cached(checkpoint: Path, paths: Sequence[Path]) -> bool:
     """Read ``paths`` (files of the checkpoint directory ``checkpoint``) into the page cache in
-    the background, dropping what this process kept for an older checkpoint beside it (what it
-    kept of the same checkpoint, e.g. its own files beside a peer's copy, stays).
+    the background, dropping what this process kept for an older checkpoint beside it.
 
     Returns whether the files were asked for: not when they exceed this rank's share of the
     available memory (``CACHE_SHARE`` of MemAvailable over ``LOCAL_WORLD_SIZE``), or off Linux.
@@ -109,11 +108,9 @@ def keep_cached(checkpoint: Path, paths: Sequence[Path]) -> bool:
         log.debug("stashpoint: %s not kept in the page cache (%d bytes, %s available)", checkpoint, sizes, avail)
         return False
     run, kept = checkpoint.parent, _kept()
-    with kept.lock:  # files of the same checkpoint asked for before (a replica beside own files) stay
-        before = kept.files.get(run, [])
-        older = [p for p in before if checkpoint not in p.parents]
-        asked = set(paths)
-        kept.files[run] = [p for p in before if checkpoint in p.parents and p not in asked] + list(paths)
+    with kept.lock:
+        older = [p for p in kept.files.get(run, []) if checkpoint not in p.parents]
+        kept.files[run] = list(paths)
 
     def work() -> None:  # on a thread: WILLNEED submits reads and may wait for the disk's queue
         _advise(older, os.POSIX_FADV_DONTNEED)
