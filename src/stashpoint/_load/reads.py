@@ -204,7 +204,7 @@ def _read_jobs(pieces: list[_Piece]) -> list[_ReadJob]:
         for b in range(0, len(mv), _JOB_BYTES):
             part = mv[b : b + _JOB_BYTES]
             last = jobs[-1] if jobs else None
-            if (
+            if not (
                 last is not None
                 and last.file == p.chunk.file
                 and last.shared == p.shared
@@ -212,17 +212,14 @@ def _read_jobs(pieces: list[_Piece]) -> list[_ReadJob]:
                 and last.size + len(part) <= _JOB_BYTES
                 and len(last.buffers) < _JOB_BUFFERS
             ):
-                last.buffers.append(part)
-                last.keys.append(p.key)
-                last.owners.append(id(p))
-                last.size += len(part)
-            else:
-                jobs.append(_ReadJob(p.chunk.file, p.chunk.start + b, len(part), [], [], [], p.shared))
-                jobs[-1].buffers.append(part)
-                jobs[-1].keys.append(p.key)
-                jobs[-1].owners.append(id(p))
-            jobs[-1].firsts.append(b // CHECKSUM_BLOCK_BYTES)  # _JOB_BYTES is a whole number of blocks
-            jobs[-1].sums.append(p.chunk.checksums)
+                last = _ReadJob(p.chunk.file, p.chunk.start + b, 0, [], [], [], p.shared)
+                jobs.append(last)
+            last.buffers.append(part)
+            last.keys.append(p.key)
+            last.owners.append(id(p))
+            last.firsts.append(b // CHECKSUM_BLOCK_BYTES)  # _JOB_BYTES is a whole number of blocks
+            last.sums.append(p.chunk.checksums)
+            last.size += len(part)
     return jobs
 
 

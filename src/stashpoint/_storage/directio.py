@@ -111,7 +111,7 @@ def _madvise(buf: mmap.mmap, advice: int) -> None:
     """``buf.madvise(advice)`` through libc, so that the kernel's work runs without the GIL:
     populating huge pages may wait for the kernel to compact memory (35 ms per 16 MiB seen),
     and ``mmap.madvise`` holds the GIL throughout, stopping every other thread."""
-    libc = _libc()
+    libc = libc_calls()
     if libc is None:
         buf.madvise(advice)
         return
@@ -126,10 +126,17 @@ def _madvise(buf: mmap.mmap, advice: int) -> None:
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL | None:
+def libc_calls() -> ctypes.CDLL | None:
+    """libc, for the memory calls Python's ``mmap`` lacks or makes while holding the GIL
+    (``madvise``, and ``mincore`` on a mapping of its own for the page cache); None where it
+    cannot be loaded."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         return libc
     except (OSError, AttributeError):
         return None

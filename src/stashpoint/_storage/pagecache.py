@@ -15,9 +15,7 @@ Imports no torch: the writer process shares this package's I/O code.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
-import functools
 import logging
 import mmap
 import os
@@ -25,7 +23,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from stashpoint._storage.directio import drop_front
+from stashpoint._storage.directio import drop_front, libc_calls
 
 log = logging.getLogger("stashpoint")
 
@@ -185,7 +183,7 @@ def _trusted_size(fd: int) -> int | None:
     """The size of ``fd``'s file if ``mincore`` can be asked about it, else None. The kernel
     answers truly only for a file this process owns or may write: for others it says every
     page is cached."""
-    if _libc() is None:
+    if libc_calls() is None:
         return None
     st = os.fstat(fd)
     if st.st_uid != os.geteuid() and not os.access(f"/proc/self/fd/{fd}", os.W_OK, effective_ids=True):
@@ -198,7 +196,7 @@ def _page_run(fd: int, offset: int, limit: int, size: int) -> tuple[bool, int] |
     :func:`_trusted_size` cleared) is cached, and how many bytes from ``offset`` (at most
     ``limit`` and ``_PROBE_BYTES``) lie in pages that are alike, by ``mincore`` on a mapping
     never touched; None where that cannot be asked."""
-    libc = _libc()
+    libc = libc_calls()
     if libc is None or limit <= 0:
         return None
     start = offset - offset % _PAGE
@@ -225,19 +223,6 @@ _PAGE = mmap.PAGESIZE
 _PROBE_BYTES = 4 << 20  # what one check covers (1024 pages)
 _GAP_BYTES = 256 << 10  # the longest run of uncached pages among cached ones read with them
 _LOW_BIT = bytes(i & 1 for i in range(256))
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        return libc
-    except (OSError, AttributeError):
-        return None
 
 
 def _front(buffers: list[memoryview], n: int) -> list[memoryview]:
