@@ -17,6 +17,7 @@ the CPU time the process used and the wall time from each save's call until ``wa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -84,14 +85,16 @@ def main() -> None:
     elif args.phase == "resume":
         t0 = float(os.environ["BENCH_T0"])
         t1 = time.perf_counter()
-        if args.source == "dcp":
-            dcp_loader(state)(args.base / "dcp")
-        elif args.source == "s3":
-            fresh = args.base / f"fresh-{os.environ['BENCH_T0']}"  # empty: the local tier of fresh nodes
-            with stashpoint.CheckpointManager(fresh, remote_root=args.s3) as m:
+        with contextlib.ExitStack() as managers:  # open through the first step, as in a training loop
+            if args.source == "dcp":
+                dcp_loader(state)(args.base / "dcp")
+            elif args.source == "s3":
+                fresh = args.base / f"fresh-{os.environ['BENCH_T0']}"  # empty: the local tier of fresh nodes
+                m = managers.enter_context(stashpoint.CheckpointManager(fresh, remote_root=args.s3))
                 assert m.restore(state) == 1 and m.restored_from() == "remote"
-        else:
-            with stashpoint.CheckpointManager(node_root(args.base), node_local=True, replicas=args.replicas) as m:
+            else:
+                mgr = stashpoint.CheckpointManager(node_root(args.base), node_local=True, replicas=args.replicas)
+                m = managers.enter_context(mgr)
                 profile = os.environ.get("BENCH_PROFILE")  # a directory: each rank's restore profiled there
                 if profile:
                     import cProfile
@@ -101,9 +104,9 @@ def main() -> None:
                     prof.dump_stats(Path(profile) / f"{args.source}-rank{rank}.prof")
                 else:
                     assert m.restore(state) == 1
-        out["load_s"] = time.perf_counter() - t1
-        train_step(state)
-        out["to_first_step_s"] = time.time() - t0
+            out["load_s"] = time.perf_counter() - t1
+            train_step(state)
+            out["to_first_step_s"] = time.time() - t0
     elif args.phase == "cost":
         out["save_cpu_s"], out["save_s"] = [], []
         with stashpoint.CheckpointManager(node_root(args.base), node_local=True, replicas=args.replicas) as mgr:

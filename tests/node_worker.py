@@ -65,7 +65,8 @@ def main() -> None:
         report = mgr.last_restore
         if report is not None:
             doc = {"rank": rank, "step": report.step, "tier": report.tier, "order": report.order,
-                   "passed_by": report.passed_by, "fetched": report.fetched}  # fmt: skip
+                   "passed_by": report.passed_by, "fetched": report.fetched,
+                   "fetched_into": report.fetched_into}  # fmt: skip
             say("REPORT " + json.dumps(doc))
         if args.digest:
             say(f"DIGEST restored {start - 1} {digest(model, optim)}")

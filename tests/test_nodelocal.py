@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,6 +49,19 @@ from stashpoint.errors import CheckpointError, CorruptCheckpointError
 WORKER = Path(__file__).with_name("node_worker.py")
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
 pytestmark = pytest.mark.xdist_group("nodelocal")
+
+
+@pytest.fixture(autouse=True)
+def fetch_memory(monkeypatch):
+    """The memory area restores fetch into, one per test on ``/dev/shm`` (the default's file
+    system): empty again once every job ended, its restores' copies settled onto the disk."""
+    area = Path(tempfile.mkdtemp(prefix="stashpoint-test-", dir="/dev/shm"))
+    monkeypatch.setitem(ENV, "STASHPOINT_FETCH_MEMORY", str(area))
+    try:
+        yield area
+        assert not list(area.glob("*/fetch-*")), "a restore's memory copy outlived its job"
+    finally:
+        shutil.rmtree(area, ignore_errors=True)
 
 
 def _agents(
@@ -271,6 +285,11 @@ def test_a_node_lost_with_its_disk_is_restored_from_the_replica_on_the_other_nod
     shutil.rmtree(tmp_path / "node-1")
     outs = run_job(tmp_path, 8, "ddp", replicas=1)
     assert resumed(outs) == {6}
+    rep = reports(outs)[1]
+    assert rep["fetched"].get("peers", 0) > 0 and rep["fetched_into"] == "memory", rep
+    assert 1 in ranks_in(files(tmp_path, "1", 6)) and "partial-r00001" not in files(tmp_path, "1", 6), (
+        "what node 1 fetched into memory is in its directory once the job ended, whole"
+    )
     for rank in (0, 1):
         got, want = losses(tmp_path, rank), losses(ddp_reference, rank)
         assert [got[s] for s in range(7, 9)] == [want[s] for s in range(7, 9)]

@@ -262,6 +262,8 @@ class CheckpointManager:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         target = self._at(step)
+        if self._nodes is not None:  # the last restore's fetched files are in the node's directory first
+            self._nodes.settled()
         with self._lock:
             if any(h.step == step and not a.done() for h, a in self._handles):
                 raise CheckpointError(
@@ -341,7 +343,9 @@ class CheckpointManager:
         with remembering():  # the passes of a restore parse and plan once
             r = restore_run(self, state, load_one, step, options)
         fetched = dict(self._nodes.fetched) if self._nodes is not None else {}
-        self._last_restore = dataclasses.replace(r, fetched=fetched, seconds=time.perf_counter() - t0)
+        into = self._nodes.fetched_into if self._nodes is not None else ""
+        took = time.perf_counter() - t0
+        self._last_restore = dataclasses.replace(r, fetched=fetched, fetched_into=into, seconds=took)
         return r.step
 
     def restored_from(self) -> str | None:
@@ -360,6 +364,8 @@ class CheckpointManager:
     def wait(self) -> None:
         """Wait for this manager's saves, uploads and deletions; raise the first failure, if any
         (a save's first, then an upload's)."""
+        if self._nodes is not None:
+            self._nodes.settled()
         with self._lock:
             pairs, self._handles = self._handles, []
         cf.wait([a for _, a in pairs])

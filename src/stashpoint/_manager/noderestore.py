@@ -8,8 +8,10 @@ straight from it); a step only the remote tier holds is loaded straight from it.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from stashpoint._core.format import Manifest
@@ -26,7 +28,7 @@ from stashpoint._core.nodeplan import (
     ranges,
 )
 from stashpoint._dist import group as _dist
-from stashpoint._dist import stream
+from stashpoint._dist import memfetch, stream
 from stashpoint._dist.group import DistContext
 from stashpoint._dist.landing import PARTIAL_RE
 from stashpoint._dist.nodes import NodeMap, NodeSave, agree_nodes, this_node
@@ -37,7 +39,7 @@ from stashpoint._load.manifest import read_head, read_index
 from stashpoint._manager.restoring import RestoreReport, try_in_order
 from stashpoint._manager.steps import committed_steps, move_aside
 from stashpoint._runtime import gc_paused
-from stashpoint._storage import Storage
+from stashpoint._storage import LocalStorage, Storage
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 log = logging.getLogger("stashpoint")
@@ -107,6 +109,23 @@ def remote_files(remote: Storage, head: Any, t: Transfer) -> list[tuple[str, int
     return out
 
 
+def _settle(mem: Path, disk: Storage) -> None:
+    """A restore's fetched files from the memory area ``mem`` into the node's step directory
+    ``disk`` (logged, never raised: a later restore fetches again what is not there), then the
+    area removed."""
+    t0 = time.perf_counter()
+    try:
+        assert isinstance(disk, LocalStorage)
+        n = memfetch.settle(mem / disk.root.name, disk)
+        log.info("stashpoint: copied %d fetched bytes from memory to %s in %.2f s", n, disk.location,
+                 time.perf_counter() - t0)  # fmt: skip
+    except Exception as e:
+        log.warning("stashpoint: keeping the fetched files of %s failed (%s); a later restore fetches them again",
+                    disk.location, e)  # fmt: skip
+    finally:
+        memfetch.wipe(mem)
+
+
 class NodeLocal:
     """A manager's node-local mode on this rank: its node, the job's leaders, the restore."""
 
@@ -130,6 +149,15 @@ class NodeLocal:
         self._save_id = ""  # rank 0: the save of the step being fetched
         self._remote: RemoteCopy | None = None  # the remote copy of the step being fetched
         self.fetched: dict[str, int] = {}  # bytes fetched onto this node by the last restore (leader)
+        self.fetched_into = ""  # where they landed: "memory" or "disk" (leader)
+        self._settling: threading.Thread | None = None  # the leader's copy of them to the disk
+
+    def settled(self) -> None:
+        """Wait until what the last restore fetched into memory is in the node's directory
+        (a save, a restore and the manager's ``wait`` call this first)."""
+        if self._settling is not None:
+            self._settling.join()
+            self._settling = None
 
     @property
     def owner(self) -> bool:
@@ -154,7 +182,9 @@ class NodeLocal:
         from stashpoint._save import engine as _save
 
         _save.wait_all()
-        self.fetched = {}
+        self.settled()
+        self.fetched, self.fetched_into = {}, ""
+        mem = memfetch.area(root.root) if isinstance(root, LocalStorage) else None
         ctx = _dist.context(options.get("process_group"), options.get("timeout")) or DistContext.solo()
         mine: Any = None
         if self.me.leader:
@@ -190,13 +220,31 @@ class NodeLocal:
                 assert remote is not None
                 load_one(remote.child(step_dir(s)))
                 return
-            at = root.child(step_dir(s))
+            if self.me.leader:
+                memfetch.wipe(mem)  # what an earlier try (or a crash) left there
+            at = memfetch.view(root.child(step_dir(s)), mem / step_dir(s) if mem else None)
             self._remote = remote_copy(remote.child(step_dir(s))) if remote is not None else None
             holders = self._holders(s, by_node, remote) if ctx.rank == 0 else {}
             self._fetch(ctx, at, holders, state, options)
             load_one(at)
 
-        found = try_in_order(order, step, lambda s, t: (s, t), fetch_and_load)
+        try:
+            found = try_in_order(order, step, lambda s, t: (s, t), fetch_and_load)
+        except BaseException:
+            if self.me.leader:
+                memfetch.wipe(mem)
+            raise
+        if found is None or found[1] != "local":
+            if self.me.leader:
+                memfetch.wipe(mem)
+        elif self.me.leader and mem is not None and (mem / step_dir(found[0])).is_dir():
+            self.fetched_into = "memory"  # every rank of the node has loaded (the load agrees at its end)
+            self._settling = threading.Thread(
+                target=_settle, args=(mem, root.child(step_dir(found[0]))), name="stashpoint-settle"
+            )
+            self._settling.start()
+        elif self.fetched:
+            self.fetched_into = "disk"
         if found is None:
             return RestoreReport(None, None, tuple(order), ())
         candidate, tier, damaged = found

@@ -28,6 +28,10 @@ class RestoreReport:
             by source: ``"peers"`` (other nodes' directories) and ``"remote"`` (the remote
             tier, for what no node held). Counted on the rank that fetches for its node (its
             ``LOCAL_RANK`` 0); empty on the others.
+        fetched_into: where those bytes landed, on that rank: ``"memory"`` (shared memory on
+            the node, ``/dev/shm``, read from there by the load and copied to the node's
+            directory after it, in the background), ``"disk"`` (the node's directory), or
+            ``""`` (nothing fetched; another rank).
         seconds: the whole restore on this rank, from listing the steps to the end of the load.
     """
 
@@ -36,6 +40,7 @@ class RestoreReport:
     order: tuple[tuple[int, str], ...]
     passed_by: tuple[tuple[int, str, str], ...]
     fetched: dict[str, int] = field(default_factory=dict)
+    fetched_into: str = ""
     seconds: float = 0.0
 
 
