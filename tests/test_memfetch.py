@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -34,15 +35,29 @@ def shm(monkeypatch):
 
 @needs_shm
 def test_each_node_directory_has_an_area_of_its_own_and_a_memory_tier_none(shm, tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
     a, b = memfetch.area(tmp_path / "a"), memfetch.area(tmp_path / "b")
     assert a is not None and b is not None and a != b
     assert a.parent == shm / f"stashpoint-{os.getuid()}"
     assert memfetch.area(tmp_path / "a") == a, "the same directory, the same area on every rank"
+    (tmp_path / "a").rename(tmp_path / "a2")
+    (tmp_path / "a").mkdir()
+    assert memfetch.area(tmp_path / "a") != a, "another directory at the same path: another area"
+    assert memfetch.area(tmp_path / "missing") is None
+    (shm / "ckpt").mkdir()
     assert memfetch.area(shm / "ckpt") is None, "a directory in memory takes no second copy"
     monkeypatch.setenv(memfetch.ENV, "off")
-    assert memfetch.area(tmp_path / "a") is None
+    assert memfetch.area(tmp_path / "b") is None
     monkeypatch.setenv(memfetch.ENV, str(tmp_path / "missing"))
-    assert memfetch.area(tmp_path / "a") is None
+    assert memfetch.area(tmp_path / "b") is None
+    shared = shm / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # others could swap this user's entry in it
+    monkeypatch.setenv(memfetch.ENV, str(shared))
+    assert memfetch.area(tmp_path / "b") is None
+    os.chmod(shared, 0o1777)  # sticky, as /dev/shm: they cannot
+    assert memfetch.area(tmp_path / "b") is not None
 
 
 @needs_shm
@@ -77,32 +92,44 @@ def test_the_view_reads_each_file_from_memory_where_it_landed_else_from_the_dire
         view.open_writer("x", 1)
 
 
-@needs_shm
-def test_a_transfer_lands_in_memory_where_it_has_room_and_on_disk_where_not(shm, tmp_path):
+def _node(shm: Path, tmp_path: Path) -> tuple[Path, LocalStorage, memfetch.FetchView]:
+    (tmp_path / "node").mkdir()
     area = memfetch.area(tmp_path / "node")
     assert area is not None
     disk = LocalStorage(tmp_path / "node" / "step-00000001")
     view = memfetch.view(disk, area / "step-00000001")
-    assert isinstance(view, Overlay)
-    assert memfetch.landing_target(view, 1 << 20) is view.top and view.top.root.is_dir()
+    assert isinstance(view, memfetch.FetchView)
+    return area, disk, view
+
+
+@needs_shm
+def test_a_restore_lands_in_memory_while_it_has_room_and_the_rest_on_disk(shm, tmp_path):
+    area, disk, view = _node(shm, tmp_path)
+    assert memfetch.landing_target(view, 1 << 20) is view.mem and view.mem.root.is_dir()
     assert os.stat(area.parent).st_mode & 0o777 == 0o700, "the area is this user's alone"
-    assert memfetch.landing_target(view, 1 << 60) is disk, "more than half the free memory: to disk"
+    assert view.budget is not None and 0 < view.budget < shutil.disk_usage(shm).free // 2
+    left = view.budget
+    assert memfetch.landing_target(view, left + 1) is disk, "over what memory can spare: to disk"
+    assert memfetch.landing_target(view, left) is view.mem, "the budget is the restore's, not each transfer's"
+    assert memfetch.landing_target(view, 1) is disk
     assert memfetch.landing_target(disk, 1 << 20) is disk, "a replica (no view) lands where it is sent"
+    assert memfetch.disk_of(view) is disk and memfetch.disk_of(disk) is disk
     assert memfetch.view(disk, None) is disk
 
 
 @needs_shm
 def test_an_area_whose_parent_is_not_this_users_alone_is_not_used(shm, tmp_path):
+    (tmp_path / "node").mkdir()
     area = memfetch.area(tmp_path / "node")
     assert area is not None
     elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
     (elsewhere / area.name / "s").mkdir(parents=True)
     (elsewhere / area.name / "s" / MANIFEST_NAME).write_bytes(b"planted")
     area.parent.symlink_to(elsewhere)  # planted before the first restore
     disk = LocalStorage(tmp_path / "node" / "s")
     assert memfetch.view(disk, area / "s") is disk, "what is there is not read"
-    premade = Overlay(LocalStorage(area / "s"), disk)  # a view made before it was planted
+    assert memfetch.claim(area) is None
+    premade = memfetch.FetchView(LocalStorage(area / "s"), disk)  # a view made before it was planted
     assert memfetch.landing_target(premade, 1 << 20) is disk, "nor is anything landed there"
     memfetch.wipe(area)
     assert (elsewhere / area.name / "s" / MANIFEST_NAME).exists(), "nor removed through the link"
@@ -111,6 +138,31 @@ def test_an_area_whose_parent_is_not_this_users_alone_is_not_used(shm, tmp_path)
     os.chmod(area.parent, 0o755)  # others may list or enter it
     assert memfetch.view(disk, area / "s") is disk
     assert memfetch.landing_target(premade, 1 << 20) is disk
+
+
+@needs_shm
+def test_an_area_is_held_by_one_manager_and_a_crashs_leftovers_are_swept(shm, tmp_path):
+    for name in ("mine", "crashed", "live"):
+        (tmp_path / name).mkdir()
+    mine, crashed, live = (memfetch.area(tmp_path / n) for n in ("mine", "crashed", "live"))
+    assert mine is not None and crashed is not None and live is not None
+    held = memfetch.claim(live)  # another manager's, alive
+    assert held is not None
+    (live / "step-00000001").mkdir(parents=True)
+    (crashed / "step-00000001").mkdir(parents=True)  # its process died: its lock is free
+    (crashed.parent / f"{crashed.name}.lock").touch()
+    (mine / "step-00000002").mkdir(parents=True)  # this directory's last manager left it
+    fd = memfetch.claim(mine)
+    assert fd is not None
+    assert not crashed.exists() and not mine.exists(), "leftovers removed"
+    assert not (crashed.parent / f"{crashed.name}.lock").exists(), "with their locks"
+    assert (live / "step-00000001").is_dir(), "a live manager's area kept"
+    assert memfetch.claim(mine) is None, "one holder at a time"
+    (mine / "x").mkdir(parents=True)
+    memfetch.release(fd, mine)
+    assert not mine.exists() and not (mine.parent / f"{mine.name}.lock").exists()
+    memfetch.release(held, live)
+    assert not list(mine.parent.iterdir()), "nothing left once every manager closed"
 
 
 def _fetched(mem: Path, save_id: str = "abc") -> dict[str, bytes]:
@@ -160,6 +212,36 @@ def test_a_settle_that_fails_part_way_leaves_the_ranks_marked_partial_and_no_man
     assert (disk.root / partial_name(0)).exists() and (disk.root / partial_name(1)).exists()
     assert not (disk.root / MANIFEST_NAME).exists()
     assert inventory(LocalStorage(disk_root)) == (), "no step is taken for held"
+
+
+def test_settling_writes_group_directories_and_never_through_a_link(tmp_path):
+    mem, disk_root = tmp_path / "mem", tmp_path / "ckpt"
+    index, shard = f"g00001/{index_name(1024, 'abc')}", f"g00001/{shard_name(1024, 0, 'abc')}"
+    _put(mem, index, b"index")
+    _put(mem, shard, b"y" * 5000)
+    _put(mem, MANIFEST_NAME, b"{}")
+    disk = LocalStorage(disk_root / "step-00000001")
+    memfetch.settle(mem, disk)
+    assert (disk.root / index).read_bytes() == b"index" and (disk.root / shard).read_bytes() == b"y" * 5000
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    again = LocalStorage(disk_root / "step-00000002")
+    again.root.mkdir()
+    (again.root / "g00001").symlink_to(outside)
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        memfetch.settle(mem, again)
+    assert not list(outside.iterdir()) and not (again.root / MANIFEST_NAME).exists()
+
+
+def test_a_settle_told_to_stop_gives_up_with_the_ranks_marked(tmp_path):
+    mem, disk_root = tmp_path / "mem", tmp_path / "ckpt"
+    _fetched(mem)
+    disk = LocalStorage(disk_root / "step-00000001")
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(CheckpointError, match="stopped"):
+        memfetch.settle(mem, disk, stop)
+    assert (disk.root / partial_name(0)).exists() and not (disk.root / MANIFEST_NAME).exists()
 
 
 def test_nothing_fetched_settles_nothing(tmp_path):

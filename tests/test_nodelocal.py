@@ -59,7 +59,7 @@ def fetch_memory(monkeypatch):
     monkeypatch.setitem(ENV, "STASHPOINT_FETCH_MEMORY", str(area))
     try:
         yield area
-        assert not list(area.glob("*/fetch-*")), "a restore's memory copy outlived its job"
+        assert not list(area.glob("*/fetch-*")), "a restore's memory copy (or its lock) outlived its job"
     finally:
         shutil.rmtree(area, ignore_errors=True)
 

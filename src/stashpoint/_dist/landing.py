@@ -114,20 +114,14 @@ def _recv_sparse(stream: Stream, step: Storage, span: Any) -> None:
     """Byte ranges of a file (``span``: name, rank, size, ranges) into a copy of its full
     size (the rest a hole), on local disk."""
     name, _, size, spans = span
-    parts = split_group(name)
     fd = -1
-    if stream.error is None and (not isinstance(step, LocalStorage) or parts is None):
+    if stream.error is None and (not isinstance(step, LocalStorage) or split_group(name) is None):
         stream.error = CheckpointError(f"node-local directories are local; {step.location} is not")
     if stream.error is None:
-        assert isinstance(step, LocalStorage) and parts is not None
+        assert isinstance(step, LocalStorage)
         try:
-            path = Path(step.root, *[p for p in parts if p])
-            path.parent.mkdir(exist_ok=True)
-            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-            fd = os.open(path, flags, 0o644)
-            if os.fstat(fd).st_size != size:
-                os.ftruncate(fd, size)
-        except OSError as e:
+            fd = step.open_sparse(name, size)
+        except (OSError, CheckpointError) as e:
             stream.error = e
     try:
         stream.receive(name, spans, lambda off, mv: os.pwrite(fd, mv, off) if fd >= 0 else None)

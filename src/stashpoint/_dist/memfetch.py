@@ -1,16 +1,21 @@
 """Where a node-local restore lands what it fetches when the node's directory is on a disk: in
 memory the node's processes share (a directory on ``/dev/shm``), so that the load reads those
 bytes from memory and not back from the disk they were just written to. Once the load is
-done, the saving ranks' whole files are copied into the node's directory in the background
-(:func:`settle`: marked partial until whole, the manifest last, as a landing does) and the
-memory copy is removed. A transfer that memory has no room for lands on the disk as before.
+done, they are copied into the node's directory in the background (:func:`settle`: marked
+partial until whole, the manifest last, as a landing does) and the memory copy is removed.
+What memory has no room for lands on the disk as before.
 
 The area is ``<STASHPOINT_FETCH_MEMORY, default /dev/shm>/stashpoint-<uid>/fetch-<key>``, the
-key naming the node's directory: this user's alone, and what a crash left there is removed by
-the next restore into the same directory. ``STASHPOINT_FETCH_MEMORY=off`` turns it off."""
+key naming the node directory's file (device and inode): a directory of this user's alone,
+held by its manager's leader with an ``flock`` on ``fetch-<key>.lock`` (released by the kernel
+when the process dies). Areas no process holds, left by a crash, are removed with their lock
+files by the next manager of this user on the host; the lock is checked to be the file still
+at that name first, so an area made anew meanwhile is never taken for a leftover.
+``STASHPOINT_FETCH_MEMORY=off`` turns it off."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import mmap
@@ -18,12 +23,15 @@ import os
 import re
 import shutil
 import stat
+import threading
+import time
 from pathlib import Path
 
 from stashpoint._core.naming import MANIFEST_NAME, index_name, parse_save_file
 from stashpoint._dist.landing import PARTIAL_RE, Landing, partial_name
 from stashpoint._storage import LocalStorage, Storage
 from stashpoint._storage.overlay import Overlay
+from stashpoint.errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
 
@@ -34,21 +42,30 @@ _ESCAPED = re.compile(r"\\([0-7]{3})")
 
 def area(root: Path) -> Path | None:
     """The memory area a restore into the node directory ``root`` lands in; None where there
-    is none: turned off, no such memory directory, or ``root`` itself in memory (a memory tier
-    gains nothing from a second copy)."""
-    # a shared directory: the area's parent is checked to be this user's alone before use
-    base = os.environ.get(ENV, "/dev/shm").strip()  # noqa: S108
-    if base.lower() in ("", "off", "0", "no", "false") or not Path(base).is_dir() or in_memory(root):
+    is none: turned off, no such memory directory or one other users could swap entries in
+    (writable by them and not sticky), ``root`` missing, or ``root`` itself in memory (a memory
+    tier gains nothing from a second copy)."""
+    # a shared directory: sticky (or not writable by others), and the area's parent this user's alone
+    base = Path(os.environ.get(ENV, "/dev/shm").strip())  # noqa: S108
+    if str(base).lower() in ("", ".", "off", "0", "no", "false"):
         return None
-    key = hashlib.sha256(os.fsencode(os.path.realpath(root))).hexdigest()[:16]
-    return Path(base) / f"stashpoint-{os.getuid()}" / f"fetch-{key}"
+    try:
+        info, node = base.stat(), root.stat()
+    except OSError:
+        return None
+    if not stat.S_ISDIR(info.st_mode) or (info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX):
+        return None
+    if in_memory(root):
+        return None
+    key = hashlib.sha256(f"{node.st_dev}:{node.st_ino}:{os.path.realpath(root)}".encode()).hexdigest()[:16]
+    return base / f"stashpoint-{os.getuid()}" / f"fetch-{key}"
 
 
 def in_memory(path: Path) -> bool:
     """Whether ``path`` is on a memory file system (tmpfs, ramfs), by the mount that holds it."""
     real = os.path.realpath(path)
     try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+        lines = os.fsdecode(Path("/proc/self/mountinfo").read_bytes()).splitlines()
     except OSError:
         return False
     best, fstype = "", ""
@@ -75,44 +92,127 @@ def _private(owner: Path, *, create: bool) -> bool:
     return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
 
 
+def claim(where: Path | None) -> int | None:
+    """Hold the area ``where`` for this process (its node's leader), first removing the areas
+    of this user no process holds (a crash's leftovers): the lock's descriptor, or None where
+    the area cannot be used (its parent not this user's alone, or another process holds it)."""
+    if where is None or not _private(where.parent, create=True):
+        return None
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    for lock in sorted(where.parent.glob("fetch-*.lock")):
+        if lock.stem != where.name:
+            _sweep(lock, flags)
+    try:
+        fd = os.open(where.parent / f"{where.name}.lock", flags, 0o600)
+    except OSError:
+        return None
+    for attempt in range(100):  # another manager sweeping leftovers holds it for a moment
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError:
+            if attempt == 99:
+                os.close(fd)
+                return None
+            time.sleep(0.01)
+    shutil.rmtree(where, ignore_errors=True)  # what this node's last holder left
+    return fd
+
+
+def _sweep(lock: Path, flags: int) -> None:
+    try:
+        fd = os.open(lock, flags, 0o600)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        mine = os.fstat(fd)
+        now = os.lstat(lock)
+        if (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino):  # not removed and made anew meanwhile
+            shutil.rmtree(lock.with_suffix(""), ignore_errors=True)
+            lock.unlink()
+    except OSError:
+        pass  # held: a live manager's (or swept by another meanwhile)
+    finally:
+        os.close(fd)
+
+
+class FetchView(Overlay):
+    """A step as a node's ranks read it during and after a fetch: the files landed in the
+    memory area's step directory over the node's. On the leader it also counts what may still
+    land in memory (:func:`landing_target`)."""
+
+    def __init__(self, top: LocalStorage, base: LocalStorage) -> None:
+        super().__init__(top, base)
+        self.mem, self.disk = top, base
+        self.budget: int | None = None  # bytes: set at the first landing
+
+
 def view(at: Storage, where: Path | None) -> Storage:
-    """Step directory ``at`` as this node's ranks read it during and after a fetch: the files
-    landed in the memory area's step directory ``where`` over ``at``; ``at`` alone where the
-    area's parent is not this user's alone (another user made it first: its files are not read)."""
-    if where is None or not isinstance(at, LocalStorage):
+    """Step directory ``at`` as this node's ranks read it during and after a fetch: a
+    :class:`FetchView` of the memory area's step directory ``where`` over ``at``; ``at`` alone
+    where there is no area, or its parent is not this user's alone (its files are not read)."""
+    if where is None or not isinstance(at, LocalStorage) or not _private(where.parent.parent, create=True):
         return at
-    if not _private(where.parent.parent, create=True):
-        log.warning("stashpoint: %s is not a directory of this user's alone; fetching to disk", where.parent.parent)
-        return at
-    return Overlay(LocalStorage(where, direct_io=False, cache_newest=False), at)
+    return FetchView(LocalStorage(where, direct_io=False, cache_newest=False), at)
+
+
+def disk_of(step: Storage) -> Storage:
+    """The node's own directory of a step (a view's, or the step itself)."""
+    return step.disk if isinstance(step, FetchView) else step
 
 
 def landing_target(step: Storage, size: int) -> Storage:
-    """Where a transfer of ``size`` bytes into ``step`` lands: a :func:`view`'s memory area when
-    it has room for them with half its free space left over, else the node's directory."""
-    if not isinstance(step, Overlay) or not isinstance(step.top, LocalStorage):
+    """Where a transfer of ``size`` bytes into ``step`` lands: a :func:`view`'s memory area
+    while what the restore landed there stays within half of the memory the host can spare at
+    its first landing (the area's free space, the memory available, this process's cgroup
+    limit), else the node's directory."""
+    if not isinstance(step, FetchView):
         return step
-    mem = step.top
-    owner = mem.root.parent.parent  # <base>/stashpoint-<uid>
+    if step.budget is None:
+        step.budget = _spare(step.mem.root.parent.parent.parent) // 2
+    if size > step.budget:
+        log.info("stashpoint: %d fetched bytes land on disk: memory to spare for them is short", size)
+        return step.disk
     try:
-        st = os.statvfs(owner.parent)
-        if size > st.f_bavail * st.f_frsize // 2:
-            log.info("stashpoint: %d bytes fetched land on disk: %s lacks the room", size, owner.parent)
-            return step.base
-        if not _private(owner, create=True):
-            return step.base
-        mem.root.mkdir(parents=True, exist_ok=True)
+        if not _private(step.mem.root.parent.parent, create=True):
+            return step.disk
+        step.mem.root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        log.warning("stashpoint: no memory area for a fetch at %s (%s); fetching to disk", owner, e)
-        return step.base
-    return mem
+        log.warning("stashpoint: no memory area for a fetch at %s (%s); fetching to disk", step.mem.location, e)
+        return step.disk
+    step.budget -= size
+    return step.mem
 
 
-def settle(mem: Path, disk: LocalStorage) -> int:
+def _spare(base: Path) -> int:
+    """The bytes of memory this process can spare for files in ``base``: the least of its
+    free space, the host's available memory and the headroom of its cgroup's limit."""
+    try:
+        st = os.statvfs(base)
+    except OSError:
+        return 0
+    spare = st.f_bavail * st.f_frsize
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                spare = min(spare, int(line.split()[1]) * 1024)
+        group = Path("/proc/self/cgroup").read_text().splitlines()[0].partition("::")[2]
+        where = Path("/sys/fs/cgroup") / group.lstrip("/")
+        limit = (where / "memory.max").read_text().strip()
+        if limit != "max":
+            spare = min(spare, int(limit) - int((where / "memory.current").read_text()))
+    except (OSError, ValueError, IndexError):
+        pass  # what could be read bounds it
+    return max(spare, 0)
+
+
+def settle(mem: Path, disk: LocalStorage, stop: threading.Event | None = None) -> int:
     """Copy what a restore landed in ``mem`` into the node's step directory ``disk`` as the
     landing would have left it there: every saving rank it brought marked partial before any of
     its bytes land, the ranks whose files are whole unmarked once all are, sparse copies kept
-    sparse (and marked), the manifest committed last. Returns the bytes copied."""
+    sparse (and marked), the manifest committed last. ``stop`` set: give up between files (the
+    ranks stay marked). Returns the bytes copied."""
     src = LocalStorage(mem, direct_io=False, cache_newest=False)
     names = src.list()
     partial = {int(m[1]) for n in names if (m := PARTIAL_RE.fullmatch(n))}
@@ -131,8 +231,12 @@ def settle(mem: Path, disk: LocalStorage) -> int:
     for r in sorted(ranks):
         disk.commit(partial_name(r), b"")
     target = Landing(disk.root, durable=False)
-    copied = sum(_copy(mem / name, target, name) for name in files)
-    disk.sync()
+    copied = 0
+    for name in files:
+        if stop is not None and stop.is_set():
+            raise CheckpointError(f"copying the fetched files into {disk.location} was stopped")
+        copied += _copy(mem / name, target, name)
+    target.sync()  # the group directories it wrote into
     for r in sorted(indexed - partial):
         disk.delete(partial_name(r))
     if MANIFEST_NAME in names:
@@ -165,15 +269,15 @@ def _copy(path: Path, target: Landing, name: str) -> int:
         size = os.fstat(fd).st_size
         spans = _extents(fd, size) if size else []
         if spans != [(0, size)]:
-            return _copy_sparse(fd, target.root / name, size, spans)
+            return _copy_sparse(fd, target, name, size, spans)
         out = target.open_writer(name, size)
         try:
             with mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as mm:
-                view = memoryview(mm)
+                data = memoryview(mm)
                 try:
-                    out.write(view)
+                    out.write(data)
                 finally:
-                    view.release()
+                    data.release()
         except BaseException:
             out.abort()
             raise
@@ -183,12 +287,9 @@ def _copy(path: Path, target: Landing, name: str) -> int:
         os.close(fd)
 
 
-def _copy_sparse(fd: int, path: Path, size: int, spans: list[tuple[int, int]]) -> int:
-    path.parent.mkdir(exist_ok=True)  # a group directory
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    out = os.open(path, flags, 0o644)
+def _copy_sparse(fd: int, target: Landing, name: str, size: int, spans: list[tuple[int, int]]) -> int:
+    out = target.open_sparse(name, size)
     try:
-        os.ftruncate(out, size)
         for a, b in spans:
             for pos in range(a, b, 16 << 20):
                 data = memoryview(os.pread(fd, min(16 << 20, b - pos), pos))
@@ -201,8 +302,19 @@ def _copy_sparse(fd: int, path: Path, size: int, spans: list[tuple[int, int]]) -
     return sum(b - a for a, b in spans)
 
 
+def release(fd: int | None, where: Path | None) -> None:
+    """Remove the area ``where`` and let go of its lock ``fd`` (from :func:`claim`)."""
+    if fd is None:
+        return
+    try:
+        if where is not None:
+            shutil.rmtree(where, ignore_errors=True)
+            (where.parent / f"{where.name}.lock").unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
 def wipe(where: Path | None) -> None:
-    """Remove a memory area and what it holds (a missing one is fine; one in a directory not
-    this user's alone is left alone)."""
+    """Remove what the area ``where`` holds, keeping it held (a missing one is fine)."""
     if where is not None and _private(where.parent, create=False):
         shutil.rmtree(where, ignore_errors=True)

@@ -18,7 +18,7 @@ from stashpoint._dist.group import DistContext
 from stashpoint._dist.nodes import recv_tensor, send_tensor
 from stashpoint._state.dtypes import as_memoryview
 from stashpoint._storage import Storage
-from stashpoint._storage.directio import BouncePool
+from stashpoint._storage.directio import BouncePool, huge_mapping
 from stashpoint.errors import CheckpointError
 
 CHUNK = 16 << 20  # gloo moves these as fast as larger ones, with less memory to fault in
@@ -42,9 +42,8 @@ def warm(count: int = 2) -> threading.Thread:
 
     def make() -> None:
         pool = _pool()
-        made = [pool.take() for _ in range(count)]
-        for buf in made:
-            pool.give(buf)
+        for _ in range(count):  # each given as soon as it is made: a transfer started meanwhile takes it
+            pool.give(huge_mapping(pool.nbytes))
 
     thread = threading.Thread(target=make, name="stashpoint-warm", daemon=True)
     thread.start()

@@ -31,7 +31,7 @@ from stashpoint._core.sealed import MAX_MANIFEST_BYTES
 from stashpoint._core.units import human_bytes
 from stashpoint._dist.group import DistContext
 from stashpoint._dist.landing import REPLICA_RE, land, needed, replica_name
-from stashpoint._dist.memfetch import landing_target
+from stashpoint._dist.memfetch import disk_of, landing_target
 from stashpoint._dist.nodes import NodeSave, recv_blob, send_blob
 from stashpoint._dist.stream import Stream
 from stashpoint._storage import LocalStorage, Storage
@@ -183,6 +183,7 @@ def recv_step_files(
         files = check_offer(recv_blob(ctx, peer, _MAX_LISTING, tag), t, save_id, f"rank {peer}")
         if refuse:
             raise CheckpointError(refuse)
+        _check_space(disk_of(step), needed(files, t))  # where it ends up, whichever way it lands
         step = landing_target(step, needed(files, t))
         _check_space(step, needed(files, t))
     except CheckpointError as e:
@@ -206,6 +207,7 @@ def fetch_remote(remote: RemoteCopy, step: Storage, t: Transfer, save_id: str) -
     transfer lands (checked alike); the bytes read."""
     listing = json.dumps({"files": remote.files(t), "spans": t.spans}).encode()
     files = check_offer(listing, t, save_id, f"the remote tier ({remote.step.location})")
+    _check_space(disk_of(step), needed(files, t))
     step = landing_target(step, needed(files, t))
     _check_space(step, needed(files, t))
     return land(step, t, files, Stream(None, -1, source=remote.step), False)

@@ -241,6 +241,8 @@ class CheckpointManager:
         if self._preemption is not None:
             signum = self._preemption.agreed()
             if signum is not None:
+                if self._nodes is not None:  # the last restore's copy to disk gives way to the deadline
+                    self._nodes.settled(stop=True)
                 emergency = functools.partial(self.save, step, state, metrics=metrics, **options)
                 stop(self, self._preemption, signum, step, emergency)
         return self.save(step, state, metrics=metrics, **options) if self.should_save(step) else None
@@ -398,6 +400,8 @@ class CheckpointManager:
                 self._tier.close()
             if self._preemption is not None:
                 self._preemption.close()
+            if self._nodes is not None:
+                self._nodes.close()
             with self._lock:
                 self._closed = True
             self._release()

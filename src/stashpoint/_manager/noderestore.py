@@ -109,14 +109,14 @@ def remote_files(remote: Storage, head: Any, t: Transfer) -> list[tuple[str, int
     return out
 
 
-def _settle(mem: Path, disk: Storage) -> None:
+def _settle(mem: Path, disk: Storage, stop: threading.Event) -> None:
     """A restore's fetched files from the memory area ``mem`` into the node's step directory
     ``disk`` (logged, never raised: a later restore fetches again what is not there), then the
-    area removed."""
+    area emptied."""
     t0 = time.perf_counter()
     try:
         assert isinstance(disk, LocalStorage)
-        n = memfetch.settle(mem / disk.root.name, disk)
+        n = memfetch.settle(mem / disk.root.name, disk, stop)
         log.info("stashpoint: copied %d fetched bytes from memory to %s in %.2f s", n, disk.location,
                  time.perf_counter() - t0)  # fmt: skip
     except Exception as e:
@@ -151,13 +151,27 @@ class NodeLocal:
         self.fetched: dict[str, int] = {}  # bytes fetched onto this node by the last restore (leader)
         self.fetched_into = ""  # where they landed: "memory" or "disk" (leader)
         self._settling: threading.Thread | None = None  # the leader's copy of them to the disk
+        self._stop = threading.Event()
+        self._area: Path | None = None  # the leader's memory area, and its lock
+        self._claim: int | None = None
+        self._claimed = False
 
-    def settled(self) -> None:
+    def settled(self, *, stop: bool = False) -> None:
         """Wait until what the last restore fetched into memory is in the node's directory
-        (a save, a restore and the manager's ``wait`` call this first)."""
+        (a save, a restore and the manager's ``wait`` call this first); ``stop``: have the copy
+        give up after the file it is on (a preemption's save has a deadline)."""
         if self._settling is not None:
+            if stop:
+                self._stop.set()
             self._settling.join()
             self._settling = None
+            self._stop.clear()
+
+    def close(self) -> None:
+        """Wait for the last restore's copy, then remove the memory area and let it go."""
+        self.settled()
+        memfetch.release(self._claim, self._area)
+        self._claim = None
 
     @property
     def owner(self) -> bool:
@@ -185,6 +199,10 @@ class NodeLocal:
         self.settled()
         self.fetched, self.fetched_into = {}, ""
         mem = memfetch.area(root.root) if isinstance(root, LocalStorage) else None
+        if self.me.leader:
+            if not self._claimed:  # held while the manager is open; leftovers of crashes removed
+                self._area, self._claim, self._claimed = mem, memfetch.claim(mem), True
+            mem = self._area if self._claim is not None else None
         ctx = _dist.context(options.get("process_group"), options.get("timeout")) or DistContext.solo()
         mine: Any = None
         if self.me.leader:
@@ -240,7 +258,7 @@ class NodeLocal:
         elif self.me.leader and mem is not None and (mem / step_dir(found[0])).is_dir():
             self.fetched_into = "memory"  # every rank of the node has loaded (the load agrees at its end)
             self._settling = threading.Thread(
-                target=_settle, args=(mem, root.child(step_dir(found[0]))), name="stashpoint-settle"
+                target=_settle, args=(mem, root.child(step_dir(found[0])), self._stop), name="stashpoint-settle"
             )
             self._settling.start()
         elif self.fetched:

@@ -144,6 +144,31 @@ class LocalStorage(Storage):
         self._touched.add(group)
         return LocalWriter(self.root / name, size, direct=self.direct_io, dir_fd=fd)  # which owns fd
 
+    def open_sparse(self, name: str, size: int) -> int:
+        """A descriptor of ``name`` for writes at any offset (a sparse copy: what is not written
+        stays a hole), created ``size`` bytes long if it is not, never reached through a
+        symbolic link; ``sync()`` makes its name durable. The caller closes it."""
+        group, leaf = self._split(name)
+        at = self._open_dir(group, create=True) if group else None
+        try:
+            flags = os.O_RDWR | os.O_CREAT | _NOFOLLOW
+            fd = os.open(leaf if at is not None else self.root / leaf, flags, 0o644, dir_fd=at)
+        finally:
+            if at is not None:
+                os.close(at)
+        if group:
+            self._touched.add(group)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise not_regular(self.root / name, _kind(st.st_mode))
+            if st.st_size != size:
+                os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def sync(self) -> None:
         """Make the names written since the last call durable: the root's and its group
         directories' entries."""
