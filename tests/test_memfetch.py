@@ -152,9 +152,13 @@ def test_an_area_is_held_by_one_manager_and_a_crashs_leftovers_are_swept(shm, tm
     (crashed / "step-00000001").mkdir(parents=True)  # its process died: its lock is free
     (crashed.parent / f"{crashed.name}.lock").touch()
     (mine / "step-00000002").mkdir(parents=True)  # this directory's last manager left it
+    (tmp_path / "old").mkdir()
+    lockless = memfetch.area(tmp_path / "old")
+    assert lockless is not None
+    (lockless / "step-00000001").mkdir(parents=True)  # left without its lock file
     fd = memfetch.claim(mine)
     assert fd is not None
-    assert not crashed.exists() and not mine.exists(), "leftovers removed"
+    assert not crashed.exists() and not mine.exists() and not lockless.exists(), "leftovers removed"
     assert not (crashed.parent / f"{crashed.name}.lock").exists(), "with their locks"
     assert (live / "step-00000001").is_dir(), "a live manager's area kept"
     assert memfetch.claim(mine) is None, "one holder at a time"

@@ -38,6 +38,7 @@ from stashpoint._core.nodeplan import (
     relay,
     replica_peers,
 )
+from stashpoint._dist import memfetch
 from stashpoint._dist.nodes import this_node
 from stashpoint._dist.stream import pieces
 from stashpoint._dist.transfer import check_offer
@@ -261,6 +262,25 @@ def test_what_every_node_reads_of_one_rank_is_passed_on_by_the_nodes_that_got_it
         assert 0 in ranks_in(held) and "partial-r00000" in held, "rank 0's index and a sparse part of it"
         for shard in (tmp_path / f"node-{node}" / "ckpt" / "step-00000004").glob("shard-r00000-*"):
             assert shard.stat().st_blocks * 512 < shard.stat().st_size, "a sparse copy, not the whole shard"
+
+
+def test_a_node_whose_leader_cannot_hold_its_memory_area_reads_its_directory_alone(tmp_path, fetch_memory, monkeypatch):
+    """Another process holds node 0's memory area, with a manifest that is not the step's in
+    it: node 0's leader cannot take the area, so none of the node's ranks reads through it
+    (its leader says so to all), and the job resumes from the node's directory."""
+    run_job(tmp_path, 4, "ddp", nproc=2)
+    monkeypatch.setenv(memfetch.ENV, str(fetch_memory))
+    area = memfetch.area(tmp_path / "node-0" / "ckpt")
+    assert area is not None and area.parent.parent == fetch_memory
+    held = memfetch.claim(area)
+    assert held is not None
+    try:
+        (area / "step-00000004").mkdir(parents=True)
+        (area / "step-00000004" / MANIFEST_NAME).write_bytes(b"not the step's manifest")
+        outs = run_job(tmp_path, 6, "ddp", nproc=2)
+        assert resumed(outs) == {4}
+    finally:
+        memfetch.release(held, area)
 
 
 def test_a_node_lost_with_its_disk_is_restored_from_the_replica_on_the_other_node(tmp_path, ddp_reference):

@@ -95,46 +95,46 @@ def _private(owner: Path, *, create: bool) -> bool:
 def claim(where: Path | None) -> int | None:
     """Hold the area ``where`` for this process (its node's leader), first removing the areas
     of this user no process holds (a crash's leftovers): the lock's descriptor, or None where
-    the area cannot be used (its parent not this user's alone, or another process holds it)."""
+    the area cannot be used (its parent not this user's alone, or another process holds it).
+    An area is used only while its user holds the lock file that bears its name: a lock taken
+    on a file a sweeper removed meanwhile is let go and the name opened again."""
     if where is None or not _private(where.parent, create=True):
         return None
+    names = {p.name.removesuffix(".lock") for p in where.parent.glob("fetch-*")}
+    for name in sorted(names - {where.name}):
+        _take(where.parent / f"{name}.lock", sweep=True)
+    for _ in range(100):  # another manager sweeping leftovers holds it for a moment
+        fd = _take(where.parent / f"{where.name}.lock", sweep=False)
+        if fd is not None:
+            shutil.rmtree(where, ignore_errors=True)  # what this node's last holder left
+            return fd
+        time.sleep(0.01)
+    return None
+
+
+def _take(lock: Path, *, sweep: bool) -> int | None:
+    """The lock ``lock`` taken, if no one holds it and it is still the file at that name; with
+    ``sweep``, its area and the lock file removed and None returned."""
     flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    for lock in sorted(where.parent.glob("fetch-*.lock")):
-        if lock.stem != where.name:
-            _sweep(lock, flags)
-    try:
-        fd = os.open(where.parent / f"{where.name}.lock", flags, 0o600)
-    except OSError:
-        return None
-    for attempt in range(100):  # another manager sweeping leftovers holds it for a moment
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except OSError:
-            if attempt == 99:
-                os.close(fd)
-                return None
-            time.sleep(0.01)
-    shutil.rmtree(where, ignore_errors=True)  # what this node's last holder left
-    return fd
-
-
-def _sweep(lock: Path, flags: int) -> None:
     try:
         fd = os.open(lock, flags, 0o600)
     except OSError:
-        return
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        mine = os.fstat(fd)
-        now = os.lstat(lock)
-        if (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino):  # not removed and made anew meanwhile
+        mine, now = os.fstat(fd), os.lstat(lock)
+        if (mine.st_dev, mine.st_ino) != (now.st_dev, now.st_ino):
+            raise FileNotFoundError(lock)  # removed (and perhaps made anew) meanwhile
+        if sweep:
             shutil.rmtree(lock.with_suffix(""), ignore_errors=True)
             lock.unlink()
     except OSError:
-        pass  # held: a live manager's (or swept by another meanwhile)
-    finally:
+        os.close(fd)  # held: a live manager's (or swept by another meanwhile)
+        return None
+    if sweep:
         os.close(fd)
+        return None
+    return fd
 
 
 class FetchView(Overlay):
@@ -187,7 +187,8 @@ def landing_target(step: Storage, size: int) -> Storage:
 
 def _spare(base: Path) -> int:
     """The bytes of memory this process can spare for files in ``base``: the least of its
-    free space, the host's available memory and the headroom of its cgroup's limit."""
+    free space, the host's available memory and the headroom of every memory cgroup limit
+    above this process (v2 and v1)."""
     try:
         st = os.statvfs(base)
     except OSError:
@@ -197,14 +198,39 @@ def _spare(base: Path) -> int:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 spare = min(spare, int(line.split()[1]) * 1024)
-        group = Path("/proc/self/cgroup").read_text().splitlines()[0].partition("::")[2]
-        where = Path("/sys/fs/cgroup") / group.lstrip("/")
-        limit = (where / "memory.max").read_text().strip()
-        if limit != "max":
-            spare = min(spare, int(limit) - int((where / "memory.current").read_text()))
     except (OSError, ValueError, IndexError):
-        pass  # what could be read bounds it
-    return max(spare, 0)
+        pass
+    return max(min(spare, _cgroup_headroom()), 0)
+
+
+def _cgroup_headroom() -> int:
+    """The least headroom (limit less usage) of the memory cgroups this process is in and
+    their parents; a large number where none limits it or none can be read."""
+    least = 1 << 62
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return least
+    for line in lines:
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if controllers == "":  # v2
+            root, limit, usage = Path("/sys/fs/cgroup"), "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):  # v1
+            root, limit, usage = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        where = root / path.strip().lstrip("/")
+        while True:
+            try:
+                top = (where / limit).read_text().strip()
+                if top != "max":
+                    least = min(least, int(top) - int((where / usage).read_text()))
+            except (OSError, ValueError):
+                pass  # not there (or not readable) at this level
+            if where == root or root not in where.parents:
+                break
+            where = where.parent
+    return least
 
 
 def settle(mem: Path, disk: LocalStorage, stop: threading.Event | None = None) -> int:
@@ -233,9 +259,7 @@ def settle(mem: Path, disk: LocalStorage, stop: threading.Event | None = None) -
     target = Landing(disk.root, durable=False)
     copied = 0
     for name in files:
-        if stop is not None and stop.is_set():
-            raise CheckpointError(f"copying the fetched files into {disk.location} was stopped")
-        copied += _copy(mem / name, target, name)
+        copied += _copy(mem / name, target, name, stop)
     target.sync()  # the group directories it wrote into
     for r in sorted(indexed - partial):
         disk.delete(partial_name(r))
@@ -259,7 +283,15 @@ def _extents(fd: int, size: int) -> list[tuple[int, int]]:
     return out
 
 
-def _copy(path: Path, target: Landing, name: str) -> int:
+def _stopped(stop: threading.Event | None, where: str) -> None:
+    if stop is not None and stop.is_set():
+        raise CheckpointError(f"copying the fetched files into {where} was stopped")
+
+
+_PART = 64 << 20
+
+
+def _copy(path: Path, target: Landing, name: str, stop: threading.Event | None = None) -> int:
     """One file of the memory area into ``target``: a whole one with direct writes from a
     private mapping of it (writable, so the writer can hand its pages to the device; never
     written), a sparse one range by range. Returns the bytes copied."""
@@ -269,13 +301,15 @@ def _copy(path: Path, target: Landing, name: str) -> int:
         size = os.fstat(fd).st_size
         spans = _extents(fd, size) if size else []
         if spans != [(0, size)]:
-            return _copy_sparse(fd, target, name, size, spans)
+            return _copy_sparse(fd, target, name, size, spans, stop=stop)
         out = target.open_writer(name, size)
         try:
             with mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as mm:
                 data = memoryview(mm)
                 try:
-                    out.write(data)
+                    for at in range(0, size, _PART):  # a preemption's save stops it within a part
+                        _stopped(stop, target.location)
+                        out.write(data[at : at + _PART])
                 finally:
                     data.release()
         except BaseException:
@@ -287,12 +321,15 @@ def _copy(path: Path, target: Landing, name: str) -> int:
         os.close(fd)
 
 
-def _copy_sparse(fd: int, target: Landing, name: str, size: int, spans: list[tuple[int, int]]) -> int:
+def _copy_sparse(
+    fd: int, target: Landing, name: str, size: int, spans: list[tuple[int, int]], *, stop: threading.Event | None
+) -> int:
     out = target.open_sparse(name, size)
     try:
         for a, b in spans:
-            for pos in range(a, b, 16 << 20):
-                data = memoryview(os.pread(fd, min(16 << 20, b - pos), pos))
+            for pos in range(a, b, _PART):
+                _stopped(stop, target.location)
+                data = memoryview(os.pread(fd, min(_PART, b - pos), pos))
                 at = pos
                 while data:
                     n = os.pwrite(out, data, at)

@@ -152,9 +152,8 @@ class NodeLocal:
         self.fetched_into = ""  # where they landed: "memory" or "disk" (leader)
         self._settling: threading.Thread | None = None  # the leader's copy of them to the disk
         self._stop = threading.Event()
-        self._area: Path | None = None  # the leader's memory area, and its lock
+        self._area: Path | None = None  # the leader's memory area, and its lock (None: claimed at the next restore)
         self._claim: int | None = None
-        self._claimed = False
 
     def settled(self, *, stop: bool = False) -> None:
         """Wait until what the last restore fetched into memory is in the node's directory
@@ -200,14 +199,15 @@ class NodeLocal:
         self.fetched, self.fetched_into = {}, ""
         mem = memfetch.area(root.root) if isinstance(root, LocalStorage) else None
         if self.me.leader:
-            if not self._claimed:  # held while the manager is open; leftovers of crashes removed
-                self._area, self._claim, self._claimed = mem, memfetch.claim(mem), True
-            mem = self._area if self._claim is not None else None
+            if self._claim is None:  # held while the manager is open; leftovers of crashes removed
+                self._area, self._claim = mem, memfetch.claim(mem)
+            mem = self._area if self._claim is not None and mem == self._area else None
         ctx = _dist.context(options.get("process_group"), options.get("timeout")) or DistContext.solo()
         mine: Any = None
         if self.me.leader:
             try:
-                mine = (self.me.node, inventory(root), committed_steps(remote) if ctx.rank == 0 and remote else [])
+                remote_steps = committed_steps(remote) if ctx.rank == 0 and remote else []
+                mine = (self.me.node, inventory(root), remote_steps, mem is not None)
             except Exception as e:
                 mine = f"rank {ctx.rank}: listing {root.location} failed: {type(e).__name__}: {e}"
         seen = ctx.gather("node-local: what each node holds", mine)
@@ -219,11 +219,14 @@ class NodeLocal:
                 answer = ("error", "; ".join(errors[:8])[:4000])
             else:
                 by_node = {s[0]: s[1] for s in seen if s is not None}
-                answer = ("ok", *node_order(by_node, seen[0][2], step))
+                on_disk = sorted(s[0] for s in seen if s is not None and not s[3])  # leaders without an area
+                answer = ("ok", *node_order(by_node, seen[0][2], step), on_disk)
         answer = ctx.broadcast("node-local: the steps to try", answer)
         if answer[0] == "error":
             raise CheckpointError("listing the node-local checkpoints failed: " + answer[1])
         order, torn = answer[1], answer[2]
+        if self.me.node in answer[3]:  # the node's ranks read through its area only where its leader holds it
+            mem = None
         if self.me.leader:  # no restore can take them (some rank's files are on no node): set aside
             for s in torn:
                 if (step is None or s != step) and root.child(step_dir(s)).exists():
