@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         log("saving step 1 (node-local with a replica, S3, DCP)")
         job(base, "save", env, *common)
         nbytes = sum(p.stat().st_size for p in (base / "dcp").rglob("*") if p.is_file())
-        results: dict[str, list[tuple[float, float]]] = {s: [] for s in sources}
+        results: dict[str, list[tuple[float, float, float]]] = {s: [] for s in sources}
         for trial in range(args.repeats):
             for source in sources:
                 if source == "replica":  # node 1's directory gone (renamed: copying it would leave
@@ -122,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
                     (nodes / "node-1.kept").rename(nodes / "node-1")
                 load = max(r["load_s"] for r in got)
                 first = max(r["to_first_step_s"] for r in got)
-                results[source].append((load, first))
-                log(f"trial {trial + 1}: {source}: load {load:.2f} s, launch to first step {first:.2f} s")
+                step = max(r["first_step_s"] for r in got)
+                results[source].append((load, first, step))
+                log(f"trial {trial + 1}: {source}: load {load:.2f} s, launch to first step {first:.2f} s, "
+                    f"the step {step:.2f} s")  # fmt: skip
         totals: dict[int, list[float]] = {}
         cpu: dict[int, list[float]] = {}  # both nodes' processes together
         for trial in range(0 if args.no_train else args.repeats):
@@ -150,14 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(nodes, ignore_errors=True)
     print(f"{nbytes / 1e9:.2f} GB state (FSDP2 over 2 nodes x 1 rank), the nodes' directories on {args.tier}; "
           f"median of {args.repeats} trials\n")  # fmt: skip
-    print("| restore from | load | launch to first step |")
-    print("|---|---:|---:|")
+    print("| restore from | load | launch to first step | the first step alone |")
+    print("|---|---:|---:|---:|")
     names = {"own": "the node's own tier", "replica": "a peer's replica (node 1 lost)", "s3": "S3 (SeaweedFS)",
              "dcp": "`dcp.load` from disk"}  # fmt: skip
     for s in sources:
-        load = statistics.median(x for x, _ in results[s])
-        first = statistics.median(y for _, y in results[s])
-        print(f"| {names[s]} | {load:.2f} s | {first:.2f} s |")
+        load, first, step = (statistics.median(t[i] for t in results[s]) for i in range(3))
+        print(f"| {names[s]} | {load:.2f} s | {first:.2f} s | {step:.2f} s |")
     if lost:
         ratio = f" ({lost[1] / lost[0]:.2f}x)" if lost[0] > 0 else ""
         print(f"\ntraining time lost per save: replicas off {lost[0]:.3f} s, on {lost[1]:.3f} s{ratio}")
