@@ -7,7 +7,9 @@ straight from it); a step only the remote tier holds is loaded straight from it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -114,6 +116,8 @@ def _settle(mem: Path, disk: Storage, stop: threading.Event) -> None:
     ``disk`` (logged, never raised: a later restore fetches again what is not there), then the
     area emptied."""
     t0 = time.perf_counter()
+    with contextlib.suppress(OSError, AttributeError):  # training runs beside it: it takes what CPU is left
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     try:
         assert isinstance(disk, LocalStorage)
         n = memfetch.settle(mem / disk.root.name, disk, stop)
