@@ -15,6 +15,7 @@ at that name first, so an area made anew meanwhile is never taken for a leftover
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -346,9 +347,11 @@ def release(fd: int | None, where: Path | None) -> None:
     try:
         if where is not None:
             shutil.rmtree(where, ignore_errors=True)
-            (where.parent / f"{where.name}.lock").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a lock file left is swept by a later manager
+                (where.parent / f"{where.name}.lock").unlink()
     finally:
-        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def wipe(where: Path | None) -> None:
