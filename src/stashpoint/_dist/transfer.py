@@ -60,6 +60,15 @@ def _check_space(step: Storage, needed: int) -> None:
         )
 
 
+def _landing(step: Storage, size: int) -> Storage:
+    """Where ``size`` bytes fetched into ``step`` land (memory or the node's directory), once
+    both the node's directory, where they end up either way, and that place have the room."""
+    _check_space(disk_of(step), size)
+    target = landing_target(step, size)
+    _check_space(target, size)
+    return target
+
+
 def _room_problem(step: Storage, room: Room | None, ns: NodeSave) -> str | None:
     """Why this node's directory cannot hold its checkpoints with replicas, steps staying this
     size: what it holds at the peak of a save (``peak_bytes``) against its free space plus
@@ -183,9 +192,7 @@ def recv_step_files(
         files = check_offer(recv_blob(ctx, peer, _MAX_LISTING, tag), t, save_id, f"rank {peer}")
         if refuse:
             raise CheckpointError(refuse)
-        _check_space(disk_of(step), needed(files, t))  # where it ends up, whichever way it lands
-        step = landing_target(step, needed(files, t))
-        _check_space(step, needed(files, t))
+        step = _landing(step, needed(files, t))
     except CheckpointError as e:
         send_blob(ctx, peer, str(e).encode()[:4000], tag)
         raise
@@ -207,9 +214,7 @@ def fetch_remote(remote: RemoteCopy, step: Storage, t: Transfer, save_id: str) -
     transfer lands (checked alike); the bytes read."""
     listing = json.dumps({"files": remote.files(t), "spans": t.spans}).encode()
     files = check_offer(listing, t, save_id, f"the remote tier ({remote.step.location})")
-    _check_space(disk_of(step), needed(files, t))
-    step = landing_target(step, needed(files, t))
-    _check_space(step, needed(files, t))
+    step = _landing(step, needed(files, t))
     return land(step, t, files, Stream(None, -1, source=remote.step), False)
 
 

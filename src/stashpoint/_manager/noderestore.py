@@ -162,7 +162,7 @@ class NodeLocal:
     def settled(self, *, stop: bool = False) -> None:
         """Wait until what the last restore fetched into memory is in the node's directory
         (a save, a restore and the manager's ``wait`` call this first); ``stop``: have the copy
-        give up after the file it is on (a preemption's save has a deadline)."""
+        give up within 64 MiB (a preemption's save has a deadline)."""
         if self._settling is not None:
             if stop:
                 self._stop.set()
@@ -253,23 +253,20 @@ class NodeLocal:
             self._fetch(ctx, at, holders, state, options)
             load_one(at)
 
+        found = None
         try:
             found = try_in_order(order, step, lambda s, t: (s, t), fetch_and_load)
-        except BaseException:
-            if self.me.leader:
+        finally:  # the memory area: copied to the node's directory once loaded, else emptied
+            loaded = found[0] if found is not None and found[1] == "local" else None
+            if self.me.leader and mem is not None and loaded is not None and (mem / step_dir(loaded)).is_dir():
+                self.fetched_into = "memory"  # every rank of the node has loaded (the load agrees at its end)
+                self._settling = threading.Thread(
+                    target=_settle, args=(mem, root.child(step_dir(loaded)), self._stop), name="stashpoint-settle"
+                )
+                self._settling.start()
+            elif self.me.leader:
                 memfetch.wipe(mem)
-            raise
-        if found is None or found[1] != "local":
-            if self.me.leader:
-                memfetch.wipe(mem)
-        elif self.me.leader and mem is not None and (mem / step_dir(found[0])).is_dir():
-            self.fetched_into = "memory"  # every rank of the node has loaded (the load agrees at its end)
-            self._settling = threading.Thread(
-                target=_settle, args=(mem, root.child(step_dir(found[0])), self._stop), name="stashpoint-settle"
-            )
-            self._settling.start()
-        elif self.fetched:
-            self.fetched_into = "disk"
+                self.fetched_into = "disk" if self.fetched else ""
         if found is None:
             return RestoreReport(None, None, tuple(order), ())
         candidate, tier, damaged = found
