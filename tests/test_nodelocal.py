@@ -147,7 +147,7 @@ def ranks_in(names: set[str]) -> set[int]:
     return {int(n.split("-r")[1][:5]) for n in names if n.startswith(("index-", "shard-"))}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not per module: the worker interleaves test_node_room's tests
 def ddp_reference(tmp_path_factory):
     """An uninterrupted DDP run of 14 steps: the losses every resumed run must repeat."""
     base = tmp_path_factory.mktemp("ref-ddp")
