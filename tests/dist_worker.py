@@ -541,5 +541,23 @@ def scenario_uneven_change(root: str) -> None:
     result(saves=out)
 
 
+def scenario_replica_cached(root: str) -> None:
+    """Each rank a node of its own (its own directory), replicas=1: once the save returned, how
+    much of the copy this node keeps of the other node's shard is in the page cache."""
+    from test_pagecache import wait_resident
+
+    os.environ.update(STASHPOINT_NODE=str(RANK), STASHPOINT_LOCAL_RANK="0")
+    g = torch.Generator().manual_seed(0)
+    state = {f"w{r}": torch.randn(4 << 20, generator=g) for r in range(WORLD)}  # 16 MiB each: one per rank
+    with stashpoint.CheckpointManager(Path(root) / f"node-{RANK}", node_local=True, replicas=1) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        other = (RANK + 1) % WORLD
+        theirs = sorted((Path(root) / f"node-{RANK}").glob(f"step-*/shard-r{other:05d}-*"))
+        cached = wait_resident(theirs, 0.99) if theirs else 0.0
+        result(files=len(theirs), size=sum(p.stat().st_size for p in theirs), cached=cached)
+        dist.barrier()  # the other node still serves nothing, but leaves with this one
+
+
 if __name__ == "__main__":
     main()

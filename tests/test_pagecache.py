@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import stashpoint
+from dist_util import run_world
 from stashpoint._storage import LocalStorage, pagecache
 from stashpoint._storage import local as _local
 
@@ -106,6 +107,46 @@ def test_the_newest_save_is_read_back_into_the_cache_and_the_previous_one_let_go
     while max(resident(f) for f in first) > 0.0 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert max(resident(f) for f in first) == 0.0, "the previous step's pages are let go"
+
+
+def test_a_nodes_replicas_stay_cached_beside_its_own_files_and_go_with_them(tmp_path, state, monkeypatch):
+    """A node's leader keeps its own files of the newest step and the replicas it holds of other
+    nodes' (one process, one checkpoint: the second ask adds to the first), within the node's
+    share of memory (``whole_node``) where one rank's share is too small; the next step's files
+    let both go."""
+    if not direct_io_works(tmp_path):
+        pytest.skip(f"{tmp_path} is not on a disk with a page cache")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    big = LocalStorage(tmp_path / "step-1")
+    stashpoint.save(state, big)  # its own files: kept (keep_cached after the commit)
+    own = shards(tmp_path / "step-1")
+    assert wait_resident(own, 0.99) >= 0.99
+    theirs = tmp_path / "step-1" / "shard-r00001-copy.safetensors"
+    with theirs.open("wb") as f:  # a replica, landed directly: not cached
+        f.write(os.urandom(12 << 20))
+        evict(f.fileno())
+    monkeypatch.setattr(pagecache, "mem_available", lambda: 64 << 20)  # one rank of 8: 4 MiB, the node: 32
+    assert not pagecache.keep_cached(big.root, [theirs]), "more than one rank's share"
+    assert pagecache.keep_cached(big.root, [theirs], whole_node=True)
+    assert wait_resident([theirs], 0.99) >= 0.99
+    assert min(resident(f) for f in own) >= 0.99, "the own files stay kept"
+    monkeypatch.undo()
+    stashpoint.save(state, LocalStorage(tmp_path / "step-2"))
+    deadline = time.monotonic() + 20
+    while max(resident(f) for f in [*own, theirs]) > 0.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert max(resident(f) for f in [*own, theirs]) == 0.0, "the older step's files and replicas are let go"
+
+
+def test_the_replicas_a_node_keeps_of_other_nodes_files_are_read_back_into_its_cache(tmp_path):
+    """Two ranks, each a node with its own directory, replicas=1: the copy each node keeps of
+    the other's shard (landed with direct I/O) is in its page cache once the save returned, as
+    its own files are, so a replacement for the other node is served from memory."""
+    if not direct_io_works(tmp_path):
+        pytest.skip(f"{tmp_path} is not on a disk with a page cache")
+    for r in run_world(2, "replica_cached", str(tmp_path)):
+        assert r["files"] == 1 and r["size"] >= 16 << 20, r
+        assert r["cached"] >= 0.99, r
 
 
 def test_without_cache_newest_direct_writes_leave_nothing_cached(tmp_path, state):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from stashpoint._dist import stream as stream_mod
 from stashpoint._dist.group import CollectiveError, DistContext
 from stashpoint._dist.landing import Landing, land
 from stashpoint._dist.stream import CHUNK, Stream
-from stashpoint._storage import LocalStorage
+from stashpoint._storage import LocalStorage, directio
 from stashpoint._storage.localwrite import LocalWriter
 from stashpoint.errors import CheckpointError
 
@@ -60,6 +62,36 @@ def test_buffers_made_ahead_on_a_thread_serve_the_first_transfer(monkeypatch):
     s = Stream(DistContext.solo(), 0)
     assert made == [False, False] and sorted(_addresses(s)) == ahead
     s.done()
+
+
+def test_a_transfer_started_while_its_buffers_are_made_ahead_waits_for_them(monkeypatch):
+    """A restore's first transfer can start before the buffers made ahead are ready: it waits
+    for them, and makes none of its own (two populated at once wait for the kernel's
+    compaction in turn). Where none are being made, or making them failed, it makes its own."""
+    made: list[str] = []
+    real = directio.huge_mapping
+
+    def slow(nbytes, populate=True):
+        made.append(threading.current_thread().name)
+        time.sleep(0.2)  # a kernel compacting memory
+        return real(nbytes, populate)
+
+    monkeypatch.setattr(directio, "huge_mapping", slow)
+    pool = directio.BouncePool(1 << 20, keep=4)
+    pool.prepare(2)
+    assert pool.take() is not None and pool.take() is not None
+    assert made == ["stashpoint-buffers"] * 2, made
+    pool.take()
+    assert made[-1] == threading.current_thread().name, "none being made: made here"
+
+    def fail(nbytes, populate=True):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(directio, "huge_mapping", fail)
+    pool = directio.BouncePool(1 << 20, keep=4)
+    pool.prepare(2).join()
+    monkeypatch.setattr(directio, "huge_mapping", real)
+    assert pool.take() is not None, "a failed preparation leaves no take waiting"
 
 
 def test_a_remote_tiers_stream_reads_larger_pieces_and_lands_them(tmp_path: Path):

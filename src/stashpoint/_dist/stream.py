@@ -18,7 +18,7 @@ from stashpoint._dist.group import DistContext
 from stashpoint._dist.nodes import recv_tensor, send_tensor
 from stashpoint._state.dtypes import as_memoryview
 from stashpoint._storage import Storage
-from stashpoint._storage.directio import BouncePool, huge_mapping
+from stashpoint._storage.directio import BouncePool
 from stashpoint.errors import CheckpointError
 
 CHUNK = 16 << 20  # gloo moves these as fast as larger ones, with less memory to fault in
@@ -38,16 +38,9 @@ def warm(count: int = 2) -> threading.Thread:
     """Make ``count`` of the process's transfer buffers on a thread, so that its first
     transfer finds them: a restore's fetch comes right after a fresh process starts, and
     populating huge pages there can wait for the kernel to compact memory (35 ms per 16 MiB
-    buffer seen in a restarted node's process, against 1.3 ms in a quiet one)."""
-
-    def make() -> None:
-        pool = _pool()
-        for _ in range(count):  # each given as soon as it is made: a transfer started meanwhile takes it
-            pool.give(huge_mapping(pool.nbytes))
-
-    thread = threading.Thread(target=make, name="stashpoint-warm", daemon=True)
-    thread.start()
-    return thread
+    buffer seen in a restarted node's process, against 1.3 ms in a quiet one). A transfer
+    that starts first waits for them (``BouncePool.prepare``)."""
+    return _pool().prepare(count)
 
 
 def pieces(ranges: Sequence[tuple[int, int]], chunk: int = CHUNK) -> list[list[tuple[int, int]]]:

@@ -260,6 +260,7 @@ def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str, room:
     leaders, ranks = dict(ns.nodes.leaders), dict(ns.nodes.ranks)
     status = None
     kept = 0  # bytes of other nodes' files this node received
+    theirs: set[int] = set()  # their saving ranks
     if ctx.rank == leaders.get(ns.node):
         errors = []
         refuse = _room_problem(step, room, ns)
@@ -277,6 +278,7 @@ def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str, room:
                         ctx, leaders[src], step, into, save_id, replica=True, refuse=refuse, tag=1 + nodes.index(src)
                     )
                     kept += got
+                    theirs |= set(expand(ranks[src]))
                 except Exception as e:
                     errors.append(f"receiving from node {src}: {type(e).__name__}: {e}")
                 try:
@@ -299,6 +301,9 @@ def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str, room:
         own = sum(size for _, size in _files_of(step, set(expand(ranks[ns.node])), save_id, False))
         doc = {"replicas": ns.replicas, "nodes": len(leaders), "own_bytes": own, "replica_bytes": kept}
         _mark_recoverable(step, doc)
+        # in this host's memory too, as the node's own newest files are: a replica is read when
+        # another node is lost, and from the page cache it leaves at memory's speed, not the disk's
+        step.keep_cached([name for name, _ in _files_of(step, theirs, save_id, False)], whole_node=True)
     if verdict:
         raise ReplicaError(
             f"the step at {step.location} is committed on every node, but copying it to other nodes failed "

@@ -114,9 +114,10 @@ class Storage(abc.ABC):
         network, large reads keep its queue full). False where it cannot be told."""
         return False
 
-    def keep_cached(self, names: Sequence[str]) -> None:
+    def keep_cached(self, names: Sequence[str], *, whole_node: bool = False) -> None:
         """A hint after a commit: this rank's files ``names`` of the newest checkpoint are the
-        ones a restart on this host reads first; a backend with a host cache keeps them there."""
+        ones a restart on this host reads first; a backend with a host cache keeps them there.
+        ``whole_node``: files kept for the node (the replicas its leader holds), not one rank."""
         return None
 
     def best_effort(self) -> Storage:

@@ -51,10 +51,42 @@ class BouncePool:
         self.nbytes = nbytes
         self.keep = keep
         self._idle: list[mmap.mmap] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        self._making = 0  # buffers being made ahead (``prepare``)
+
+    def prepare(self, count: int) -> threading.Thread:
+        """Make ``count`` buffers on a thread, each given to the pool as soon as it is made. A
+        ``take`` meanwhile waits for them rather than making one of its own: two buffers
+        populated at once wait for the kernel's compaction in turn, and the one taken would be
+        ready no sooner (0.19 s for one 16 MiB buffer seen in a restarted node's first transfer)."""
+        with self._lock:
+            self._making += count
+
+        def make() -> None:
+            made = 0
+            try:
+                for _ in range(count):
+                    buf = huge_mapping(self.nbytes)
+                    with self._lock:
+                        self._making -= 1
+                        made += 1
+                        self._idle.append(buf)
+                        self._lock.notify()
+            except OSError:  # no memory now: each take makes its own
+                pass
+            finally:
+                with self._lock:
+                    self._making -= count - made
+                    self._lock.notify_all()
+
+        thread = threading.Thread(target=make, name="stashpoint-buffers", daemon=True)
+        thread.start()
+        return thread
 
     def take(self) -> mmap.mmap:
         with self._lock:
+            while not self._idle and self._making:
+                self._lock.wait()
             buf = self._idle.pop() if self._idle else None
         return huge_mapping(self.nbytes) if buf is None else buf
 
@@ -63,6 +95,7 @@ class BouncePool:
         with self._lock:
             if len(self._idle) < self.keep:
                 self._idle.append(buf)
+                self._lock.notify()
                 return
         with suppress(BufferError):  # a view still held (an error's traceback): freed later
             buf.close()

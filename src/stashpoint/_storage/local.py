@@ -265,9 +265,9 @@ class LocalStorage(Storage):
         about once and the first reader's pages serve the others."""
         return type(self)(self.root, direct_io=False, cache_newest=False) if self._direct_reads else self
 
-    def keep_cached(self, names: Sequence[str]) -> None:
+    def keep_cached(self, names: Sequence[str], *, whole_node: bool = False) -> None:
         if self.cache_newest:
-            keep_cached(self.root, [self.root / n for n in names])
+            keep_cached(self.root, [self.root / n for n in names], whole_node=whole_node)
 
     def _readv_direct(self, name: str, offset: int, buffers: list[memoryview]) -> int | None:
         """Bytes filled by an ``O_DIRECT`` read; None if the file system refuses direct I/O."""

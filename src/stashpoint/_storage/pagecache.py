@@ -86,12 +86,16 @@ def _advise(paths: Sequence[Path], advice: int) -> None:
             os.close(fd)
 
 
-def keep_cached(checkpoint: Path, paths: Sequence[Path]) -> bool:
+def keep_cached(checkpoint: Path, paths: Sequence[Path], *, whole_node: bool = False) -> bool:
     """Read ``paths`` (files of the checkpoint directory ``checkpoint``) into the page cache in
-    the background, dropping what this process kept for an older checkpoint beside it.
+    the background, dropping what this process kept for an older checkpoint beside it. Files
+    asked for before in the same checkpoint stay kept (a node's leader keeps its own files and
+    the replicas it holds of other nodes').
 
     Returns whether the files were asked for: not when they exceed this rank's share of the
-    available memory (``CACHE_SHARE`` of MemAvailable over ``LOCAL_WORLD_SIZE``), or off Linux.
+    available memory (``CACHE_SHARE`` of MemAvailable over ``LOCAL_WORLD_SIZE``; with
+    ``whole_node``, files kept for the node rather than for one rank, ``CACHE_SHARE`` of it),
+    or off Linux.
     """
     if not hasattr(os, "posix_fadvise") or not paths:
         return False
@@ -102,13 +106,14 @@ def keep_cached(checkpoint: Path, paths: Sequence[Path]) -> bool:
         except OSError:
             return False
     avail = mem_available()
-    if avail is None or sizes > avail * CACHE_SHARE / _local_ranks():
+    if avail is None or sizes > avail * CACHE_SHARE / (1 if whole_node else _local_ranks()):
         log.debug("stashpoint: %s not kept in the page cache (%d bytes, %s available)", checkpoint, sizes, avail)
         return False
     run, kept = checkpoint.parent, _kept()
     with kept.lock:
-        older = [p for p in kept.files.get(run, []) if checkpoint not in p.parents]
-        kept.files[run] = list(paths)
+        held = kept.files.get(run, [])
+        older = [p for p in held if checkpoint not in p.parents]
+        kept.files[run] = list(dict.fromkeys([p for p in held if checkpoint in p.parents] + list(paths)))
 
     def work() -> None:  # on a thread: WILLNEED submits reads and may wait for the disk's queue
         _advise(older, os.POSIX_FADV_DONTNEED)
