@@ -108,10 +108,11 @@ class Storage(abc.ABC):
         copy that uses it."""
         return self
 
-    def cached(self, name: str, offset: int) -> bool:
+    def cached(self, name: str, offset: int, length: int = 0) -> bool:
         """A hint for a reader: whether the host's cache holds the bytes of ``name`` at
         ``offset`` (then small reads cost nothing more than large ones; from a device or a
-        network, large reads keep its queue full). False where it cannot be told."""
+        network, large reads keep its queue full); with ``length``, every byte of that range
+        (then ``shared_reads()`` reads them at the cache's speed). False where it cannot be told."""
         return False
 
     def keep_cached(self, names: Sequence[str], *, whole_node: bool = False) -> None:

@@ -18,7 +18,7 @@ from stashpoint._core.naming import is_group_dir, split_group
 from stashpoint._storage.base import FileWriter, Storage, env_number
 from stashpoint._storage.directio import ALIGN, MIN_DIRECT_BYTES, BouncePool, drop_front, readv_direct
 from stashpoint._storage.localwrite import LocalWriter, fsync_dir, link_new
-from stashpoint._storage.pagecache import keep_cached, read_resident, resident_at
+from stashpoint._storage.pagecache import keep_cached, read_resident, resident_at, resident_range
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 _IOV_MAX = 512
@@ -249,13 +249,13 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
-    def cached(self, name: str, offset: int) -> bool:
+    def cached(self, name: str, offset: int, length: int = 0) -> bool:
         try:
             fd = self._open_read(name)
         except (OSError, ValueError, CheckpointError):  # a hint: a name it cannot open is not cached
             return False
         try:
-            return resident_at(fd, offset)
+            return resident_range(fd, offset, length) if length else resident_at(fd, offset)
         finally:
             os.close(fd)
 

@@ -165,6 +165,14 @@ def resident_at(fd: int, offset: int) -> bool:
     return run is not None and run[0]
 
 
+def resident_range(fd: int, offset: int, length: int) -> bool:
+    """Whether the page cache holds every page of ``fd``'s ``length`` bytes from ``offset``, by
+    one ``mincore`` over them (False where it cannot be asked, or the file ends before)."""
+    size = _trusted_size(fd)
+    run = _page_run(fd, offset, length, size, probe=length) if size is not None and length > 0 else None
+    return run is not None and run[0] and run[1] == length
+
+
 def _read_nowait(fd: int, offset: int, buffers: list[memoryview]) -> int:
     """The front of ``buffers`` filled by non-blocking reads, up to the first page they refuse."""
     if not _NOWAIT:
@@ -196,16 +204,16 @@ def _trusted_size(fd: int) -> int | None:
     return st.st_size
 
 
-def _page_run(fd: int, offset: int, limit: int, size: int) -> tuple[bool, int] | None:
+def _page_run(fd: int, offset: int, limit: int, size: int, probe: int = 0) -> tuple[bool, int] | None:
     """Whether the page at ``offset`` of ``fd`` (a file of ``size`` bytes that
     :func:`_trusted_size` cleared) is cached, and how many bytes from ``offset`` (at most
-    ``limit`` and ``_PROBE_BYTES``) lie in pages that are alike, by ``mincore`` on a mapping
-    never touched; None where that cannot be asked."""
+    ``limit`` and ``probe``, by default ``_PROBE_BYTES``) lie in pages that are alike, by
+    ``mincore`` on a mapping never touched; None where that cannot be asked."""
     libc = libc_calls()
     if libc is None or limit <= 0:
         return None
     start = offset - offset % _PAGE
-    length = min(offset + min(limit, _PROBE_BYTES), size) - start
+    length = min(offset + min(limit, probe or _PROBE_BYTES), size) - start
     if length <= offset - start:
         return None
     pages = -(-length // _PAGE)
