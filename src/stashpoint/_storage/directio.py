@@ -29,6 +29,7 @@ BOUNCE_BYTES = 16 * 1024 * 1024  # one bounce buffer: 4 MiB block requests, seve
 MIN_DIRECT_BYTES = 1024 * 1024  # smaller reads stay buffered (headers, manifests, partial reads)
 _MAX_IN_PLACE = 1 << 30  # one read into a destination (Linux returns at most 2 GiB - 4 KiB per read)
 _MAX_IDLE = 8
+_MAKING_WAIT_S = 10.0  # the longest a take waits for the buffers being made ahead
 
 
 def address(mv: memoryview) -> int | None:
@@ -84,9 +85,8 @@ class BouncePool:
         return thread
 
     def take(self) -> mmap.mmap:
-        with self._lock:
-            while not self._idle and self._making:
-                self._lock.wait()
+        with self._lock:  # bounded: a maker that never comes back (a forked child's) is not waited for
+            self._lock.wait_for(lambda: self._idle or not self._making, timeout=_MAKING_WAIT_S)
             buf = self._idle.pop() if self._idle else None
         return huge_mapping(self.nbytes) if buf is None else buf
 
