@@ -112,8 +112,8 @@ def test_the_newest_save_is_read_back_into_the_cache_and_the_previous_one_let_go
 def test_a_nodes_replicas_stay_cached_beside_its_own_files_and_go_with_them(tmp_path, state, monkeypatch):
     """A node's leader keeps its own files of the newest step and the replicas it holds of other
     nodes' (one process, one checkpoint: the second ask adds to the first), within the node's
-    share of memory (``whole_node``) where one rank's share is too small; the next step's files
-    let both go."""
+    share of memory beside its own files (``beside``) where one rank's share is too small; the
+    next step's files let both go."""
     if not direct_io_works(tmp_path):
         pytest.skip(f"{tmp_path} is not on a disk with a page cache")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
@@ -127,7 +127,8 @@ def test_a_nodes_replicas_stay_cached_beside_its_own_files_and_go_with_them(tmp_
         evict(f.fileno())
     monkeypatch.setattr(pagecache, "mem_available", lambda: 64 << 20)  # one rank of 8: 4 MiB, the node: 32
     assert not pagecache.keep_cached(big.root, [theirs]), "more than one rank's share"
-    assert pagecache.keep_cached(big.root, [theirs], whole_node=True)
+    assert not pagecache.keep_cached(big.root, [theirs], beside=24 << 20), "more than the node's own files leave"
+    assert pagecache.keep_cached(big.root, [theirs], beside=16 << 20)
     assert wait_resident([theirs], 0.99) >= 0.99
     assert min(resident(f) for f in own) >= 0.99, "the own files stay kept"
     monkeypatch.undo()
@@ -261,14 +262,56 @@ def test_a_storage_tells_whether_the_page_cache_holds_a_position(tmp_path):
         os.pread(fd, 1 << 20, 0)
         assert storage.cached("f", 0) and storage.cached("f", (1 << 20) - 1)
         assert not storage.cached("f", 12 << 20)
-        assert storage.cached("f", 0, 1 << 20) and storage.cached("f", 4096, (1 << 20) - 4096), "every byte"
-        assert not storage.cached("f", 0, 2 << 20), "a range cached in part"
+        plain = storage.reads_for("f", 0, 1 << 20)
+        assert plain is not storage and not plain._direct_reads, "every byte cached: read without direct I/O"
+        assert storage.reads_for("f", 4096, (1 << 20) - 4096) is plain, "one twin, made once"
+        assert storage.reads_for("f", 0, 2 << 20) is storage, "a range cached in part"
         os.pread(fd, 16 << 20, 0)
-        assert storage.cached("f", 0, 16 << 20)
+        assert storage.reads_for("f", 0, 16 << 20) is plain
         os.posix_fadvise(fd, 8 << 20, 4096, os.POSIX_FADV_DONTNEED)  # one page out
-        assert not storage.cached("f", 0, 16 << 20) and storage.cached("f", 0, 8 << 20)
-        assert not storage.cached("f", (8 << 20) + 4096, 8 << 20), "past the end of the file"
-    assert not storage.cached("missing", 0) and not storage.cached("missing", 0, 4096)  # a hint: never an error
+        assert storage.reads_for("f", 0, 16 << 20) is storage and storage.reads_for("f", 0, 8 << 20) is plain
+        assert storage.reads_for("f", (8 << 20) + 4096, 8 << 20) is storage, "past the end of the file"
+    assert not storage.cached("missing", 0) and storage.reads_for("missing", 0, 4096) is storage  # never an error
+
+
+def test_a_range_running_past_the_end_of_a_file_is_not_wholly_cached(tmp_path):
+    f = tmp_path / "f"
+    f.write_bytes(os.urandom(10000))  # not a whole number of pages
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.pread(fd, 10000, 0)
+        assert pagecache.resident_range(fd, 0, 10000) and pagecache.resident_range(fd, 100, 9900)
+        assert not pagecache.resident_range(fd, 0, 11000), "it ends within the last page"
+        assert not pagecache.resident_range(fd, 0, 0)
+    finally:
+        os.close(fd)
+
+
+class _Tagged(LocalStorage):
+    """A storage subclass of a user's own, with its own constructor and state."""
+
+    def __init__(self, root: Path, tag: list[str]) -> None:
+        super().__init__(root)
+        self.tag = tag
+
+    def readv(self, name, offset, buffers):
+        self.tag.append(name)
+        super().readv(name, offset, buffers)
+
+
+def test_a_subclass_of_local_storage_loads_a_cached_checkpoint_through_its_own_reads(tmp_path, state):
+    """The cached path reads through a copy of the storage without direct reads: a subclass
+    with a constructor of its own still loads, and its own reads still run."""
+    stashpoint.save(state, LocalStorage(tmp_path / "ck"))
+    for f in shards(tmp_path / "ck"):
+        f.read_bytes()
+    seen: list[str] = []
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    stashpoint.load(out, _Tagged(tmp_path / "ck", seen))
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    assert any(n.endswith(".safetensors") for n in seen), seen
+    twin = _Tagged(tmp_path / "ck", seen).shared_reads()
+    assert isinstance(twin, _Tagged) and twin.tag is seen
 
 
 def test_a_read_job_the_cache_holds_whole_reads_plainly_without_probing_each_read(tmp_path, state, monkeypatch):

@@ -80,7 +80,7 @@ def test_damage_in_any_block_of_a_chunk_read_by_several_jobs_is_named_once(tmp_p
     from stashpoint._core.format import CHECKSUM_BLOCK_BYTES
     from stashpoint._load.reads import _read_jobs
 
-    monkeypatch.setattr(LocalStorage, "cached", lambda self, name, offset, length=0: cached)
+    monkeypatch.setattr(LocalStorage, "cached", lambda self, name, offset: cached)
 
     state = {"big": torch.arange(18 * CHECKSUM_BLOCK_BYTES // 4, dtype=torch.int32)}
     state |= {f"s{i}": torch.full((1000,), float(i)) for i in range(5)}
@@ -130,7 +130,7 @@ def test_damage_in_any_block_of_a_chunk_read_by_several_jobs_is_named_once(tmp_p
 def test_an_atomic_load_of_a_damaged_checkpoint_changes_nothing_whichever_way_it_reads(tmp_path, monkeypatch, cached):
     """``fetch`` (atomic loads) goes through the same jobs: a block damaged in a tied pair of
     tensors or in a plain one is found before anything lands in the live state."""
-    monkeypatch.setattr(LocalStorage, "cached", lambda self, name, offset, length=0: cached)
+    monkeypatch.setattr(LocalStorage, "cached", lambda self, name, offset: cached)
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 64)
     state = {"m": lin, "tied": lin.weight, "w": torch.randn(3 << 20)}  # w: 12 MiB, three blocks

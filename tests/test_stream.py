@@ -94,6 +94,43 @@ def test_a_transfer_started_while_its_buffers_are_made_ahead_waits_for_them(monk
     assert pool.take() is not None, "a failed preparation leaves no take waiting"
 
 
+def test_a_take_waiting_for_buffers_made_ahead_is_released_when_making_them_fails_or_stalls(monkeypatch):
+    real = directio.huge_mapping
+    go = threading.Event()
+
+    def stuck(nbytes, populate=True):
+        if threading.current_thread().name == "stashpoint-buffers":
+            go.wait(10)
+            raise OSError(12, "Cannot allocate memory")
+        return real(nbytes, populate)
+
+    monkeypatch.setattr(directio, "huge_mapping", stuck)
+    pool = directio.BouncePool(1 << 20, keep=4)
+    pool.prepare(2)
+    threading.Timer(0.3, go.set).start()  # the maker fails while the take below waits for it
+    t0 = time.monotonic()
+    assert pool.take() is not None
+    assert 0.2 < time.monotonic() - t0 < 5, "released by the failure, not by the bound"
+
+    go.clear()
+    monkeypatch.setattr(directio, "_MAKING_WAIT_S", 0.3)
+    pool = directio.BouncePool(1 << 20, keep=4)
+    pool.prepare(1)  # stalls until go is set
+    t0 = time.monotonic()
+    assert pool.take() is not None
+    assert time.monotonic() - t0 < 2, "a stalled maker is waited for no longer than the bound"
+    go.set()
+
+
+def test_buffers_made_ahead_never_exceed_what_the_pool_keeps_idle():
+    pool = directio.BouncePool(1 << 20, keep=3)
+    pool.prepare(2).join()
+    pool.prepare(5).join()
+    assert len(pool._idle) == 3
+    with pytest.raises(ValueError, match="count"):
+        pool.prepare(-1)
+
+
 def test_a_remote_tiers_stream_reads_larger_pieces_and_lands_them(tmp_path: Path):
     """Reads from a remote tier (here a local directory standing in as the source) go in
     pieces of several ranged GETs, through buffers of their own that the pool does not keep."""

@@ -303,7 +303,10 @@ def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str, room:
         _mark_recoverable(step, doc)
         # in this host's memory too, as the node's own newest files are: a replica is read when
         # another node is lost, and from the page cache it leaves at memory's speed, not the disk's
-        step.keep_cached([name for name, _ in _files_of(step, theirs, save_id, False)], whole_node=True)
+        try:  # a hint: the step is committed and copied whatever happens here
+            step.keep_cached([name for name, _ in _files_of(step, theirs, save_id, False)], beside=own)
+        except (OSError, CheckpointError) as e:
+            log.debug("stashpoint: the replicas in %s not kept in the page cache: %s", step.location, e)
     if verdict:
         raise ReplicaError(
             f"the step at {step.location} is committed on every node, but copying it to other nodes failed "

@@ -108,17 +108,23 @@ class Storage(abc.ABC):
         copy that uses it."""
         return self
 
-    def cached(self, name: str, offset: int, length: int = 0) -> bool:
+    def cached(self, name: str, offset: int) -> bool:
         """A hint for a reader: whether the host's cache holds the bytes of ``name`` at
         ``offset`` (then small reads cost nothing more than large ones; from a device or a
-        network, large reads keep its queue full); with ``length``, every byte of that range
-        (then ``shared_reads()`` reads them at the cache's speed). False where it cannot be told."""
+        network, large reads keep its queue full). False where it cannot be told."""
         return False
 
-    def keep_cached(self, names: Sequence[str], *, whole_node: bool = False) -> None:
+    def reads_for(self, name: str, offset: int, length: int) -> Storage:
+        """The storage to read ``length`` bytes of ``name`` from ``offset`` through: this one,
+        or, where the host's cache holds every one of them, a twin that reads them from it
+        with plain reads (a backend that bypasses the cache otherwise)."""
+        return self
+
+    def keep_cached(self, names: Sequence[str], *, beside: int | None = None) -> None:
         """A hint after a commit: this rank's files ``names`` of the newest checkpoint are the
         ones a restart on this host reads first; a backend with a host cache keeps them there.
-        ``whole_node``: files kept for the node (the replicas its leader holds), not one rank."""
+        ``beside``: the files are kept for the node (the replicas its leader holds), beside
+        that many bytes of the node's own files of the checkpoint."""
         return None
 
     def best_effort(self) -> Storage:

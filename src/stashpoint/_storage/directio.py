@@ -56,11 +56,15 @@ class BouncePool:
         self._making = 0  # buffers being made ahead (``prepare``)
 
     def prepare(self, count: int) -> threading.Thread:
-        """Make ``count`` buffers on a thread, each given to the pool as soon as it is made. A
-        ``take`` meanwhile waits for them rather than making one of its own: two buffers
-        populated at once wait for the kernel's compaction in turn, and the one taken would be
-        ready no sooner (0.19 s for one 16 MiB buffer seen in a restarted node's first transfer)."""
+        """Make up to ``count`` buffers on a thread (no more than the pool keeps idle), each
+        given to the pool as soon as it is made. A ``take`` meanwhile waits for them rather
+        than making one of its own: two buffers populated at once wait for the kernel's
+        compaction in turn, and the one taken would be ready no sooner (0.19 s for one 16 MiB
+        buffer seen in a restarted node's first transfer)."""
+        if count < 0:
+            raise ValueError(f"count must be at least 0, got {count}")
         with self._lock:
+            count = max(0, min(count, self.keep - len(self._idle) - self._making))
             self._making += count
 
         def make() -> None:
@@ -76,16 +80,23 @@ class BouncePool:
             except OSError:  # no memory now: each take makes its own
                 pass
             finally:
-                with self._lock:
-                    self._making -= count - made
-                    self._lock.notify_all()
+                done(count - made)
+
+        def done(unmade: int) -> None:
+            with self._lock:
+                self._making -= unmade
+                self._lock.notify_all()
 
         thread = threading.Thread(target=make, name="stashpoint-buffers", daemon=True)
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:  # no thread (the interpreter shutting down): no take waits for it
+            done(count)
+            raise
         return thread
 
     def take(self) -> mmap.mmap:
-        with self._lock:  # bounded: a maker that never comes back (a forked child's) is not waited for
+        with self._lock:  # bounded: a maker stuck in the kernel's compaction is not waited for long
             self._lock.wait_for(lambda: self._idle or not self._making, timeout=_MAKING_WAIT_S)
             buf = self._idle.pop() if self._idle else None
         return huge_mapping(self.nbytes) if buf is None else buf

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import copy
 import errno
 import os
 import shutil
 import stat
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,7 @@ class LocalStorage(Storage):
         self._bounce = BouncePool()
         self._direct_reads = direct_io and hasattr(os, "O_DIRECT")  # off once the file system refuses
         self._touched: set[str] = set()  # group directories written into since the last sync()
+        self._twin: LocalStorage | None = None  # this storage without direct reads (``_plain``)
 
     @property
     def location(self) -> str:
@@ -249,25 +251,44 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
-    def cached(self, name: str, offset: int, length: int = 0) -> bool:
+    def cached(self, name: str, offset: int) -> bool:
+        return self._resident(name, lambda fd: resident_at(fd, offset))
+
+    def reads_for(self, name: str, offset: int, length: int) -> Storage:
+        if not self._direct_reads or not self._resident(name, lambda fd: resident_range(fd, offset, length)):
+            return self
+        return self._plain()
+
+    def _resident(self, name: str, ask: Callable[[int], bool]) -> bool:
         try:
             fd = self._open_read(name)
         except (OSError, ValueError, CheckpointError):  # a hint: a name it cannot open is not cached
             return False
         try:
-            return resident_range(fd, offset, length) if length else resident_at(fd, offset)
+            return ask(fd)
         finally:
             os.close(fd)
+
+    def _plain(self) -> LocalStorage:
+        """This storage reading without direct I/O: a copy, so that a subclass keeps its own
+        behaviour and state (made once, kept)."""
+        twin = self._twin
+        if twin is None:
+            twin = copy.copy(self)
+            twin._direct_reads, twin.cache_newest, twin._twin = False, False, None
+            twin._bounce, twin._touched = BouncePool(), set()
+            self._twin = twin
+        return twin
 
     def shared_reads(self) -> LocalStorage:
         """This checkpoint for reads that other processes on this host make too (ranks reading
         the same replicated tensors): through the page cache, so that the disk serves each byte
         about once and the first reader's pages serve the others."""
-        return type(self)(self.root, direct_io=False, cache_newest=False) if self._direct_reads else self
+        return self._plain() if self._direct_reads else self
 
-    def keep_cached(self, names: Sequence[str], *, whole_node: bool = False) -> None:
+    def keep_cached(self, names: Sequence[str], *, beside: int | None = None) -> None:
         if self.cache_newest:
-            keep_cached(self.root, [self.root / n for n in names], whole_node=whole_node)
+            keep_cached(self.root, [self.root / n for n in names], beside=beside)
 
     def _readv_direct(self, name: str, offset: int, buffers: list[memoryview]) -> int | None:
         """Bytes filled by an ``O_DIRECT`` read; None if the file system refuses direct I/O."""

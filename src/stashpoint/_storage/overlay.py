@@ -47,8 +47,11 @@ class Overlay(Storage):
     def list(self) -> builtins.list[str]:
         return sorted(set(self.top.list()) | set(self.base.list()))
 
-    def cached(self, name: str, offset: int, length: int = 0) -> bool:
-        return self._of(name).cached(name, offset, length)
+    def cached(self, name: str, offset: int) -> bool:
+        return self._of(name).cached(name, offset)
+
+    def reads_for(self, name: str, offset: int, length: int) -> Storage:
+        return self._of(name).reads_for(name, offset, length)
 
     def shared_reads(self) -> Storage:
         return Overlay(self.top.shared_reads(), self.base.shared_reads())

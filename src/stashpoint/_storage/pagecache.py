@@ -86,16 +86,18 @@ def _advise(paths: Sequence[Path], advice: int) -> None:
             os.close(fd)
 
 
-def keep_cached(checkpoint: Path, paths: Sequence[Path], *, whole_node: bool = False) -> bool:
+def keep_cached(checkpoint: Path, paths: Sequence[Path], *, beside: int | None = None) -> bool:
     """Read ``paths`` (files of the checkpoint directory ``checkpoint``) into the page cache in
     the background, dropping what this process kept for an older checkpoint beside it. Files
     asked for before in the same checkpoint stay kept (a node's leader keeps its own files and
     the replicas it holds of other nodes').
 
     Returns whether the files were asked for: not when they exceed this rank's share of the
-    available memory (``CACHE_SHARE`` of MemAvailable over ``LOCAL_WORLD_SIZE``; with
-    ``whole_node``, files kept for the node rather than for one rank, ``CACHE_SHARE`` of it),
-    or off Linux.
+    available memory (``CACHE_SHARE`` of MemAvailable over ``LOCAL_WORLD_SIZE``), or off Linux.
+    With ``beside``, the files are kept for the node (the replicas its leader holds) beside
+    that many bytes of the node's own files of the checkpoint, and together they must fit in
+    ``CACHE_SHARE`` of it: a replica, read only when another node is lost, must not push out
+    the files a restart here reads first.
     """
     if not hasattr(os, "posix_fadvise") or not paths:
         return False
@@ -106,7 +108,8 @@ def keep_cached(checkpoint: Path, paths: Sequence[Path], *, whole_node: bool = F
         except OSError:
             return False
     avail = mem_available()
-    if avail is None or sizes > avail * CACHE_SHARE / (1 if whole_node else _local_ranks()):
+    share = None if avail is None else avail * CACHE_SHARE
+    if share is None or sizes > (share / _local_ranks() if beside is None else share - beside):
         log.debug("stashpoint: %s not kept in the page cache (%d bytes, %s available)", checkpoint, sizes, avail)
         return False
     run, kept = checkpoint.parent, _kept()
@@ -169,7 +172,9 @@ def resident_range(fd: int, offset: int, length: int) -> bool:
     """Whether the page cache holds every page of ``fd``'s ``length`` bytes from ``offset``, by
     one ``mincore`` over them (False where it cannot be asked, or the file ends before)."""
     size = _trusted_size(fd)
-    run = _page_run(fd, offset, length, size, probe=length) if size is not None and length > 0 else None
+    if size is None or length <= 0 or offset + length > size:
+        return False
+    run = _page_run(fd, offset, length, size, probe=length)
     return run is not None and run[0] and run[1] == length
 
 
