@@ -116,8 +116,8 @@ class Storage(abc.ABC):
 
     def reads_for(self, name: str, offset: int, length: int) -> Storage:
         """The storage to read ``length`` bytes of ``name`` from ``offset`` through: this one,
-        or, where the host's cache holds every one of them, a twin that reads them from it
-        with plain reads (a backend that bypasses the cache otherwise)."""
+        or a twin that reads them from the host's cache with plain reads, where the cache holds
+        every one of them and this backend's own reads would bypass it (direct I/O)."""
         return self
 
     def keep_cached(self, names: Sequence[str], *, beside: int | None = None) -> None:
