@@ -19,7 +19,8 @@ And the training time lost per save, node-local with replicas on and off: 40 ste
 at steps 16, 24 and 32, against the same 40 steps without saves (medians over the trials),
 divided by the saves; and the CPU time both nodes' processes used per save, the same way (what
 the saves cost a host whose cores training keeps busy). ``--cost``: the CPU time of a save
-alone, without training (from its call until ``wait()`` returns: durable, and copied).
+alone, without training (from its call until ``wait()`` returns: durable, and copied), the
+saves ``--gap`` seconds apart (default 0: back to back).
 ``--tier memory`` puts the nodes' directories on ``/dev/shm`` (a memory tier: replicas in the
 peers' host memory); S3 and DCP stay on disk. Run it alone: two cores serve both nodes.
 """
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sources", default=",".join(SOURCES), help="which restores to time (default: all)")
     ap.add_argument("--no-train", action="store_true", help="skip the training time lost per save")
     ap.add_argument("--cost", action="store_true", help="also the CPU time of a save alone, replicas off and on")
+    ap.add_argument("--gap", type=float, default=0.0, help="--cost: seconds between one save's end and the next")
     ap.add_argument("--tier", choices=("disk", "memory"), default="disk",
                     help="where the nodes' directories are: this host's disk, or /dev/shm")  # fmt: skip
     ap.add_argument("--log", action="store_true", help="the workers log stashpoint's INFO lines (to stderr here)")
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             for replicas in (0, 1):
                 shutil.rmtree(nodes / "node-0", ignore_errors=True)
                 shutil.rmtree(nodes / "node-1", ignore_errors=True)
-                for r in job(base, "cost", env, *common, "--replicas", str(replicas)):
+                for r in job(base, "cost", env, *common, "--replicas", str(replicas), "--gap", str(args.gap)):
                     cost.setdefault(replicas, []).extend(zip(r["save_cpu_s"], r["save_s"]))
         cpu_lost = lost_per_save(cpu) if cpu else {}
     finally:
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     for replicas, got in sorted(cost.items()):
         cpu_s, wall = statistics.median(c for c, _ in got), statistics.median(w for _, w in got)
         print(f"a save alone, replicas={replicas}: {cpu_s:.3f} CPU s per node, {wall:.3f} s until wait() returned "
-              f"(median of {len(got)})")  # fmt: skip
+              f"(median of {len(got)}, {args.gap:g} s apart)")  # fmt: skip
     return 0
 
 

@@ -11,7 +11,8 @@ training step; prints ``RESULT {json}`` with the load's time and the time from t
 node-local save at steps 16, 24 and 32 of 40 (``--replicas``); prints each step's time and the
 CPU time the process used. PHASE ``cost``: no training, four node-local saves (``--replicas``);
 the CPU time the process used and the wall time from each save's call until ``wait()`` returned
-(the first save, which allocates its buffers, left out).
+(the first save, which allocates its buffers, left out), ``--gap`` seconds apart (a training
+run's saves are minutes apart: back to back, a save's writes meet the last one's read-back).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def main() -> None:
     ap.add_argument("--source", default="own")
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--s3", default="")
+    ap.add_argument("--gap", type=float, default=0.0, help="cost: seconds between a save's wait() and the next save")
     args = ap.parse_args()
     if os.environ.get("BENCH_LOG"):
         logging.basicConfig(level=logging.INFO, format=f"[node {os.environ.get('GROUP_RANK')}] %(message)s")
@@ -121,6 +123,7 @@ def main() -> None:
                 if step > 1:
                     out["save_cpu_s"].append(u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime)
                     out["save_s"].append(time.perf_counter() - t)
+                time.sleep(args.gap)
     else:
         times = []
         mgr = None
