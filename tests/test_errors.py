@@ -410,3 +410,11 @@ def test_an_expanded_tensor_saves_and_loading_into_one_names_it(tmp_path):
     assert torch.equal(out["t"], torch.zeros(10))
     with pytest.raises(stashpoint.StateMismatchError, match=r"'t': the state's tensor is an expanded view"):
         stashpoint.load({"t": torch.ones(1).expand(10)}, tmp_path / "c")
+
+
+def test_a_path_under_a_file_names_the_file_in_the_way(tmp_path):
+    (tmp_path / "afile").write_text("not a directory")
+    with pytest.raises(stashpoint.CheckpointError, match=r"afile exists and is not a directory, so .*afile/sub cannot"):
+        stashpoint.save({"w": torch.ones(3)}, tmp_path / "afile" / "sub")
+    with pytest.raises(stashpoint.CheckpointError, match=r"afile exists and is not a directory; a checkpoint"):
+        stashpoint.CheckpointManager(tmp_path / "afile")

@@ -19,7 +19,8 @@ from stashpoint._dist.nodes import recv_tensor, send_tensor
 from stashpoint._state.dtypes import as_memoryview
 from stashpoint._storage import Storage
 from stashpoint._storage.directio import BouncePool
-from stashpoint.errors import CheckpointError
+from stashpoint._storage.oserror import is_damage
+from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 CHUNK = 16 << 20  # gloo moves these as fast as larger ones, with less memory to fault in
 _KEEP = 4  # idle buffers kept: a replica's send and receive run at once, two buffers each
@@ -101,7 +102,13 @@ class Stream:
                     pos += b - a
                 return
             except (OSError, EOFError, CheckpointError) as e:
-                self.error = CheckpointError(f"reading {step.location}/{name}: {e}")
+                # a file gone, cut short or unreadable for good: the copy is damaged
+                gone = isinstance(e, (EOFError, CorruptCheckpointError)) or (
+                    isinstance(e, OSError) and not isinstance(e, CheckpointError) and is_damage(e)
+                )
+                self.error = (CorruptCheckpointError if gone else CheckpointError)(
+                    f"reading {step.location}/{name}: {e}"
+                )
         mv[:] = bytes(len(mv))
 
     def send(self, step: Storage, name: str, ranges: Sequence[tuple[int, int]]) -> None:

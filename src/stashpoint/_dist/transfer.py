@@ -35,7 +35,8 @@ from stashpoint._dist.memfetch import disk_of, landing_target
 from stashpoint._dist.nodes import NodeSave, recv_blob, send_blob
 from stashpoint._dist.stream import Stream
 from stashpoint._storage import LocalStorage, Storage
-from stashpoint.errors import CheckpointError, CorruptCheckpointError
+from stashpoint._storage.oserror import is_damage
+from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 log = logging.getLogger("stashpoint")
 
@@ -228,11 +229,14 @@ def run_transfers(
     save_id: str,
     remote: RemoteCopy | None = None,
     tally: dict[str, int] | None = None,
-) -> str | None:
+) -> tuple[str, bool] | None:
     """This rank's part of ``transfers`` (in their order): every one of them, whatever failed
-    before (its peers wait for it); the errors as a string, else None. The bytes this node
-    received are added to ``tally`` under "peers" and "remote" (on its leader)."""
+    before (its peers wait for it); None, or the errors as a string and whether they all say
+    a copy is damaged or gone (a restore then falls back past this step; not when a node had
+    no room, a peer or the remote tier failed). The bytes this node received are added to
+    ``tally`` under "peers" and "remote" (on its leader)."""
     errors = []
+    damage = True
     tally = {} if tally is None else tally
     for t in transfers:
         try:
@@ -246,7 +250,14 @@ def run_transfers(
                 tally["peers"] = tally.get("peers", 0) + recv_step_files(ctx, leaders[t.src], step, t, save_id)
         except Exception as e:
             errors.append(f"rank {ctx.rank}: {type(e).__name__}: {e}")
-    return "; ".join(errors[:4]) or None
+            damage = damage and _says_damage(e)
+    return ("; ".join(errors[:4]), damage) if errors else None
+
+
+def _says_damage(e: BaseException) -> bool:
+    if isinstance(e, (CorruptCheckpointError, IncompleteCheckpointError, FileNotFoundError)):
+        return True
+    return isinstance(e, OSError) and not isinstance(e, CheckpointError) and is_damage(e)
 
 
 def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str, room: Room | None) -> None:

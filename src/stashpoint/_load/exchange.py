@@ -14,7 +14,7 @@ import torch
 
 from stashpoint._core.assign import Item
 from stashpoint._dist.group import DistContext
-from stashpoint.errors import CheckpointError
+from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 
 def _order(items: list[tuple[Item, torch.Tensor]]) -> list[tuple[Item, torch.Tensor]]:
@@ -84,23 +84,45 @@ def broadcast_shares(ctx: DistContext, readers: dict[Item, int], dests: dict[Ite
     return received
 
 
+def failure(e: CheckpointError) -> tuple[str, bool]:
+    """A rank's failed status for :func:`agree`: its message, and whether it says the copy is
+    damaged or incomplete (a restore falls back past such a copy, and no other)."""
+    return str(e), isinstance(e, (CorruptCheckpointError, IncompleteCheckpointError))
+
+
 def agree(ctx: DistContext, what: str, status: Any, error: type[CheckpointError] = CheckpointError) -> bool:
-    """Tell rank 0 one status per rank; raise ``error`` on every rank if any rank reported an
-    error string, so that all ranks take the same path (e.g. all fall back to an older
-    checkpoint). Returns whether every rank's status was the same. Each rank sends one status
-    and receives one small answer (rank 0 alone sees all R)."""
+    """Tell rank 0 one status per rank; raise on every rank if any rank failed, so that all
+    ranks take the same path (e.g. all fall back to an older checkpoint, or none does). A
+    failed status is a message (a damaged copy), or a :func:`failure`. Raises ``error`` when
+    every failure says the copy is damaged, else a plain :class:`CheckpointError` (a rank that
+    raises its own error instead checks the kind with :func:`own_or_agreed`). Returns whether
+    every rank's status was the same. Each rank sends one status and receives one small
+    answer (rank 0 alone sees all R)."""
     statuses = ctx.gather(what, status)
-    verdict: tuple[str, Any] | None = None
+    verdict: tuple[str, Any, bool] | None = None
     if statuses is not None:
-        failed = [(r, s) for r, s in enumerate(statuses) if isinstance(s, str)]
-        shown = "; ".join(f"rank {r}: {s}" for r, s in failed[:16])[:4000]
+        failed = [(r, (s, True) if isinstance(s, str) else s) for r, s in enumerate(statuses) if _failed(s)]
+        shown = "; ".join(f"rank {r}: {message}" for r, (message, _) in failed[:16])[:4000]
         if failed:
             ranks = ", ".join(str(r) for r, _ in failed[:64]) + (" ..." if len(failed) > 64 else "")
-            verdict = ("failed", f"loading failed on rank(s) {ranks}: {shown}")
+            verdict = ("failed", f"loading failed on rank(s) {ranks}: {shown}", all(d for _, (_, d) in failed))
         else:
-            verdict = ("ok", all(s == statuses[0] for s in statuses))
+            verdict = ("ok", all(s == statuses[0] for s in statuses), True)
     verdict = ctx.broadcast(f"{what} (verdict)", verdict)
     assert verdict is not None
     if verdict[0] == "failed":
-        raise error(verdict[1])
+        raise (error if verdict[2] else CheckpointError)(verdict[1])
     return bool(verdict[1])
+
+
+def _failed(status: Any) -> bool:
+    return isinstance(status, (str, tuple))
+
+
+def own_or_agreed(own: CheckpointError | None, agreed: CheckpointError) -> CheckpointError:
+    """What a rank raises once :func:`agree` raised ``agreed``: its own error where that is of
+    the same kind (a damaged copy or not), so that every rank takes the same path."""
+    damage = (CorruptCheckpointError, IncompleteCheckpointError)
+    if own is not None and isinstance(own, damage) == isinstance(agreed, damage):
+        return own
+    return agreed

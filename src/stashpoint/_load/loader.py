@@ -17,9 +17,9 @@ from stashpoint._core.index import Head
 from stashpoint._core.reshard import Box, intersect
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext, rank_of
-from stashpoint._load.exchange import agree, broadcast_shares
+from stashpoint._load.exchange import agree, broadcast_shares, failure, own_or_agreed
 from stashpoint._load.manifest import read_head, read_view, remembered, unlisted_shards, writers_of
-from stashpoint._load.reads import Fetched, execute_reads, fetch
+from stashpoint._load.reads import Fetched, fetch, prepare_reads, run_reads
 from stashpoint._load.restore import Planner, Read
 from stashpoint._load.restore import RestorePlan as Plan
 from stashpoint._runtime import gc_paused
@@ -180,10 +180,14 @@ def _read(
     try:
         if atomic:
             return fetch(storage, manifest, reads, verify=verify, ranks_share_host=shared_host), None
-        execute_reads(storage, manifest, reads, verify=verify, ranks_share_host=shared_host)
+        pieces = prepare_reads(storage, manifest, reads, ranks_share_host=shared_host)
+    except CheckpointError as e:  # nothing read into the state yet
+        return None, e
+    try:
+        run_reads(storage, pieces, verify=verify)
         return None, None
     except CheckpointError as e:
-        if atomic or not reads:
+        if not pieces:
             return None, e
         return None, type(e)(
             f"{e}\nSome of the state's tensors may already hold this checkpoint's values (its plain values "
@@ -217,11 +221,9 @@ def _load_together(
     items = sorted((k, b.offsets, b.shape, n) for (k, b), n in wanted.items())
     digest = xxhash.xxh3_128_intdigest(repr(items).encode())  # not a str: a str status is an error
     try:
-        alike = agree(ctx, "load plans", str(plan_error) if plan_error else digest)
-    except CheckpointError:
-        if plan_error:
-            raise plan_error from None
-        raise
+        alike = agree(ctx, "load plans", failure(plan_error) if plan_error else digest, CorruptCheckpointError)
+    except CheckpointError as agreed:
+        raise own_or_agreed(plan_error, agreed) from None
     assert plan is not None  # every rank planned: agree() raised otherwise
     readers: dict[Item, int] = {}
     if share and alike and wanted:
@@ -230,11 +232,9 @@ def _load_together(
     _warn_skipped(plan, storage.location, 4)
     fetched, error = _read(storage, manifest, reads, verify=verify, atomic=atomic, shared_host=not share)
     try:
-        agree(ctx, "load reads", str(error) if error else 0, CorruptCheckpointError)
-    except CheckpointError:
-        if error:
-            raise error from None
-        raise
+        agree(ctx, "load reads", failure(error) if error else 0, CorruptCheckpointError)
+    except CheckpointError as agreed:
+        raise own_or_agreed(error, agreed) from None
     if fetched is not None:  # every rank read and verified its part: now the state changes
         fetched.land()
     if readers:

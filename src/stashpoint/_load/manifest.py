@@ -15,6 +15,7 @@ from stashpoint._core.index import Head, RankIndex, assemble, parse_head, parse_
 from stashpoint._core.naming import MANIFEST_NAME, looks_like_shard, parse_save_file, parse_step_dir
 from stashpoint._core.reshard import Box
 from stashpoint._storage import LocalStorage, Storage, storage_for
+from stashpoint._storage.oserror import is_damage, read_failed
 from stashpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -57,19 +58,21 @@ def read_head(storage: Storage) -> Manifest | Head:
     """Read and validate the manifest of the checkpoint at ``storage``: a version-1 manifest
     whole, a version-2 one as its head (the catalog and the list of indexes)."""
     loc = storage.location
-    if isinstance(storage, LocalStorage) and storage.root.is_file():
-        hint = (
-            "convert it with: stashpoint import SRC PATH"
-            if storage.root.suffix in _TORCH_FILES
-            else "give the checkpoint's directory"
-        )
-        raise CheckpointError(f"{loc} is a file, not a stashpoint checkpoint directory; {hint}")
     try:
+        if isinstance(storage, LocalStorage) and storage.root.is_file():
+            hint = (
+                "convert it with: stashpoint import SRC PATH"
+                if storage.root.suffix in _TORCH_FILES
+                else "give the checkpoint's directory"
+            )
+            raise CheckpointError(f"{loc} is a file, not a stashpoint checkpoint directory; {hint}")
         if storage.size(MANIFEST_NAME) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(f"the manifest of {loc} is larger than the {MAX_MANIFEST_BYTES} byte cap")
         raw = storage.read(MANIFEST_NAME)
     except FileNotFoundError:
         _no_manifest(storage)
+    except OSError as e:
+        raise read_failed(f"the manifest of {loc}", e) from None
     return remembered(("head", raw), lambda: parse_head(raw, f"{loc}/{MANIFEST_NAME}"))
 
 
@@ -87,7 +90,7 @@ def read_index(storage: Storage, head: Head, rank: int) -> RankIndex:
     except FileNotFoundError:
         raise CorruptCheckpointError(f"index {where} listed in the manifest is missing") from None
     except OSError as e:
-        raise CorruptCheckpointError(f"reading index {where} failed: {e.strerror or e}") from None
+        raise read_failed(f"index {where}", e) from None
     if len(raw) != size or checksum(raw) != sums:
         raise CorruptCheckpointError(f"index {where} does not match the manifest's checksum (damaged, or replaced)")
     # the head is held by the memo's value, so its id is not reused while it is remembered
@@ -137,9 +140,13 @@ def open_checkpoint(path: str | os.PathLike[str] | Storage) -> tuple[Storage, Ma
 
 def _no_manifest(storage: Storage) -> NoReturn:
     loc = storage.location.rstrip("/")
-    if not storage.exists(None):
+    try:
+        there = storage.exists(None)
+        names = storage.list() + storage.children() if there else []
+    except OSError as e:
+        raise read_failed(f"the directory {loc}", e) from None
+    if not there:
         raise CheckpointNotFoundError(f"no checkpoint at {loc}: the path does not exist (check the spelling)")
-    names = storage.list() + storage.children()
     steps = sorted(n for n in names if parse_step_dir(n) is not None)
     if steps:
         newest = next((n for n in reversed(steps[-10:]) if storage.child(n).exists(MANIFEST_NAME)), steps[-1])
@@ -195,6 +202,8 @@ def shard_problem(storage: Storage, manifest: Manifest, fe: FileEntry) -> tuple[
     except CorruptCheckpointError as e:  # not a regular file
         return str(e), False
     except OSError as e:
+        if not is_damage(e):  # permissions, limits: not a problem of the checkpoint's
+            raise read_failed(f"shard {shard_where(storage, manifest, fe.name)}", e) from None
         return f"shard {shard_where(storage, manifest, fe.name)} is refused: {e.strerror or e}", False
     if size != fe.size:
         what = "truncated" if size < fe.size else "larger than recorded"
@@ -209,6 +218,8 @@ def shard_problem(storage: Storage, manifest: Manifest, fe: FileEntry) -> tuple[
     except CorruptCheckpointError as e:
         return str(e), True
     except OSError as e:
+        if not is_damage(e):
+            raise read_failed(f"the header of shard {where}", e) from None
         return f"reading the header of shard {where} failed: {e.strerror or e}", True
     if not isinstance(meta, dict) or meta.get("save_id") != manifest.save_id:
         return f"shard {shard_where(storage, manifest, fe.name)} belongs to another save than its manifest", True

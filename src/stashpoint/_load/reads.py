@@ -32,6 +32,7 @@ from stashpoint._load.restore import Read
 from stashpoint._load.slotreads import SlotReads
 from stashpoint._state.dtypes import as_memoryview
 from stashpoint._storage import Storage
+from stashpoint._storage.oserror import read_failed
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 _READ_THREADS = 4
@@ -231,6 +232,10 @@ def _read_jobs(pieces: list[_Piece]) -> list[_ReadJob]:
 def _gather(futures: list[cf.Future[None]], storage: Storage, errors: list[str]) -> None:
     for f in futures:
         e = f.exception()
+        if isinstance(e, OSError) and not isinstance(e, CheckpointError):
+            e = read_failed(f"the checkpoint at {storage.location}", e)  # damage, or a cause to fix
+            if not isinstance(e, CorruptCheckpointError):
+                raise e
         if isinstance(e, CorruptCheckpointError):
             errors.append(str(e))
         elif e is not None:
@@ -293,8 +298,21 @@ def execute_reads(
     it needs; whole tensors (replicated: every rank reads them) are then read through the page
     cache (``storage.shared_reads()``), the rest (shards: one reader each) as ``storage`` reads.
     """
+    run_reads(storage, prepare_reads(storage, manifest, reads, ranks_share_host=ranks_share_host), verify=verify)
+
+
+def prepare_reads(
+    storage: Storage, manifest: Manifest, reads: list[Read], *, ranks_share_host: bool = False
+) -> list[_Piece]:
+    """:func:`execute_reads`' pieces, their shards checked (present, whole, of this save);
+    nothing read into a destination yet."""
     pieces = plan_pieces(manifest, reads, shared_whole=ranks_share_host)
     check_files(storage, manifest, (p.chunk.file for p in pieces))
+    return pieces
+
+
+def run_reads(storage: Storage, pieces: list[_Piece], *, verify: bool) -> None:
+    """Read, verify and place the pieces :func:`prepare_reads` gave."""
     _execute_pipelined(storage, pieces, verify, place=True)
 
 

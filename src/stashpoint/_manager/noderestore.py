@@ -35,7 +35,7 @@ from stashpoint._dist.group import DistContext
 from stashpoint._dist.landing import PARTIAL_RE
 from stashpoint._dist.nodes import NodeMap, NodeSave, agree_nodes, this_node
 from stashpoint._dist.transfer import RemoteCopy, run_transfers
-from stashpoint._load.exchange import agree
+from stashpoint._load.exchange import agree, failure, own_or_agreed
 from stashpoint._load.loader import ranges_needed, writers_needed
 from stashpoint._load.manifest import read_head, read_index
 from stashpoint._manager.restoring import RestoreReport, try_in_order
@@ -322,22 +322,26 @@ class NodeLocal:
     def _gather_needs(self, ctx: DistContext, at: Storage, mine: Callable[[], Any]) -> dict[int, list[Any]]:
         """Each rank's ``mine()``, grouped by node on rank 0 ({} elsewhere); raises on every rank
         when any rank failed."""
+        own: CheckpointError | None = None
         try:
             with gc_paused():  # parses and plans as a load does (the load pauses its own)
                 value: Any = ("ok", mine())
         except CheckpointError as e:
-            value = ("error", f"rank {ctx.rank}: {e}")
+            own, value = e, ("error", *failure(e))
         gathered = ctx.gather("node-local: what each rank's load reads", value)
         out: dict[int, list[Any]] = {}
         problem = None
         if gathered is not None:
-            bad = [g[1] for g in gathered if g[0] == "error"]
-            problem = "; ".join(bad[:8])[:4000] if bad else None
-            for r, (_, v) in enumerate(gathered):
-                out.setdefault(self.map.of_rank[r], []).append(v)
+            bad = [(r, g) for r, g in enumerate(gathered) if g[0] == "error"]
+            shown = "; ".join(f"rank {r}: {g[1]}" for r, g in bad[:8])[:4000]
+            # a damaged copy on every rank that failed: fall back past it; a mismatch of the state, no
+            problem = (shown, all(g[2] for _, g in bad)) if bad else None
+            for r, g in enumerate(gathered):
+                out.setdefault(self.map.of_rank[r], []).append(g[1])
         problem = ctx.broadcast("node-local: planning", problem)
         if problem:
-            raise CorruptCheckpointError(f"planning the load of {at.location} failed: {problem}")
+            error = CorruptCheckpointError if problem[1] else CheckpointError
+            raise own_or_agreed(own, error(f"planning the load of {at.location} failed: {problem[0]}"))
         return out
 
     def _transfer(

@@ -94,9 +94,16 @@ class LocalStorage(Storage):
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):  # a file where a directory must be
+            blocker = next((p for p in (self.root, *self.root.parents) if p.exists() and not p.is_dir()), self.root)
             raise CheckpointError(
-                f"{self.root} exists and is not a directory; a checkpoint is a directory: remove the file or "
-                "choose another path"
+                f"{blocker} exists and is not a directory"
+                + ("" if blocker == self.root else f", so {self.root} cannot be made under it")
+                + "; a checkpoint is a directory: remove the file or choose another path"
+            ) from None
+        except OSError as e:  # permissions, a read-only file system, no space
+            raise CheckpointError(
+                f"cannot create the checkpoint directory {self.root}: {e.strerror or e}; choose a path this "
+                "process can write to, or fix the permissions of its parent"
             ) from None
         if self.root.is_symlink() or not self.root.is_dir():
             raise CheckpointError(f"{self.root} is not a directory (a symbolic link?); choose another path")

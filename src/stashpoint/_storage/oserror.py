@@ -1,0 +1,48 @@
+"""What a failed read of a checkpoint's file says about the checkpoint.
+
+Some failures of the operating system say the copy is damaged or gone (an I/O error, a file
+missing or replaced by a directory or a symbolic link loop): a restore may then fall back to
+an older copy and set this one aside. Others say only that it cannot be read here and now
+(permissions, the open-file limit, memory, a network file system gone away): the copy may be
+the newest good one, so nothing is set aside and no older step is loaded in its place.
+"""
+
+from __future__ import annotations
+
+import errno
+
+from stashpoint.errors import CheckpointError, CorruptCheckpointError
+
+_DAMAGE = frozenset(
+    {
+        errno.ENOENT,
+        errno.EIO,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.ELOOP,
+        errno.ENXIO,
+        errno.ENODATA,
+        errno.EBADMSG,
+        getattr(errno, "EUCLEAN", 117),  # "structure needs cleaning": the file system found damage
+    }
+)
+
+
+def is_damage(e: OSError) -> bool:
+    """Whether ``e`` says the file read is damaged or gone (not that it cannot be read now)."""
+    return e.errno in _DAMAGE
+
+
+def read_failed(what: str, e: OSError) -> CheckpointError:
+    """The error of a failed read of ``what`` (a file, named by its path): a
+    :class:`CorruptCheckpointError` where ``e`` says the copy is damaged or gone, otherwise a
+    plain :class:`CheckpointError` that says the copy was left alone and names the fix."""
+    reason = e.strerror or str(e) or type(e).__name__
+    if is_damage(e):
+        return CorruptCheckpointError(f"reading {what} failed: {reason}")
+    code = f" ({errno.errorcode[e.errno]})" if e.errno is not None and e.errno in errno.errorcode else ""
+    return CheckpointError(
+        f"reading {what} failed: {reason}{code}. This does not say the checkpoint is damaged, so it is "
+        "neither set aside nor passed over for an older one: fix the cause (the files' permissions, the "
+        "open-file limit, the storage's reachability) and load again"
+    )

@@ -1,0 +1,127 @@
+"""One rank of tests/test_read_errors.py (run by tests/dist_util.run_world as a real process).
+
+    python readerror_worker.py SCENARIO ROOT   (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment)
+
+The rank named by ``NO_DAC_RANK`` runs without the power to override file permissions: as root
+(this project's test host) it drops ``CAP_DAC_OVERRIDE`` and ``CAP_DAC_READ_SEARCH`` from its
+bounding set and starts itself again, so that a file of mode 000 is really unreadable to it,
+as it is to any other user. Prints one ``RESULT {json}`` line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+from pathlib import Path
+
+RANK = int(os.environ["RANK"])
+_PR_CAPBSET_DROP = 24
+_DAC_CAPS = (1, 2)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+
+
+def _without_dac_override() -> None:
+    """Start this process again without the capabilities that let root read any file."""
+    if os.environ.get("NO_DAC_RANK") != str(RANK) or os.environ.get("NO_DAC_DONE") or os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in _DAC_CAPS:
+        if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
+    os.environ["NO_DAC_DONE"] = "1"
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
+_without_dac_override()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import stashpoint  # noqa: E402
+from stashpoint._core.naming import step_dir  # noqa: E402
+
+
+def result(**kw: object) -> None:
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+def main() -> None:
+    scenario, root = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    globals()["scenario_" + scenario](root)
+    sys.stdout.flush()
+    os._exit(0)  # no gloo teardown after DTensor collectives (tests/dist_worker.py says why)
+
+
+def _state(value: float) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return {"w": distribute_tensor(torch.full((8, 4), value), mesh, [Shard(0)]), "step": int(value)}
+
+
+def _restore_after(root: str, spoil: str) -> None:
+    """Steps 1 and 2 saved; then this rank spoils its own file of step 2 (``spoil``: "shard" or
+    "index" made unreadable, "index-damage" a flipped byte, "" nothing) and every rank restores."""
+    with stashpoint.CheckpointManager(root, keep_last=None) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(float(step))).wait()
+    dist.barrier()
+    last = dist.get_world_size() - 1
+    if spoil and last == RANK:
+        prefix = "shard-r" if spoil == "shard" else "index-r"
+        mine = next(p for p in Path(root, step_dir(2)).rglob(f"{prefix}{RANK:05d}*"))
+        if spoil == "index-damage":
+            data = bytearray(mine.read_bytes())
+            data[len(data) // 2] ^= 0x20
+            mine.write_bytes(bytes(data))
+        else:
+            mine.chmod(0)
+    dist.barrier()
+    state = _state(0.0)
+    out: dict = {}
+    try:
+        with stashpoint.CheckpointManager(root, keep_last=None) as mgr:
+            out["step"] = mgr.restore(state)
+        out["value"] = float(state["w"].to_local()[0, 0])
+    except Exception as e:
+        out["error"], out["message"] = type(e).__name__, str(e)
+    out["set_aside"] = sorted(p.name for p in Path(root).iterdir() if ".damaged-" in p.name)
+    result(**out)
+
+
+def scenario_unreadable_shard(root: str) -> None:
+    _restore_after(root, "shard")
+
+
+def scenario_unreadable_index(root: str) -> None:
+    _restore_after(root, "index")
+
+
+def scenario_damaged_index(root: str) -> None:
+    _restore_after(root, "index-damage")
+
+
+def scenario_unreadable_dir(root: str) -> None:
+    """A checkpoint directory this process may not read, loaded; a manager whose root it may not make."""
+    stashpoint.save(_state(3.0), Path(root, "ckpt"))
+    Path(root, "ckpt").chmod(0)
+    Path(root, "locked").mkdir(mode=0o500)
+    out = {}
+    for what, call in (
+        ("load", lambda: stashpoint.load(_state(0.0), Path(root, "ckpt"))),
+        ("manager", lambda: stashpoint.CheckpointManager(Path(root, "locked", "run"))),
+    ):
+        try:
+            call()
+            out[what] = "no error"
+        except Exception as e:
+            out[what] = f"{type(e).__name__}: {e}"
+    Path(root, "ckpt").chmod(0o755)
+    result(**out)
+
+
+if __name__ == "__main__":
+    main()

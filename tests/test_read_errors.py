@@ -1,0 +1,52 @@
+"""A file the process may not read is not a damaged checkpoint: a restore raises, names the
+file and sets nothing aside, on every rank alike; damage found by one rank sends every rank
+to the same older step. Real processes, a real gloo group, and (as root) a rank really
+without the power to read a file of mode 000 (tests/readerror_worker.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_util import WORKER, run_world
+
+NO_DAC = WORKER.with_name("readerror_worker.py")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_unreadable_shard_of_the_newest_step_is_raised_and_the_step_kept(tmp_path, monkeypatch, world):
+    """Before: taken for damage, step 2 was set aside and step 1 loaded: progress lost."""
+    monkeypatch.setenv("NO_DAC_RANK", str(world - 1))
+    results = run_world(world, "unreadable_shard", str(tmp_path), worker=NO_DAC)
+    for r in results:
+        assert r["error"] == "CheckpointError", r
+        assert r["set_aside"] == [], r
+    last = results[-1]
+    assert "Permission denied" in last["message"] and "shard-r" in last["message"], last
+    assert "neither set aside" in last["message"], last
+    assert (tmp_path / "step-00000002" / "manifest.json").exists()
+
+
+def test_an_index_one_rank_cannot_read_is_raised_on_every_rank(tmp_path, monkeypatch):
+    """The planning stage: only the last rank reads its index; every rank raises the same kind
+    of error (one falling back while another raised would leave the job split)."""
+    monkeypatch.setenv("NO_DAC_RANK", "1")
+    results = run_world(2, "unreadable_index", str(tmp_path), worker=NO_DAC)
+    assert [r["error"] for r in results] == ["CheckpointError", "CheckpointError"], results
+    assert all(r["set_aside"] == [] for r in results), results
+    assert "Permission denied" in results[1]["message"], results
+
+
+def test_an_index_damaged_on_one_rank_sends_every_rank_back_to_the_same_step(tmp_path):
+    """Before: the rank that found the damage fell back alone while the other raised."""
+    for r in run_world(2, "damaged_index", str(tmp_path), worker=NO_DAC, timeout=120):
+        assert r.get("step") == 1 and r.get("value") == 1.0, r
+        assert len(r["set_aside"]) == 1, r
+
+
+def test_an_unreadable_checkpoint_or_run_directory_is_a_checkpoint_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("NO_DAC_RANK", "0")
+    (r,) = run_world(1, "unreadable_dir", str(tmp_path), worker=NO_DAC)
+    assert r["load"].startswith("CheckpointError: ") and "Permission denied" in r["load"], r
+    assert "manifest" in r["load"] or "ckpt" in r["load"], r
+    assert r["manager"].startswith("CheckpointError: cannot create the checkpoint directory"), r
+    assert "locked" in r["manager"], r
