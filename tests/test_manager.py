@@ -267,3 +267,46 @@ def test_manager_options_overlap_and_writer_apply_to_its_saves(tmp_path):
         assert mgr.restore(out) == 1 and out["w"][0] == 1.0
     with pytest.raises(ValueError, match="writer"):
         stashpoint.CheckpointManager(tmp_path / "r2", writer="nope")
+
+
+def test_metrics_that_are_not_numbers_are_refused_by_key_before_anything_is_written(tmp_path):
+    import numpy as np
+
+    state = {"w": torch.ones(3)}
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_best=(1, "loss")) as mgr:
+        with pytest.raises(TypeError, match=r"metrics\['loss'\] is a Tensor, not a number: .*loss.item\(\)"):
+            mgr.save(1, state, metrics={"loss": torch.tensor(0.5)})
+        assert mgr.steps() == [] and not (tmp_path / "run" / "step-00000001").exists()
+        mgr.save(1, state, metrics={"loss": np.float32(0.25), "seen": np.int64(7)})  # NumPy scalars: numbers
+        mgr.wait()
+    with stashpoint.CheckpointManager(tmp_path / "run") as mgr:
+        assert mgr._metrics_of(1) == {"loss": 0.25, "seen": 7}
+
+
+def test_restoring_a_step_the_run_lacks_names_the_steps_it_has(tmp_path):
+    state = {"w": torch.ones(3)}
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=None) as mgr:
+        for step in (2, 4):
+            mgr.save(step, state)
+        mgr.wait()
+        held = r"step-00000099.*the committed steps there are 2, 4"
+        with pytest.raises(stashpoint.CheckpointNotFoundError, match=held):
+            mgr.restore(state, step=99)
+        with pytest.raises(ValueError, match="maybe_save need a schedule"):
+            mgr.maybe_save(5, state)
+
+
+def test_a_manager_never_closed_finishes_its_saves_and_retention_at_exit(tmp_path):
+    """The last save ends while the interpreter exits, after it stopped the manager's pool."""
+    script = (
+        "import sys, torch, stashpoint\n"
+        "mgr = stashpoint.CheckpointManager(sys.argv[1], keep_last=1)\n"
+        "for s in range(1, 4):\n"
+        "    mgr.save(s, {'w': torch.full((256, 256), float(s))})\n"
+    )
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(run)], capture_output=True, text=True, timeout=120, env=_env()
+    )
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("step-")) == ["step-00000003"]

@@ -63,7 +63,7 @@ def is_plain(node: Node) -> bool:
     return "tensor" not in node and "stateful" not in node
 
 
-def decode_plain(node: Node, *, allow_pickle: bool, where: str) -> Any:
+def decode_plain(node: Node, *, allow_pickle: bool, where: str, key: str | None = None) -> Any:
     """Rebuild a plain node's Python value."""
     if "value" in node:
         return node["value"]
@@ -82,8 +82,9 @@ def decode_plain(node: Node, *, allow_pickle: bool, where: str) -> Any:
         return tuple(decode_plain(v, allow_pickle=allow_pickle, where=where) for v in node["tuple"])
     if "pickle" in node:
         if not allow_pickle:
+            under = f" under {key!r}" if key else ""
             raise CheckpointError(
-                f"the checkpoint at {where} holds a pickled value; loading it would run code from the "
+                f"the checkpoint at {where} holds a pickled value{under}; loading it would run code from the "
                 "file. Pass allow_pickle=True only if you trust where the file came from."
             )
         return pickle.loads(base64.b64decode(node["pickle"]))  # noqa: S301 - explicit opt-in

@@ -141,7 +141,7 @@ class Planner:
             seq = like if isinstance(like, (list, tuple)) and len(like) == len(items) else [None] * len(items)
             out = [self.build(v, join(where, i), x) for i, (v, x) in enumerate(zip(items, seq))]
             return out if "list" in node else tuple(out)
-        return decode_plain(node, allow_pickle=self.allow_pickle, where=self.where)
+        return decode_plain(node, allow_pickle=self.allow_pickle, where=self.where, key=where or None)
 
     # -- the walk ------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from stashpoint._manager.lock import acquire_root_lock
 from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, stop
 from stashpoint._manager.restoring import RestoreReport, restore_run
-from stashpoint._manager.saving import after_save, save_options
+from stashpoint._manager.saving import after_save, plain_metrics, save_options
 from stashpoint._manager.steps import (
     committed_steps,
     delete_step,
@@ -223,7 +223,10 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether a save is due at ``step`` by ``every_steps`` / ``every_seconds``."""
         if not self.schedule.configured:
-            raise ValueError("should_save needs every_steps and/or every_seconds on the CheckpointManager")
+            raise ValueError(
+                "should_save and maybe_save need a schedule: pass every_steps and/or every_seconds to the "
+                "CheckpointManager, or call save() when a save is due"
+            )
         if self.world > 1 and self.schedule.every_seconds is not None:
             raise ValueError(
                 "every_seconds would let ranks decide differently in a distributed run (their clocks differ); "
@@ -263,6 +266,7 @@ class CheckpointManager:
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        metrics = plain_metrics(metrics)
         target = self._at(step)
         if self._nodes is not None:  # the last restore's fetched files are in the node's directory first
             self._nodes.settled()
@@ -278,7 +282,6 @@ class CheckpointManager:
             )
         if self._owner:  # the remains of an earlier failed save of this step, if any
             target.remove_tree()
-        metrics = dict(metrics or {})
         opts = save_options(self, step, metrics, options)
         self._last_save_time = time.monotonic()
         try:
@@ -323,7 +326,16 @@ class CheckpointManager:
         """An upload ended: local steps it protected may go now."""
         with self._lock:
             if self._owner and not self._closed:
-                self._deletions.append(self._deleter.submit(self._apply_retention))
+                self._retain_later()
+
+    def _retain_later(self) -> None:
+        """Apply the retention rules on the manager's thread (called under ``_lock``). At
+        interpreter exit, a save still ending in a manager never closed finds that thread gone
+        (the interpreter stops its pools first): the rules are applied here and now."""
+        try:
+            self._deletions.append(self._deleter.submit(self._apply_retention))
+        except RuntimeError:
+            self._apply_retention()
 
     # -- restoring -----------------------------------------------------------------------------
 

@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stashpoint._manager.tiers import restore_order
-from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from stashpoint.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
 
 log = logging.getLogger("stashpoint")
 
@@ -130,7 +135,10 @@ def restore_run(
     if mgr._nodes is not None:
         return mgr._nodes.restore(mgr.storage, state, step, load_one, options, remote)  # type: ignore[no-any-return]
     if remote is None and step is not None:
-        load_one(mgr._at(step))
+        try:
+            load_one(mgr._at(step))
+        except CheckpointNotFoundError as e:
+            raise CheckpointNotFoundError(f"{e}; {_held(mgr.steps())}") from None
         return RestoreReport(step, "local", ((step, "local"),), ())
     if mgr._tier is None or mgr.world == 1:
         order = restore_order(mgr.steps(), mgr.remote_steps(), step)
@@ -150,3 +158,11 @@ def restore_run(
         for s, t, _ in damaged:
             move_aside(mgr.storage if t == "local" or mgr._tier is None else mgr._tier.remote, s)
     return RestoreReport(candidate, tier, tuple(order), tuple(damaged))
+
+
+def _held(steps: list[int]) -> str:
+    """The committed steps a run directory holds, for an error naming a step it lacks."""
+    if not steps:
+        return "the run directory holds no committed step"
+    shown = ("..., " if len(steps) > 10 else "") + ", ".join(str(s) for s in steps[-10:])
+    return f"the committed steps there are {shown} (restore(state) loads the newest)"

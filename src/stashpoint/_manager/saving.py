@@ -7,6 +7,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import logging
+import numbers
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from stashpoint._core.naming import MANIFEST_NAME
@@ -19,6 +21,26 @@ if TYPE_CHECKING:
     from stashpoint._manager.manager import CheckpointManager
 
 log = logging.getLogger("stashpoint")
+
+
+def plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    """``metrics`` as plain numbers (a NumPy scalar becomes a float); raises ``TypeError`` naming
+    the key of a value that is not a number (a tensor: its ``.item()`` is the caller's to take,
+    as it waits for the GPU)."""
+    out: dict[str, float] = {}
+    for key, value in (metrics or {}).items():
+        if not isinstance(key, str):
+            raise TypeError(f"metrics keys must be strings, got {key!r}")
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            out[key] = int(value) if isinstance(value, numbers.Integral) else float(value)
+            continue
+        hint = (
+            ": pass a number, e.g. loss.item() (which waits for the GPU when the tensor is on one)"
+            if hasattr(value, "item")
+            else ": pass a number (int or float)"
+        )
+        raise TypeError(f"metrics[{key!r}] is a {type(value).__name__}, not a number{hint}")
+    return out
 
 
 def save_options(mgr: CheckpointManager, step: int, metrics: dict[str, float], options: dict[str, Any]) -> SaveOptions:
@@ -64,7 +86,7 @@ def after_save(
             with mgr._lock:
                 mgr._metrics[step] = metrics
                 if mgr._owner:
-                    mgr._deletions.append(mgr._deleter.submit(mgr._apply_retention))
+                    mgr._retain_later()
             return
         stats = future.result()
         with mgr._lock:
@@ -74,7 +96,7 @@ def after_save(
             else:
                 mgr._metrics[step] = metrics
                 if mgr._owner:
-                    mgr._deletions.append(mgr._deleter.submit(mgr._apply_retention))
+                    mgr._retain_later()
         if mgr.on_save is not None:
             try:
                 mgr.on_save(stats)
