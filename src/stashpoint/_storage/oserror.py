@@ -36,7 +36,10 @@ def is_damage(e: OSError) -> bool:
 def read_failed(what: str, e: OSError) -> CheckpointError:
     """The error of a failed read of ``what`` (a file, named by its path): a
     :class:`CorruptCheckpointError` where ``e`` says the copy is damaged or gone, otherwise a
-    plain :class:`CheckpointError` that says the copy was left alone and names the fix."""
+    plain :class:`CheckpointError` that says the copy was left alone and names the fix. An
+    error that is a :class:`CheckpointError` already (S3's, which name their fix) is kept."""
+    if isinstance(e, CheckpointError):
+        return e
     reason = e.strerror or str(e) or type(e).__name__
     if is_damage(e):
         return CorruptCheckpointError(f"reading {what} failed: {reason}")
