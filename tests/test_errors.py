@@ -418,3 +418,15 @@ def test_a_path_under_a_file_names_the_file_in_the_way(tmp_path):
         stashpoint.save({"w": torch.ones(3)}, tmp_path / "afile" / "sub")
     with pytest.raises(stashpoint.CheckpointError, match=r"afile exists and is not a directory; a checkpoint"):
         stashpoint.CheckpointManager(tmp_path / "afile")
+
+
+def test_a_mismatch_by_a_wrappers_prefix_says_so(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    wrapped_sd = {f"module.{k}": v for k, v in model.state_dict().items()}  # what DDP's state_dict() gives
+    stashpoint.save({"model": wrapped_sd}, tmp_path / "c")
+    with pytest.raises(stashpoint.StateMismatchError, match=r"Likely cause: the keys differ by a wrapper's prefix"):
+        stashpoint.load({"model": model}, tmp_path / "c")
+    stashpoint.save({"model": {"encoder.weight": torch.ones(4, 4)}}, tmp_path / "d")
+    with pytest.raises(stashpoint.StateMismatchError) as other:  # another mismatch: no such hint
+        stashpoint.load({"model": model}, tmp_path / "d")
+    assert "Likely cause" not in str(other.value)

@@ -44,7 +44,7 @@ class StateMismatchError(CheckpointError):
     Every problem is listed, not only the first; they are also available as :attr:`problems`.
     """
 
-    def __init__(self, path: str, problems: Sequence[str]) -> None:
+    def __init__(self, path: str, problems: Sequence[str], *, hint: str | None = None) -> None:
         self.path = path
         self.problems = list(problems)
         shown = "\n  - ".join(self.problems[:50])
@@ -52,5 +52,6 @@ class StateMismatchError(CheckpointError):
         super().__init__(
             f"the state does not match the checkpoint at {path} "
             f"({len(self.problems)} problem(s)):\n  - {shown}{more}\n"
-            "Fix the state to match, or pass strict=False to load what matches and skip the rest."
+            + (f"Likely cause: {hint}.\n" if hint else "")
+            + "Fix the state to match, or pass strict=False to load what matches and skip the rest."
         )

@@ -153,3 +153,28 @@ def check_tree(node: object, tensors: Container[str], where: str, depth: int) ->
             check_tree(item, tensors, where, depth + 1)
     else:
         _bad(where, f"unknown tree node kind {kind!r}")
+
+
+# what wrappers put before a module's own names in its state_dict(): DDP and DataParallel,
+# torch.compile, FSDP1, activation checkpointing
+_WRAPPER_PARTS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def wrapper_hint(missing: list[str], unexpected: list[str]) -> str | None:
+    """A hint for a mismatch where the state's and the checkpoint's key paths differ only by
+    the names a wrapper adds (``model/module.0.weight`` against ``model/0.weight``); None
+    when that explains less than half of the missing keys."""
+
+    def bare(path: str) -> str:
+        return "/".join(".".join(p for p in c.split(".") if p not in _WRAPPER_PARTS) for c in path.split("/"))
+
+    theirs = {bare(k): k for k in unexpected}
+    pairs = [(theirs[bare(k)], k) for k in missing if bare(k) in theirs and theirs[bare(k)] != k]
+    if not pairs or 2 * len(pairs) < len(missing):
+        return None
+    saved, live = pairs[0]
+    return (
+        f"the keys differ by a wrapper's prefix ({saved!r} in the checkpoint, {live!r} in the state): DDP, "
+        "DataParallel, torch.compile and FSDP1 add one to state_dict(). Put the module itself in the state "
+        "(stashpoint saves and loads a wrapped module under its own names), not a wrapped module's state_dict()"
+    )

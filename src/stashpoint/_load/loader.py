@@ -14,6 +14,7 @@ from stashpoint import _runtime
 from stashpoint._core.assign import Item, assign_readers
 from stashpoint._core.format import Manifest
 from stashpoint._core.index import Head
+from stashpoint._core.nodes import wrapper_hint
 from stashpoint._core.reshard import Box, intersect
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext, rank_of
@@ -129,7 +130,8 @@ def load(
         try:
             manifest, plan = _plan(storage, head, state, rank, allow_pickle=allow_pickle, partial=partial)
             if plan.problems and strict:
-                plan_error = StateMismatchError(storage.location, plan.problems)
+                hint = wrapper_hint(plan.missing, plan.unexpected)
+                plan_error = StateMismatchError(storage.location, plan.problems, hint=hint)
         except CheckpointError as e:
             plan_error = e
         if world == 1:

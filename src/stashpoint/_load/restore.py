@@ -55,6 +55,8 @@ class RestorePlan:
     setters: list[Callable[[], None]] = field(default_factory=list)
     finalizers: list[tuple[str, Callable[[], None]]] = field(default_factory=list)  # (where, call)
     problems: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # key paths of "missing key" problems
+    unexpected: list[str] = field(default_factory=list)  # and of "unexpected key" ones
 
 
 def _holds_tensors(obj: Any) -> bool:
@@ -237,12 +239,14 @@ class Planner:
                 self._set(_bind(live.__setitem__, k), self.build(child, cw))
             else:
                 keys = tensor_keys(child)
+                self.plan.unexpected.append(cw)
                 self.plan.problems.append(
                     f"unexpected key {self._name(cw)}: in the checkpoint, not in the state"
                     + (f" ({len(keys)} tensor(s))" if len(keys) > 1 else "")
                 )
         for k in live:
             if k not in seen:  # plain values too: a silently kept value (a step counter) is a wrong resume
+                self.plan.missing.append(join(where, k))
                 self.plan.problems.append(
                     f"missing key {self._name(join(where, k))}: in the state, not in the checkpoint"
                 )
