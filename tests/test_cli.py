@@ -305,9 +305,11 @@ def test_diff_identical_and_different(tmp_path: Path) -> None:
     assert r.exit_code == 1
     out = r.stdout
     assert "only in A: b" in out and "only in B: extra" in out and "shape:     i: [5] -> [6]" in out
-    assert "dtype:     h: float16 -> float32" in out and "values:    w: max |a-b| = 0.5" in out
+    assert "dtype:     h: float16 -> float32" in out and "data:      w: max |a-b| = 0.5" in out
     assert "nanny" not in out  # NaN in the same place in both counts as equal
     assert "value:     step: 3 -> 4" in out
+    summary = "5 tensor(s) and 1 plain value(s) differ (3 tensor(s) of the same shape in both compared by their data)"
+    assert out.strip().endswith(summary), out
     d = json.loads(cli("diff", tmp_path / "a", tmp_path / "b", "--json").stdout)
     assert not d["identical"] and d["values"] == {"w": 0.5} and (d["only_a"], d["only_b"]) == (["b"], ["extra"])
     assert d["plain"] == [{"key": "step", "a": 3, "b": 4}]
@@ -486,8 +488,11 @@ def test_control_characters_in_names_and_values_are_printed_escaped(tmp_path):
     stashpoint.save(state, tmp_path / "c", metadata={f"k{evil}": f"m{evil}"})
     with stashpoint.CheckpointManager(tmp_path / "run") as mgr:
         mgr.save(1, {"w": torch.ones(2)}, metrics={f"loss{evil}": 1.0})
-    for r in (cli("inspect", tmp_path / "c"), cli("diff", tmp_path / "c", tmp_path / "run" / "step-00000001"),
-              cli("ls", tmp_path / "run")):
+    for r in (
+        cli("inspect", tmp_path / "c"),
+        cli("diff", tmp_path / "c", tmp_path / "run" / "step-00000001"),
+        cli("ls", tmp_path / "run"),
+    ):
         assert "\x1b" not in r.output and "\x07" not in r.output and "\u202e" not in r.output, r.output
         assert "forged line" not in [ln.strip() for ln in r.output.splitlines()]  # no line of its own
     assert "\\x1b]0;pwned" in cli("inspect", tmp_path / "c").output
@@ -499,8 +504,12 @@ def test_importing_a_damaged_dcp_checkpoint_is_one_clear_line(tmp_path):
     dcp.save({"w": torch.ones(1000)}, checkpoint_id=str(tmp_path / "dcp"))
     data = next((tmp_path / "dcp").glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:10])
-    r = subprocess.run([sys.executable, "-m", "stashpoint", "import", str(tmp_path / "dcp"), str(tmp_path / "out")],
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    r = subprocess.run(
+        [sys.executable, "-m", "stashpoint", "import", str(tmp_path / "dcp"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
     assert r.returncode == 2
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("stashpoint import: error:")]
     assert len(errors) == 1 and "could not read the DCP checkpoint" in errors[0], r.stderr
@@ -511,11 +520,21 @@ def test_the_command_line_gives_up_on_an_unreachable_object_store_within_seconds
     import time
 
     env = {k: v for k, v in os.environ.items() if k != "STASHPOINT_S3_RETRY_SECONDS"}
-    env.update(PYTHONPATH=str(ROOT / "src"), AWS_ENDPOINT_URL="http://127.0.0.1:1", AWS_ACCESS_KEY_ID="x",
-               AWS_SECRET_ACCESS_KEY="y", AWS_REGION="us-east-1")  # nothing listens on port 1
+    env.update(
+        PYTHONPATH=str(ROOT / "src"),
+        AWS_ENDPOINT_URL="http://127.0.0.1:1",
+        AWS_ACCESS_KEY_ID="x",
+        AWS_SECRET_ACCESS_KEY="y",
+        AWS_REGION="us-east-1",
+    )  # nothing listens on port 1
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "stashpoint", "verify", "s3://missing-bucket/x"], env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "stashpoint", "verify", "s3://missing-bucket/x"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "STASHPOINT_S3_RETRY_SECONDS" in r.stderr, r.stderr
     assert time.monotonic() - t0 < 40
 

@@ -39,7 +39,9 @@ def read(
     Args:
         path: a checkpoint directory or ``s3://`` URL.
         select: a key path into the state, its components joined by ``/`` (e.g. ``"model"`` or
-            ``"optim/state"``): only that subtree is read.
+            ``"optim/state"``): only that subtree is read. A key that holds ``/`` or ``%`` is
+            written with them escaped, ``%2F`` and ``%25`` (``"a%2Fb"`` for the key ``"a/b"``),
+            as ``stashpoint inspect`` shows it.
         device: where the tensors are created (``"cuda:0"`` reads straight to the GPU).
         allow_pickle: unpickle values saved with ``allow_pickle=True`` (runs code from the file:
             only for files you trust).

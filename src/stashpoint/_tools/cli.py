@@ -76,6 +76,7 @@ def demo(directory: Path, seconds: float, every: int | None, quick: bool) -> Non
 # Tools: ls, inspect, verify, diff, export, import. The logic is in inspect, diff and convert;
 # these commands print. A path that is not what the command needs: one line on stderr, exit code 2.
 
+
 @main.command("ls", short_help="List a run directory's checkpoints: status, size, age, metrics.")
 @click.argument("root", type=PATH_ARG)
 @json_option
@@ -219,12 +220,15 @@ def diff_command(*, a: str, b: str, as_json: bool) -> None:
         for k, (sx, sy) in rep.shape.items():
             echo(f"shape:     {esc(k)}: {sx} -> {sy}")
         for k, d in rep.values.items():
-            echo(f"values:    {esc(k)}: " + ("bytes differ" if d is None else f"max |a-b| = {d:.6g}"))
+            echo(f"data:      {esc(k)}: " + ("bytes differ" if d is None else f"max |a-b| = {d:.6g}"))
         for k, x, y in rep.plain:
             echo(f"value:     {esc(k)}: {esc(short(x, 40))} -> {esc(short(y, 40))}")
         n = len(rep.only_a) + len(rep.only_b) + len(set(rep.dtype) | set(rep.shape) | set(rep.values))
-        verdict = "identical" if rep.identical else f"{n} tensor(s) and {len(rep.plain)} value(s) differ"
-        echo(f"{rep.compared} tensor(s) compared: {verdict}")
+        if rep.identical:
+            echo(f"{rep.compared} tensor(s) compared: identical")
+        else:
+            echo(f"{n} tensor(s) and {len(rep.plain)} plain value(s) differ ({rep.compared} tensor(s) of the same "
+                 "shape in both compared by their data)")  # fmt: skip
     sys.exit(0 if rep.identical else 1)
 
 
@@ -257,9 +261,7 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
 )
 @click.option("--overwrite", is_flag=True, help="Replace an earlier export at OUT.")
 @fails_cleanly
-def export_command(
-    *, path: str, out: str, select: str, max_shard_size: int | None, tied: str, overwrite: bool
-) -> None:
+def export_command(*, path: str, out: str, select: str, max_shard_size: int | None, tied: str, overwrite: bool) -> None:
     """Consolidate a checkpoint (any world size and sharding) into safetensors.
 
     OUT ending in .safetensors is one file; any other OUT is a directory that gets
