@@ -62,7 +62,7 @@ def worker(args: argparse.Namespace) -> None:
             stream = Stream(ctx, 1)
             for name, n in files:
                 stream.send(LocalStorage(src), name, [(0, n)])
-            stream.done()
+            stream.done_sending()
         else:
             land(LocalStorage(dst), Transfer(0, 1), files, Stream(ctx, 0), False)
         dist.barrier()

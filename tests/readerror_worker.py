@@ -63,16 +63,17 @@ def _state(value: float) -> dict:
 
 
 def _restore_after(root: str, spoil: str) -> None:
-    """Steps 1 and 2 saved; then this rank spoils its own file of step 2 (``spoil``: "shard" or
-    "index" made unreadable, "index-damage" a flipped byte, "" nothing) and every rank restores."""
+    """Steps 1 and 2 saved; then the last rank spoils its file of step 2 (``spoil``: its "shard"
+    or "index", or the "manifest", made unreadable; "index-damage": a byte of its index flipped)
+    and every rank restores."""
     with stashpoint.CheckpointManager(root, keep_last=None) as mgr:
         for step in (1, 2):
             mgr.save(step, _state(float(step))).wait()
     dist.barrier()
     last = dist.get_world_size() - 1
     if spoil and last == RANK:
-        prefix = "shard-r" if spoil == "shard" else "index-r"
-        mine = next(p for p in Path(root, step_dir(2)).rglob(f"{prefix}{RANK:05d}*"))
+        prefix = {"shard": f"shard-r{RANK:05d}", "manifest": "manifest.json"}.get(spoil, f"index-r{RANK:05d}")
+        mine = next(p for p in Path(root, step_dir(2)).rglob(f"{prefix}*"))
         if spoil == "index-damage":
             data = bytearray(mine.read_bytes())
             data[len(data) // 2] ^= 0x20
@@ -88,6 +89,7 @@ def _restore_after(root: str, spoil: str) -> None:
         out["value"] = float(state["w"].to_local()[0, 0])
     except Exception as e:
         out["error"], out["message"] = type(e).__name__, str(e)
+    dist.barrier()  # rank 0 sets damaged steps aside once its restore returned
     out["set_aside"] = sorted(p.name for p in Path(root).iterdir() if ".damaged-" in p.name)
     result(**out)
 
@@ -102,6 +104,71 @@ def scenario_unreadable_index(root: str) -> None:
 
 def scenario_damaged_index(root: str) -> None:
     _restore_after(root, "index-damage")
+
+
+def scenario_unreadable_manifest(root: str) -> None:
+    """Read before any agreement: one rank failing there must not restore another step alone."""
+    _restore_after(root, "manifest")
+
+
+def _node_manager(root: str) -> stashpoint.CheckpointManager:
+    os.environ["STASHPOINT_NODE"], os.environ["STASHPOINT_LOCAL_RANK"] = str(RANK), "0"  # a node per rank
+    replicas = 1 if dist.get_world_size() > 1 else 0
+    return stashpoint.CheckpointManager(Path(root, f"node-{RANK}"), node_local=True, replicas=replicas, keep_last=None)
+
+
+def scenario_node_replica_unreadable(root: str) -> None:
+    """Two nodes with a replica each; node 1 is lost with its disk, and node 0 may not read its
+    replica of node 1's shard: the restore raises on both, node 1 keeps no copy taken for whole,
+    and once the file is readable again the restore loads the newest step."""
+    os.environ["STASHPOINT_FETCH_MEMORY"] = "off"  # land on the disk, where a torn copy would stay
+    with _node_manager(root) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(float(step))).wait()
+    dist.barrier()
+    replica = next(Path(root, "node-0", step_dir(2)).rglob("shard-r00001*"))
+    if RANK == 1:
+        import shutil
+
+        shutil.rmtree(Path(root, "node-1"))
+    if RANK == 0:
+        replica.chmod(0)
+    dist.barrier()
+    out: dict = {}
+    for attempt in ("denied", "fixed"):
+        state = _state(0.0)
+        try:
+            with _node_manager(root) as mgr:
+                out[attempt] = [mgr.restore(state), float(state["w"].to_local()[0, 0])]
+        except Exception as e:
+            out[attempt] = [type(e).__name__, str(e)[:3000]]
+        dist.barrier()
+        if attempt == "denied" and RANK == 1:  # what landed of rank 1's files, if any, is known as partial
+            landed = Path(root, "node-1", step_dir(2))
+            shards = list(landed.glob("shard-r00001*")) if landed.is_dir() else []
+            out["taken_for_whole"] = bool(shards) and not (landed / "partial-r00001").exists()
+        if attempt == "denied" and RANK == 0:
+            replica.chmod(0o644)
+        out.setdefault("set_aside", []).extend(p.name for p in Path(root).rglob("*.damaged-*"))
+        dist.barrier()
+    result(**out)
+
+
+def scenario_node_manifest_unreadable(root: str) -> None:
+    """One node whose newest manifest it may not read: an error, not an older step."""
+    with _node_manager(root) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(float(step))).wait()
+    dist.barrier()
+    if RANK == 0:
+        Path(root, "node-0", step_dir(2), "manifest.json").chmod(0)
+    dist.barrier()
+    try:
+        with _node_manager(root) as mgr:
+            got: list = [mgr.restore(_state(0.0))]
+    except Exception as e:
+        got = [type(e).__name__, str(e)[:3000]]
+    result(got=got)
 
 
 def scenario_unreadable_dir(root: str) -> None:

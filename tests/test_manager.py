@@ -269,18 +269,19 @@ def test_manager_options_overlap_and_writer_apply_to_its_saves(tmp_path):
         stashpoint.CheckpointManager(tmp_path / "r2", writer="nope")
 
 
-def test_metrics_that_are_not_numbers_are_refused_by_key_before_anything_is_written(tmp_path):
+def test_metrics_that_are_not_json_scalars_are_refused_by_key_before_anything_is_written(tmp_path):
     import numpy as np
 
     state = {"w": torch.ones(3)}
     with stashpoint.CheckpointManager(tmp_path / "run", keep_best=(1, "loss")) as mgr:
-        with pytest.raises(TypeError, match=r"metrics\['loss'\] is a Tensor, not a number: .*loss.item\(\)"):
+        with pytest.raises(TypeError, match=r"metrics\['loss'\] is a Tensor, not a JSON scalar: .*loss.item\(\)"):
             mgr.save(1, state, metrics={"loss": torch.tensor(0.5)})
         assert mgr.steps() == [] and not (tmp_path / "run" / "step-00000001").exists()
-        mgr.save(1, state, metrics={"loss": np.float32(0.25), "seen": np.int64(7)})  # NumPy scalars: numbers
+        metrics = {"loss": np.float32(0.25), "seen": np.int64(7), "val": None, "best": True, "phase": "warmup"}
+        mgr.save(1, state, metrics=metrics)  # NumPy scalars as numbers, the other JSON scalars as they are
         mgr.wait()
     with stashpoint.CheckpointManager(tmp_path / "run") as mgr:
-        assert mgr._metrics_of(1) == {"loss": 0.25, "seen": 7}
+        assert mgr._metrics_of(1) == {"loss": 0.25, "seen": 7, "val": None, "best": True, "phase": "warmup"}
 
 
 def test_restoring_a_step_the_run_lacks_names_the_steps_it_has(tmp_path):

@@ -50,3 +50,32 @@ def test_an_unreadable_checkpoint_or_run_directory_is_a_checkpoint_error(tmp_pat
     assert "manifest" in r["load"] or "ckpt" in r["load"], r
     assert r["manager"].startswith("CheckpointError: cannot create the checkpoint directory"), r
     assert "locked" in r["manager"], r
+
+
+def test_a_manifest_one_rank_cannot_read_stops_every_rank(tmp_path, monkeypatch):
+    """Read before the ranks' first agreement: before, that rank alone went on to step 1 while
+    the others loaded step 2, and the job ran on split."""
+    monkeypatch.setenv("NO_DAC_RANK", "1")
+    results = run_world(2, "unreadable_manifest", str(tmp_path), worker=NO_DAC)
+    assert [r.get("error") for r in results] == ["CheckpointError", "CheckpointError"], results
+    assert all(r["set_aside"] == [] for r in results), results
+
+
+def test_a_node_may_not_read_its_newest_manifest_is_an_error_not_an_older_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("NO_DAC_RANK", "0")
+    (r,) = run_world(1, "node_manifest_unreadable", str(tmp_path), worker=NO_DAC)
+    assert r["got"][0] == "CheckpointError" and "Permission denied" in r["got"][1], r
+
+
+def test_a_replica_its_holder_cannot_read_leaves_no_copy_taken_for_whole(tmp_path, monkeypatch):
+    """Node 1 is lost; node 0 may not read its copy of node 1's shard. Before, node 0 sent zeros
+    for it, node 1 landed them as a whole copy, and the next restore found that copy damaged
+    and set the good step aside on both nodes."""
+    monkeypatch.setenv("NO_DAC_RANK", "0")
+    results = run_world(2, "node_replica_unreadable", str(tmp_path), worker=NO_DAC)
+    assert results[1]["taken_for_whole"] is False, results[1]
+    for r in results:
+        assert r["denied"][0] == "CheckpointError" and "Permission denied" in r["denied"][1], r
+        assert r["fixed"] == [2, 2.0], r
+        # (step 1 is set aside: only step 2 has a replica, so rank 1's files of step 1 are lost)
+        assert not [n for n in r["set_aside"] if n.startswith("step-00000002")], r

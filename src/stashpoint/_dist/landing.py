@@ -90,7 +90,7 @@ def land(step: Storage, t: Transfer, files: list[tuple[str, int]], stream: Strea
                 out.abort()
     for span in t.spans:
         _recv_sparse(stream, step, span)
-    stream.done()
+    stream.done_receiving()  # the sender's errors too: zeros sent for a read that failed are no copy
     step.sync()
     for r in whole:  # whole copies now (also where an earlier restore had fetched parts)
         step.delete(partial_name(r))

@@ -8,6 +8,7 @@ every save): fresh ones had their pages faulted in at every transfer."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import mmap
 import threading
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ from typing import Any
 
 from stashpoint import _runtime
 from stashpoint._dist.group import DistContext
-from stashpoint._dist.nodes import recv_tensor, send_tensor
+from stashpoint._dist.nodes import recv_blob, recv_tensor, send_blob, send_tensor
 from stashpoint._state.dtypes import as_memoryview
 from stashpoint._storage import Storage
 from stashpoint._storage.directio import BouncePool
@@ -27,6 +28,7 @@ _KEEP = 4  # idle buffers kept: a replica's send and receive run at once, two bu
 # reads from a remote tier: each readv fetches its ranged GETs in parallel (32 MiB parts by
 # default), so larger reads keep several requests in flight
 _REMOTE_CHUNK = 64 << 20
+_STATUS_CHARS = 2000  # of a sender's error told to its receiver
 
 
 def _pool() -> BouncePool:
@@ -157,6 +159,38 @@ class Stream:
             behind = self._executor.submit(self._sink, sink, piece, self.mvs[k][:n])
         if behind is not None:
             behind.result()
+
+    def done_sending(self) -> None:
+        """A sender's end: tell the receiver whether every byte it sent was read (a read that
+        failed went as zeros: the receiver must not take its copy for whole), then raise this
+        side's error, if any."""
+        self._executor.shutdown(wait=True)
+        status = b""
+        if self.error is not None:
+            damage = isinstance(self.error, CorruptCheckpointError)
+            status = json.dumps({"error": str(self.error)[:_STATUS_CHARS], "damage": damage}).encode()
+        assert self.ctx is not None
+        send_blob(self.ctx, self.peer, status, self.tag)
+        self.done()
+
+    def done_receiving(self) -> None:
+        """A receiver's end: this side's error, if any; else the sender's (from a peer: some
+        byte it sent could not be read, so what landed is not a whole copy)."""
+        sent: dict[str, Any] = {}
+        if self.source is None:
+            assert self.ctx is not None
+            raw = recv_blob(self.ctx, self.peer, 2 * _STATUS_CHARS, self.tag)
+            try:
+                sent = json.loads(raw) if raw else {}
+            except ValueError:
+                sent = {"error": f"an unreadable status ({len(raw)} bytes)", "damage": False}
+        if isinstance(self.error, OSError) and not isinstance(self.error, CheckpointError):
+            # this node's own disk or memory area failed: no sign of damage to the copy sent
+            self.error = CheckpointError(f"landing the transfer on this node failed: {self.error}")
+        self.done()
+        if sent:
+            error = CorruptCheckpointError if sent.get("damage") is True else CheckpointError
+            raise error(f"rank {self.peer} could not read all it sent: {str(sent.get('error'))[:_STATUS_CHARS]}")
 
     def done(self) -> None:
         self._executor.shutdown(wait=True)

@@ -35,7 +35,7 @@ from stashpoint._dist.memfetch import disk_of, landing_target
 from stashpoint._dist.nodes import NodeSave, recv_blob, send_blob
 from stashpoint._dist.stream import Stream
 from stashpoint._storage import LocalStorage, Storage
-from stashpoint._storage.oserror import is_damage
+from stashpoint._storage.oserror import is_damage, read_failed
 from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 log = logging.getLogger("stashpoint")
@@ -121,12 +121,22 @@ def _files_of(step: Storage, ranks: set[int], save_id: str, indexes_only: bool) 
 
 
 def send_step_files(ctx: DistContext, peer: int, step: Storage, t: Transfer, save_id: str, *, tag: int = 0) -> None:
-
-    files = _files_of(step, expand(t.ranks), save_id, False) + _files_of(step, expand(t.indexes), save_id, True)
-    if t.manifest:
-        files.append((MANIFEST_NAME, step.size(MANIFEST_NAME)))
-    send_blob(ctx, peer, json.dumps({"files": files, "spans": t.spans}).encode(), tag)
+    """Send this node's files of a transfer to ``peer``'s leader (:func:`recv_step_files`): their
+    listing, then, unless refused, their bytes. A listing that fails is told to the receiver,
+    which otherwise would wait for it."""
+    failed: CheckpointError | None = None
+    try:
+        files = _files_of(step, expand(t.ranks), save_id, False) + _files_of(step, expand(t.indexes), save_id, True)
+        if t.manifest:
+            files.append((MANIFEST_NAME, step.size(MANIFEST_NAME)))
+        listing: dict[str, Any] = {"files": files, "spans": t.spans}
+    except (OSError, CheckpointError) as e:
+        failed = e if isinstance(e, CheckpointError) else read_failed(f"the files of {step.location}", e)
+        listing = {"error": str(failed)[:2000], "damage": _says_damage(failed)}
+    send_blob(ctx, peer, json.dumps(listing).encode(), tag)
     refused = recv_blob(ctx, peer, 4096, tag)  # the receiver checks the offer and its space first
+    if failed is not None:
+        raise failed
     if refused:
         raise CheckpointError(f"rank {peer} refused the files: {refused.decode(errors='replace')}")
     stream = Stream(ctx, peer, tag=tag)
@@ -134,12 +144,15 @@ def send_step_files(ctx: DistContext, peer: int, step: Storage, t: Transfer, sav
         stream.send(step, name, [(0, size)])
     for name, _, _, spans in t.spans:
         stream.send(step, name, spans)
-    stream.done()
+    stream.done_sending()
 
 
 def _listing(raw: bytes, who: str) -> tuple[list[tuple[str, int]], list[Any]]:
     try:
         doc = json.loads(raw)
+        if isinstance(doc, dict) and isinstance(doc.get("error"), str):  # the sender could not list them
+            error = CorruptCheckpointError if doc.get("damage") is True else CheckpointError
+            raise error(f"{who} could not list its files: {doc['error'][:2000]}")
         files, spans = doc["files"], doc["spans"]
         ok = all(isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and type(f[1]) is int for f in files)
         ok = ok and all(isinstance(s, list) and len(s) == 4 and isinstance(s[3], list) for s in spans)
@@ -249,7 +262,7 @@ def run_transfers(
             elif t.dst == node and ctx.rank == leaders[node]:
                 tally["peers"] = tally.get("peers", 0) + recv_step_files(ctx, leaders[t.src], step, t, save_id)
         except Exception as e:
-            errors.append(f"rank {ctx.rank}: {type(e).__name__}: {e}")
+            errors.append(f"{type(e).__name__}: {e}")  # agree() names the rank
             damage = damage and _says_damage(e)
     return ("; ".join(errors[:4]), damage) if errors else None
 

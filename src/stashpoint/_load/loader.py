@@ -105,29 +105,21 @@ def load(
     # the waits above are not paused: only the load's own work (its small objects must not set
     # off full collections; see gc_paused)
     with gc_paused():
-        head = read_head(storage)
-        if isinstance(head, Manifest):  # format version 1: the manifest lists every chunk
-            extra = unlisted_shards(storage, head)
-            if extra:
-                raise CorruptCheckpointError(
-                    f"shard {storage.location}/{extra[0]} belongs to this checkpoint's save but its manifest does not "
-                    f"list it ({len(extra)} such file(s)): the manifest is damaged or incomplete. Load an earlier "
-                    "checkpoint."
-                )
-        if world != head.world_size and head.world_size > 1:
-            log.warning(
-                "stashpoint: %s was saved by %d ranks and is loaded by %d; rank %d restores the per-rank values "
-                "(RNG states, ...) of saved rank %d",
-                storage.location,
-                head.world_size,
-                world,
-                rank,
-                rank % head.world_size,
-            )
-        manifest = head if isinstance(head, Manifest) else Manifest("", "", "", "", (), {}, ({},))
+        manifest = Manifest("", "", "", "", (), {}, ({},))
         plan: Plan | None = None
         plan_error: CheckpointError | None = None
-        try:
+        try:  # any rank's failure, from the manifest's read on, goes through the ranks' agreement
+            head = _head(storage)
+            if world != head.world_size and head.world_size > 1:
+                log.warning(
+                    "stashpoint: %s was saved by %d ranks and is loaded by %d; rank %d restores the per-rank "
+                    "values (RNG states, ...) of saved rank %d",
+                    storage.location,
+                    head.world_size,
+                    world,
+                    rank,
+                    rank % head.world_size,
+                )
             manifest, plan = _plan(storage, head, state, rank, allow_pickle=allow_pickle, partial=partial)
             if plan.problems and strict:
                 hint = wrapper_hint(plan.missing, plan.unexpected)
@@ -151,6 +143,20 @@ def load(
                 ctx, storage, manifest, plan, plan_error, verify=verify, atomic=atomic, exchange=exchange
             )
         _apply(plan, storage.location)
+
+
+def _head(storage: Storage) -> Manifest | Head:
+    """The checkpoint's manifest (a version-1 one checked for shards it does not list)."""
+    head = read_head(storage)
+    if isinstance(head, Manifest):  # format version 1: the manifest lists every chunk
+        extra = unlisted_shards(storage, head)
+        if extra:
+            raise CorruptCheckpointError(
+                f"shard {storage.location}/{extra[0]} belongs to this checkpoint's save but its manifest does not "
+                f"list it ({len(extra)} such file(s)): the manifest is damaged or incomplete. Load an earlier "
+                "checkpoint."
+            )
+    return head
 
 
 def _plan(

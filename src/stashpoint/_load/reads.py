@@ -232,6 +232,8 @@ def _read_jobs(pieces: list[_Piece]) -> list[_ReadJob]:
 def _gather(futures: list[cf.Future[None]], storage: Storage, errors: list[str]) -> None:
     for f in futures:
         e = f.exception()
+        if isinstance(e, EOFError):  # a file shorter than its size said (cut while being read)
+            e = CorruptCheckpointError(f"a shard of {storage.location} ended before its recorded size: {e}")
         if isinstance(e, OSError) and not isinstance(e, CheckpointError):
             e = read_failed(f"the checkpoint at {storage.location}", e)  # damage, or a cause to fix
             if not isinstance(e, CorruptCheckpointError):

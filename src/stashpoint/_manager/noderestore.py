@@ -42,7 +42,7 @@ from stashpoint._manager.restoring import RestoreReport, try_in_order
 from stashpoint._manager.steps import committed_steps, move_aside
 from stashpoint._runtime import gc_paused
 from stashpoint._storage import LocalStorage, Storage
-from stashpoint.errors import CheckpointError, CorruptCheckpointError
+from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 log = logging.getLogger("stashpoint")
 
@@ -54,8 +54,8 @@ def inventory(root: Storage) -> tuple[Held, ...]:
         where = root.child(step_dir(step))
         try:
             head = read_head(where)
-        except CheckpointError:
-            continue  # a damaged manifest: nothing of the step here is usable
+        except (CorruptCheckpointError, IncompleteCheckpointError):
+            continue  # a damaged manifest: nothing of the step here is usable (unreadable: listing fails)
         whole, partial = set(), set()
         for name in where.list():
             if (m := PARTIAL_RE.fullmatch(name)) is not None:
@@ -249,7 +249,12 @@ class NodeLocal:
                 memfetch.wipe(mem)  # what an earlier try (or a crash) left there
             at = memfetch.view(root.child(step_dir(s)), mem / step_dir(s) if mem else None)
             self._remote = remote_copy(remote.child(step_dir(s))) if remote is not None else None
-            holders = self._holders(s, by_node, remote) if ctx.rank == 0 else {}
+            holders: dict[int, Held] | CheckpointError = {}
+            if ctx.rank == 0:
+                try:  # a failure goes to every rank with the first plan
+                    holders = self._holders(s, by_node, remote)
+                except CheckpointError as e:
+                    holders = e
             self._fetch(ctx, at, holders, state, options)
             load_one(at)
 
@@ -293,17 +298,31 @@ class NodeLocal:
         return {**ours, REMOTE: Held(step, head.save_id, head.world_size, ((0, head.world_size),))}
 
     def _fetch(
-        self, ctx: DistContext, at: Storage, holders: dict[int, Held], state: Any, options: dict[str, Any]
+        self,
+        ctx: DistContext,
+        at: Storage,
+        holders: dict[int, Held] | CheckpointError,
+        state: Any,
+        options: dict[str, Any],
     ) -> None:
         """Every node gets what its ranks read: their own ranks' files whole, then the indexes
-        of the ranks that wrote what they read, then the byte ranges they read of those."""
+        of the ranks that wrote what they read, then the byte ranges they read of those.
+        ``holders`` (rank 0's) may be why they could not be told: raised on every rank."""
+        failed = holders if isinstance(holders, CheckpointError) else None
+        holders = {} if isinstance(holders, CheckpointError) else holders
         world = next(iter(holders.values())).world if holders else 1  # rank 0 plans: it has them
         held = {n: expand(h.ranks) for n, h in holders.items()}
         remote = {REMOTE: held[REMOTE]} if REMOTE in held else {}
         own: dict[int, set[int]] = {}
         for r, n in enumerate(self.map.of_rank):
             own.setdefault(n, set()).add(r % world)
-        held = self._transfer(ctx, at, "own files", lambda: plan_transfers(held, own, sorted(self.leaders)))
+
+        def own_files() -> tuple[list[Transfer], Any]:
+            if failed is not None:
+                raise failed
+            return plan_transfers(held, own, sorted(self.leaders))
+
+        held = self._transfer(ctx, at, "own files", own_files)
         kw = {"partial": options.get("partial", False), "allow_pickle": options.get("allow_pickle", False)}
         writers = self._gather_needs(ctx, at, lambda: ranges(writers_needed(at, state, ctx.rank, **kw)))
         need_idx = {n: set().union(*(expand(w) for w in ws)) for n, ws in writers.items()}
@@ -359,10 +378,12 @@ class NodeLocal:
                 mine = plan_parts(transfers, after, self.map.of_rank, self.leaders)
                 parts = [("ok", ts, self._save_id, held) for ts, held in mine]
             except CheckpointError as e:
-                parts = [("error", str(e))] * ctx.world
+                parts = [("error", *failure(e))] * ctx.world
         plan = ctx.scatter(f"node-local: transfers of {what}", parts)
         if plan[0] == "error":
-            raise CorruptCheckpointError(f"fetching {what} of {at.location} across nodes: {plan[1]}")
+            raise (CorruptCheckpointError if plan[2] else CheckpointError)(
+                f"fetching {what} of {at.location} across nodes: {plan[1]}"
+            )
         t0 = time.perf_counter()
         status = run_transfers(
             ctx, plan[1], self.leaders, self.me.node, at, save_id=plan[2], remote=self._remote, tally=self.fetched

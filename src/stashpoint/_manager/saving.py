@@ -23,23 +23,27 @@ if TYPE_CHECKING:
 log = logging.getLogger("stashpoint")
 
 
-def plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
-    """``metrics`` as plain numbers (a NumPy scalar becomes a float); raises ``TypeError`` naming
-    the key of a value that is not a number (a tensor: its ``.item()`` is the caller's to take,
-    as it waits for the GPU)."""
-    out: dict[str, float] = {}
+def plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``metrics`` as JSON scalars: numbers, strings, booleans and None as they are, a NumPy
+    scalar as the number it holds; raises ``TypeError`` naming the key of anything else (a
+    tensor: its ``.item()`` is the caller's to take, as it waits for the GPU)."""
+    out: dict[str, Any] = {}
     for key, value in (metrics or {}).items():
         if not isinstance(key, str):
             raise TypeError(f"metrics keys must be strings, got {key!r}")
-        if isinstance(value, numbers.Real) and not isinstance(value, bool):
-            out[key] = int(value) if isinstance(value, numbers.Integral) else float(value)
-            continue
-        hint = (
-            ": pass a number, e.g. loss.item() (which waits for the GPU when the tensor is on one)"
-            if hasattr(value, "item")
-            else ": pass a number (int or float)"
-        )
-        raise TypeError(f"metrics[{key!r}] is a {type(value).__name__}, not a number{hint}")
+        if value is None or isinstance(value, (str, bool, int, float)):
+            out[key] = value
+        elif type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+            out[key] = value.item()  # a NumPy scalar: the Python number, bool or string it holds
+        elif isinstance(value, numbers.Real):  # fractions, decimals
+            out[key] = float(value)
+        else:
+            hint = (
+                "pass a number, e.g. loss.item() (which waits for the GPU when the tensor is on one)"
+                if hasattr(value, "item")
+                else "pass a number, a string, a boolean or None"
+            )
+            raise TypeError(f"metrics[{key!r}] is a {type(value).__name__}, not a JSON scalar: {hint}")
     return out
 
 

@@ -4,7 +4,9 @@ Some failures of the operating system say the copy is damaged or gone (an I/O er
 missing or replaced by a directory or a symbolic link loop): a restore may then fall back to
 an older copy and set this one aside. Others say only that it cannot be read here and now
 (permissions, the open-file limit, memory, a network file system gone away): the copy may be
-the newest good one, so nothing is set aside and no older step is loaded in its place.
+the newest good one, so nothing is set aside and no older step is loaded in its place. Where
+the two cannot be told apart (``ENODATA`` of a file a hierarchical store released, ``ENXIO`` of
+a device gone), the error is taken for the second kind: a good step is never set aside for it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ _DAMAGE = frozenset(
         errno.ENOTDIR,
         errno.EISDIR,
         errno.ELOOP,
-        errno.ENXIO,
-        errno.ENODATA,
         errno.EBADMSG,
         getattr(errno, "EUCLEAN", 117),  # "structure needs cleaning": the file system found damage
     }
@@ -41,6 +41,8 @@ def read_failed(what: str, e: OSError) -> CheckpointError:
     if isinstance(e, CheckpointError):
         return e
     reason = e.strerror or str(e) or type(e).__name__
+    if e.filename and str(e.filename) not in what:
+        what = f"{what} ({e.filename})"
     if is_damage(e):
         return CorruptCheckpointError(f"reading {what} failed: {reason}")
     code = f" ({errno.errorcode[e.errno]})" if e.errno is not None and e.errno in errno.errorcode else ""
