@@ -1,4 +1,5 @@
-"""One rank of tests/test_read_errors.py (run by tests/dist_util.run_world as a real process).
+"""One rank of tests/test_read_errors.py and tests/test_dist_mistakes.py (run by
+tests/dist_util.run_world as a real process).
 
     python readerror_worker.py SCENARIO ROOT   (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment)
 
@@ -169,6 +170,56 @@ def scenario_node_manifest_unreadable(root: str) -> None:
     except Exception as e:
         got = [type(e).__name__, str(e)[:3000]]
     result(got=got)
+
+
+def scenario_unshared_root(root: str) -> None:
+    """Each rank's manager on a directory of its own, as on node-local disks without node_local."""
+    out: dict = {}
+    try:
+        with stashpoint.CheckpointManager(Path(root, f"rank-{RANK}")) as mgr:
+            mgr.save(1, _state(1.0))
+        out["saved"] = True
+    except stashpoint.CheckpointError as e:
+        out["error"] = str(e)
+    out["committed"] = sorted(p.parent.name for p in Path(root).rglob("manifest.json"))
+    result(**out)
+
+
+def scenario_restore_agrees(root: str) -> None:
+    """Ranks whose roots hold different steps (rank 1's lacks step 2) restore the same step."""
+    import shutil
+
+    with stashpoint.CheckpointManager(Path(root, "shared"), keep_last=None) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(float(step))).wait()
+    dist.barrier()
+    mine = Path(root, f"rank-{RANK}")
+    shutil.copytree(Path(root, "shared"), mine)
+    if RANK == 1:
+        shutil.rmtree(mine / step_dir(2))
+    dist.barrier()
+    state = _state(0.0)
+    with stashpoint.CheckpointManager(mine, keep_last=None) as mgr:
+        got = mgr.restore(state)
+    result(step=got, value=float(state["w"].to_local()[0, 0]))
+
+
+def scenario_wrong_group(root: str) -> None:
+    """A group this rank is not in, and a DeviceMesh given as the process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    only_0 = dist.new_group([0])
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for what, group in (("non_member", only_0), ("mesh", mesh)):
+        if what == "non_member" and RANK == 0:
+            continue
+        try:
+            stashpoint.save({"w": torch.ones(3)}, Path(root, f"{what}-{RANK}"), process_group=group)
+            out[what] = "saved"
+        except Exception as e:
+            out[what] = f"{type(e).__name__}: {e}"
+    result(**out)
 
 
 def scenario_unreadable_dir(root: str) -> None:

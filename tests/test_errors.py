@@ -430,3 +430,11 @@ def test_a_mismatch_by_a_wrappers_prefix_says_so(tmp_path):
     with pytest.raises(stashpoint.StateMismatchError) as other:  # another mismatch: no such hint
         stashpoint.load({"model": model}, tmp_path / "d")
     assert "Likely cause" not in str(other.value)
+
+
+def test_a_launched_process_that_never_joined_its_group_is_warned_that_it_saves_alone(tmp_path, monkeypatch):
+    """torchrun set WORLD_SIZE, but init_process_group was forgotten: every process would save
+    alone to the same path."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.warns(UserWarning, match=r"WORLD_SIZE=2 but torch.distributed is not initialized.*init_process_group"):
+        stashpoint.save({"w": torch.ones(3)}, tmp_path / "c")

@@ -126,6 +126,14 @@ class DistContext:
             self._apply_timeout()
             return fn(*args, group=self.group, **kwargs)
         except Exception as e:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():  # the program tore the job down under this save
+                raise CollectiveError(
+                    f"rank {self.rank}: torch.distributed's process group was destroyed while the checkpoint "
+                    f"collective '{what}' ran: wait for saves in flight (handle.wait(), the manager's wait() or "
+                    "close(), or stashpoint.shutdown()) before torch.distributed.destroy_process_group()"
+                ) from e
             # only the group's first rank looks for the absent (R store calls in all, not R per rank)
             absent = _absent(store, mark, self.world) if self.rank == 0 else []
             if absent:
@@ -318,7 +326,17 @@ def context(process_group: Any = None, timeout_s: float | None = None, purpose: 
             )
         return None
     src = process_group if process_group is not None else dist.group.WORLD
+    if src is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"rank {dist.get_rank()} is not a member of the process_group given: only its ranks may save or load "
+            "with it (give the others their own group, or call only on its ranks)"
+        )
+    if not isinstance(src, dist.ProcessGroup):
+        hint = " (a DeviceMesh's is mesh.get_group())" if type(src).__name__ == "DeviceMesh" else ""
+        raise TypeError(f"process_group must be a torch.distributed ProcessGroup{hint}, not {type(src).__name__}")
     ranks = tuple(dist.get_process_group_ranks(src))
+    if dist.get_rank() not in ranks:
+        raise ValueError(f"rank {dist.get_rank()} is not in the process_group given (ranks {list(ranks)[:16]})")
     if len(ranks) == 1:
         return None
     timeout = float(timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)

@@ -1,12 +1,14 @@
 """The lock that makes one CheckpointManager the owner of its root (a ``flock``, released by the
-kernel when its process dies)."""
+kernel when its process dies), and the check that every rank shares that root."""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import secrets
 import stat
 from pathlib import Path
+from typing import Any
 
 from stashpoint._core.naming import LOCK_NAME
 from stashpoint.errors import CheckpointError
@@ -34,3 +36,39 @@ def acquire_root_lock(root: Path) -> int:
             "or give each run its own directory."
         ) from None
     return fd
+
+
+def check_shared_root(root: Path, process_group: Any = None, timeout: float | None = None) -> None:
+    """Check that every rank of a save's group sees the run directory rank 0 writes to: a
+    manager without ``node_local`` keeps all ranks' files of a step in one directory, and a root
+    on each node's own disk gave checkpoints committed by rank 0 that no restart could load.
+    One empty file and three small collectives (every rank calls it, at its first save)."""
+    from stashpoint._dist import group as _dist
+    from stashpoint._save.engine import wait_all
+
+    wait_all()  # the checkpoint group is used by one thread at a time: saves in flight first
+    ctx = _dist.context(process_group, timeout)
+    if ctx is None:
+        return
+    name = None
+    if ctx.rank == 0:
+        name = f".stashpoint-shared-{secrets.token_hex(8)}"
+        try:
+            (root / name).write_bytes(b"")
+        except OSError:
+            name = None  # the save that follows fails on it, with the cause
+    name = ctx.broadcast("manager: the shared root's probe", name)
+    seen = ctx.gather("manager: the probe seen", name is None or (root / name).is_file())
+    missing: list[int] | None = None
+    if seen is not None:
+        missing = [r for r, ok in enumerate(seen) if not ok]
+        if name is not None:
+            (root / name).unlink(missing_ok=True)
+    missing = ctx.broadcast("manager: ranks that do not share the root", missing)
+    if missing:
+        shown = ", ".join(str(r) for r in missing[:16]) + (", ..." if len(missing) > 16 else "")
+        raise CheckpointError(
+            f"rank(s) {shown} do not see the files rank 0 writes in {root}: a CheckpointManager keeps every "
+            "rank's files of a step in one directory, so its root must be on a file system every node shares. "
+            "For a directory on each node's own disk, pass node_local=True; or use a shared path or an s3:// root"
+        )

@@ -21,7 +21,7 @@ from stashpoint._core.policy import Retention, Schedule, steps_to_keep
 from stashpoint._dist.group import rank_of
 from stashpoint._load.loader import load
 from stashpoint._load.manifest import remembering
-from stashpoint._manager.lock import acquire_root_lock
+from stashpoint._manager.lock import acquire_root_lock, check_shared_root
 from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, stop
 from stashpoint._manager.restoring import RestoreReport, restore_run
@@ -155,6 +155,7 @@ class CheckpointManager:
         self._deleter = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-retention")
         self._deletions: list[cf.Future[None]] = []
         self._closed = False
+        self._shared_checked = False  # every rank sees the root (checked at the first save)
         self.rank, self.world = rank_of()
         if node_local and not isinstance(self.storage, LocalStorage):
             raise ValueError(f"node_local=True needs a local directory as root, not {self.storage.location}")
@@ -267,6 +268,9 @@ class CheckpointManager:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         metrics = plain_metrics(metrics)
+        if not self._shared_checked and self._nodes is None and isinstance(self.storage, LocalStorage):
+            check_shared_root(self.storage.root, options.get("process_group"), options.get("timeout"))
+            self._shared_checked = True
         target = self._at(step)
         if self._nodes is not None:  # the last restore's fetched files are in the node's directory first
             self._nodes.settled()

@@ -140,9 +140,9 @@ def restore_run(
         except CheckpointNotFoundError as e:
             raise CheckpointNotFoundError(f"{e}; {_held(mgr.steps())}") from None
         return RestoreReport(step, "local", ((step, "local"),), ())
-    if mgr._tier is None or mgr.world == 1:
+    if mgr.world == 1:
         order = restore_order(mgr.steps(), mgr.remote_steps(), step)
-    else:
+    else:  # every rank the same order, from what every rank sees (one listing each, gathered)
         order = agreed_restore_order(mgr.steps, mgr.remote_steps, mgr.rank, step, options)
     if step is not None and not order:
         order = [(step, "local")]  # raises CheckpointNotFoundError, naming the path

@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +95,13 @@ class _Engine:
                 "on_busy='skip' would let ranks skip different saves in a distributed run; use on_busy='wait'"
             )
         ctx = _dist.context(opts.process_group, opts.timeout_s) or DistContext.solo()
+        if ctx.world == 1 and opts.process_group is None and _unjoined_launch():
+            warnings.warn(  # each process would save alone, and they would race for one path
+                f"WORLD_SIZE={os.environ['WORLD_SIZE']} but torch.distributed is not initialized: this process saves "
+                f"{storage.location} alone. Call torch.distributed.init_process_group() before saving (and keep "
+                "it until the saves are done), or save from one process only",
+                stacklevel=4,
+            )
         with self.lock:
             _overlap.wait_pending()  # the previous save's copies first: one set of copies at a time
             if not self.make_room(opts.max_inflight, opts.on_busy):
@@ -295,6 +303,15 @@ def wait_staged(timeout: float | None = None) -> None:
     loading into them. Failures are not raised here (``SaveHandle.wait()`` raises them).
     """
     _overlap.wait_pending(timeout)
+
+
+def _unjoined_launch() -> bool:
+    """Whether a launcher started this process as one of several (``WORLD_SIZE``) that never
+    joined (or already left) their process group."""
+    import torch.distributed as dist
+
+    size = os.environ.get("WORLD_SIZE", "1").strip()
+    return size.isdigit() and int(size) > 1 and not (dist.is_available() and dist.is_initialized())
 
 
 def wait_all(location: str | None = None) -> None:
