@@ -88,7 +88,11 @@ def read_index(storage: Storage, head: Head, rank: int) -> RankIndex:
             raise CorruptCheckpointError(f"index {where} is {actual} bytes, the manifest says {size}")
         raw = storage.read(name)
     except FileNotFoundError:
-        raise CorruptCheckpointError(f"index {where} listed in the manifest is missing") from None
+        raise CorruptCheckpointError(
+            f"index {where} listed in the manifest is missing (one node's directory of a node_local=True run "
+            "holds its own ranks' files only: restore it with that CheckpointManager, or gather every node's "
+            "files of the step into one directory to read or verify it)"
+        ) from None
     except OSError as e:
         raise read_failed(f"index {where}", e) from None
     if len(raw) != size or checksum(raw) != sums:

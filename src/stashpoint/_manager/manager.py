@@ -157,6 +157,13 @@ class CheckpointManager:
         self._closed = False
         self._shared_checked = False  # every rank sees the root (checked at the first save)
         self.rank, self.world = rank_of()
+        if self.world > 1 and every_seconds is not None:  # refused here, not at the first maybe_save
+            raise ValueError(
+                "every_seconds would let ranks decide differently in a distributed run (their clocks differ); "
+                "use every_steps, or decide on rank 0 and broadcast the decision on your own group"
+            )
+        if self.world > 1 and on_busy == "skip":
+            raise ValueError("on_busy='skip' would let ranks skip different saves in a distributed run; use 'wait'")
         if node_local and not isinstance(self.storage, LocalStorage):
             raise ValueError(f"node_local=True needs a local directory as root, not {self.storage.location}")
         if replicas and not node_local:
@@ -227,11 +234,6 @@ class CheckpointManager:
             raise ValueError(
                 "should_save and maybe_save need a schedule: pass every_steps and/or every_seconds to the "
                 "CheckpointManager, or call save() when a save is due"
-            )
-        if self.world > 1 and self.schedule.every_seconds is not None:
-            raise ValueError(
-                "every_seconds would let ranks decide differently in a distributed run (their clocks differ); "
-                "use every_steps, or decide on rank 0 and broadcast the decision on your own group"
             )
         return self.schedule.due(step, time.monotonic(), self._last_save_time)
 
