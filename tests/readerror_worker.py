@@ -222,6 +222,20 @@ def scenario_wrong_group(root: str) -> None:
     result(**out)
 
 
+def scenario_retention_unreadable(root: str) -> None:
+    """keep_best: the best step's manifest cannot be read when a fresh manager applies retention."""
+    run = Path(root, "run")
+    with stashpoint.CheckpointManager(run, keep_last=1, keep_best=(1, "loss")) as mgr:
+        mgr.save(1, _state(1.0), metrics={"loss": 0.1})
+        mgr.save(2, _state(2.0), metrics={"loss": 0.5})
+    Path(run, step_dir(1), "manifest.json").chmod(0)
+    with stashpoint.CheckpointManager(run, keep_last=1, keep_best=(1, "loss")) as mgr:
+        mgr.save(3, _state(3.0), metrics={"loss": 0.9})
+    Path(run, step_dir(1), "manifest.json").chmod(0o644)
+    with stashpoint.CheckpointManager(run, keep_last=1, keep_best=(1, "loss")) as mgr:
+        result(steps=mgr.steps())
+
+
 def scenario_unreadable_dir(root: str) -> None:
     """A checkpoint directory this process may not read, loaded; a manager whose root it may not make."""
     stashpoint.save(_state(3.0), Path(root, "ckpt"))

@@ -79,3 +79,11 @@ def test_a_replica_its_holder_cannot_read_leaves_no_copy_taken_for_whole(tmp_pat
         assert r["fixed"] == [2, 2.0], r
         # (step 1 is set aside: only step 2 has a replica, so rank 1's files of step 1 are lost)
         assert not [n for n in r["set_aside"] if n.startswith("step-00000002")], r
+
+
+def test_retention_keeps_a_step_whose_manifest_it_cannot_read(tmp_path, monkeypatch):
+    """Before: the unreadable metrics counted as none, so keep_best let the best step go."""
+    monkeypatch.setenv("NO_DAC_RANK", "0")
+    (r,) = run_world(1, "retention_unreadable", str(tmp_path), worker=NO_DAC)
+    # step 1 kept (its metrics unknown), and so step 2, the best of those known, and step 3, the last
+    assert r["steps"] == [1, 2, 3], r

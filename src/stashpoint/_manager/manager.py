@@ -17,7 +17,7 @@ from types import TracebackType
 from typing import Any
 
 from stashpoint._core.naming import MANIFEST_NAME, step_dir
-from stashpoint._core.policy import Retention, Schedule, steps_to_keep
+from stashpoint._core.policy import Retention, Schedule
 from stashpoint._dist.group import rank_of
 from stashpoint._load.loader import load
 from stashpoint._load.manifest import remembering
@@ -31,6 +31,7 @@ from stashpoint._manager.steps import (
     delete_step,
     read_metrics,
     remove_leftovers,
+    retained,
 )
 from stashpoint._manager.tiers import RemoteTier
 from stashpoint._save.engine import SaveOptions, get_engine
@@ -310,16 +311,19 @@ class CheckpointManager:
 
     # -- retention -----------------------------------------------------------------------------
 
-    def _metrics_of(self, step: int, root: Storage | None = None) -> dict[str, float]:
+    def _metrics_of(self, step: int, root: Storage | None = None) -> dict[str, Any] | None:
         if step not in self._metrics:
             where = self._at(step) if root is None else root.child(step_dir(step))
-            self._metrics[step] = read_metrics(where)
+            got = read_metrics(where)
+            if got is None:  # unreadable now: asked again next time
+                return None
+            self._metrics[step] = got
         return self._metrics[step]
 
     def _apply_retention(self) -> None:
         try:
             steps = self.steps()
-            keep = set(steps_to_keep(steps, {s: self._metrics_of(s) for s in steps}, self.retention))
+            keep = retained(steps, self._metrics_of, self.retention)
             if self._tier is not None:
                 keep |= self._tier.protected()  # not uploaded yet (pending, or failed: uploaded at next open)
             for step in steps:

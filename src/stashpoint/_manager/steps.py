@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from stashpoint._core.naming import MANIFEST_NAME, parse_step_dir, set_aside_name, step_dir
-from stashpoint._core.policy import parse_metrics
+from stashpoint._core.policy import Retention, parse_metrics, steps_to_keep
 from stashpoint._load.manifest import read_head
 from stashpoint._storage import Storage
-from stashpoint.errors import CheckpointError
+from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 log = logging.getLogger("stashpoint")
 
@@ -27,12 +28,25 @@ def committed_steps(root: Storage) -> list[int]:
     return sorted(found)
 
 
-def read_metrics(step: Storage) -> dict[str, float]:
-    """The metrics a step was saved with ({} when unreadable)."""
+def read_metrics(step: Storage) -> dict[str, Any] | None:
+    """The metrics a step was saved with: {} when its manifest is damaged, None when it cannot
+    be read now (permissions, the storage unreachable)."""
     try:
         return parse_metrics(read_head(step).metadata.get(METRICS_KEY, "{}"))
-    except (CheckpointError, OSError):
+    except (CorruptCheckpointError, IncompleteCheckpointError):
         return {}
+    except (CheckpointError, OSError):
+        return None
+
+
+def retained(steps: list[int], metrics_of: Callable[[int], dict[str, Any] | None], retention: Retention) -> set[int]:
+    """The steps the retention rules keep, and every step whose metrics cannot be read now: its
+    manifest may well be whole, and with ``keep_best`` it may be the best one."""
+    metrics = {s: metrics_of(s) for s in steps}
+    unknown = {s for s, m in metrics.items() if m is None}
+    if unknown:
+        log.warning("stashpoint: kept step(s) %s: their manifests could not be read for retention", sorted(unknown))
+    return set(steps_to_keep(steps, {s: m or {} for s, m in metrics.items()}, retention)) | unknown
 
 
 def delete_step(root: Storage, step: int) -> None:

@@ -26,12 +26,12 @@ from typing import Any
 
 from stashpoint._core.format import Manifest
 from stashpoint._core.naming import MANIFEST_NAME, step_dir
-from stashpoint._core.policy import Retention, steps_to_keep
+from stashpoint._core.policy import Retention
 from stashpoint._dist import group as _dist
 from stashpoint._dist.commit import Outcome, RankFailure, finish_together
 from stashpoint._dist.group import CollectiveError, DistContext
 from stashpoint._load.manifest import read_head, read_index
-from stashpoint._manager.steps import committed_steps, delete_step, quietly, remove_leftovers
+from stashpoint._manager.steps import committed_steps, delete_step, quietly, remove_leftovers, retained
 from stashpoint._storage import LocalStorage, Storage, storage_for
 from stashpoint.errors import CheckpointError
 
@@ -304,7 +304,7 @@ class RemoteTier:
         local: Storage,
         remote_root: str | os.PathLike[str] | Storage,
         retention: Retention | None,
-        metrics: Callable[[int, Storage], dict[str, float]],
+        metrics: Callable[[int, Storage], dict[str, Any] | None],
         rank: int,
         on_ended: Callable[[], None] | None = None,
     ) -> None:
@@ -339,7 +339,7 @@ class RemoteTier:
         if self.retention is None or not missing:
             return missing
         everything = sorted(set(local) | set(remote))
-        keep = steps_to_keep(everything, {s: self.metrics(s, self.local) for s in everything}, self.retention)
+        keep = retained(everything, lambda s: self.metrics(s, self.local), self.retention)
         return [s for s in missing if s in keep]
 
     def submit(self, step: int, after: cf.Future[Any]) -> None:
@@ -382,7 +382,7 @@ class RemoteTier:
         if self.rank != 0 or self.retention is None:
             return
         steps = committed_steps(self.remote)
-        keep = steps_to_keep(steps, {s: self.metrics(s, self.remote) for s in steps}, self.retention)
+        keep = retained(steps, lambda s: self.metrics(s, self.remote), self.retention)
         for s in steps:
             if s not in keep:
                 delete_step(self.remote, s)
@@ -391,7 +391,6 @@ class RemoteTier:
         with self._lock:
             self.futures = [u for u in self.futures if not u.done() or u.exception() is not None]
             self.futures.append(future)
-
 
     def take_futures(self) -> list[cf.Future[Any]]:
         with self._lock:
