@@ -438,3 +438,20 @@ def test_a_launched_process_that_never_joined_its_group_is_warned_that_it_saves_
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.warns(UserWarning, match=r"WORLD_SIZE=2 but torch.distributed is not initialized.*init_process_group"):
         stashpoint.save({"w": torch.ones(3)}, tmp_path / "c")
+
+
+def test_an_optimizer_state_loaded_into_another_of_torchs_optimizers_is_a_mismatch(tmp_path):
+    """AdamW's state in SGD fails at SGD's first step; Adam's in AdamW would train on as Adam."""
+    model = torch.nn.Linear(4, 4)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    stashpoint.save({"model": model, "optim": optim}, tmp_path / "c")
+    fresh = torch.nn.Linear(4, 4)
+    for other in (torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9), torch.optim.Adam(fresh.parameters())):
+        wrong = r"holds the state of a AdamW, the state holds a (SGD|Adam):"
+        with pytest.raises(stashpoint.StateMismatchError, match=wrong):
+            stashpoint.load({"model": fresh, "optim": other}, tmp_path / "c")
+    same = torch.optim.AdamW(fresh.parameters())
+    stashpoint.load({"model": fresh, "optim": same}, tmp_path / "c")
+    assert torch.equal(same.state[next(iter(fresh.parameters()))]["exp_avg"], optim.state[model.weight]["exp_avg"])

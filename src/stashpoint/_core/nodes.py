@@ -128,6 +128,8 @@ def check_tree(node: object, tensors: Container[str], where: str, depth: int) ->
             _bad(where, "unknown stateful kind")
         if node.get("keyed_by", "name") not in ("name", "index"):
             _bad(where, "unknown optimizer keying")
+        if not isinstance(node.get("class", ""), str) or len(node.get("class", "")) > 512:
+            _bad(where, "an optimizer's class must be a name of at most 512 characters")
         check_tree(node.get("state"), tensors, where, depth + 1)
         return
     if len(node) != 1:

@@ -269,6 +269,10 @@ class Planner:
                     f"the state holds {type(live).__name__}"
                 )
                 return
+            problem = _stateful.optimizer_class_problem(saved.get("class"), live)
+            if problem is not None:
+                self.plan.problems.append(f"{self._name(where)}: {problem}")
+                return
             self._optimizer(saved, live, where)
             return
         if kind == "object":

@@ -152,3 +152,24 @@ def optimizer_from_named(
         groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
     state = {index_of[n]: v for n, v in sd["state"].items() if n in index_of}
     return {"state": state, "param_groups": groups}
+
+
+def class_name(obj: Any) -> str:
+    """An object's class as the tree records it for an optimizer: ``module.QualName``."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def optimizer_class_problem(saved: object, live: Any) -> str | None:
+    """Why an optimizer state saved from class ``saved`` (the tree's record; None in older
+    checkpoints) does not fit ``live``: two of torch's own optimizers that differ (an AdamW
+    state loaded into SGD fails at its first step; Adam's into AdamW silently trains as Adam).
+    Other classes are not judged: a subclass or a fused version may share a state."""
+    mine = class_name(live)
+    if not (isinstance(saved, str) and saved.startswith("torch.optim.") and mine.startswith("torch.optim.")):
+        return None
+    if saved.rsplit(".", 1)[-1] == mine.rsplit(".", 1)[-1]:  # the same class (torch may move its module)
+        return None
+    return (
+        f"the checkpoint holds the state of a {saved.rsplit('.', 1)[-1]}, the state holds a {type(live).__name__}: "
+        "load it into the optimizer class it was saved from"
+    )

@@ -150,7 +150,8 @@ class Flattener:
         kind = None if type(obj) in _PLAIN_MAPPINGS else _stateful.kind_of(obj)
         if kind == "optimizer":
             keyed_by, sd = _stateful.optimizer_to_tree(obj, self._param_names())
-            return {"stateful": kind, "keyed_by": keyed_by, "state": self._node(sd, key)}
+            node: dict[str, Any] = {"stateful": kind, "keyed_by": keyed_by, "class": _stateful.class_name(obj)}
+            return {**node, "state": self._node(sd, key)}
         if kind == "module":
             obj = _stateful.unwrap(obj)
             # keep_vars: the parameters themselves, not a detach() each (through a DTensor's
