@@ -20,7 +20,7 @@ from stashpoint._dist.nodes import recv_blob, recv_tensor, send_blob, send_tenso
 from stashpoint._state.dtypes import as_memoryview
 from stashpoint._storage import Storage
 from stashpoint._storage.directio import BouncePool
-from stashpoint._storage.oserror import is_damage
+from stashpoint._storage.oserror import says_damage
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 CHUNK = 16 << 20  # gloo moves these as fast as larger ones, with less memory to fault in
@@ -105,10 +105,7 @@ class Stream:
                 return
             except (OSError, EOFError, CheckpointError) as e:
                 # a file gone, cut short or unreadable for good: the copy is damaged
-                gone = isinstance(e, (EOFError, CorruptCheckpointError)) or (
-                    isinstance(e, OSError) and not isinstance(e, CheckpointError) and is_damage(e)
-                )
-                self.error = (CorruptCheckpointError if gone else CheckpointError)(
+                self.error = (CorruptCheckpointError if says_damage(e) else CheckpointError)(
                     f"reading {step.location}/{name}: {e}"
                 )
         mv[:] = bytes(len(mv))

@@ -35,8 +35,8 @@ from stashpoint._dist.memfetch import disk_of, landing_target
 from stashpoint._dist.nodes import NodeSave, recv_blob, send_blob
 from stashpoint._dist.stream import Stream
 from stashpoint._storage import LocalStorage, Storage
-from stashpoint._storage.oserror import is_damage, read_failed
-from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from stashpoint._storage.oserror import read_failed, says_damage
+from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 log = logging.getLogger("stashpoint")
 
@@ -132,7 +132,7 @@ def send_step_files(ctx: DistContext, peer: int, step: Storage, t: Transfer, sav
         listing: dict[str, Any] = {"files": files, "spans": t.spans}
     except (OSError, CheckpointError) as e:
         failed = e if isinstance(e, CheckpointError) else read_failed(f"the files of {step.location}", e)
-        listing = {"error": str(failed)[:2000], "damage": _says_damage(failed)}
+        listing = {"error": str(failed)[:2000], "damage": says_damage(failed)}
     send_blob(ctx, peer, json.dumps(listing).encode(), tag)
     refused = recv_blob(ctx, peer, 4096, tag)  # the receiver checks the offer and its space first
     if failed is not None:
@@ -263,14 +263,8 @@ def run_transfers(
                 tally["peers"] = tally.get("peers", 0) + recv_step_files(ctx, leaders[t.src], step, t, save_id)
         except Exception as e:
             errors.append(f"{type(e).__name__}: {e}")  # agree() names the rank
-            damage = damage and _says_damage(e)
+            damage = damage and says_damage(e)
     return ("; ".join(errors[:4]), damage) if errors else None
-
-
-def _says_damage(e: BaseException) -> bool:
-    if isinstance(e, (CorruptCheckpointError, IncompleteCheckpointError, FileNotFoundError)):
-        return True
-    return isinstance(e, OSError) and not isinstance(e, CheckpointError) and is_damage(e)
 
 
 def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str, room: Room | None) -> None:

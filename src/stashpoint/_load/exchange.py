@@ -14,7 +14,8 @@ import torch
 
 from stashpoint._core.assign import Item
 from stashpoint._dist.group import DistContext
-from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from stashpoint._storage.oserror import says_damage
+from stashpoint.errors import CheckpointError
 
 
 def _order(items: list[tuple[Item, torch.Tensor]]) -> list[tuple[Item, torch.Tensor]]:
@@ -87,13 +88,13 @@ def broadcast_shares(ctx: DistContext, readers: dict[Item, int], dests: dict[Ite
 def failure(e: CheckpointError) -> tuple[str, bool]:
     """A rank's failed status for :func:`agree`: its message, and whether it says the copy is
     damaged or incomplete (a restore falls back past such a copy, and no other)."""
-    return str(e), isinstance(e, (CorruptCheckpointError, IncompleteCheckpointError))
+    return str(e), says_damage(e)
 
 
 def agree(ctx: DistContext, what: str, status: Any, error: type[CheckpointError] = CheckpointError) -> bool:
     """Tell rank 0 one status per rank; raise on every rank if any rank failed, so that all
     ranks take the same path (e.g. all fall back to an older checkpoint, or none does). A
-    failed status is a message (a damaged copy), or a :func:`failure`. Raises ``error`` when
+    failed status is a :func:`failure`; any other is a success. Raises ``error`` when
     every failure says the copy is damaged, else a plain :class:`CheckpointError` (a rank that
     raises its own error instead checks the kind with :func:`own_or_agreed`). Returns whether
     every rank's status was the same. Each rank sends one status and receives one small
@@ -101,7 +102,7 @@ def agree(ctx: DistContext, what: str, status: Any, error: type[CheckpointError]
     statuses = ctx.gather(what, status)
     verdict: tuple[str, Any, bool] | None = None
     if statuses is not None:
-        failed = [(r, (s, True) if isinstance(s, str) else s) for r, s in enumerate(statuses) if _failed(s)]
+        failed = [(r, s) for r, s in enumerate(statuses) if isinstance(s, tuple)]
         shown = "; ".join(f"rank {r}: {message}" for r, (message, _) in failed[:16])[:4000]
         if failed:
             ranks = ", ".join(str(r) for r, _ in failed[:64]) + (" ..." if len(failed) > 64 else "")
@@ -115,14 +116,9 @@ def agree(ctx: DistContext, what: str, status: Any, error: type[CheckpointError]
     return bool(verdict[1])
 
 
-def _failed(status: Any) -> bool:
-    return isinstance(status, (str, tuple))
-
-
 def own_or_agreed(own: CheckpointError | None, agreed: CheckpointError) -> CheckpointError:
     """What a rank raises once :func:`agree` raised ``agreed``: its own error where that is of
     the same kind (a damaged copy or not), so that every rank takes the same path."""
-    damage = (CorruptCheckpointError, IncompleteCheckpointError)
-    if own is not None and isinstance(own, damage) == isinstance(agreed, damage):
+    if own is not None and says_damage(own) == says_damage(agreed):
         return own
     return agreed

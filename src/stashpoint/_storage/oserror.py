@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import errno
 
-from stashpoint.errors import CheckpointError, CorruptCheckpointError
+from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 _DAMAGE = frozenset(
     {
@@ -31,6 +31,15 @@ _DAMAGE = frozenset(
 def is_damage(e: OSError) -> bool:
     """Whether ``e`` says the file read is damaged or gone (not that it cannot be read now)."""
     return e.errno in _DAMAGE
+
+
+def says_damage(e: BaseException) -> bool:
+    """Whether any error says a checkpoint's copy is damaged or gone, so that a restore may fall
+    back past it: stashpoint's own corrupt or incomplete errors, a file that ended early, an OS
+    error of the damage kind. Every place that sorts failures asks this, so ranks agree."""
+    if isinstance(e, (CorruptCheckpointError, IncompleteCheckpointError, EOFError)):
+        return True
+    return isinstance(e, OSError) and not isinstance(e, CheckpointError) and is_damage(e)
 
 
 def read_failed(what: str, e: OSError) -> CheckpointError:
