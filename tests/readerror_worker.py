@@ -255,5 +255,48 @@ def scenario_unreadable_dir(root: str) -> None:
     result(**out)
 
 
+def scenario_rank0_only_save(root: str) -> None:
+    """``if rank == 0: save(...)``, torch.save's idiom: rank 0 is told which ranks it waits for
+    long before its timeout, then fails naming them."""
+    import logging
+    import time
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(f"{time.monotonic() - t0:.1f} s: {record.getMessage()}")
+
+    logging.getLogger("stashpoint").addHandler(Keep(logging.WARNING))
+    out: dict = {}
+    for when in ("first", "later"):
+        if when == "later":  # the group exists: rank 0 waits in a collective on it
+            stashpoint.save({"w": torch.ones(3)}, Path(root, "both"))
+            seen.clear()
+        t0 = time.monotonic()
+        if RANK == 0:
+            try:
+                stashpoint.save({"w": torch.ones(3)}, Path(root, when), timeout=8)
+                out[when] = "no error"
+            except Exception as e:
+                out[when] = f"{type(e).__name__}: {e}"
+            out[f"{when}_s"] = time.monotonic() - t0
+            out[f"{when}_logged"] = list(seen)
+        dist.barrier()
+    result(**out)
+
+
+def scenario_destroyed_under_save(root: str) -> None:
+    """The program destroys torch.distributed's groups while a background save is in flight."""
+    handle = stashpoint.async_save({"w": torch.ones(64 << 20 >> 2)}, Path(root, "ckpt"))
+    dist.destroy_process_group()
+    try:
+        handle.wait()
+        out = "no error"
+    except Exception as e:
+        out = f"{type(e).__name__}: {e}"
+    result(error=out)
+
+
 if __name__ == "__main__":
     main()

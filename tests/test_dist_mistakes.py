@@ -31,3 +31,23 @@ def test_a_group_this_rank_is_not_in_or_a_mesh_is_refused_by_name(tmp_path):
     for r in results:
         assert r["mesh"].startswith("TypeError: process_group must be a torch.distributed ProcessGroup"), r
         assert "mesh.get_group()" in r["mesh"], r
+
+
+def test_a_save_on_rank_0_alone_names_the_ranks_it_waits_for_before_it_times_out(tmp_path):
+    """torch.save's ``if rank == 0:`` idiom. Before: rank 0 waited out the timeout (ten minutes
+    by default) in silence, in the group's creation that holds the interpreter, and then failed
+    naming a store key."""
+    first, _ = run_world(2, "rank0_only_save", str(tmp_path), worker=WORKER_OF)
+    for when, what in (("first", "create the checkpoint group"), ("later", "save hellos")):
+        assert "rank(s) 1 did not come" in first[when] or "rank(s) 1 never reached it" in first[when], first
+        (warning,) = [m for m in first[f"{when}_logged"] if "has waited" in m]
+        # the warning at half the 8 s timeout, naming the rank, the collective and the fix
+        assert float(warning.split(" s:")[0]) < 6.5, warning
+        assert f"for rank(s) 1 to reach the checkpoint collective '{what}'" in warning, warning
+        assert "not only rank 0" in warning, warning
+
+
+def test_destroying_the_process_group_under_a_save_says_to_wait_for_it_first(tmp_path):
+    for r in run_world(2, "destroyed_under_save", str(tmp_path), worker=WORKER_OF):
+        assert "process group was destroyed while the checkpoint collective" in r["error"], r
+        assert "before torch.distributed.destroy_process_group()" in r["error"], r

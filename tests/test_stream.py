@@ -16,7 +16,8 @@ import pytest
 from stashpoint import _runtime
 from stashpoint._core.nodeplan import Transfer
 from stashpoint._dist import stream as stream_mod
-from stashpoint._dist.group import CollectiveError, DistContext
+from stashpoint._dist.arrival import CollectiveError
+from stashpoint._dist.group import DistContext
 from stashpoint._dist.landing import Landing, land
 from stashpoint._dist.stream import CHUNK, Stream
 from stashpoint._storage import LocalStorage, directio

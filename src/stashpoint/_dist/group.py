@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from stashpoint import _runtime
+from stashpoint._dist.arrival import CollectiveError, absent, all_came, ranks_text, store, watch
 
 if TYPE_CHECKING:
     from stashpoint._dist.commit import Plan
@@ -38,10 +39,6 @@ log = logging.getLogger("stashpoint")
 
 DEFAULT_TIMEOUT_S = 600.0
 GATHER_SLOT = 504  # a gathered message up to this long travels in one collective (slot + length: 512 B)
-
-
-class CollectiveError(CheckpointError):
-    """A collective on the checkpoint group failed (a peer died, stalled or left)."""
 
 
 @dataclass
@@ -113,15 +110,16 @@ class DistContext:
         the ranks that never reached it (each rank marks its arrival in the job's store)."""
         self.calls += 1
         mark = f"{self._store_prefix()}/{self.calls}"
-        store = _store()
-        if store is not None:
+        marks = store()
+        if marks is not None:
             try:
-                store.set(f"{mark}/{self.rank}", "1")
+                marks.set(f"{mark}/{self.rank}", "1")
                 if self.calls > 2:  # forget this rank's marks of two collectives ago
-                    store.delete_key(f"{self._store_prefix()}/{self.calls - 2}/{self.rank}")
+                    marks.delete_key(f"{self._store_prefix()}/{self.calls - 2}/{self.rank}")
             except Exception:
-                store = None
+                marks = None
         t0 = time.monotonic()
+        timer = watch(what, self.rank, self.world, self.timeout_s, store=marks, mark=mark)
         try:
             self._apply_timeout()
             return fn(*args, group=self.group, **kwargs)
@@ -135,9 +133,9 @@ class DistContext:
                     "close(), or stashpoint.shutdown()) before torch.distributed.destroy_process_group()"
                 ) from e
             # only the group's first rank looks for the absent (R store calls in all, not R per rank)
-            absent = _absent(store, mark, self.world) if self.rank == 0 else []
-            if absent:
-                who = f"rank(s) {', '.join(map(str, absent))} never reached it"
+            missing = absent(marks, mark, self.world) if self.rank == 0 else []
+            if missing:
+                who = f"{ranks_text(missing)} never reached it"
             else:
                 who = "a peer rank left it" + ("" if self.rank == 0 else "; rank 0's error names any that never came")
             raise CollectiveError(
@@ -145,6 +143,9 @@ class DistContext:
                 f"(timeout {self.timeout_s:.0f} s; a peer rank died, stalled, or left the save: {who}): "
                 f"{type(e).__name__}: {str(e)[:300]}"
             ) from e
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def all_gather(self, what: str, obj: Any) -> list[Any]:
         import torch.distributed as dist
@@ -247,6 +248,7 @@ SHUTDOWN_TIMEOUT_S = 60.0
 # ranks alone, so a second group over them would meet the first one's stale rendezvous keys: a
 # fact about torch's registry that outlives our slots, kept to refuse that with a clear error.
 _destroyed: set[tuple[int, ...]] = set()
+_made: dict[tuple[tuple[int, ...], str], int] = {}  # groups created over these ranks, for this purpose
 
 
 def _destroy(contexts: dict[tuple[tuple[int, ...], str], DistContext]) -> None:
@@ -266,26 +268,6 @@ def _destroy(contexts: dict[tuple[tuple[int, ...], str], DistContext]) -> None:
         except Exception as e:
             log.warning("stashpoint: left a checkpoint group of ranks %s in place at shutdown: %s", list(ctx.ranks), e)
     contexts.clear()
-
-
-def _store() -> Any:
-    """The job's key-value store (the one ``init_process_group`` rendezvoused on), if any."""
-    try:
-        from torch.distributed import distributed_c10d
-
-        return distributed_c10d._get_default_store()
-    except Exception:
-        return None
-
-
-def _absent(store: Any, mark: str, world: int) -> list[int]:
-    """Group ranks that did not mark their arrival at a collective (empty if unknown)."""
-    if store is None:
-        return []
-    try:
-        return [r for r in range(world) if not store.check([f"{mark}/{r}"])]
-    except Exception:
-        return []
 
 
 def forget(ctx: DistContext) -> None:
@@ -352,6 +334,10 @@ def context(process_group: Any = None, timeout_s: float | None = None, purpose: 
                 "program (saves and loads before it)"
             )
         else:
+            me = ranks.index(dist.get_rank())
+            made = _made.get((ranks, purpose), 0) + 1  # counted once created: alike on every rank
+            mark = f"stashpoint/{purpose}/{xxhash.xxh3_64_hexdigest(repr(ranks).encode())}/group-{made}"
+            all_came(store(), mark, me, len(ranks), timeout)
             try:
                 group = dist.new_group(
                     ranks=list(ranks),
@@ -361,9 +347,10 @@ def context(process_group: Any = None, timeout_s: float | None = None, purpose: 
                 )
             except Exception as e:
                 raise CollectiveError(
-                    f"could not create stashpoint's checkpoint process group over ranks {list(ranks)} (is every "
-                    f"rank alive and saving?): {type(e).__name__}: {str(e)[:300]}"
+                    f"could not create stashpoint's checkpoint process group over {ranks_text(list(ranks))} "
+                    f"within {timeout:.0f} s (is every rank alive and saving?): {type(e).__name__}: {str(e)[:300]}"
                 ) from e
+            _made[(ranks, purpose)] = made
             ctx = DistContext(group, ranks, dist.get_rank(group), len(ranks), timeout, purpose=purpose)
             contexts[(ranks, purpose)] = ctx
     return ctx

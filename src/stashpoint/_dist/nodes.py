@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from stashpoint._dist.group import CollectiveError, DistContext
+from stashpoint._dist.arrival import CollectiveError
+from stashpoint._dist.group import DistContext
 from stashpoint.errors import CheckpointError
 
 

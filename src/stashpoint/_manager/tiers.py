@@ -28,8 +28,9 @@ from stashpoint._core.format import Manifest
 from stashpoint._core.naming import MANIFEST_NAME, step_dir
 from stashpoint._core.policy import Retention
 from stashpoint._dist import group as _dist
+from stashpoint._dist.arrival import CollectiveError
 from stashpoint._dist.commit import Outcome, RankFailure, finish_together
-from stashpoint._dist.group import CollectiveError, DistContext
+from stashpoint._dist.group import DistContext
 from stashpoint._load.manifest import read_head, read_index
 from stashpoint._manager.steps import committed_steps, delete_step, quietly, remove_leftovers, retained
 from stashpoint._storage import LocalStorage, Storage, storage_for

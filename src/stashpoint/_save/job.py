@@ -25,6 +25,7 @@ from stashpoint._core.naming import MANIFEST_NAME, RANKS_PER_DIR, group_dir, ind
 from stashpoint._core.nodeplan import Room
 from stashpoint._core.plan import TensorSpec, plan_files
 from stashpoint._dist import group as _dist
+from stashpoint._dist.arrival import CollectiveError
 from stashpoint._dist.commit import (
     Assignment,
     LayoutMsg,
@@ -37,7 +38,7 @@ from stashpoint._dist.commit import (
     finish_together,
     start_save,
 )
-from stashpoint._dist.group import CollectiveError, DistContext
+from stashpoint._dist.group import DistContext
 from stashpoint._dist.nodecommit import commit_on_nodes, node_room
 from stashpoint._dist.transfer import replicate
 from stashpoint._save.handle import SaveStats

@@ -1,0 +1,112 @@
+"""Who has come to a checkpoint collective: each rank marks its arrival in the job's store, so
+that a collective that waits or fails names the ranks that never came, and rank 0 warns long
+before the timeout (a rank that never calls save, as in torch.save's ``if rank == 0:`` idiom,
+would otherwise show nothing for ten minutes)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from stashpoint.errors import CheckpointError
+
+log = logging.getLogger("stashpoint")
+
+WAIT_WARN_S = 30.0  # rank 0 names the ranks a collective still waits for after this long
+
+
+class CollectiveError(CheckpointError):
+    """A collective on the checkpoint group failed (a peer died, stalled or left)."""
+
+
+def store() -> Any:
+    """The job's key-value store (the one ``init_process_group`` rendezvoused on), if any."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def absent(store: Any, mark: str, world: int) -> list[int]:
+    """Group ranks that did not mark their arrival at a collective (empty if unknown)."""
+    if store is None:
+        return []
+    try:
+        return [r for r in range(world) if not store.check([f"{mark}/{r}"])]
+    except Exception:
+        return []
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``rank(s) 1, 5, ...``: at most 16 named (a message to a person, at any world size)."""
+    more = f" and {len(ranks) - 16} more" if len(ranks) > 16 else ""
+    return f"rank(s) {', '.join(map(str, ranks[:16]))}{more}"
+
+
+def watch(what: str, rank: int, world: int, timeout_s: float, *, store: Any, mark: str) -> threading.Timer | None:
+    """On the group's first rank, a warning naming the ranks that have not reached ``what``
+    once it has waited ``WAIT_WARN_S`` (or half its timeout): a rank that never calls (the
+    ``if rank == 0: save(...)`` idiom of torch.save) would otherwise show nothing until the
+    timeout, ten minutes by default."""
+    if rank != 0 or store is None or world == 1:
+        return None
+    after = min(WAIT_WARN_S, timeout_s / 2)
+
+    def warn() -> None:
+        missing = absent(store, mark, world)
+        if missing:
+            _wait_warning(after, missing, what, timeout_s)
+
+    timer = threading.Timer(after, warn)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def all_came(marks: Any, mark: str, me: int, world: int, timeout_s: float) -> None:
+    """Before the checkpoint group is created: each rank marks its arrival in the job's store,
+    and the first waits for all (polling, warning as :func:`watch` does) so that a rank that
+    never comes is named. torch's group creation waits holding the interpreter, where no
+    warning could run, and its timeout names a store key, not a rank."""
+    try:
+        marks.set(f"{mark}/{me}", "1")
+    except Exception:
+        return  # no store to mark in: torch's own wait, as before
+    if me != 0:
+        return
+    keys = [f"{mark}/{r}" for r in range(world)]
+    t0, pause, warned = time.monotonic(), 0.001, False
+    try:
+        while not marks.check(keys):
+            waited = time.monotonic() - t0
+            if waited >= timeout_s or (not warned and waited >= min(WAIT_WARN_S, timeout_s / 2)):
+                missing = absent(marks, mark, world)
+                if waited >= timeout_s:
+                    raise CollectiveError(
+                        f"rank 0: {ranks_text(missing)} did not come to create stashpoint's checkpoint group within "
+                        f"{timeout_s:.0f} s: every rank of the group must call save and load, in the same order, "
+                        "not only rank 0 (is every rank alive and saving?)"
+                    )
+                _wait_warning(waited, missing, "create the checkpoint group", timeout_s)
+                warned = True
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+    except CollectiveError:
+        raise
+    except Exception:
+        return  # the store failed: torch's own wait, as before
+
+
+def _wait_warning(waited: float, missing: list[int], what: str, timeout_s: float) -> None:
+    log.warning(
+        "stashpoint: rank 0 has waited %.0f s for %s to reach the checkpoint collective '%s' (it fails after %.0f s): "
+        "every rank of the group must call save and load, in the same order, not only rank 0",
+        waited,
+        ranks_text(missing),
+        what,
+        timeout_s,
+    )
