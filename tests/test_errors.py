@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import errno
 import json
+import os
+import subprocess
+import sys
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,6 +86,20 @@ def test_state_mismatch_lists_every_problem_at_once(tmp_path):
         stashpoint.load(target, tmp_path / "ck", strict=False)
     assert torch.equal(target["c"], torch.ones(4)), "strict=False loads what matches"
     assert any("4 mismatch" in str(w.message) for w in caught)
+
+
+def test_a_lenient_load_reports_its_mismatches_once_on_stderr(tmp_path):
+    """Before: a warning and a log line with the same text, both on stderr when the program
+    sets up no logging (logging's last-resort handler)."""
+    code = (
+        "import sys, torch, stashpoint\n"
+        "stashpoint.save({'a': torch.ones(2)}, sys.argv[1])\n"
+        "stashpoint.load({'a': torch.zeros(2), 'new': torch.zeros(1)}, sys.argv[1], strict=False)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(stashpoint.__file__).parents[1])}
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck")], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.count("skipped 1 mismatch(es)") == 1, run.stderr
 
 
 def test_module_mismatch_names_module_keys(tmp_path):

@@ -178,7 +178,7 @@ def _warn_skipped(plan: Plan, location: str, stacklevel: int) -> None:
             plan.problems
         )
         warnings.warn(msg, stacklevel=stacklevel)  # at the caller of load()
-        log.warning(msg)
+        log.info(msg)  # for logs kept; a warning too would print the text twice without logging set up
 
 
 def _read(

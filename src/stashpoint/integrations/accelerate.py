@@ -165,7 +165,7 @@ def _warn_hooks(hooks: Mapping[Any, Any], register: str, what: str) -> None:
             f"{what}_state (they belong to Accelerator.{what}_state); call what they do yourself"
         )
         warnings.warn(msg, stacklevel=3)
-        log.warning(msg)
+        log.info(msg)  # for logs kept; a warning too would print the text twice without logging set up
 
 
 class _Counters:
