@@ -298,5 +298,47 @@ def scenario_destroyed_under_save(root: str) -> None:
     result(error=out)
 
 
+def scenario_node_landing_unwritable(root: str) -> None:
+    """Node 1 is lost and comes back with a directory it may not write (``LANDING_FAILS=dir``)
+    or where a file may not grow past a byte, as under a quota (``=write``: ``RLIMIT_FSIZE``, so
+    the writes fail part-way through the transfer): the fetch of its files from node 0's replica
+    fails on both nodes as an error, not as damage, and once that is fixed the restore loads the
+    newest step."""
+    import resource
+    import signal
+
+    how = os.environ["LANDING_FAILS"]
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), not the process
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    os.environ["STASHPOINT_FETCH_MEMORY"] = "off"  # land on the disk, in the directory refused
+    with _node_manager(root) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(float(step))).wait()
+    dist.barrier()
+    if RANK == 1:
+        import shutil
+
+        shutil.rmtree(Path(root, "node-1"))
+    dist.barrier()
+    out: dict = {}
+    for attempt in ("denied", "fixed"):
+        state = _state(0.0)
+        try:
+            with _node_manager(root) as mgr:
+                if RANK == 1 and attempt == "denied" and how == "dir":
+                    Path(root, "node-1").chmod(0o555)
+                if RANK == 1 and attempt == "denied" and how == "write":
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (1, limit[1]))
+                out[attempt] = [mgr.restore(state), float(state["w"].to_local()[0, 0])]
+        except Exception as e:
+            out[attempt] = [type(e).__name__, str(e)[:3000]]
+        if RANK == 1:
+            Path(root, "node-1").chmod(0o755)
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        out.setdefault("set_aside", []).extend(p.name for p in Path(root).rglob("*.damaged-*"))
+        dist.barrier()
+    result(**out)
+
+
 if __name__ == "__main__":
     main()

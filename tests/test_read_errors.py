@@ -87,3 +87,19 @@ def test_retention_keeps_a_step_whose_manifest_it_cannot_read(tmp_path, monkeypa
     (r,) = run_world(1, "retention_unreadable", str(tmp_path), worker=NO_DAC)
     # step 1 kept (its metrics unknown), and so step 2, the best of those known, and step 3, the last
     assert r["steps"] == [1, 2, 3], r
+
+
+@pytest.mark.parametrize("how", ["dir", "write"])
+def test_a_replacement_node_that_cannot_land_its_files_raises_an_error_not_damage(tmp_path, monkeypatch, how):
+    """Node 1 comes back from a loss with a directory it may not write (``dir``), or where its
+    writes fail part-way through the transfer (``write``: a file-size limit, as under a quota):
+    every rank raises a plain CheckpointError that names the cause, the newest step is kept,
+    and the restore after the fix loads it."""
+    monkeypatch.setenv("NO_DAC_RANK", "1")
+    monkeypatch.setenv("LANDING_FAILS", how)
+    results = run_world(2, "node_landing_unwritable", str(tmp_path), worker=NO_DAC)
+    cause = "Permission denied" if how == "dir" else "failed (writing index-r00001"
+    for r in results:
+        assert r["denied"][0] == "CheckpointError" and cause in r["denied"][1], r
+        assert r["fixed"] == [2, 2.0], r
+        assert not [n for n in r["set_aside"] if n.startswith("step-00000002")], r

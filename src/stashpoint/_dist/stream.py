@@ -92,6 +92,7 @@ class Stream:
         self.bufs = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
         self.mvs = [as_memoryview(b) for b in self.bufs]
         self.error: BaseException | None = None
+        self.failed_at = ""  # the file whose bytes could not be landed, if that is the error
         self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="stashpoint-transfer")
         self._turn = 0
 
@@ -128,7 +129,7 @@ class Stream:
             send_tensor(self.ctx, self.peer, self.bufs[k][:n], self.tag)
         self._turn = (self._turn + len(ps)) % 2
 
-    def _sink(self, sink: Any, piece: list[tuple[int, int]], mv: memoryview) -> None:
+    def _sink(self, sink: Any, name: str, piece: list[tuple[int, int]], mv: memoryview) -> None:
         pos = 0
         for a, b in piece:
             if self.error is not None:
@@ -136,7 +137,7 @@ class Stream:
             try:
                 sink(a, mv[pos : pos + b - a])
             except (OSError, CheckpointError) as e:
-                self.error = e
+                self.error, self.failed_at = e, name
             pos += b - a
 
     def receive(self, name: str, ranges: Sequence[tuple[int, int]], sink: Any) -> None:
@@ -153,7 +154,7 @@ class Stream:
                 recv_tensor(self.ctx, self.peer, self.bufs[k][:n], self.tag)
             if behind is not None:
                 behind.result()
-            behind = self._executor.submit(self._sink, sink, piece, self.mvs[k][:n])
+            behind = self._executor.submit(self._sink, sink, name, piece, self.mvs[k][:n])
         if behind is not None:
             behind.result()
 
@@ -183,7 +184,8 @@ class Stream:
                 sent = {"error": f"an unreadable status ({len(raw)} bytes)", "damage": False}
         if isinstance(self.error, OSError) and not isinstance(self.error, CheckpointError):
             # this node's own disk or memory area failed: no sign of damage to the copy sent
-            self.error = CheckpointError(f"landing the transfer on this node failed: {self.error}")
+            at = f" (writing {self.failed_at})" if self.failed_at else ""
+            self.error = CheckpointError(f"landing the transfer on this node failed{at}: {self.error}")
         self.done()
         if sent:
             error = CorruptCheckpointError if sent.get("damage") is True else CheckpointError
