@@ -24,6 +24,7 @@ from stashpoint._core.format import seal
 from stashpoint._core.index import parse_head
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._core.reshard import Box, intersect
+from stashpoint._core.sealed import checksum
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 from test_format import _paths, json_values
 
@@ -113,6 +114,7 @@ def test_a_version_1_checkpoint_still_loads_and_every_tool_reads_it(tmp_path):
         (lambda d: d["tensors"]["a"].update(alias_of="nope"), "aliases a missing entry"),
         (lambda d: d.update(save_id="/../../etc/x"), "save_id must be 1 to 64 hex digits"),
         (lambda d: d.update(ranks_per_dir=-1), "ranks_per_dir must be an int"),
+        (lambda d: d.update(checksum_block_bytes=4194304.0), "unsupported checksum_block_bytes"),
     ],
 )
 def test_manifest_validation_names_the_problem(tmp_path, mutate, message):
@@ -125,6 +127,27 @@ def test_manifest_validation_names_the_problem(tmp_path, mutate, message):
         parse_head(seal(doc), "x")
 
 
+@pytest.mark.parametrize("odd", [None, float("nan"), float("inf")])
+def test_a_manifest_or_index_without_a_seal_is_refused(tmp_path, odd):
+    """Before: with no checksum field, a document holding a number JSON has no form for (NaN)
+    had no checksum either (None equal to None): edited freely, it loaded."""
+    stashpoint.save(_state(), tmp_path / "ck")
+    path, doc = index_doc(tmp_path / "ck")
+    doc.pop("checksum", None)
+    doc["junk"] = odd
+    head = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_bytes())
+    head.pop("checksum")
+    head["junk"] = odd
+    raw = json.dumps(doc).encode()
+    head["indexes"][0] = [len(raw), checksum(raw)]
+    path.write_bytes(raw)
+    (tmp_path / "ck" / MANIFEST_NAME).write_text(json.dumps(head))
+    with pytest.raises(CorruptCheckpointError, match="checksum does not match its contents"):
+        stashpoint.load({"a": torch.zeros(3), "m": torch.nn.Linear(2, 2), "b": {}, "step": 0}, tmp_path / "ck")
+    with pytest.raises(CorruptCheckpointError, match="checksum does not match its contents"):
+        parse_head(json.dumps(head).encode(), "x")
+
+
 def _share(bias, a):
     """Point the 2-element chunk ``bias`` at the first bytes of ``a`` (same file)."""
     bias[0], bias[3], bias[4] = a[0], a[3], a[3] + 8
@@ -135,6 +158,7 @@ def _share(bias, a):
     [
         (lambda d: d.update(rank=1), "another save's or rank's"),
         (lambda d: d.update(save_id="00"), "another save's or rank's"),
+        (lambda d: d.update(rank=False), "another save's or rank's"),
         (lambda d: d["files"][0].__setitem__(0, "../evil"), "points outside the checkpoint"),
         (lambda d: d["files"][0].__setitem__(0, "sub/x"), "points outside the checkpoint"),
         (lambda d: d["files"][0].__setitem__(0, "g00001/" + d["files"][0][0]), "outside rank 0's directory"),

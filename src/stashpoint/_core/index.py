@@ -225,7 +225,8 @@ def parse_index(raw: bytes, where: str, head: Head, rank: int) -> RankIndex:
     """Rank ``rank``'s index of the save ``head`` commits, validated against its catalog: every
     chunk is one the catalog gives this rank, inside its file, with a checksum per block."""
     doc, _ = open_sealed(raw, where, INDEX_FORMAT)
-    _want(doc.get("save_id") == head.save_id and doc.get("rank") == rank, where, "it is another save's or rank's")
+    own = doc.get("save_id") == head.save_id and type(doc.get("rank")) is int and doc["rank"] == rank
+    _want(own, where, "it is another save's or rank's")
     files_doc, chunks_doc = doc.get("files"), doc.get("chunks")
     _want(isinstance(files_doc, list) and isinstance(chunks_doc, dict), where, "files and chunks are missing")
     assert isinstance(files_doc, list) and isinstance(chunks_doc, dict)

@@ -151,7 +151,9 @@ def open_sealed(raw: bytes, where: str, name: str = FORMAT_NAME) -> tuple[dict[s
             actual = checksum(_body(doc))
         except (ValueError, RecursionError):
             actual = None
-        _want(claimed == actual, where, f"its checksum does not match its contents (the {kind} is damaged)")
+        # no seal at all, or a body with no JSON form (NaN): never equal, whatever was claimed
+        sealed = isinstance(claimed, str) and actual is not None and claimed == actual
+        _want(sealed, where, f"its checksum does not match its contents (the {kind} is damaged)")
     version = _int(doc.get("format_version"), where, "format_version", 1)
     if version > FORMAT_VERSION:
         raise CorruptCheckpointError(
@@ -159,7 +161,8 @@ def open_sealed(raw: bytes, where: str, name: str = FORMAT_NAME) -> tuple[dict[s
             f"({FORMAT_VERSION}); upgrade stashpoint (pip install -U stashpoint)."
         )
     _want(doc.get("checksum_algorithm") == CHECKSUM_ALGORITHM, where, "unknown checksum_algorithm")
-    _want(doc.get("checksum_block_bytes") == CHECKSUM_BLOCK_BYTES, where, "unsupported checksum_block_bytes")
+    block = doc.get("checksum_block_bytes")
+    _want(type(block) is int and block == CHECKSUM_BLOCK_BYTES, where, "unsupported checksum_block_bytes")
     return doc, version
 
 
