@@ -69,6 +69,29 @@ def test_retention_keep_last_every_and_best(tmp_path):
         assert mgr.steps() == [8, 9], "max mode keeps the highest loss (8.0) and the newest"
 
 
+@pytest.mark.parametrize("node_local", [False, True])
+@pytest.mark.parametrize("planted", ["fifo", "garbage"])
+def test_a_damaged_step_numbered_above_the_rest_costs_retention_no_real_step(tmp_path, node_local, planted):
+    """Before: a step directory numbered 97 whose manifest was damaged (or a FIFO) counted as
+    the newest step, so keep_last=1 deleted each real step right after its commit, and a
+    restart found nothing to restore."""
+    root = tmp_path / "r"
+    with stashpoint.CheckpointManager(root, keep_last=1, node_local=node_local) as mgr:
+        mgr.save(1, _state(1)).wait()
+    (root / "step-00000097").mkdir()
+    manifest = root / "step-00000097" / "manifest.json"
+    os.mkfifo(manifest) if planted == "fifo" else manifest.write_bytes(b'{"format": "stashpoint", ')
+    with stashpoint.CheckpointManager(root, keep_last=1, node_local=node_local) as mgr:
+        for step in (2, 3):
+            mgr.save(step, _state(step))
+            mgr.wait()  # retention too
+        assert mgr.steps() == [3, 97], "the damaged step is kept, not counted: step 3 is the last"
+    state = _state(0)
+    with stashpoint.CheckpointManager(root, keep_last=1, node_local=node_local) as mgr:
+        assert mgr.restore(state) == 3
+    assert torch.equal(state["w"], _state(3)["w"])
+
+
 def test_second_manager_on_the_same_root_is_refused(tmp_path):
     with (
         stashpoint.CheckpointManager(tmp_path / "r"),

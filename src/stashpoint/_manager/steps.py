@@ -28,25 +28,38 @@ def committed_steps(root: Storage) -> list[int]:
     return sorted(found)
 
 
+# read_metrics' answer for a step whose manifest is damaged (told apart by identity)
+DAMAGED: dict[str, Any] = {}
+_told: set[tuple[int, str]] = set()  # (step, kind) already warned about by this process
+
+
 def read_metrics(step: Storage) -> dict[str, Any] | None:
-    """The metrics a step was saved with: {} when its manifest is damaged, None when it cannot
-    be read now (permissions, the storage unreachable)."""
+    """The metrics a step was saved with: :data:`DAMAGED` when its manifest is damaged, None
+    when it cannot be read now (permissions, the storage unreachable)."""
     try:
         return parse_metrics(read_head(step).metadata.get(METRICS_KEY, "{}"))
     except (CorruptCheckpointError, IncompleteCheckpointError):
-        return {}
+        return DAMAGED
     except (CheckpointError, OSError):
         return None
 
 
 def retained(steps: list[int], metrics_of: Callable[[int], dict[str, Any] | None], retention: Retention) -> set[int]:
-    """The steps the retention rules keep, and every step whose metrics cannot be read now: its
-    manifest may well be whole, and with ``keep_best`` it may be the best one."""
+    """The steps the retention rules keep, counting only steps whose manifests read whole; and
+    every other step, untouched: one that cannot be read now may well be whole (and, with
+    ``keep_best``, the best one), and one whose manifest is damaged is a restore's to move
+    aside. Counted, a damaged or planted step numbered above the rest (its directory's name is
+    all it takes) would have been "the last" and the real ones deleted."""
     metrics = {s: metrics_of(s) for s in steps}
     unknown = {s for s, m in metrics.items() if m is None}
-    if unknown:
-        log.warning("stashpoint: kept step(s) %s: their manifests could not be read for retention", sorted(unknown))
-    return set(steps_to_keep(steps, {s: m or {} for s, m in metrics.items()}, retention)) | unknown
+    damaged = {s for s, m in metrics.items() if m is DAMAGED}
+    for kind, which in (("could not be read", unknown), ("is damaged", damaged)):
+        new = sorted(s for s in which if (s, kind) not in _told)
+        if new:
+            _told.update((s, kind) for s in new)
+            log.warning("stashpoint: kept step(s) %s, not counted by the retention rules: the manifest %s", new, kind)
+    counted = [s for s in steps if s not in unknown and s not in damaged]
+    return set(steps_to_keep(counted, {s: metrics[s] or {} for s in counted}, retention)) | unknown | damaged
 
 
 def delete_step(root: Storage, step: int) -> None:
