@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import stashpoint
+from stashpoint._core.sealed import MAX_MANIFEST_BYTES
 from stashpoint._tools.inspect import describe, list_steps
 
 pytestmark = pytest.mark.timeout(60)  # a regression blocks forever on the FIFO: fail instead
@@ -172,3 +173,47 @@ def test_verify_of_a_run_directory_checks_every_step_and_lists_what_the_manager_
         [sys.executable, "-m", "stashpoint", "verify", "-q", str(run)], capture_output=True, text=True, check=False
     )
     assert out.returncode == 1 and "problem: step 2:" in out.stdout and "notes.txt was not written" in out.stdout
+
+
+BIG = MAX_MANIFEST_BYTES + (64 << 20)
+
+
+class _SwapAfterSize(stashpoint._storage.LocalStorage):
+    """The race a concurrent writer wins: right after a size is taken, the file is replaced
+    (a real rename on disk) by a larger one, 64 MiB past the manifest's cap (sparse)."""
+
+    def size(self, name: str) -> int:
+        got = super().size(name)
+        big = self.root / f"{name}.big"
+        with big.open("wb") as f:
+            f.truncate(BIG)
+        big.rename(self.root / name)
+        return got
+
+
+@pytest.mark.parametrize("name", ["index", "manifest.json"])
+def test_a_manifest_or_index_swapped_for_a_larger_file_after_its_size_is_read_only_to_its_bound(tmp_path, name):
+    """Before: the file was read to its end, however large it had become."""
+    _saved(tmp_path / "ck")
+    target = next(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith(name))
+    storage = _SwapAfterSize(tmp_path / "ck")
+    read = []
+    real_read = stashpoint._storage.LocalStorage.read
+
+    def counted(self, n, offset=0, length=None):
+        out = real_read(self, n, offset, length)
+        read.append(len(out))
+        return out
+
+    storage.read = counted.__get__(storage)
+    if name == "index":  # the manifest read plainly, then the index raced
+        storage.size = super(_SwapAfterSize, storage).size
+        head = stashpoint._load.manifest.read_head(storage)
+        storage.size = _SwapAfterSize.size.__get__(storage)
+        with pytest.raises(stashpoint.CorruptCheckpointError, match="does not match the manifest's checksum"):
+            stashpoint._load.manifest.read_index(storage, head, 0)
+    else:
+        with pytest.raises(stashpoint.CorruptCheckpointError):
+            stashpoint._load.manifest.read_head(storage)
+    assert (tmp_path / "ck" / target).stat().st_size == BIG
+    assert max(read) <= (MAX_MANIFEST_BYTES + 1 if name == "manifest.json" else 1 << 20), read

@@ -68,7 +68,7 @@ def read_head(storage: Storage) -> Manifest | Head:
             raise CheckpointError(f"{loc} is a file, not a stashpoint checkpoint directory; {hint}")
         if storage.size(MANIFEST_NAME) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(f"the manifest of {loc} is larger than the {MAX_MANIFEST_BYTES} byte cap")
-        raw = storage.read(MANIFEST_NAME)
+        raw = storage.read(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1)  # bounded: it may grow after the size
     except FileNotFoundError:
         _no_manifest(storage)
     except OSError as e:
@@ -86,7 +86,7 @@ def read_index(storage: Storage, head: Head, rank: int) -> RankIndex:
         actual = storage.size(name)
         if actual != size:
             raise CorruptCheckpointError(f"index {where} is {actual} bytes, the manifest says {size}")
-        raw = storage.read(name)
+        raw = storage.read(name, 0, size + 1)  # bounded: a file swapped in after the size may be any size
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"index {where} listed in the manifest is missing (one node's directory of a node_local=True run "
