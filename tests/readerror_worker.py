@@ -340,5 +340,16 @@ def scenario_node_landing_unwritable(root: str) -> None:
     result(**out)
 
 
+def scenario_verify_unreadable_shard(root: str) -> None:
+    """verify() of a checkpoint one of whose shards this process may not read: listed, not raised."""
+    stashpoint.save({"a": torch.ones(4), "b": torch.ones(4)}, Path(root, "ckpt"))
+    next(Path(root, "ckpt").glob("shard-*")).chmod(0)
+    try:
+        report = stashpoint.verify(Path(root, "ckpt"))
+        result(ok=report.ok, problems=report.problems)
+    except Exception as e:
+        result(raised=f"{type(e).__name__}: {e}")
+
+
 if __name__ == "__main__":
     main()

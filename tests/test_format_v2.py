@@ -162,6 +162,8 @@ def _share(bias, a):
         (lambda d: d["files"][0].__setitem__(0, "../evil"), "points outside the checkpoint"),
         (lambda d: d["files"][0].__setitem__(0, "sub/x"), "points outside the checkpoint"),
         (lambda d: d["files"][0].__setitem__(0, "g00001/" + d["files"][0][0]), "outside rank 0's directory"),
+        (lambda d: d["files"][0].__setitem__(0, d["files"][0][0].replace("r00000", "r00001")), "shard of rank 0"),
+        (lambda d: d["files"][0].__setitem__(0, "x" * 40 + ".safetensors"), "shard of rank 0"),
         (lambda d: d["chunks"]["a"].__setitem__(4, 10**12), "does not match its shape"),
         (lambda d: d["chunks"]["a"].__setitem__(1, [1]), "does not give 'a'"),
         (lambda d: d["chunks"]["a"].__setitem__(0, 5), "malformed"),

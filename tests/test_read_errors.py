@@ -103,3 +103,9 @@ def test_a_replacement_node_that_cannot_land_its_files_raises_an_error_not_damag
         assert r["denied"][0] == "CheckpointError" and cause in r["denied"][1], r
         assert r["fixed"] == [2, 2.0], r
         assert not [n for n in r["set_aside"] if n.startswith("step-00000002")], r
+
+
+def test_verify_lists_a_shard_it_may_not_read_instead_of_raising(tmp_path, monkeypatch):
+    monkeypatch.setenv("NO_DAC_RANK", "0")
+    (r,) = run_world(1, "verify_unreadable_shard", str(tmp_path), worker=NO_DAC)
+    assert r.get("ok") is False and "Permission denied" in " ".join(r["problems"]), r

@@ -27,7 +27,7 @@ from stashpoint._core.catalog import Grid, Placement
 from stashpoint._core.dtypes import ITEMSIZE, itemsize
 from stashpoint._core.format import Chunk, FileEntry, Manifest, TensorEntry, _check_byte_ranges, _check_tiling, parse_v1
 from stashpoint._core.header import HEADER_ALIGN, MAX_HEADER_BYTES
-from stashpoint._core.naming import group_dir, index_name, placed
+from stashpoint._core.naming import group_dir, index_name, parse_shard_name, placed
 from stashpoint._core.nodes import check_tree
 from stashpoint._core.reshard import Box, block_count
 from stashpoint._core.sealed import (
@@ -237,6 +237,10 @@ def parse_index(raw: bytes, where: str, head: Head, rank: int) -> RankIndex:
         _want(isinstance(f, list) and len(f) == 4 and isinstance(f[3], str), where, "a file entry is malformed")
         name = safe_file_name(f[0], where)
         _want(name.rpartition("/")[0] == own_dir, where, f"{name!r} is outside rank {rank}'s directory {own_dir!r}")
+        # a shard's name carries its rank and save: no two indexes can claim one file's bytes
+        shard = parse_shard_name(name.rpartition("/")[2])
+        if shard is None or shard[0] != rank or shard[2] != head.save_id:
+            _fail(where, f"{name!r} is not the name of a shard of rank {rank} in this save")
         size = _int(f[1], where, f"size of {name!r}")
         start = _int(f[2], where, f"data_start of {name!r}", 8)
         _want(start <= size and start <= 8 + MAX_HEADER_BYTES + HEADER_ALIGN, where, f"data_start of {name!r}")

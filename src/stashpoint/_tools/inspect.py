@@ -350,7 +350,11 @@ def _verify_file(
     storage: Storage, m: Manifest, fe: FileEntry, chunks: list[tuple[str, Chunk]], rep: VerifyReport
 ) -> None:
     where = f"{storage.location}/{fe.name}"
-    problem, readable = shard_problem(storage, m, fe)
+    try:
+        problem, readable = shard_problem(storage, m, fe)
+    except CheckpointError as e:  # unreadable here and now (permissions, ...): listed, the rest still checked
+        rep.problems.append(str(e))
+        return
     if problem is not None:
         rep.problems.append(problem)
     if not readable:
