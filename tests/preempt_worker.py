@@ -1,15 +1,21 @@
 """A training loop under a CheckpointManager with preemption handling, for tests/test_preempt.py.
 
-    python preempt_worker.py DIR STEPS [--every N] [--deadline S]      (one process, or under torchrun)
+    python preempt_worker.py DIR STEPS [--every N] [--deadline S] [--mb M] [--stuck-at N] [--after S] [--skip N]
+    (one process, or under torchrun)
 
 Resumes from DIR/ckpt, then trains a small model one step at a time (deterministic data, 0.2 s
 per step), writing ``DIR/progress-<rank>`` (the step just trained) before each ``maybe_save``.
 Prints ``RESUMED <step>`` after the restore and writes ``DIR/done-<rank>`` at a normal end.
+``--mb``: M MiB more state (a save that outlasts a short deadline); ``--stuck-at``: after step
+N's maybe_save, 60 s of work that never reaches the next (an evaluation, a hung collective);
+``--after``: S seconds of work after the last step, inside the manager's ``with``; ``--skip``:
+rank 1 skips the maybe_save of step N (``RESULT {"error": ...}`` on a CheckpointError).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
@@ -26,6 +32,10 @@ def main() -> None:
     ap.add_argument("steps", type=int)
     ap.add_argument("--every", type=int, default=1000)
     ap.add_argument("--deadline", type=float, default=20.0)
+    ap.add_argument("--mb", type=int, default=0)
+    ap.add_argument("--stuck-at", type=int, default=-1)
+    ap.add_argument("--after", type=float, default=0.0)
+    ap.add_argument("--skip", type=int, default=-1)
     args = ap.parse_args()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
@@ -34,7 +44,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(32, 32)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    state = {"model": model, "optim": optim, "rng": stashpoint.RNGState()}
+    state = {"model": model, "optim": optim, "rng": stashpoint.RNGState(), "extra": torch.ones(args.mb << 18)}
     with stashpoint.CheckpointManager(out / "ckpt", every_steps=args.every, preemption_deadline=args.deadline) as mgr:
         start = (mgr.restore(state) or 0) + 1
         print(f"RESUMED {start - 1}", flush=True)
@@ -45,7 +55,16 @@ def main() -> None:
             optim.zero_grad()
             (out / f"progress-{rank}").write_text(str(step))
             time.sleep(0.2)
-            mgr.maybe_save(step, state)
+            if step == args.skip and rank == 1:
+                continue
+            try:
+                mgr.maybe_save(step, state)
+            except stashpoint.CheckpointError as e:
+                print("RESULT " + json.dumps({"error": str(e)}), flush=True)
+                os._exit(1)
+            if step == args.stuck_at:
+                time.sleep(60)
+        time.sleep(args.after)
     (out / f"done-{rank}").write_text("ok")
     if dist.is_initialized():
         dist.destroy_process_group()

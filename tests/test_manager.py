@@ -92,6 +92,21 @@ def test_a_damaged_step_numbered_above_the_rest_costs_retention_no_real_step(tmp
     assert torch.equal(state["w"], _state(3)["w"])
 
 
+def test_any_integer_step_is_a_step_and_a_closed_manager_refuses_every_use(tmp_path):
+    import numpy as np
+
+    mgr = stashpoint.CheckpointManager(tmp_path / "r")
+    with mgr:
+        mgr.save(np.int64(3), _state(3)).wait()
+        assert mgr.restore(_state(), step=np.int32(3)) == 3
+        for bad in (True, 2.0, -1, "4"):
+            with pytest.raises(ValueError, match="step must be a non-negative integer"):
+                mgr.save(bad, _state())
+    for use in (lambda: mgr.save(4, _state()), lambda: mgr.restore(_state()), lambda: mgr.__enter__()):
+        with pytest.raises(stashpoint.CheckpointError, match="is closed; create a new one"):
+            use()
+
+
 def test_second_manager_on_the_same_root_is_refused(tmp_path):
     with (
         stashpoint.CheckpointManager(tmp_path / "r"),

@@ -97,3 +97,78 @@ def test_sigterm_to_one_of_two_nodes_stops_both_at_the_same_step_with_one_commit
     manifest = json.loads((tmp_path / "ckpt" / f"step-{at:08d}" / "manifest.json").read_text())
     assert manifest["world_size"] == 2
     assert stashpoint.verify(tmp_path / "ckpt" / f"step-{at:08d}").ok
+
+
+def _start(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, str(WORKER), str(tmp_path), *args]
+    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("case", ["stuck", "twice", "after-the-last-step"])
+def test_sigterm_ends_the_process_when_no_safe_point_comes(tmp_path, case):
+    """Before: a process that never reached maybe_save again (an evaluation, a hung
+    collective) ignored SIGTERM, sent twice, until SIGKILL; one signalled after its last
+    maybe_save exited 0 with nothing said."""
+    args = {
+        "stuck": ["50", "--stuck-at", "3", "--deadline", "2"],
+        "twice": ["50", "--stuck-at", "3", "--deadline", "60"],
+        "after-the-last-step": ["3", "--after", "4", "--deadline", "60"],
+    }[case]
+    proc = _start(tmp_path, *args)
+    try:
+        _wait_for(lambda: _progress(tmp_path) >= 3 or proc.poll() is not None, "step 3")
+        time.sleep(0.5)  # past the maybe_save of step 3
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        if case == "twice":
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert proc.returncode in (128 + signal.SIGTERM, -signal.SIGTERM), (proc.returncode, err[-3000:])
+    if case == "stuck":
+        assert 1.5 < took < 10, took
+        assert "the 2 s deadline passed before training reached a safe point" in err, err[-3000:]
+    elif case == "twice":
+        assert took < 10, took
+        assert "a second SIGTERM came before the safe point" in err, err[-3000:]
+    else:
+        assert "SIGTERM came after the last maybe_save" in err, err[-3000:]
+    assert not (tmp_path / "done-0").exists()
+
+
+def test_a_deadline_shorter_than_the_save_exits_at_the_deadline_and_the_restart_loads_the_step_before(tmp_path):
+    """Before: the log said the save was abandoned, then closing the manager waited for it."""
+    proc = _start(tmp_path, "50", "--every", "2", "--mb", "800", "--deadline", "0.8")
+    try:
+        committed = tmp_path / "ckpt" / "step-00000002" / "manifest.json"
+        _wait_for(lambda: committed.exists() or proc.poll() is not None, "step 2 committed")
+        at = _progress(tmp_path)
+        _wait_for(lambda: _progress(tmp_path) > at or proc.poll() is not None, "the next step")
+        proc.send_signal(signal.SIGTERM)  # its maybe_save comes in 0.2 s; its save takes longer than the rest
+        t0 = time.monotonic()
+        _out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert took < 4, took  # the deadline (0.8 s), a moment to report, and the exit
+    assert "no new step committed" in err and "exiting now, without a new checkpoint" in err, err[-3000:]
+    steps = _steps(tmp_path)
+    res = subprocess.run(
+        [sys.executable, str(WORKER), str(tmp_path), "0", "--mb", "800"], env=ENV, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert f"RESUMED {steps[-1]}" in res.stdout, (steps, res.stderr[-3000:])
+
+
+def test_ranks_that_call_maybe_save_at_different_steps_are_told_not_paired(tmp_path):
+    """Before: with preemption on, every maybe_save is an all-reduce; a rank that skipped one
+    paired its calls with the others' next ones and the job hung at the end."""
+    from dist_util import run_world
+
+    results = run_world(2, str(tmp_path), "6", "--skip", "3", worker=WORKER, allow_fail=True, timeout=120)
+    for r in results:
+        assert "called maybe_save at different steps (3 to 4)" in r.get("error", ""), results

@@ -32,6 +32,7 @@ from stashpoint._manager.steps import (
     read_metrics,
     remove_leftovers,
     retained,
+    step_number,
 )
 from stashpoint._manager.tiers import RemoteTier
 from stashpoint._save.engine import SaveOptions, get_engine
@@ -245,8 +246,9 @@ class CheckpointManager:
 
         With ``preemption_deadline``, first agree whether a preemption signal came (on any rank):
         if so, save this step and exit (see the class docstring)."""
+        step = step_number(step)
         if self._preemption is not None:
-            signum = self._preemption.agreed()
+            signum = self._preemption.agreed(step)
             if signum is not None:
                 if self._nodes is not None:  # the last restore's copy to disk gives way to the deadline
                     self._nodes.settled(stop=True)
@@ -268,8 +270,7 @@ class CheckpointManager:
         to the remote tier in the background.
         """
         self._check_open()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        step = step_number(step)
         metrics = plain_metrics(metrics)
         if not self._shared_checked and self._nodes is None and isinstance(self.storage, LocalStorage):
             check_shared_root(self.storage.root, options.get("process_group"), options.get("timeout"))
@@ -362,6 +363,8 @@ class CheckpointManager:
         With a ``remote_root``, a step's local copy is preferred when every rank has it, and
         the remote copy is used otherwise (a fresh node) or when the local one is damaged.
         """
+        self._check_open()
+        step = None if step is None else step_number(step)
         load_one = functools.partial(_load_into, state, strict, options)
         t0 = time.perf_counter()
         with remembering():  # the passes of a restore parse and plan once
@@ -439,6 +442,7 @@ class CheckpointManager:
             raise CheckpointError(f"this CheckpointManager on {self.root} is closed; create a new one")
 
     def __enter__(self) -> CheckpointManager:
+        self._check_open()
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:

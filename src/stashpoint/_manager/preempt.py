@@ -8,8 +8,12 @@ only), over a gloo group of stashpoint's own, never the training's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import select
 import signal
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -17,12 +21,22 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any, NoReturn
 
+from stashpoint.errors import CheckpointError
+
 log = logging.getLogger("stashpoint")
+
+_GRACE_S = 1.0  # past the deadline, for stop() to report before the watchdog ends the process
 
 
 class Preemption:
     """Handlers for ``signals`` (main thread only, from :meth:`install`); :meth:`agreed` says
-    whether any rank got one. ``close`` puts the previous handlers back."""
+    whether any rank got one. ``close`` puts the previous handlers back.
+
+    A watchdog thread enforces the deadline where the safe point never comes: the training
+    thread stuck in a collective or a long evaluation (a Python handler runs only once the
+    main thread is back in Python; the signal's byte reaches the watchdog at once through
+    ``signal.set_wakeup_fd``). Once the deadline has passed, or on a second signal, it ends the
+    process as the signal would have (exit status 128 + signal)."""
 
     def __init__(self, deadline_s: float, signals: Sequence[int], world: int) -> None:
         if not deadline_s > 0:
@@ -35,6 +49,9 @@ class Preemption:
         self.deadline_s = float(deadline_s)
         self.signum: int | None = None
         self.since: float | None = None
+        self.mine = False  # this rank got the signal (not only learnt of another's)
+        self.handled = False  # stop() ran: the signal was answered at a safe point
+        self.stopping = False  # stop() is saving at the safe point: it reports its own outcome
         self._group: Any = None
         if world > 1:
             import torch.distributed as dist
@@ -44,29 +61,80 @@ class Preemption:
             self._group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
         self._signals = tuple(signals)
         self._previous: dict[int, Any] = {}
+        self._wakeup: tuple[int, int] | None = None  # the pipe the signals' bytes come through
+        self._old_wakeup = -1
+        self._closed = threading.Event()
 
     def install(self) -> None:
         """Take over the signals (last, once the manager is set up: a manager that failed to open
-        must leave SIGTERM's default action alone)."""
+        must leave SIGTERM's default action alone), and start the watchdog."""
         for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._note)
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        if old != -1:  # the program's own (asyncio's): left to it; the watchdog polls instead
+            signal.set_wakeup_fd(old)
+            os.close(r)
+            os.close(w)
+        else:
+            self._wakeup = (r, w)
+        threading.Thread(target=self._watch, name="stashpoint-preemption", daemon=True).start()
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
-            self.signum, self.since = signum, time.monotonic()
+            self.signum, self.since, self.mine = signum, time.monotonic(), True
             # logging from a handler may deadlock on the logging lock: say it at the safe point
 
-    def agreed(self) -> int | None:
+    def _watch(self) -> None:
+        """End the process once the deadline has passed since the first signal (or at a second
+        one) unless a safe point answered it first."""
+        first: tuple[int, float] | None = None
+        while not self._closed.is_set():
+            wait = 0.5 if first is None else max(0.01, min(0.5, first[1] + self.deadline_s - time.monotonic()))
+            for signum in self._signals_within(wait):
+                if first is not None and not self.handled:
+                    _exit_now(signum, f"a second {_name(signum)} came before the safe point (maybe_save)")
+                first = first or (signum, time.monotonic())
+            if first is None and self.signum is not None and self.since is not None:
+                first = (self.signum, self.since)  # noted by the handler (no wakeup pipe)
+            # at the safe point, stop() gives up at the deadline and says what a restart loads: a
+            # moment's grace for that before the watchdog ends the process itself
+            grace = _GRACE_S if self.stopping else 0.0
+            if first is not None and not self.handled and time.monotonic() >= first[1] + self.deadline_s + grace:
+                where = "the save at the safe point ended" if self.stopping else "training reached a safe point"
+                _exit_now(first[0], f"the {self.deadline_s:g} s deadline passed before {where} (maybe_save)")
+
+    def _signals_within(self, timeout: float) -> list[int]:
+        if self._wakeup is None:
+            self._closed.wait(timeout)
+            return []
+        ready, _, _ = select.select([self._wakeup[0]], [], [], timeout)
+        if not ready:
+            return []
+        try:
+            got = os.read(self._wakeup[0], 64)
+        except OSError:
+            return []
+        return [b for b in got if b in self._signals]  # the pipe carries every handled signal (SIGINT too)
+
+    def agreed(self, step: int) -> int | None:
         """The signal any rank got (this rank's, or SIGTERM for another's), or None: a collective
-        over every rank of the manager when there are several."""
+        over every rank of the manager when there are several. Ranks at different steps (some
+        skipped a maybe_save) are refused on every rank, rather than paired up."""
         if self._group is None:
             return self.signum
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([self.signum or 0], dtype=torch.int32)
+        flag = torch.tensor([self.signum or 0, step, -step], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        got = int(flag.item())
+        got, hi, lo = int(flag[0]), int(flag[1]), -int(flag[2])
+        if hi != lo:
+            raise CheckpointError(
+                f"the ranks called maybe_save at different steps ({lo} to {hi}): with preemption_deadline every "
+                "maybe_save is collective, so every rank must call it at every step, with the same step number"
+            )
         if got and self.signum is None:
             self.signum, self.since = got, time.monotonic()
         return got or None
@@ -77,23 +145,61 @@ class Preemption:
         return self.deadline_s - (time.monotonic() - since)
 
     def close(self) -> None:
+        """Put the previous handlers back. A signal noted and never answered at a safe point (it
+        came after the last maybe_save) is raised again now, so the process ends as it asked."""
+        self._closed.set()
         if threading.current_thread() is not threading.main_thread():
             return
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(-1)
+            for fd in self._wakeup:
+                os.close(fd)
+            self._wakeup = None
+        if self.mine and not self.handled and self.signum is not None:
+            self.handled = True
+            log.warning(
+                "stashpoint: %s came after the last maybe_save; the manager is closed, so the signal takes its course",
+                _name(self.signum),
+            )
+            signal.raise_signal(self.signum)
+
+
+def _name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _exit_now(signum: int, why: str) -> NoReturn:
+    """End the process at once, as the signal's default action would (no cleanup runs: the
+    newest committed step is whole, and a save cut short is cleaned up at the next start)."""
+    log.warning("stashpoint: %s: %s; exiting now, without a new checkpoint", _name(signum), why)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(128 + signum)
 
 
 def stop(manager: Any, preemption: Preemption, signum: int, step: int, save: Any) -> NoReturn:
     """Finish the save in flight, save ``step`` unless it is saved already, all within the
     deadline, then raise SystemExit (128 + the signal), as the signal's default action would
-    end the process. The last committed step stays whole whatever happens in between."""
-    name = signal.Signals(signum).name
+    end the process. If the deadline passes first, exit at once (the save is abandoned; the
+    last committed step stays whole, whatever happens in between)."""
+    name = _name(signum)
+    who = "" if preemption.mine else " by another rank"
     log.warning(
-        "stashpoint: %s received; saving step %d within %.0f s, then exiting", name, step, max(0.0, preemption.left())
+        "stashpoint: %s received%s; saving step %d within %.3g s, then exiting",
+        name,
+        who,
+        step,
+        max(0.0, preemption.left()),
     )
     t0 = time.monotonic()
-    outcome = f"step {step} committed"
+    preemption.stopping = True
     try:
         for handle, after in manager.in_flight():
             handle.wait(max(0.0, preemption.left()))
@@ -101,6 +207,11 @@ def stop(manager: Any, preemption: Preemption, signum: int, step: int, save: Any
         if step not in manager.steps():  # the emergency save
             save(timeout=max(1.0, preemption.left())).wait(max(0.0, preemption.left()))
     except Exception as e:  # exiting anyway: the newest committed step is what a restart gets
-        outcome = f"no new step committed ({type(e).__name__}: {e}); a restart loads step {manager.latest_step()}"
-    log.warning("stashpoint: preempted by %s: %s in %.1f s; exiting", name, outcome, time.monotonic() - t0)
+        _exit_now(
+            signum,
+            f"no new step committed in {time.monotonic() - t0:.1f} s ({type(e).__name__}: {e}); a "
+            f"restart loads step {manager.latest_step()}",
+        )
+    preemption.handled = True  # the watchdog stands down: the program's own clean-up may take its time
+    log.warning("stashpoint: preempted by %s: step %d committed in %.1f s; exiting", name, step, time.monotonic() - t0)
     raise SystemExit(128 + signum)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,17 @@ from stashpoint.errors import CheckpointError, CorruptCheckpointError, Incomplet
 log = logging.getLogger("stashpoint")
 
 METRICS_KEY = "stashpoint.metrics"
+
+
+def step_number(step: object) -> int:
+    """``step`` as an int: any integer type (numpy's ``int64`` too), never a bool or a float."""
+    try:
+        n = operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        n = -1
+    if isinstance(step, bool) or n < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    return n
 
 
 def committed_steps(root: Storage) -> list[int]:
