@@ -106,7 +106,7 @@ def test_a_version_1_checkpoint_still_loads_and_every_tool_reads_it(tmp_path):
     ("mutate", "message"),
     [
         (lambda d: d["indexes"].append([10, "0"]), "one index per rank"),
-        (lambda d: d["tensors"]["a"].update(grid={"block": [1], "base": 5, "strides": [1]}), "outside the world"),
+        (lambda d: d["tensors"]["a"].update(grid={"block": [3], "base": 5, "strides": [1]}), "outside the world"),
         (lambda d: d["tensors"]["a"].update(grid={"block": [0], "base": 0, "strides": [0]}), "empty block"),
         (lambda d: d["tensors"]["a"].pop("grid"), "neither a grid nor chunks"),
         (lambda d: d["tensors"]["a"].update(chunks=[[[0], [2], 0]]), "hold 2 elements"),
@@ -115,12 +115,15 @@ def test_a_version_1_checkpoint_still_loads_and_every_tool_reads_it(tmp_path):
         (lambda d: d.update(save_id="/../../etc/x"), "save_id must be 1 to 64 hex digits"),
         (lambda d: d.update(ranks_per_dir=-1), "ranks_per_dir must be an int"),
         (lambda d: d.update(checksum_block_bytes=4194304.0), "unsupported checksum_block_bytes"),
+        (lambda d: d["tensors"]["a"].update(grid={"block": [1], "base": 0, "strides": [0]}), "3 cells, more than"),
+        (lambda d: d["tensors"]["a"].update(shape=[2**61, 2**61, 0]), "more bytes than a tensor can"),
+        (lambda d: d["tensors"]["a"].update(chunks=[[[0], [1], 0], [[1], [2], 0]]), "gives a rank two chunks"),
     ],
 )
 def test_manifest_validation_names_the_problem(tmp_path, mutate, message):
     stashpoint.save(_state(), tmp_path / "ck")
     doc = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_bytes())
-    if message == "hold 2 elements":
+    if message in ("hold 2 elements", "gives a rank two chunks"):
         doc["tensors"]["a"].pop("grid")
     mutate(doc)
     with pytest.raises(CorruptCheckpointError, match=message):
@@ -146,6 +149,32 @@ def test_a_manifest_or_index_without_a_seal_is_refused(tmp_path, odd):
         stashpoint.load({"a": torch.zeros(3), "m": torch.nn.Linear(2, 2), "b": {}, "step": 0}, tmp_path / "ck")
     with pytest.raises(CorruptCheckpointError, match="checksum does not match its contents"):
         parse_head(json.dumps(head).encode(), "x")
+
+
+def test_a_catalog_entry_no_index_holds_is_named_by_verify_and_too_large_to_allocate_is_an_error(tmp_path):
+    """Before: a re-sealed catalog entry of 2**40 floats, held by no index, crashed read() and a
+    fresh optimizer's load with torch's RuntimeError, and verify said the checkpoint was fine."""
+    stashpoint.save(_state(), tmp_path / "ck")
+    doc = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_bytes())
+    grid = {"block": [2**40], "base": 0, "strides": [0]}
+    doc["tensors"]["huge"] = {"dtype": "float32", "shape": [2**40], "grid": grid}
+    (tmp_path / "ck" / MANIFEST_NAME).write_bytes(seal(doc))
+    path, index = index_doc(tmp_path / "ck")
+    index["tree"]["dict"].append(["huge", {"tensor": "huge"}])
+    reseal_index(tmp_path / "ck", path, index)
+    with pytest.raises(CheckpointError, match=r"cannot allocate 4,398,046,511,104 bytes for 'huge'"):
+        stashpoint.read(tmp_path / "ck")
+    report = stashpoint.verify(tmp_path / "ck")
+    assert not report.ok and "the chunks of 'huge' hold 0 of its 1099511627776 elements" in report.problems[0]
+
+
+def test_verify_names_a_plain_value_that_does_not_decode(tmp_path):
+    stashpoint.save(_state(), tmp_path / "ck")
+    path, doc = index_doc(tmp_path / "ck")
+    doc["tree"]["dict"].append(["blob", {"bytes": "!!"}])
+    reseal_index(tmp_path / "ck", path, doc)
+    report = stashpoint.verify(tmp_path / "ck")
+    assert not report.ok and "the value at 'blob' does not decode" in " ".join(report.problems), report
 
 
 def _share(bias, a):

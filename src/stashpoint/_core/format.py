@@ -24,6 +24,7 @@ from stashpoint._core.sealed import (
     MAX_MANIFEST_ENTRIES,
     _int,
     _ints,
+    _sized,
     _want,
     block_checksums,
     checksum,
@@ -289,6 +290,7 @@ def _parse_entry(key: str, e: object, files: Mapping[str, FileEntry], where: str
     item = itemsize(dtype, f"entry {key!r} of manifest {where}")
     assert isinstance(dtype, str)
     shape = _ints(e.get("shape"), where, f"shape of {key!r}")
+    _sized(shape, item, where, key)
     if "alias_of" in e:
         _want(isinstance(e["alias_of"], str), where, f"alias_of of {key!r} must be a string")
         return TensorEntry(key, dtype, shape, (), e["alias_of"])

@@ -39,6 +39,7 @@ from stashpoint._core.sealed import (
     _fail,
     _int,
     _ints,
+    _sized,
     _want,
     common_fields,
     open_sealed,
@@ -50,6 +51,9 @@ from stashpoint.errors import CorruptCheckpointError
 INDEX_FORMAT = "stashpoint-index"
 _SAVE_ID = re.compile(r"[0-9a-f]{1,64}")
 MAX_WORLD = 1 << 24
+# chunks the catalog's grids may describe in all: 16,384 ranks x 4,096 sharded tensors; bounds
+# what a load that plans every chunk (one process reading a whole checkpoint) may enumerate
+MAX_CATALOG_CELLS = 1 << 26
 
 # ---------------------------------------------------------------------------------------------
 # The manifest (rank 0, written last) and the indexes (one per rank)
@@ -159,6 +163,8 @@ def parse_head(raw: bytes, where: str) -> Manifest | Head:
     cells = sum(len(c) for e in tensors.values() if isinstance(e, dict) and isinstance(c := e.get("chunks"), list))
     _want(cells + world <= MAX_MANIFEST_ENTRIES, where, f"it lists {cells} chunks (the cap is {MAX_MANIFEST_ENTRIES})")
     catalog = {key: _parse_placement(key, e, world, where) for key, e in tensors.items()}
+    grid_cells = sum(math.prod(p.grid.counts(p.shape)) for p in catalog.values() if p.grid is not None)
+    _want(grid_cells <= MAX_CATALOG_CELLS, where, f"its grids hold {grid_cells} chunks (cap {MAX_CATALOG_CELLS})")
     for key, p in catalog.items():
         if p.alias_of is not None:
             target = catalog.get(p.alias_of)
@@ -176,6 +182,7 @@ def _parse_placement(key: str, e: object, world: int, where: str) -> Placement:
     if type(dtype) is not str or dtype not in ITEMSIZE:
         raise CorruptCheckpointError(f"unknown dtype {dtype!r} in entry {key!r} of manifest {where}")
     shape = _ints(e.get("shape"), where, "shape", key=key)
+    _sized(shape, ITEMSIZE[dtype], where, key)
     if "alias_of" in e:
         if type(e["alias_of"]) is not str:
             _fail(where, f"alias_of of {key!r} must be a string")
@@ -196,6 +203,8 @@ def _parse_placement(key: str, e: object, world: int, where: str) -> Placement:
         if not all(o + n <= s for o, n, s in zip(off, shp, shape)):
             _fail(where, f"chunk of {key!r} out of bounds")
         cells.append((off, shp, writer))
+    if len({w for _, shp, w in cells if math.prod(shp)}) != sum(1 for _, shp, _ in cells if math.prod(shp)):
+        _fail(where, f"{key!r} gives a rank two chunks (an index holds one chunk of a tensor)")
     boxes = tuple(Chunk("", o, s, 0, 0, ()) for o, s, _ in cells)
     _check_tiling(TensorEntry(key, dtype, shape, boxes), where)
     return Placement(key, dtype, shape, None, tuple(cells))
@@ -214,6 +223,8 @@ def _parse_grid(key: str, g: object, dtype: str, shape: tuple[int, ...], *, worl
         _fail(where, f"grid of {key!r} has an empty block")
     grid = Grid(block, _int(g.get("base"), where, "grid base", key=key), tuple(strides))
     counts = grid.counts(shape)
+    if math.prod(counts) > world:  # each rank's index holds one chunk of a tensor
+        _fail(where, f"grid of {key!r} has {math.prod(counts)} cells, more than the {world} ranks could write")
     lo = grid.base + sum(min(0, s * (c - 1)) for s, c in zip(grid.strides, counts))
     hi = grid.base + sum(max(0, s * (c - 1)) for s, c in zip(grid.strides, counts))
     if not (lo >= 0 and hi < world):

@@ -91,6 +91,30 @@ def decode_plain(node: Node, *, allow_pickle: bool, where: str, key: str | None 
     raise CorruptCheckpointError(f"malformed tree node {str(node)[:100]!r} in the manifest of {where}")
 
 
+def unreadable_values(node: Node, path: str = "") -> list[str]:
+    """Where plain values under ``node`` (a parsed tree) would fail to decode: bytes or a
+    pickle that is not base64, a float that is not one. Decodes nothing else, unpickles nothing:
+    what ``verify`` checks of the values a load would rebuild."""
+    if "bytes" in node or "pickle" in node:
+        try:
+            base64.b64decode(node["bytes"] if "bytes" in node else node["pickle"], validate=True)
+        except ValueError:
+            return [path or "<root>"]
+        return []
+    if "float" in node:
+        try:
+            float(node["float"])
+        except ValueError:
+            return [path or "<root>"]
+        return []
+    if "stateful" in node:
+        return unreadable_values(node["state"], path)
+    if "dict" in node:
+        return [p for k, v in node["dict"] for p in unreadable_values(v, join(path, k))]
+    items: list[Node] = node["list"] if "list" in node else node.get("tuple", [])
+    return [p for i, v in enumerate(items) for p in unreadable_values(v, join(path, i))]
+
+
 def tensor_keys(node: Node) -> list[str]:
     """Every tensor key under ``node``."""
     if "tensor" in node:

@@ -83,6 +83,16 @@ def _ints(v: object, where: str, what: str, *, key: str | None = None) -> tuple[
     return out
 
 
+def _sized(shape: tuple[int, ...], item: int, where: str, key: str) -> None:
+    """A tensor's bytes must fit torch's int64 sizes, counted over its non-zero dimensions as
+    torch counts them (a shape of no elements with two 2**61 dimensions overflows there)."""
+    n = item
+    for d in shape:
+        n *= d or 1
+        if n >= _DIM_CAP:
+            _fail(where, f"the shape of {key!r} holds more bytes than a tensor can ({list(shape)[:8]})")
+
+
 def _named(what: str, key: str | None) -> str:
     return what if key is None else f"{what} of {key!r}"
 

@@ -13,7 +13,7 @@ from stashpoint._core.reshard import Box
 from stashpoint._load.manifest import open_checkpoint
 from stashpoint._load.reads import execute_reads
 from stashpoint._load.restore import Read
-from stashpoint._state.dtypes import torch_dtype
+from stashpoint._state.dtypes import empty_for
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError
 
@@ -112,7 +112,7 @@ class _Builder:
         entry = self.m.resolve(key)
         t = self.tensors.get(entry.key)
         if t is None:  # tied tensors come back as one
-            t = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype, entry.key), device=self.device)
+            t = empty_for(entry.key, entry.dtype, entry.shape, self.device)
             self.tensors[entry.key] = t
             self.reads.append(Read(entry.key, t, Box.whole(tuple(entry.shape))))
         return t

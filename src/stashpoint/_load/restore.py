@@ -26,7 +26,7 @@ from stashpoint._core.nodes import Node, decode_plain, is_plain, join, tensor_ke
 from stashpoint._core.reshard import Box
 from stashpoint._state import stateful as _stateful
 from stashpoint._state.dtensor import local_part, local_tensor
-from stashpoint._state.dtypes import dtype_name, torch_dtype
+from stashpoint._state.dtypes import dtype_name, empty_for, torch_dtype
 from stashpoint._state.scaler import scaler_load_state
 from stashpoint._state.validate import named_optimizer_problem, optimizer_problem, structure_problem
 from stashpoint.errors import CorruptCheckpointError
@@ -115,7 +115,7 @@ class Planner:
         entry = self.m.resolve(self._entry(key).key)
         t = self._materialized.get(entry.key)
         if t is None:  # tensors saved once for several keys come back as one tensor (tied)
-            t = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype, entry.key))
+            t = empty_for(entry.key, entry.dtype, entry.shape)
             self._materialized[entry.key] = t
             self.plan.reads.append(Read.into(entry.key, t))
         return t

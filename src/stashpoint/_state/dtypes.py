@@ -4,11 +4,13 @@ bytes as a memoryview."""
 from __future__ import annotations
 
 import ctypes
+import math
+from typing import Any
 
 import torch
 
 from stashpoint._core.dtypes import ITEMSIZE
-from stashpoint.errors import CorruptCheckpointError
+from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 _BY_NAME: dict[str, torch.dtype] = {
     name: d for name in ITEMSIZE if isinstance(d := getattr(torch, name, None), torch.dtype)
@@ -27,6 +29,21 @@ def torch_dtype(name: object, where: str) -> torch.dtype:
     if not isinstance(name, str) or name not in _BY_NAME:
         raise CorruptCheckpointError(f"unknown dtype {name!r} in {where}")
     return _BY_NAME[name]
+
+
+def empty_for(key: str, dtype: object, shape: tuple[int, ...], device: Any = None) -> torch.Tensor:
+    """A tensor for ``key`` as a checkpoint describes it (dtype name, shape); an allocation that
+    fails (a shape too large for this host, or a hostile catalog's) is a CheckpointError that
+    names the key and the bytes."""
+    dt = torch_dtype(dtype, key)
+    try:
+        return torch.empty(shape, dtype=dt, device=device)
+    except (RuntimeError, MemoryError) as e:
+        nbytes = math.prod(shape) * dt.itemsize
+        raise CheckpointError(
+            f"cannot allocate {nbytes:,} bytes for {key!r} ({dtype}{list(shape)}), the size the checkpoint gives it: "
+            f"{str(e)[:200]} (load it into a state that holds it, or on a host with the memory)"
+        ) from None
 
 
 def as_memoryview(t: torch.Tensor) -> memoryview:

@@ -27,7 +27,7 @@ from stashpoint._core.format import (
     block_checksums,
 )
 from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME, is_node_marker
-from stashpoint._core.nodes import Node, decode_plain, join
+from stashpoint._core.nodes import Node, decode_plain, join, unreadable_values
 from stashpoint._core.policy import parse_metrics
 from stashpoint._core.units import human_bytes
 from stashpoint._load.manifest import open_checkpoint, read_head, shard_problem, unlisted_shards
@@ -285,6 +285,7 @@ def verify(path: str | os.PathLike[str], progress: Progress | None = None) -> Ve
     except CorruptCheckpointError as e:
         return VerifyReport(str(path), problems=[str(e)])
     rep = VerifyReport(storage.location, files=len(m.files), tensors=len(m.tensors))
+    _check_whole(storage.location, m, rep)
     chunks: dict[str, list[tuple[str, Chunk]]] = {f.name: [] for f in m.files}
     for key, entry in m.tensors.items():
         for c in entry.chunks:
@@ -313,6 +314,21 @@ def verify(path: str | os.PathLike[str], progress: Progress | None = None) -> Ve
                 "it is not part of the checkpoint and may be deleted"
             )
     return rep
+
+
+def _check_whole(where: str, m: Manifest, rep: VerifyReport) -> None:
+    """What a load would refuse beyond the checksums: a tensor whose chunks do not cover it (the
+    catalog promises bytes no index holds), a plain value that does not decode."""
+    for key, entry in m.tensors.items():
+        held = sum(math.prod(c.shape) for c in entry.chunks)
+        if entry.alias_of is None and held != math.prod(entry.shape):
+            rep.problems.append(
+                f"{where}: the chunks of {key!r} hold {held} of its {math.prod(entry.shape)} elements (the manifest "
+                "promises bytes no shard holds: the checkpoint is damaged)"
+            )
+    for tree in m.trees:
+        for at in unreadable_values(tree):
+            rep.problems.append(f"{where}: the value at {at!r} does not decode (the manifest is damaged)")
 
 
 def _verify_run(root: Storage, run: RunContents, progress: Progress | None) -> VerifyReport:

@@ -10,7 +10,7 @@ from stashpoint._core.format import Manifest
 from stashpoint._core.reshard import Box
 from stashpoint._load.reads import execute_reads
 from stashpoint._load.restore import Read
-from stashpoint._state.dtypes import torch_dtype
+from stashpoint._state.dtypes import empty_for
 from stashpoint._storage import Storage
 from stashpoint._tools.inspect import nbytes
 
@@ -21,7 +21,7 @@ def read_tensors(storage: Storage, m: Manifest, keys: Sequence[str]) -> dict[str
     reads = []
     for key in keys:
         e = m.resolve(key)
-        out[key] = torch.empty(e.shape, dtype=torch_dtype(e.dtype, key))
+        out[key] = empty_for(key, e.dtype, e.shape)
         reads.append(Read(e.key, out[key], Box.whole(e.shape)))
     execute_reads(storage, m, reads, verify=True)
     return out
