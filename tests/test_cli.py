@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 import stashpoint
 from conftest import ROOT, small_model, train_steps, whole
 from dist_util import run_world
+from stashpoint._core.format import seal
 from stashpoint._tools.cli import main
 
 
@@ -462,6 +463,12 @@ def test_import_refusals(tmp_path: Path, single) -> None:
     one_line_error(cli("import", single[0], tmp_path / "o"), "already a stashpoint checkpoint")
     (tmp_path / "empty").mkdir()
     one_line_error(cli("import", tmp_path / "empty", tmp_path / "o"), "not a DCP checkpoint")
+    os.mkfifo(tmp_path / "fifo.pt")  # before: torch.load blocked on it forever
+    one_line_error(cli("import", tmp_path / "fifo.pt", tmp_path / "o"), "not a regular file")
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"")
+    os.mkfifo(tmp_path / "dcp" / "__0_0.distcp")
+    one_line_error(cli("import", tmp_path / "dcp", tmp_path / "o"), "'__0_0.distcp', not a regular file")
     assert not (tmp_path / "o").exists()
 
 
@@ -496,6 +503,11 @@ def test_control_characters_in_names_and_values_are_printed_escaped(tmp_path):
         assert "\x1b" not in r.output and "\x07" not in r.output and "\u202e" not in r.output, r.output
         assert "forged line" not in [ln.strip() for ln in r.output.splitlines()]  # no line of its own
     assert "\\x1b]0;pwned" in cli("inspect", tmp_path / "c").output
+    doc = json.loads((tmp_path / "c" / "manifest.json").read_bytes())
+    doc["created"] = "2026-12-05\nrecoverable without storage: forged"
+    (tmp_path / "c" / "manifest.json").write_bytes(seal(doc))
+    lines = [ln.strip() for ln in cli("inspect", tmp_path / "c").output.splitlines()]
+    assert "recoverable without storage: forged" not in lines, lines  # before: a line of its own
 
 
 def test_importing_a_damaged_dcp_checkpoint_is_one_clear_line(tmp_path):

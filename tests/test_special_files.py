@@ -217,3 +217,23 @@ def test_a_manifest_or_index_swapped_for_a_larger_file_after_its_size_is_read_on
             stashpoint._load.manifest.read_head(storage)
     assert (tmp_path / "ck" / target).stat().st_size == BIG
     assert max(read) <= (MAX_MANIFEST_BYTES + 1 if name == "manifest.json" else 1 << 20), read
+
+
+def test_dropping_older_replicas_touches_only_the_step_directories_the_manager_writes(tmp_path):
+    """Before: every name starting "step-" was cleaned (a user's step-backup, a step set aside
+    for inspection), and a replica marker that was a directory failed the replicated save."""
+    from stashpoint._dist.transfer import _drop_older_replicas
+
+    newest = tmp_path / "step-00000003"
+    newest.mkdir()
+    for name in ("step-backup", "step-00000001.damaged-20260101-000000", "step-00000002"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "replica-r00001").write_bytes(b"")
+        (tmp_path / name / "shard-r00001-0000-abcd.safetensors").write_bytes(b"data")
+    (tmp_path / "step-00000004").mkdir()
+    (tmp_path / "step-00000004" / "replica-r00001").mkdir()  # not a marker of ours
+    _drop_older_replicas(newest)
+    for kept in ("step-backup", "step-00000001.damaged-20260101-000000"):
+        assert len(list((tmp_path / kept).iterdir())) == 2, kept
+    assert list((tmp_path / "step-00000002").iterdir()) == [], "the older step's replica goes"
+    assert (tmp_path / "step-00000004" / "replica-r00001").is_dir()

@@ -118,11 +118,11 @@ def inspect_command(*, path: str, rank: int, as_json: bool) -> None:
         echo_json(d)
         return
     echo(f"checkpoint  {d['path']}")
-    echo(
+    echo(  # the file's strings escaped: a newline in them must not forge a line of this report
         f"format      stashpoint v{d['format_version']} (save {d['save_id']}, stashpoint "
-        f"{d['library_version']}, torch {d['torch_version']})"
+        f"{esc(d['library_version'])}, torch {esc(d['torch_version'])})"
     )
-    echo(f"created     {d['created']}")
+    echo(f"created     {esc(d['created'])}")
     if d["recoverable_without_storage"]:
         r = d["recoverable_without_storage"]
         echo(f"recoverable without storage: each of {r['nodes']} nodes' files copied to {r['replicas']} other node(s)")

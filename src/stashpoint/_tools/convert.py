@@ -121,9 +121,7 @@ def export(
         if storable and torch_dtype(e.dtype, k) not in storable:
             raise ValueError(f"tensor {k!r} has dtype {e.dtype}, which safetensors cannot store; --select around it")
         names[name] = k
-    sizes = {
-        n: math.prod(m.resolve(k).shape) * torch_dtype(m.resolve(k).dtype, k).itemsize for n, k in names.items()
-    }
+    sizes = {n: math.prod(m.resolve(k).shape) * torch_dtype(m.resolve(k).dtype, k).itemsize for n, k in names.items()}
     out_p = Path(out)
     is_file = out_p.suffix == ".safetensors" and not out_p.is_dir()
     limit = max_shard_size if max_shard_size is not None or is_file else DEFAULT_DIR_SHARD_BYTES
@@ -176,6 +174,8 @@ class ImportResult:
 
 
 def _load_torch_file(p: Path) -> Any:
+    if not p.is_file():  # a FIFO would block torch.load forever, a device read without end
+        raise CheckpointError(f"{p} is not a regular file: give the file torch.save wrote")
     try:
         try:
             return torch.load(p, map_location="cpu", weights_only=True, mmap=True)
@@ -231,6 +231,9 @@ def import_checkpoint(
             raise CheckpointError(f"{p} is already a stashpoint checkpoint; show it with: stashpoint inspect {p}")
         if not (p / ".metadata").is_file():
             raise CheckpointError(f"{p} is a directory without a DCP .metadata file: not a DCP checkpoint")
+        odd = [c.name for c in p.iterdir() if not c.is_file() or c.is_symlink()]
+        if odd:  # DCP's reader would block on a FIFO, follow a link anywhere
+            raise CheckpointError(f"{p} holds {odd[0]!r}, not a regular file: a DCP checkpoint holds only files")
         kind = "dcp"
         try:
             state = _load_dcp(p)
