@@ -107,6 +107,18 @@ def test_any_integer_step_is_a_step_and_a_closed_manager_refuses_every_use(tmp_p
             use()
 
 
+def test_a_checkpoint_is_not_saved_into_a_managers_run_directory(tmp_path):
+    """Before: save() and import wrote a checkpoint among the manager's steps; ls then called
+    the directory a checkpoint and verify offered to delete the manager's lock file."""
+    with stashpoint.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, _state(1)).wait()
+        with pytest.raises(stashpoint.CheckpointError, match="is a CheckpointManager's run directory"):
+            stashpoint.save(_state(2), tmp_path / "run")
+    with pytest.raises(stashpoint.CheckpointError, match="is a CheckpointManager's run directory"):
+        stashpoint.save(_state(2), tmp_path / "run")  # closed: its steps still say what it is
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".stashpoint-manager.lock", "step-00000001"]
+
+
 def test_second_manager_on_the_same_root_is_refused(tmp_path):
     with (
         stashpoint.CheckpointManager(tmp_path / "r"),

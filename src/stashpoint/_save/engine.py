@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from stashpoint import _runtime
-from stashpoint._core.naming import MANIFEST_NAME
+from stashpoint._core.naming import LOCK_NAME, MANIFEST_NAME, parse_step_dir
 from stashpoint._core.plan import SavePlan, TensorSpec, plan_files
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext
@@ -28,7 +28,7 @@ from stashpoint._save.job import PersistJob
 from stashpoint._save.layout import LayoutCache
 from stashpoint._save.staging import StagingPool
 from stashpoint._state.tree import flatten_with_buffers
-from stashpoint._storage import Storage, storage_for
+from stashpoint._storage import LocalStorage, Storage, storage_for
 from stashpoint.errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
@@ -136,6 +136,8 @@ class _Engine:
                 f"a committed checkpoint already exists at {storage.location}; pass overwrite=True to "
                 "replace it (it stays loadable until the new one commits) or save to a new path."
             )
+        if ctx.rank == 0:
+            _refuse_run_dir(storage)
         tree, tensors, buffers = flatten_with_buffers(state, allow_pickle=opts.allow_pickle)
         layout = self.layouts(tensors, buffers if ctx.world > 1 else ())
         # Once the ranks have agreed a plan for this layout, copy only what it gives this rank to
@@ -188,6 +190,22 @@ def current_engine() -> _Engine | None:
     """This process's engine if a save made it, else None (nothing is created)."""
     engine: _Engine | None = _runtime.peek("save.engine")
     return engine
+
+
+def _refuse_run_dir(storage: Storage) -> None:
+    """A CheckpointManager's run directory is no checkpoint: one saved into it mixes with the
+    manager's steps, and ``ls`` and ``verify`` then see neither as they are."""
+    if not isinstance(storage, LocalStorage):
+        return
+    try:
+        names = [p.name for p in storage.root.iterdir()]
+    except OSError:
+        return  # not there yet (the usual case), or a failure the save itself reports
+    if LOCK_NAME in names or any(parse_step_dir(n) is not None for n in names):
+        raise CheckpointError(
+            f"{storage.location} is a CheckpointManager's run directory: save into it through the manager "
+            "(mgr.save(step, state)), or save this checkpoint to a path of its own"
+        )
 
 
 @dataclass(frozen=True)
