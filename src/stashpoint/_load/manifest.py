@@ -43,6 +43,11 @@ def remembering() -> Iterator[None]:
             _MEMO.reset(token)
 
 
+class IndexMissingError(CorruptCheckpointError):
+    """An index the manifest lists is not there: damage, or a node-local run's directory, which
+    holds its own node's files only (the message says both)."""
+
+
 def remembered(key: Any, make: Callable[[], _T]) -> _T:
     """``make()``, or within :func:`remembering` the value it gave for ``key`` (errors are not
     remembered)."""
@@ -88,7 +93,7 @@ def read_index(storage: Storage, head: Head, rank: int) -> RankIndex:
             raise CorruptCheckpointError(f"index {where} is {actual} bytes, the manifest says {size}")
         raw = storage.read(name, 0, size + 1)  # bounded: a file swapped in after the size may be any size
     except FileNotFoundError:
-        raise CorruptCheckpointError(
+        raise IndexMissingError(
             f"index {where} listed in the manifest is missing (one node's directory of a node_local=True run "
             "holds its own ranks' files only: restore it with that CheckpointManager, or gather every node's "
             "files of the step into one directory to read or verify it)"
@@ -138,6 +143,8 @@ def open_checkpoint(path: str | os.PathLike[str] | Storage) -> tuple[Storage, Ma
     storage = storage_for(path)
     try:
         return storage, read_manifest(storage)
+    except IndexMissingError:
+        raise  # its message says both causes: damage, or one node's directory of a node-local run
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(f"{e} (the checkpoint is damaged: use an earlier one or a copy)") from None
 
