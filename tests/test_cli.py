@@ -472,6 +472,14 @@ def test_import_refusals(tmp_path: Path, single) -> None:
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify", "ls"])
+def test_an_error_under_json_is_json_on_stdout_too(tmp_path, command):
+    r = cli(command, tmp_path / "nope", "--json")
+    one_line_error(r, "nope")
+    doc = json.loads(r.stdout)
+    assert doc["kind"] == "CheckpointNotFoundError" and "nope" in doc["error"], doc
+
+
 def test_progress_bar_counts_every_byte_and_prints_the_messages_above_it(tmp_path):
     import io
 

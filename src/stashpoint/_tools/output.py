@@ -16,7 +16,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def fails_cleanly(fn: F) -> F:
-    """Print a stashpoint error (or bad argument) as one line on stderr and exit 2."""
+    """Print a stashpoint error (or bad argument) as one line on stderr and exit 2; with
+    ``--json``, also as ``{"error": message, "kind": class name}`` on stdout."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -29,6 +30,8 @@ def fails_cleanly(fn: F) -> F:
         except (CheckpointError, ValueError, OSError) as e:
             msg = "; ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
             echo(f"stashpoint {click.get_current_context().info_name}: error: {msg}", err=True)
+            if kwargs.get("as_json"):
+                echo_json({"error": msg, "kind": type(e).__name__})
             sys.exit(2)
 
     return wrapper  # type: ignore[return-value]
