@@ -128,6 +128,15 @@ class StorageSuite:
         w.close()
         assert s.size("empty") == 0 and s.read("empty") == b"" and s.list() == ["empty"]
 
+    def test_a_read_with_a_bound_past_the_end_returns_what_the_file_holds(self, tmp_path):
+        """How a manifest or an index is read: up to its bound, whatever the file's size now."""
+        s = self.make(tmp_path / "ck")
+        s.prepare()
+        s.commit("small", b"0123456789")
+        assert s.read("small", 0, 11) == b"0123456789"
+        assert s.read("small", 0, 1 << 30) == b"0123456789"
+        assert s.read("small", 4, 100) == b"456789"
+
     def test_missing_file_raises_file_not_found(self, tmp_path):
         s = self.make(tmp_path / "ck")
         s.prepare()

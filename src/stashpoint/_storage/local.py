@@ -227,7 +227,11 @@ class LocalStorage(Storage):
     def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
         with os.fdopen(self._open_read(name), "rb") as f:
             f.seek(offset)
-            return f.read() if length is None else f.read(length)
+            if length is None:
+                return f.read()
+            # a read allocates the length asked for first: asked no more than the file holds
+            # (and a byte, to see one grown meanwhile), a generous bound costs nothing
+            return f.read(max(0, min(length, os.fstat(f.fileno()).st_size - offset + 1)))
 
     def readv(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
         pending = [b.cast("B") for b in buffers if len(b)]
