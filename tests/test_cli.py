@@ -256,9 +256,9 @@ def test_verify_damaged_manifest_and_header(single, tmp_path: Path) -> None:
 def test_verify_multi_block_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk of several checksum blocks, read a few blocks at a time: the damaged block is named."""
     from stashpoint._core.format import CHECKSUM_BLOCK_BYTES as BLOCK
-    from stashpoint._tools import inspect as _inspect
+    from stashpoint._tools import checking as _checking
 
-    monkeypatch.setattr(_inspect, "_SPAN", 2 * BLOCK)
+    monkeypatch.setattr(_checking, "_SPAN", 2 * BLOCK)
     stashpoint.save({"big": torch.arange(BLOCK * 9 // 32, dtype=torch.int64), "small": torch.ones(3)}, tmp_path / "ck")
     r = cli("verify", tmp_path / "ck")
     assert r.exit_code == 0 and "9.0 MiB verified" in r.stdout, r.stdout
@@ -483,7 +483,7 @@ def test_an_error_under_json_is_json_on_stdout_too(tmp_path, command):
 def test_progress_bar_counts_every_byte_and_prints_the_messages_above_it(tmp_path):
     import io
 
-    from stashpoint._tools.inspect import verify
+    from stashpoint._tools.checking import verify
     from stashpoint._tools.progress import Reporter
 
     ck = tmp_path / "ck"

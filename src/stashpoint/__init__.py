@@ -41,8 +41,8 @@ _LAZY = {
     "load": "stashpoint._load.loader",
     "read": "stashpoint._load.read",
     "CheckpointManager": "stashpoint._manager.manager",
-    "VerifyReport": "stashpoint._tools.inspect",
-    "verify": "stashpoint._tools.inspect",
+    "VerifyReport": "stashpoint._tools.checking",
+    "verify": "stashpoint._tools.checking",
     "shutdown": "stashpoint._runtime",
 }
 
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from stashpoint._save.handle import SaveHandle, SaveStats
     from stashpoint._state.rng import RNGState
     from stashpoint._state.sampler import StatefulSampler
-    from stashpoint._tools.inspect import VerifyReport, verify
+    from stashpoint._tools.checking import VerifyReport, verify
 
 __all__ = [
     "CheckpointError",

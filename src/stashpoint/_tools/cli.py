@@ -168,7 +168,7 @@ def verify_command(*, path: str, quiet: bool, as_json: bool) -> None:
     a checkpoint.
     """
     from stashpoint._core.units import human_bytes
-    from stashpoint._tools.inspect import verify
+    from stashpoint._tools.checking import verify
     from stashpoint._tools.progress import Reporter
 
     if quiet or as_json:
