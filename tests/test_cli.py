@@ -222,6 +222,19 @@ def test_verify_flipped_bytes_names_every_key_and_file(fsdp, tmp_path: Path) -> 
         stashpoint.load({"model": None, "optim": None}, path)
 
 
+def test_inspect_shows_the_part_one_nodes_directory_holds(fsdp, tmp_path: Path) -> None:
+    """Before: inspect of one node's directory of a node-local run failed, calling it damaged."""
+    path = copy(fsdp[0], tmp_path)
+    for f in path.glob("*-r00001-*"):  # rank 1's index and shards live on the other node
+        f.unlink()
+    r = cli("inspect", path)
+    assert r.exit_code == 0, r.output
+    assert "holds the files of 1 of its 2 ranks (one node's directory of a node-local run)" in r.output
+    d = json.loads(cli("inspect", path, "--json").stdout)
+    assert d["ranks_elsewhere"] == [1] and {f["rank"] for f in d["files"]} == {0}
+    assert json.loads(cli("inspect", path, "--rank", "1", "--json").stdout)["ranks_elsewhere"] == [1]
+
+
 def test_verify_truncated_and_deleted_shards(fsdp, tmp_path: Path) -> None:
     path = copy(fsdp[0], tmp_path)
     files = [{"name": f.name, "size": f.size} for f in whole(path).files]

@@ -123,6 +123,12 @@ def inspect_command(*, path: str, rank: int, as_json: bool) -> None:
         f"{esc(d['library_version'])}, torch {esc(d['torch_version'])})"
     )
     echo(f"created     {esc(d['created'])}")
+    if d["ranks_elsewhere"]:
+        here = d["world_size"] - len(d["ranks_elsewhere"])
+        echo(
+            f"this directory holds the files of {here} of its {d['world_size']} ranks (one node's directory of a "
+            "node-local run): tensors and chunks below are this node's part"
+        )
     if d["recoverable_without_storage"]:
         r = d["recoverable_without_storage"]
         echo(f"recoverable without storage: each of {r['nodes']} nodes' files copied to {r['replicas']} other node(s)")

@@ -8,6 +8,7 @@ checkpoint: pickled values are shown as ``<pickled, not loaded>``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -19,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from stashpoint._core.dtypes import itemsize
+from stashpoint._core.format import Manifest
+from stashpoint._core.index import Head, assemble
 from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME
 from stashpoint._core.nodes import Node, decode_plain, join
 from stashpoint._core.policy import parse_metrics
-from stashpoint._load.manifest import open_checkpoint, read_head
+from stashpoint._load.manifest import IndexMissingError, open_checkpoint, read_head, read_index
 from stashpoint._manager.runcheck import run_contents
 from stashpoint._manager.steps import METRICS_KEY
 from stashpoint._storage import LocalStorage, Storage, storage_for
@@ -190,7 +193,7 @@ def jsonable(value: Any) -> Any:
 
 def describe(path: str | os.PathLike[str], rank: int = 0) -> dict[str, Any]:
     """Everything about a checkpoint, as JSON-able data (``rank``: whose plain values)."""
-    storage, m = open_checkpoint(path)
+    storage, m, elsewhere = _open_here(path, rank)
     if not 0 <= rank < m.world_size:
         raise ValueError(f"rank {rank} is out of range: {path} was saved by {m.world_size} rank(s)")
     tensors = []
@@ -217,7 +220,30 @@ def describe(path: str | os.PathLike[str], rank: int = 0) -> dict[str, Any]:
         "values": values,
         "metadata": dict(m.metadata),
         "files": [{"name": f.name, "rank": f.rank, "size": f.size} for f in m.files],
+        "ranks_elsewhere": list(elsewhere),
     }
+
+
+def _open_here(path: str | os.PathLike[str], rank: int) -> tuple[Storage, Manifest, tuple[int, ...]]:
+    """The checkpoint at ``path``; where some ranks' indexes are not here (one node's directory
+    of a node-local run), what this directory holds, and the ranks whose files are elsewhere.
+    The values shown are ``rank``'s if its index is here, else the first rank's here."""
+    try:
+        storage, m = open_checkpoint(path)
+        return storage, m, ()
+    except IndexMissingError:
+        storage = storage_for(path)
+        head = read_head(storage)
+        assert isinstance(head, Head)  # a missing index: format version 2
+    have = {}
+    for r in range(head.world_size):
+        with contextlib.suppress(IndexMissingError):
+            have[r] = read_index(storage, head, r)
+    if not have:
+        raise CheckpointError(f"{storage.location} holds none of its ranks' indexes: not a checkpoint to inspect here")
+    shown = rank if rank in have else min(have)
+    missing = tuple(r for r in range(head.world_size) if r not in have)
+    return storage, assemble(head, have, tree_rank=shown), missing
 
 
 def _recoverable(storage: Storage) -> dict[str, int] | None:
