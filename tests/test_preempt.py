@@ -172,3 +172,16 @@ def test_ranks_that_call_maybe_save_at_different_steps_are_told_not_paired(tmp_p
     results = run_world(2, str(tmp_path), "6", "--skip", "3", worker=WORKER, allow_fail=True, timeout=120)
     for r in results:
         assert "called maybe_save at different steps (3 to 4)" in r.get("error", ""), results
+
+
+def test_managers_with_preemption_opened_and_closed_leave_no_thread_fd_or_handler(tmp_path):
+    import threading
+
+    before_fds, handler = len(os.listdir("/proc/self/fd")), signal.getsignal(signal.SIGTERM)
+    for i in range(20):
+        with stashpoint.CheckpointManager(tmp_path / f"r{i}", preemption_deadline=5):
+            pass
+    _wait_for(lambda: not [t for t in threading.enumerate() if t.name == "stashpoint-preemption"], "watchdogs", 10)
+    assert len(os.listdir("/proc/self/fd")) <= before_fds
+    assert signal.getsignal(signal.SIGTERM) is handler
+    assert signal.set_wakeup_fd(-1) == -1, "the wakeup fd is given back"

@@ -73,15 +73,15 @@ def all_came(marks: Any, mark: str, me: int, world: int, timeout_s: float) -> No
     never comes is named. torch's group creation waits holding the interpreter, where no
     warning could run, and its timeout names a store key, not a rank."""
     try:
-        marks.set(f"{mark}/{me}", "1")
+        marks.set(f"{mark}/{me}", "1")  # who came (named only when some never do)
+        marks.add(f"{mark}/count", 1)  # how many: one small request per poll at any world size
     except Exception:
         return  # no store to mark in: torch's own wait, as before
     if me != 0:
         return
-    keys = [f"{mark}/{r}" for r in range(world)]
     t0, pause, warned = time.monotonic(), 0.001, False
     try:
-        while not marks.check(keys):
+        while marks.add(f"{mark}/count", 0) < world:
             waited = time.monotonic() - t0
             if waited >= timeout_s or (not warned and waited >= min(WAIT_WARN_S, timeout_s / 2)):
                 missing = absent(marks, mark, world)

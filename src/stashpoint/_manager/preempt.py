@@ -90,9 +90,13 @@ class Preemption:
         """End the process once the deadline has passed since the first signal (or at a second
         one) unless a safe point answered it first."""
         first: tuple[int, float] | None = None
-        while not self._closed.is_set():
+        # until closed, and with a wakeup pipe until its end is seen (its read end closed here)
+        while not (self._closed.is_set() and self._wakeup is None):
             wait = 0.5 if first is None else max(0.01, min(0.5, first[1] + self.deadline_s - time.monotonic()))
-            for signum in self._signals_within(wait):
+            got = self._signals_within(wait)
+            if self._closed.is_set():
+                continue  # the manager is closed: the signals are the program's again
+            for signum in got:
                 if first is not None and not self.handled:
                     _exit_now(signum, f"a second {_name(signum)} came before the safe point (maybe_save)")
                 first = first or (signum, time.monotonic())
@@ -109,12 +113,15 @@ class Preemption:
         if self._wakeup is None:
             self._closed.wait(timeout)
             return []
+        # the read end is this thread's alone (closed here, never by close(): a number reused
+        # by another file meanwhile must never be read from); close() closes the write end
         ready, _, _ = select.select([self._wakeup[0]], [], [], timeout)
         if not ready:
             return []
-        try:
-            got = os.read(self._wakeup[0], 64)
-        except OSError:
+        got = os.read(self._wakeup[0], 64)
+        if not got:  # the write end closed: the manager is closing
+            os.close(self._wakeup[0])
+            self._wakeup = None
             return []
         return [b for b in got if b in self._signals]  # the pipe carries every handled signal (SIGINT too)
 
@@ -154,10 +161,10 @@ class Preemption:
             signal.signal(sig, previous)
         self._previous = {}
         if self._wakeup is not None:
-            signal.set_wakeup_fd(-1)
-            for fd in self._wakeup:
-                os.close(fd)
-            self._wakeup = None
+            current = signal.set_wakeup_fd(-1)
+            if current != self._wakeup[1]:  # another owner took it since (asyncio): theirs stays
+                signal.set_wakeup_fd(current)
+            os.close(self._wakeup[1])  # the watchdog sees the end and closes the read end
         if self.mine and not self.handled and self.signum is not None:
             self.handled = True
             log.warning(
