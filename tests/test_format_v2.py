@@ -152,20 +152,20 @@ def test_a_manifest_or_index_without_a_seal_is_refused(tmp_path, odd):
 
 
 def test_a_catalog_entry_no_index_holds_is_named_by_verify_and_too_large_to_allocate_is_an_error(tmp_path):
-    """Before: a re-sealed catalog entry of 2**40 floats, held by no index, crashed read() and a
+    """Before: a re-sealed catalog entry of 2**40 floats (here 2**59), held by no index, crashed read() and a
     fresh optimizer's load with torch's RuntimeError, and verify said the checkpoint was fine."""
     stashpoint.save(_state(), tmp_path / "ck")
     doc = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_bytes())
-    grid = {"block": [2**40], "base": 0, "strides": [0]}
-    doc["tensors"]["huge"] = {"dtype": "float32", "shape": [2**40], "grid": grid}
+    grid = {"block": [2**59], "base": 0, "strides": [0]}  # 2**61 bytes: past any address space
+    doc["tensors"]["huge"] = {"dtype": "float32", "shape": [2**59], "grid": grid}
     (tmp_path / "ck" / MANIFEST_NAME).write_bytes(seal(doc))
     path, index = index_doc(tmp_path / "ck")
     index["tree"]["dict"].append(["huge", {"tensor": "huge"}])
     reseal_index(tmp_path / "ck", path, index)
-    with pytest.raises(CheckpointError, match=r"cannot allocate 4,398,046,511,104 bytes for 'huge'"):
+    with pytest.raises(CheckpointError, match=r"cannot allocate 2,305,843,009,213,693,952 bytes for 'huge'"):
         stashpoint.read(tmp_path / "ck")
     report = stashpoint.verify(tmp_path / "ck")
-    assert not report.ok and "the chunks of 'huge' hold 0 of its 1099511627776 elements" in report.problems[0]
+    assert not report.ok and f"the chunks of 'huge' hold 0 of its {2**59} elements" in report.problems[0]
 
 
 def test_verify_names_a_plain_value_that_does_not_decode(tmp_path):
@@ -175,6 +175,24 @@ def test_verify_names_a_plain_value_that_does_not_decode(tmp_path):
     reseal_index(tmp_path / "ck", path, doc)
     report = stashpoint.verify(tmp_path / "ck")
     assert not report.ok and "the value at 'blob' does not decode" in " ".join(report.problems), report
+
+
+def test_the_catalogs_cap_on_chunks_grows_with_the_world(tmp_path):
+    """FSDP2 over 16,384 ranks with 1,512 parameters and AdamW: 74M chunks in the catalog, which
+    a fixed cap of 2**26 refused (a review's finding); past 65,536 per rank it is refused."""
+    stashpoint.save(_state(), tmp_path / "ck")
+    doc = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_bytes())
+    world = 16384
+    doc["world_size"], doc["indexes"] = world, [[100, "0"]] * world
+    row = {"dtype": "float32", "shape": [world, 8], "grid": {"block": [1, 8], "base": 0, "strides": [1, 0]}}
+    doc["tensors"] = {f"t{i}": row for i in range(1512 * 3)}
+    assert len(parse_head(seal(doc), "x").catalog) == 1512 * 3
+    doc["world_size"], doc["indexes"] = 64, [[100, "0"]] * 64  # the same 4,536 tensors on 64 ranks fit too
+    doc["tensors"] = {k: {**v, "shape": [64, 8]} for k, v in doc["tensors"].items()}
+    assert len(parse_head(seal(doc), "x").catalog) == 1512 * 3
+    doc["tensors"] = {f"t{i}": {**row, "shape": [64, 8]} for i in range((1 << 16) + 1)}
+    with pytest.raises(CorruptCheckpointError, match="the cap at this world size is"):
+        parse_head(seal(doc), "x")
 
 
 def _share(bias, a):

@@ -89,7 +89,13 @@ def test_a_damaged_step_numbered_above_the_rest_costs_retention_no_real_step(tmp
     state = _state(0)
     with stashpoint.CheckpointManager(root, keep_last=1, node_local=node_local) as mgr:
         assert mgr.restore(state) == 3
-    assert torch.equal(state["w"], _state(3)["w"])
+        assert torch.equal(state["w"], _state(3)["w"])
+        # a damaged step below the newest whole one goes as any other the rules do not keep
+        (root / "step-00000002").mkdir()
+        (root / "step-00000002" / "manifest.json").write_bytes(b"{")
+        mgr.save(4, _state(4))
+        mgr.wait()
+        assert 2 not in mgr.steps() and 4 in mgr.steps()
 
 
 def test_any_integer_step_is_a_step_and_a_closed_manager_refuses_every_use(tmp_path):

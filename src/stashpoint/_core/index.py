@@ -51,9 +51,10 @@ from stashpoint.errors import CorruptCheckpointError
 INDEX_FORMAT = "stashpoint-index"
 _SAVE_ID = re.compile(r"[0-9a-f]{1,64}")
 MAX_WORLD = 1 << 24
-# chunks the catalog's grids may describe in all: 16,384 ranks x 4,096 sharded tensors; bounds
-# what a load that plans every chunk (one process reading a whole checkpoint) may enumerate
-MAX_CATALOG_CELLS = 1 << 26
+# chunks the catalog's grids may describe in all, per rank of the world (and a million at any
+# world size): 65,536 tensors sharded over every rank. Bounds what a load that plans every chunk
+# may enumerate to what a real checkpoint of that world size could hold
+CELLS_PER_RANK = 1 << 16
 
 # ---------------------------------------------------------------------------------------------
 # The manifest (rank 0, written last) and the indexes (one per rank)
@@ -164,7 +165,8 @@ def parse_head(raw: bytes, where: str) -> Manifest | Head:
     _want(cells + world <= MAX_MANIFEST_ENTRIES, where, f"it lists {cells} chunks (the cap is {MAX_MANIFEST_ENTRIES})")
     catalog = {key: _parse_placement(key, e, world, where) for key, e in tensors.items()}
     grid_cells = sum(math.prod(p.grid.counts(p.shape)) for p in catalog.values() if p.grid is not None)
-    _want(grid_cells <= MAX_CATALOG_CELLS, where, f"its grids hold {grid_cells} chunks (cap {MAX_CATALOG_CELLS})")
+    cap = max(MAX_MANIFEST_ENTRIES, world * CELLS_PER_RANK)
+    _want(grid_cells <= cap, where, f"its grids hold {grid_cells} chunks (the cap at this world size is {cap})")
     for key, p in catalog.items():
         if p.alias_of is not None:
             target = catalog.get(p.alias_of)

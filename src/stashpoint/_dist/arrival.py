@@ -5,6 +5,7 @@ would otherwise show nothing for ten minutes)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -95,16 +96,27 @@ def all_came(marks: Any, mark: str, me: int, world: int, timeout_s: float) -> No
                 warned = True
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
+        marks.delete_key(f"{mark}/count")  # every rank came: the count is not needed again
     except CollectiveError:
+        with contextlib.suppress(Exception):  # a later try counts its arrivals afresh
+            marks.delete_key(f"{mark}/count")
+            marks.delete_key(f"{mark}/{me}")
         raise
     except Exception:
         return  # the store failed: torch's own wait, as before
 
 
+def came(marks: Any, mark: str, me: int) -> None:
+    """Once the group exists (every rank came): this rank's arrival mark goes from the store."""
+    with contextlib.suppress(Exception):
+        marks.delete_key(f"{mark}/{me}")
+
+
 def _wait_warning(waited: float, missing: list[int], what: str, timeout_s: float) -> None:
     log.warning(
         "stashpoint: rank 0 has waited %.0f s for %s to reach the checkpoint collective '%s' (it fails after %.0f s): "
-        "every rank of the group must call save and load, in the same order, not only rank 0",
+        "they may be slower (still writing), stuck, or not calling save and load at all; every rank of the group "
+        "must call them, in the same order, not only rank 0",
         waited,
         ranks_text(missing),
         what,

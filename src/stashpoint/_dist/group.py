@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from stashpoint import _runtime
-from stashpoint._dist.arrival import CollectiveError, absent, all_came, ranks_text, store, watch
+from stashpoint._dist.arrival import CollectiveError, absent, all_came, came, ranks_text, store, watch
 
 if TYPE_CHECKING:
     from stashpoint._dist.commit import Plan
@@ -351,6 +351,7 @@ def context(process_group: Any = None, timeout_s: float | None = None, purpose: 
                     f"within {timeout:.0f} s (is every rank alive and saving?): {type(e).__name__}: {str(e)[:300]}"
                 ) from e
             _made[(ranks, purpose)] = made
+            came(store(), mark, me)
             ctx = DistContext(group, ranks, dist.get_rank(group), len(ranks), timeout, purpose=purpose)
             contexts[(ranks, purpose)] = ctx
     return ctx

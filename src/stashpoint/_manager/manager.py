@@ -415,21 +415,27 @@ class CheckpointManager:
                 raise err
 
     def close(self) -> None:
-        """Wait for pending saves and deletions, then release the root."""
+        """Wait for pending saves and deletions, then release the root. A preemption signal that
+        came after the last :meth:`maybe_save` is raised again once the manager is closed."""
         if self._closed:
             return
+        pending = None
         try:
             self.wait()
         finally:
             if self._tier is not None:
                 self._tier.close()
             if self._preemption is not None:
-                self._preemption.close()
+                pending = self._preemption.close()
             if self._nodes is not None:
                 self._nodes.close()
             with self._lock:
                 self._closed = True
             self._release()
+        if pending is not None:
+            name = signal.Signals(pending).name
+            log.warning("stashpoint: %s came after the last maybe_save; the manager closed, it takes its course", name)
+            signal.raise_signal(pending)
 
     def _release(self) -> None:
         self._deleter.shutdown(wait=True)

@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from types import FrameType
@@ -35,8 +36,9 @@ class Preemption:
     A watchdog thread enforces the deadline where the safe point never comes: the training
     thread stuck in a collective or a long evaluation (a Python handler runs only once the
     main thread is back in Python; the signal's byte reaches the watchdog at once through
-    ``signal.set_wakeup_fd``). Once the deadline has passed, or on a second signal, it ends the
-    process as the signal would have (exit status 128 + signal)."""
+    ``signal.set_wakeup_fd``). Once the deadline has passed it ends the process as the signal
+    would have (exit status 128 + signal). A child forked meanwhile gets the signals' previous
+    handlers back and no wakeup pipe: its signals are its own, never the parent's."""
 
     def __init__(self, deadline_s: float, signals: Sequence[int], world: int) -> None:
         if not deadline_s > 0:
@@ -62,8 +64,9 @@ class Preemption:
         self._signals = tuple(signals)
         self._previous: dict[int, Any] = {}
         self._wakeup: tuple[int, int] | None = None  # the pipe the signals' bytes come through
-        self._old_wakeup = -1
         self._closed = threading.Event()
+        self._abandoned = False  # closed from another thread: the pipe is left (and leaks)
+        self._pid = os.getpid()
 
     def install(self) -> None:
         """Take over the signals (last, once the manager is set up: a manager that failed to open
@@ -79,7 +82,24 @@ class Preemption:
             os.close(w)
         else:
             self._wakeup = (r, w)
+        _live.add(self)
         threading.Thread(target=self._watch, name="stashpoint-preemption", daemon=True).start()
+
+    def _forked(self) -> None:
+        """In a child forked from this process (multiprocessing): the signals are the child's own
+        again, as before the manager took them over; the parent's pipe is not the child's."""
+        self._closed.set()
+        self._abandoned = True
+        if threading.current_thread() is threading.main_thread():
+            for sig, previous in self._previous.items():
+                signal.signal(sig, previous)
+            if self._wakeup is not None:
+                signal.set_wakeup_fd(-1)
+        if self._wakeup is not None:
+            for fd in self._wakeup:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._wakeup = None
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
@@ -91,15 +111,17 @@ class Preemption:
         one) unless a safe point answered it first."""
         first: tuple[int, float] | None = None
         # until closed, and with a wakeup pipe until its end is seen (its read end closed here)
-        while not (self._closed.is_set() and self._wakeup is None):
+        while not (self._closed.is_set() and (self._wakeup is None or self._abandoned)):
             wait = 0.5 if first is None else max(0.01, min(0.5, first[1] + self.deadline_s - time.monotonic()))
             got = self._signals_within(wait)
             if self._closed.is_set():
                 continue  # the manager is closed: the signals are the program's again
             for signum in got:
-                if first is not None and not self.handled:
-                    _exit_now(signum, f"a second {_name(signum)} came before the safe point (maybe_save)")
-                first = first or (signum, time.monotonic())
+                # a byte for a signal whose handler is not this manager's now (another manager's)
+                # is not ours to count; a second one (a launcher passing on what the scheduler
+                # sent every process) changes nothing: the deadline runs from the first
+                if first is None and signal.getsignal(signum) == self._note:
+                    first = (signum, time.monotonic())
             if first is None and self.signum is not None and self.since is not None:
                 first = (self.signum, self.since)  # noted by the handler (no wakeup pipe)
             # at the safe point, stop() gives up at the deadline and says what a restart loads: a
@@ -151,12 +173,18 @@ class Preemption:
         since = self.since if self.since is not None else time.monotonic()
         return self.deadline_s - (time.monotonic() - since)
 
-    def close(self) -> None:
-        """Put the previous handlers back. A signal noted and never answered at a safe point (it
-        came after the last maybe_save) is raised again now, so the process ends as it asked."""
-        self._closed.set()
+    def close(self) -> int | None:
+        """Put the previous handlers back; the signal noted and never answered at a safe point
+        (it came after the last maybe_save), for the manager to raise again once it is closed,
+        so that the process ends as the signal asked."""
+        pending = self.signum if self.mine and not self.handled else None
+        self.handled = True
+        _live.discard(self)
         if threading.current_thread() is not threading.main_thread():
-            return
+            self._abandoned = True  # handlers and the wakeup fd can change only there
+            self._closed.set()
+            return pending
+        self._closed.set()
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
@@ -165,13 +193,39 @@ class Preemption:
             if current != self._wakeup[1]:  # another owner took it since (asyncio): theirs stays
                 signal.set_wakeup_fd(current)
             os.close(self._wakeup[1])  # the watchdog sees the end and closes the read end
-        if self.mine and not self.handled and self.signum is not None:
-            self.handled = True
-            log.warning(
-                "stashpoint: %s came after the last maybe_save; the manager is closed, so the signal takes its course",
-                _name(self.signum),
-            )
-            signal.raise_signal(self.signum)
+        return pending
+
+
+_live: weakref.WeakSet[Preemption] = weakref.WeakSet()
+
+
+_unhooked: list[int] = []  # the wakeup fd taken away for a fork of the main thread
+
+
+def _before_fork() -> None:
+    """No wakeup fd across a fork: a signal the child gets before its own hook has run would
+    otherwise write to the parent's pipe and start the parent's deadline."""
+    if threading.current_thread() is threading.main_thread():
+        for p in _live:
+            if p._wakeup is not None and not p._closed.is_set():
+                _unhooked.append(p._wakeup[1])
+                signal.set_wakeup_fd(-1)
+
+
+def _after_fork_in_parent() -> None:
+    while _unhooked:
+        signal.set_wakeup_fd(_unhooked.pop(), warn_on_full_buffer=False)
+
+
+def _after_fork_in_child() -> None:
+    _unhooked.clear()
+    for p in list(_live):
+        if p._pid != os.getpid():
+            p._forked()
+    _live.clear()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 def _name(signum: int) -> str:
@@ -214,6 +268,16 @@ def stop(manager: Any, preemption: Preemption, signum: int, step: int, save: Any
         if step not in manager.steps():  # the emergency save
             save(timeout=max(1.0, preemption.left())).wait(max(0.0, preemption.left()))
     except Exception as e:  # exiting anyway: the newest committed step is what a restart gets
+        if preemption.left() > 0:  # it failed in time (no room, ...): the program's clean-up may run
+            preemption.handled = True
+            log.warning(
+                "stashpoint: preempted by %s: no new step committed (%s: %s); a restart loads step %s; exiting",
+                name,
+                type(e).__name__,
+                e,
+                manager.latest_step(),
+            )
+            raise SystemExit(128 + signum) from None
         _exit_now(
             signum,
             f"no new step committed in {time.monotonic() - t0:.1f} s ({type(e).__name__}: {e}); a "

@@ -12,7 +12,7 @@ from stashpoint._core.naming import MANIFEST_NAME, parse_step_dir, set_aside_nam
 from stashpoint._core.policy import Retention, parse_metrics, steps_to_keep
 from stashpoint._load.manifest import read_head
 from stashpoint._storage import Storage
-from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 log = logging.getLogger("stashpoint")
 
@@ -50,28 +50,30 @@ def read_metrics(step: Storage) -> dict[str, Any] | None:
     when it cannot be read now (permissions, the storage unreachable)."""
     try:
         return parse_metrics(read_head(step).metadata.get(METRICS_KEY, "{}"))
-    except (CorruptCheckpointError, IncompleteCheckpointError):
+    except CorruptCheckpointError:
         return DAMAGED
-    except (CheckpointError, OSError):
+    except (CheckpointError, OSError):  # IncompleteCheckpointError too: its manifest went meanwhile
         return None
 
 
 def retained(steps: list[int], metrics_of: Callable[[int], dict[str, Any] | None], retention: Retention) -> set[int]:
     """The steps the retention rules keep, counting only steps whose manifests read whole; and
-    every other step, untouched: one that cannot be read now may well be whole (and, with
-    ``keep_best``, the best one), and one whose manifest is damaged is a restore's to move
-    aside. Counted, a damaged or planted step numbered above the rest (its directory's name is
-    all it takes) would have been "the last" and the real ones deleted."""
+    every step whose manifest cannot be read now (it may well be whole and, with ``keep_best``,
+    the best one) and every damaged one above the newest whole step (a restore's to move aside).
+    Counted, a damaged or planted step numbered above the rest (its directory's name is all it
+    takes) would have been "the last" and the real ones deleted. Damaged steps below the newest
+    whole one go as any step the rules do not keep."""
     metrics = {s: metrics_of(s) for s in steps}
     unknown = {s for s, m in metrics.items() if m is None}
     damaged = {s for s, m in metrics.items() if m is DAMAGED}
-    for kind, which in (("could not be read", unknown), ("is damaged", damaged)):
+    counted = [s for s in steps if s not in unknown and s not in damaged]
+    above = {s for s in damaged if not counted or s > max(counted)}
+    for kind, which in (("could not be read", unknown), ("is damaged", above)):
         new = sorted(s for s in which if (s, kind) not in _told)
         if new:
             _told.update((s, kind) for s in new)
             log.warning("stashpoint: kept step(s) %s, not counted by the retention rules: the manifest %s", new, kind)
-    counted = [s for s in steps if s not in unknown and s not in damaged]
-    return set(steps_to_keep(counted, {s: metrics[s] or {} for s in counted}, retention)) | unknown | damaged
+    return set(steps_to_keep(counted, {s: metrics[s] or {} for s in counted}, retention)) | unknown | above
 
 
 def delete_step(root: Storage, step: int) -> None:

@@ -23,7 +23,6 @@ _DAMAGE = frozenset(
         errno.EISDIR,
         errno.ELOOP,
         errno.EBADMSG,
-        errno.ENAMETOOLONG,  # a file name no checkpoint of ours holds: the listing is damaged
         getattr(errno, "EUCLEAN", 117),  # "structure needs cleaning": the file system found damage
     }
 )

@@ -231,8 +231,8 @@ def import_checkpoint(
             raise CheckpointError(f"{p} is already a stashpoint checkpoint; show it with: stashpoint inspect {p}")
         if not (p / ".metadata").is_file():
             raise CheckpointError(f"{p} is a directory without a DCP .metadata file: not a DCP checkpoint")
-        odd = [c.name for c in p.iterdir() if not c.is_file() or c.is_symlink()]
-        if odd:  # DCP's reader would block on a FIFO, follow a link anywhere
+        odd = [c.name for c in p.iterdir() if not c.is_file()]
+        if odd:  # DCP's reader would block on a FIFO
             raise CheckpointError(f"{p} holds {odd[0]!r}, not a regular file: a DCP checkpoint holds only files")
         kind = "dcp"
         try:
