@@ -118,20 +118,26 @@ def _node_manager(root: str) -> stashpoint.CheckpointManager:
     return stashpoint.CheckpointManager(Path(root, f"node-{RANK}"), node_local=True, replicas=replicas, keep_last=None)
 
 
+def _two_steps_then_node_1_lost(root: str) -> None:
+    """Steps 1 and 2 saved on two nodes with a replica each; then node 1 is lost with its disk."""
+    import shutil
+
+    with _node_manager(root) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(float(step))).wait()
+    dist.barrier()
+    if RANK == 1:
+        shutil.rmtree(Path(root, "node-1"))
+    dist.barrier()
+
+
 def scenario_node_replica_unreadable(root: str) -> None:
     """Two nodes with a replica each; node 1 is lost with its disk, and node 0 may not read its
     replica of node 1's shard: the restore raises on both, node 1 keeps no copy taken for whole,
     and once the file is readable again the restore loads the newest step."""
     os.environ["STASHPOINT_FETCH_MEMORY"] = "off"  # land on the disk, where a torn copy would stay
-    with _node_manager(root) as mgr:
-        for step in (1, 2):
-            mgr.save(step, _state(float(step))).wait()
-    dist.barrier()
+    _two_steps_then_node_1_lost(root)
     replica = next(Path(root, "node-0", step_dir(2)).rglob("shard-r00001*"))
-    if RANK == 1:
-        import shutil
-
-        shutil.rmtree(Path(root, "node-1"))
     if RANK == 0:
         replica.chmod(0)
     dist.barrier()
@@ -311,15 +317,7 @@ def scenario_node_landing_unwritable(root: str) -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), not the process
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     os.environ["STASHPOINT_FETCH_MEMORY"] = "off"  # land on the disk, in the directory refused
-    with _node_manager(root) as mgr:
-        for step in (1, 2):
-            mgr.save(step, _state(float(step))).wait()
-    dist.barrier()
-    if RANK == 1:
-        import shutil
-
-        shutil.rmtree(Path(root, "node-1"))
-    dist.barrier()
+    _two_steps_then_node_1_lost(root)
     out: dict = {}
     for attempt in ("denied", "fixed"):
         state = _state(0.0)
