@@ -107,8 +107,8 @@ class Preemption:
             # logging from a handler may deadlock on the logging lock: say it at the safe point
 
     def _watch(self) -> None:
-        """End the process once the deadline has passed since the first signal (or at a second
-        one) unless a safe point answered it first."""
+        """End the process once the deadline has passed since the first signal, unless a safe
+        point answered it first."""
         first: tuple[int, float] | None = None
         # until closed, and with a wakeup pipe until its end is seen (its read end closed here)
         while not (self._closed.is_set() and (self._wakeup is None or self._abandoned)):
