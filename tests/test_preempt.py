@@ -226,8 +226,10 @@ def test_a_signal_raised_again_at_close_finds_the_manager_closed(tmp_path):
     try:
         mgr = stashpoint.CheckpointManager(tmp_path / "run", every_steps=1, preemption_deadline=30)
         mgr.maybe_save(1, {"w": torch.ones(2)})
+        assert not mgr.preempted
         os.kill(os.getpid(), signal.SIGTERM)  # after the last maybe_save: noted, not answered
         time.sleep(0.1)
+        assert mgr.preempted, "an evaluation can see it and return early"
         with pytest.raises(RuntimeError, match="the program's own handler"):
             mgr.close()
         with stashpoint.CheckpointManager(tmp_path / "run") as again:  # the root was released

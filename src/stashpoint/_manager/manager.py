@@ -380,6 +380,14 @@ class CheckpointManager:
         return self._last_restore.tier if self._last_restore is not None else None
 
     @property
+    def preempted(self) -> bool:
+        """Whether this rank got a preemption signal (``preemption_deadline``) not yet answered at
+        a :meth:`maybe_save`: a long evaluation can check it and return to the training loop,
+        whose next ``maybe_save`` saves and exits. False without preemption handling."""
+        p = self._preemption
+        return p is not None and p.signum is not None and not p.handled
+
+    @property
     def last_restore(self) -> RestoreReport | None:
         """What the last :meth:`restore` did on this rank: the step, the tier, the fall-back
         order, the copies passed by and why, the bytes fetched from other nodes and from the
