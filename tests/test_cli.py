@@ -233,6 +233,17 @@ def test_inspect_shows_the_part_one_nodes_directory_holds(fsdp, tmp_path: Path) 
     d = json.loads(cli("inspect", path, "--json").stdout)
     assert d["ranks_elsewhere"] == [1] and {f["rank"] for f in d["files"]} == {0}
     assert json.loads(cli("inspect", path, "--rank", "1", "--json").stdout)["ranks_elsewhere"] == [1]
+    assert cli("verify", "-q", path).exit_code == 1, "the whole checkpoint is not here"
+    r = cli("verify", "--this-node", path)
+    assert r.exit_code == 0 and "the files of 1 of its 2 ranks are on other nodes (rank(s) 1)" in r.stdout, r.stdout
+    c = next(c for e in whole(fsdp[0]).tensors.values() for c in e.chunks if c.file.startswith("shard-r00000"))
+    with open(path / c.file, "r+b") as f:  # damage in this node's part is still found
+        f.seek(c.start)
+        b = f.read(1)
+        f.seek(c.start)
+        f.write(bytes([b[0] ^ 0x55]))
+    r = cli("verify", "--this-node", "-q", path)
+    assert r.exit_code == 1 and "checksum" in r.stdout, r.stdout
 
 
 def test_verify_truncated_and_deleted_shards(fsdp, tmp_path: Path) -> None:

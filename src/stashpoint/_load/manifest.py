@@ -95,8 +95,8 @@ def read_index(storage: Storage, head: Head, rank: int) -> RankIndex:
     except FileNotFoundError:
         raise IndexMissingError(
             f"index {where} listed in the manifest is missing (one node's directory of a node_local=True run "
-            "holds its own ranks' files only: restore it with that CheckpointManager, or gather every node's "
-            "files of the step into one directory to read or verify it)"
+            "holds its own ranks' files only: restore it with that CheckpointManager, check its part with "
+            "stashpoint verify --this-node, or gather every node's files of the step into one directory)"
         ) from None
     except OSError as e:
         raise read_failed(f"index {where}", e) from None

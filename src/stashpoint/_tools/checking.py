@@ -12,11 +12,12 @@ from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, Chunk, FileEntry, Mani
 from stashpoint._core.naming import MANIFEST_NAME, is_node_marker
 from stashpoint._core.nodes import unreadable_values
 from stashpoint._core.units import human_bytes
+from stashpoint._dist.arrival import ranks_text
 from stashpoint._load.manifest import open_checkpoint, shard_problem, unlisted_shards
 from stashpoint._manager.runcheck import RunContents, run_contents
 from stashpoint._storage import LocalStorage, Storage, storage_for
 from stashpoint._tools import progress as _progress
-from stashpoint._tools.inspect import Progress
+from stashpoint._tools.inspect import Progress, open_here
 from stashpoint.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
 
@@ -43,24 +44,33 @@ def _keys_text(keys: Sequence[str]) -> str:
     return shown + (f" and {len(set(keys)) - 5} more" if len(set(keys)) > 5 else "")
 
 
-def verify(path: str | os.PathLike[str], progress: Progress | None = None) -> VerifyReport:
+def verify(path: str | os.PathLike[str], progress: Progress | None = None, *, this_node: bool = False) -> VerifyReport:
     """Check a checkpoint completely; every problem found is listed (none raised) in the report.
 
     ``path`` may also be the run directory of a :class:`~stashpoint.CheckpointManager`: then every
     committed step is checked, and partial steps and names the manager did not write (which it
     ignores) are listed as warnings. Raises only when ``path`` is neither (missing, a file, no
     manifest).
+
+    ``this_node``: ``path`` is one node's directory of a ``node_local=True`` run (or one of its
+    steps), which holds its own ranks' files only: the ranks whose indexes are here are checked,
+    and the others are listed as a warning, not a problem.
     """
     run = run_contents(storage_for(path))
     if run is not None:
-        return _verify_run(storage_for(path), run, progress)
+        return _verify_run(storage_for(path), run, progress, this_node)
     say = progress or (lambda _: None)
     try:
-        storage, m = open_checkpoint(path)
+        storage, m, elsewhere = open_here(path) if this_node else (*open_checkpoint(path), ())
     except CorruptCheckpointError as e:
         return VerifyReport(str(path), problems=[str(e)])
     rep = VerifyReport(storage.location, files=len(m.files), tensors=len(m.tensors))
-    _check_whole(storage.location, m, rep)
+    if elsewhere:
+        rep.warnings.append(
+            f"{storage.location}: the files of {len(elsewhere)} of its {m.world_size} ranks are on other nodes "
+            f"({ranks_text(list(elsewhere))}): not checked here"
+        )
+    _check_whole(storage.location, m, rep, whole=not elsewhere)
     chunks: dict[str, list[tuple[str, Chunk]]] = {f.name: [] for f in m.files}
     for key, entry in m.tensors.items():
         for c in entry.chunks:
@@ -91,10 +101,11 @@ def verify(path: str | os.PathLike[str], progress: Progress | None = None) -> Ve
     return rep
 
 
-def _check_whole(where: str, m: Manifest, rep: VerifyReport) -> None:
+def _check_whole(where: str, m: Manifest, rep: VerifyReport, *, whole: bool = True) -> None:
     """What a load would refuse beyond the checksums: a tensor whose chunks do not cover it (the
-    catalog promises bytes no index holds), a plain value that does not decode."""
-    for key, entry in m.tensors.items():
+    catalog promises bytes no index holds; only where every index is here), a plain value that
+    does not decode."""
+    for key, entry in m.tensors.items() if whole else ():
         held = sum(math.prod(c.shape) for c in entry.chunks)
         if entry.alias_of is None and held != math.prod(entry.shape):
             rep.problems.append(
@@ -106,7 +117,7 @@ def _check_whole(where: str, m: Manifest, rep: VerifyReport) -> None:
             rep.problems.append(f"{where}: the value at {at!r} does not decode (the manifest is damaged)")
 
 
-def _verify_run(root: Storage, run: RunContents, progress: Progress | None) -> VerifyReport:
+def _verify_run(root: Storage, run: RunContents, progress: Progress | None, this_node: bool) -> VerifyReport:
     if not any(root.child(name).exists(MANIFEST_NAME) for name, _ in run.steps):
         partial = ", ".join(name for name, _ in run.steps[-3:]) or "none"
         raise CheckpointNotFoundError(
@@ -121,7 +132,8 @@ def _verify_run(root: Storage, run: RunContents, progress: Progress | None) -> V
                 "restore skips it and the manager removes it"
             )
             continue
-        sub = verify(str(child.root) if isinstance(child, LocalStorage) else child.location, progress)
+        where = str(child.root) if isinstance(child, LocalStorage) else child.location
+        sub = verify(where, progress, this_node=this_node)
         rep.steps = (rep.steps or 0) + 1
         rep.files, rep.tensors = rep.files + sub.files, rep.tensors + sub.tensors
         rep.bytes_checked += sub.bytes_checked

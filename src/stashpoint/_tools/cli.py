@@ -162,13 +162,18 @@ def inspect_command(*, path: str, rank: int, as_json: bool) -> None:
 @main.command("verify", short_help="Check every byte of a checkpoint; exit 1 on any problem.")
 @click.argument("path", type=PATH_ARG)
 @click.option("-q", "--quiet", is_flag=True, help="Print the problems and the verdict only, not the progress.")
+@click.option(
+    "--this-node", is_flag=True, help="PATH is one node's directory of a node_local run: check the ranks held here."
+)
 @json_option
 @fails_cleanly
-def verify_command(*, path: str, quiet: bool, as_json: bool) -> None:
+def verify_command(*, path: str, quiet: bool, this_node: bool, as_json: bool) -> None:
     """Check every byte of a checkpoint against its checksums and its manifest.
 
     PATH may also be a run directory (a CheckpointManager's root): every committed step is
-    checked; partial steps and names the manager did not write are listed as warnings.
+    checked; partial steps and names the manager did not write are listed as warnings. With
+    --this-node, PATH (a step or a run directory) is one node's directory of a node_local run:
+    the ranks whose files it holds are checked, the others are named as held by other nodes.
 
     Exit code 0 if it is intact, 1 if any problem is found (all are printed), 2 if PATH is not
     a checkpoint.
@@ -178,10 +183,10 @@ def verify_command(*, path: str, quiet: bool, as_json: bool) -> None:
     from stashpoint._tools.progress import Reporter
 
     if quiet or as_json:
-        rep = verify(path)
+        rep = verify(path, this_node=this_node)
     else:
         with Reporter("verifying", stream=sys.stdout) as progress:
-            rep = verify(path, progress=progress)
+            rep = verify(path, progress=progress, this_node=this_node)
     if as_json:
         echo_json({**dataclasses.asdict(rep), "ok": rep.ok})
     else:

@@ -193,7 +193,7 @@ def jsonable(value: Any) -> Any:
 
 def describe(path: str | os.PathLike[str], rank: int = 0) -> dict[str, Any]:
     """Everything about a checkpoint, as JSON-able data (``rank``: whose plain values)."""
-    storage, m, elsewhere = _open_here(path, rank)
+    storage, m, elsewhere = open_here(path, rank)
     if not 0 <= rank < m.world_size:
         raise ValueError(f"rank {rank} is out of range: {path} was saved by {m.world_size} rank(s)")
     tensors = []
@@ -224,7 +224,7 @@ def describe(path: str | os.PathLike[str], rank: int = 0) -> dict[str, Any]:
     }
 
 
-def _open_here(path: str | os.PathLike[str], rank: int) -> tuple[Storage, Manifest, tuple[int, ...]]:
+def open_here(path: str | os.PathLike[str], rank: int = 0) -> tuple[Storage, Manifest, tuple[int, ...]]:
     """The checkpoint at ``path``; where some ranks' indexes are not here (one node's directory
     of a node-local run), what this directory holds, and the ranks whose files are elsewhere.
     The values shown are ``rank``'s if its index is here, else the first rank's here."""
