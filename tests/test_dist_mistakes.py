@@ -51,3 +51,25 @@ def test_destroying_the_process_group_under_a_save_says_to_wait_for_it_first(tmp
     for r in run_world(2, "destroyed_under_save", str(tmp_path), worker=WORKER_OF):
         assert "process group was destroyed while the checkpoint collective" in r["error"], r
         assert "before torch.distributed.destroy_process_group()" in r["error"], r
+
+
+def test_the_ranks_that_never_came_are_found_in_few_requests():
+    """Before: one store request per rank of the world (16,384 at full scale)."""
+    from dist_util import rendezvous_store
+    from stashpoint._dist.arrival import absent
+
+    store = rendezvous_store()
+    world, missing = 3000, [0, 7, 255, 256, 1999, 2999]
+    for r in range(world):
+        if r not in missing:
+            store.set(f"m/{r}", "1")
+    asked = []
+    real_check = store.check
+
+    class Counting:
+        def check(self, keys):
+            asked.append(len(keys))
+            return real_check(keys)
+
+    assert absent(Counting(), "m", world) == missing
+    assert len(asked) < 12 + 16 * len(missing), len(asked)

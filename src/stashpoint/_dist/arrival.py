@@ -32,14 +32,33 @@ def store() -> Any:
         return None
 
 
+_CHECK_SPAN = 256  # arrival keys asked about in one request
+
+
 def absent(store: Any, mark: str, world: int) -> list[int]:
-    """Group ranks that did not mark their arrival at a collective (empty if unknown)."""
+    """Group ranks that did not mark their arrival at a collective (empty if unknown). Asks
+    about spans of keys and halves only the spans where some are missing: R / 256 requests
+    when all came, about 16 more per rank that did not (one per rank was 16,384 requests)."""
     if store is None:
         return []
+    out: list[int] = []
+
+    def scan(lo: int, hi: int) -> None:
+        if store.check([f"{mark}/{r}" for r in range(lo, hi)]):
+            return
+        if hi - lo == 1:
+            out.append(lo)
+            return
+        mid = (lo + hi) // 2
+        scan(lo, mid)
+        scan(mid, hi)
+
     try:
-        return [r for r in range(world) if not store.check([f"{mark}/{r}"])]
+        for lo in range(0, world, _CHECK_SPAN):
+            scan(lo, min(world, lo + _CHECK_SPAN))
     except Exception:
         return []
+    return out
 
 
 def ranks_text(ranks: list[int]) -> str:
