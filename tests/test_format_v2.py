@@ -218,6 +218,7 @@ def _share(bias, a):
         (lambda d: d["chunks"].update(zzz=d["chunks"]["a"]), "not a stored tensor"),
         (lambda d: _share(d["chunks"]["m/bias"], d["chunks"]["a"]), "share bytes"),
         (lambda d: d.update(tree={"dict": [["a", {"tensor": "nope"}]]}), "no entry"),
+        (lambda d: d["tree"]["dict"][1][1].update(extra=1), "a stateful node has the fields"),
     ],
 )
 def test_index_validation_names_the_problem_even_when_resealed(tmp_path, mutate, message):

@@ -139,6 +139,9 @@ _LEAF_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+_STATEFUL_FIELDS = frozenset({"stateful", "state", "keyed_by", "class"})
+
+
 def check_tree(node: object, tensors: Container[str], where: str, depth: int) -> None:
     """Every tree node has one known form (see the module doc); every tensor it names is in
     ``tensors``; nesting is bounded. Raises :class:`CorruptCheckpointError` naming ``where``."""
@@ -150,6 +153,8 @@ def check_tree(node: object, tensors: Container[str], where: str, depth: int) ->
     if "stateful" in node:
         if node["stateful"] not in ("module", "optimizer", "object"):
             _bad(where, "unknown stateful kind")
+        if not node.keys() <= _STATEFUL_FIELDS or "state" not in node:
+            _bad(where, f"a stateful node has the fields {sorted(node)[:8]!r}, not those of the format")
         if node.get("keyed_by", "name") not in ("name", "index"):
             _bad(where, "unknown optimizer keying")
         if not isinstance(node.get("class", ""), str) or len(node.get("class", "")) > 512:
