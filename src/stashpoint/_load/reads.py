@@ -72,7 +72,10 @@ class _Piece:
         inter = intersect(cbox, read.region)
         if inter is None:
             return None
-        view = read.dest[tuple(slice(o, o + n) for o, n in zip(local(inter, read.region).offsets, inter.shape))]
+        if inter == read.region:  # the whole destination (most reads): no view to make
+            view = read.dest
+        else:
+            view = read.dest[tuple(slice(o, o + n) for o, n in zip(local(inter, read.region).offsets, inter.shape))]
         whole = inter == cbox
         direct = (
             not staged
