@@ -356,9 +356,9 @@ def _drop_older_replicas(step_root: Path) -> None:
 
 
 def _drop_replicas_of(step: Path) -> None:
-    markers = [p for p in step.iterdir() if REPLICA_RE.fullmatch(p.name) and p.is_file() and not p.is_symlink()]
+    marks = ((REPLICA_RE.fullmatch(p.name), p) for p in step.iterdir())
+    marked = {int(m[1]) for m, p in marks if m and p.is_file() and not p.is_symlink()}  # only markers we write
     (step / RECOVERABLE_NAME).unlink(missing_ok=True)
-    marked = {int(m[1]) for p in markers if (m := REPLICA_RE.fullmatch(p.name))}
     if not marked:
         return
     storage = LocalStorage(step)

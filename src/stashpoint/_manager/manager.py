@@ -23,7 +23,7 @@ from stashpoint._load.loader import load
 from stashpoint._load.manifest import remembering
 from stashpoint._manager.lock import acquire_root_lock, check_shared_root
 from stashpoint._manager.noderestore import NodeLocal
-from stashpoint._manager.preempt import Preemption, stop
+from stashpoint._manager.preempt import Preemption, signal_name, stop
 from stashpoint._manager.restoring import RestoreReport, restore_run
 from stashpoint._manager.saving import after_save, plain_metrics, save_options
 from stashpoint._manager.steps import (
@@ -441,8 +441,10 @@ class CheckpointManager:
                 self._closed = True
             self._release()
         if pending is not None:
-            name = signal.Signals(pending).name
-            log.warning("stashpoint: %s came after the last maybe_save; the manager closed, it takes its course", name)
+            log.warning(
+                "stashpoint: %s came after the last maybe_save; the manager closed, it takes its course",
+                signal_name(pending),
+            )
             signal.raise_signal(pending)
 
     def _release(self) -> None:

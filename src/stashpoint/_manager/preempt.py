@@ -182,9 +182,9 @@ class Preemption:
         _live.discard(self)
         if threading.current_thread() is not threading.main_thread():
             self._abandoned = True  # handlers and the wakeup fd can change only there
-            self._closed.set()
-            return pending
         self._closed.set()
+        if self._abandoned:
+            return pending
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
@@ -228,7 +228,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
-def _name(signum: int) -> str:
+def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
     except ValueError:
@@ -238,7 +238,7 @@ def _name(signum: int) -> str:
 def _exit_now(signum: int, why: str) -> NoReturn:
     """End the process at once, as the signal's default action would (no cleanup runs: the
     newest committed step is whole, and a save cut short is cleaned up at the next start)."""
-    log.warning("stashpoint: %s: %s; exiting now, without a new checkpoint", _name(signum), why)
+    log.warning("stashpoint: %s: %s; exiting now, without a new checkpoint", signal_name(signum), why)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -250,7 +250,7 @@ def stop(manager: Any, preemption: Preemption, signum: int, step: int, save: Any
     deadline, then raise SystemExit (128 + the signal), as the signal's default action would
     end the process. If the deadline passes first, exit at once (the save is abandoned; the
     last committed step stays whole, whatever happens in between)."""
-    name = _name(signum)
+    name = signal_name(signum)
     who = "" if preemption.mine else " by another rank"
     log.warning(
         "stashpoint: %s received%s; saving step %d within %.3g s, then exiting",
