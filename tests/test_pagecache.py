@@ -182,7 +182,7 @@ def direct_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def test_a_load_takes_cached_bytes_without_direct_reads_and_the_rest_directly(tmp_path, state, monkeypatch):
+def test_a_load_takes_cached_bytes_without_direct_reads_and_the_rest_directly(tmp_path, state, monkeypatch, asking):
     calls = direct_reads(tmp_path, monkeypatch)
     stashpoint.save(state, LocalStorage(tmp_path / "cached"))
     # the save's read-back is the kernel's best effort (the test above checks it; under a
@@ -202,7 +202,7 @@ def test_a_load_takes_cached_bytes_without_direct_reads_and_the_rest_directly(tm
     assert sum(calls) > 16 << 20, "nothing was cached: the bytes came from direct reads"
 
 
-def test_read_resident_fills_only_what_is_cached(tmp_path):
+def test_read_resident_fills_only_what_is_cached(tmp_path, asking):
     data = os.urandom(3 << 20)
     with evicted_file(tmp_path / "f", data) as fd:
         os.pread(fd, 1 << 20, 0)  # the first MiB (and some read-ahead) cached again
@@ -222,7 +222,7 @@ def punch_gaps(path: Path, every: int = 2 << 20, gap: int = 64 << 10) -> None:
         os.close(fd)
 
 
-def test_a_load_reads_small_gaps_in_cached_files_without_direct_reads(tmp_path, state, monkeypatch):
+def test_a_load_reads_small_gaps_in_cached_files_without_direct_reads(tmp_path, state, monkeypatch, asking):
     """A few pages left out of the cache (the read-back's best effort) are read on their own:
     they do not send the rest of a 64 MiB read to the disk."""
     calls = direct_reads(tmp_path, monkeypatch)
@@ -253,7 +253,39 @@ def evicted_file(path: Path, data: bytes) -> Iterator[int]:
         os.close(fd)
 
 
-def test_a_storage_tells_whether_the_page_cache_holds_a_position(tmp_path):
+@pytest.fixture(params=["cachestat", "mincore"])
+def asking(request, monkeypatch):
+    """Residency asked by cachestat (Linux 6.5+), and by mincore alone as on older kernels."""
+    if request.param == "mincore":
+        monkeypatch.setattr(pagecache, "_cachestat_missing", True)
+    elif not _cachestat_answers():
+        pytest.skip("this kernel has no cachestat (Linux 6.5+)")
+    return request.param
+
+
+def _cachestat_answers() -> bool:
+    with open(__file__, "rb") as f:
+        return pagecache._all_cached(f.fileno(), 0, 1) is not None
+
+
+def test_cachestat_and_mincore_give_the_same_answers(tmp_path, monkeypatch):
+    if not _cachestat_answers():
+        pytest.skip("this kernel has no cachestat (Linux 6.5+)")
+    data = os.urandom(8 << 20)
+    with evicted_file(tmp_path / "f", data) as fd:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.pread(fd, 3 << 20, 1 << 20)
+        os.posix_fadvise(fd, 2 << 20, 4096, os.POSIX_FADV_DONTNEED)
+        size = len(data)
+        for off, n in [(0, 4096), (1 << 20, 1 << 20), (1 << 20, 3 << 20), ((2 << 20) + 4096, 1 << 20), (5000, 100)]:
+            by_cachestat = pagecache._all_cached(fd, off, n)
+            monkeypatch.setattr(pagecache, "_cachestat_missing", True)
+            run = pagecache._page_run(fd, off, n, size, probe=n)
+            monkeypatch.setattr(pagecache, "_cachestat_missing", False)
+            assert by_cachestat == (run is not None and run[0] and run[1] == n), (off, n)
+
+
+def test_a_storage_tells_whether_the_page_cache_holds_a_position(tmp_path, asking):
     data = os.urandom(16 << 20)
     with evicted_file(tmp_path / "f", data) as fd:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past what is read
@@ -274,7 +306,7 @@ def test_a_storage_tells_whether_the_page_cache_holds_a_position(tmp_path):
     assert not storage.cached("missing", 0) and storage.reads_for("missing", 0, 4096) is storage  # never an error
 
 
-def test_a_range_running_past_the_end_of_a_file_is_not_wholly_cached(tmp_path):
+def test_a_range_running_past_the_end_of_a_file_is_not_wholly_cached(tmp_path, asking):
     f = tmp_path / "f"
     f.write_bytes(os.urandom(10000))  # not a whole number of pages
     fd = os.open(f, os.O_RDONLY)
@@ -344,7 +376,7 @@ def test_a_read_job_the_cache_holds_whole_reads_plainly_without_probing_each_rea
     assert probes and calls == [], "in part: probed read by read, the gaps read with the rest"
 
 
-def test_read_resident_reads_through_a_gap_and_stops_where_the_disk_part_begins(tmp_path):
+def test_read_resident_reads_through_a_gap_and_stops_where_the_disk_part_begins(tmp_path, asking):
     data = os.urandom(12 << 20)
     f = tmp_path / "f"
     with evicted_file(f, data) as fd:
@@ -359,7 +391,7 @@ def test_read_resident_reads_through_a_gap_and_stops_where_the_disk_part_begins(
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to become another user")
-def test_read_resident_does_not_trust_mincore_for_a_file_the_process_may_not_write(tmp_path):
+def test_read_resident_does_not_trust_mincore_for_a_file_the_process_may_not_write(tmp_path, asking):
     """mincore says every page is cached when the caller neither owns the file nor may write
     it: there the non-blocking reads decide, and a cold file is left to the direct reads."""
     with evicted_file(tmp_path / "f", os.urandom(8 << 20)) as fd:
