@@ -6,6 +6,7 @@ the same message; and a seal checked on the raw bytes still finds any damage."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -13,8 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stashpoint
+from stashpoint._core.catalog import Grid, Placement
+from stashpoint._core.index import _parse_grid
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._core.nodes import _LEAF_TYPES, MAX_TREE_DEPTH, check_tree
+from stashpoint._core.reshard import Box
 from stashpoint._core.sealed import MAX_DIMS, _int, _ints, _sealed_as_read, open_sealed, seal
 from stashpoint.errors import CorruptCheckpointError
 from test_format import json_values
@@ -217,3 +221,74 @@ def test_hostile_catalog_and_index_entries_raise_checkpoint_errors(tmp_path):
     reseal_index(tmp_path / "ck", ipath, index)
     with pytest.raises(CorruptCheckpointError, match=f"the chunk of '{key}' is malformed"):
         stashpoint.load({"w": torch.zeros(4)}, tmp_path / "ck")
+
+
+def oracle_grid(
+    key: str, g: object, shape: tuple[int, ...], world: int
+) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+    _want(isinstance(g, dict), f"grid of {key!r} must be an object")
+    assert isinstance(g, dict)
+    block = oracle_ints(g.get("block"), f"grid block of {key!r}")
+    strides = g.get("strides")
+    ok = isinstance(strides, list) and all(type(s) is int for s in strides)
+    _want(ok and len(block) == len(shape) == len(strides), f"grid of {key!r} does not match its shape")
+    _want(all(b > 0 for b in block) and math.prod(shape) > 0, f"grid of {key!r} has an empty block")
+    base = oracle_int(g.get("base"), f"grid base of {key!r}")
+    counts = [-(-n // b) for n, b in zip(shape, block)]
+    n = math.prod(counts)
+    _want(n <= world, f"grid of {key!r} has {n} cells, more than the {world} ranks could write")
+    lo = base + sum(min(0, s * (c - 1)) for s, c in zip(strides, counts))
+    hi = base + sum(max(0, s * (c - 1)) for s, c in zip(strides, counts))
+    _want(lo >= 0 and hi < world, f"grid of {key!r} names ranks outside the world")
+    return block, base, tuple(strides)
+
+
+small_shapes = st.lists(st.integers(0, 6), min_size=1, max_size=3).map(tuple)
+
+
+@given(
+    small_shapes,
+    st.data(),
+    st.integers(1, 12),
+)
+@settings(max_examples=600, deadline=None)
+def test_grid_checks_pass_and_fail_as_the_plain_rules_do(shape, data, world):
+    """The one-cell fast path (a tensor saved whole) agrees with the general rules."""
+    n = len(shape)
+    block = data.draw(st.just(list(shape)) | st.lists(st.integers(0, 7), min_size=n, max_size=n) | ints_like)
+    strides = data.draw(st.lists(st.integers(-4, 4), min_size=n, max_size=n) | ints_like | st.none())
+    base = data.draw(st.integers(-1, 13) | st.booleans() | st.none())
+    g = data.draw(st.just({"block": block, "strides": strides, "base": base}) | json_values)
+
+    def ours() -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+        p = _parse_grid("k", g, "float32", shape, world=world, where="w")
+        assert p.grid is not None
+        return p.grid.block, p.grid.base, p.grid.strides
+
+    assert _outcome(ours) == _outcome(oracle_grid, "k", g, shape, world)
+
+
+def oracle_expects(p: Placement, box: Box, rank: int) -> bool:
+    assert p.grid is not None
+    b = p.grid.block
+    if any(o % k for o, k in zip(box.offsets, b)):
+        return False
+    cell = tuple(o // k for o, k in zip(box.offsets, b))
+    want = tuple(min(k, n - o) for k, n, o in zip(b, p.shape, box.offsets))
+    counts = p.grid.counts(p.shape)
+    return want == box.shape and all(i < c for i, c in zip(cell, counts)) and p.grid.writer(cell) == rank
+
+
+@given(small_shapes, st.data())
+@settings(max_examples=600, deadline=None)
+def test_a_grid_expects_the_chunks_the_plain_rule_gives(shape, data):
+    n = len(shape)
+    block = tuple(data.draw(st.lists(st.integers(1, 7), min_size=n, max_size=n)))
+    grid = Grid(
+        block, data.draw(st.integers(0, 3)), tuple(data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)))
+    )
+    p = Placement("k", "float32", shape, grid)
+    offsets = tuple(data.draw(st.lists(st.integers(0, 7), min_size=n, max_size=n) | st.just([0] * n)))
+    box = Box(offsets, tuple(data.draw(st.lists(st.integers(0, 7), min_size=n, max_size=n))))
+    for rank in range(5):
+        assert p.expects(box, rank) == oracle_expects(p, box, rank), (box, rank)

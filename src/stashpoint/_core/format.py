@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -207,7 +207,7 @@ def parse_v1(doc: dict[str, Any], where: str) -> Manifest:
             )
         else:
             _check_tiling(entry, where)
-    _check_byte_ranges(tensors, where)
+    _check_byte_ranges(((e.key, c) for e in tensors.values() for c in e.chunks), where)
     trees = doc.get("trees")
     _want(isinstance(trees, list) and len(trees) > 0, where, "trees must be a non-empty list")
     assert isinstance(trees, list)
@@ -269,14 +269,13 @@ def _check_tiling(entry: TensorEntry, where: str) -> None:
             seen[i] = 1
 
 
-def _check_byte_ranges(tensors: Mapping[str, TensorEntry], where: str) -> None:
-    """No two chunks share bytes of a file, so what a load allocates is bounded by the bytes the
-    files hold (tied tensors are stored once, as aliases)."""
+def _check_byte_ranges(chunks: Iterable[tuple[str, Chunk]], where: str) -> None:
+    """No two chunks (key, chunk) share bytes of a file, so what a load allocates is bounded by
+    the bytes the files hold (tied tensors are stored once, as aliases)."""
     ranges: dict[str, list[tuple[int, int, str]]] = {}
-    for entry in tensors.values():
-        for c in entry.chunks:
-            if c.end > c.start:
-                ranges.setdefault(c.file, []).append((c.start, c.end, entry.key))
+    for key, c in chunks:
+        if c.end > c.start:
+            ranges.setdefault(c.file, []).append((c.start, c.end, key))
     for name, spans in ranges.items():
         spans.sort()
         for (_, end, a), (start, _, b) in itertools.pairwise(spans):

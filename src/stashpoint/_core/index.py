@@ -24,7 +24,7 @@ from typing import Any
 
 from stashpoint._core.assign import merge_trees
 from stashpoint._core.catalog import Grid, Placement
-from stashpoint._core.dtypes import ITEMSIZE, itemsize
+from stashpoint._core.dtypes import ITEMSIZE
 from stashpoint._core.format import Chunk, FileEntry, Manifest, TensorEntry, _check_byte_ranges, _check_tiling, parse_v1
 from stashpoint._core.header import HEADER_ALIGN, MAX_HEADER_BYTES
 from stashpoint._core.naming import group_dir, index_name, parse_shard_name, placed
@@ -217,13 +217,18 @@ def _parse_grid(key: str, g: object, dtype: str, shape: tuple[int, ...], *, worl
         _fail(where, f"grid of {key!r} must be an object")
     block = _ints(g.get("block"), where, "grid block", key=key)
     strides = g.get("strides")
-    if not (
-        type(strides) is list and all(type(s) is int for s in strides) and len(block) == len(shape) == len(strides)
-    ):
+    if not (type(strides) is list and len(block) == len(shape) == len(strides)):
         _fail(where, f"grid of {key!r} does not match its shape")
-    if not (all(b > 0 for b in block) and math.prod(shape) > 0):
+    for s in strides:
+        if type(s) is not int:
+            _fail(where, f"grid of {key!r} does not match its shape")
+    if 0 in block or 0 in shape:
         _fail(where, f"grid of {key!r} has an empty block")
     grid = Grid(block, _int(g.get("base"), where, "grid base", key=key), tuple(strides))
+    if block == shape:  # one cell, the tensor saved whole (most entries): written by ``base``
+        if grid.base >= world:
+            _fail(where, f"grid of {key!r} names ranks outside the world")
+        return Placement(key, dtype, shape, grid)
     counts = grid.counts(shape)
     if math.prod(counts) > world:  # each rank's index holds one chunk of a tensor
         _fail(where, f"grid of {key!r} has {math.prod(counts)} cells, more than the {world} ranks could write")
@@ -272,7 +277,7 @@ def parse_index(raw: bytes, where: str, head: Head, rank: int) -> RankIndex:
         numel = math.prod(shp)
         if not (numel == 0 or p.expects(Box(off, shp), rank)):
             _fail(where, f"the catalog does not give {key!r} {off} here")
-        if end - start != numel * itemsize(p.dtype, key):
+        if end - start != numel * ITEMSIZE[p.dtype]:  # the catalog's dtypes are known ones
             _fail(where, f"byte range of {key!r} does not match its shape")
         if not fe.data_start <= start <= end <= fe.size:
             _fail(where, f"byte range of {key!r} is outside {fe.name!r}")
@@ -281,8 +286,7 @@ def parse_index(raw: bytes, where: str, head: Head, rank: int) -> RankIndex:
         if not (ok and all(type(x) is str for x in sums)):
             _fail(where, f"checksums of {key!r} do not match its size")
         chunks[key] = Chunk(fe.name, off, shp, start, end, tuple(sums))
-    entries = {k: TensorEntry(k, head.catalog[k].dtype, head.catalog[k].shape, (c,)) for k, c in chunks.items()}
-    _check_byte_ranges(entries, where)
+    _check_byte_ranges(((k, c) for k, c in chunks.items()), where)
     tree = doc.get("tree")
     try:
         check_tree(tree, head.catalog, where, 0)
