@@ -5,6 +5,7 @@ the same message; and a seal checked on the raw bytes still finds any damage."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -18,7 +19,7 @@ from stashpoint._core.catalog import Grid, Placement
 from stashpoint._core.index import _parse_grid
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._core.nodes import _LEAF_TYPES, MAX_TREE_DEPTH, check_tree
-from stashpoint._core.reshard import Box
+from stashpoint._core.reshard import Box, intersect
 from stashpoint._core.sealed import MAX_DIMS, _int, _ints, _sealed_as_read, open_sealed, seal
 from stashpoint.errors import CorruptCheckpointError
 from test_format import json_values
@@ -292,3 +293,26 @@ def test_a_grid_expects_the_chunks_the_plain_rule_gives(shape, data):
     box = Box(offsets, tuple(data.draw(st.lists(st.integers(0, 7), min_size=n, max_size=n))))
     for rank in range(5):
         assert p.expects(box, rank) == oracle_expects(p, box, rank), (box, rank)
+
+
+@given(small_shapes, st.data())
+@settings(max_examples=400, deadline=None)
+def test_a_grid_finds_the_chunks_over_a_region_as_the_plain_rule_does(shape, data):
+    n = len(shape)
+    block = data.draw(st.just(shape) | st.lists(st.integers(1, 7), min_size=n, max_size=n).map(tuple))
+    grid = Grid(
+        block, data.draw(st.integers(0, 3)), tuple(data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)))
+    )
+    p = Placement("k", "float32", shape, grid)
+    offsets = [data.draw(st.integers(0, max(0, d - 1))) for d in shape]
+    region = Box(tuple(offsets), tuple(data.draw(st.integers(0, d - o)) for d, o in zip(shape, offsets)))
+    want = []  # every cell of the grid that meets the region
+    if region.numel:
+        for cell in itertools.product(*(range(-(-d // k)) for d, k in zip(shape, block))):
+            box = Box(
+                tuple(i * k for i, k in zip(cell, block)),
+                tuple(min(k, d - i * k) for i, k, d in zip(cell, block, shape)),
+            )
+            if intersect(box, region) is not None:
+                want.append((box, grid.writer(cell)))
+    assert sorted(p.overlapping(region), key=str) == sorted(want, key=str)

@@ -59,6 +59,9 @@ class Placement:
                     yield box, writer
             return
         b = self.grid.block
+        if b == self.shape:  # one cell, the tensor saved whole (most entries)
+            yield Box.whole(self.shape), self.grid.base
+            return
         spans = [range(o // k, -(-(o + n) // k)) for o, n, k in zip(region.offsets, region.shape, b)]
         for cell in itertools.product(*spans):
             off = tuple(i * k for i, k in zip(cell, b))
