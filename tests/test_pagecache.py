@@ -300,8 +300,11 @@ def test_a_storage_tells_whether_the_page_cache_holds_a_position(tmp_path, askin
         assert storage.reads_for("f", 0, 2 << 20) is storage, "a range cached in part"
         os.pread(fd, 16 << 20, 0)
         assert storage.reads_for("f", 0, 16 << 20) is plain
-        os.posix_fadvise(fd, 8 << 20, 4096, os.POSIX_FADV_DONTNEED)  # one page out
+        os.posix_fadvise(fd, 8 << 20, 8 << 20, os.POSIX_FADV_DONTNEED)  # the second half out
         assert storage.reads_for("f", 0, 16 << 20) is storage and storage.reads_for("f", 0, 8 << 20) is plain
+        os.pread(fd, 8 << 20, 8 << 20)
+        os.posix_fadvise(fd, (16 << 20) - 4096, 4096, os.POSIX_FADV_DONTNEED)  # the last page out
+        assert storage.reads_for("f", 0, 16 << 20) is storage, "the last page is always asked about"
         assert storage.reads_for("f", (8 << 20) + 4096, 8 << 20) is storage, "past the end of the file"
     assert not storage.cached("missing", 0) and storage.reads_for("missing", 0, 4096) is storage  # never an error
 
@@ -312,9 +315,9 @@ def test_a_range_running_past_the_end_of_a_file_is_not_wholly_cached(tmp_path, a
     fd = os.open(f, os.O_RDONLY)
     try:
         os.pread(fd, 10000, 0)
-        assert pagecache.resident_range(fd, 0, 10000) and pagecache.resident_range(fd, 100, 9900)
-        assert not pagecache.resident_range(fd, 0, 11000), "it ends within the last page"
-        assert not pagecache.resident_range(fd, 0, 0)
+        assert pagecache.resident_sampled(fd, 0, 10000) and pagecache.resident_sampled(fd, 100, 9900)
+        assert not pagecache.resident_sampled(fd, 0, 11000), "it ends within the last page"
+        assert not pagecache.resident_sampled(fd, 0, 0)
     finally:
         os.close(fd)
 
@@ -347,9 +350,10 @@ def test_a_subclass_of_local_storage_loads_a_cached_checkpoint_through_its_own_r
 
 
 def test_a_read_job_the_cache_holds_whole_reads_plainly_without_probing_each_read(tmp_path, state, monkeypatch):
-    """Where the page cache holds every byte of a read job, it is read with plain reads: no
-    residency probe before each of its 4 MiB reads (they cost a cached load a tenth of its
-    time). A job cached in part still goes read by read, the cached part from the cache."""
+    """Where the page cache holds a read job (as a sample of its pages shows), it is read with
+    plain reads: no residency probe before each of its 4 MiB reads (they cost a cached load a
+    tenth of its time), and a few pages left out come through the cache. A job cached in part
+    still goes read by read, the cached part from the cache and the rest directly."""
     calls = direct_reads(tmp_path, monkeypatch)
     probes: list[int] = []
     real = _local.read_resident
@@ -373,7 +377,16 @@ def test_a_read_job_the_cache_holds_whole_reads_plainly_without_probing_each_rea
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     stashpoint.load(out, LocalStorage(tmp_path / "ck"))
     assert all(torch.equal(out[k], state[k]) for k in state)
-    assert probes and calls == [], "in part: probed read by read, the gaps read with the rest"
+    assert probes == [] and calls == [], "scattered gaps: plain reads still, the gaps through the cache"
+
+    size = files[0].stat().st_size
+    fd = os.open(files[0], os.O_RDONLY)
+    os.posix_fadvise(fd, size // 2, 0, os.POSIX_FADV_DONTNEED)  # its second half
+    os.close(fd)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    stashpoint.load(out, LocalStorage(tmp_path / "ck"))
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    assert probes and calls, "in part: probed read by read, the cached part from the cache, the rest directly"
 
 
 def test_read_resident_reads_through_a_gap_and_stops_where_the_disk_part_begins(tmp_path, asking):

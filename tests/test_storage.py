@@ -207,6 +207,23 @@ class StorageSuite:
         with pytest.raises(EOFError):
             s.read_into("big", size - 2 * mib, memoryview(bytearray(3 * mib)))
 
+    def test_reads_in_a_row_read_what_readv_reads(self, tmp_path):
+        """``reading`` (the file kept open between reads, where a backend does that) reads the
+        same bytes as ``readv``, buffers of any size in any order of offsets, through the plain
+        twin too; past the end it raises EOFError."""
+        s = self.make(tmp_path / "ck")
+        s.prepare()
+        data = os.urandom(5 * (1 << 20) + 777)
+        s.commit("f", data)
+        for src in (s, s.reads_for("f", 0, len(data)), s.shared_reads()):
+            with src.reading("f") as readv:
+                for offset, sizes in [(4096, [1, 1 << 20, 4095]), (0, [7]), (len(data) - 9, [4, 5]), (3, [2 << 20])]:
+                    outs = [bytearray(n) for n in sizes]
+                    readv(offset, [memoryview(o) for o in outs])
+                    assert b"".join(outs) == data[offset : offset + sum(sizes)]
+                with pytest.raises(EOFError):
+                    readv(len(data) - 3, [memoryview(bytearray(4))])
+
     def test_run_directory_level(self, tmp_path):
         run = self.make(tmp_path / "run")
         assert run.children() == [] and run.list() == []

@@ -176,10 +176,11 @@ class _ReadJob:
             pos = self.offset
             cached = src is not storage or storage.cached(self.file, self.offset)
             step_bytes = CHECKSUM_BLOCK_BYTES if cached else self.size
-            for step in self._steps(step_bytes):
-                src.readv(self.file, pos, [view for view, _, _ in step])
-                pos += sum(len(view) for view, _, _ in step)
-                bad |= {key: None for view, key, want in step if checksum(view) != want}
+            with src.reading(self.file) as readv:
+                for step in self._steps(step_bytes):
+                    readv(pos, [view for view, _, _ in step])
+                    pos += sum(len(view) for view, _, _ in step)
+                    bad |= {key: None for view, key, want in step if checksum(view) != want}
             if bad:
                 raise CorruptCheckpointError("\n".join(_damaged(k, storage, self.file) for k in bad))
         except EOFError as e:

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import abc
 import builtins
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 
 class FileWriter(abc.ABC):
@@ -88,6 +89,13 @@ class Storage(abc.ABC):
         """Fill ``out`` from the file's bytes starting at ``offset``."""
         self.readv(name, offset, [out])
 
+    @contextlib.contextmanager
+    def reading(self, name: str) -> Iterator[Callable[[int, Sequence[memoryview]], None]]:
+        """Several reads of ``name`` in a row, each ``readv(offset, buffers)`` as :meth:`readv`
+        does it: a backend may keep the file open between them (by default each is a
+        :meth:`readv`)."""
+        yield lambda offset, buffers: self.readv(name, offset, buffers)
+
     @abc.abstractmethod
     def size(self, name: str) -> int: ...
 
@@ -117,7 +125,8 @@ class Storage(abc.ABC):
     def reads_for(self, name: str, offset: int, length: int) -> Storage:
         """The storage to read ``length`` bytes of ``name`` from ``offset`` through: this one,
         or a twin that reads them from the host's cache with plain reads, where the cache holds
-        every one of them and this backend's own reads would bypass it (direct I/O)."""
+        them (a sample of them may stand for all) and this backend's own reads would bypass it
+        (direct I/O)."""
         return self
 
     def keep_cached(self, names: Sequence[str], *, beside: int | None = None) -> None:
