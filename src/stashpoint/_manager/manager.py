@@ -16,26 +16,24 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from stashpoint._core.naming import MANIFEST_NAME, step_dir
+from stashpoint._core.naming import step_dir
 from stashpoint._core.policy import Retention, Schedule
 from stashpoint._dist.group import rank_of
 from stashpoint._load.loader import load
 from stashpoint._load.manifest import remembering
-from stashpoint._manager.lock import acquire_root_lock, check_shared_root
+from stashpoint._manager.lock import acquire_root_lock
 from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, signal_name, stop
 from stashpoint._manager.restoring import RestoreReport, restore_run
-from stashpoint._manager.saving import after_save, plain_metrics, save_options
+from stashpoint._manager.saving import apply_retention, plain_metrics, start_save, wait_for
 from stashpoint._manager.steps import (
     committed_steps,
-    delete_step,
     read_metrics,
     remove_leftovers,
-    retained,
     step_number,
 )
 from stashpoint._manager.tiers import RemoteTier
-from stashpoint._save.engine import SaveOptions, get_engine
+from stashpoint._save.engine import SaveOptions
 from stashpoint._save.handle import SaveHandle, SaveStats
 from stashpoint._storage import LocalStorage, Storage, storage_for
 from stashpoint.errors import CheckpointError
@@ -270,45 +268,7 @@ class CheckpointManager:
         to the remote tier in the background.
         """
         self._check_open()
-        step = step_number(step)
-        metrics = plain_metrics(metrics)
-        if not self._shared_checked and self._nodes is None and isinstance(self.storage, LocalStorage):
-            check_shared_root(self.storage.root, options.get("process_group"), options.get("timeout"))
-            self._shared_checked = True
-        target = self._at(step)
-        if self._nodes is not None:  # the last restore's fetched files are in the node's directory first
-            self._nodes.settled()
-        with self._lock:
-            if any(h.step == step and not a.done() for h, a in self._handles):
-                raise CheckpointError(
-                    f"step {step} is still being saved to {target.location}; wait for that save (mgr.wait()) first"
-                )
-        if target.exists(MANIFEST_NAME):
-            raise CheckpointError(
-                f"step {step} already has a committed checkpoint at {target.location}; save under a new step, or "
-                "delete that directory first."
-            )
-        if self._owner:  # the remains of an earlier failed save of this step, if any
-            target.remove_tree()
-        opts = save_options(self, step, metrics, options)
-        self._last_save_time = time.monotonic()
-        try:
-            handle = get_engine().submit(state, target, opts)
-        except BaseException as e:
-            if self._tier is not None and self.world > 1:  # the other ranks queue this step's upload: so do we
-                failed: cf.Future[Any] = cf.Future()
-                failed.set_exception(e)
-                self._tier.submit(step, failed)
-            raise
-        after: cf.Future[None] = cf.Future()  # done once the bookkeeping below has run too
-        with self._lock:
-            # keep saves in flight, and failed ones until wait() has reported them
-            self._handles = [(h, a) for h, a in self._handles if not a.done() or h.exception() is not None]
-            self._handles.append((handle, after))
-        handle._future.add_done_callback(lambda f: after_save(self, step, metrics, f, after))
-        if self._tier is not None:
-            self._tier.submit(step, handle._future)
-        return handle
+        return start_save(self, step_number(step), state, plain_metrics(metrics), options)
 
     # -- retention -----------------------------------------------------------------------------
 
@@ -321,18 +281,6 @@ class CheckpointManager:
             self._metrics[step] = got
         return self._metrics[step]
 
-    def _apply_retention(self) -> None:
-        try:
-            steps = self.steps()
-            keep = retained(steps, self._metrics_of, self.retention)
-            if self._tier is not None:
-                keep |= self._tier.protected()  # not uploaded yet (pending, or failed: uploaded at next open)
-            for step in steps:
-                if step not in keep:
-                    delete_step(self.storage, step)
-        except Exception:
-            log.exception("stashpoint: applying the retention rules to %s failed", self.storage.location)
-
     def _upload_ended(self) -> None:
         """An upload ended: local steps it protected may go now."""
         with self._lock:
@@ -344,9 +292,9 @@ class CheckpointManager:
         interpreter exit, a save still ending in a manager never closed finds that thread gone
         (the interpreter stops its pools first): the rules are applied here and now."""
         try:
-            self._deletions.append(self._deleter.submit(self._apply_retention))
+            self._deletions.append(self._deleter.submit(apply_retention, self))
         except RuntimeError:
-            self._apply_retention()
+            apply_retention(self)
 
     # -- restoring -----------------------------------------------------------------------------
 
@@ -399,28 +347,7 @@ class CheckpointManager:
     def wait(self) -> None:
         """Wait for this manager's saves, uploads and deletions; raise the first failure, if any
         (a save's first, then an upload's)."""
-        if self._nodes is not None:
-            self._nodes.settled()
-        with self._lock:
-            pairs, self._handles = self._handles, []
-        cf.wait([a for _, a in pairs])
-        handles = [h for h, _ in pairs]
-        uploads = self._tier.take_futures() if self._tier is not None else []
-        cf.wait(uploads)
-        while True:
-            with self._lock:
-                pending, self._deletions = self._deletions, []
-            if not pending:
-                break
-            cf.wait(pending)
-        for h in handles:
-            exc = h.exception()
-            if exc is not None:
-                raise exc
-        for u in uploads:
-            err = u.exception()
-            if err is not None:
-                raise err
+        wait_for(self)
 
     def close(self) -> None:
         """Wait for pending saves and deletions, then release the root. A preemption signal that

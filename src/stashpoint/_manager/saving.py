@@ -1,6 +1,6 @@
-"""The parts of ``CheckpointManager.save`` around the engine's: the options a manager's save
-passes on, and its bookkeeping once the save ends (history, metrics, retention, the clean-up
-of a failed save)."""
+"""The parts of ``CheckpointManager.save`` around the engine's: the step's directory made
+ready, the options a manager's save passes on, and its bookkeeping once the save ends
+(history, metrics, retention, the clean-up of a failed save)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,18 @@ import concurrent.futures as cf
 import json
 import logging
 import numbers
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._dist.transfer import ReplicaError
-from stashpoint._manager.steps import METRICS_KEY, quietly
-from stashpoint._save.engine import SaveOptions
-from stashpoint._save.handle import SaveStats
+from stashpoint._manager.lock import check_shared_root
+from stashpoint._manager.steps import METRICS_KEY, delete_step, quietly, retained
+from stashpoint._save.engine import SaveOptions, get_engine
+from stashpoint._save.handle import SaveHandle, SaveStats
+from stashpoint._storage import LocalStorage
+from stashpoint.errors import CheckpointError
 
 if TYPE_CHECKING:
     from stashpoint._manager.manager import CheckpointManager
@@ -108,3 +112,90 @@ def after_save(
                 log.exception("stashpoint: the on_save callback raised")
     finally:
         after.set_result(None)
+
+
+def start_save(
+    mgr: CheckpointManager, step: int, state: Any, metrics: dict[str, Any], options: dict[str, Any]
+) -> SaveHandle:
+    """``CheckpointManager.save`` once its arguments are checked: the step's directory made
+    ready, the engine's save started, and its bookkeeping (:func:`after_save`, the upload)
+    attached to it."""
+    if not mgr._shared_checked and mgr._nodes is None and isinstance(mgr.storage, LocalStorage):
+        check_shared_root(mgr.storage.root, options.get("process_group"), options.get("timeout"))
+        mgr._shared_checked = True
+    target = mgr._at(step)
+    if mgr._nodes is not None:  # the last restore's fetched files are in the node's directory first
+        mgr._nodes.settled()
+    with mgr._lock:
+        if any(h.step == step and not a.done() for h, a in mgr._handles):
+            raise CheckpointError(
+                f"step {step} is still being saved to {target.location}; wait for that save (mgr.wait()) first"
+            )
+    if target.exists(MANIFEST_NAME):
+        raise CheckpointError(
+            f"step {step} already has a committed checkpoint at {target.location}; save under a new step, or "
+            "delete that directory first."
+        )
+    if mgr._owner:  # the remains of an earlier failed save of this step, if any
+        target.remove_tree()
+    opts = save_options(mgr, step, metrics, options)
+    mgr._last_save_time = time.monotonic()
+    try:
+        handle = get_engine().submit(state, target, opts)
+    except BaseException as e:
+        if mgr._tier is not None and mgr.world > 1:  # the other ranks queue this step's upload: so do we
+            failed: cf.Future[Any] = cf.Future()
+            failed.set_exception(e)
+            mgr._tier.submit(step, failed)
+        raise
+    after: cf.Future[None] = cf.Future()  # done once the bookkeeping below has run too
+    with mgr._lock:
+        # keep saves in flight, and failed ones until wait() has reported them
+        mgr._handles = [(h, a) for h, a in mgr._handles if not a.done() or h.exception() is not None]
+        mgr._handles.append((handle, after))
+    handle._future.add_done_callback(lambda f: after_save(mgr, step, metrics, f, after))
+    if mgr._tier is not None:
+        mgr._tier.submit(step, handle._future)
+    return handle
+
+
+def apply_retention(mgr: CheckpointManager) -> None:
+    """Delete the steps of ``mgr``'s root its retention rules do not keep (on the manager's
+    deletion thread); a failure is logged, never raised."""
+    try:
+        steps = mgr.steps()
+        keep = retained(steps, mgr._metrics_of, mgr.retention)
+        if mgr._tier is not None:
+            keep |= mgr._tier.protected()  # not uploaded yet (pending, or failed: uploaded at next open)
+        for step in steps:
+            if step not in keep:
+                delete_step(mgr.storage, step)
+    except Exception:
+        log.exception("stashpoint: applying the retention rules to %s failed", mgr.storage.location)
+
+
+def wait_for(mgr: CheckpointManager) -> None:
+    """``CheckpointManager.wait``: every save, upload and deletion of ``mgr`` ended; the first
+    failure raised (a save's first, then an upload's)."""
+    if mgr._nodes is not None:
+        mgr._nodes.settled()
+    with mgr._lock:
+        pairs, mgr._handles = mgr._handles, []
+    cf.wait([a for _, a in pairs])
+    handles = [h for h, _ in pairs]
+    uploads = mgr._tier.take_futures() if mgr._tier is not None else []
+    cf.wait(uploads)
+    while True:
+        with mgr._lock:
+            pending, mgr._deletions = mgr._deletions, []
+        if not pending:
+            break
+        cf.wait(pending)
+    for h in handles:
+        exc = h.exception()
+        if exc is not None:
+            raise exc
+    for u in uploads:
+        err = u.exception()
+        if err is not None:
+            raise err
