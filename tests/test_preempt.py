@@ -189,6 +189,22 @@ def test_managers_with_preemption_opened_and_closed_leave_no_thread_fd_or_handle
     assert signal.set_wakeup_fd(-1) == -1, "the wakeup fd is given back"
 
 
+def test_managers_closed_out_of_order_give_back_the_programs_handler(tmp_path):
+    def mine(signum, frame):
+        pass
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        a = stashpoint.CheckpointManager(tmp_path / "a", preemption_deadline=5)
+        b = stashpoint.CheckpointManager(tmp_path / "b", preemption_deadline=5)
+        a.close()
+        assert signal.getsignal(signal.SIGTERM) == b._preemption._note, "the open manager's handler stays"
+        b.close()
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 _FORK_CHILD = """
 import multiprocessing as mp, sys, time, torch, stashpoint
 with stashpoint.CheckpointManager(sys.argv[1], every_steps=1000, preemption_deadline=1) as mgr:
@@ -236,3 +252,41 @@ def test_a_signal_raised_again_at_close_finds_the_manager_closed(tmp_path):
             assert again.steps() == [1]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+_THREAD_CLOSE = """
+import os, signal, sys, threading, time, stashpoint
+fds = len(os.listdir("/proc/self/fd"))
+mgr = stashpoint.CheckpointManager(sys.argv[1] + "/a", preemption_deadline=5)
+t = threading.Thread(target=mgr.close)
+t.start()
+t.join()
+if sys.argv[2] == "reopen":  # a manager opened and closed in the main thread tidies up after it
+    time.sleep(1)
+    with stashpoint.CheckpointManager(sys.argv[1] + "/b", preemption_deadline=5):
+        pass
+    time.sleep(1)
+    print("fds", len(os.listdir("/proc/self/fd")) - fds, "handler", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
+          "wakeup", signal.set_wakeup_fd(-1), flush=True)
+    sys.exit(0)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(3)
+print("survived SIGTERM", flush=True)
+"""
+
+
+@pytest.mark.parametrize("then", ["sigterm", "reopen"])
+def test_a_manager_closed_from_another_thread_gives_the_signals_back(tmp_path, then):
+    """Before: closed from a thread other than the main one, the manager could not put the
+    handlers back, so a later SIGTERM was swallowed (the process lived on until SIGKILL), and
+    its wakeup pipe leaked. Now its handler hands the signal on, and the next manager opened
+    in the main thread tidies up after it."""
+    res = subprocess.run(
+        [sys.executable, "-c", _THREAD_CLOSE, str(tmp_path), then], env=ENV, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    if then == "sigterm":
+        assert res.returncode == -signal.SIGTERM, (res.returncode, res.stdout, res.stderr[-3000:])
+    else:
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "fds 0 handler True wakeup -1" in res.stdout, (res.stdout, res.stderr[-3000:])

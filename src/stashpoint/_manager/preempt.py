@@ -65,12 +65,15 @@ class Preemption:
         self._previous: dict[int, Any] = {}
         self._wakeup: tuple[int, int] | None = None  # the pipe the signals' bytes come through
         self._closed = threading.Event()
-        self._abandoned = False  # closed from another thread: the pipe is left (and leaks)
+        self._abandoned = False  # closed from another thread: handlers and pipe left to _give_back
+        self._watchdog: threading.Thread | None = None
         self._pid = os.getpid()
 
     def install(self) -> None:
         """Take over the signals (last, once the manager is set up: a manager that failed to open
         must leave SIGTERM's default action alone), and start the watchdog."""
+        for left in list(_left):  # managers closed from other threads: given back here first
+            left._give_back()
         for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._note)
         r, w = os.pipe()
@@ -83,7 +86,8 @@ class Preemption:
         else:
             self._wakeup = (r, w)
         _live.add(self)
-        threading.Thread(target=self._watch, name="stashpoint-preemption", daemon=True).start()
+        self._watchdog = threading.Thread(target=self._watch, name="stashpoint-preemption", daemon=True)
+        self._watchdog.start()
 
     def _forked(self) -> None:
         """In a child forked from this process (multiprocessing): the signals are the child's own
@@ -102,6 +106,14 @@ class Preemption:
             self._wakeup = None
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
+        if self._closed.is_set():  # closed from another thread: the signal is the program's again
+            previous = self._previous.get(signum, signal.SIG_DFL)
+            self._give_back()
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signum)  # the default action, as if the manager never was
+            return
         if self.signum is None:
             self.signum, self.since, self.mine = signum, time.monotonic(), True
             # logging from a handler may deadlock on the logging lock: say it at the safe point
@@ -181,22 +193,50 @@ class Preemption:
         self.handled = True
         _live.discard(self)
         if threading.current_thread() is not threading.main_thread():
-            self._abandoned = True  # handlers and the wakeup fd can change only there
+            # handlers and the wakeup fd can change only there: at this manager's next signal
+            # (its handler runs there) or when another manager is opened there
+            self._abandoned = True
+            _left.add(self)
         self._closed.set()
-        if self._abandoned:
-            return pending
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous = {}
-        if self._wakeup is not None:
-            current = signal.set_wakeup_fd(-1)
-            if current != self._wakeup[1]:  # another owner took it since (asyncio): theirs stays
-                signal.set_wakeup_fd(current)
-            os.close(self._wakeup[1])  # the watchdog sees the end and closes the read end
+        if not self._abandoned:
+            self._give_back()
         return pending
+
+    def _give_back(self) -> None:
+        """(In the main thread.) The previous handlers back where this manager's still are, the
+        wakeup fd given up where it is still this pipe's, and the pipe closed: its write end
+        here, its read end by the watchdog, or here once a watchdog that left it has ended."""
+        _left.discard(self)
+        for sig, previous in list(self._previous.items()):
+            # a later manager's handler stays: it hands on to this one's, which hands on to ``previous``
+            if signal.getsignal(sig) == self._note:
+                signal.signal(sig, _past_closed(sig, previous))
+                del self._previous[sig]
+        if self._wakeup is None:
+            return
+        current = signal.set_wakeup_fd(-1)
+        if current != self._wakeup[1]:  # another owner took it since (asyncio): theirs stays
+            signal.set_wakeup_fd(current)
+        os.close(self._wakeup[1])
+        if self._abandoned and self._watchdog is not None:
+            self._watchdog.join(1.0)  # an abandoned watchdog ends within 0.5 s without reading on
+            if not self._watchdog.is_alive() and self._wakeup is not None:
+                os.close(self._wakeup[0])
+                self._wakeup = None
+
+
+def _past_closed(sig: int, handler: Any) -> Any:
+    """``handler``, or where it is the handler of a manager closed since (managers closed out
+    of order), the handler that one took over, and so on."""
+    owner = getattr(handler, "__self__", None)
+    while isinstance(owner, Preemption) and owner._closed.is_set() and handler == owner._note:
+        handler = owner._previous.pop(sig, signal.SIG_DFL)
+        owner = getattr(handler, "__self__", None)
+    return handler
 
 
 _live: weakref.WeakSet[Preemption] = weakref.WeakSet()
+_left: set[Preemption] = set()  # closed from other threads, not yet given back (held: their fds are open)
 
 
 _unhooked: list[int] = []  # the wakeup fd taken away for a fork of the main thread
