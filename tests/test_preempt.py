@@ -290,3 +290,30 @@ def test_a_manager_closed_from_another_thread_gives_the_signals_back(tmp_path, t
     else:
         assert res.returncode == 0, res.stderr[-3000:]
         assert "fds 0 handler True wakeup -1" in res.stdout, (res.stdout, res.stderr[-3000:])
+
+
+_FAILS_FAST = """
+import os, signal, sys, torch, stashpoint
+mgr = stashpoint.CheckpointManager(sys.argv[1], every_steps=1000, preemption_deadline=30)
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    mgr.maybe_save(1, {"w": torch.ones(2), "bad": object()})  # a state the emergency save refuses
+    print("not stopped", flush=True)
+finally:
+    print("the program's clean-up ran", flush=True)
+"""
+
+
+def test_an_emergency_save_that_fails_before_the_deadline_lets_the_programs_clean_up_run(tmp_path):
+    """The save at the safe point fails at once: the process still exits as the signal asked,
+    through SystemExit (the program's ``finally`` blocks run), not at the deadline."""
+    t0 = time.monotonic()
+    res = subprocess.run(
+        [sys.executable, "-c", _FAILS_FAST, str(tmp_path / "ckpt")], env=ENV, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 128 + signal.SIGTERM, res.stderr[-3000:]
+    assert "the program's clean-up ran" in res.stdout and "not stopped" not in res.stdout, res.stdout
+    assert "no new step committed" in res.stderr, res.stderr[-3000:]
+    assert time.monotonic() - t0 < 25, "it exited at the deadline, not when the save failed"
+    assert _steps(tmp_path) == []
