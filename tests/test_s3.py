@@ -6,6 +6,7 @@ kill the server get one of their own (``s3_own_server``).
 
 from __future__ import annotations
 
+import logging
 import pickle
 import subprocess
 import sys
@@ -116,7 +117,7 @@ def test_an_uncommitted_prefix_is_incomplete_and_a_missing_one_not_found(s3_url)
         stashpoint.load(_fresh(), s3_url)
 
 
-def test_two_ranks_save_on_s3_and_load_on_one_and_on_two_resharded(s3_url, tmp_path, monkeypatch):
+def test_two_ranks_save_on_s3_and_load_on_one_and_on_two_resharded(s3_url, tmp_path, monkeypatch, caplog):
     expected_path = tmp_path / "expected.pt"
     monkeypatch.setenv("STASHPOINT_RANKS_PER_DIR", "1")  # each rank's files under a prefix of its own
     saved = run_world(2, "save", s3_url, str(expected_path), worker=S3_WORKER)
@@ -128,7 +129,10 @@ def test_two_ranks_save_on_s3_and_load_on_one_and_on_two_resharded(s3_url, tmp_p
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = {"model": model, "optim": optim, "sharded": torch.zeros(13, 7), "step": 0}
-    stashpoint.load(state, s3_url)
+    with caplog.at_level(logging.INFO, logger="stashpoint"):
+        stashpoint.load(state, s3_url)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "is loaded by 1" in r.getMessage()]
+    assert said and all(level == logging.INFO for level, _ in said), "an evaluation's load is no warning"
     assert all(torch.equal(v, expected["model"][k]) for k, v in model.state_dict().items())
     want = expected["optim"]["state"]
     got = optim.state_dict()["state"]

@@ -111,7 +111,10 @@ def load(
         try:  # any rank's failure, from the manifest's read on, goes through the ranks' agreement
             head = _head(storage)
             if world != head.world_size and head.world_size > 1:
-                log.warning(
+                # one process reading an N-rank checkpoint is an evaluation or an export, as a rule:
+                # said for the logs; ranks of another count resuming are told
+                log.log(
+                    logging.INFO if world == 1 else logging.WARNING,
                     "stashpoint: %s was saved by %d ranks and is loaded by %d; rank %d restores the per-rank "
                     "values (RNG states, ...) of saved rank %d",
                     storage.location,
