@@ -420,3 +420,17 @@ def test_read_resident_does_not_trust_mincore_for_a_file_the_process_may_not_wri
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0, "a cold file read buffered: mincore was trusted"
+
+
+def test_a_cachestat_no_is_asked_again_of_mincore(tmp_path, monkeypatch):
+    """On overlayfs cachestat counts the overlay's own (empty) cache and says no for a cached
+    file, where a mapping reaches the real file: a no is confirmed with mincore, a yes taken."""
+    f = tmp_path / "f"
+    f.write_bytes(os.urandom(1 << 20))
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.pread(fd, 1 << 20, 0)
+        monkeypatch.setattr(pagecache, "_all_cached", lambda fd, offset, length: False)
+        assert pagecache.resident_at(fd, 4096) and pagecache.resident_sampled(fd, 0, 1 << 20)
+    finally:
+        os.close(fd)

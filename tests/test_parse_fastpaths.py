@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import stashpoint
 from stashpoint._core.catalog import Grid, Placement
+from stashpoint._core.format import checksum
 from stashpoint._core.index import _parse_grid
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._core.nodes import _LEAF_TYPES, MAX_TREE_DEPTH, check_tree
@@ -271,6 +272,8 @@ def test_grid_checks_pass_and_fail_as_the_plain_rules_do(shape, data, world):
 
 def oracle_expects(p: Placement, box: Box, rank: int) -> bool:
     assert p.grid is not None
+    if not len(box.offsets) == len(box.shape) == len(p.shape):
+        return False
     b = p.grid.block
     if any(o % k for o, k in zip(box.offsets, b)):
         return False
@@ -289,8 +292,9 @@ def test_a_grid_expects_the_chunks_the_plain_rule_gives(shape, data):
         block, data.draw(st.integers(0, 3)), tuple(data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)))
     )
     p = Placement("k", "float32", shape, grid)
-    offsets = tuple(data.draw(st.lists(st.integers(0, 7), min_size=n, max_size=n) | st.just([0] * n)))
-    box = Box(offsets, tuple(data.draw(st.lists(st.integers(0, 7), min_size=n, max_size=n))))
+    dims = data.draw(st.just(n) | st.integers(0, 4))  # another number of dimensions than the tensor's, too
+    offsets = tuple(data.draw(st.lists(st.integers(0, 7), min_size=dims, max_size=dims) | st.just([0] * dims)))
+    box = Box(offsets, tuple(data.draw(st.lists(st.integers(0, 7), min_size=dims, max_size=dims) | st.just(shape))))
     for rank in range(5):
         assert p.expects(box, rank) == oracle_expects(p, box, rank), (box, rank)
 
@@ -316,3 +320,24 @@ def test_a_grid_finds_the_chunks_over_a_region_as_the_plain_rule_does(shape, dat
             if intersect(box, region) is not None:
                 want.append((box, grid.writer(cell)))
     assert sorted(p.overlapping(region), key=str) == sorted(want, key=str)
+
+
+@pytest.mark.parametrize("offsets", [[], [0], [0, 0, 0]])
+def test_an_index_chunk_of_other_dimensions_than_its_tensor_is_refused(tmp_path, offsets):
+    """Before: offsets ``[]`` for a 2-D tensor passed the whole-tensor fast path, and ``[0, 0, 0]``
+    the general rule (its zip stopped at the shorter); ``verify`` said such a checkpoint was fine."""
+    path = tmp_path / "ck"
+    stashpoint.save({"w": torch.ones(4, 4)}, path)
+    (index,) = path.glob("index-*.json")
+    doc = json.loads(index.read_bytes())
+    doc.pop("checksum")
+    doc["chunks"]["w"][1] = offsets
+    index.write_bytes(seal(doc))
+    manifest = json.loads((path / MANIFEST_NAME).read_bytes())
+    manifest.pop("checksum")
+    manifest["indexes"][0] = [index.stat().st_size, checksum(index.read_bytes())]
+    (path / MANIFEST_NAME).write_bytes(seal(manifest))
+    report = stashpoint.verify(path)
+    assert not report.ok and any("other dimensions than its tensor" in p for p in report.problems), report
+    with pytest.raises(CorruptCheckpointError, match="other dimensions than its tensor"):
+        stashpoint.load({"w": torch.zeros(4, 4)}, path)

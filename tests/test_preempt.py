@@ -317,3 +317,33 @@ def test_an_emergency_save_that_fails_before_the_deadline_lets_the_programs_clea
     assert "no new step committed" in res.stderr, res.stderr[-3000:]
     assert time.monotonic() - t0 < 25, "it exited at the deadline, not when the save failed"
     assert _steps(tmp_path) == []
+
+
+def test_a_signal_while_the_manager_gives_its_handler_back_reaches_the_program_once(tmp_path, monkeypatch):
+    """Before: a SIGTERM arriving inside close() (a launcher passing on a second one) ran the
+    give-back again from the handler: a KeyError out of close(), or the pipe's write end closed
+    twice, which closes whatever file got that number meanwhile."""
+    from stashpoint._manager import preempt
+
+    got: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    closes: list[int] = []
+    real_close = os.close
+    try:
+        mgr = stashpoint.CheckpointManager(tmp_path / "a", preemption_deadline=5)
+        write_end = mgr._preemption._wakeup[1]
+
+        class SignalInside(set):  # the give-back's first step: a signal comes right then
+            def discard(self, item):
+                super().discard(item)
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)  # its handler runs here, between two steps of the give-back
+
+        monkeypatch.setattr(preempt, "_left", SignalInside())
+        monkeypatch.setattr(os, "close", lambda fd: (closes.append(fd), real_close(fd))[1])
+        mgr.close()
+        _wait_for(lambda: got == [signal.SIGTERM], "the program's handler", 5)
+        assert closes.count(write_end) == 1, closes
+    finally:
+        monkeypatch.undo()
+        signal.signal(signal.SIGTERM, before)

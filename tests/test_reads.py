@@ -148,3 +148,13 @@ def test_an_atomic_load_of_a_damaged_checkpoint_changes_nothing_whichever_way_it
         stashpoint.load(target, tmp_path / "ck", atomic=True)
     assert all(torch.equal(v, before[k]) for k, v in live.state_dict().items())
     assert not target["w"].any()
+
+
+def test_local_reads_use_no_more_threads_than_cores_and_object_storage_four(tmp_path):
+    from types import SimpleNamespace
+
+    from stashpoint._load.reads import _cores, _readers
+    from stashpoint._storage import LocalStorage
+
+    assert _readers(LocalStorage(tmp_path)) == max(1, min(4, _cores()))
+    assert _readers(SimpleNamespace(local_reads=False)) == 4  # each reader waits on the network

@@ -74,6 +74,8 @@ class Placement:
 
     def expects(self, box: Box, rank: int) -> bool:
         """Whether the catalog says ``rank`` writes a chunk of exactly ``box``."""
+        if not len(box.offsets) == len(box.shape) == len(self.shape):
+            return False
         if self.grid is None:
             return (box.offsets, box.shape, rank) in self._cell_set
         b = self.grid.block

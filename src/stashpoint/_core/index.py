@@ -274,6 +274,8 @@ def parse_index(raw: bytes, where: str, head: Head, rank: int) -> RankIndex:
         fe = files[c[0]]
         off, shp = _ints(c[1], where, "offsets", key=key), _ints(c[2], where, "chunk shape", key=key)
         start, end = _int(c[3], where, "start", key=key), _int(c[4], where, "end", key=key)
+        if not len(off) == len(shp) == len(p.shape):
+            _fail(where, f"the chunk of {key!r} has other dimensions than its tensor")
         numel = math.prod(shp)
         if not (numel == 0 or p.expects(Box(off, shp), rank)):
             _fail(where, f"the catalog does not give {key!r} {off} here")

@@ -44,9 +44,14 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-# no more readers than cores: a cached load is bound by memory and the GIL, and two more
-# threads than a 2-core host has cost it 6 ms of 100 there; from a disk 1-4 readers were alike
-_READ_THREADS = max(1, min(4, _cores()))
+_READ_THREADS = 4
+
+
+def _readers(storage: Storage) -> int:
+    """Local files: no more readers than cores (a cached load is bound by memory and the GIL,
+    and two more threads than a 2-core host has cost it 6 ms of 100; from its disk 1-4 readers
+    were alike). Object storage: 4, each waiting on the network."""
+    return max(1, min(_READ_THREADS, _cores())) if storage.local_reads else _READ_THREADS
 
 
 def check_files(storage: Storage, manifest: Manifest, names: Iterable[str]) -> None:
@@ -372,7 +377,7 @@ def _execute_pipelined(storage: Storage, pieces: list[_Piece], verify: bool, pla
     errors: list[str] = []
     with (
         _ring_for(pieces if place else []) as pinned,
-        cf.ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="stashpoint-reader") as pool,
+        cf.ThreadPoolExecutor(max_workers=_readers(storage), thread_name_prefix="stashpoint-reader") as pool,
     ):
         direct = SlotReads.pieces(pieces) if pinned is not None else []
         skip = {id(p) for p in direct}

@@ -64,6 +64,11 @@ class Preemption:
         self._signals = tuple(signals)
         self._previous: dict[int, Any] = {}
         self._wakeup: tuple[int, int] | None = None  # the pipe the signals' bytes come through
+        # its ends still open, each closed by whoever takes it out (one dict.pop: a signal's
+        # handler running in between never closes an end twice, nor a number reused since)
+        self._ends: dict[str, int] = {}
+        self._giving = False  # in _give_back: a signal meanwhile is handed on at its end
+        self._forward: list[int] = []
         self._closed = threading.Event()
         self._abandoned = False  # closed from another thread: handlers and pipe left to _give_back
         self._watchdog: threading.Thread | None = None
@@ -84,7 +89,7 @@ class Preemption:
             os.close(r)
             os.close(w)
         else:
-            self._wakeup = (r, w)
+            self._wakeup, self._ends = (r, w), {"r": r, "w": w}
         _live.add(self)
         self._watchdog = threading.Thread(target=self._watch, name="stashpoint-preemption", daemon=True)
         self._watchdog.start()
@@ -96,23 +101,24 @@ class Preemption:
         self._abandoned = True
         if threading.current_thread() is threading.main_thread():
             for sig, previous in self._previous.items():
-                signal.signal(sig, previous)
+                signal.signal(sig, _settable(previous))
             if self._wakeup is not None:
                 signal.set_wakeup_fd(-1)
-        if self._wakeup is not None:
-            for fd in self._wakeup:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            self._wakeup = None
+        self._close_end("r")
+        self._close_end("w")
+        self._wakeup = None
+
+    def _close_end(self, end: str) -> None:
+        fd = self._ends.pop(end, None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         if self._closed.is_set():  # closed from another thread: the signal is the program's again
-            previous = self._previous.get(signum, signal.SIG_DFL)
-            self._give_back()
-            if callable(previous):
-                previous(signum, frame)
-            elif previous == signal.SIG_DFL:
-                signal.raise_signal(signum)  # the default action, as if the manager never was
+            self._forward.append(signum)  # raised again once the program's handler is back
+            if not self._giving:
+                self._give_back()
             return
         if self.signum is None:
             self.signum, self.since, self.mine = signum, time.monotonic(), True
@@ -154,7 +160,7 @@ class Preemption:
             return []
         got = os.read(self._wakeup[0], 64)
         if not got:  # the write end closed: the manager is closing
-            os.close(self._wakeup[0])
+            self._close_end("r")
             self._wakeup = None
             return []
         return [b for b in got if b in self._signals]  # the pipe carries every handled signal (SIGINT too)
@@ -205,24 +211,46 @@ class Preemption:
     def _give_back(self) -> None:
         """(In the main thread.) The previous handlers back where this manager's still are, the
         wakeup fd given up where it is still this pipe's, and the pipe closed: its write end
-        here, its read end by the watchdog, or here once a watchdog that left it has ended."""
-        _left.discard(self)
-        for sig, previous in list(self._previous.items()):
-            # a later manager's handler stays: it hands on to this one's, which hands on to ``previous``
-            if signal.getsignal(sig) == self._note:
-                signal.signal(sig, _past_closed(sig, previous))
-                del self._previous[sig]
-        if self._wakeup is None:
-            return
-        current = signal.set_wakeup_fd(-1)
-        if current != self._wakeup[1]:  # another owner took it since (asyncio): theirs stays
-            signal.set_wakeup_fd(current)
-        os.close(self._wakeup[1])
-        if self._abandoned and self._watchdog is not None:
-            self._watchdog.join(1.0)  # an abandoned watchdog ends within 0.5 s without reading on
-            if not self._watchdog.is_alive() and self._wakeup is not None:
-                os.close(self._wakeup[0])
-                self._wakeup = None
+        here, its read end by the watchdog, or here once a watchdog that left it has ended.
+        Safe to run again, and from this manager's handler while it runs: each handler and
+        end is taken out before it is given back or closed, and a signal that comes meanwhile
+        is raised again at the end, for the handler given back."""
+        self._giving = True
+        try:
+            _left.discard(self)
+            for sig in list(self._previous):
+                previous = self._previous.pop(sig, _GONE)
+                if previous is _GONE:
+                    continue
+                if signal.getsignal(sig) == self._note:
+                    signal.signal(sig, _settable(_past_closed(sig, previous)))
+                else:  # a later manager's handler stays: it hands on to this one's, and this one to ``previous``
+                    self._previous.setdefault(sig, previous)
+            w = self._ends.get("w")
+            if w is not None:
+                current = signal.set_wakeup_fd(-1)
+                if current != w:  # another owner took it since (asyncio): theirs stays
+                    signal.set_wakeup_fd(current)
+                self._close_end("w")
+            if self._abandoned and self._watchdog is not None and "r" in self._ends:
+                # an abandoned watchdog ends within 0.5 s without reading on (a second, at most,
+                # in a signal's handler or a manager's opening)
+                self._watchdog.join(1.0)
+                if not self._watchdog.is_alive():
+                    self._close_end("r")
+        finally:
+            self._giving = False
+        while self._forward:
+            signal.raise_signal(self._forward.pop(0))
+
+
+_GONE = object()
+
+
+def _settable(handler: Any) -> Any:
+    """A handler ``signal.signal`` takes: one installed from C code (``getsignal`` gave None)
+    cannot be put back from Python; the default action stands in for it."""
+    return signal.SIG_DFL if handler is None else handler
 
 
 def _past_closed(sig: int, handler: Any) -> Any:
@@ -259,10 +287,11 @@ def _after_fork_in_parent() -> None:
 
 def _after_fork_in_child() -> None:
     _unhooked.clear()
-    for p in list(_live):
+    for p in list(_live) + list(_left):  # managers closed from other threads too: the child's copies
         if p._pid != os.getpid():
             p._forked()
     _live.clear()
+    _left.clear()
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)

@@ -93,7 +93,8 @@ class Storage(abc.ABC):
     def reading(self, name: str) -> Iterator[Callable[[int, Sequence[memoryview]], None]]:
         """Several reads of ``name`` in a row, each ``readv(offset, buffers)`` as :meth:`readv`
         does it: a backend may keep the file open between them (by default each is a
-        :meth:`readv`)."""
+        :meth:`readv`). The function yielded is valid inside the ``with`` block only (it may
+        hold a descriptor closed at its end)."""
         yield lambda offset, buffers: self.readv(name, offset, buffers)
 
     @abc.abstractmethod
@@ -109,6 +110,10 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def delete(self, name: str) -> None:
         """Delete the file ``name``; a missing file is fine."""
+
+    #: reads of this backend are bound by the host's memory and cores (local files), not by a
+    #: device's or a network's latency: a load reads with no more threads than the host has cores
+    local_reads: bool = False
 
     def shared_reads(self) -> Storage:
         """This storage for reads that other processes on this host make too (ranks reading the

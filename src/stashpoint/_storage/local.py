@@ -65,6 +65,8 @@ class LocalStorage(Storage):
     read the rest directly).
     """
 
+    local_reads = True
+
     def __init__(
         self,
         root: str | os.PathLike[str],

@@ -19,6 +19,7 @@ class Overlay(Storage):
     def __init__(self, top: Storage, base: Storage) -> None:
         self.top = top
         self.base = base
+        self.local_reads = top.local_reads and base.local_reads
 
     @property
     def location(self) -> str:

@@ -15,13 +15,13 @@ Imports no torch: the writer process shares this package's I/O code.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import functools
 import logging
 import mmap
 import os
 import platform
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -167,12 +167,14 @@ def resident_at(fd: int, offset: int) -> bool:
     """Whether the page cache holds the page of ``fd`` at ``offset`` (False where ``mincore``
     cannot be asked)."""
     size = _trusted_size(fd)
-    if size is None or not 0 <= offset < size:
-        return False
-    counted = _all_cached(fd, offset, 1)
-    if counted is not None:
-        return counted
-    run = _page_run(fd, offset, _PAGE, size)
+    return size is not None and 0 <= offset < size and _page_cached(fd, offset, size)
+
+
+def _page_cached(fd: int, offset: int, size: int) -> bool:
+    """Whether the page at ``offset`` is cached: ``cachestat``'s yes is taken, its no is asked
+    again of ``mincore`` (on overlayfs cachestat counts the overlay's own empty cache, while
+    a mapping reaches the real file's): both in ``_page_run``."""
+    run = _page_run(fd, offset, 1, size)
     return run is not None and run[0]
 
 
@@ -190,14 +192,7 @@ def resident_sampled(fd: int, offset: int, length: int) -> bool:
     if size is None or length <= 0 or offset + length > size:
         return False
     step = max(_PAGE, length // _SAMPLES)
-    for pos in (*range(offset, offset + length, step), offset + length - 1):
-        counted = _all_cached(fd, pos, 1)
-        if counted is None:
-            run = _page_run(fd, pos, 1, size)
-            counted = run is not None and run[0]
-        if not counted:
-            return False
-    return True
+    return all(_page_cached(fd, pos, size) for pos in (*range(offset, offset + length, step), offset + length - 1))
 
 
 def _read_nowait(fd: int, offset: int, buffers: list[memoryview]) -> int:
@@ -227,17 +222,19 @@ class _CacheStat(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
 
 
-# cachestat(2), Linux 6.5+: the same number in every architecture's table that has it
-_CACHESTAT = 451 if platform.machine() in ("x86_64", "aarch64", "arm64") else None
-_cachestat_missing = False
+# cachestat(2), Linux 6.5+: 451 in the unified syscall table these architectures share
+_CACHESTAT_ARCHS = ("x86_64", "aarch64", "ppc64le", "s390x", "riscv64")
+_CACHESTAT = 451 if sys.platform.startswith("linux") and platform.machine() in _CACHESTAT_ARCHS else None
+_cachestat_missing = False  # the kernel has no cachestat, or a filter (seccomp) refuses it
 
 
 @functools.cache
 def _gil_held_libc() -> ctypes.PyDLL | None:
     """libc for calls of a few microseconds made while reader threads run: they keep the GIL
     (a ``CDLL`` call gives it up and may then wait a switch interval, 5 ms, to get it back)."""
+    libc = libc_calls()
     try:
-        return ctypes.PyDLL(ctypes.util.find_library("c"), use_errno=True)
+        return None if libc is None else ctypes.PyDLL(libc._name, use_errno=True)
     except OSError:
         return None
 
@@ -259,7 +256,9 @@ def _all_cached(fd: int, offset: int, length: int) -> bool | None:
         ctypes.c_uint(0),
     )
     if rc != 0:
-        _cachestat_missing = ctypes.get_errno() == errno.ENOSYS  # an older kernel: mincore from now on
+        # an older kernel, or a filter's refusal (a file this process may not ask about is
+        # turned away before, by _trusted_size): mincore from now on
+        _cachestat_missing = ctypes.get_errno() in (errno.ENOSYS, errno.EPERM)
         return None
     return bool(got.cache >= (offset + length - 1) // _PAGE - offset // _PAGE + 1)
 
