@@ -347,3 +347,76 @@ def test_a_signal_while_the_manager_gives_its_handler_back_reaches_the_program_o
     finally:
         monkeypatch.undo()
         signal.signal(signal.SIGTERM, before)
+
+
+_CHAINED = """
+import os, signal, sys, threading, time, stashpoint
+ran = []
+signal.signal(signal.SIGTERM, lambda s, f: ran.append("first"))
+mgr = stashpoint.CheckpointManager(sys.argv[1], preemption_deadline=5)
+before = signal.getsignal(signal.SIGTERM)
+def chaining(s, f):  # installed after the manager, calling the handler it replaced (Lightning's way)
+    ran.append("chaining")
+    before(s, f)
+signal.signal(signal.SIGTERM, chaining)
+if sys.argv[2] == "thread":
+    t = threading.Thread(target=mgr.close); t.start(); t.join()
+else:
+    mgr.close()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.3)
+print("ran", "+".join(ran), flush=True)
+"""
+
+_IN_CLOSE = """
+import os, signal, sys, time, weakref, stashpoint
+from stashpoint._manager import preempt
+got = []
+signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+mgr = stashpoint.CheckpointManager(sys.argv[1], preemption_deadline=5)
+class SignalInside(weakref.WeakSet):  # a SIGTERM lands inside Preemption.close()
+    def discard(self, item):
+        super().discard(item)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+preempt._live = SignalInside(preempt._live)
+mgr.close()
+time.sleep(0.3)
+print("got", got, flush=True)
+"""
+
+_ASYNCIO_FORK = """
+import asyncio, os, signal, sys, stashpoint
+mgr = stashpoint.CheckpointManager(sys.argv[1], preemption_deadline=5)
+loop = asyncio.new_event_loop()
+loop.add_signal_handler(signal.SIGUSR1, lambda: None)  # asyncio takes the wakeup fd
+theirs = signal.set_wakeup_fd(-1); signal.set_wakeup_fd(theirs)
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+now = signal.set_wakeup_fd(-1); signal.set_wakeup_fd(now)
+print("asyncio's wakeup fd kept", now == theirs, flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "script, arg, want",
+    [
+        (_CHAINED, "main", "ran chaining+first\n"),
+        (_CHAINED, "thread", "ran chaining+first\n"),
+        (_IN_CLOSE, "", "got [15]"),
+        (_ASYNCIO_FORK, "", "asyncio's wakeup fd kept True"),
+    ],
+    ids=["chained-after-close", "chained-after-a-thread-closed-it", "signal-inside-close", "asyncio-and-fork"],
+)
+def test_signals_around_a_closed_manager_reach_the_program(tmp_path, script, arg, want):
+    """Before: a handler of the program's that calls the one it replaced (the manager's) looped
+    until RecursionError once the manager was closed; a SIGTERM landing inside close() was
+    noted and then dropped; a fork put the manager's wakeup fd in place of asyncio's."""
+    res = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "ckpt"), arg], env=ENV, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert want in res.stdout, (res.stdout, res.stderr[-3000:])

@@ -69,6 +69,7 @@ class Preemption:
         self._ends: dict[str, int] = {}
         self._giving = False  # in _give_back: a signal meanwhile is handed on at its end
         self._forward: list[int] = []
+        self._given: dict[int, Any] = {}
         self._closed = threading.Event()
         self._abandoned = False  # closed from another thread: handlers and pipe left to _give_back
         self._watchdog: threading.Thread | None = None
@@ -100,7 +101,7 @@ class Preemption:
         self._closed.set()
         self._abandoned = True
         if threading.current_thread() is threading.main_thread():
-            for sig, previous in self._previous.items():
+            for sig, previous in list(self._previous.items()):
                 signal.signal(sig, _settable(previous))
             if self._wakeup is not None:
                 signal.set_wakeup_fd(-1)
@@ -115,7 +116,16 @@ class Preemption:
                 os.close(fd)
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
-        if self._closed.is_set():  # closed from another thread: the signal is the program's again
+        if self._closed.is_set():  # closed (from another thread, or chained to): the signal is the program's again
+            if signal.getsignal(signum) != self._note:  # called by a handler chaining to ours
+                target = self._given.get(signum, self._previous.get(signum, signal.SIG_DFL))
+                target = _settable(_past_closed(signum, target))
+                if callable(target):
+                    target(signum, frame)
+                elif target == signal.SIG_DFL:
+                    signal.signal(signum, signal.SIG_DFL)
+                    signal.raise_signal(signum)
+                return
             self._forward.append(signum)  # raised again once the program's handler is back
             if not self._giving:
                 self._give_back()
@@ -195,15 +205,18 @@ class Preemption:
         """Put the previous handlers back; the signal noted and never answered at a safe point
         (it came after the last maybe_save), for the manager to raise again once it is closed,
         so that the process ends as the signal asked."""
-        pending = self.signum if self.mine and not self.handled else None
-        self.handled = True
+        answered = self.handled
         _live.discard(self)
         if threading.current_thread() is not threading.main_thread():
             # handlers and the wakeup fd can change only there: at this manager's next signal
             # (its handler runs there) or when another manager is opened there
             self._abandoned = True
             _left.add(self)
+        # a signal before this is noted and pending below; one after it goes to the program's
+        # handler: none falls between the two
         self._closed.set()
+        pending = self.signum if self.mine and not answered else None
+        self.handled = True
         if not self._abandoned:
             self._give_back()
         return pending
@@ -212,20 +225,22 @@ class Preemption:
         """(In the main thread.) The previous handlers back where this manager's still are, the
         wakeup fd given up where it is still this pipe's, and the pipe closed: its write end
         here, its read end by the watchdog, or here once a watchdog that left it has ended.
-        Safe to run again, and from this manager's handler while it runs: each handler and
-        end is taken out before it is given back or closed, and a signal that comes meanwhile
-        is raised again at the end, for the handler given back."""
+        Safe to run again, and from this manager's handler while it runs: each handler is
+        taken out of ``_previous`` once it is back (and kept in ``_given``, for a handler of the
+        program's that calls this one's), each pipe end taken out before it is closed, and a
+        signal that comes meanwhile is raised again at the end, for the handler given back."""
         self._giving = True
         try:
             _left.discard(self)
             for sig in list(self._previous):
-                previous = self._previous.pop(sig, _GONE)
+                previous = self._previous.get(sig, _GONE)
                 if previous is _GONE:
                     continue
                 if signal.getsignal(sig) == self._note:
-                    signal.signal(sig, _settable(_past_closed(sig, previous)))
-                else:  # a later manager's handler stays: it hands on to this one's, and this one to ``previous``
-                    self._previous.setdefault(sig, previous)
+                    given = _settable(_past_closed(sig, previous))
+                    signal.signal(sig, given)
+                    self._given[sig] = given
+                    self._previous.pop(sig, None)
             w = self._ends.get("w")
             if w is not None:
                 current = signal.set_wakeup_fd(-1)
@@ -241,7 +256,10 @@ class Preemption:
         finally:
             self._giving = False
         while self._forward:
-            signal.raise_signal(self._forward.pop(0))
+            sig = self._forward.pop(0)
+            if signal.getsignal(sig) == self._note:  # nothing to give it back to (lost): the default
+                signal.signal(sig, signal.SIG_DFL)
+            signal.raise_signal(sig)
 
 
 _GONE = object()
@@ -276,8 +294,12 @@ def _before_fork() -> None:
     if threading.current_thread() is threading.main_thread():
         for p in _live:
             if p._wakeup is not None and not p._closed.is_set():
-                _unhooked.append(p._wakeup[1])
-                signal.set_wakeup_fd(-1)
+                current = signal.set_wakeup_fd(-1)
+                if current == p._wakeup[1]:
+                    _unhooked.append(current)
+                else:  # another owner's (asyncio's): left where it was
+                    signal.set_wakeup_fd(current)
+                break
 
 
 def _after_fork_in_parent() -> None:
