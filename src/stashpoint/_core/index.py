@@ -288,7 +288,7 @@ def parse_index(raw: bytes, where: str, head: Head, rank: int) -> RankIndex:
         if not (ok and all(type(x) is str for x in sums)):
             _fail(where, f"checksums of {key!r} do not match its size")
         chunks[key] = Chunk(fe.name, off, shp, start, end, tuple(sums))
-    _check_byte_ranges(((k, c) for k, c in chunks.items()), where)
+    _check_byte_ranges(chunks.items(), where)
     tree = doc.get("tree")
     try:
         check_tree(tree, head.catalog, where, 0)
