@@ -200,9 +200,11 @@ def mark_now(devices: Iterable[torch.device]) -> dict[torch.device, torch.cuda.E
 def stage(pairs: Sequence[Pair], fences: Sequence[int] | None = None) -> None:
     """Copy each ``(source, staging view)`` pair; returns once every copy has completed.
     ``fences``: as for :func:`copy_pairs`."""
-    cuda = [(s, d) for s, d in pairs if s.device.type == "cuda"]
+    cuda = []
     for src, dst in pairs:
-        if src.device.type != "cuda":
+        if src.is_cuda:  # an attribute: ``device.type`` makes a device object per tensor
+            cuda.append((src, dst))
+        else:
             dst.copy_(src)
     if cuda:
         for _, event in launch_cuda(cuda, fences=fences):

@@ -361,10 +361,10 @@ def start(  # noqa: PLR0917
         fences = sorted(d.data_ptr() for _, _, d in triples if d.numel())
     events: list[tuple[torch.device, torch.cuda.Event]] = []
     after: dict[torch.device, torch.cuda.Event] = {}
-    cuda_late = [(s, d) for _, s, d in deferred if s.device.type == "cuda"]
+    cuda_late = [(s, d) for _, s, d in deferred if s.is_cuda]
     try:
-        stage([(s, d) for _, s, d in eager if s.device.type != "cuda"])
-        cuda_eager = [(s, d) for _, s, d in eager if s.device.type == "cuda"]
+        stage([(s, d) for _, s, d in eager if not s.is_cuda])
+        cuda_eager = [(s, d) for _, s, d in eager if s.is_cuda]
         if cuda_eager:
             events = launch_cuda(cuda_eager, fences=fences)
             for device, event in events:  # training's next kernels run after these copies
@@ -378,7 +378,7 @@ def start(  # noqa: PLR0917
             except Exception:  # noqa: S112 - the first error is the one to report
                 continue
         raise
-    cpu_late = [t for t in deferred if t[1].device.type != "cuda"]
+    cpu_late = [t for t in deferred if not t[1].is_cuda]
     if not cpu_late and not events and not cuda_late:
         return None
     pending = PendingCopies(location, cpu_late, events, cuda_late, after, fences)
