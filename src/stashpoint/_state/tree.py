@@ -34,6 +34,8 @@ _SUB_BYTE = {
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_MAPPINGS = (dict, OrderedDict)  # never stateful: no need to look for state_dict()
+
+
 def _placements_ok() -> dict[tuple[object, ...], bool]:
     return _runtime.slot("state.placements_ok", dict)
 
@@ -128,19 +130,23 @@ class Flattener:
         finally:
             self._depth -= 1
 
+    def _leaf(self, obj: torch.Tensor, key: str) -> Node:
+        """A tensor: checked by the layout (check_tensor) unless known."""
+        if key in self._keys:
+            raise UnsupportedStateError(
+                f"two entries map to the key path {key!r} (e.g. a string key '0' beside an "
+                "integer key 0); rename one of them."
+            )
+        self._keys.add(key)
+        # not detached here: the state's own tensor objects (whose id() the layout cache and
+        # overlap mode match), and detach() of a DTensor goes through its dispatcher (slow,
+        # per tensor, every save); the layout takes each one's local part, detached
+        self.tensors.append((key, obj))
+        return {"tensor": key}
+
     def _make(self, obj: Any, key: str) -> Node:
-        if isinstance(obj, torch.Tensor):  # checked by the layout (check_tensor) unless known
-            if key in self._keys:
-                raise UnsupportedStateError(
-                    f"two entries map to the key path {key!r} (e.g. a string key '0' beside an "
-                    "integer key 0); rename one of them."
-                )
-            self._keys.add(key)
-            # not detached here: the state's own tensor objects (whose id() the layout cache and
-            # overlap mode match), and detach() of a DTensor goes through its dispatcher (slow,
-            # per tensor, every save); the layout takes each one's local part, detached
-            self.tensors.append((key, obj))
-            return {"tensor": key}
+        if isinstance(obj, torch.Tensor):
+            return self._leaf(obj, key)
         if obj is None or isinstance(obj, (bool, int, str)):
             return {"value": obj}
         if isinstance(obj, float):
@@ -161,7 +167,9 @@ class Flattener:
                 sd = obj.state_dict(keep_vars=True)
                 node = {"stateful": kind, "state": self._node(sd, key)}
                 self.buffers.update(
-                    join(key, k) for k, v in sd.items() if type(v) is torch.Tensor  # not a Parameter, not a DTensor
+                    join(key, k)
+                    for k, v in sd.items()
+                    if type(v) is torch.Tensor  # not a Parameter, not a DTensor
                 )
                 return node
         if kind is not None:
@@ -178,7 +186,9 @@ class Flattener:
                         f"dict key {k!r} of type {type(k).__name__} under {key or '<root>'!r}: only "
                         "str and int keys can be saved; convert the key to a string."
                     )
-                items.append([k, self._node(v, join(key, k))])
+                # a tensor value without the depth count's frames (most of a state's nodes)
+                sub = join(key, k)
+                items.append([k, self._leaf(v, sub) if isinstance(v, torch.Tensor) else self._node(v, sub)])
             return {"dict": items}
         if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple, torch.Size):
             kind_name = "list" if isinstance(obj, list) else "tuple"
