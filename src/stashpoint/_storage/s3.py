@@ -24,7 +24,6 @@ import concurrent.futures as cf
 import dataclasses
 import errno
 import logging
-import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -32,26 +31,14 @@ from typing import Any, TypeVar
 from stashpoint import _runtime
 from stashpoint._core.naming import MANIFEST_NAME, is_group_dir, split_group
 from stashpoint._storage.base import FileWriter, Storage
-from stashpoint._storage.s3config import S3Client, S3Error, S3Options, check_installed, client_for
+from stashpoint._storage.s3config import S3Client, S3Error, S3Options, check_installed, client_for, parse_url
 from stashpoint._storage.s3io import S3Writer, copy_into, server_said, status_of
+from stashpoint._storage.s3list import list_prefix
 
 log = logging.getLogger("stashpoint")
 T = TypeVar("T")
 
 _DELETE_BATCH = 1000  # S3's limit per DeleteObjects request
-
-
-def parse_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")`` (empty segments dropped)."""
-    if not url.startswith("s3://"):
-        raise ValueError(f"not an S3 URL: {url!r}; expected s3://bucket/prefix")
-    bucket, _, rest = url[len("s3://") :].partition("/")
-    if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket):
-        raise ValueError(
-            f"{url!r} does not start with a valid bucket name ({bucket!r}): 3-63 lowercase letters, digits, "
-            "dots and hyphens; write s3://bucket/prefix"
-        )
-    return bucket, "/".join(p for p in rest.split("/") if p)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,6 +54,7 @@ def _pending_aborts() -> set[tuple[str, str, str]]:
 
 
 _BEST_EFFORT_RETRY_S = 3.0
+_STREAM_CHUNK = 8 << 20  # a ranged GET's body is taken in pieces of about this size
 
 
 class S3Storage(Storage):
@@ -200,38 +188,58 @@ class S3Storage(Storage):
     def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
         import obstore
 
-        store, key = self.client().store, self.key(name)
-        try:
-            if length is None:
-                opts: Any = {"range": {"offset": offset}} if offset else {}
-                return bytes(obstore.get(store, key, options=opts).bytes())
+        if length is not None:
             if length <= 0:
                 return b""
-            return bytes(obstore.get_range(store, key, start=offset, length=length))
+            out = bytearray(length)
+            try:
+                got = self._fetch(name, offset, [memoryview(out)], short_ok=True)
+            except EOFError:
+                return b""  # past the end, like reading a file past its end
+            del out[got:]
+            return bytes(out)
+        store, key = self.client().store, self.key(name)
+        try:
+            opts: Any = {"range": {"offset": offset}} if offset else {}
+            return bytes(obstore.get(store, key, options=opts).bytes())
         except Exception as e:
             if status_of(e) == "416":
-                return b""  # past the end, like reading a file past its end
+                return b""
             raise self.error("reading", name, e) from e
 
-    def _fetch(self, name: str, start: int, dests: list[memoryview]) -> None:
+    def _fetch(self, name: str, start: int, dests: list[memoryview], *, short_ok: bool = False) -> int:
+        """Fill ``dests`` with the bytes from ``start`` on, as the body streams in: a body longer
+        than the range asked for (a broken or hostile server) is refused once it passes it, never
+        held whole. Returns the bytes filled; a short body raises EOFError unless ``short_ok``."""
         import obstore
 
         want = sum(len(d) for d in dests)
         try:
-            data = obstore.get_range(self.client().store, self.key(name), start=start, length=want)
+            result = obstore.get(self.client().store, self.key(name), options={"range": (start, start + want)})
+            filled, i, at = 0, 0, 0  # dests[i][at:] is the next place to fill
+            for chunk in result.stream(min_chunk_size=min(want, _STREAM_CHUNK)):
+                src = memoryview(chunk)
+                if filled + len(src) > want:
+                    raise S3Error(
+                        f"reading {self.url_of(name)}: the server sent more than the {want} bytes asked for "
+                        f"from byte {start}; it does not serve ranged GETs as S3 does"
+                    )
+                filled += len(src)
+                while src:
+                    take = min(len(src), len(dests[i]) - at)
+                    copy_into(dests[i][at : at + take], src[:take])
+                    src, at = src[take:], at + take
+                    if at == len(dests[i]):
+                        i, at = i + 1, 0
         except Exception as e:
             if status_of(e) == "416":
                 raise EOFError(
                     f"{self.url_of(name)} ended before byte {start}, before the data it should hold"
                 ) from None
             raise self.error("reading", name, e) from e
-        got = memoryview(data)
-        if len(got) < want:
-            raise EOFError(f"{self.url_of(name)} ended at byte {start + len(got)}, before the data it should hold")
-        pos = 0
-        for d in dests:
-            copy_into(d, got[pos : pos + len(d)])
-            pos += len(d)
+        if filled < want and not short_ok:
+            raise EOFError(f"{self.url_of(name)} ended at byte {start + filled}, before the data it should hold")
+        return filled
 
     def readv(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
         part = self.options.part_size
@@ -275,13 +283,18 @@ class S3Storage(Storage):
 
     def _list_level(self) -> tuple[builtins.list[str], builtins.list[str]]:
         """Object names and sub-prefix names directly under the prefix."""
-        import obstore
-
-        res = self.call("listing", None, obstore.list_with_delimiter, self.client().store, self.prefix or None)
+        keys, prefixes = self._listing(delimiter=True)
         cut = len(self.prefix) + 1 if self.prefix else 0
         # Some servers (SeaweedFS) show an emptied "directory" as an object named like the prefix.
-        objects = [name for o in res["objects"] if (name := o["path"][cut:]) and not name.endswith("/")]
-        return objects, [name for p in res["common_prefixes"] if (name := p[cut:].rstrip("/"))]
+        objects = [name for k in keys if (name := k[cut:]) and not name.endswith("/")]
+        return objects, [name for p in prefixes if (name := p[cut:].rstrip("/"))]
+
+    def _listing(self, *, delimiter: bool) -> tuple[builtins.list[str], builtins.list[str]]:
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        control, retry = self.client().control, self.options.retry_seconds
+        return self.call(
+            "listing", None, list_prefix, control, self.bucket, prefix, delimiter=delimiter, retry_seconds=retry
+        )
 
     def list(self) -> builtins.list[str]:
         """The objects directly under the prefix, and those under its group prefixes as ``g00012/name``."""
@@ -305,12 +318,7 @@ class S3Storage(Storage):
 
     def _all_keys(self) -> builtins.list[str]:
         """Every object key under the prefix, at any depth."""
-        import obstore
-
-        store = self.client().store
-        if not self.prefix:
-            return [o["path"] for batch in obstore.list(store) for o in batch]
-        return self.call("listing", None, lambda: [o["path"] for b in obstore.list(store, self.prefix) for o in b])
+        return self._listing(delimiter=False)[0]
 
     def _delete_keys(self, keys: builtins.list[str]) -> None:
         import obstore

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as _dt
 import importlib.util
 import os
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, cast
@@ -246,3 +247,20 @@ def client_for(bucket: str, opts: S3Options) -> S3Client:
             client = clients[key] = _make_client(bucket, opts)
             _used_in_pid = os.getpid()
     return client
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")`` (empty segments dropped)."""
+    if not url.startswith("s3://"):
+        raise ValueError(f"not an S3 URL: {url!r}; expected s3://bucket/prefix")
+    bucket, _, rest = url[len("s3://") :].partition("/")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket):
+        raise ValueError(
+            f"{url!r} does not start with a valid bucket name ({bucket!r}): 3-63 lowercase letters, digits, "
+            "dots and hyphens; write s3://bucket/prefix"
+        )
+    parts = [p for p in rest.split("/") if p]
+    odd = next((p for p in parts if p in (".", "..") or any(ord(c) < 32 or ord(c) == 127 for c in p)), None)
+    if odd is not None:  # S3 keeps them as they are, the data client cannot address them
+        raise ValueError(f"{url!r}: the prefix segment {odd!r} is '.', '..' or holds a control character; rename it")
+    return bucket, "/".join(parts)

@@ -89,6 +89,10 @@ def server_said(e: BaseException) -> str:
 
 
 def status_of(e: BaseException) -> str:
+    """The HTTP status of an obstore error (in its text) or a botocore one (in its response)."""
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
     m = re.search(r"status code: (\d{3})", str(e))
     return m.group(1) if m else ""
 

@@ -1,0 +1,154 @@
+"""An S3 endpoint that misbehaves: reads and listings stay bounded and fail with a CheckpointError.
+
+SeaweedFS (the other S3 tests' server) cannot be made to misbehave, so these tests run a small
+HTTP server of their own that answers as a broken or hostile endpoint would: a ranged GET whose
+body runs far past the range, and ListObjectsV2 pages that never end. A key that S3 allows and
+obstore cannot address is tested on the real server.
+"""
+
+from __future__ import annotations
+
+import resource
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+import boto3
+import pytest
+import torch
+
+import stashpoint
+from conftest import S3_BUCKET
+from stashpoint._storage.s3 import S3Storage
+from stashpoint.errors import CheckpointError
+
+_BODY = b"x" * 100
+
+
+class _Hostile(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    mode = "big_body"
+    requests = 0
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_HEAD(self) -> None:  # the bucket exists
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_GET(self) -> None:
+        type(self).requests += 1
+        query = parse_qs(urlsplit(self.path).query)
+        if "list-type" in query:
+            return self._page(query.get("prefix", [""])[0])
+        start, _, end = self.headers.get("Range", "bytes=0-").split("=")[1].partition("-")
+        last = min(int(end or len(_BODY) - 1), len(_BODY) - 1)
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {start}-{last}/{len(_BODY)}")  # as asked
+        self.send_header("Content-Length", str(1 << 30))  # the range says 100 bytes; 1 GiB follows
+        self.send_header("ETag", '"e"')
+        self.send_header("Last-Modified", "Mon, 01 Jan 2024 00:00:00 GMT")
+        self.end_headers()
+        try:
+            for _ in range(1024):
+                self.wfile.write(b"y" * (1 << 20))
+        except OSError:
+            pass  # the client hung up: what it should do
+
+    def _page(self, prefix: str) -> None:
+        n = type(self).requests
+        token = "same" if self.mode == "same_token" else f"t{n}"
+        key = "obj" if self.mode == "same_token" else "repeated"
+        body = (
+            '<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>b</Name>'
+            f"<Prefix>{prefix}</Prefix><KeyCount>1</KeyCount><MaxKeys>1000</MaxKeys>"
+            f"<IsTruncated>true</IsTruncated><NextContinuationToken>{token}</NextContinuationToken>"
+            f"<Contents><Key>{prefix}{key}{n if self.mode == 'same_token' else ''}</Key>"
+            '<LastModified>2024-01-01T00:00:00.000Z</LastModified><ETag>"e"</ETag><Size>1</Size></Contents>'
+            "</ListBucketResult>"
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def hostile(monkeypatch) -> Iterator[type[_Hostile]]:
+    handler = type("Handler", (_Hostile,), {})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    for name, value in {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.server_address[1]}",
+        "AWS_ACCESS_KEY_ID": "id",
+        "AWS_SECRET_ACCESS_KEY": "secret",
+        "AWS_REGION": "us-east-1",
+        "STASHPOINT_S3_RETRY_SECONDS": "2",
+    }.items():
+        monkeypatch.setenv(name, value)
+    try:
+        yield handler
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_body_longer_than_its_range_is_refused_without_holding_it(hostile):
+    store = S3Storage("s3://bucket/ck")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(
+        CheckpointError,
+        match=r"sent more than the 100 bytes asked for.*manifest\.json|manifest\.json.*more than the 100",
+    ):
+        store.read("manifest.json", 0, 100)
+    with pytest.raises(CheckpointError, match="more than the 64 bytes"):
+        store.readv("manifest.json", 0, [memoryview(bytearray(64))])
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mib < 200, f"reading 100 bytes from a 1 GiB body grew the process by {grown_mib:.0f} MiB"
+
+
+@pytest.mark.parametrize("mode", ["same_token", "repeated_key"])
+def test_a_listing_that_never_ends_fails_in_bounded_time(hostile, mode):
+    hostile.mode = mode
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"s3://bucket/run/.*would not end"):
+        S3Storage("s3://bucket/run").children()
+    with pytest.raises(CheckpointError, match="would not end"):
+        stashpoint.CheckpointManager("s3://bucket/run").restore({"w": torch.zeros(2)})
+    assert time.monotonic() - t0 < 30 and hostile.requests < 50
+
+
+def test_a_foreign_key_obstore_cannot_address_leaves_the_run_usable(s3_env, s3_url):
+    """A key with a control character, written beside the steps by another tool (legal in S3;
+    obstore refused the whole listing over it)."""
+    with stashpoint.CheckpointManager(s3_url) as manager:
+        manager.save(1, {"w": torch.ones(4)})
+    bucket, prefix = s3_url[len("s3://") :].split("/", 1)
+    client = boto3.client("s3", endpoint_url=s3_env.endpoint, region_name="us-east-1")
+    client.put_object(Bucket=bucket, Key=f"{prefix}/notes\x7f.txt", Body=b"x")
+    state = {"w": torch.zeros(4)}
+    with stashpoint.CheckpointManager(s3_url) as manager:
+        assert manager.restore(state) == 1
+    assert torch.equal(state["w"], torch.ones(4))
+    assert bucket == S3_BUCKET
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/a/../b", "s3://bucket/./c", "s3://bucket/a\tb"])
+def test_a_prefix_the_client_cannot_address_is_refused_naming_it(url):
+    with pytest.raises(ValueError, match="rename it"):
+        S3Storage(url)
+
+
+def test_listing_a_whole_bucket_on_a_server_that_is_down_raises_a_checkpoint_error(monkeypatch):
+    from dist_util import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("STASHPOINT_S3_RETRY_SECONDS", "1")
+    with pytest.raises(CheckpointError, match="AWS_ENDPOINT_URL"):
+        S3Storage("s3://bucket")._all_keys()
