@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -54,3 +55,30 @@ def test_a_read_only_filesystem_fails_the_save_with_a_clear_error(small_fs: Path
         assert out["w"][0] == 1.0
     finally:
         subprocess.run(["mount", "-o", "remount,rw", str(small_fs)], check=True)
+
+
+def test_failed_saves_a_manager_keeps_for_wait_do_not_keep_their_states_alive(small_fs: Path):
+    """A disk that stays full, a manager whose failed handles wait for wait(): each handle's error
+    used to hold its save's tree, layout (the state's tensors) and staging buffers."""
+    import gc
+    import weakref
+
+    filler = small_fs / "filler"
+    filler.write_bytes(b"\0" * (11 << 20))  # about 1 MiB left: every 4 MiB save fails
+    alive = []
+    with stashpoint.CheckpointManager(small_fs / "run") as manager:
+        for step in range(4):
+            state = _state(4, float(step))  # a fresh state every time, as a new model would be
+            alive.append(weakref.ref(state["w"]))
+            manager.save(step, state)
+            del state
+            deadline = time.monotonic() + 30
+            while not all(a.done() for _, a in manager._handles) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        gc.collect()
+        assert len(manager._handles) == 4, "failed saves are kept until wait() reports them"
+        kept = sum(r() is not None for r in alive)
+        assert kept == 0, f"{kept} of 4 failed saves' states are still alive"
+        with pytest.raises(stashpoint.CheckpointError, match="No space left"):
+            manager.wait()
+        filler.unlink()

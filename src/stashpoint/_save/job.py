@@ -10,6 +10,7 @@ import datetime as _dt
 import json
 import logging
 import time
+import traceback
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -207,6 +208,20 @@ class PersistJob:
         raise CheckpointError(error)
 
     def run(self, t_start: float, staging_s: float) -> SaveStats:
+        """Persist what was staged (on the engine's thread); raises what failed the save."""
+        try:
+            return self._run(t_start, staging_s)
+        except BaseException as e:
+            _drop_locals(e)
+            raise
+        finally:
+            # A failed save's handle is kept until wait() reports it (by a manager, over many
+            # failed saves maybe): neither it nor its error may keep the state's tree, its
+            # tensors (the layout's sources) or the staging buffers alive meanwhile.
+            self.tree, self.staged, self.pending = {}, None, None
+            self.layout = Layout([], {}, {}, {}, self.layout.hash)
+
+    def _run(self, t_start: float, staging_s: float) -> SaveStats:
         t0 = time.perf_counter()
         ctx, loc = self.ctx, self.storage.location
         save_id = ""
@@ -401,3 +416,14 @@ class PersistJob:
         if self.opts.overwrite:  # the files of earlier saves there
             self._remove(lambda name: (p := parse_save_file(name)) is not None and p[1] != save_id)
         return Totals(sum(o.nbytes for o in outcomes), sum(w.files for w in written), len(plan.catalog))
+
+
+def _drop_locals(error: BaseException) -> None:
+    """Clear the local variables of the finished frames in ``error``'s tracebacks and those of
+    its causes (plans, chunks and trees of every tensor); the lines stay for the report."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
