@@ -473,3 +473,22 @@ def test_an_optimizer_state_loaded_into_another_of_torchs_optimizers_is_a_mismat
     same = torch.optim.AdamW(fresh.parameters())
     stashpoint.load({"model": fresh, "optim": same}, tmp_path / "c")
     assert torch.equal(same.state[next(iter(fresh.parameters()))]["exp_avg"], optim.state[model.weight]["exp_avg"])
+
+
+def test_a_copy_that_fails_in_the_call_is_a_checkpoint_error_and_the_buffers_are_reusable(tmp_path, monkeypatch):
+    """A GPU out of memory for a gather's scratch (injected: there is no GPU here) reaches the
+    caller as a CheckpointError naming the path, and the next save works."""
+    from stashpoint._save import engine
+
+    def oom(pairs, fences=None):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    state = {"w": torch.arange(6.0)}
+    with monkeypatch.context() as m:
+        m.setattr(engine, "stage", oom)
+        with pytest.raises(stashpoint.CheckpointError, match=r"staging memory for .*ck.*OutOfMemoryError.*untouched"):
+            stashpoint.save(state, tmp_path / "ck")
+    stashpoint.save(state, tmp_path / "ck")
+    out = {"w": torch.zeros(6)}
+    stashpoint.load(out, tmp_path / "ck")
+    assert torch.equal(out["w"], state["w"])

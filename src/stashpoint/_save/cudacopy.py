@@ -173,17 +173,29 @@ def launch_cuda(
     for src, dst in pairs:
         by_device.setdefault(src.device, []).append((src, dst))
     events = []
-    for device, items in by_device.items():
-        stream = side_stream(device)
-        if after is not None and device in after:
-            stream.wait_event(after[device])
-        else:
-            stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            copy_pairs(items, fences)
-            event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-            event.record(stream)
-        events.append((device, event))
+    used: list[torch.cuda.Stream] = []
+    try:
+        for device, items in by_device.items():
+            stream = side_stream(device)
+            used.append(stream)
+            if after is not None and device in after:
+                stream.wait_event(after[device])
+            else:
+                stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                copy_pairs(items, fences)
+                event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+                event.record(stream)
+            events.append((device, event))
+    except BaseException:
+        # copies queued before the failure (a gather's scratch out of GPU memory) still run into
+        # the staging buffers, which the caller hands back to the pool once this raises
+        for stream in used:
+            try:
+                stream.synchronize()
+            except Exception:  # noqa: S112 - the launch's error is the one to report
+                continue
+        raise
     return events
 
 

@@ -160,8 +160,13 @@ class _Engine:
                 pending = _overlap.start(state, triples, self.copier, storage.location, layout, staged.starts)
             else:
                 stage([(layout.sources[k], staged.views[k]) for k in staged.views], staged.starts)
-        except BaseException:
+        except BaseException as e:
             self.pool.release(staged)
+            if isinstance(e, Exception) and not isinstance(e, CheckpointError):  # e.g. no GPU memory for a gather
+                raise CheckpointError(
+                    f"copying the state into staging memory for {storage.location} failed ({type(e).__name__}: {e}); "
+                    "nothing was written and earlier checkpoints are untouched"
+                ) from e
             raise
         t_staged = time.perf_counter()
         writer = _writerproc.choose(opts.writer, storage, staged)

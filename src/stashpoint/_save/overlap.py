@@ -47,7 +47,6 @@ import torch
 from stashpoint import _runtime
 from stashpoint._save.cudacopy import Pair, launch_cuda, mark_now, stage
 from stashpoint._save.layout import Layout, signature
-from stashpoint._save.staging import side_stream
 from stashpoint._state.dtensor import local_part
 from stashpoint._state.stateful import find_all
 from stashpoint.errors import CheckpointError
@@ -196,13 +195,8 @@ class PendingCopies:
         """Launch the GPU copies, do the CPU ones, then wait for the GPU. Never raises; always
         ends the wait."""
         try:
-            if self._cuda:
-                try:
-                    events = launch_cuda(self._cuda, after=self._after, fences=self._fences)
-                except BaseException:  # no copy launched before the failure may still be running
-                    for device in {s.device for s, _ in self._cuda}:
-                        side_stream(device).synchronize()
-                    raise
+            if self._cuda:  # if this raises, no copy it launched is still running
+                events = launch_cuda(self._cuda, after=self._after, fences=self._fences)
                 with _reg().lock:
                     self._events += events
             if self._cpu:
