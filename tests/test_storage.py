@@ -570,3 +570,19 @@ def test_as_memoryview_is_zero_copy():
     mv = as_memoryview(t)
     mv[0:4] = b"\x00\x00\x80\x3f"
     assert t[0].item() == 1.0
+
+
+def test_directories_a_save_creates_are_synced_into_their_parents(tmp_path, monkeypatch):
+    """A new checkpoint directory's name lives in its parent: without syncing the parent a power
+    loss can lose the whole (fsynced) checkpoint. Recorded here: a power loss cannot be."""
+    from stashpoint._storage import local
+
+    synced: list[Path] = []
+    real = local.fsync_dir
+    monkeypatch.setattr(local, "fsync_dir", lambda p: (synced.append(Path(p)), real(p)))
+    (tmp_path / "runs").mkdir()
+    LocalStorage(tmp_path / "runs" / "run" / "step-1").prepare()
+    assert set(synced) == {tmp_path / "runs", tmp_path / "runs" / "run"}
+    synced.clear()
+    LocalStorage(tmp_path / "runs" / "run" / "step-1").prepare()
+    assert synced == [], "nothing new: nothing to sync"

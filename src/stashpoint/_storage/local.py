@@ -7,6 +7,7 @@ import builtins
 import contextlib
 import copy
 import errno
+import itertools
 import os
 import shutil
 import stat
@@ -93,8 +94,11 @@ class LocalStorage(Storage):
         return str(self.root)
 
     def prepare(self) -> None:
+        made = list(itertools.takewhile(lambda p: not os.path.lexists(p), (self.root, *self.root.parents)))
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            for path in made:  # a new directory's name is durable once its parent is synced
+                fsync_dir(path.parent)
         except (FileExistsError, NotADirectoryError):  # a file where a directory must be
             blocker = next((p for p in (self.root, *self.root.parents) if p.exists() and not p.is_dir()), self.root)
             raise CheckpointError(
