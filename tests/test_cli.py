@@ -471,11 +471,62 @@ def test_import_dcp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stashpoint.load({"model": fresh.state_dict(), "step": 0, "tags": None}, tmp_path / "sp")
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
 
-    # without torch's private loader: the public converter, through a temporary file
-    monkeypatch.delattr(state_dict_loader, "_load_state_dict_from_keys")
-    assert cli("import", tmp_path / "dcp", tmp_path / "sp2").exit_code == 0
-    assert cli("diff", tmp_path / "sp", tmp_path / "sp2").exit_code == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp", "sp", "sp2"]  # no temporary left
+    # without torch's private loader: refused, never handed to a reader that unpickles unchecked
+    monkeypatch.delattr(state_dict_loader, "_load_state_dict")
+    one_line_error(cli("import", tmp_path / "dcp", tmp_path / "sp2"), "without unpickling code")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp", "sp"]
+
+
+def test_import_dcp_of_a_training_state_in_bfloat16_with_its_optimizer(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)).to(torch.bfloat16)
+    optim = torch.optim.AdamW(model.parameters(), betas=(0.8, 0.9))
+    model(torch.randn(4, 8, dtype=torch.bfloat16)).sum().backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    extra = {
+        "epoch": 2,
+        "ids": torch.arange(3),
+        "mask": torch.ones(2, dtype=torch.bool),
+        "z": torch.zeros(2, dtype=torch.complex64),
+    }
+    dcp.save({"model": msd, "optim": osd, "extra": extra}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    r = cli("import", tmp_path / "dcp", tmp_path / "sp")
+    assert r.exit_code == 0, r.output
+    d = json.loads(cli("inspect", tmp_path / "sp", "--json").stdout)
+    assert d["values"]["extra/epoch"] == 2 and d["values"]["optim/param_groups/0/betas"] == [0.8, 0.9]
+    dtypes = {t["key"]: t["dtype"] for t in d["tensors"]}
+    assert (
+        dtypes["model/0.weight"] == "bfloat16" and dtypes["extra/mask"] == "bool" and dtypes["extra/z"] == "complex64"
+    )
+
+
+class _TouchOnLoad:
+    """Unpickling this creates ``path``: a stand-in for code a crafted file would run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def test_import_never_runs_code_from_a_dcp_checkpoint(tmp_path: Path) -> None:
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    marker = tmp_path / "ran"
+    dcp.save({"w": torch.ones(3), "value": _TouchOnLoad(marker)}, checkpoint_id=str(tmp_path / "values"), no_dist=True)
+    one_line_error(cli("import", tmp_path / "values", tmp_path / "o1"), "'value'", "weights_only=True")
+    assert not marker.exists() and not (tmp_path / "o1").exists()
+
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "meta"), no_dist=True)
+    (tmp_path / "meta" / ".metadata").write_bytes(pickle.dumps(_TouchOnLoad(marker), protocol=4))
+    one_line_error(cli("import", tmp_path / "meta", tmp_path / "o2"), "pathlib.Path.touch")
+    assert not marker.exists() and not (tmp_path / "o2").exists()
 
 
 def test_import_refusals(tmp_path: Path, single) -> None:
@@ -548,16 +599,18 @@ def test_importing_a_damaged_dcp_checkpoint_is_one_clear_line(tmp_path):
     dcp.save({"w": torch.ones(1000)}, checkpoint_id=str(tmp_path / "dcp"))
     data = next((tmp_path / "dcp").glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:10])
-    r = subprocess.run(
-        [sys.executable, "-m", "stashpoint", "import", str(tmp_path / "dcp"), str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-    )
-    assert r.returncode == 2
-    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("stashpoint import: error:")]
-    assert len(errors) == 1 and "could not read the DCP checkpoint" in errors[0], r.stderr
-    assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+    dcp.save({"w": torch.ones(10)}, checkpoint_id=str(tmp_path / "meta"))
+    (tmp_path / "meta" / ".metadata").write_bytes(bytes(range(7, 107)))  # DCP logs this one on the root logger
+    for damaged in ("dcp", "meta"):
+        r = subprocess.run(
+            [sys.executable, "-m", "stashpoint", "import", str(tmp_path / damaged), str(tmp_path / "out")],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        )
+        assert r.returncode == 2
+        assert r.stderr.startswith("stashpoint import: error: could not read the DCP checkpoint"), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists(), r.stderr
 
 
 def test_the_command_line_gives_up_on_an_unreachable_object_store_within_seconds():
@@ -599,3 +652,13 @@ def test_ls_inspect_verify_and_diff_do_not_import_torch(single, tmp_path: Path) 
             [sys.executable, "-c", probe, *map(str, args)], capture_output=True, text=True, timeout=60, check=False
         )
         assert out.stdout.strip().endswith("NO-TORCH 0"), (args, out.stdout[-500:], out.stderr[-2000:])
+
+
+def test_urls_where_a_command_takes_local_files_and_a_missing_s3_extra_are_one_line(tmp_path, monkeypatch):
+    stashpoint.save({"w": torch.ones(2)}, tmp_path / "ck")
+    monkeypatch.chdir(tmp_path)
+    one_line_error(cli("export", tmp_path / "ck", "s3://bucket/out/model.safetensors"), "is a URL", "local path")
+    one_line_error(cli("import", "s3://bucket/some.pt", tmp_path / "o"), "is a URL")
+    assert not (tmp_path / "s3:").exists(), "no local directory named 's3:'"
+    monkeypatch.setitem(sys.modules, "obstore", None)
+    one_line_error(cli("ls", "s3://bucket/run"), "pip install 'stashpoint[s3]'")

@@ -304,8 +304,9 @@ def export_command(*, path: str, out: str, select: str, max_shard_size: int | No
 def import_command(*, src: Path, path: str, overwrite: bool) -> None:
     """Convert a torch.save file or a DCP checkpoint directory into a stashpoint checkpoint.
 
-    A torch.save file is read with torch.load(weights_only=True). A DCP checkpoint's .metadata
-    file is a pickle that torch unpickles: import only DCP checkpoints you trust.
+    A torch.save file is read with torch.load(weights_only=True); a DCP checkpoint's pickled
+    .metadata with an unpickler that knows only DCP's records, and its values with
+    weights_only=True. Nothing in either can run code; anything else is refused.
     """
     from stashpoint._core.units import human_bytes
     from stashpoint._tools.convert import import_checkpoint

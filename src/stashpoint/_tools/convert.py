@@ -12,7 +12,6 @@ import math
 import os
 import pickle
 import re
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from stashpoint._save.engine import save
 from stashpoint._state.dtypes import torch_dtype
 from stashpoint._storage import storage_for
 from stashpoint._tools import progress as _progress
+from stashpoint._tools.dcpread import load_dcp
 from stashpoint._tools.tensors import read_tensors
 from stashpoint.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
@@ -122,7 +122,7 @@ def export(
             raise ValueError(f"tensor {k!r} has dtype {e.dtype}, which safetensors cannot store; --select around it")
         names[name] = k
     sizes = {n: math.prod(m.resolve(k).shape) * torch_dtype(m.resolve(k).dtype, k).itemsize for n, k in names.items()}
-    out_p = Path(out)
+    out_p = _local(out, "export writes")
     is_file = out_p.suffix == ".safetensors" and not out_p.is_dir()
     limit = max_shard_size if max_shard_size is not None or is_file else DEFAULT_DIR_SHARD_BYTES
     shards: list[list[str]] = [[]]
@@ -196,32 +196,16 @@ def _load_torch_file(p: Path) -> Any:
         raise CorruptCheckpointError(f"{p} is not a readable torch.save file ({type(e).__name__}: {e})") from None
 
 
-def _load_dcp(p: Path) -> Any:
-    """The whole DCP checkpoint as a nested state dict (single process, no process group)."""
-    try:
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-    except ImportError:  # the private loader moved: the public converter, through a temporary file
-        import tempfile
-
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory(dir=p.parent) as tmp:
-            dcp_to_torch_save(p, Path(tmp) / "state.pt")
-            return _load_torch_file(Path(tmp) / "state.pt")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch warns that no process group is initialized
-        return _load_state_dict_from_keys(checkpoint_id=str(p))
-
-
 def import_checkpoint(
     src: str | os.PathLike[str], path: str | os.PathLike[str], *, overwrite: bool = False
 ) -> ImportResult:
     """Convert a ``torch.save`` file or a DCP checkpoint directory into a stashpoint checkpoint.
 
-    A ``torch.save`` file is read with ``weights_only=True``. A DCP checkpoint's ``.metadata`` is
-    a pickle that torch unpickles: import only DCP checkpoints you trust.
+    A ``torch.save`` file is read with ``weights_only=True``; a DCP checkpoint's pickled metadata
+    and values through unpicklers that know only what DCP and ``weights_only=True`` allow
+    (``_tools.dcpread``). Nothing in the file can run code.
     """
-    p = Path(src)
+    p = _local(src, "import reads")
     if not p.exists():
         raise CheckpointNotFoundError(f"nothing at {p}: give a torch.save file or a DCP checkpoint directory")
     if storage_for(path).exists(MANIFEST_NAME) and not overwrite:
@@ -236,7 +220,7 @@ def import_checkpoint(
             raise CheckpointError(f"{p} holds {odd[0]!r}, not a regular file: a DCP checkpoint holds only files")
         kind = "dcp"
         try:
-            state = _load_dcp(p)
+            state = load_dcp(p)
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -250,3 +234,11 @@ def import_checkpoint(
         state = {"state": state}
     stats = save(state, path, overwrite=overwrite)
     return ImportResult(kind, str(path), stats.num_tensors, stats.bytes_written)
+
+
+def _local(path: str | os.PathLike[str], what: str) -> Path:
+    """``path`` as a local path; a URL is refused (``Path`` would fold ``s3://b/k`` into a
+    local directory named ``s3:``)."""
+    if "://" in str(path):
+        raise ValueError(f"{what} local files; {str(path)!r} is a URL: give a local path (and copy it yourself)")
+    return Path(path)

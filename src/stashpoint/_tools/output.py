@@ -27,7 +27,7 @@ def fails_cleanly(fn: F) -> F:
             return fn(*args, **kwargs)
         except BrokenPipeError:  # the output went to `head` or the like
             sys.exit(1)
-        except (CheckpointError, ValueError, OSError) as e:
+        except (CheckpointError, ValueError, OSError, ImportError) as e:  # ImportError: an extra not installed
             msg = "; ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
             echo(f"stashpoint {click.get_current_context().info_name}: error: {msg}", err=True)
             if kwargs.get("as_json"):

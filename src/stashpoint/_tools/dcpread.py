@@ -1,0 +1,126 @@
+"""Reading a DCP checkpoint for ``stashpoint import`` without running code from its files.
+
+DCP pickles its ``.metadata`` and the non-tensor values of the state, and its reader unpickles
+them with ``pickle.load`` and ``torch.load(weights_only=False)``: a crafted checkpoint runs code
+on import. Here the metadata is unpickled by an unpickler that knows only DCP's own metadata
+records, ``torch.Size``, dtypes, layouts and paths, and each value with
+``torch.load(weights_only=True)``. Anything else is refused, naming what the file asked for.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from stashpoint.errors import CheckpointError
+
+_MODULES = {  # module -> the names a DCP .metadata may name in it (None: any class of the module)
+    "torch.distributed.checkpoint.metadata": None,
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "builtins": {"set", "frozenset", "complex", "slice"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        allowed = _MODULES.get(module, set())
+        if module in _MODULES and "." not in name and (allowed is None or name in allowed):
+            found = super().find_class(module, name)
+            if allowed is not None or (isinstance(found, type) and found.__module__ == module):
+                return found
+        raise pickle.UnpicklingError(
+            f"the .metadata file asks for {module}.{name}, which a DCP checkpoint's metadata never holds"
+        )
+
+
+def load_dcp(p: Path) -> dict[str, Any]:
+    """The whole DCP checkpoint at ``p`` as a nested state dict (one process, no process group)."""
+    try:
+        from torch.distributed.checkpoint._traverse import set_element
+        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    except ImportError as e:  # torch moved its private loader: refuse rather than unpickle unchecked
+        raise CheckpointError(
+            f"this torch ({e}) lacks the DCP reader stashpoint imports through without unpickling code; "
+            "load the checkpoint with torch yourself if you trust it and save it with stashpoint.save"
+        ) from None
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if not isinstance(metadata, Metadata):
+                raise pickle.UnpicklingError(
+                    f"the .metadata file holds a {type(metadata).__name__}, not DCP's Metadata"
+                )
+            meta = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
+            meta.load_id = self.load_id
+            metadata.storage_meta = meta
+            return metadata
+
+    class Planner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:  # torch's: weights_only=False
+            key = read_item.dest_index.fqn
+            obj = _plain_value(value, key)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[key], obj)
+            else:
+                self.state_dict[key] = obj
+
+    state: dict[str, Any] = {}
+    with _quiet(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that no process group is initialized
+        _load_state_dict(state_dict=state, storage_reader=Reader(str(p)), planner=Planner(), no_dist=True)  # type: ignore[no-untyped-call]
+    return state
+
+
+def _plain_value(value: io.BytesIO, key: str) -> Any:
+    """A non-tensor value of the state, unpickled with ``torch.load(weights_only=True)``."""
+    import torch
+
+    value.seek(0)
+    try:
+        return torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as e:
+        why = " ".join(str(e).split())[:300]
+        raise CheckpointError(
+            f"the DCP value {key!r} holds objects torch.load(weights_only=True) refuses ({why}); stashpoint never "
+            "runs code from a file: load the checkpoint with torch yourself if you trust it"
+        ) from None
+
+
+class _DropDcpRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return f"torch{os.sep}distributed{os.sep}checkpoint" not in record.pathname
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP logs a failed load's whole traceback (on the root logger) before raising it: the
+    error says it once. Only DCP's own records are dropped, and only meanwhile."""
+    drop = _DropDcpRecords()
+    loggers = [logging.getLogger(), logging.getLogger("torch.distributed.checkpoint")]
+    for logger in loggers:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(drop)
