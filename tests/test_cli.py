@@ -662,3 +662,47 @@ def test_urls_where_a_command_takes_local_files_and_a_missing_s3_extra_are_one_l
     assert not (tmp_path / "s3:").exists(), "no local directory named 's3:'"
     monkeypatch.setitem(sys.modules, "obstore", None)
     one_line_error(cli("ls", "s3://bucket/run"), "pip install 'stashpoint[s3]'")
+
+
+def test_ls_and_verify_of_a_run_whose_retention_removes_a_step_meanwhile(tmp_path: Path, monkeypatch) -> None:
+    """Retention deletes a step (its manifest first) between the listing and the look at it."""
+    import shutil
+
+    from stashpoint._core.naming import MANIFEST_NAME
+    from stashpoint._storage.local import LocalStorage
+
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=None) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((4,), float(step))})
+    for target in ("ls", "verify"):
+        shutil.copytree(tmp_path / "run", tmp_path / target)
+    listed = LocalStorage.list
+
+    def list_then_retention(self):
+        names = listed(self)
+        if self.root.name == "step-00000001" and self.root.parent.name == "ls":
+            shutil.rmtree(self.root)
+        return names
+
+    with monkeypatch.context() as m:
+        m.setattr(LocalStorage, "list", list_then_retention)
+        r = cli("ls", tmp_path / "ls", "--json")
+    assert r.exit_code == 0, r.output
+    assert [s["step"] for s in json.loads(r.stdout)] == [2]
+
+    looked = LocalStorage.exists
+    looks = []
+
+    def exists_then_retention(self, name=None):
+        found = looked(self, name)
+        if found and name == MANIFEST_NAME and self.root == tmp_path / "verify" / "step-00000001":
+            looks.append(1)
+            if len(looks) == 2:  # seen committed by verify's loop: now retention removes it
+                (self.root / MANIFEST_NAME).unlink()
+        return found
+
+    with monkeypatch.context() as m:
+        m.setattr(LocalStorage, "exists", exists_then_retention)
+        r = cli("verify", tmp_path / "verify")
+    assert r.exit_code == 0, r.output
+    assert "step 1 was removed while it was checked" in r.output

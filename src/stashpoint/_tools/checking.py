@@ -133,7 +133,15 @@ def _verify_run(root: Storage, run: RunContents, progress: Progress | None, this
             )
             continue
         where = str(child.root) if isinstance(child, LocalStorage) else child.location
-        sub = verify(where, progress, this_node=this_node)
+        try:
+            sub = verify(where, progress, this_node=this_node)
+        except CheckpointError:
+            sub = None
+            if child.exists(MANIFEST_NAME):
+                raise
+        if sub is None or (sub.problems and not child.exists(MANIFEST_NAME)):  # its manifest goes first
+            rep.warnings.append(f"{child.location}: step {step} was removed while it was checked (retention)")
+            continue
         rep.steps = (rep.steps or 0) + 1
         rep.files, rep.tensors = rep.files + sub.files, rep.tensors + sub.tensors
         rep.bytes_checked += sub.bytes_checked

@@ -82,14 +82,27 @@ def list_steps(root: str | os.PathLike[str]) -> list[StepInfo]:
     out = []
     for name, step in _steps_of(LocalStorage(r)):
         d = r / name
-        files = [d / f for f in LocalStorage(d).list()]  # group directories' files too
-        stats = [f.lstat() for f in files]
-        info = StepInfo(step, str(d), "partial", sum(st.st_size for st in stats), None, None)
-        info.age_s = now - max([d.stat().st_mtime] + [st.st_mtime for st in stats])
-        if (d / MANIFEST_NAME).exists():
-            _describe_committed(info, LocalStorage(d), now)
+        try:
+            files = [d / f for f in LocalStorage(d).list()]  # group directories' files too
+            stats = [st for f in files if (st := _lstat(f)) is not None]
+            info = StepInfo(step, str(d), "partial", sum(st.st_size for st in stats), None, None)
+            info.age_s = now - max([d.stat().st_mtime] + [st.st_mtime for st in stats])
+            if (d / MANIFEST_NAME).exists():
+                _describe_committed(info, LocalStorage(d), now)
+        except (OSError, CheckpointError):
+            if not d.exists():  # removed while listed (the manager's retention, as it runs)
+                continue
+            raise
         out.append(info)
     return sorted(out, key=lambda s: s.step)
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    """``path``'s lstat, or None for a file removed since it was listed."""
+    try:
+        return path.lstat()
+    except FileNotFoundError:
+        return None
 
 
 def _list_remote_steps(root: Storage) -> list[StepInfo]:
@@ -104,10 +117,15 @@ def _list_remote_steps(root: Storage) -> list[StepInfo]:
     out = []
     for name, step in _steps_of(root):
         d = root.child(name)
-        files = d.list()
-        info = StepInfo(step, d.location, "partial", sum(d.size(f) for f in files), None, None)
-        if MANIFEST_NAME in files:
-            _describe_committed(info, d, now)
+        try:
+            files = d.list()
+            info = StepInfo(step, d.location, "partial", sum(d.size(f) for f in files), None, None)
+            if MANIFEST_NAME in files:
+                _describe_committed(info, d, now)
+        except (OSError, CheckpointError):
+            if not d.exists():  # removed while listed (the manager's retention, as it runs)
+                continue
+            raise
         out.append(info)
     return sorted(out, key=lambda s: s.step)
 
