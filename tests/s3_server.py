@@ -208,6 +208,9 @@ class SeaweedServer:
                 return
             except _PortMoved:
                 self.stop()
+            except BaseException:  # not ready in time, or interrupted: no server left running
+                self.stop(timeout=5)
+                raise
         raise RuntimeError(f"weed mini kept moving off the ports it was given; see {self.log_path}")
 
     def _pin(self) -> None:

@@ -593,6 +593,13 @@ def test_control_characters_in_names_and_values_are_printed_escaped(tmp_path):
     assert "recoverable without storage: forged" not in lines, lines  # before: a line of its own
 
 
+def test_a_file_name_that_is_not_utf8_is_shown_by_its_bytes(tmp_path):
+    stashpoint.save({"w": torch.ones(2)}, tmp_path / "c")
+    (tmp_path / "c" / os.fsdecode(b"shard-r00000-0001-\xff.safetensors")).write_bytes(b"x")
+    r = cli("verify", tmp_path / "c")
+    assert r.exit_code == 0 and "shard-r00000-0001-\\xff.safetensors is not listed" in r.output, r.output
+
+
 def test_importing_a_damaged_dcp_checkpoint_is_one_clear_line(tmp_path):
     import torch.distributed.checkpoint as dcp
 

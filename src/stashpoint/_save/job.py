@@ -20,7 +20,7 @@ import torch
 from stashpoint._core.assign import assign_writers
 from stashpoint._core.catalog import catalog_of
 from stashpoint._core.described import described_catalog
-from stashpoint._core.format import Chunk, checksum
+from stashpoint._core.format import MAX_MANIFEST_BYTES, Chunk, checksum
 from stashpoint._core.index import Head, RankIndex
 from stashpoint._core.naming import MANIFEST_NAME, RANKS_PER_DIR, group_dir, index_name, parse_save_file, placed
 from stashpoint._core.nodeplan import Room
@@ -347,7 +347,7 @@ class PersistJob:
     def _committed(self, save_id: str) -> bool | None:
         """Whether this save's manifest is in place (None: the storage could not say)."""
         try:
-            doc = json.loads(self.storage.read(MANIFEST_NAME))
+            doc = json.loads(self.storage.read(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1))  # ours is below the cap
         except FileNotFoundError:
             return False
         except ValueError:  # a damaged manifest: not this save's

@@ -46,14 +46,23 @@ def age(seconds: float | None) -> str:
     return f"{max(seconds, 0):.0f}s ago"
 
 
-# C0 and C1 control characters (ESC starts terminal escape sequences), DEL, and the bidirectional
-# overrides that reorder what a terminal shows: names and values come from files anyone can write
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+# C0 and C1 control characters (ESC starts terminal escape sequences), DEL, the bidirectional
+# overrides that reorder what a terminal shows (names and values come from files anyone can
+# write), and the surrogates that stand for a file name's bytes that are not UTF-8 (shown as the
+# byte, \xNN, so that the file can be found)
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\udc80-\udcff]")
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = ord(m[0])
+    if 0xDC80 <= c <= 0xDCFF:
+        return f"\\x{c - 0xDC00:02x}"
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
 
 
 def esc(text: str, newlines: bool = False) -> str:
     """``text`` with its control characters shown as escapes (``\\x1b``); newlines too unless kept."""
-    out = _UNSAFE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
+    out = _UNSAFE.sub(_escape, text)
     return out if newlines else out.replace("\n", "\\n").replace("\t", "\\t")
 
 
