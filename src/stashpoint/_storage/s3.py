@@ -54,7 +54,9 @@ def _pending_aborts() -> set[tuple[str, str, str]]:
 
 
 _BEST_EFFORT_RETRY_S = 3.0
-_STREAM_CHUNK = 8 << 20  # a ranged GET's body is taken in pieces of about this size
+# a ranged GET's body is taken in pieces of about this size: obstore gathers larger ones slower
+# (loads of 0.5 GB from SeaweedFS took 1.2x as long with 8 MiB, 1.6x with a whole 32 MiB part)
+_STREAM_CHUNK = 1 << 20
 
 
 class S3Storage(Storage):
