@@ -84,6 +84,21 @@ class StorageSuite:
         s.delete("manifest.json")  # deleting twice is fine
         assert s.list() == []
 
+    def test_sizes_are_those_of_the_files_listed(self, tmp_path):
+        s = self.make(tmp_path / "ck")
+        s.prepare()
+        for name, n in (("shard-r00000-0000-a.safetensors", 5000), ("g00001/index-r01024-a.json", 7)):
+            w = s.open_writer(name, n)
+            w.write(b"x" * n)
+            w.close()
+        s.commit("manifest.json", b"{}")
+        assert s.sizes() == {n: s.size(n) for n in s.list()}
+        assert s.sizes() == {
+            "g00001/index-r01024-a.json": 7,
+            "manifest.json": 2,
+            "shard-r00000-0000-a.safetensors": 5000,
+        }
+
     def test_an_exclusive_commit_fails_if_the_name_exists_and_changes_nothing(self, tmp_path):
         s = self.make(tmp_path / "ck")
         s.prepare()

@@ -107,6 +107,17 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def list(self) -> list[str]: ...
 
+    def sizes(self) -> dict[str, int]:
+        """The size of every file :meth:`list` names (a file removed meanwhile is left out); an
+        object store answers from one listing instead of a request per file."""
+        out = {}
+        for name in self.list():
+            try:
+                out[name] = self.size(name)
+            except FileNotFoundError:
+                continue
+        return out
+
     @abc.abstractmethod
     def delete(self, name: str) -> None:
         """Delete the file ``name``; a missing file is fine."""

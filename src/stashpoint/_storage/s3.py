@@ -283,27 +283,32 @@ class S3Storage(Storage):
             return False
         return True
 
-    def _list_level(self) -> tuple[builtins.list[str], builtins.list[str]]:
-        """Object names and sub-prefix names directly under the prefix."""
+    def _list_level(self) -> tuple[dict[str, int], builtins.list[str]]:
+        """Object names (with their sizes) and sub-prefix names directly under the prefix."""
         keys, prefixes = self._listing(delimiter=True)
         cut = len(self.prefix) + 1 if self.prefix else 0
         # Some servers (SeaweedFS) show an emptied "directory" as an object named like the prefix.
-        objects = [name for k in keys if (name := k[cut:]) and not name.endswith("/")]
+        objects = {name: n for k, n in keys.items() if (name := k[cut:]) and not name.endswith("/")}
         return objects, [name for p in prefixes if (name := p[cut:].rstrip("/"))]
 
-    def _listing(self, *, delimiter: bool) -> tuple[builtins.list[str], builtins.list[str]]:
+    def _listing(self, *, delimiter: bool) -> tuple[dict[str, int], builtins.list[str]]:
         prefix = f"{self.prefix}/" if self.prefix else ""
         control, retry = self.client().control, self.options.retry_seconds
         return self.call(
             "listing", None, list_prefix, control, self.bucket, prefix, delimiter=delimiter, retry_seconds=retry
         )
 
-    def list(self) -> builtins.list[str]:
-        """The objects directly under the prefix, and those under its group prefixes as ``g00012/name``."""
+    def sizes(self) -> dict[str, int]:
+        """The objects directly under the prefix, and those under its group prefixes as
+        ``g00012/name``, with their sizes: one listing a level, no request per object."""
         objects, prefixes = self._list_level()
         for group in filter(is_group_dir, prefixes):
-            objects += [f"{group}/{name}" for name in self.child(group)._list_level()[0]]
-        return sorted(n for n in objects if split_group(n) is not None)  # only names a checkpoint can hold
+            objects |= {f"{group}/{name}": n for name, n in self.child(group)._list_level()[0].items()}
+        return {name: n for name, n in sorted(objects.items()) if split_group(name) is not None}
+
+    def list(self) -> builtins.list[str]:
+        """The names :meth:`sizes` gives (only names a checkpoint can hold)."""
+        return builtins.list(self.sizes())
 
     def delete(self, name: str) -> None:
         import obstore
@@ -320,7 +325,7 @@ class S3Storage(Storage):
 
     def _all_keys(self) -> builtins.list[str]:
         """Every object key under the prefix, at any depth."""
-        return self._listing(delimiter=False)[0]
+        return builtins.list(self._listing(delimiter=False)[0])
 
     def _delete_keys(self, keys: builtins.list[str]) -> None:
         import obstore

@@ -21,11 +21,11 @@ _TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "Se
 
 def list_prefix(
     control: Any, bucket: str, prefix: str, *, delimiter: bool, retry_seconds: float
-) -> tuple[list[str], list[str]]:
-    """``(keys, common prefixes)`` under ``prefix`` (empty, or ending with ``/``), every page of
-    them; with ``delimiter``, one level only. Raises botocore's error when a request fails for
-    good (the caller names it), :class:`S3Error` when the listing does not end."""
-    keys: list[str] = []
+) -> tuple[dict[str, int], list[str]]:
+    """``(key -> size, common prefixes)`` under ``prefix`` (empty, or ending with ``/``), every
+    page of them; with ``delimiter``, one level only. Raises botocore's error when a request fails
+    for good (the caller names it), :class:`S3Error` when the listing does not end."""
+    keys: dict[str, int] = {}
     prefixes: list[str] = []
     seen: set[str] = set()
     tokens: set[str] = set()
@@ -34,16 +34,16 @@ def list_prefix(
         request["Delimiter"] = "/"
     while True:
         page = _retrying(lambda: control.list_objects_v2(**request), retry_seconds)
-        for out, entries, field in (
-            (keys, page.get("Contents"), "Key"),
-            (prefixes, page.get("CommonPrefixes"), "Prefix"),
-        ):
-            for entry in entries or ():
-                name = entry[field]
-                if name in seen:
-                    raise S3Error(_endless(bucket, prefix, f"listed {name[:200]!r} twice"))
-                seen.add(name)
-                out.append(name)
+        entries = [(o["Key"], int(o.get("Size", 0))) for o in page.get("Contents") or ()]
+        entries += [(p["Prefix"], -1) for p in page.get("CommonPrefixes") or ()]
+        for name, size in entries:
+            if name in seen:
+                raise S3Error(_endless(bucket, prefix, f"listed {name[:200]!r} twice"))
+            seen.add(name)
+            if size < 0:
+                prefixes.append(name)
+            else:
+                keys[name] = size
         if len(seen) > MAX_ENTRIES:
             raise S3Error(_endless(bucket, prefix, f"listed more than {MAX_ENTRIES:,} entries"))
         if not page.get("IsTruncated"):

@@ -118,8 +118,8 @@ def _list_remote_steps(root: Storage) -> list[StepInfo]:
     for name, step in _steps_of(root):
         d = root.child(name)
         try:
-            files = d.list()
-            info = StepInfo(step, d.location, "partial", sum(d.size(f) for f in files), None, None)
+            files = d.sizes()  # one listing, not a request per file
+            info = StepInfo(step, d.location, "partial", sum(files.values()), None, None)
             if MANIFEST_NAME in files:
                 _describe_committed(info, d, now)
         except (OSError, CheckpointError):
