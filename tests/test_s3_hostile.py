@@ -152,3 +152,19 @@ def test_listing_a_whole_bucket_on_a_server_that_is_down_raises_a_checkpoint_err
     monkeypatch.setenv("STASHPOINT_S3_RETRY_SECONDS", "1")
     with pytest.raises(CheckpointError, match="AWS_ENDPOINT_URL"):
         S3Storage("s3://bucket")._all_keys()
+
+
+def test_a_read_capped_far_above_the_object_holds_only_the_object(s3_url):
+    """A manifest is read with its cap (256 MiB) as the length: memory for what the server sends."""
+    import tracemalloc
+
+    stashpoint.save({"w": torch.ones(4)}, s3_url)
+    store = S3Storage(s3_url)
+    tracemalloc.start()
+    try:
+        data = store.read("manifest.json", 0, 256 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert data == store.read("manifest.json") and len(data) < 64 << 10
+    assert peak < 16 << 20, f"a {len(data)}-byte read peaked at {peak >> 20} MiB"

@@ -25,7 +25,7 @@ import dataclasses
 import errno
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from stashpoint import _runtime
@@ -190,16 +190,13 @@ class S3Storage(Storage):
     def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
         import obstore
 
-        if length is not None:
+        if length is not None:  # a cap (a manifest's, say): hold only what the server has
             if length <= 0:
                 return b""
-            out = bytearray(length)
             try:
-                got = self._fetch(name, offset, [memoryview(out)], short_ok=True)
+                return b"".join(builtins.list(self._body(name, offset, length)))
             except EOFError:
                 return b""  # past the end, like reading a file past its end
-            del out[got:]
-            return bytes(out)
         store, key = self.client().store, self.key(name)
         try:
             opts: Any = {"range": {"offset": offset}} if offset else {}
@@ -209,39 +206,46 @@ class S3Storage(Storage):
                 return b""
             raise self.error("reading", name, e) from e
 
-    def _fetch(self, name: str, start: int, dests: list[memoryview], *, short_ok: bool = False) -> int:
-        """Fill ``dests`` with the bytes from ``start`` on, as the body streams in: a body longer
+    def _body(self, name: str, start: int, want: int) -> Iterator[memoryview]:
+        """The bytes from ``start`` on, at most ``want`` of them, as they stream in: a body longer
         than the range asked for (a broken or hostile server) is refused once it passes it, never
-        held whole. Returns the bytes filled; a short body raises EOFError unless ``short_ok``."""
+        held whole. Past the object's end: EOFError."""
         import obstore
 
-        want = sum(len(d) for d in dests)
         try:
             result = obstore.get(self.client().store, self.key(name), options={"range": (start, start + want)})
-            filled, i, at = 0, 0, 0  # dests[i][at:] is the next place to fill
+            got = 0
             for chunk in result.stream(min_chunk_size=min(want, _STREAM_CHUNK)):
-                src = memoryview(chunk)
-                if filled + len(src) > want:
+                piece = memoryview(chunk)
+                got += len(piece)
+                if got > want:
                     raise S3Error(
                         f"reading {self.url_of(name)}: the server sent more than the {want} bytes asked for "
                         f"from byte {start}; it does not serve ranged GETs as S3 does"
                     )
-                filled += len(src)
-                while src:
-                    take = min(len(src), len(dests[i]) - at)
-                    copy_into(dests[i][at : at + take], src[:take])
-                    src, at = src[take:], at + take
-                    if at == len(dests[i]):
-                        i, at = i + 1, 0
+                yield piece
         except Exception as e:
             if status_of(e) == "416":
                 raise EOFError(
                     f"{self.url_of(name)} ended before byte {start}, before the data it should hold"
                 ) from None
             raise self.error("reading", name, e) from e
-        if filled < want and not short_ok:
+
+    def _fetch(self, name: str, start: int, dests: list[memoryview]) -> None:
+        """Fill ``dests`` with the bytes from ``start`` on, as they stream in (see :meth:`_body`)."""
+        want = sum(len(d) for d in dests)
+        filled, i, at = 0, 0, 0  # dests[i][at:] is the next place to fill
+        for piece in self._body(name, start, want):
+            filled += len(piece)
+            src = piece
+            while src:
+                take = min(len(src), len(dests[i]) - at)
+                copy_into(dests[i][at : at + take], src[:take])
+                src, at = src[take:], at + take
+                if at == len(dests[i]):
+                    i, at = i + 1, 0
+        if filled < want:
             raise EOFError(f"{self.url_of(name)} ended at byte {start + filled}, before the data it should hold")
-        return filled
 
     def readv(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
         part = self.options.part_size
