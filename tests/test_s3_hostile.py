@@ -31,6 +31,7 @@ class _Hostile(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     mode = "big_body"
     requests = 0
+    signed: list[bool]
 
     def log_message(self, *args: object) -> None:
         pass
@@ -60,17 +61,26 @@ class _Hostile(BaseHTTPRequestHandler):
             pass  # the client hung up: what it should do
 
     def _page(self, prefix: str) -> None:
+        type(self).signed.append("Authorization" in self.headers)
+        if self.mode == "one_step":
+            return self._xml(
+                f"<Prefix>{prefix}</Prefix><KeyCount>1</KeyCount><IsTruncated>false</IsTruncated>"
+                f"<CommonPrefixes><Prefix>{prefix}step-00000001/</Prefix></CommonPrefixes>"
+            )
         n = type(self).requests
         token = "same" if self.mode == "same_token" else f"t{n}"
         key = "obj" if self.mode == "same_token" else "repeated"
-        body = (
-            '<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>b</Name>'
+        self._xml(
             f"<Prefix>{prefix}</Prefix><KeyCount>1</KeyCount><MaxKeys>1000</MaxKeys>"
             f"<IsTruncated>true</IsTruncated><NextContinuationToken>{token}</NextContinuationToken>"
             f"<Contents><Key>{prefix}{key}{n if self.mode == 'same_token' else ''}</Key>"
             '<LastModified>2024-01-01T00:00:00.000Z</LastModified><ETag>"e"</ETag><Size>1</Size></Contents>'
-            "</ListBucketResult>"
-        ).encode()
+        )
+
+    def _xml(self, inner: str) -> None:
+        body = (
+            f'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>b</Name>{inner}</ListBucketResult>'.encode()
+        )
         self.send_response(200)
         self.send_header("Content-Type", "application/xml")
         self.send_header("Content-Length", str(len(body)))
@@ -80,7 +90,7 @@ class _Hostile(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def hostile(monkeypatch) -> Iterator[type[_Hostile]]:
-    handler = type("Handler", (_Hostile,), {})
+    handler = type("Handler", (_Hostile,), {"signed": []})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -168,3 +178,15 @@ def test_a_read_capped_far_above_the_object_holds_only_the_object(s3_url):
         tracemalloc.stop()
     assert data == store.read("manifest.json") and len(data) < 64 << 10
     assert peak < 16 << 20, f"a {len(data)}-byte read peaked at {peak >> 20} MiB"
+
+
+def test_a_public_bucket_is_listed_without_credentials(hostile, monkeypatch, tmp_path):
+    """No credentials anywhere: the data client sends unsigned requests, and so must the listing."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    hostile.mode = "one_step"
+    assert S3Storage("s3://public/run").children() == ["step-00000001"]
+    assert hostile.signed == [False]

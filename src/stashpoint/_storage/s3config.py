@@ -146,10 +146,12 @@ def _duration(seconds: float) -> str:
 
 def _make_client(bucket: str, opts: S3Options) -> S3Client:
     boto3, _ = _import_clients()
+    import botocore
     from botocore.config import Config
     from obstore.store import S3Store
 
     session = boto3.session.Session()
+    creds = session.get_credentials()
     control = session.client(
         "s3",
         config=Config(
@@ -157,6 +159,8 @@ def _make_client(bucket: str, opts: S3Options) -> S3Client:
             connect_timeout=min(10.0, opts.timeout_seconds),
             read_timeout=opts.timeout_seconds,
             s3={"addressing_style": "path"},
+            # no credentials anywhere: anonymous requests (public buckets), as the data client's
+            signature_version=botocore.UNSIGNED if creds is None else None,
         ),
     )
     endpoint = str(control.meta.endpoint_url).rstrip("/")
@@ -167,7 +171,6 @@ def _make_client(bucket: str, opts: S3Options) -> S3Client:
     if custom:
         config["endpoint"] = endpoint
         config["virtual_hosted_style_request"] = False  # path style: what custom servers expect
-    creds = session.get_credentials()
     provider = None
     source = "nowhere"
     if creds is not None:
