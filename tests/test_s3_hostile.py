@@ -142,9 +142,11 @@ def test_a_foreign_key_obstore_cannot_address_leaves_the_run_usable(s3_env, s3_u
     bucket, prefix = s3_url[len("s3://") :].split("/", 1)
     client = boto3.client("s3", endpoint_url=s3_env.endpoint, region_name="us-east-1")
     client.put_object(Bucket=bucket, Key=f"{prefix}/notes\x7f.txt", Body=b"x")
+    client.put_object(Bucket=bucket, Key=f"{prefix}/tmp\x01dir/x", Body=b"x")  # a "directory" beside the steps
     state = {"w": torch.zeros(4)}
     with stashpoint.CheckpointManager(s3_url) as manager:
         assert manager.restore(state) == 1
+        manager.save(2, {"w": torch.ones(4)})
     assert torch.equal(state["w"], torch.ones(4))
     assert bucket == S3_BUCKET
 

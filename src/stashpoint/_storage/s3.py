@@ -31,7 +31,15 @@ from typing import Any, TypeVar
 from stashpoint import _runtime
 from stashpoint._core.naming import MANIFEST_NAME, is_group_dir, split_group
 from stashpoint._storage.base import FileWriter, Storage
-from stashpoint._storage.s3config import S3Client, S3Error, S3Options, check_installed, client_for, parse_url
+from stashpoint._storage.s3config import (
+    S3Client,
+    S3Error,
+    S3Options,
+    addressable,
+    check_installed,
+    client_for,
+    parse_url,
+)
 from stashpoint._storage.s3io import S3Writer, copy_into, server_said, status_of
 from stashpoint._storage.s3list import list_prefix
 
@@ -331,7 +339,9 @@ class S3Storage(Storage):
         return S3Storage(f"{self.url}/{name}", self.options)
 
     def children(self) -> builtins.list[str]:
-        return sorted(p for p in self._list_level()[1] if not is_group_dir(p))
+        """The sub-prefixes a :meth:`child` can be made for (another tool's ``tmp\x01dir`` is
+        left out: it is no step, and the data client cannot address it)."""
+        return sorted(p for p in self._list_level()[1] if not is_group_dir(p) and addressable(p))
 
     def _all_keys(self) -> builtins.list[str]:
         """Every object key under the prefix, at any depth."""

@@ -263,7 +263,13 @@ def parse_url(url: str) -> tuple[str, str]:
             "dots and hyphens; write s3://bucket/prefix"
         )
     parts = [p for p in rest.split("/") if p]
-    odd = next((p for p in parts if p in (".", "..") or any(ord(c) < 32 or ord(c) == 127 for c in p)), None)
-    if odd is not None:  # S3 keeps them as they are, the data client cannot address them
+    odd = next((p for p in parts if not addressable(p)), None)
+    if odd is not None:
         raise ValueError(f"{url!r}: the prefix segment {odd!r} is '.', '..' or holds a control character; rename it")
     return bucket, "/".join(parts)
+
+
+def addressable(segment: str) -> bool:
+    """Whether the data client can address a key segment: S3 keeps ``.``, ``..`` and control
+    characters as they are, obstore refuses them."""
+    return segment not in (".", "..") and not any(ord(c) < 32 or ord(c) == 127 for c in segment)
