@@ -598,6 +598,9 @@ def test_a_file_name_that_is_not_utf8_is_shown_by_its_bytes(tmp_path):
     (tmp_path / "c" / os.fsdecode(b"shard-r00000-0001-\xff.safetensors")).write_bytes(b"x")
     r = cli("verify", tmp_path / "c")
     assert r.exit_code == 0 and "shard-r00000-0001-\\xff.safetensors is not listed" in r.output, r.output
+    stashpoint.save({"k\ud800": torch.ones(1)}, tmp_path / "lone")  # a lone surrogate in a key
+    r = cli("inspect", tmp_path / "lone")
+    assert r.exit_code == 0 and "k\\ud800" in r.output, r.output
 
 
 def test_importing_a_damaged_dcp_checkpoint_is_one_clear_line(tmp_path):
@@ -713,3 +716,55 @@ def test_ls_and_verify_of_a_run_whose_retention_removes_a_step_meanwhile(tmp_pat
         r = cli("verify", tmp_path / "verify")
     assert r.exit_code == 0, r.output
     assert "step 1 was removed while it was checked" in r.output
+
+
+def _crafted_dcp(root: Path, edit) -> Path:
+    """A DCP checkpoint whose .metadata ``edit`` changed (the test's own file: unpickled here)."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    ck = root / f"ck-{len(list(root.iterdir()))}"
+    dcp.save({"w": torch.ones(3), "note": {"a": 1}}, checkpoint_id=str(ck), no_dist=True)
+    metadata = pickle.loads((ck / ".metadata").read_bytes())
+    edit(metadata)
+    (ck / ".metadata").write_bytes(pickle.dumps(metadata))
+    return ck
+
+
+def test_import_reads_only_the_dcp_checkpoints_own_files_and_only_what_they_hold(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    secret = tmp_path / "elsewhere.pt"
+    torch.save({"api_key": "not yours"}, secret)
+
+    def place_all(where: str, length: int | None = None):
+        def edit(metadata) -> None:
+            for index, info in metadata.storage_data.items():
+                n = info.length if length is None else length
+                metadata.storage_data[index] = _StorageInfo(where, info.offset, n)
+
+        return edit
+
+    def huge(metadata) -> None:
+        for entry in metadata.state_dict_metadata.values():
+            if isinstance(entry, TensorStorageMetadata):
+                entry.size = torch.Size([1 << 40])
+
+    cases = {
+        "absolute": (place_all(str(secret)), "not a file name inside"),
+        "parent": (place_all("../elsewhere.pt"), "not a file name inside"),
+        "past the end": (place_all("__0_0.distcp", 1 << 30), "past its end"),
+        "huge tensor": (huge, "more than its files hold"),
+    }
+    for name, (edit, says) in cases.items():
+        ck = _crafted_dcp(tmp_path, edit)
+        r = cli("import", ck, tmp_path / "out")
+        assert r.exit_code == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, (name, r.stderr)
+        assert not (tmp_path / "out").exists(), name
+    ck = _crafted_dcp(tmp_path, lambda m: None)
+    data = next(ck.glob("*.distcp"))
+    data.rename(tmp_path / "moved.distcp")
+    data.symlink_to(tmp_path / "moved.distcp")  # a link where a data file belongs
+    one_line_error(cli("import", ck, tmp_path / "out"), "not a regular file")

@@ -338,9 +338,9 @@ def test_loading_a_step_while_a_newer_one_is_being_saved(tmp_path):
 
 
 def test_the_manifest_is_published_only_after_every_shard_and_the_directory_are_durable(tmp_path, monkeypatch):
-    """The order of the system calls of a save: fsync each shard, fsync the directory, then write
-    the manifest to a temporary name, fsync it, publish it (a hard link, or a rename when
-    overwriting), fsync the directory again."""
+    """The order of the system calls of a save: fsync the parent of the directory it makes, each
+    shard, the directory, then write the manifest to a temporary name, fsync it, publish it (a
+    hard link, or a rename when overwriting), fsync the directory again."""
     import os as os_module
 
     from stashpoint._storage import local as _storage
@@ -371,7 +371,8 @@ def test_the_manifest_is_published_only_after_every_shard_and_the_directory_are_
     assert len(shards) == 2
     rename = events.index("rename manifest.json")
     last_shard = max(events.index(e) for e in shards)
-    assert last_shard < events.index("fsync dir") < rename, events
+    assert events[0] == "fsync dir", "the new checkpoint directory's name in its parent, first"
+    assert last_shard < events.index("fsync dir", last_shard) < rename, events
     assert events[rename - 1].startswith("fsync .manifest.json."), "the manifest's own bytes are durable first"
     assert events[rename + 1] == "fsync dir", "and its name is made durable right after the rename"
 

@@ -601,3 +601,17 @@ def test_directories_a_save_creates_are_synced_into_their_parents(tmp_path, monk
     synced.clear()
     LocalStorage(tmp_path / "runs" / "run" / "step-1").prepare()
     assert synced == [], "nothing new: nothing to sync"
+
+
+def test_a_parent_this_process_may_not_read_is_not_synced_and_the_save_goes_on(tmp_path, monkeypatch):
+    """A drop box (mode 0733): a directory can be made in it, not opened to sync it."""
+    import errno
+
+    from stashpoint._storage import local
+
+    def refused(path):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(local, "fsync_dir", refused)
+    LocalStorage(tmp_path / "box" / "ck").prepare()
+    assert (tmp_path / "box" / "ck").is_dir()

@@ -121,8 +121,9 @@ class _Engine:
                     job, staging_s = PersistJob.failed(storage, self.pool, opts, ctx, e), 0.0
             job.seq = ctx.saves
             job.blocking_s = time.perf_counter() - t_start
+            copies = job.pending  # before the job runs: it lets go of them when it ends
             future = self.executor.submit(job.run, t_start, staging_s)
-            handle = SaveHandle(storage.location, future, job.blocking_s, staging_s, opts.step, copies=job.pending)
+            handle = SaveHandle(storage.location, future, job.blocking_s, staging_s, opts.step, copies=copies)
             self.inflight.append(handle)
             if job.early_error is not None:  # this rank's own error, raised here as in one process
                 raise job.early_error

@@ -212,7 +212,7 @@ class PersistJob:
         try:
             return self._run(t_start, staging_s)
         except BaseException as e:
-            _drop_locals(e)
+            _drop_locals(e, keep=self.early_error)
             raise
         finally:
             # A failed save's handle is kept until wait() reports it (by a manager, over many
@@ -418,12 +418,13 @@ class PersistJob:
         return Totals(sum(o.nbytes for o in outcomes), sum(w.files for w in written), len(plan.catalog))
 
 
-def _drop_locals(error: BaseException) -> None:
+def _drop_locals(error: BaseException, keep: BaseException | None) -> None:
     """Clear the local variables of the finished frames in ``error``'s tracebacks and those of
-    its causes (plans, chunks and trees of every tensor); the lines stay for the report."""
+    its causes (plans, chunks and trees of every tensor); the lines stay for the report. ``keep``
+    (the caller's own error, raised to it too) and its causes keep theirs, for its debugger."""
     seen: set[int] = set()
     e: BaseException | None = error
-    while e is not None and id(e) not in seen:
+    while e is not None and e is not keep and id(e) not in seen:
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)
         e = e.__cause__ or e.__context__

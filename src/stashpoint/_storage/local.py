@@ -49,6 +49,16 @@ DIRECT_ALIGN = ALIGN
 _NO_DIRECT = {errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
 
 
+def _sync_parent(path: Path) -> None:
+    """fsync the directory ``path``; one this process may enter but not read (a drop box, mode
+    0733) cannot be opened to sync, and the save goes on without it."""
+    try:
+        fsync_dir(path)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EINVAL):
+            raise
+
+
 class LocalStorage(Storage):
     """A checkpoint directory on a local or shared POSIX filesystem.
 
@@ -98,7 +108,7 @@ class LocalStorage(Storage):
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             for path in made:  # a new directory's name is durable once its parent is synced
-                fsync_dir(path.parent)
+                _sync_parent(path.parent)
         except (FileExistsError, NotADirectoryError):  # a file where a directory must be
             blocker = next((p for p in (self.root, *self.root.parents) if p.exists() and not p.is_dir()), self.root)
             raise CheckpointError(

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import pickle
+import stat
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +23,7 @@ from typing import Any
 
 from stashpoint.errors import CheckpointError
 
+MAX_METADATA_BYTES = 256 << 20
 _MODULES = {  # module -> the names a DCP .metadata may name in it (None: any class of the module)
     "torch.distributed.checkpoint.metadata": None,
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
@@ -35,8 +38,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
+        found = torch.__dict__.get(name)  # not getattr: that would import torch's lazy submodules
+        if module == "torch" and (name == "Size" or isinstance(found, torch.dtype)):
+            return found
         allowed = _MODULES.get(module, set())
         if module in _MODULES and "." not in name and (allowed is None or name in allowed):
             found = super().find_class(module, name)
@@ -64,12 +68,14 @@ def load_dcp(p: Path) -> dict[str, Any]:
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-            with open(Path(self.path) / ".metadata", "rb") as f:
+            root = Path(self.path)
+            with open(_regular(root, ".metadata", MAX_METADATA_BYTES), "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
             if not isinstance(metadata, Metadata):
                 raise pickle.UnpicklingError(
                     f"the .metadata file holds a {type(metadata).__name__}, not DCP's Metadata"
                 )
+            _check_places(metadata, root)
             meta = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
             meta.load_id = self.load_id
             metadata.storage_meta = meta
@@ -89,6 +95,60 @@ def load_dcp(p: Path) -> dict[str, Any]:
         warnings.simplefilter("ignore")  # torch warns that no process group is initialized
         _load_state_dict(state_dict=state, storage_reader=Reader(str(p)), planner=Planner(), no_dist=True)  # type: ignore[no-untyped-call]
     return state
+
+
+def _regular(root: Path, name: object, cap: int | None = None) -> Path:
+    """``root / name`` if ``name`` is a plain file name and that a regular file (not a link, a
+    FIFO or a device), at most ``cap`` bytes; else a ValueError naming it."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError(f"the DCP metadata names the file {name!r}, which is not a file name inside {root}")
+    path = root / name
+    try:
+        st = path.lstat()
+    except OSError as e:
+        raise ValueError(f"the DCP metadata names {name!r}, which {root} lacks ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path} is not a regular file (a link, a FIFO, a device?): DCP checkpoints hold only files")
+    if cap is not None and st.st_size > cap:
+        raise ValueError(f"{path} holds {st.st_size} bytes, more than any DCP metadata ({cap})")
+    return path
+
+
+def _check_places(metadata: Any, root: Path) -> None:
+    """Each item the metadata places must lie in a regular file of the checkpoint, untransformed,
+    and the tensors it promises must fit in those files' bytes: a crafted .metadata could point
+    at any file of the host, a FIFO or /dev/zero, or ask for terabytes of empty tensors."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    sizes: dict[str, int] = {}
+    places = metadata.storage_data
+    if not isinstance(places, dict):
+        raise ValueError(f"the DCP metadata's storage_data is a {type(places).__name__}, not a dict")
+    for index, info in places.items():
+        if not isinstance(info, _StorageInfo):
+            raise ValueError(f"the DCP metadata places {index} with a {type(info).__name__}")
+        name = info.relative_path
+        if name not in sizes:
+            sizes[name] = _regular(root, name).stat().st_size
+        offset, length = info.offset, info.length
+        if not (type(offset) is int and type(length) is int and offset >= 0 and 0 <= length <= sizes[name] - offset):
+            raise ValueError(f"the DCP metadata places {index} at bytes {offset!r}+{length!r} of {name}, past its end")
+        if info.transform_descriptors:
+            raise ValueError(
+                f"{index} is stored transformed ({info.transform_descriptors!r}); stashpoint imports plain DCP"
+            )
+    promised = 0
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            dims = tuple(entry.size)
+            if not all(type(n) is int and n >= 0 for n in dims):
+                raise ValueError(f"the DCP tensor {key!r} has the shape {dims!r}")
+            promised += math.prod(dims) * entry.properties.dtype.itemsize
+    if promised > sum(sizes.values()):
+        raise ValueError(
+            f"the DCP metadata promises {promised} bytes of tensors, more than its files hold ({sum(sizes.values())})"
+        )
 
 
 def _plain_value(value: io.BytesIO, key: str) -> Any:

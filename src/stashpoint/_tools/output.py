@@ -50,7 +50,7 @@ def age(seconds: float | None) -> str:
 # overrides that reorder what a terminal shows (names and values come from files anyone can
 # write), and the surrogates that stand for a file name's bytes that are not UTF-8 (shown as the
 # byte, \xNN, so that the file can be found)
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\udc80-\udcff]")
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def _escape(m: re.Match[str]) -> str:
