@@ -192,3 +192,22 @@ def test_a_public_bucket_is_listed_without_credentials(hostile, monkeypatch, tmp
     hostile.mode = "one_step"
     assert S3Storage("s3://public/run").children() == ["step-00000001"]
     assert hostile.signed == [False]
+
+
+def test_a_step_holding_a_key_obstore_cannot_address_is_moved_and_removed(s3_env, s3_url):
+    """Retention and moving a step aside delete and copy every key, another tool's included."""
+    bucket, prefix = s3_url[len("s3://") :].split("/", 1)
+    client = boto3.client("s3", endpoint_url=s3_env.endpoint, region_name="us-east-1")
+    with stashpoint.CheckpointManager(s3_url, keep_last=1) as manager:
+        manager.save(1, {"w": torch.ones(4)})
+        client.put_object(Bucket=bucket, Key=f"{prefix}/step-00000001/notes\x01.txt", Body=b"x")
+        moved = S3Storage(f"{s3_url}/step-00000001").move("step-00000001.aside")
+        assert f"{moved.prefix}/notes\x01.txt" in moved._all_keys()
+        client.put_object(Bucket=bucket, Key=f"{prefix}/step-00000002/notes\x01.txt", Body=b"x")
+        manager.save(2, {"w": torch.ones(4)})
+        manager.save(3, {"w": torch.ones(4)})
+        manager.wait()
+    left = [
+        o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/step-00000002/").get("Contents", [])
+    ]
+    assert left == [], "retention removed step 2 with the foreign key in it"

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from stashpoint import _runtime
-from stashpoint._core.naming import MANIFEST_NAME, is_group_dir, split_group
+from stashpoint._core.naming import is_group_dir, split_group
 from stashpoint._storage.base import FileWriter, Storage
 from stashpoint._storage.s3config import (
     S3Client,
@@ -42,11 +42,10 @@ from stashpoint._storage.s3config import (
 )
 from stashpoint._storage.s3io import S3Writer, copy_into, server_said, status_of
 from stashpoint._storage.s3list import list_prefix
+from stashpoint._storage.s3tree import copy_tree, delete_tree
 
 log = logging.getLogger("stashpoint")
 T = TypeVar("T")
-
-_DELETE_BATCH = 1000  # S3's limit per DeleteObjects request
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,41 +346,15 @@ class S3Storage(Storage):
         """Every object key under the prefix, at any depth."""
         return builtins.list(self._listing(delimiter=False)[0])
 
-    def _delete_keys(self, keys: builtins.list[str]) -> None:
-        import obstore
-
-        store = self.client().store
-        for i in range(0, len(keys), _DELETE_BATCH):
-            self.call("deleting under", None, obstore.delete, store, keys[i : i + _DELETE_BATCH])
-
-    def _delete_tree(self, keys: builtins.list[str]) -> None:
-        """Delete ``keys`` (all under the prefix): manifests first, so an interrupted removal
-        leaves uncommitted leftovers, never a half-deleted committed checkpoint; then the
-        "directory" keys of servers that keep emptied folders listed (SeaweedFS), deepest first
-        (a no-op on AWS, which has no folders)."""
-        manifests = [k for k in keys if k.rsplit("/", 1)[-1] == MANIFEST_NAME]
-        self._delete_keys(manifests)
-        self._delete_keys(sorted(set(keys) - set(manifests)))
-        if not self.prefix:
-            return
-        dirs = {f"{self.prefix}/"}
-        for k in keys:
-            parts = k[len(self.prefix) + 1 :].split("/")[:-1]
-            dirs.update(f"{self.prefix}/{'/'.join(parts[: i + 1])}/" for i in range(len(parts)))
-        for depth in sorted({d.count("/") for d in dirs}, reverse=True):
-            self._delete_keys(sorted(d for d in dirs if d.count("/") == depth))
-
     def remove_tree(self) -> None:
         """Delete every object under the prefix and abort any multipart upload still open under
         it (a save that crashed)."""
-        self._delete_tree(self._all_keys())
+        delete_tree(self, self._all_keys())
         self.abort_uploads(f"{self.prefix}/" if self.prefix else "", exact=False)
 
     def move(self, name: str) -> S3Storage:
         """Copy every object to the sibling prefix ``name`` (server-side, manifests last) and then
         delete the originals (manifests first)."""
-        import obstore
-
         if not self.prefix:
             raise ValueError(f"{self.url} is a whole bucket; it cannot be moved")
         parent = self.prefix.rpartition("/")[0]
@@ -393,19 +366,8 @@ class S3Storage(Storage):
         keys = self._all_keys()
         if not keys:
             raise FileNotFoundError(errno.ENOENT, f"cannot move {self.url}: nothing is stored there")
-        store, cut = self.client().store, len(self.prefix) + 1
-        objects = [k for k in keys if not k.endswith("/")]
-        manifests = [k for k in objects if k.rsplit("/", 1)[-1] == MANIFEST_NAME]
-        rest = sorted(set(objects) - set(manifests))
-        for group in (rest, manifests):
-            with cf.ThreadPoolExecutor(self.options.concurrency, "stashpoint-s3-copy") as pool:
-                futures = [
-                    pool.submit(self.call, "copying", k[cut:], obstore.copy, store, k, target._under(k[cut:]))
-                    for k in group
-                ]
-                for f in futures:
-                    f.result()
-        self._delete_tree(keys)
+        copy_tree(self, target, keys)
+        delete_tree(self, keys)
         return target
 
     # -- multipart upload hygiene ---------------------------------------------------------------

@@ -33,7 +33,7 @@ def list_prefix(
     if delimiter:
         request["Delimiter"] = "/"
     while True:
-        page = _retrying(lambda: control.list_objects_v2(**request), retry_seconds)
+        page = retrying(lambda: control.list_objects_v2(**request), retry_seconds)
         entries = [(o["Key"], int(o.get("Size", 0))) for o in page.get("Contents") or ()]
         entries += [(p["Prefix"], -1) for p in page.get("CommonPrefixes") or ()]
         for name, size in entries:
@@ -62,7 +62,7 @@ def _endless(bucket: str, prefix: str, what: str) -> str:
     )
 
 
-def _retrying(request: Callable[[], dict[str, Any]], retry_seconds: float) -> dict[str, Any]:
+def retrying(request: Callable[[], dict[str, Any]], retry_seconds: float) -> dict[str, Any]:
     """``request()``, retried with backoff while it fails transiently, for up to ``retry_seconds``
     (as obstore retries the data requests)."""
     deadline = time.monotonic() + retry_seconds

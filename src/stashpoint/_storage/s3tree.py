@@ -1,0 +1,89 @@
+"""Operations on every object under an S3 prefix: deleting a tree (retention, clean-up) and
+copying one server-side (moving a damaged step aside), in the order that keeps an interrupted
+one safe. Keys obstore cannot address (another tool's, with a control character) go through
+botocore, so that such a key never blocks retention or a move."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from typing import TYPE_CHECKING, Any
+
+from stashpoint._core.naming import MANIFEST_NAME
+from stashpoint._storage.s3config import addressable
+from stashpoint._storage.s3list import retrying
+
+if TYPE_CHECKING:
+    from stashpoint._storage.s3 import S3Storage
+
+_DELETE_BATCH = 1000  # S3's limit per DeleteObjects request
+
+
+def delete_tree(store: S3Storage, keys: list[str]) -> None:
+    """Delete ``keys`` (all under ``store``'s prefix): manifests first, so an interrupted removal
+    leaves uncommitted leftovers, never a half-deleted committed checkpoint; then the
+    "directory" keys of servers that keep emptied folders listed (SeaweedFS), deepest first
+    (a no-op on AWS, which has no folders)."""
+    manifests = [k for k in keys if k.rsplit("/", 1)[-1] == MANIFEST_NAME]
+    _delete(store, manifests)
+    _delete(store, sorted(set(keys) - set(manifests)))
+    if not store.prefix:
+        return
+    dirs = {f"{store.prefix}/"}
+    for k in keys:
+        parts = k[len(store.prefix) + 1 :].split("/")[:-1]
+        dirs.update(f"{store.prefix}/{'/'.join(parts[: i + 1])}/" for i in range(len(parts)))
+    for depth in sorted({d.count("/") for d in dirs}, reverse=True):
+        _delete(store, sorted(d for d in dirs if d.count("/") == depth))
+
+
+def copy_tree(store: S3Storage, target: S3Storage, keys: list[str]) -> None:
+    """Copy ``keys`` (under ``store``'s prefix) to the same names under ``target``'s, server-side,
+    manifests last: an interrupted copy leaves no committed checkpoint there."""
+    import obstore
+
+    c, cut = store.client(), len(store.prefix) + 1
+    objects = [k for k in keys if not k.endswith("/")]
+    manifests = [k for k in objects if k.rsplit("/", 1)[-1] == MANIFEST_NAME]
+
+    def copy(key: str) -> None:
+        to = target._under(key[cut:])
+        if plain_key(key):
+            obstore.copy(c.store, key, to)
+        else:
+            copy_raw(c.control, store.bucket, key, to, store.options.retry_seconds)
+
+    for group in (sorted(set(objects) - set(manifests)), manifests):
+        with cf.ThreadPoolExecutor(store.options.concurrency, "stashpoint-s3-copy") as pool:
+            futures = [pool.submit(store.call, "copying", k[cut:], copy, k) for k in group]
+            for f in futures:
+                f.result()
+
+
+def plain_key(key: str) -> bool:
+    """Whether obstore can address ``key`` (S3 also keeps keys it refuses; see ``addressable``)."""
+    return all(addressable(part) for part in key.split("/") if part)
+
+
+def _delete(store: S3Storage, keys: list[str]) -> None:
+    import obstore
+
+    c = store.client()
+    ours = [k for k in keys if plain_key(k)]
+    foreign = [k for k in keys if not plain_key(k)]
+    for i in range(0, len(ours), _DELETE_BATCH):
+        store.call("deleting under", None, obstore.delete, c.store, ours[i : i + _DELETE_BATCH])
+    for key in foreign:
+        store.call("deleting under", None, delete_raw, c.control, store.bucket, key, store.options.retry_seconds)
+
+
+def delete_raw(control: Any, bucket: str, key: str, retry_seconds: float) -> None:
+    """Delete ``key`` through botocore: a key obstore cannot address (one request per key: a
+    DeleteObjects body is XML 1.0, which cannot hold control characters)."""
+    retrying(lambda: control.delete_object(Bucket=bucket, Key=key), retry_seconds)
+
+
+def copy_raw(control: Any, bucket: str, key: str, to: str, retry_seconds: float) -> None:
+    """Copy ``key`` to ``to`` server-side through botocore: a key obstore cannot address."""
+    retrying(
+        lambda: control.copy_object(Bucket=bucket, Key=to, CopySource={"Bucket": bucket, "Key": key}), retry_seconds
+    )
