@@ -137,13 +137,8 @@ class S3Storage(Storage):
             )
         if isinstance(e, (NotFoundError, FileNotFoundError)):
             return FileNotFoundError(errno.ENOENT, f"{where} does not exist")
-        if (
-            isinstance(e, (PermissionDeniedError, UnauthenticatedError))
-            or status_of(e) in ("401", "403")
-            or (
-                type(e).__name__ == "NoCredentialsError"  # botocore's, when it has none to sign with
-            )
-        ):
+        refused = isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or status_of(e) in ("401", "403")
+        if refused or type(e).__name__ == "NoCredentialsError":  # botocore's, when it has none to sign with
             return S3Error(f"{op} {where} was refused by {c.endpoint} ({said}); {c.credentials_hint()}")
         return S3Error(
             f"{op} {where} failed ({said}) after retrying for up to {self.options.retry_seconds:g} s; "
