@@ -26,6 +26,7 @@ import resource
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -54,6 +55,21 @@ def train_step(state: dict) -> None:
 def node_root(base: Path) -> Path:
     nodes = Path(os.environ.get("BENCH_NODES", base))  # the nodes' tier: a disk, or /dev/shm (memory)
     return nodes / f"node-{os.environ.get('NODE_DIR', os.environ.get('GROUP_RANK', '0'))}" / "ckpt"
+
+
+@contextlib.contextmanager
+def _profiled(source: str, rank: int) -> Iterator[None]:
+    """cProfile what runs inside, written to $BENCH_PROFILE/<source>-rank<rank>.prof when that
+    directory is set (each rank's restore; for S3, the manager's open too)."""
+    where = os.environ.get("BENCH_PROFILE")
+    if not where:
+        yield
+        return
+    import cProfile
+
+    with cProfile.Profile() as prof:
+        yield
+    prof.dump_stats(Path(where) / f"{source}-rank{rank}.prof")
 
 
 def main() -> None:
@@ -92,19 +108,13 @@ def main() -> None:
                 dcp_loader(state)(args.base / "dcp")
             elif args.source == "s3":
                 fresh = args.base / f"fresh-{os.environ['BENCH_T0']}"  # empty: the local tier of fresh nodes
-                m = managers.enter_context(stashpoint.CheckpointManager(fresh, remote_root=args.s3))
-                assert m.restore(state) == 1 and m.restored_from() == "remote"
+                with _profiled(args.source, rank):
+                    m = managers.enter_context(stashpoint.CheckpointManager(fresh, remote_root=args.s3))
+                    assert m.restore(state) == 1 and m.restored_from() == "remote"
             else:
                 mgr = stashpoint.CheckpointManager(node_root(args.base), node_local=True, replicas=args.replicas)
                 m = managers.enter_context(mgr)
-                profile = os.environ.get("BENCH_PROFILE")  # a directory: each rank's restore profiled there
-                if profile:
-                    import cProfile
-
-                    with cProfile.Profile() as prof:
-                        assert m.restore(state) == 1
-                    prof.dump_stats(Path(profile) / f"{args.source}-rank{rank}.prof")
-                else:
+                with _profiled(args.source, rank):
                     assert m.restore(state) == 1
             out["load_s"] = time.perf_counter() - t1
             t2 = time.perf_counter()
