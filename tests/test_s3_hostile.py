@@ -8,6 +8,7 @@ obstore cannot address is tested on the real server.
 
 from __future__ import annotations
 
+import re
 import resource
 import threading
 import time
@@ -32,6 +33,7 @@ class _Hostile(BaseHTTPRequestHandler):
     mode = "big_body"
     requests = 0
     signed: list[bool]
+    deleted: list[str]
 
     def log_message(self, *args: object) -> None:
         pass
@@ -40,6 +42,13 @@ class _Hostile(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Length", "0")
         self.end_headers()
+
+    def do_POST(self) -> None:  # DeleteObjects: the keys asked for, recorded
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0))).decode()
+        keys = re.findall(r"<Key>(.*?)</Key>", body)
+        type(self).deleted += keys
+        done = "".join(f"<Deleted><Key>{k}</Key></Deleted>" for k in keys)
+        self._xml_reply(f'<DeleteResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">{done}</DeleteResult>')
 
     def do_GET(self) -> None:
         type(self).requests += 1
@@ -78,9 +87,10 @@ class _Hostile(BaseHTTPRequestHandler):
         )
 
     def _xml(self, inner: str) -> None:
-        body = (
-            f'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>b</Name>{inner}</ListBucketResult>'.encode()
-        )
+        self._xml_reply(f"<ListBucketResult><Name>b</Name>{inner}</ListBucketResult>")
+
+    def _xml_reply(self, doc: str) -> None:
+        body = f'<?xml version="1.0" encoding="UTF-8"?>{doc}'.encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/xml")
         self.send_header("Content-Length", str(len(body)))
@@ -90,7 +100,7 @@ class _Hostile(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def hostile(monkeypatch) -> Iterator[type[_Hostile]]:
-    handler = type("Handler", (_Hostile,), {"signed": []})
+    handler = type("Handler", (_Hostile,), {"signed": [], "deleted": []})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -211,3 +221,14 @@ def test_a_step_holding_a_key_obstore_cannot_address_is_moved_and_removed(s3_env
         o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/step-00000002/").get("Contents", [])
     ]
     assert left == [], "retention removed step 2 with the foreign key in it"
+
+
+def test_a_tree_is_deleted_key_by_key_as_named(hostile):
+    """obstore drops a trailing '/' and refuses 'a//b': folder markers and such keys go by name,
+    and the object named like the prefix, beside the tree, is never among them."""
+    from stashpoint._storage.s3tree import delete_tree
+
+    keys = ["run/step-1/shard-r00000-0000-a.safetensors", "run/step-1/sub/", "run/step-1/x//y"]
+    delete_tree(S3Storage("s3://bucket/run/step-1"), keys)
+    assert set(hostile.deleted) >= set(keys) | {"run/step-1/", "run/step-1/x/"}
+    assert "run/step-1" not in hostile.deleted and "run/step-1/sub" not in hostile.deleted

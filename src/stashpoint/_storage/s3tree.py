@@ -9,7 +9,7 @@ import concurrent.futures as cf
 from typing import TYPE_CHECKING, Any
 
 from stashpoint._core.naming import MANIFEST_NAME
-from stashpoint._storage.s3config import addressable
+from stashpoint._storage.s3config import S3Error, addressable
 from stashpoint._storage.s3list import retrying
 
 if TYPE_CHECKING:
@@ -21,8 +21,9 @@ _DELETE_BATCH = 1000  # S3's limit per DeleteObjects request
 def delete_tree(store: S3Storage, keys: list[str]) -> None:
     """Delete ``keys`` (all under ``store``'s prefix): manifests first, so an interrupted removal
     leaves uncommitted leftovers, never a half-deleted committed checkpoint; then the
-    "directory" keys of servers that keep emptied folders listed (SeaweedFS), deepest first
-    (a no-op on AWS, which has no folders)."""
+    folder keys (``step/``) of servers that keep emptied folders listed (SeaweedFS), deepest
+    first, each exactly as named (on AWS, where folders are markers some tools write, the
+    object ``step`` beside the tree is never touched)."""
     manifests = [k for k in keys if k.rsplit("/", 1)[-1] == MANIFEST_NAME]
     _delete(store, manifests)
     _delete(store, sorted(set(keys) - set(manifests)))
@@ -60,20 +61,41 @@ def copy_tree(store: S3Storage, target: S3Storage, keys: list[str]) -> None:
 
 
 def plain_key(key: str) -> bool:
-    """Whether obstore can address ``key`` (S3 also keeps keys it refuses; see ``addressable``)."""
-    return all(addressable(part) for part in key.split("/") if part)
+    """Whether obstore addresses ``key`` as it is: it refuses control characters, ``.``, ``..``
+    and empty segments (``a//b``), and drops a leading or trailing ``/`` (a folder marker
+    ``step/`` would become the object ``step``, beside the tree)."""
+    return all(part and addressable(part) for part in key.split("/"))
 
 
 def _delete(store: S3Storage, keys: list[str]) -> None:
     import obstore
 
-    c = store.client()
+    c, retry = store.client(), store.options.retry_seconds
     ours = [k for k in keys if plain_key(k)]
-    foreign = [k for k in keys if not plain_key(k)]
+    batched = [k for k in keys if not plain_key(k) and _xml_safe(k)]  # folder markers, a//b
+    single = [k for k in keys if not plain_key(k) and not _xml_safe(k)]
     for i in range(0, len(ours), _DELETE_BATCH):
         store.call("deleting under", None, obstore.delete, c.store, ours[i : i + _DELETE_BATCH])
-    for key in foreign:
-        store.call("deleting under", None, delete_raw, c.control, store.bucket, key, store.options.retry_seconds)
+    for i in range(0, len(batched), _DELETE_BATCH):
+        store.call("deleting under", None, delete_batch, c.control, store.bucket, batched[i : i + _DELETE_BATCH], retry)
+    for key in single:
+        store.call("deleting under", None, delete_raw, c.control, store.bucket, key, retry)
+
+
+def _xml_safe(key: str) -> bool:
+    return not any(ord(c) < 32 or ord(c) == 127 for c in key)
+
+
+def delete_batch(control: Any, bucket: str, keys: list[str], retry_seconds: float) -> None:
+    """Delete ``keys`` (at most 1,000, none with a control character) exactly as named."""
+    objects = [{"Key": k} for k in keys]
+    reply = retrying(
+        lambda: control.delete_objects(Bucket=bucket, Delete={"Objects": objects, "Quiet": True}), retry_seconds
+    )
+    failed = [e for e in reply.get("Errors") or () if e.get("Code") != "NoSuchKey"]
+    if failed:
+        e = failed[0]
+        raise S3Error(f"deleting s3://{bucket}/{e.get('Key')} failed ({e.get('Code')}: {e.get('Message')})")
 
 
 def delete_raw(control: Any, bucket: str, key: str, retry_seconds: float) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from stashpoint.errors import CheckpointError
 
-MAX_METADATA_BYTES = 256 << 20
+MAX_METADATA_BYTES = 256 << 20  # or 1/16 of the data, for checkpoints of very many chunks
 _MODULES = {  # module -> the names a DCP .metadata may name in it (None: any class of the module)
     "torch.distributed.checkpoint.metadata": None,
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
@@ -69,7 +69,7 @@ def load_dcp(p: Path) -> dict[str, Any]:
             from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
             root = Path(self.path)
-            with open(_regular(root, ".metadata", MAX_METADATA_BYTES), "rb") as f:
+            with open(_regular(root, ".metadata", _metadata_cap(root)), "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
             if not isinstance(metadata, Metadata):
                 raise pickle.UnpicklingError(
@@ -107,11 +107,23 @@ def _regular(root: Path, name: object, cap: int | None = None) -> Path:
         st = path.lstat()
     except OSError as e:
         raise ValueError(f"the DCP metadata names {name!r}, which {root} lacks ({e.strerror})") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(
+            f"{path} is a symbolic link: import reads only the checkpoint's own files (a link could lead anywhere "
+            "on this host); copy the checkpoint with its links resolved (cp -rL) and import the copy"
+        )
     if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{path} is not a regular file (a link, a FIFO, a device?): DCP checkpoints hold only files")
+        raise ValueError(f"{path} is not a regular file (a FIFO, a device?): DCP checkpoints hold only files")
     if cap is not None and st.st_size > cap:
         raise ValueError(f"{path} holds {st.st_size} bytes, more than any DCP metadata ({cap})")
     return path
+
+
+def _metadata_cap(root: Path) -> int:
+    """The most bytes a .metadata may hold: a record per chunk, so it grows with the chunks (about
+    150 bytes each); bounded by the data it describes, at least 256 MiB."""
+    data = sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(root) if e.is_file(follow_symlinks=False))
+    return max(MAX_METADATA_BYTES, data // 16)
 
 
 def _check_places(metadata: Any, root: Path) -> None:
