@@ -202,7 +202,7 @@ class S3Storage(Storage):
             if length <= 0:
                 return b""
             try:
-                return b"".join(builtins.list(self._body(name, offset, length)))
+                return b"".join(self._body(name, offset, length))
             except EOFError:
                 return b""  # past the end, like reading a file past its end
         store, key = self.client().store, self.key(name)

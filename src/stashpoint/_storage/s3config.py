@@ -272,4 +272,9 @@ def parse_url(url: str) -> tuple[str, str]:
 def addressable(segment: str) -> bool:
     """Whether the data client can address a key segment: S3 keeps ``.``, ``..`` and control
     characters as they are, obstore refuses them."""
-    return segment not in (".", "..") and not any(ord(c) < 32 or ord(c) == 127 for c in segment)
+    return segment not in (".", "..") and not has_control(segment)
+
+
+def has_control(text: str) -> bool:
+    """Whether ``text`` holds an ASCII control character (which XML 1.0 request bodies cannot)."""
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)

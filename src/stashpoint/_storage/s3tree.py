@@ -9,7 +9,7 @@ import concurrent.futures as cf
 from typing import TYPE_CHECKING, Any
 
 from stashpoint._core.naming import MANIFEST_NAME
-from stashpoint._storage.s3config import S3Error, addressable
+from stashpoint._storage.s3config import S3Error, addressable, has_control
 from stashpoint._storage.s3list import retrying
 
 if TYPE_CHECKING:
@@ -71,19 +71,17 @@ def _delete(store: S3Storage, keys: list[str]) -> None:
     import obstore
 
     c, retry = store.client(), store.options.retry_seconds
-    ours = [k for k in keys if plain_key(k)]
-    batched = [k for k in keys if not plain_key(k) and _xml_safe(k)]  # folder markers, a//b
-    single = [k for k in keys if not plain_key(k) and not _xml_safe(k)]
+    ours: list[str] = []
+    batched: list[str] = []  # folder markers, a//b: by name, in batches
+    single: list[str] = []  # control characters: one request each
+    for k in keys:
+        (ours if plain_key(k) else single if has_control(k) else batched).append(k)
     for i in range(0, len(ours), _DELETE_BATCH):
         store.call("deleting under", None, obstore.delete, c.store, ours[i : i + _DELETE_BATCH])
     for i in range(0, len(batched), _DELETE_BATCH):
         store.call("deleting under", None, delete_batch, c.control, store.bucket, batched[i : i + _DELETE_BATCH], retry)
     for key in single:
         store.call("deleting under", None, delete_raw, c.control, store.bucket, key, retry)
-
-
-def _xml_safe(key: str) -> bool:
-    return not any(ord(c) < 32 or ord(c) == 127 for c in key)
 
 
 def delete_batch(control: Any, bucket: str, keys: list[str], retry_seconds: float) -> None:
