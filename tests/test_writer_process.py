@@ -173,16 +173,39 @@ def _stop_mid_write(ck: Path, before: set[str], pid: int, total: int) -> int:
     return new
 
 
-def test_kill_9_of_the_writer_mid_save_fails_that_save_cleanly_and_the_next_save_starts_a_new_one(tmp_path):
-    ck = tmp_path / "ck"
+def _only_that_save_failed(ck: Path, before: set[str], old: dict[str, torch.Tensor], pid: int) -> None:
+    """The failed save left nothing behind, the previous checkpoint loads, and the next save,
+    in a new writer process, round-trips."""
+    assert set(os.listdir(ck)) == before, "the partial shard files are removed"
+    out = {"w": torch.zeros(1000)}
+    stashpoint.load(out, ck)
+    assert torch.equal(out["w"], old["w"]), "the previous checkpoint is intact"
+    new = _many_files()
+    stats = stashpoint.save(new, ck, overwrite=True, writer="process", max_shard_bytes=MiB)
+    assert stats.writer == "process"
+    assert _writerproc.current_pid() not in (None, pid), "a new writer process"
+    back = {k: torch.zeros_like(v) for k, v in new.items()}
+    stashpoint.load(back, ck)
+    assert all(torch.equal(back[k], new[k]) for k in new)
+
+
+def _many_files() -> dict[str, torch.Tensor]:
+    return {f"t{i:03d}": torch.full((MiB // 4,), float(i)) for i in range(96)}  # one 1 MiB file each
+
+
+def _saved_once(ck: Path) -> tuple[dict[str, torch.Tensor], int, set[str]]:
+    """A first save through the writer process: the state, the writer's pid, the files."""
     old = {"w": torch.arange(1000, dtype=torch.float32)}
     stashpoint.save(old, ck, writer="process")
     pid = _writerproc.current_pid()
     assert pid is not None
-    before = set(os.listdir(ck))
+    return old, pid, set(os.listdir(ck))
 
-    new = {f"t{i:03d}": torch.full((MiB // 4,), float(i)) for i in range(96)}  # one 1 MiB file each
-    handle = stashpoint.async_save(new, ck, overwrite=True, writer="process", max_shard_bytes=MiB)
+
+def test_kill_9_of_the_writer_mid_save_fails_that_save_cleanly_and_the_next_save_starts_a_new_one(tmp_path):
+    ck = tmp_path / "ck"
+    old, pid, before = _saved_once(ck)
+    handle = stashpoint.async_save(_many_files(), ck, overwrite=True, writer="process", max_shard_bytes=MiB)
     _stop_mid_write(ck, before, pid, total=96)
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(stashpoint.CheckpointError) as info:
@@ -190,17 +213,72 @@ def test_kill_9_of_the_writer_mid_save_fails_that_save_cleanly_and_the_next_save
     msg = str(info.value)
     assert f"writer process (pid {pid}) was killed by SIGKILL while writing the shards of {ck}" in msg, msg
     assert "Nothing was committed there and earlier checkpoints are untouched" in msg, msg
-    assert set(os.listdir(ck)) == before, "the partial shard files are removed"
-    out = {"w": torch.zeros(1000)}
-    stashpoint.load(out, ck)
-    assert torch.equal(out["w"], old["w"]), "the previous checkpoint is intact"
+    _only_that_save_failed(ck, before, old, pid)
 
-    stats = stashpoint.save(new, ck, overwrite=True, writer="process", max_shard_bytes=MiB)
-    assert stats.writer == "process"
-    assert _writerproc.current_pid() not in (None, pid), "a new writer process"
+
+def test_a_writer_process_that_writes_nothing_for_the_stall_limit_is_killed_and_the_next_save_goes_on(
+    tmp_path, monkeypatch
+):
+    ck = tmp_path / "ck"
+    old, pid, before = _saved_once(ck)
+    monkeypatch.setenv(_writerproc.STALL_ENV, "2")
+    handle = stashpoint.async_save(_many_files(), ck, overwrite=True, writer="process", max_shard_bytes=MiB)
+    try:
+        _stop_mid_write(ck, before, pid, total=96)  # and left stopped, as a hung storage would leave it
+        start = time.monotonic()
+        with pytest.raises(stashpoint.CheckpointError) as info:
+            handle.wait(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    msg = str(info.value)
+    assert f"writer process (pid {pid}) stopped answering while writing the shards of {ck}" in msg, msg
+    assert "it wrote nothing for 2 s" in msg and _writerproc.STALL_ENV in msg, msg
+    assert took < 30, f"the save failed {took:.1f} s after the writer stopped"
+    assert gone_within(pid, 10), "the stopped writer process was killed"
+    _only_that_save_failed(ck, before, old, pid)
+
+
+def test_a_slow_writer_process_that_keeps_writing_is_not_a_stall(tmp_path, monkeypatch):
+    """Stopped for 1.2 s and let run for 0.05 s in turn: slower than the 3 s limit in all, but
+    never 3 s without progress, so the save succeeds."""
+    ck = tmp_path / "ck"
+    stashpoint.save({"w": torch.zeros(1)}, ck, writer="process")
+    pid = _writerproc.current_pid()
+    assert pid is not None
+    monkeypatch.setenv(_writerproc.STALL_ENV, "3")
+    new = {f"t{i:03d}": torch.full((MiB // 16,), float(i)) for i in range(400)}
+    start = time.monotonic()
+    handle = stashpoint.async_save(new, ck, overwrite=True, writer="process", max_shard_bytes=MiB // 4)
+    try:
+        while not handle.done():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(1.2)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.05)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    handle.wait(timeout=60)
+    took = time.monotonic() - start
+    assert took > 3, f"the save took {took:.1f} s: not longer than the limit, so it proves nothing"
+    assert _writerproc.current_pid() == pid, "the same writer process"
     back = {k: torch.zeros_like(v) for k, v in new.items()}
     stashpoint.load(back, ck)
     assert all(torch.equal(back[k], new[k]) for k in new)
+
+
+def test_the_stall_limit_comes_from_the_environment_and_a_bad_value_is_named(monkeypatch):
+    monkeypatch.delenv(_writerproc.STALL_ENV, raising=False)
+    assert _writerproc.writer_stall_s() == _writerproc.DEFAULT_STALL_S
+    monkeypatch.setenv(_writerproc.STALL_ENV, "0")
+    assert _writerproc.writer_stall_s() is None
+    monkeypatch.setenv(_writerproc.STALL_ENV, " 2.5 ")
+    assert _writerproc.writer_stall_s() == 2.5
+    for bad in ("-1", "soon", "inf", "nan"):
+        monkeypatch.setenv(_writerproc.STALL_ENV, bad)
+        with pytest.raises(ValueError, match=f"STASHPOINT_WRITER_STALL_S='{bad}' must be a number of seconds"):
+            _writerproc.writer_stall_s()
 
 
 def test_an_error_in_the_writer_process_comes_back_with_its_traceback_and_the_child_lives_on(tmp_path):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures as cf
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,12 +72,23 @@ def block_sums(data: memoryview, block: int) -> tuple[str, ...]:
     return tuple(xxhash.xxh3_64_hexdigest(data[b : b + block]) for b in range(0, len(data), block))
 
 
-def _write_run(writer: FileWriter, run: memoryview) -> None:
+Progress = Callable[[int], None]
+"""Called with the bytes just written (0 when a file became durable), from any write thread."""
+
+
+def _no_progress(n: int) -> None:
+    pass
+
+
+def _write_run(writer: FileWriter, run: memoryview, progress: Progress) -> None:
     for b in range(0, len(run), WRITE_BLOCK):
         writer.write(run[b : b + WRITE_BLOCK])
+        progress(min(WRITE_BLOCK, len(run) - b))
 
 
-def _write_file(storage: Storage, w: ShardWrite, memory: memoryview, block: int) -> dict[str, tuple[str, ...]]:
+def _write_file(
+    storage: Storage, w: ShardWrite, memory: memoryview, block: int, progress: Progress
+) -> dict[str, tuple[str, ...]]:
     """Write one shard durably; its pieces' block checksums, by key. Aborted (removed) on failure."""
     sums: dict[str, tuple[str, ...]] = {}
     writer = storage.open_writer(w.name, w.size)
@@ -90,12 +101,13 @@ def _write_file(storage: Storage, w: ShardWrite, memory: memoryview, block: int)
                 continue
             if p.offset != end:  # not adjacent to the run so far: write that run, start another
                 if end > start:
-                    _write_run(writer, memory[start:end])
+                    _write_run(writer, memory[start:end], progress)
                 start = p.offset
             end = p.offset + p.nbytes
         if end > start:
-            _write_run(writer, memory[start:end])
+            _write_run(writer, memory[start:end], progress)
         writer.close()
+        progress(0)
     except BaseException:
         writer.abort()
         raise
@@ -103,7 +115,13 @@ def _write_file(storage: Storage, w: ShardWrite, memory: memoryview, block: int)
 
 
 def write_files(
-    storage: Storage, writes: Sequence[ShardWrite], memory: memoryview, *, block: int, streams: int | None = None
+    storage: Storage,
+    writes: Sequence[ShardWrite],
+    memory: memoryview,
+    *,
+    block: int,
+    streams: int | None = None,
+    progress: Progress = _no_progress,
 ) -> dict[str, tuple[str, ...]]:
     """Write each shard durably (``close()`` returns once it is) from ``memory``; return the
     block checksums of every piece, by key.
@@ -113,7 +131,8 @@ def write_files(
     that serves several requests at once is faster with more of them in flight. ``memory`` must
     be writable (that is how the local backend finds its address for direct I/O); nothing here
     writes to it. A file that fails is aborted (removed); once the others have ended, the first
-    error (in file order) propagates.
+    error (in file order) propagates. ``progress`` hears of every write and every file made
+    durable (the writer process reports it, so that its parent can tell a slow write from a hung one).
     """
     for w in writes:
         for p in w.pieces:
@@ -126,10 +145,10 @@ def write_files(
     sums: dict[str, tuple[str, ...]] = {}
     if n <= 1:
         for w in writes:
-            sums.update(_write_file(storage, w, memory, block))
+            sums.update(_write_file(storage, w, memory, block, progress))
         return sums
     with cf.ThreadPoolExecutor(max_workers=n, thread_name_prefix="stashpoint-write") as pool:
-        futures = [pool.submit(_write_file, storage, w, memory, block) for w in writes]
+        futures = [pool.submit(_write_file, storage, w, memory, block, progress) for w in writes]
         cf.wait(futures)
     for f in futures:
         sums.update(f.result())

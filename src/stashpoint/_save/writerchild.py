@@ -15,7 +15,9 @@ document belong to it. Child to parent: ``b"J"`` frames only. Requests:
   "forget": [...], "block": N, "writes": [ShardWrite.to_wire(), ...]}`` — map the new regions
   (one descriptor each, in order; the first RESIDENT bytes of each hold its pages), unmap the
   forgotten ones, write the files from region ``T``; the answer is
-  ``{"ok": true, "sums": {key: [checksums]}}`` or ``{"ok": false, "type", "error", "traceback"}``;
+  ``{"ok": true, "sums": {key: [checksums]}}`` or ``{"ok": false, "type", "error", "traceback"}``,
+  after ``{"op": "progress", "bytes": N}`` at most every ``PROGRESS_INTERVAL_S`` while bytes are
+  written or files made durable (the parent gives up on a writer that stays silent too long);
 - ``{"op": "forget", "forget": [...]}`` — unmap regions whose memory the parent freed (no answer);
 - ``{"op": "ping"}`` — answered with ``{"ok": true, "pid": PID}``.
 """
@@ -40,6 +42,7 @@ from stashpoint._storage import LocalStorage, Storage
 _LEN = struct.Struct("<Q")
 MAX_DOC = 1 << 30  # a request's JSON (headers included); far beyond any real plan
 WATCH_INTERVAL_S = 0.2
+PROGRESS_INTERVAL_S = 1.0
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _POPULATE_READ = 22  # MADV_POPULATE_READ (Linux 5.14+; not in Python's mmap module)
 
@@ -131,14 +134,54 @@ def map_region(fd: int, size: int, resident: int) -> mmap.mmap:
     return mm
 
 
-def _write(msg: Mapping[str, Any], regions: Mapping[int, mmap.mmap]) -> dict[str, Any]:
+class _Reporter:
+    """Tells the parent, at most every ``PROGRESS_INTERVAL_S``, that a write moves on.
+
+    Only progress is reported, never a heartbeat: a write stuck in the storage (a hung mount)
+    must look to the parent like a stopped process does.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.bytes = 0
+        self.events = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stashpoint-progress", daemon=True)
+
+    def add(self, n: int) -> None:
+        self.bytes += n  # a lost update under a race only delays a report
+        self.events += 1
+
+    def _run(self) -> None:
+        sent = 0
+        while not self._stop.wait(PROGRESS_INTERVAL_S):
+            if self.events != sent:
+                sent = self.events
+                try:
+                    send_msg(self.sock, {"op": "progress", "bytes": self.bytes})
+                except OSError:  # the parent is gone; the main thread finds out
+                    return
+
+    def __enter__(self) -> _Reporter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()  # before the answer goes out: whole frames only on the socket
+
+
+def _write(msg: Mapping[str, Any], regions: Mapping[int, mmap.mmap], sock: socket.socket) -> dict[str, Any]:
     try:
         storage = storage_from(msg["storage"])
         token = int(msg["token"])
         if token not in regions:
             raise ProtocolError(f"staging region {token} was never sent to this writer process")
         writes = [ShardWrite.from_wire(w) for w in msg["writes"]]
-        sums = write_files(storage, writes, memoryview(regions[token]), block=int(msg["block"]))
+        with _Reporter(sock) as reporter:
+            sums = write_files(
+                storage, writes, memoryview(regions[token]), block=int(msg["block"]), progress=reporter.add
+            )
         return {"ok": True, "sums": {k: list(v) for k, v in sums.items()}}
     except Exception as e:
         return {"ok": False, "type": type(e).__name__, "error": str(e), "traceback": traceback.format_exc()}
@@ -177,7 +220,7 @@ def serve(sock: socket.socket) -> None:
         if op == "forget":
             continue
         if op == "write":
-            send_msg(sock, failed or _write(msg, regions))
+            send_msg(sock, failed or _write(msg, regions, sock))
         elif op == "ping":
             send_msg(sock, {"ok": True, "pid": os.getpid()})
         else:

@@ -17,7 +17,8 @@ Life cycle:
 - it runs at the training process's priority, lowered by ``STASHPOINT_WRITER_NICE`` (default 0);
 - if it dies (killed, out of memory), the save it was writing fails with a ``CheckpointError``
   (nothing is committed; the writer thread removes the partial files) and the next save starts
-  a new one;
+  a new one; so does a save during which it writes nothing for ``STASHPOINT_WRITER_STALL_S``
+  (stopped, or its storage hangs): it is killed first;
 - stopped by ``stashpoint.shutdown()`` and at interpreter exit (the socket is closed, the child exits); when the
   training process dies instead, the child sees its socket close or its parent change and exits;
 - a ``fork`` of the training process (a ``DataLoader`` worker) drops its inherited copy.
@@ -57,6 +58,9 @@ WRITERS = ("thread", "process")
 CLOSE_TIMEOUT_S = 10.0
 NICE_ENV = "STASHPOINT_WRITER_NICE"
 DEFAULT_NICE = 0
+STALL_ENV = "STASHPOINT_WRITER_STALL_S"
+DEFAULT_STALL_S = 300.0
+REAP_TIMEOUT_S = 10.0
 
 
 def writer_nice() -> int:
@@ -77,6 +81,26 @@ def writer_nice() -> int:
     if not 0 <= value <= 19:
         raise ValueError(f"{NICE_ENV}={text!r} must be a whole number from 0 (same priority as training) to 19")
     return value
+
+
+def writer_stall_s() -> float | None:
+    """How long a writer process may write nothing in the middle of a save, in seconds.
+
+    ``STASHPOINT_WRITER_STALL_S``, read at each save; default 300. Past it the writer process is
+    taken for stopped or stuck in its storage: it is killed and the save fails, so that the next
+    save can go on. The child reports every byte written and every file made durable, so a slow
+    disk is not a stall. 0 waits forever.
+    """
+    text = os.environ.get(STALL_ENV, "").strip()
+    if not text:
+        return DEFAULT_STALL_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"{STALL_ENV}={text!r} must be a number of seconds (0 waits forever)")
+    return value or None
 
 
 def describe(storage: Storage) -> dict[str, Any] | None:
@@ -165,6 +189,7 @@ class WriterProcess:
         region = staged.region
         if region is None:
             raise ValueError("the writer process needs shared staging memory")
+        stall = writer_stall_s()
         with self._request:
             if not self.usable():
                 raise self._dead(location, "it was no longer running when this save started")
@@ -182,10 +207,14 @@ class WriterProcess:
             msg["new"] = new
             try:
                 with self._send:
+                    self.sock.settimeout(stall)  # each send and receive: a stopped child cannot block either
                     msg["forget"] = self._forgotten()
                     send_msg(self.sock, msg, fds)
                     self._mapped.add(region.token)
-                reply, _ = recv_msg(self.sock)
+                reply = self._answer()
+            except TimeoutError:
+                cause = f"it wrote nothing for {stall:g} s, stopped or stuck in its storage, and was killed; "
+                raise self._dead(location, cause + f"{STALL_ENV} sets how long to wait", kill=True) from None
             except (OSError, EOFError, ValueError) as e:  # ConnectionError and ProtocolError are OSErrors
                 raise self._dead(location, f"{type(e).__name__}: {e}") from e
             if reply is None:
@@ -201,19 +230,41 @@ class WriterProcess:
             )
         return {str(k): tuple(str(s) for s in v) for k, v in reply["sums"].items()}
 
-    def _dead(self, location: str, cause: str) -> CheckpointError:
+    def _answer(self) -> dict[str, Any] | None:
+        """The child's answer to a write, its progress reports skipped."""
+        while True:
+            reply, fds = recv_msg(self.sock)
+            for fd in fds:  # the child sends none
+                os.close(fd)
+            if reply is None or reply.get("op") != "progress":
+                return reply
+
+    def _reap(self) -> int | None:
+        """Kill the child and wait for it; None if it does not end (stuck in the kernel)."""
+        self.proc.kill()
+        try:
+            return self.proc.wait(timeout=REAP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("stashpoint: the writer process (pid %d) did not end after SIGKILL", self.pid)
+            return None
+
+    def _dead(self, location: str, cause: str, *, kill: bool = False) -> CheckpointError:
         """Mark this writer dead (reaping or killing the child) and describe what happened."""
         self.broken = cause
-        try:
-            rc: int | None = self.proc.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:  # alive but out of step: it cannot be trusted any more
-            self.proc.kill()
-            self.proc.wait()
-            rc = None
+        if kill:
+            rc = self._reap()
+            ended = "stopped answering"
+        else:
+            try:
+                rc = self.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:  # alive but out of step: it cannot be trusted any more
+                self._reap()
+                rc = None
+            ended = _how_it_ended(rc)
         with self._send:  # never close the socket under a sender (its descriptor number could be reused)
             self.sock.close()
         return CheckpointError(
-            f"the writer process (pid {self.pid}) {_how_it_ended(rc)} while writing the shards of {location} "
+            f"the writer process (pid {self.pid}) {ended} while writing the shards of {location} "
             f"({cause}); nothing of this save is committed, and the next save starts a new writer process"
         )
 
@@ -226,8 +277,7 @@ class WriterProcess:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             log.warning("stashpoint: the writer process (pid %d) did not exit; killing it", self.pid)
-            self.proc.kill()
-            self.proc.wait()
+            self._reap()
 
 
 _SLOT = "save.writer_process"
