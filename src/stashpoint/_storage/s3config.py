@@ -1,7 +1,7 @@
 """Configuration of the S3 backend: tuning options, and one client per bucket and process.
 
 The endpoint, region and credentials come from the standard AWS sources, resolved by botocore
-exactly as the AWS CLI and boto3 resolve them: the environment (``AWS_ACCESS_KEY_ID``,
+exactly as the AWS CLI and boto3 resolve them (through botocore itself, without importing boto3): the environment (``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``/``AWS_DEFAULT_REGION``,
 ``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``, ``AWS_PROFILE``), then ``~/.aws/credentials`` and
 ``~/.aws/config`` (or ``AWS_SHARED_CREDENTIALS_FILE``/``AWS_CONFIG_FILE``), then the rest of the
@@ -106,18 +106,18 @@ def _importable(module: str) -> bool:
 
 def check_installed() -> None:
     """Raise a clear ImportError, naming the extra to install, if the S3 clients are missing."""
-    missing = [m for m in ("obstore", "boto3") if not _importable(m)]
+    missing = [m for m in ("obstore", "botocore") if not _importable(m)]
     if missing:
         raise ImportError(f"s3:// paths need the S3 extra: {INSTALL_HINT} (missing: {', '.join(missing)})")
 
 
 def _import_clients() -> tuple[Any, Any]:
     try:
-        import boto3
+        import botocore.session  # not boto3: its import alone doubles the time to the first request
         import obstore
     except ImportError as e:
         raise ImportError(f"s3:// paths need the S3 extra: {INSTALL_HINT} (missing: {e.name})") from e
-    return boto3, obstore
+    return botocore.session, obstore
 
 
 _AWS_SUFFIXES = (".amazonaws.com", ".amazonaws.com.cn")
@@ -145,14 +145,14 @@ def _duration(seconds: float) -> str:
 
 
 def _make_client(bucket: str, opts: S3Options) -> S3Client:
-    boto3, _ = _import_clients()
+    sessions, _ = _import_clients()
     import botocore
     from botocore.config import Config
     from obstore.store import S3Store
 
-    session = boto3.session.Session()
+    session = sessions.get_session()
     creds = session.get_credentials()
-    control = session.client(
+    control = session.create_client(
         "s3",
         config=Config(
             retries={"mode": "standard", "max_attempts": 3},
@@ -166,7 +166,7 @@ def _make_client(bucket: str, opts: S3Options) -> S3Client:
     endpoint = str(control.meta.endpoint_url).rstrip("/")
     host = urlsplit(endpoint).hostname or ""
     custom = not host.endswith(_AWS_SUFFIXES)
-    region = session.region_name or control.meta.region_name or "us-east-1"
+    region = session.get_config_variable("region") or control.meta.region_name or "us-east-1"
     config: dict[str, Any] = {"region": region}
     if custom:
         config["endpoint"] = endpoint
