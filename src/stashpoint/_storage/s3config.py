@@ -1,7 +1,7 @@
 """Configuration of the S3 backend: tuning options, and one client per bucket and process.
 
 The endpoint, region and credentials come from the standard AWS sources, resolved by botocore
-exactly as the AWS CLI and boto3 resolve them (through botocore itself, without importing boto3): the environment (``AWS_ACCESS_KEY_ID``,
+(boto3 is not imported) exactly as the AWS CLI and boto3 resolve them: the environment (``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``/``AWS_DEFAULT_REGION``,
 ``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``, ``AWS_PROFILE``), then ``~/.aws/credentials`` and
 ``~/.aws/config`` (or ``AWS_SHARED_CREDENTIALS_FILE``/``AWS_CONFIG_FILE``), then the rest of the
