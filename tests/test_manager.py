@@ -134,6 +134,64 @@ def test_second_manager_on_the_same_root_is_refused(tmp_path):
     stashpoint.CheckpointManager(tmp_path / "r").close()  # released on close
 
 
+def test_a_child_forked_while_the_manager_is_open_does_not_keep_the_root_locked(tmp_path):
+    """A flock belongs to the open file, which a fork shares (DataLoader workers): the child
+    must not hold the root after the parent's manager closed."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    mgr = stashpoint.CheckpointManager(tmp_path / "r")
+    started, stop = ctx.Event(), ctx.Event()
+
+    def worker() -> None:
+        started.set()
+        stop.wait(60)
+
+    child = ctx.Process(target=worker)
+    child.start()
+    try:
+        assert started.wait(30)  # the child runs: its copy of the lock is closed by now
+        mgr.close()
+        assert child.is_alive()
+        stashpoint.CheckpointManager(tmp_path / "r").close()  # refused before: the child held the lock
+    finally:
+        stop.set()
+        child.join(30)
+    assert child.exitcode == 0
+
+
+def test_a_file_system_that_cannot_lock_is_named_with_the_fix(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    from stashpoint._manager import lock
+
+    opened: list[int] = []
+    real_open = os.open
+
+    def tracked_open(*args, **kwargs):
+        fd = real_open(*args, **kwargs)
+        opened.append(fd)
+        return fd
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(lock.os, "open", tracked_open)
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(stashpoint.CheckpointError, match=r"cannot lock .*No locks available.*mount it with locking"):
+        stashpoint.CheckpointManager(tmp_path / "r")
+    assert opened and all(not _is_open(fd) for fd in opened), "the lock file's descriptor is closed"
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 def test_leftovers_of_a_crashed_save_are_removed_and_committed_steps_kept(tmp_path, caplog):
     with stashpoint.CheckpointManager(tmp_path / "r") as mgr:
         mgr.save(1, _state(1)).wait()

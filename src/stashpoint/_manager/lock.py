@@ -7,6 +7,7 @@ import fcntl
 import os
 import secrets
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,45 @@ def acquire_root_lock(root: Path) -> int:
             f"another CheckpointManager (in this or another process) already owns {root}; close it first, "
             "or give each run its own directory."
         ) from None
+    except OSError as e:  # ENOLCK (NFS without lockd), ENOSYS/EOPNOTSUPP (Lustre without flock, FUSE)
+        os.close(fd)
+        raise CheckpointError(
+            f"the file system of {root} cannot lock the manager's lock file {LOCK_NAME} ({e.strerror or e}); "
+            "mount it with locking (NFS: lockd; Lustre: -o flock), or use a root on another file system"
+        ) from None
+    with _held_lock:
+        _held.add(fd)
     return fd
+
+
+def release_root_lock(fd: int) -> None:
+    """Close the lock file ``acquire_root_lock`` opened, which releases the root (in a forked
+    child, where the fork closed it already, nothing)."""
+    with _held_lock:
+        if fd not in _held:
+            return
+        _held.discard(fd)
+    os.close(fd)
+
+
+# A flock belongs to the open file, which a fork shares: a child forked while a manager is open
+# (a DataLoader worker) would keep the root locked after the manager closed, or its process died.
+_held: set[int] = set()
+_held_lock = threading.Lock()
+
+
+def _drop_in_child() -> None:
+    global _held_lock
+    _held_lock = threading.Lock()  # another thread may have held it at the fork
+    for fd in _held:
+        try:
+            os.close(fd)  # never LOCK_UN: that would unlock the parent's root too
+        except OSError:
+            pass
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_drop_in_child)
 
 
 def check_shared_root(root: Path, process_group: Any = None, timeout: float | None = None) -> None:

@@ -21,7 +21,7 @@ from stashpoint._core.policy import Retention, Schedule
 from stashpoint._dist.group import rank_of
 from stashpoint._load.loader import load
 from stashpoint._load.manifest import remembering
-from stashpoint._manager.lock import acquire_root_lock
+from stashpoint._manager.lock import acquire_root_lock, release_root_lock
 from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, signal_name, stop
 from stashpoint._manager.restoring import RestoreReport, restore_run
@@ -250,6 +250,7 @@ class CheckpointManager:
             if signum is not None:
                 if self._nodes is not None:  # the last restore's copy to disk gives way to the deadline
                     self._nodes.settled(stop=True)
+                options["on_busy"] = "wait"  # never skipped because another save of the process runs
                 emergency = functools.partial(self.save, step, state, metrics=metrics, **options)
                 stop(self, self._preemption, signum, step, emergency)
         return self.save(step, state, metrics=metrics, **options) if self.should_save(step) else None
@@ -367,17 +368,17 @@ class CheckpointManager:
             with self._lock:
                 self._closed = True
             self._release()
-        if pending is not None:
-            log.warning(
-                "stashpoint: %s came after the last maybe_save; the manager closed, it takes its course",
-                signal_name(pending),
-            )
-            signal.raise_signal(pending)
+            if pending is not None:  # also when wait() raised: a failed save must not swallow the signal
+                log.warning(
+                    "stashpoint: %s came after the last maybe_save; the manager closed, it takes its course",
+                    signal_name(pending),
+                )
+                signal.raise_signal(pending)
 
     def _release(self) -> None:
         self._deleter.shutdown(wait=True)
         if self._lock_fd >= 0:
-            os.close(self._lock_fd)
+            release_root_lock(self._lock_fd)
             self._lock_fd = -1
 
     def _check_open(self) -> None:

@@ -354,8 +354,15 @@ def stop(manager: Any, preemption: Preemption, signum: int, step: int, save: Any
     preemption.stopping = True
     try:
         for handle, after in manager.in_flight():
-            handle.wait(max(0.0, preemption.left()))
-            after.result(max(0.0, preemption.left()))
+            try:
+                handle.wait(max(0.0, preemption.left()))
+                after.result(max(0.0, preemption.left()))
+            except Exception as e:  # an earlier step's failure: this step may still be saved
+                if preemption.left() <= 0:
+                    raise
+                log.warning(
+                    "stashpoint: the save in flight failed (%s: %s); saving step %d anyway", type(e).__name__, e, step
+                )
         if step not in manager.steps():  # the emergency save
             save(timeout=max(1.0, preemption.left())).wait(max(0.0, preemption.left()))
     except Exception as e:  # exiting anyway: the newest committed step is what a restart gets

@@ -74,7 +74,8 @@ def save_options(mgr: CheckpointManager, step: int, metrics: dict[str, float], o
         options.setdefault("overlap", True)
     if mgr.writer is not None:
         options.setdefault("writer", mgr.writer)
-    return SaveOptions(metadata=meta, max_inflight=mgr.max_inflight, on_busy=mgr.on_busy, step=step, **options)
+    options.setdefault("on_busy", mgr.on_busy)
+    return SaveOptions(metadata=meta, max_inflight=mgr.max_inflight, step=step, **options)
 
 
 def after_save(

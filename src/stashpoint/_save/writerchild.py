@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import signal
 import socket
 import struct
 import sys
@@ -233,6 +234,10 @@ def main(fd: int, ppid: int, nice: int = 0) -> None:
     sock = socket.socket(fileno=fd)
     if os.getppid() != ppid:
         return  # the parent died before we got here
+    # A scheduler's SIGTERM or a Ctrl-C reaches the whole process group: the parent decides what
+    # happens (a preemption save needs this process), and its socket closing ends this one.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     if nice:
         try:
             os.nice(nice)
