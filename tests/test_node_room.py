@@ -75,7 +75,7 @@ def test_replicas_into_a_memory_tier_too_small_for_the_peak_are_refused_at_the_f
     """Each node's directory a tmpfs that holds a step and its copy, but not what a node keeps
     at the peak of a later save (keep_last=2: three steps of its own and two of copies): the
     first save commits on both nodes, no copy is taken, and wait() raises naming the numbers;
-    training goes on to the end."""
+    training goes on to the end, and every step reaches the remote tier."""
     probe = tmp_path / "probe"
     run_job(probe, 2, "ddp", replicas=1)
     doc = json.loads((probe / "node-0/ckpt/step-00000002" / RECOVERABLE_NAME).read_text())
@@ -86,7 +86,8 @@ def test_replicas_into_a_memory_tier_too_small_for_the_peak_are_refused_at_the_f
         for node in ("0", "1"):
             _tmpfs(base / f"node-{node}", 4 * own + (64 << 10))  # the peak is 3 + 2 steps' bytes
             mounted.append(base / f"node-{node}")
-        outs = run_job(base, 4, "ddp", replicas=1)
+        remote = tmp_path / "remote"  # the steps go there all the same
+        outs = run_job(base, 4, "ddp", replicas=1, extra=("--remote", str(remote)))
         errors = [line for out in outs for line in out.splitlines() if line.startswith("WAIT_ERROR ")]
         assert len(errors) == 2 and all("ReplicaError" in e for e in errors), outs[0][-3000:]
         assert all("cannot hold this configuration" in e and "fewer replicas" in e for e in errors), errors
@@ -96,6 +97,7 @@ def test_replicas_into_a_memory_tier_too_small_for_the_peak_are_refused_at_the_f
                 assert "manifest.json" in held, f"step {step} committed on node {node}"
                 assert ranks_in(held) == {rank}, "no copy of the other node's files taken"
                 assert RECOVERABLE_NAME not in held
+        assert sorted(p.parent.name for p in remote.glob("step-*/manifest.json")) == ["step-00000002", "step-00000004"]
     finally:
         for where in mounted:
             subprocess.run(["umount", "-l", str(where)], check=False, timeout=30)

@@ -39,6 +39,7 @@ class Held:
     save_id: str
     world: int
     ranks: tuple[tuple[int, int], ...]
+    replicas: tuple[tuple[int, int], ...] = ()  # of ``ranks``, those held as copies of other nodes' files
 
 
 def ranges(ranks: Iterable[int]) -> tuple[tuple[int, int], ...]:
@@ -87,6 +88,25 @@ def coverable(seen: Mapping[int, Sequence[Held]]) -> dict[int, dict[int, Held]]:
         world = next(iter(holders.values())).world
         if expand(s for h in holders.values() for s in h.ranks) >= set(range(world)):
             out[step] = holders
+    return out
+
+
+def orphan_replicas(seen: Mapping[int, Sequence[Held]]) -> dict[int, list[tuple[int, tuple[tuple[int, int], ...]]]]:
+    """By node, the ``(step, ranks)`` of the replicas it holds that are the only copies left:
+    no node holds those ranks' files of that save as its own (their node was lost). Such a copy
+    is the node's own from now on, or the next save's clean-up of older replicas would delete
+    a step's last copy of them."""
+    by_save: dict[tuple[int, str], dict[int, Held]] = {}
+    for node, helds in seen.items():
+        for h in helds:
+            by_save.setdefault((h.step, h.save_id), {})[node] = h
+    out: dict[int, list[tuple[int, tuple[tuple[int, int], ...]]]] = {}
+    for (step, _), holders in sorted(by_save.items()):
+        own = set().union(*(expand(h.ranks) - expand(h.replicas) for h in holders.values()))
+        for node, h in sorted(holders.items()):
+            alone = (expand(h.replicas) & expand(h.ranks)) - own
+            if alone:
+                out.setdefault(node, []).append((step, ranges(alone)))
     return out
 
 

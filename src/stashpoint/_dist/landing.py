@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from stashpoint._core.naming import MANIFEST_NAME, split_group
+from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME, split_group
 from stashpoint._core.nodeplan import Transfer, expand
 from stashpoint._dist.stream import Stream
 from stashpoint._storage import LocalStorage, Storage
@@ -30,6 +30,19 @@ def partial_name(rank: int) -> str:
 def replica_name(rank: int) -> str:
     """The marker of a saving rank whose files here are a copy of another node's."""
     return f"replica-r{rank:05d}"
+
+
+def adopt_replicas(step: Path, ranks: Iterable[int]) -> None:
+    """Make this node's replicas of ``ranks`` in the step directory ``step`` its own files: they
+    are the only copies left. The step no longer claims copies of every node's files elsewhere."""
+    for r in ranks:
+        (step / replica_name(r)).unlink(missing_ok=True)
+    (step / RECOVERABLE_NAME).unlink(missing_ok=True)
+    fd = os.open(step, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class Landing(LocalStorage):

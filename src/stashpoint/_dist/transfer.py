@@ -303,11 +303,6 @@ def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str, room:
                     sending.result()
                 except Exception as e:
                     errors.append(f"sending to node {dst}: {type(e).__name__}: {e}")
-        if not errors and isinstance(step, LocalStorage):
-            try:
-                _drop_older_replicas(step.root)
-            except OSError as e:
-                errors.append(f"dropping older replicas: {e}")
         status = f"rank {ctx.rank} (node {ns.node}): " + "; ".join(errors[:4]) if errors else None
     statuses = ctx.gather("replicas: each node's outcome", status)
     verdict = None
@@ -319,6 +314,11 @@ def replicate(ctx: DistContext, step: Storage, ns: NodeSave, save_id: str, room:
         own = sum(size for _, size in _files_of(step, set(expand(ranks[ns.node])), save_id, False))
         doc = {"replicas": ns.replicas, "nodes": len(leaders), "own_bytes": own, "replica_bytes": kept}
         _mark_recoverable(step, doc)
+        if isinstance(step, LocalStorage):  # only now: until every node has its copy, the older ones stand
+            try:
+                _drop_older_replicas(step.root)
+            except OSError as e:
+                log.warning("stashpoint: could not drop the replicas older than %s: %s", step.location, e)
         # in this host's memory too, as the node's own newest files are: a replica is read when
         # another node is lost, and from the page cache it leaves at memory's speed, not the disk's
         try:  # a hint: the step is committed and copied whatever happens here

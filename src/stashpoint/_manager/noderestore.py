@@ -24,6 +24,7 @@ from stashpoint._core.nodeplan import (
     Transfer,
     coverable,
     expand,
+    orphan_replicas,
     plan_parts,
     plan_spans,
     plan_transfers,
@@ -32,7 +33,7 @@ from stashpoint._core.nodeplan import (
 from stashpoint._dist import group as _dist
 from stashpoint._dist import memfetch, stream
 from stashpoint._dist.group import DistContext
-from stashpoint._dist.landing import PARTIAL_RE
+from stashpoint._dist.landing import PARTIAL_RE, REPLICA_RE, adopt_replicas
 from stashpoint._dist.nodes import NodeMap, NodeSave, agree_nodes, this_node
 from stashpoint._dist.transfer import RemoteCopy, run_transfers
 from stashpoint._load.exchange import agree, failure, own_or_agreed
@@ -56,14 +57,16 @@ def inventory(root: Storage) -> tuple[Held, ...]:
             head = read_head(where)
         except (CorruptCheckpointError, IncompleteCheckpointError):
             continue  # a damaged manifest: nothing of the step here is usable (unreadable: listing fails)
-        whole, partial = set(), set()
+        whole, partial, copies = set(), set(), set()
         for name in where.list():
             if (m := PARTIAL_RE.fullmatch(name)) is not None:
                 partial.add(int(m[1]))
+            if (m := REPLICA_RE.fullmatch(name)) is not None:
+                copies.add(int(m[1]))
             parsed = parse_save_file(name)
             if parsed is not None and parsed[1] == head.save_id and name.rpartition("/")[2] == index_name(*parsed):
                 whole.add(parsed[0])
-        found.append(Held(step, head.save_id, head.world_size, ranges(whole - partial)))
+        found.append(Held(step, head.save_id, head.world_size, ranges(whole - partial), ranges(copies & whole)))
     return tuple(found)
 
 
@@ -224,13 +227,17 @@ class NodeLocal:
             else:
                 by_node = {s[0]: s[1] for s in seen if s is not None}
                 on_disk = sorted(s[0] for s in seen if s is not None and not s[3])  # leaders without an area
-                answer = ("ok", *node_order(by_node, seen[0][2], step), on_disk)
+                answer = ("ok", *node_order(by_node, seen[0][2], step), on_disk, orphan_replicas(by_node))
         answer = ctx.broadcast("node-local: the steps to try", answer)
         if answer[0] == "error":
             raise CheckpointError("listing the node-local checkpoints failed: " + answer[1])
         order, torn = answer[1], answer[2]
         if self.me.node in answer[3]:  # the node's ranks read through its area only where its leader holds it
             mem = None
+        if self.me.leader and isinstance(root, LocalStorage):
+            for s, rs in answer[4].get(self.me.node, ()):
+                log.warning("stashpoint: this node's replicas of step %d are the last copies; kept as its own", s)
+                adopt_replicas(root.root / step_dir(s), expand(rs))
         if self.me.leader:  # no restore can take them (some rank's files are on no node): set aside
             for s in torn:
                 if (step is None or s != step) and root.child(step_dir(s)).exists():

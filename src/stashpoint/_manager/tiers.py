@@ -31,6 +31,7 @@ from stashpoint._dist import group as _dist
 from stashpoint._dist.arrival import CollectiveError
 from stashpoint._dist.commit import Outcome, RankFailure, finish_together
 from stashpoint._dist.group import DistContext
+from stashpoint._dist.transfer import ReplicaError
 from stashpoint._load.manifest import read_head, read_index
 from stashpoint._manager.steps import committed_steps, delete_step, quietly, remove_leftovers, retained
 from stashpoint._storage import LocalStorage, Storage, storage_for
@@ -254,9 +255,10 @@ class Uploader:
     def _start_status(self, step: int, after: cf.Future[Any] | None, src: Storage, dst: Storage) -> tuple[str, Any]:
         """This rank's view: ("skip", why), ("done", None), ("ok", files) or ("error", why)."""
         if after is not None:
-            if after.cancelled() or after.exception() is not None:
+            error = None if after.cancelled() else after.exception()
+            if after.cancelled() or (error is not None and not isinstance(error, ReplicaError)):
                 return ("skip", "the save failed")
-            if getattr(after.result(), "skipped", False):
+            if error is None and getattr(after.result(), "skipped", False):
                 return ("skip", "the save was skipped")
         if self.ctx.rank != 0:
             return ("ok", None)

@@ -41,7 +41,7 @@ from stashpoint._dist.commit import (
 )
 from stashpoint._dist.group import DistContext
 from stashpoint._dist.nodecommit import commit_on_nodes, node_room
-from stashpoint._dist.transfer import replicate
+from stashpoint._dist.transfer import ReplicaError, replicate
 from stashpoint._save.handle import SaveStats
 from stashpoint._save.layout import Layout
 from stashpoint._save.persist import Writer, WrittenShards, write_shards
@@ -277,7 +277,15 @@ class PersistJob:
             room = commit_on_nodes(ctx, self.storage, self.manifest, leaders, self.room, exclusive=exclusive)
         self.storage.keep_cached(mine_written)  # committed: the newest, which a restart here reads
         if nodes is not None and nodes.replicas:
-            replicate(ctx, self.storage, nodes, save_id, room)  # raises ReplicaError: committed, not copied
+            try:
+                replicate(ctx, self.storage, nodes, save_id, room)
+            except ReplicaError:
+                raise
+            except Exception as e:  # a peer lost in the middle: the step is committed all the same
+                raise ReplicaError(
+                    f"the step at {loc} is committed on every node, but copying it to other nodes failed "
+                    f"({type(e).__name__}: {e}); a node lost now takes its files of this step with it"
+                ) from e
         t1 = time.perf_counter()
         pending = self.pending
         staged_at = pending.done_at if pending is not None and pending.done_at is not None else self.staged_at

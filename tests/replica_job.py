@@ -1,0 +1,87 @@
+"""One rank of a small node-local job with replicas, for tests/test_replica_failures.py.
+
+    replica_job.py BASE [--steps A:B] [--replicas K] [--keep N] [--remote DIR] [--timeout S]
+
+Started once per rank by the test (no torchrun: ``RANK``, ``WORLD_SIZE``, ``MASTER_*``,
+``STASHPOINT_NODE``, ``STASHPOINT_LOCAL_RANK`` and ``NODE_DIR`` from the environment). The
+state is a DTensor sharded over the ranks, each rank's shard filled with ``step * 1000 + rank``.
+Restores (prints ``RESUMED <step> <value>``), then saves the even steps in A..B, waiting for
+each (``SAVED <step>`` or ``SAVE_ERROR <step> <error>``). With ``KILL_AT_REPLICA=<step>`` in its
+environment, the rank kills itself (SIGKILL) as its node starts sending its replica of that step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+
+import stashpoint
+from stashpoint._dist import transfer
+
+
+def say(line: str) -> None:
+    os.write(1, (line.replace("\n", " ") + "\n").encode())
+
+
+def kill_at_replica(step: int) -> None:
+    send = transfer.send_step_files
+
+    def sending(ctx, peer, at, t, save_id, **kw):  # type: ignore[no-untyped-def]
+        if at.root.name == f"step-{step:08d}":
+            time.sleep(0.3)  # the peers are inside the transfer too
+            os.kill(os.getpid(), signal.SIGKILL)
+        return send(ctx, peer, at, t, save_id, **kw)
+
+    transfer.send_step_files = sending  # type: ignore[assignment]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("base")
+    ap.add_argument("--steps", default="")
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--keep", type=int, default=3)
+    ap.add_argument("--remote", default=None)
+    ap.add_argument("--timeout", type=float, default=None)
+    args = ap.parse_args()
+    if "KILL_AT_REPLICA" in os.environ:
+        kill_at_replica(int(os.environ["KILL_AT_REPLICA"]))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"w": DTensor.from_local(torch.zeros(4096), mesh, [Shard(0)]), "step": 0}
+    opts = {} if args.timeout is None else {"timeout": args.timeout}
+    root = Path(args.base) / f"node-{os.environ['NODE_DIR']}"
+    with stashpoint.CheckpointManager(
+        root, node_local=True, replicas=args.replicas, keep_last=args.keep, remote_root=args.remote
+    ) as mgr:
+        try:
+            got = mgr.restore(state, **opts)
+        except stashpoint.CheckpointError as e:
+            say(f"RESTORE_ERROR {type(e).__name__}: {e}")
+            got = None
+        say(f"RESUMED {got} {state['w'].to_local()[0].item():.0f}")
+        if args.steps:
+            lo, hi = map(int, args.steps.split(":"))
+            for s in range(lo, hi + 1, 2):
+                state["w"].to_local().fill_(s * 1000 + rank)
+                state["step"] = s
+                try:
+                    mgr.save(s, state, **opts)
+                    mgr.wait()
+                    say(f"SAVED {s}")
+                except stashpoint.CheckpointError as e:
+                    say(f"SAVE_ERROR {s} {type(e).__name__}: {e}")
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Replicas when a node fails around them (issue 21, part 2): a node killed while the replicas
+cross, a step whose copies could not be taken, and a replica that a node loss left as the last
+copy. Real processes on a real gloo group, one per "node", each node with its own directory;
+a node failure is a real SIGKILL, a lost node's directory is deleted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from dist_util import rendezvous_store
+from stashpoint._core.naming import MANIFEST_NAME
+from stashpoint._core.nodeplan import Held, orphan_replicas
+from stashpoint._manager.noderestore import inventory, node_order
+from stashpoint._storage import LocalStorage
+
+JOB = Path(__file__).with_name("replica_job.py")
+pytestmark = pytest.mark.xdist_group("nodelocal")
+
+
+def run(base: Path, dirs: list[str], *args: str, env: dict[int, dict[str, str]] | None = None) -> list[str]:
+    """One process per entry of ``dirs``: rank i is node i, alone on it, keeping its files in
+    ``base/node-<dirs[i]>``; each one's output."""
+    store = rendezvous_store()
+    procs = []
+    for rank, d in enumerate(dirs):
+        penv = {
+            **os.environ,
+            "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}",
+            "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "RANK": str(rank),
+            "WORLD_SIZE": str(len(dirs)),
+            "STASHPOINT_NODE": str(rank),
+            "STASHPOINT_LOCAL_RANK": "0",
+            "STASHPOINT_FETCH_MEMORY": "off",
+            "NODE_DIR": d,
+            **(env or {}).get(rank, {}),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(JOB), str(base), *args],
+                env=penv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    try:
+        return [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+def lines(outs: list[str], key: str) -> list[str]:
+    return [ln for out in outs for ln in out.splitlines() if ln.startswith(key)]
+
+
+def restorable(base: Path, dirs: list[str]) -> list[int]:
+    by_node = {i: inventory(LocalStorage(base / f"node-{d}")) for i, d in enumerate(dirs)}
+    order, _ = node_order(by_node, [], None)
+    return [s for s, tier in order if tier == "local"]
+
+
+def test_a_node_killed_while_the_replicas_cross_leaves_the_step_committed_on_the_others(tmp_path):
+    """Step 4 commits on all three nodes; node 2 is killed as its replica of it starts out. The
+    survivors' save reports that the copies failed, but keeps the step: the job, restarted with
+    a fresh process on every node, resumes at step 4."""
+    nodes = ["a", "b", "c"]
+    outs = run(tmp_path, nodes, "--steps", "2:4", "--timeout", "20", env={2: {"KILL_AT_REPLICA": "4"}})
+    errors = lines(outs, "SAVE_ERROR 4")
+    assert len(errors) == 2 and all("ReplicaError" in e and "committed on every node" in e for e in errors), outs
+    for d in nodes:
+        assert (tmp_path / f"node-{d}" / "step-00000004" / MANIFEST_NAME).is_file(), f"step 4 kept on node {d}"
+    outs = run(tmp_path, nodes)
+    assert sorted(lines(outs, "RESUMED")) == ["RESUMED 4 4000", "RESUMED 4 4001", "RESUMED 4 4002"], outs
+    assert not list(tmp_path.glob("node-*/*damaged*")), "nothing set aside"
+
+
+def test_a_step_whose_copies_failed_is_still_uploaded_to_the_remote_tier(tmp_path):
+    """A replica that cannot be taken (node 1 killed as the copies of step 4 cross) leaves step 4
+    committed on the nodes: the restarted job uploads it to the remote tier like any other step."""
+    remote = tmp_path / "remote"
+    outs = run(
+        tmp_path, ["a", "b"], "--steps", "2:4", "--remote", str(remote), "--timeout", "20",
+        env={1: {"KILL_AT_REPLICA": "4"}},
+    )  # fmt: skip
+    assert len(lines(outs, "SAVE_ERROR 4")) == 1, outs
+    outs = run(tmp_path, ["a", "b"], "--remote", str(remote))
+    assert sorted(lines(outs, "RESUMED")) == ["RESUMED 4 4000", "RESUMED 4 4001"], outs
+    assert (remote / "step-00000004" / MANIFEST_NAME).is_file(), sorted(p.name for p in remote.iterdir())
+
+
+def test_a_replica_left_as_the_last_copy_outlives_the_next_save(tmp_path):
+    """Node a is lost with its directory; node b's replicas of a's files are then the only
+    copies of them. The job restarts with a fresh node (numbered after b this time) and saves
+    step 8, whose copies make older replicas go: step 6, which keep_last=3 keeps, must stay
+    restorable."""
+    outs = run(tmp_path, ["a", "b"], "--steps", "2:6")
+    assert len(lines(outs, "SAVED 6")) == 2, outs
+    for p in (tmp_path / "node-a").iterdir():
+        subprocess.run(["rm", "-rf", str(p)], check=True)
+    assert restorable(tmp_path, ["a", "b"]) == [6]
+    outs = run(tmp_path, ["b", "a"], "--steps", "8:8")
+    assert sorted(lines(outs, "RESUMED")) == ["RESUMED 6 6000", "RESUMED 6 6001"], outs
+    assert len(lines(outs, "SAVED 8")) == 2, outs
+    assert restorable(tmp_path, ["a", "b"]) == [8, 6]
+
+
+def test_orphan_replicas_are_the_copies_no_node_holds_as_its_own():
+    seen = {
+        0: (Held(6, "x", 2, ((0, 2),), ((0, 1),)), Held(8, "y", 2, ((0, 2),), ((1, 2),))),
+        1: (Held(8, "y", 2, ((1, 2),)),),
+        2: (Held(6, "z", 2, ((1, 2),), ((1, 2),)),),  # another save of step 6: its own ranks count apart
+    }
+    assert orphan_replicas(seen) == {0: [(6, ((0, 1),))], 2: [(6, ((1, 2),))]}
+    assert orphan_replicas({0: (Held(4, "x", 1, ((0, 1),)),)}) == {}
