@@ -4,6 +4,8 @@ manager on an S3 remote is tested in test_s3_manager.py."""
 
 from __future__ import annotations
 
+import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -323,3 +325,51 @@ def test_restoring_a_step_whose_copies_are_both_damaged_names_both(tmp_path):
         pytest.raises(stashpoint.CorruptCheckpointError, match=both),
     ):
         mgr.restore(_state(0), step=1)
+
+
+def test_a_local_step_damaged_before_its_upload_fails_it_and_the_good_remote_step_stays(tmp_path, caplog):
+    """Step 2 committed locally, not uploaded (as a crash before its upload leaves it), then
+    damaged on the local disk: the catch-up at the next open must refuse it, not let the
+    remote retention (remote_keep_last=1) replace the good remote step 1 with it."""
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    state = {"w": torch.arange(1 << 20, dtype=torch.float32)}
+    with stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote, remote_keep_last=1) as mgr:
+        mgr.save(1, state).wait()
+    with stashpoint.CheckpointManager(local, keep_last=1) as mgr:  # no remote tier: no upload
+        mgr.save(2, state).wait()
+    shard = max((local / "step-00000002").rglob("shard-*"), key=lambda p: p.stat().st_size)
+    with shard.open("r+b") as f:
+        f.seek(shard.stat().st_size // 2)
+        f.write(b"\xff" * 64)
+    with (
+        caplog.at_level(logging.ERROR, logger="stashpoint"),
+        stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote, remote_keep_last=1) as mgr,
+    ):
+        mgr.wait()  # the catch-up at open: its failure is logged, the step uploaded again at the next open
+        assert re.search(r"uploading step 2 .* does not match its checksums .* not uploaded", caplog.text)
+        assert mgr.remote_steps() == [1], "the good remote step is kept"
+        out = {"w": torch.zeros(1 << 20)}
+        assert mgr.restore(out) == 1
+        assert torch.equal(out["w"], state["w"])
+    assert _steps(remote) == ["step-00000001"]
+
+
+def test_an_upload_checks_every_block_and_copies_the_bytes_unchanged(tmp_path):
+    """The checked copy is the file, byte for byte, for a state of many tensors (tied ones,
+    an empty one, one past a checksum block) saved by two-file shards."""
+    from stashpoint._manager.upload import copy_file, own_files
+
+    g = torch.Generator().manual_seed(0)
+    tied = torch.randn(1000, generator=g)
+    state = {"a": tied, "b": tied, "empty": torch.empty(0), "big": torch.randn(5 << 20, generator=g), "s": 3}
+    src = tmp_path / "src"
+    stashpoint.save(state, src, max_shard_bytes=8 << 20)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    for up in own_files(LocalStorage(src), 0, 1):
+        copy_file(LocalStorage(src), LocalStorage(dst), up)
+    shutil.copy(src / "manifest.json", dst / "manifest.json")
+    for p in src.rglob("*"):
+        if p.is_file():
+            assert (dst / p.relative_to(src)).read_bytes() == p.read_bytes(), p.name
+    assert stashpoint.verify(dst).ok

@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stashpoint._core.format import Manifest
 from stashpoint._core.naming import MANIFEST_NAME, step_dir
 from stashpoint._core.policy import Retention
 from stashpoint._dist import group as _dist
@@ -32,36 +31,19 @@ from stashpoint._dist.arrival import CollectiveError
 from stashpoint._dist.commit import Outcome, RankFailure, finish_together
 from stashpoint._dist.group import DistContext
 from stashpoint._dist.transfer import ReplicaError
-from stashpoint._load.manifest import read_head, read_index
+from stashpoint._load.manifest import read_head
 from stashpoint._manager.steps import committed_steps, delete_step, quietly, remove_leftovers, retained
+from stashpoint._manager.upload import copy_file, own_files
 from stashpoint._storage import LocalStorage, Storage, storage_for
 from stashpoint.errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
 
-COPY_BLOCK = 64 * 1024 * 1024
 #: Collectives of an upload wait for the slowest rank's copy: far longer than a save's steps.
 UPLOAD_TIMEOUT_S = 3600.0
 #: Warn when this many local steps wait for their upload (uploads slower than saves).
 BACKLOG_WARNING = 3
 _uploader_ids = itertools.count()
-
-
-def copy_file(src: Storage, dst: Storage, name: str, size: int) -> None:
-    """Copy the file ``name`` of ``size`` bytes from ``src`` to ``dst`` in large blocks."""
-    writer = dst.open_writer(name, size)
-    try:
-        pos = 0
-        while pos < size:
-            block = src.read(name, pos, min(COPY_BLOCK, size - pos))
-            if not block:
-                raise EOFError(f"{src.location}/{name} ended at byte {pos} of {size}")
-            writer.write(block)
-            pos += len(block)
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
 
 
 def _decide(starts: Sequence[UploadStart]) -> tuple[str, Any]:
@@ -73,21 +55,6 @@ def _decide(starts: Sequence[UploadStart]) -> tuple[str, Any]:
     if any(u.kind == "skip" for u in starts):
         return ("skip", None)
     return (starts[0].kind, starts[0].detail)
-
-
-def _own_files(src: Storage, rank: int, world: int) -> list[tuple[str, int]]:
-    """The files of the checkpoint at ``src`` this rank uploads: those of the saved ranks ``s``
-    with ``s % world == rank`` (its own, when the world is the one that saved), each with its
-    index; a version-1 checkpoint's files go by the rank the manifest names."""
-    head = read_head(src)
-    if isinstance(head, Manifest):
-        return [(f.name, f.size) for f in head.files if f.rank % world == rank]
-    out = []
-    for saved in range(rank, head.world_size, world):
-        index = read_index(src, head, saved)
-        out += [(f.name, f.size) for f in index.files]
-        out.append((head.index_name(saved), head.indexes[saved][0]))
-    return out
 
 
 def _commit_copy(src: Storage, dst: Storage, outcomes: Sequence[Outcome]) -> int:
@@ -218,9 +185,9 @@ class Uploader:
         try:
             dst.prepare()
             nbytes = 0
-            for name, size in _own_files(src, ctx.rank, ctx.world):
-                copy_file(src, dst, name, size)
-                nbytes += size
+            for up in own_files(src, ctx.rank, ctx.world):
+                copy_file(src, dst, up)
+                nbytes += up.size
             dst.sync()
             outcome = Outcome(nbytes=nbytes)
         except Exception as e:

@@ -1,0 +1,101 @@
+"""What a rank copies to the remote tier, and the copy itself, checked against the checkpoint's
+checksums as it goes: a local copy damaged since its save must fail its upload, not replace a
+good remote step under the remote retention."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import xxhash
+
+from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, Chunk, Manifest, checksum
+from stashpoint._load.manifest import read_head, read_index
+from stashpoint._storage import Storage
+from stashpoint.errors import CorruptCheckpointError
+
+COPY_BLOCK = 64 * 1024 * 1024
+
+#: Checked bytes of a file: ``(start, end, the checksum of each CHECKSUM_BLOCK_BYTES of them)``.
+Span = tuple[int, int, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class Upload:
+    """One file to copy: its bytes where they were read (and checked) already, else the
+    spans to check while copying it."""
+
+    name: str
+    size: int
+    spans: tuple[Span, ...] = ()
+    data: bytes | None = None
+
+
+def own_files(src: Storage, rank: int, world: int) -> list[Upload]:
+    """The files of the checkpoint at ``src`` this rank uploads: those of the saved ranks ``s``
+    with ``s % world == rank`` (its own, when the world is the one that saved), each with its
+    index; a version-1 checkpoint's files go by the rank the manifest names."""
+    head = read_head(src)
+    if isinstance(head, Manifest):
+        spans = _spans(c for e in head.tensors.values() for c in e.chunks)
+        return [Upload(f.name, f.size, tuple(spans.get(f.name, ()))) for f in head.files if f.rank % world == rank]
+    out = []
+    for saved in range(rank, head.world_size, world):
+        index = read_index(src, head, saved)
+        spans = _spans(index.chunks.values())
+        out += [Upload(f.name, f.size, tuple(spans.get(f.name, ()))) for f in index.files]
+        name, (size, sums) = head.index_name(saved), head.indexes[saved]
+        raw = _read(src, name, 0, size)
+        if checksum(raw) != sums:  # read again: it may have changed since it was parsed
+            raise CorruptCheckpointError(f"{src.location}/{name} does not match the manifest's checksum: not uploaded")
+        out.append(Upload(name, size, data=raw))
+    return out
+
+
+def _spans(chunks: Iterable[Chunk]) -> dict[str, list[Span]]:
+    by_file: dict[str, list[Span]] = {}
+    for c in chunks:
+        by_file.setdefault(c.file, []).append((c.start, c.end, c.checksums))
+    return by_file
+
+
+def copy_file(src: Storage, dst: Storage, up: Upload) -> None:
+    """Copy ``up`` from ``src`` to ``dst``: in large blocks between its checked spans, block by
+    checksum block within them; raises ``CorruptCheckpointError`` at the first mismatch (the
+    copy is aborted)."""
+    writer = dst.open_writer(up.name, up.size)
+    try:
+        if up.data is not None:
+            writer.write(up.data)
+        else:
+            pos = 0
+            for start, end, sums in sorted(set(up.spans)):
+                if start < pos:  # the same bytes named twice (tied tensors): checked once
+                    continue
+                _copy(src, up.name, pos, start, writer.write)
+                for k, lo in enumerate(range(start, max(end, start + 1), CHECKSUM_BLOCK_BYTES)):
+                    block = _read(src, up.name, lo, min(lo + CHECKSUM_BLOCK_BYTES, end))
+                    if k >= len(sums) or xxhash.xxh3_64_hexdigest(block) != sums[k]:
+                        raise CorruptCheckpointError(
+                            f"{src.location}/{up.name} does not match its checksums at bytes {lo}-{lo + len(block)} "
+                            "(damaged since it was saved): not uploaded"
+                        )
+                    writer.write(block)
+                pos = max(pos, end)
+            _copy(src, up.name, pos, up.size, writer.write)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _read(src: Storage, name: str, lo: int, hi: int) -> bytes:
+    block = src.read(name, lo, hi - lo)
+    if len(block) != hi - lo:
+        raise CorruptCheckpointError(f"{src.location}/{name} ended at byte {lo + len(block)} of {hi} (cut short)")
+    return block
+
+
+def _copy(src: Storage, name: str, lo: int, hi: int, write: Callable[[bytes], object]) -> None:
+    for at in range(lo, hi, COPY_BLOCK):
+        write(_read(src, name, at, min(at + COPY_BLOCK, hi)))
