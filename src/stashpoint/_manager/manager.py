@@ -177,6 +177,8 @@ class CheckpointManager:
         )  # fmt: skip
         self._tier: RemoteTier | None = None
         self._last_restore: RestoreReport | None = None
+        self._resumed_at: int | None = None  # the step restored, until the next save (a rewind?)
+        self._top: int | None = None  # the highest step this run holds, once a save looked
         self.storage.prepare()
         # In a distributed run rank 0 owns the root: the lock, the cleanup and the retention.
         # (Object stores offer no lock: there, one manager per root is the user's to ensure.)
@@ -311,6 +313,10 @@ class CheckpointManager:
 
         With a ``remote_root``, a step's local copy is preferred when every rank has it, and
         the remote copy is used otherwise (a fresh node) or when the local one is damaged.
+
+        Going back (``step`` below the newest step, then training on): the first save after it
+        moves the steps above ``step`` aside (``step-XXXXXXXX.rewound-<time>``, both tiers), so
+        that the retention and a later restart take the new run's steps for the newest.
         """
         self._check_open()
         step = None if step is None else step_number(step)
@@ -322,6 +328,7 @@ class CheckpointManager:
         into = self._nodes.fetched_into if self._nodes is not None else ""
         took = time.perf_counter() - t0
         self._last_restore = dataclasses.replace(r, fetched=fetched, fetched_into=into, seconds=took)
+        self._resumed_at = r.step
         return r.step
 
     def restored_from(self) -> str | None:

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._dist.transfer import ReplicaError
 from stashpoint._manager.lock import check_shared_root
-from stashpoint._manager.steps import METRICS_KEY, delete_step, quietly, retained
+from stashpoint._manager.steps import DAMAGED, METRICS_KEY, committed_steps, delete_step, move_aside, quietly, retained
 from stashpoint._save.engine import SaveOptions, get_engine
 from stashpoint._save.handle import SaveHandle, SaveStats
-from stashpoint._storage import LocalStorage
+from stashpoint._storage import LocalStorage, Storage
 from stashpoint.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -115,6 +115,56 @@ def after_save(
         after.set_result(None)
 
 
+def set_aside_newer(mgr: CheckpointManager, step: int) -> None:
+    """Before the first save after going back (``restore(step=K)`` below the newest step, or a
+    new run in an old root saving low steps): move the steps of the run that was abandoned
+    aside (``step-N.rewound-<time>``), in both tiers. Retention ranks steps by number and a
+    restart takes the highest: left in place they would delete every step saved after the
+    rewind and be resumed in its stead. After a restore of K, every step above K goes (the save
+    may re-use their numbers); otherwise every step above the one saved."""
+    above = mgr._resumed_at if mgr._resumed_at is not None else step
+    mgr._resumed_at = None
+    local, remote = mgr._owner, mgr._tier is not None and mgr.rank == 0
+    if not (local or remote):  # the others' steps are the owners' to move
+        return
+    roots = [mgr.storage] if local else []
+    if remote and mgr._tier is not None:
+        roots.append(mgr._tier.remote)
+    if mgr._top is None:  # listed once; after that only a save below the highest step lists again
+        mgr._top = max((s for root in roots for s in _whole_steps(mgr, root)), default=-1)
+    top, mgr._top = mgr._top, max(mgr._top, step)
+    if above >= top:
+        return
+    with mgr._lock:
+        busy = sorted(h.step for h, a in mgr._handles if h.step is not None and h.step > above and not a.done())
+    if busy:
+        raise CheckpointError(
+            f"step {step} goes back below step {busy[-1]}, which is still being saved; wait for it (mgr.wait()) "
+            "before saving the steps after a rewind"
+        )
+    for root in roots:
+        newer = [s for s in _whole_steps(mgr, root) if s > above]
+        if newer:
+            log.warning(
+                "stashpoint: step %d goes back below the steps %s of %s (a rewind, or a new run in an old root): "
+                "they are moved aside as step-N.rewound-<time>, so that neither the retention nor a restart takes "
+                "them for this run's newest",
+                step,
+                ", ".join(map(str, newer[:8])) + (", ..." if len(newer) > 8 else ""),
+                root.location,
+            )
+        for s in newer:
+            move_aside(root, s, "rewound")
+            mgr._metrics.pop(s, None)  # the number may be saved again, with the new run's metrics
+    mgr._top = max(step, above)
+
+
+def _whole_steps(mgr: CheckpointManager, root: Storage) -> list[int]:
+    """The committed steps of ``root`` whose manifests read whole: those the retention counts (a
+    damaged one is a restore's to set aside, as damaged)."""
+    return [s for s in committed_steps(root) if (m := mgr._metrics_of(s, root)) is not None and m is not DAMAGED]
+
+
 def start_save(
     mgr: CheckpointManager, step: int, state: Any, metrics: dict[str, Any], options: dict[str, Any]
 ) -> SaveHandle:
@@ -132,6 +182,7 @@ def start_save(
             raise CheckpointError(
                 f"step {step} is still being saved to {target.location}; wait for that save (mgr.wait()) first"
             )
+    set_aside_newer(mgr, step)
     if target.exists(MANIFEST_NAME):
         raise CheckpointError(
             f"step {step} already has a committed checkpoint at {target.location}; save under a new step, or "

@@ -97,14 +97,15 @@ def remove_leftovers(root: Storage) -> None:
             quietly(target.remove_tree)
 
 
-def move_aside(root: Storage, step: int) -> None:
-    """Rename a damaged step ``step-XXXXXXXX.damaged-<time>``: kept for inspection, never listed."""
-    name = set_aside_name(step, time.strftime("%Y%m%d-%H%M%S"))
+def move_aside(root: Storage, step: int, why: str = "damaged") -> None:
+    """Rename a damaged (or rewound) step ``step-XXXXXXXX.damaged-<time>``: kept for inspection,
+    never listed."""
+    name = set_aside_name(step, time.strftime("%Y%m%d-%H%M%S"), why)
     try:
         moved = root.child(step_dir(step)).move(name)
-        log.warning("stashpoint: moved the damaged step %d aside to %s", step, moved.location)
+        log.warning("stashpoint: moved the %s step %d aside to %s", why, step, moved.location)
     except OSError as e:
-        log.warning("stashpoint: could not move the damaged step %d aside: %s", step, e)
+        log.warning("stashpoint: could not move the %s step %d aside: %s", why, step, e)
 
 
 def quietly(fn: Callable[[], None]) -> None:

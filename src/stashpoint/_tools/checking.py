@@ -148,7 +148,8 @@ def _verify_run(root: Storage, run: RunContents, progress: Progress | None, this
         rep.problems += [f"step {step}: {p}" for p in sub.problems]
         rep.warnings += [f"step {step}: {w}" for w in sub.warnings]
     for name in run.set_aside:
-        rep.warnings.append(f"{root.location}/{name}: a damaged step the manager set aside, kept for inspection")
+        what = "a step of a run abandoned by a rewind" if ".rewound-" in name else "a damaged step"
+        rep.warnings.append(f"{root.location}/{name}: {what} the manager set aside, kept for inspection")
     for name in run.foreign:
         rep.warnings.append(
             f"{root.location}/{name} was not written by stashpoint's manager (not a step-XXXXXXXX directory); "

@@ -1,0 +1,109 @@
+"""Going back: ``restore(step=K)`` below the newest step and training on (a loss spike), or a
+new run saving low steps in an old root. The steps above are another run's: they are moved
+aside, in both tiers, so that the retention keeps the new run's steps and a restart resumes
+them."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import stashpoint
+
+
+def _state(v: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((64,), float(v))}
+
+
+def _names(root: Path, kind: str) -> list[str]:
+    return sorted(p.name.split(".")[0] for p in root.glob(f"step-*.{kind}-*"))
+
+
+def _resume(root: Path, **kw) -> tuple[int | None, float]:
+    out = _state(0)
+    with stashpoint.CheckpointManager(root, **kw) as mgr:
+        step = mgr.restore(out)
+    return step, out["w"][0].item()
+
+
+def test_saves_after_a_rewind_are_kept_and_a_restart_resumes_them(tmp_path, caplog):
+    root = tmp_path / "run"
+    with stashpoint.CheckpointManager(root, keep_last=2) as mgr:
+        for s in (100, 200, 300):
+            mgr.save(s, _state(s)).wait()
+        mgr.wait()  # the retention
+        assert mgr.steps() == [200, 300]
+        assert mgr.restore(_state(0), step=200) == 200  # back past a loss spike
+        with caplog.at_level(logging.WARNING, logger="stashpoint"):
+            for s in (210, 220):
+                mgr.save(s, _state(s + 0.5)).wait()
+                mgr.wait()
+        assert mgr.steps() == [210, 220], "the new run's steps are kept, not deleted by the old run's"
+    assert "goes back below the steps 300" in caplog.text
+    assert _names(root, "rewound") == ["step-00000300"], "moved aside, not deleted"
+    assert _resume(root, keep_last=2) == (220, 220.5)
+    report = stashpoint.verify(root)
+    assert report.ok and any("abandoned by a rewind" in w for w in report.warnings), report.warnings
+
+
+def test_a_rewind_may_save_the_step_numbers_of_the_run_it_abandoned(tmp_path):
+    root = tmp_path / "run"
+    with stashpoint.CheckpointManager(root, keep_last=3) as mgr:
+        for s in (10, 20, 30):
+            mgr.save(s, _state(s)).wait()
+        mgr.restore(_state(0), step=10)
+        mgr.save(20, _state(20.5)).wait()
+        mgr.save(30, _state(30.5)).wait()
+        mgr.wait()
+        assert mgr.steps() == [10, 20, 30]
+    assert _names(root, "rewound") == ["step-00000020", "step-00000030"]
+    assert _resume(root) == (30, 30.5)
+
+
+def test_a_new_run_in_an_old_root_keeps_its_own_steps(tmp_path):
+    root = tmp_path / "run"
+    with stashpoint.CheckpointManager(root, keep_last=2) as mgr:
+        for s in (290, 300):
+            mgr.save(s, _state(s)).wait()
+    with stashpoint.CheckpointManager(root, keep_last=2) as mgr:  # no restore: a fresh run from step 0
+        for s in (10, 20, 30):
+            mgr.save(s, _state(s)).wait()
+            mgr.wait()
+        assert mgr.steps() == [20, 30]
+    assert _names(root, "rewound") == ["step-00000290", "step-00000300"]
+    assert _resume(root) == (30, 30.0)
+
+
+def test_a_restore_that_trains_on_from_the_newest_step_moves_nothing(tmp_path):
+    root = tmp_path / "run"
+    with stashpoint.CheckpointManager(root, keep_last=2) as mgr:
+        for s in (1, 2):
+            mgr.save(s, _state(s)).wait()
+    with stashpoint.CheckpointManager(root, keep_last=2) as mgr:
+        assert mgr.restore(_state(0)) == 2
+        assert mgr.restore(_state(0), step=1) == 1  # looked at, not trained on
+        mgr.restore(_state(0))
+        mgr.save(3, _state(3)).wait()
+        with pytest.raises(stashpoint.CheckpointError, match="step 3 already has a committed checkpoint"):
+            mgr.save(3, _state(3))
+        mgr.wait()
+        assert mgr.steps() == [2, 3]
+    assert not list(root.glob("step-*.*"))
+
+
+def test_a_rewind_moves_the_remote_tiers_newer_steps_aside_too(tmp_path):
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    with stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, _state(s)).wait()
+        mgr.wait()
+        assert mgr.remote_steps() == [1, 2, 3]
+        mgr.restore(_state(0), step=1)
+        mgr.save(2, _state(2.5)).wait()
+        mgr.wait()
+        assert mgr.remote_steps() == [1, 2]
+    assert _names(remote, "rewound") == ["step-00000002", "step-00000003"]
+    assert _resume(tmp_path / "fresh-node", remote_root=remote) == (2, 2.5)
