@@ -51,6 +51,28 @@ def test_of_two_processes_saving_to_one_new_path_exactly_one_commits_and_the_oth
         assert got["who"] == winners[0] + 1 and torch.equal(got["w"], torch.full((512, 1024), got["who"]))
 
 
+def test_two_processes_overwriting_one_path_leave_a_checkpoint_that_loads(tmp_path):
+    """Both may succeed (the later commit wins), but neither removes the files of the other:
+    the one manifest in place names files that are all there, and it loads."""
+    env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    racer = _RACER.replace("stashpoint.save(state, path)", "stashpoint.save(state, path, overwrite=True)")
+    for trial in range(4):
+        path = tmp_path / f"ckpt{trial}"
+        stashpoint.save({"w": torch.zeros(512, 1024), "who": 0.0}, path)  # the checkpoint both replace
+        start = time.time() + 4
+        procs = [
+            subprocess.Popen([sys.executable, "-c", racer, str(path), str(v), str(start)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for v in (1, 2)
+        ]  # fmt: skip
+        outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+        assert "OK" in outs, outs
+        report = stashpoint.verify(path)
+        assert report.ok, (trial, outs, report.problems)
+        got = stashpoint.read(path)
+        assert got["who"] in (1.0, 2.0) and torch.equal(got["w"], torch.full((512, 1024), got["who"]))
+
+
 def test_a_load_waits_for_a_save_of_the_same_checkpoint_still_in_flight(tmp_path):
     state = {"w": torch.randn(1 << 20), "step": 3}
     handle = stashpoint.async_save(state, tmp_path / "ck")

@@ -355,14 +355,18 @@ class PersistJob:
     def _committed(self, save_id: str) -> bool | None:
         """Whether this save's manifest is in place (None: the storage could not say)."""
         try:
-            doc = json.loads(self.storage.read(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1))  # ours is below the cap
-        except FileNotFoundError:
-            return False
-        except ValueError:  # a damaged manifest: not this save's
-            return False
+            return self._manifest_id() == save_id
         except OSError:
             return None
-        return isinstance(doc, dict) and doc.get("save_id") == save_id
+
+    def _manifest_id(self) -> str | None:
+        """The save id of the manifest in place: None where there is none, or a damaged one."""
+        try:
+            doc = json.loads(self.storage.read(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1))  # ours is below the cap
+        except (FileNotFoundError, ValueError):
+            return None
+        found = doc.get("save_id") if isinstance(doc, dict) else None
+        return found if isinstance(found, str) else None
 
     def _remove(self, doomed: Any, storage: Storage | None = None, group: str | None = None) -> None:
         """Delete the save files that ``doomed(name)`` picks: anywhere, or in ``group`` alone."""
@@ -413,6 +417,12 @@ class PersistJob:
         self.manifest = head.to_json()
         if self.opts.nodes is not None and self.opts.nodes.replicas:
             self.room = node_room(self.opts.nodes, [o.nbytes for o in outcomes])
+        replaced = None
+        if self.opts.overwrite:  # whose files go once this manifest replaced it
+            try:
+                replaced = self._manifest_id()
+            except OSError:
+                pass
         try:  # without overwrite, of two saves racing to one new path exactly one commits
             self.storage.commit(MANIFEST_NAME, self.manifest, exclusive=not self.opts.overwrite)
         except FileExistsError:
@@ -421,8 +431,10 @@ class PersistJob:
                 "(overwrite=False); this save's files are removed. Pass overwrite=True to replace it, "
                 "or save to a new path"
             ) from None
-        if self.opts.overwrite:  # the files of earlier saves there
-            self._remove(lambda name: (p := parse_save_file(name)) is not None and p[1] != save_id)
+        if replaced is not None and replaced != save_id:
+            # Only the checkpoint this one replaced: the files of another save still writing to
+            # this path (which may commit after us, and win) must stay whole.
+            self._remove(lambda name: (p := parse_save_file(name)) is not None and p[1] == replaced)
         return Totals(sum(o.nbytes for o in outcomes), sum(w.files for w in written), len(plan.catalog))
 
 
