@@ -332,6 +332,32 @@ def test_raw_state_dicts_load_into_live_objects(tmp_path):
     assert_same(optim.state_dict(), optim2.state_dict())
 
 
+@pytest.mark.parametrize("stepped", [False, True], ids=["before-the-first-step", "after-two-steps"])
+def test_state_dicts_without_tensors_load_into_live_objects(tmp_path, stepped):
+    """A scheduler's state dict, and an optimizer's before its first step, hold no tensor: saved
+    as dicts (as `stashpoint import` makes them of a torch.save file) they load into the live
+    scheduler and optimizer."""
+    model = small_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
+    if stepped:
+        for _ in range(2):
+            train_steps(model, optim, 1)
+            sched.step()
+    state = {"model": model.state_dict(), "optim": optim.state_dict(), "sched": sched.state_dict()}
+    stashpoint.save(state, tmp_path / "ck")
+    model2 = small_model(seed=9)
+    optim2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
+    sched2 = torch.optim.lr_scheduler.StepLR(optim2, step_size=1, gamma=0.5)
+    stashpoint.load({"model": model2, "optim": optim2, "sched": sched2}, tmp_path / "ck")
+    assert sched2.state_dict() == sched.state_dict() and sched2.get_last_lr() == sched.get_last_lr()
+    assert_same(optim.state_dict(), optim2.state_dict())
+    with pytest.raises(stashpoint.StateMismatchError, match="'sched': the saved state does not fit this LambdaLR"):
+        stashpoint.load(
+            {"sched": torch.optim.lr_scheduler.LambdaLR(optim2, lambda s: 1.0)}, tmp_path / "ck", partial=True
+        )
+
+
 def test_a_program_without_dtensors_does_not_import_them_through_stashpoint(tmp_path):
     """DTensor's module takes 0.7 s to import; no DTensor exists before it is imported, so a
     save, a load and a manager's restore of a plain model (an evaluation job loading weights)

@@ -151,7 +151,11 @@ class Planner:
         if "tensor" in saved:
             self._tensor(saved["tensor"], live, where, setter, materialize)
         elif is_plain(saved):
-            if _holds_tensors(live):
+            if _stateful.kind_of(live) is not None and not isinstance(live, MutableMapping):
+                # a state dict without tensors (a scheduler's, an optimizer's before its first
+                # step) saved as a value loads into the live object like any raw state dict
+                self._raw_state(saved, live, where, setter)
+            elif _holds_tensors(live):
                 self.plan.problems.append(
                     f"{self._name(where)}: the checkpoint holds a plain value, the state holds {type(live).__name__}"
                 )
@@ -211,13 +215,9 @@ class Planner:
             )
 
     def _dict(self, saved: Node, live: Any, where: str, setter: Setter, materialize: bool) -> None:
-        kind = _stateful.kind_of(live)
-        if kind is not None and not isinstance(live, MutableMapping):
+        if _stateful.kind_of(live) is not None and not isinstance(live, MutableMapping):
             # a raw state dict (e.g. imported from torch.save) loads into the live object
-            wrapped: Node = {"stateful": kind, "state": saved}
-            if kind == "optimizer":
-                wrapped["keyed_by"] = "index"
-            self._stateful(wrapped, live, where, setter)
+            self._raw_state(saved, live, where, setter)
             return
         if not isinstance(live, MutableMapping):
             if materialize or live is None:
@@ -250,6 +250,14 @@ class Planner:
                 self.plan.problems.append(
                     f"missing key {self._name(join(where, k))}: in the state, not in the checkpoint"
                 )
+
+    def _raw_state(self, saved: Node, live: Any, where: str, setter: Setter) -> None:
+        """A state dict saved as such (a dict, not the object) into the live stateful ``live``."""
+        kind = _stateful.kind_of(live)
+        wrapped: Node = {"stateful": kind, "state": saved}
+        if kind == "optimizer":
+            wrapped["keyed_by"] = "index"  # torch's own state dict numbers the parameters
+        self._stateful(wrapped, live, where, setter)
 
     def _stateful(self, saved: Node, live: Any, where: str, setter: Setter) -> None:
         kind = _stateful.kind_of(live)
