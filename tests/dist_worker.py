@@ -170,6 +170,18 @@ def scenario_plain_load(path: str) -> None:
     result(ok={k: torch.equal(v, full[k]) for k, v in state["t"].items()})
 
 
+def scenario_rng_resume(path: str) -> None:
+    """Resume a checkpoint one process saved (with its RNG state) on every rank: the warnings."""
+    import logging
+
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("stashpoint").addHandler(handler)
+    stashpoint.load({"w": torch.zeros(8), "rng": stashpoint.RNGState()}, path)
+    result(warnings=seen)
+
+
 def scenario_plain_save(path: str) -> None:
     stashpoint.save({"t": full_tensors(), "step": 1}, path)
     result()

@@ -309,3 +309,15 @@ def test_store_keys_stay_short_at_16384_ranks():
     ctx = DistContext(None, tuple(range(16384)), 0, 16384, 10.0)
     other = DistContext(None, tuple(range(1, 16385)), 0, 16384, 10.0)
     assert len(ctx._store_prefix()) < 64 and ctx._store_prefix() != other._store_prefix()
+
+
+def test_a_checkpoint_one_process_saved_warns_every_rank_that_resumes_its_rng_state(tmp_path):
+    import subprocess
+    import sys
+
+    ck = tmp_path / "ck"
+    code = "import sys, torch, stashpoint; stashpoint.save({'w': torch.ones(8), 'rng': stashpoint.RNGState()}, "
+    code += "sys.argv[1])"
+    subprocess.run([sys.executable, "-c", code, str(ck)], check=True, timeout=120)
+    for r in run_world(2, "rng_resume", str(ck)):
+        assert any("saved by 1 rank and is loaded by 2" in w and "of saved rank 0" in w for w in r["warnings"]), r

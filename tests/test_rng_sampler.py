@@ -81,3 +81,21 @@ def test_sampler_splits_over_ranks_and_resumes_on_another_world_size():
     assert sorted(rest) == sorted(full[10:37]), "the tail that does not split over 3 ranks is dropped"
     with pytest.raises(ValueError, match="rank must be in"):
         stashpoint.StatefulSampler(4, rank=2, world_size=2)
+
+
+def test_the_documented_position_for_loaders_with_workers_resumes_exactly():
+    """With workers the loader takes indices ahead of the loop; the docs' formula,
+    ``batches_done_in_epoch * batch_size * world_size``, puts a resumed rank where the loop was."""
+    n, bs, world, done = 64, 4, 2, 3
+    straight = [b.tolist() for b in DataLoader(list(range(n)), batch_size=bs,
+                sampler=stashpoint.StatefulSampler(n, seed=1, rank=1, world_size=world))]  # fmt: skip
+    sampler = stashpoint.StatefulSampler(n, seed=1, rank=1, world_size=world)
+    loader = DataLoader(list(range(n)), batch_size=bs, sampler=sampler, num_workers=2, generator=torch.Generator())
+    it = iter(loader)
+    seen = [next(it).tolist() for _ in range(done)]
+    assert sampler.state_dict()["index"] > done * bs * world, "the workers took indices ahead"
+    del it
+    fresh = stashpoint.StatefulSampler(n, seed=0, rank=1, world_size=world)
+    fresh.load_state_dict({**sampler.state_dict(), "index": done * bs * world})
+    rest = [b.tolist() for b in DataLoader(list(range(n)), batch_size=bs, sampler=fresh)]
+    assert seen + rest == straight

@@ -110,15 +110,16 @@ def load(
         plan_error: CheckpointError | None = None
         try:  # any rank's failure, from the manifest's read on, goes through the ranks' agreement
             head = _head(storage)
-            if world != head.world_size and head.world_size > 1:
+            if world != head.world_size:
                 # one process reading an N-rank checkpoint is an evaluation or an export, as a rule:
                 # said for the logs; ranks of another count resuming are told
                 log.log(
                     logging.INFO if world == 1 else logging.WARNING,
-                    "stashpoint: %s was saved by %d ranks and is loaded by %d; rank %d restores the per-rank "
+                    "stashpoint: %s was saved by %d rank%s and is loaded by %d; rank %d restores the per-rank "
                     "values (RNG states, ...) of saved rank %d",
                     storage.location,
                     head.world_size,
+                    "s" if head.world_size > 1 else "",
                     world,
                     rank,
                     rank % head.world_size,
