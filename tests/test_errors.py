@@ -457,6 +457,17 @@ def test_a_launched_process_that_never_joined_its_group_is_warned_that_it_saves_
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.warns(UserWarning, match=r"WORLD_SIZE=2 but torch.distributed is not initialized.*init_process_group"):
         stashpoint.save({"w": torch.ones(3)}, tmp_path / "c")
+    # the second process finds the first one's checkpoint, or manager: told the real cause
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(stashpoint.CheckpointError, match=r"already exists .*every process saves alone"),
+    ):
+        stashpoint.save({"w": torch.ones(3)}, tmp_path / "c")
+    with (
+        stashpoint.CheckpointManager(tmp_path / "run"),
+        pytest.raises(stashpoint.CheckpointError, match=r"already owns .*every process saves alone"),
+    ):
+        stashpoint.CheckpointManager(tmp_path / "run")
 
 
 def test_an_optimizer_state_loaded_into_another_of_torchs_optimizers_is_a_mismatch(tmp_path):

@@ -32,6 +32,10 @@ def acquire_root_lock(root: Path) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
+        from stashpoint._save.engine import unjoined_hint, unjoined_launch
+
+        if unjoined_launch():
+            raise CheckpointError(f"another CheckpointManager already owns {root}: {unjoined_hint()}") from None
         raise CheckpointError(
             f"another CheckpointManager (in this or another process) already owns {root}; close it first, "
             "or give each run its own directory."

@@ -95,7 +95,7 @@ class _Engine:
                 "on_busy='skip' would let ranks skip different saves in a distributed run; use on_busy='wait'"
             )
         ctx = _dist.context(opts.process_group, opts.timeout_s) or DistContext.solo()
-        if ctx.world == 1 and opts.process_group is None and _unjoined_launch():
+        if ctx.world == 1 and opts.process_group is None and unjoined_launch():
             warnings.warn(  # each process would save alone, and they would race for one path
                 f"WORLD_SIZE={os.environ['WORLD_SIZE']} but torch.distributed is not initialized: this process saves "
                 f"{storage.location} alone. Call torch.distributed.init_process_group() before saving (and keep "
@@ -133,6 +133,8 @@ class _Engine:
         # rank 0 alone asks the storage (one request per save, not one per rank); its refusal
         # fails the save on every rank, as any one rank's error does
         if ctx.rank == 0 and not opts.overwrite and storage.exists(MANIFEST_NAME):
+            if ctx.world == 1 and opts.process_group is None and unjoined_launch():
+                raise CheckpointError(f"a committed checkpoint already exists at {storage.location}: {unjoined_hint()}")
             raise CheckpointError(
                 f"a committed checkpoint already exists at {storage.location}; pass overwrite=True to "
                 "replace it (it stays loadable until the new one commits) or save to a new path."
@@ -329,13 +331,23 @@ def wait_staged(timeout: float | None = None) -> None:
     _overlap.wait_pending(timeout)
 
 
-def _unjoined_launch() -> bool:
+def unjoined_launch() -> bool:
     """Whether a launcher started this process as one of several (``WORLD_SIZE``) that never
     joined (or already left) their process group."""
     import torch.distributed as dist
 
     size = os.environ.get("WORLD_SIZE", "1").strip()
     return size.isdigit() and int(size) > 1 and not (dist.is_available() and dist.is_initialized())
+
+
+def unjoined_hint() -> str:
+    """What to do when the processes of one launch each save alone to one path."""
+    return (
+        f"probably another process of this job saved it: WORLD_SIZE={os.environ.get('WORLD_SIZE')} but "
+        "torch.distributed is not initialized, so every process saves alone. Call "
+        "torch.distributed.init_process_group() before stashpoint (and keep it until the saves are done), or save "
+        "from one process only"
+    )
 
 
 def wait_all(location: str | None = None) -> None:
