@@ -358,8 +358,13 @@ def test_diff_multi_rank_against_its_import(fsdp, tmp_path: Path) -> None:
 def test_export_single_file_round_trip(single, tmp_path: Path) -> None:
     path, state, sentinel = single
     sd = state["model"].state_dict()
-    r = cli("export", path, tmp_path / "m.safetensors", "--select", "model")
+    mask = os.umask(0o022)
+    try:
+        r = cli("export", path, tmp_path / "m.safetensors", "--select", "model")
+    finally:
+        os.umask(mask)
     assert r.exit_code == 0 and "left out head.weight: tied to emb.weight" in r.stdout, r.output
+    assert (tmp_path / "m.safetensors").stat().st_mode & 0o777 == 0o644, "readable by others, as the umask allows"
     got = load_file(tmp_path / "m.safetensors")
     assert set(got) == set(sd) - {"head.weight"} and all(torch.equal(got[k], sd[k]) for k in got)
 

@@ -425,3 +425,18 @@ def test_a_manager_never_closed_finishes_its_saves_and_retention_at_exit(tmp_pat
     )
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("step-")) == ["step-00000003"]
+
+
+def test_a_manager_on_a_read_only_root_says_what_reads_it(tmp_path):
+    root = tmp_path / "ro"
+    with stashpoint.CheckpointManager(root) as mgr:
+        mgr.save(1, _state(1)).wait()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(root)], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot mount a read-only file system here (needs root): {e}")
+    try:
+        with pytest.raises(stashpoint.CheckpointError, match=r"Read-only file system.*writable.*stashpoint.load"):
+            stashpoint.CheckpointManager(root)
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False, timeout=30)

@@ -3,6 +3,7 @@ kernel when its process dies), and the check that every rank shares that root.""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import secrets
@@ -21,6 +22,12 @@ def acquire_root_lock(root: Path) -> int:
     try:  # never through a planted symbolic link (it could create a file outside the root)
         fd = os.open(root / LOCK_NAME, flags, 0o644)
     except OSError as e:
+        if e.errno in (errno.EROFS, errno.EACCES):
+            raise CheckpointError(
+                f"cannot create the manager's lock file in {root} ({e.strerror}): a CheckpointManager saves, so "
+                "its root must be writable. To read checkpoints there, use stashpoint.load or stashpoint.read on a "
+                "step directory, or `stashpoint ls` / `stashpoint verify`"
+            ) from None
         raise CheckpointError(
             f"cannot open the manager's lock file {root / LOCK_NAME} ({e.strerror or e}); it must be a regular file "
             "(remove whatever is there)"

@@ -148,6 +148,7 @@ def export(
         loaded = read_tensors(storage, m, [names[n] for n in shard])
         tmp = f.with_name(f".{f.name}.partial")
         st.save_file({n: loaded[names[n]] for n in shard}, str(tmp), metadata={"format": "pt"})
+        tmp.chmod(0o666 & ~_umask())  # safetensors writes 0600; an export is for others to read
         tmp.replace(f)
         res.files.append(str(f))
         say(f"[{i}/{len(files)}] {f.name}: {len(shard)} tensor(s)")
@@ -159,6 +160,20 @@ def export(
         index.write_text(json.dumps(doc, indent=2) + "\n")
         res.index = str(index)
     return res
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (another thread may be
+    creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 # ---------------------------------------------------------------------------------------------
