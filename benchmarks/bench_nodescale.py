@@ -3,7 +3,7 @@
     python -m benchmarks.bench_nodescale [--ranks 512 2048 16384] [--per-node 8]
 
 Synthetic, through the library's own pure planning functions (``_core.nodeplan``,
-``_manager.noderestore.node_order``, ``_dist.nodecommit.node_room``) on the messages a real
+``_manager.holdings.node_order``, ``_dist.nodecommit.node_room``) on the messages a real
 restore and save send, at real world sizes. The job is FSDP-like: each rank wrote one shard
 and its index; rank 0 also wrote the replicated values every rank reads (the optimizer's step
 counters: a few bytes of its shard). It saved steps 100 and 200 with ``replicas=1``; then node
@@ -26,7 +26,7 @@ from typing import Any
 from stashpoint._core.nodeplan import Held, expand, plan_parts, plan_spans, plan_transfers, ranges
 from stashpoint._dist.nodecommit import node_room
 from stashpoint._dist.nodes import NodeMap, NodeSave
-from stashpoint._manager.noderestore import node_order
+from stashpoint._manager.holdings import node_order
 
 SAVE_ID = "5e1f0c0ffee0d00d"
 SHARD = 256 << 20  # each rank's shard

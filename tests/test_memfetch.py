@@ -15,7 +15,7 @@ import pytest
 from stashpoint._core.naming import MANIFEST_NAME, index_name, shard_name
 from stashpoint._dist import memfetch
 from stashpoint._dist.landing import partial_name
-from stashpoint._manager.noderestore import inventory
+from stashpoint._manager.holdings import inventory
 from stashpoint._storage import LocalStorage
 from stashpoint._storage.overlay import Overlay
 from stashpoint.errors import CheckpointError

@@ -42,7 +42,9 @@ from stashpoint._dist import memfetch
 from stashpoint._dist.nodes import this_node
 from stashpoint._dist.stream import pieces
 from stashpoint._dist.transfer import check_offer
-from stashpoint._manager.noderestore import node_order
+from stashpoint._manager.holdings import node_order
+from stashpoint._manager.upload import rank_problem
+from stashpoint._storage import LocalStorage
 from stashpoint._tools.cli import main as cli_main
 from stashpoint._tools.inspect import describe
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
@@ -320,7 +322,8 @@ def test_nodes_lost_without_replicas_restore_from_the_remote_tier(tmp_path, ddp_
     its disk: the job resumes from the newest step, each node fetching from its peer what a node
     holds and from the remote tier only what no node holds (rank 1's files). Both nodes lost:
     the newest step straight from the remote tier. A damaged shard on a node: that node's copy
-    is passed by, set aside, and the step loads from the remote tier. Bit for bit throughout."""
+    of the rank is found damaged and fetched anew from the remote tier, the rest read from the
+    nodes. Bit for bit throughout."""
     remote = ("--remote", str(tmp_path / "remote"))
     run_job(tmp_path, 4, "ddp", extra=remote)
     assert (tmp_path / "remote" / "step-00000004" / MANIFEST_NAME).exists(), "every step uploaded"
@@ -352,10 +355,14 @@ def test_nodes_lost_without_replicas_restore_from_the_remote_tier(tmp_path, ddp_
     outs = run_job(tmp_path, 10, "ddp", extra=remote)
     assert resumed(outs) == {8}
     rep = reports(outs)
-    assert {r["tier"] for r in rep.values()} == {"remote"}
     assert [p[:2] for p in rep[0]["passed_by"]] == [[8, "local"]], rep[0]["passed_by"]
     assert "checksum" in rep[0]["passed_by"][0][2] or "damaged" in rep[0]["passed_by"][0][2]
-    assert list((tmp_path / "node-0/ckpt").glob("step-00000008.damaged-*")), "set aside, not deleted"
+    # node 0's copy of rank 0 was checked and marked damaged: only those files came from the
+    # remote tier, into node 0's directory, and the step loaded through the nodes
+    assert {r["tier"] for r in rep.values()} == {"local"}
+    assert rep[0]["fetched"].get("remote", 0) > 0 and not rep[1]["fetched"].get("remote")
+    assert not list((tmp_path / "node-0/ckpt").glob("step-00000008.damaged-*")), "repaired, not set aside"
+    assert rank_problem(LocalStorage(tmp_path / "node-0/ckpt/step-00000008"), 0) is None
     same_losses(tmp_path, ddp_reference, range(9, 11))
 
 

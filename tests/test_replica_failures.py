@@ -16,7 +16,8 @@ from conftest import ROOT
 from dist_util import rendezvous_store
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._core.nodeplan import Held, orphan_replicas
-from stashpoint._manager.noderestore import inventory, node_order
+from stashpoint._manager.holdings import inventory, node_order
+from stashpoint._manager.upload import rank_problem
 from stashpoint._storage import LocalStorage
 
 JOB = Path(__file__).with_name("replica_job.py")
@@ -115,6 +116,22 @@ def test_a_replica_left_as_the_last_copy_outlives_the_next_save(tmp_path):
     assert sorted(lines(outs, "RESUMED")) == ["RESUMED 6 6000", "RESUMED 6 6001"], outs
     assert len(lines(outs, "SAVED 8")) == 2, outs
     assert restorable(tmp_path, ["a", "b"]) == [8, 6]
+
+
+def test_a_damaged_copy_on_one_node_is_replaced_by_a_peers_good_replica(tmp_path):
+    """A byte of node a's own shard of step 4 flips; node b holds a good replica of it. The
+    restart resumes step 4 (not step 2), fetching rank 0's files from b, and a's copy is whole
+    again afterwards; nothing is set aside."""
+    outs = run(tmp_path, ["a", "b"], "--steps", "2:4", "--keep", "1")
+    assert len(lines(outs, "SAVED 4")) == 2, outs
+    shard = next((tmp_path / "node-a" / "step-00000004").glob("shard-r00000-*"))
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    outs = run(tmp_path, ["a", "b"])
+    assert sorted(lines(outs, "RESUMED")) == ["RESUMED 4 4000", "RESUMED 4 4001"], outs
+    assert rank_problem(LocalStorage(tmp_path / "node-a" / "step-00000004"), 0) is None, "repaired from b"
+    assert not list(tmp_path.glob("node-*/*damaged*")), "nothing set aside"
 
 
 def test_orphan_replicas_are_the_copies_no_node_holds_as_its_own():

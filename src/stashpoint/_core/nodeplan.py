@@ -1,6 +1,6 @@
 """Node-local run directories: each node's ranks keep their files in that node's own root.
 
-What a node holds of a step is found by listing its directory (``noderestore.inventory``), never
+What a node holds of a step is found by listing its directory (``holdings.inventory``), never
 assumed from node numbers, which a new rendezvous may assign anew. A restore asks every node
 (one message per node), takes the newest step whose files the nodes hold between them, and
 before loading has every node fetch from the others what its ranks will read: first the files

@@ -32,6 +32,12 @@ def replica_name(rank: int) -> str:
     return f"replica-r{rank:05d}"
 
 
+def mark_partial(step: Path, rank: int) -> None:
+    """Mark saved rank ``rank``'s files in the step directory ``step`` as not whole (found
+    damaged): not held here any more, and landed anew by the next fetch of them."""
+    LocalStorage(step).commit(partial_name(rank), b"")
+
+
 def adopt_replicas(step: Path, ranks: Iterable[int]) -> None:
     """Make this node's replicas of ``ranks`` in the step directory ``step`` its own files: they
     are the only copies left. The step no longer claims copies of every node's files elsewhere."""

@@ -16,8 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stashpoint._core.format import Manifest
-from stashpoint._core.naming import MANIFEST_NAME, index_name, parse_save_file, step_dir
+from stashpoint._core.naming import step_dir
 from stashpoint._core.nodeplan import (
     REMOTE,
     Held,
@@ -33,12 +32,13 @@ from stashpoint._core.nodeplan import (
 from stashpoint._dist import group as _dist
 from stashpoint._dist import memfetch, stream
 from stashpoint._dist.group import DistContext
-from stashpoint._dist.landing import PARTIAL_RE, REPLICA_RE, adopt_replicas
+from stashpoint._dist.landing import adopt_replicas
 from stashpoint._dist.nodes import NodeMap, NodeSave, agree_nodes, this_node
 from stashpoint._dist.transfer import RemoteCopy, run_transfers
 from stashpoint._load.exchange import agree, failure, own_or_agreed
 from stashpoint._load.loader import ranges_needed, writers_needed
-from stashpoint._load.manifest import read_head, read_index
+from stashpoint._load.manifest import read_head
+from stashpoint._manager.holdings import inventory, mark_damaged, node_order, remote_copy
 from stashpoint._manager.restoring import RestoreReport, try_in_order
 from stashpoint._manager.steps import committed_steps, move_aside
 from stashpoint._runtime import gc_paused
@@ -48,70 +48,12 @@ from stashpoint.errors import CheckpointError, CorruptCheckpointError, Incomplet
 log = logging.getLogger("stashpoint")
 
 
-def inventory(root: Storage) -> tuple[Held, ...]:
-    """Every committed step under this node's ``root`` and the saving ranks it holds whole."""
-    found = []
-    for step in committed_steps(root):
-        where = root.child(step_dir(step))
-        try:
-            head = read_head(where)
-        except (CorruptCheckpointError, IncompleteCheckpointError):
-            continue  # a damaged manifest: nothing of the step here is usable (unreadable: listing fails)
-        whole, partial, copies = set(), set(), set()
-        for name in where.list():
-            if (m := PARTIAL_RE.fullmatch(name)) is not None:
-                partial.add(int(m[1]))
-            if (m := REPLICA_RE.fullmatch(name)) is not None:
-                copies.add(int(m[1]))
-            parsed = parse_save_file(name)
-            if parsed is not None and parsed[1] == head.save_id and name.rpartition("/")[2] == index_name(*parsed):
-                whole.add(parsed[0])
-        found.append(Held(step, head.save_id, head.world_size, ranges(whole - partial), ranges(copies & whole)))
-    return tuple(found)
+class _Recheck(Exception):
+    """The local copy of ``step`` failed its load: every node checks its copy before the next try."""
 
-
-def node_order(
-    by_node: dict[int, tuple[Held, ...]], remote: list[int], step: int | None
-) -> tuple[list[tuple[int, str]], list[int]]:
-    """The copies to try, newest step first: ``(step, "local")`` where the nodes hold the step
-    between them, or hold part of it and the remote tier has it (the rest is read from there),
-    then ``(step, "remote")`` where the remote tier has it; and the steps no restore can take
-    (some rank's files are on no node, nor in the remote tier). Pure."""
-    held = {h.step for hs in by_node.values() for h in hs}
-    cover = coverable(by_node)
-    steps = sorted(held | set(remote), reverse=True) if step is None else [step]
-    order = []
-    for s in steps:
-        if s in cover or (s in held and s in remote):
-            order.append((s, "local"))
-        if s in remote:
-            order.append((s, "remote"))
-    return order, sorted(held - cover.keys() - set(remote))
-
-
-def remote_copy(at: Storage) -> RemoteCopy:
-    """The remote tier's copy ``at`` of a step, listing a transfer's whole files from its
-    (verified) manifest and indexes: what a peer's listing would offer."""
-    heads: list[Any] = []
-
-    def files(t: Transfer) -> list[tuple[str, int]]:
-        if not heads:
-            heads.append(read_head(at))
-        return remote_files(at, heads[0], t)
-
-    return RemoteCopy(at, files)
-
-
-def remote_files(remote: Storage, head: Any, t: Transfer) -> list[tuple[str, int]]:
-    if isinstance(head, Manifest):
-        raise CheckpointError(f"{remote.location} has a version-1 manifest; node-local restores read version 2")
-    out = []
-    for r in sorted(expand(t.ranks)):
-        out += [(f.name, f.size) for f in read_index(remote, head, r).files]
-    out += [(head.index_name(r), head.indexes[r][0]) for r in sorted(expand(t.ranks) | expand(t.indexes))]
-    if t.manifest:
-        out.append((MANIFEST_NAME, remote.size(MANIFEST_NAME)))
-    return out
+    def __init__(self, step: int, error: CheckpointError) -> None:
+        super().__init__(step, error)
+        self.step, self.error = step, error
 
 
 def _settle(mem: Path, disk: Storage, stop: threading.Event) -> None:
@@ -210,6 +152,82 @@ class NodeLocal:
                 self._area, self._claim = mem, memfetch.claim(mem)
             mem = self._area if self._claim is not None and mem == self._area else None
         ctx = _dist.context(options.get("process_group"), options.get("timeout")) or DistContext.solo()
+        checked: set[int] = set()  # steps whose copies every leader has checked, after a failed load
+        rechecked: list[tuple[int, str, str]] = []
+        while True:
+            order, by_node, mem = self._agree(ctx, root, remote, step, mem)
+
+            def fetch_and_load(
+                candidate: tuple[int, str], by_node: dict[int, tuple[Held, ...]] = by_node, mem: Path | None = mem
+            ) -> None:
+                s, tier = candidate
+                if tier == "remote":
+                    assert remote is not None
+                    load_one(remote.child(step_dir(s)))
+                    return
+                if self.me.leader:
+                    memfetch.wipe(mem)  # what an earlier try (or a crash) left there
+                at = memfetch.view(root.child(step_dir(s)), mem / step_dir(s) if mem else None)
+                self._remote = remote_copy(remote.child(step_dir(s))) if remote is not None else None
+                holders: dict[int, Held] | CheckpointError = {}
+                if ctx.rank == 0:
+                    try:  # a failure goes to every rank with the first plan
+                        holders = self._holders(s, by_node, remote)
+                    except CheckpointError as e:
+                        holders = e
+                self._fetch(ctx, at, holders, state, options)
+                try:
+                    load_one(at)
+                except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+                    if s in checked:
+                        raise
+                    raise _Recheck(s, e) from e  # the same on every rank: the load's failure is agreed
+
+            found = None
+            try:
+                found = try_in_order(order, step, lambda s, t: (s, t), fetch_and_load)
+            except _Recheck as r:
+                # A damaged copy on one node must not cost the step while another node holds
+                # a good one: each leader checks its copy, marks the damaged ranks partial (no
+                # longer held there), and the nodes agree on what to try anew.
+                log.error(
+                    "stashpoint: the local copy of step %d is unusable (%s); checking each node's", r.step, r.error
+                )
+                rechecked.append((r.step, "local", str(r.error)[:2000]))
+                checked.add(r.step)
+                if self.me.leader:
+                    mark_damaged(root, r.step)
+                continue
+            finally:  # the memory area: copied to the node's directory once loaded, else emptied
+                loaded = found[0] if found is not None and found[1] == "local" else None
+                if self.me.leader and mem is not None and loaded is not None and (mem / step_dir(loaded)).is_dir():
+                    self.fetched_into = "memory"  # every rank of the node has loaded (the load agrees at its end)
+                    self._settling = threading.Thread(
+                        target=_settle, args=(mem, root.child(step_dir(loaded)), self._stop), name="stashpoint-settle"
+                    )
+                    self._settling.start()
+                elif self.me.leader:
+                    memfetch.wipe(mem)
+                    self.fetched_into = "disk" if self.fetched else ""
+            break
+        if found is None:
+            return RestoreReport(None, None, tuple(order), tuple(rechecked))
+        candidate, tier, damaged = found
+        if step is None:
+            for s, t, _ in damaged:
+                if t == "local" and self.me.leader:
+                    move_aside(root, s)
+                elif t == "remote" and ctx.rank == 0 and remote is not None:
+                    move_aside(remote, s)
+        return RestoreReport(candidate, tier, tuple(order), tuple(rechecked + damaged))
+
+    def _agree(
+        self, ctx: DistContext, root: Storage, remote: Storage | None, step: int | None, mem: Path | None
+    ) -> tuple[list[tuple[int, str]], dict[int, tuple[Held, ...]], Path | None]:
+        """Every node's holdings gathered and the copies to try agreed (newest first), with
+        what each node holds and this node's memory area (None where its ranks read its
+        directory alone); the last copies of lost nodes' files adopted, and the steps no
+        restore can take set aside."""
         mine: Any = None
         if self.me.leader:
             try:
@@ -245,50 +263,7 @@ class NodeLocal:
                     move_aside(root, s)
         if step is not None and not order:
             order = [(step, "local")]  # raises CheckpointNotFoundError, naming the path
-
-        def fetch_and_load(candidate: tuple[int, str]) -> None:
-            s, tier = candidate
-            if tier == "remote":
-                assert remote is not None
-                load_one(remote.child(step_dir(s)))
-                return
-            if self.me.leader:
-                memfetch.wipe(mem)  # what an earlier try (or a crash) left there
-            at = memfetch.view(root.child(step_dir(s)), mem / step_dir(s) if mem else None)
-            self._remote = remote_copy(remote.child(step_dir(s))) if remote is not None else None
-            holders: dict[int, Held] | CheckpointError = {}
-            if ctx.rank == 0:
-                try:  # a failure goes to every rank with the first plan
-                    holders = self._holders(s, by_node, remote)
-                except CheckpointError as e:
-                    holders = e
-            self._fetch(ctx, at, holders, state, options)
-            load_one(at)
-
-        found = None
-        try:
-            found = try_in_order(order, step, lambda s, t: (s, t), fetch_and_load)
-        finally:  # the memory area: copied to the node's directory once loaded, else emptied
-            loaded = found[0] if found is not None and found[1] == "local" else None
-            if self.me.leader and mem is not None and loaded is not None and (mem / step_dir(loaded)).is_dir():
-                self.fetched_into = "memory"  # every rank of the node has loaded (the load agrees at its end)
-                self._settling = threading.Thread(
-                    target=_settle, args=(mem, root.child(step_dir(loaded)), self._stop), name="stashpoint-settle"
-                )
-                self._settling.start()
-            elif self.me.leader:
-                memfetch.wipe(mem)
-                self.fetched_into = "disk" if self.fetched else ""
-        if found is None:
-            return RestoreReport(None, None, tuple(order), ())
-        candidate, tier, damaged = found
-        if step is None:
-            for s, t, _ in damaged:
-                if t == "local" and self.me.leader:
-                    move_aside(root, s)
-                elif t == "remote" and ctx.rank == 0 and remote is not None:
-                    move_aside(remote, s)
-        return RestoreReport(candidate, tier, tuple(order), tuple(damaged))
+        return order, by_node, mem
 
     def _holders(self, step: int, by_node: dict[int, tuple[Held, ...]], remote: Storage | None) -> dict[int, Held]:
         """Rank 0: what each node holds of ``step`` (one save of it), and the remote tier's

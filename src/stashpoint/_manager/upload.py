@@ -12,7 +12,7 @@ import xxhash
 from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, Chunk, Manifest, checksum
 from stashpoint._load.manifest import read_head, read_index
 from stashpoint._storage import Storage
-from stashpoint.errors import CorruptCheckpointError
+from stashpoint.errors import CorruptCheckpointError, IncompleteCheckpointError
 
 COPY_BLOCK = 64 * 1024 * 1024
 
@@ -50,6 +50,29 @@ def own_files(src: Storage, rank: int, world: int) -> list[Upload]:
             raise CorruptCheckpointError(f"{src.location}/{name} does not match the manifest's checksum: not uploaded")
         out.append(Upload(name, size, data=raw))
     return out
+
+
+def rank_problem(src: Storage, saved: int) -> str | None:
+    """What is wrong with saved rank ``saved``'s files in the step directory ``src`` (its index
+    against the manifest, every block of its shards against the index), or None when they are
+    whole: reads them all."""
+    try:
+        head = read_head(src)
+        if isinstance(head, Manifest):  # version 1: no rank's files stand alone
+            return None
+        index = read_index(src, head, saved)
+        spans = _spans(index.chunks.values())
+        for f in index.files:
+            for start, end, sums in sorted(set(spans.get(f.name, ()))):
+                for k, lo in enumerate(range(start, max(end, start + 1), CHECKSUM_BLOCK_BYTES)):
+                    block = _read(src, f.name, lo, min(lo + CHECKSUM_BLOCK_BYTES, end))
+                    if k >= len(sums) or xxhash.xxh3_64_hexdigest(block) != sums[k]:
+                        return f"{src.location}/{f.name} does not match its checksums at bytes {lo}-{lo + len(block)}"
+    except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+        return str(e)
+    except FileNotFoundError as e:
+        return f"a file of rank {saved} is missing: {e}"
+    return None
 
 
 def _spans(chunks: Iterable[Chunk]) -> dict[str, list[Span]]:
