@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from stashpoint._core.nodeplan import Held, expand, plan_parts, plan_spans, plan_transfers, ranges
-from stashpoint._dist.nodecommit import node_room
+from stashpoint._dist.nodecommit import node_room, tree_children, tree_parent
 from stashpoint._dist.nodes import NodeMap, NodeSave
 from stashpoint._manager.holdings import node_order
 
@@ -120,8 +120,8 @@ def restore(world: int, per_node: int) -> dict[str, Any]:
 
 
 def save_room(world: int, per_node: int) -> float:
-    """The time of rank 0's count of each node's bytes on a save with replicas (it then sends
-    each leader 16 bytes with the commit)."""
+    """The time of rank 0's count of each node's bytes on a save with replicas (16 bytes a
+    leader, passed down the commit's tree with the manifest)."""
     nodes = world // per_node
     of_rank = tuple(r // per_node for r in range(world))
     nm = NodeMap(tuple((n, n * per_node) for n in range(nodes)), (), of_rank)
@@ -133,6 +133,14 @@ def save_room(world: int, per_node: int) -> float:
     return took
 
 
+def commit_fanout(nodes: int) -> tuple[int, int]:
+    """The manifest's way to every node's leader at a commit: the copies the busiest leader
+    sends, and the rounds until the last leader has it (in round r every leader that has it
+    sends to the one 2**r places after it)."""
+    rounds = max(((at - tree_parent(at)).bit_length() for at in range(1, nodes)), default=0)
+    return max(len(tree_children(at, nodes)) for at in range(nodes)), rounds
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_nodescale", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -141,16 +149,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     print(f"node-local restore after one node lost, replicas=1, {args.per_node} ranks per node\n")
     print("| R | nodes | rank 0 receives | rank 0 plans | each rank receives (whole plans would be) "
-          "| transfers (own, indexes, ranges) | busiest node's transfers | save: rank 0 counts the room |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| transfers (own, indexes, ranges) | busiest node's transfers | save: rank 0 counts the room "
+          "| save: manifest copies the busiest leader sends, rounds |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for world in args.ranks:
         r = restore(world, args.per_node)
         room_s = save_room(world, args.per_node)
         nodes, plan_ms = world // args.per_node, r["rank0_plan_s"] * 1e3
+        copies, rounds = commit_fanout(nodes)
         print(
             f"| {world:,} | {nodes:,} | {human(r['rank0_received'])} | {plan_ms:.0f} ms "
             f"| {human(r['scattered'])} ({human(r['broadcast'])}) | {', '.join(map(str, r['transfers']))} "
-            f"| {r['busiest']} | {room_s * 1e3:.1f} ms |"
+            f"| {r['busiest']} | {room_s * 1e3:.1f} ms | {copies}, {rounds} |"
         )
     return 0
 

@@ -15,6 +15,7 @@ import pytest
 from stashpoint._core.naming import RECOVERABLE_NAME
 from stashpoint._core.nodeplan import peak_bytes, replica_bytes
 from stashpoint._core.policy import Retention
+from stashpoint._dist.nodecommit import tree_children, tree_parent, tree_places
 from stashpoint._dist.nodes import NodeMap, NodeSave
 from stashpoint._dist.transfer import _room_problem
 from stashpoint._storage import LocalStorage
@@ -112,3 +113,32 @@ def test_the_node_scale_benchmark_runs_and_no_node_sends_to_all():
     r = restore(512, 8)
     assert r["transfers"] == (1, 63, 63), r
     assert r["busiest"] <= 2 * 6 + 2, r
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 3, 5, 8, 64, 1000, 2048])
+def test_the_manifest_reaches_every_leader_through_a_doubling_tree(nodes):
+    """Each place but the root receives once, from a place that has it by then; the subtree
+    whose rooms a place passes on is itself and its descendants; no leader sends more than
+    log2(nodes) copies (rank 0 sent one to every node before)."""
+    from benchmarks.bench_nodescale import commit_fanout
+
+    got_in = {0: -1}  # place -> the round it received in
+    for at in range(nodes):  # parents come before children in place order
+        for round_, child in enumerate(tree_children(at, nodes), start=0 if at == 0 else at.bit_length()):
+            assert tree_parent(child) == at and child not in got_in
+            assert round_ > got_in[at], "a place sends only after it received"
+            got_in[child] = round_
+    assert sorted(got_in) == list(range(nodes))
+    for at in range(nodes):
+        below = {at} | {c for c in range(nodes) if c != 0 and _descends(c, at)}
+        assert set(tree_places(at, nodes)) == below
+    copies, rounds = commit_fanout(nodes)
+    assert copies <= max(1, (nodes - 1).bit_length()) and rounds == (nodes - 1).bit_length()
+
+
+def _descends(c: int, at: int) -> bool:
+    while c != 0:
+        c = tree_parent(c)
+        if c == at:
+            return True
+    return False

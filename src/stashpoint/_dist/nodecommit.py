@@ -1,8 +1,10 @@
 """The commit of a save to node-local directories: every node holds the manifest, or the save failed.
 
-Rank 0 commits in its node's directory first (as any save); then it sends the manifest's bytes
-to the leader of every other node (one message per node, never one per rank), each leader
-commits them in its own directory, and every rank learns whether all did. A step is the job's
+Rank 0 commits in its node's directory first (as any save); then the manifest's bytes reach the
+leader of every other node through a doubling tree of the leaders (rank 0 sends to one, both
+send on, and so on: log2(nodes) rounds, and no leader sends more than that many copies, where
+rank 0 used to send one to every node), each leader commits them in its own directory, and
+every rank learns whether all did. A step is the job's
 only when every node holds its manifest: a crash in between leaves it on some nodes only, and
 a restore, which asks every node, passes it by.
 """
@@ -19,6 +21,38 @@ from stashpoint._dist.group import DistContext
 from stashpoint._dist.nodes import NodeSave, recv_blob, send_blob
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError
+
+
+def tree_parent(at: int) -> int:
+    """The place in the doubling tree that ``at`` (> 0) receives from: ``at`` without its top bit."""
+    return at - (1 << (at.bit_length() - 1))
+
+
+def tree_children(at: int, n: int) -> list[int]:
+    """The places ``at`` sends to, in the order of the rounds: ``at + 2**r`` for each round
+    ``r`` after the one it received in (every round, at the root)."""
+    first = 0 if at == 0 else at.bit_length()
+    out = []
+    while at + (1 << first) < n:
+        out.append(at + (1 << first))
+        first += 1
+    return out
+
+
+def tree_places(at: int, n: int) -> range:
+    """``at`` and every place below it in the tree, whose rooms it passes on."""
+    return range(n) if at == 0 else range(at, n, 1 << at.bit_length())
+
+
+def _pack_rooms(rooms: dict[int, Room], places: range) -> bytes:
+    return b"".join(struct.pack("<QQ", *rooms[p]) for p in places) if rooms else b""
+
+
+def _unpack_rooms(raw: bytes, at: int, n: int) -> dict[int, Room]:
+    places = tree_places(at, n)
+    if len(raw) != 16 * len(places):
+        return {}  # a save without replicas counts no room
+    return {p: struct.unpack_from("<QQ", raw, 16 * i) for i, p in enumerate(places)}
 
 
 def node_room(ns: NodeSave, rank_bytes: Sequence[int]) -> dict[int, Room]:
@@ -47,28 +81,37 @@ def commit_on_nodes(
     rank alike when any node's commit failed."""
     status: str | None = None
     mine: Room | None = None
-    try:
-        if ctx.rank == 0:
-            assert manifest is not None
-            failed = []
-            mine = None if room is None else room[0]
-            for leader in leaders:
-                if leader == 0:
-                    continue
+    order = [0, *sorted(r for r in leaders if r != 0)]  # the tree's places: rank 0 at the root
+    if ctx.rank in order:
+        at = order.index(ctx.rank)
+        rooms: dict[int, Room] = {}
+        failed: list[str] = []
+        try:
+            if at == 0:
+                assert manifest is not None
+                data = manifest
+                rooms = {i: room[r] for i, r in enumerate(order)} if room is not None else {}
+            else:
+                parent = order[tree_parent(at)]
+                data = recv_blob(ctx, parent, MAX_MANIFEST_BYTES)
+                rooms = _unpack_rooms(recv_blob(ctx, parent, 16 * len(tree_places(at, len(order)))), at, len(order))
+        except Exception as e:  # nothing to pass on: the subtree's leaders fail at their receive
+            status = f"rank {ctx.rank}: receiving the manifest: {type(e).__name__}: {e}"
+        else:
+            for child in tree_children(at, len(order)):
                 try:  # the others still get it: a step on fewer nodes is no worse
-                    send_blob(ctx, leader, manifest)
-                    send_blob(ctx, leader, b"" if room is None else struct.pack("<QQ", *room[leader]))
+                    send_blob(ctx, order[child], data)
+                    send_blob(ctx, order[child], _pack_rooms(rooms, tree_places(child, len(order))))
                 except CheckpointError as e:
                     failed.append(str(e))
+            mine = rooms.get(at)
+            try:
+                if at != 0:
+                    storage.commit(MANIFEST_NAME, data, exclusive=exclusive)
+            except Exception as e:
+                failed.insert(0, f"rank {ctx.rank}: {type(e).__name__}: {e}")
             if failed:
                 status = "; ".join(failed[:4])
-        elif ctx.rank in leaders:
-            data = recv_blob(ctx, 0, MAX_MANIFEST_BYTES)
-            sizes = recv_blob(ctx, 0, 16)
-            mine = struct.unpack("<QQ", sizes) if len(sizes) == 16 else None
-            storage.commit(MANIFEST_NAME, data, exclusive=exclusive)
-    except Exception as e:
-        status = f"rank {ctx.rank}: {type(e).__name__}: {e}"
     statuses = ctx.gather("node-local: the nodes' commits", status)
     verdict = None
     if statuses is not None:
