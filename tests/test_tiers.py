@@ -373,3 +373,45 @@ def test_an_upload_checks_every_block_and_copies_the_bytes_unchanged(tmp_path):
         if p.is_file():
             assert (dst / p.relative_to(src)).read_bytes() == p.read_bytes(), p.name
     assert stashpoint.verify(dst).ok
+
+
+class _Unreachable(LocalStorage):
+    """A remote tier that cannot be reached while ``down`` (every listing fails)."""
+
+    down = False
+
+    def children(self):  # type: ignore[no-untyped-def]
+        if _Unreachable.down:
+            raise OSError(113, "No route to host")
+        return super().children()
+
+    def open_writer(self, name, size):  # type: ignore[no-untyped-def]
+        if _Unreachable.down:
+            raise OSError(113, "No route to host")
+        return super().open_writer(name, size)
+
+    def child(self, name):  # type: ignore[no-untyped-def]
+        return _Unreachable(self.root / name)
+
+
+def test_a_remote_tier_that_cannot_be_reached_does_not_stop_a_restart_with_a_local_copy(tmp_path, caplog):
+    local, remote = tmp_path / "nvme", _Unreachable(tmp_path / "remote")
+    with stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote) as mgr:
+        mgr.save(1, _state(1)).wait()
+    _Unreachable.down = True
+    try:
+        with caplog.at_level(logging.WARNING, logger="stashpoint"):
+            mgr = stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote)  # opens all the same
+            out = _state(0)
+            assert mgr.restore(out) == 1 and torch.equal(out["w"], _state(1)["w"])
+        assert "cannot be reached now" in caplog.text and "listing the remote tier failed" in caplog.text
+        mgr.save(2, _state(2)).wait()
+        with pytest.raises(stashpoint.CheckpointError, match="uploading step 2"):
+            mgr.wait()
+        assert mgr.steps() == [1, 2], "nothing local goes while the remote tier cannot say what it holds"
+        mgr.close()
+    finally:
+        _Unreachable.down = False
+    with stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote) as mgr:
+        mgr.wait()  # back: the catch-up uploads step 2, and the local retention runs
+        assert mgr.remote_steps() == [1, 2] and mgr.steps() == [2]

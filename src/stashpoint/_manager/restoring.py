@@ -58,6 +58,17 @@ class StepsSeen:
     remote: tuple[int, ...] = ()
 
 
+def reachable(remote_steps: Callable[[], list[int]]) -> list[int]:
+    """The remote tier's steps, or none while it cannot be listed (the local copies are tried)."""
+    try:
+        return remote_steps()
+    except (OSError, CheckpointError) as e:
+        log.warning(
+            "stashpoint: listing the remote tier failed (%s: %s); restoring from the local tier", type(e).__name__, e
+        )
+        return []
+
+
 def agreed_restore_order(
     local_steps: Callable[[], list[int]],
     remote_steps: Callable[[], list[int]],
@@ -71,7 +82,7 @@ def agreed_restore_order(
     from stashpoint._save import engine as _save
 
     try:
-        mine = StepsSeen(None, tuple(local_steps()), tuple(remote_steps()) if rank == 0 else ())
+        mine = StepsSeen(None, tuple(local_steps()), tuple(reachable(remote_steps)) if rank == 0 else ())
     except Exception as e:
         mine = StepsSeen(f"rank {rank}: {type(e).__name__}: {e}")
     _save.wait_all()
@@ -141,7 +152,7 @@ def restore_run(
             raise CheckpointNotFoundError(f"{e}; {_held(mgr.steps())}") from None
         return RestoreReport(step, "local", ((step, "local"),), ())
     if mgr.world == 1:
-        order = restore_order(mgr.steps(), mgr.remote_steps(), step)
+        order = restore_order(mgr.steps(), reachable(mgr.remote_steps), step)
     else:  # every rank the same order, from what every rank sees (one listing each, gathered)
         order = agreed_restore_order(mgr.steps, mgr.remote_steps, mgr.rank, step, options)
     if step is not None and not order:

@@ -161,8 +161,16 @@ def set_aside_newer(mgr: CheckpointManager, step: int) -> None:
 
 def _whole_steps(mgr: CheckpointManager, root: Storage) -> list[int]:
     """The committed steps of ``root`` whose manifests read whole: those the retention counts (a
-    damaged one is a restore's to set aside, as damaged)."""
-    return [s for s in committed_steps(root) if (m := mgr._metrics_of(s, root)) is not None and m is not DAMAGED]
+    damaged one is a restore's to set aside, as damaged). None of a remote tier that cannot be
+    listed now: its save goes on."""
+    try:
+        steps = committed_steps(root)
+    except (OSError, CheckpointError) as e:
+        if root is mgr.storage:
+            raise
+        log.warning("stashpoint: listing %s failed (%s: %s)", root.location, type(e).__name__, e)
+        return []
+    return [s for s in steps if (m := mgr._metrics_of(s, root)) is not None and m is not DAMAGED]
 
 
 def start_save(

@@ -292,11 +292,23 @@ class RemoteTier:
         self.futures: list[cf.Future[Any]] = []
         self._lock = threading.Lock()
         self._unuploaded: collections.Counter[int] = collections.Counter()  # pending or failed uploads
-        self.remote.prepare()
         todo: list[int] = []
-        if rank == 0:
-            remove_leftovers(self.remote)
-            todo = self._missing()
+        try:
+            self.remote.prepare()
+            if rank == 0:
+                remove_leftovers(self.remote)
+                todo = self._missing()
+        except (OSError, CheckpointError) as e:  # the remote tier is a second copy: training goes on
+            log.warning(
+                "stashpoint: the remote tier %s cannot be reached now (%s: %s); the local steps are kept until a "
+                "manager opened later uploads them, and this run's uploads are tried as it saves",
+                self.remote.location,
+                type(e).__name__,
+                e,
+            )
+            with self._lock:
+                self._unuploaded.update(committed_steps(local) if rank == 0 else [])
+            todo = []
         self.uploader = Uploader(local, self.remote, on_result=self._result, on_committed=self._retain)
         with self._lock:
             self._unuploaded.update(todo)
