@@ -190,7 +190,13 @@ class CheckpointManager:
                 remove_leftovers(self.storage)
             if remote_root is not None:
                 self._tier = RemoteTier(
-                    self.storage, remote_root, self.remote_retention, self._metrics_of, self.rank, self._upload_ended
+                    self.storage,
+                    remote_root,
+                    self.remote_retention,
+                    self._metrics_of,
+                    self.rank,
+                    self._upload_ended,
+                    owner=self._owner,
                 )
         except BaseException:
             self._release()

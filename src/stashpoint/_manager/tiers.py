@@ -277,6 +277,8 @@ class RemoteTier:
         metrics: Callable[[int, Storage], dict[str, Any] | None],
         rank: int,
         on_ended: Callable[[], None] | None = None,
+        *,
+        owner: bool = False,
     ) -> None:
         self.local = local
         self.remote = storage_for(remote_root)
@@ -293,25 +295,28 @@ class RemoteTier:
         self._lock = threading.Lock()
         self._unuploaded: collections.Counter[int] = collections.Counter()  # pending or failed uploads
         todo: list[int] = []
+        problem = None
         try:
             self.remote.prepare()
             if rank == 0:
                 remove_leftovers(self.remote)
                 todo = self._missing()
         except (OSError, CheckpointError) as e:  # the remote tier is a second copy: training goes on
+            problem = f"{type(e).__name__}: {e}"
+        self.uploader = Uploader(local, self.remote, on_result=self._result, on_committed=self._retain)
+        # every owner of a directory's retention (node-local: each node's leader) protects them
+        todo, first = self.uploader.ctx.broadcast("upload: what the remote tier lacks", (todo, problem))
+        problem = problem or first
+        if problem is not None:
             log.warning(
-                "stashpoint: the remote tier %s cannot be reached now (%s: %s); the local steps are kept until a "
+                "stashpoint: the remote tier %s cannot be reached now (%s); the local steps are kept until a "
                 "manager opened later uploads them, and this run's uploads are tried as it saves",
                 self.remote.location,
-                type(e).__name__,
-                e,
+                problem,
             )
-            with self._lock:
-                self._unuploaded.update(committed_steps(local) if rank == 0 else [])
             todo = []
-        self.uploader = Uploader(local, self.remote, on_result=self._result, on_committed=self._retain)
         with self._lock:
-            self._unuploaded.update(todo)
+            self._unuploaded.update(committed_steps(local) if problem is not None and owner else todo)
         self._track(self.uploader.catch_up(todo))
 
     def _missing(self) -> list[int]:
