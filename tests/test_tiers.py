@@ -415,3 +415,27 @@ def test_a_remote_tier_that_cannot_be_reached_does_not_stop_a_restart_with_a_loc
     with stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote) as mgr:
         mgr.wait()  # back: the catch-up uploads step 2, and the local retention runs
         assert mgr.remote_steps() == [1, 2] and mgr.steps() == [2]
+
+
+def test_a_save_asks_for_no_more_manifests_as_the_kept_steps_grow(tmp_path, monkeypatch):
+    """With keep_every=1 every step is kept, locally and remotely: each save's retention passes
+    must not ask every step for its manifest again (a HEAD each on object storage)."""
+    asked = [0]
+    real = LocalStorage.exists
+
+    def counting(self, name=None):  # type: ignore[no-untyped-def]
+        asked[0] += 1
+        return real(self, name)
+
+    monkeypatch.setattr(LocalStorage, "exists", counting)
+    per_save = {}
+    with stashpoint.CheckpointManager(
+        tmp_path / "r", keep_last=2, keep_every=1, remote_root=tmp_path / "remote", remote_keep_last=2
+    ) as mgr:
+        for step in range(1, 41):
+            asked[0] = 0
+            mgr.save(step, _state(step)).wait()
+            mgr.wait()
+            per_save[step] = asked[0]
+        assert len(mgr.steps()) == 40 and len(mgr.remote_steps()) == 40
+    assert per_save[40] <= per_save[5], per_save

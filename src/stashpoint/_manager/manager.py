@@ -179,6 +179,7 @@ class CheckpointManager:
         self._last_restore: RestoreReport | None = None
         self._resumed_at: int | None = None  # the step restored, until the next save (a rewind?)
         self._top: int | None = None  # the highest step this run holds, once a save looked
+        self._known: set[int] = set()  # steps found committed in the root (steps() asks for the others alone)
         self.storage.prepare()
         # In a distributed run rank 0 owns the root: the lock, the cleanup and the retention.
         # (Object stores offer no lock: there, one manager per root is the user's to ensure.)
@@ -223,7 +224,7 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first. Saves in progress and crashed saves are not listed."""
-        return committed_steps(self.storage)
+        return committed_steps(self.storage, self._known)
 
     def remote_steps(self) -> list[int]:
         """Committed steps in the remote tier, oldest first ([] without a ``remote_root``)."""
@@ -301,6 +302,7 @@ class CheckpointManager:
         interpreter exit, a save still ending in a manager never closed finds that thread gone
         (the interpreter stops its pools first): the rules are applied here and now."""
         try:
+            self._deletions = [f for f in self._deletions if not f.done()]  # they never fail: nothing to keep
             self._deletions.append(self._deleter.submit(apply_retention, self))
         except RuntimeError:
             apply_retention(self)

@@ -154,6 +154,7 @@ def set_aside_newer(mgr: CheckpointManager, step: int) -> None:
                 root.location,
             )
         for s in newer:
+            mgr._known.discard(s)
             move_aside(root, s, "rewound")
             mgr._metrics.pop(s, None)  # the number may be saved again, with the new run's metrics
     mgr._top = max(step, above)
@@ -229,7 +230,9 @@ def apply_retention(mgr: CheckpointManager) -> None:
             keep |= mgr._tier.protected()  # not uploaded yet (pending, or failed: uploaded at next open)
         for step in steps:
             if step not in keep:
+                mgr._known.discard(step)
                 delete_step(mgr.storage, step)
+                mgr._metrics.pop(step, None)
     except Exception:
         log.exception("stashpoint: applying the retention rules to %s failed", mgr.storage.location)
 

@@ -30,13 +30,25 @@ def step_number(step: object) -> int:
     return n
 
 
-def committed_steps(root: Storage) -> list[int]:
-    """The committed steps under a run root, oldest first."""
+def committed_steps(root: Storage, known: set[int] | None = None) -> list[int]:
+    """The committed steps under a run root, oldest first.
+
+    ``known``: the steps this caller already found committed there (updated in place), whose
+    manifests are not asked for again: one listing a call instead of a request per step (a HEAD
+    each on object storage, with ``keep_every`` ever more). The caller must discard a step it
+    deletes; a step no longer listed is forgotten."""
     found = []
+    listed = set()
     for name in root.children():
         step = parse_step_dir(name)
-        if step is not None and root.child(name).exists(MANIFEST_NAME):
+        if step is None:
+            continue
+        listed.add(step)
+        if (known is not None and step in known) or root.child(name).exists(MANIFEST_NAME):
             found.append(step)
+    if known is not None:
+        known.intersection_update(listed)
+        known.update(found)
     return sorted(found)
 
 

@@ -294,6 +294,7 @@ class RemoteTier:
         self.futures: list[cf.Future[Any]] = []
         self._lock = threading.Lock()
         self._unuploaded: collections.Counter[int] = collections.Counter()  # pending or failed uploads
+        self._known: set[int] = set()  # remote steps found committed (their manifests not asked again)
         todo: list[int] = []
         problem = None
         try:
@@ -348,7 +349,7 @@ class RemoteTier:
             return set(self._unuploaded)
 
     def steps(self) -> list[int]:
-        return committed_steps(self.remote)
+        return committed_steps(self.remote, self._known)
 
     def at(self, step: int) -> Storage:
         return self.remote.child(step_dir(step))
@@ -368,10 +369,11 @@ class RemoteTier:
         """On the uploader thread, once ``step`` is committed remotely: the remote retention."""
         if self.rank != 0 or self.retention is None:
             return
-        steps = committed_steps(self.remote)
+        steps = committed_steps(self.remote, self._known)
         keep = retained(steps, lambda s: self.metrics(s, self.remote), self.retention)
         for s in steps:
             if s not in keep:
+                self._known.discard(s)
                 delete_step(self.remote, s)
 
     def _track(self, future: cf.Future[Any]) -> None:
