@@ -373,6 +373,15 @@ def scenario_indexes_read(path: str, kind: str, *more: str) -> None:
     result(loads=out)
 
 
+def scenario_per_rank_paths(root: str) -> None:
+    """Every rank saves to a path of its own (a torch.save habit): the error says so."""
+    try:
+        stashpoint.save({"w": torch.ones(4)}, f"{root}/ckpt_{RANK}", timeout=30)
+        result(error=None)
+    except stashpoint.CheckpointError as e:
+        result(error=str(e))
+
+
 def scenario_asym_error(root: str) -> None:
     """Rank 1 alone refuses a value: every rank fails that save, and the next one commits."""
     bad = {"w": torch.ones(4), "cfg": object() if RANK == 1 else 1}

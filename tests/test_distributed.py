@@ -321,3 +321,9 @@ def test_a_checkpoint_one_process_saved_warns_every_rank_that_resumes_its_rng_st
     subprocess.run([sys.executable, "-c", code, str(ck)], check=True, timeout=120)
     for r in run_world(2, "rng_resume", str(ck)):
         assert any("saved by 1 rank and is loaded by 2" in w and "of saved rank 0" in w for w in r["warnings"]), r
+
+
+def test_ranks_saving_to_paths_of_their_own_are_told_to_pass_one_path(tmp_path):
+    for r in run_world(2, "per_rank_paths", str(tmp_path)):
+        assert r["error"] and "passed different paths to one save" in r["error"], r
+        assert "ckpt_0" in r["error"] and "ckpt_1" in r["error"]

@@ -118,11 +118,18 @@ def start_save(
     if len({(h.seq, h.location) for h in hellos}) > 1:
         odd = [(r, h) for r, h in enumerate(hellos) if (h.seq, h.location) != (hellos[0].seq, hellos[0].location)]
         seen = ", ".join(f"rank {r}: save #{h.seq} to {h.location}" for r, h in [(0, hellos[0]), *odd[:8]])
-        why = (
-            f"the ranks are out of step ({seen}); every rank must make the same saves: after a save some ranks "
-            "made and others did not, the ranks' later saves pair up out of step (collectives pair by order) "
-            "until the job restarts from its last committed checkpoint"
-        )
+        if len({h.seq for h in hellos}) == 1:  # the same save, to places of their own
+            why = (
+                f"the ranks passed different paths to one save ({seen}); pass the same path on every rank: "
+                "stashpoint writes each rank's files there itself, and a load on any number of ranks reads "
+                "what each one needs"
+            )
+        else:
+            why = (
+                f"the ranks are out of step ({seen}); every rank must make the same saves: after a save some ranks "
+                "made and others did not, the ranks' later saves pair up out of step (collectives pair by order) "
+                "until the job restarts from its last committed checkpoint"
+            )
         return Start("", False, ((0, why),))
     hashes = tuple(h.layout_hash for h in hellos)
     reuse = (
