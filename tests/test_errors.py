@@ -504,3 +504,18 @@ def test_a_copy_that_fails_in_the_call_is_a_checkpoint_error_and_the_buffers_are
     out = {"w": torch.zeros(6)}
     stashpoint.load(out, tmp_path / "ck")
     assert torch.equal(out["w"], state["w"])
+
+
+def test_keys_under_another_prefix_get_a_hint_naming_both_prefixes(tmp_path):
+    """A model saved bare and loaded as the submodule of another (or the other way round)."""
+    body = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    stashpoint.save({"model": body}, tmp_path / "c")
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+
+    with pytest.raises(stashpoint.StateMismatchError, match=r"differ by a prefix: .*'model' where the state has "
+                       r"'model.backbone' \('model/0.weight' against 'model/backbone.0.weight'\)"):  # fmt: skip
+        stashpoint.load({"model": Wrapped()}, tmp_path / "c")

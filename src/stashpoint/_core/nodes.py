@@ -202,10 +202,37 @@ def wrapper_hint(missing: list[str], unexpected: list[str]) -> str | None:
     theirs = {bare(k): k for k in unexpected}
     pairs = [(theirs[bare(k)], k) for k in missing if bare(k) in theirs and theirs[bare(k)] != k]
     if not pairs or 2 * len(pairs) < len(missing):
-        return None
+        return _prefix_hint(missing, unexpected)
     saved, live = pairs[0]
     return (
         f"the keys differ by a wrapper's prefix ({saved!r} in the checkpoint, {live!r} in the state): DDP, "
         "DataParallel, torch.compile and FSDP1 add one to state_dict(). Put the module itself in the state "
         "(stashpoint saves and loads a wrapped module under its own names), not a wrapped module's state_dict()"
+    )
+
+
+def _prefix_hint(missing: list[str], unexpected: list[str]) -> str | None:
+    """A hint where most missing keys are unexpected ones under another prefix (a model saved
+    bare, loaded as a submodule ``backbone`` of another): the two prefixes, with an example."""
+    table: dict[tuple[str, ...], tuple[str, str]] = {}
+    for u in unexpected[:100_000]:
+        parts = tuple(u.replace("/", ".").split("."))
+        for k in range(len(parts) - 1):  # every tail of two names or more ("0.weight", not "weight")
+            table.setdefault(parts[k:], (".".join(parts[:k]), u))
+    counts: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for m in missing[:100_000]:
+        parts = tuple(m.replace("/", ".").split("."))
+        for k in range(len(parts) - 1):
+            hit = table.get(parts[k:])
+            if hit is not None:
+                counts.setdefault((hit[0], ".".join(parts[:k])), []).append((hit[1], m))
+                break
+    best = max(counts.items(), key=lambda kv: len(kv[1]), default=None)
+    if best is None or 2 * len(best[1]) < len(missing) or best[0][0] == best[0][1]:
+        return None
+    (theirs, ours), [(saved, live), *_] = best
+    return (
+        f"the keys differ by a prefix: the checkpoint has {theirs or '(none)'!r} where the state has "
+        f"{ours or '(none)'!r} ({saved!r} against {live!r}); load into the part of the state the checkpoint "
+        "was saved from, or give the state the checkpoint's structure"
     )
