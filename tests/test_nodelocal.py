@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -664,3 +665,16 @@ def test_node_identity_comes_from_the_launcher(monkeypatch):
     monkeypatch.setenv("STASHPOINT_NODE", "x")
     with pytest.raises(CheckpointError, match="STASHPOINT_NODE='x'"):
         this_node(4)
+
+
+def test_the_byte_ranges_a_rank_reads_travel_merged(tmp_path):
+    """Rank 0 gathers every rank's ranges in a node-local restore: fifty back-to-back tensors
+    are one range (with the header), not fifty-one, whatever the world size."""
+    from stashpoint._load.loader import ranges_needed
+    from stashpoint._storage import LocalStorage
+
+    state = {f"p{i}": torch.ones(2) for i in range(50)}
+    stashpoint.save(state, tmp_path / "c")
+    got = ranges_needed(LocalStorage(tmp_path / "c"), {k: torch.zeros(2) for k in state}, 0, skip=set())
+    [(rank, size, spans)] = got.values()
+    assert rank == 0 and spans == [(0, size)], got

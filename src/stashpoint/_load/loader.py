@@ -14,6 +14,7 @@ from stashpoint import _runtime
 from stashpoint._core.assign import Item, assign_readers
 from stashpoint._core.format import Manifest
 from stashpoint._core.index import Head
+from stashpoint._core.nodeplan import merge
 from stashpoint._core.nodes import wrapper_hint
 from stashpoint._core.reshard import Box, intersect
 from stashpoint._dist import group as _dist
@@ -331,4 +332,5 @@ def ranges_needed(
         for c in entry.chunks if entry is not None else ():
             if c.file in out and intersect(Box(c.offsets, c.shape), r.region) is not None:
                 out[c.file][2].append((c.start, c.end))
-    return out
+    # merged before they travel: rank 0 gathers every rank's (one chunk per parameter, unmerged)
+    return {name: (rank, size, list(merge(rs))) for name, (rank, size, rs) in out.items()}
