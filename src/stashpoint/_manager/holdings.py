@@ -5,6 +5,7 @@ tier's copy of a step as one more holder."""
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from stashpoint._core.format import Manifest
@@ -21,14 +22,21 @@ from stashpoint.errors import CheckpointError, CorruptCheckpointError, Incomplet
 log = logging.getLogger("stashpoint")
 
 
-def mark_damaged(root: Storage, step: int) -> None:
-    """Check every rank's files this node holds of ``step`` and mark the damaged ones partial
-    (``partial-r<rank>``): no longer held here, fetched anew from a node that holds them whole."""
+_NAMED_RANK = re.compile(r"(?:shard|index)-r([0-9]{5,})-")
+
+
+def mark_damaged(root: Storage, step: int, error: str = "") -> None:
+    """Check the ranks' files this node holds of ``step`` and mark the damaged ones partial
+    (``partial-r<rank>``): no longer held here, fetched anew from a node that holds them whole.
+    Only the ranks whose files ``error`` (the failed load's) names, where it names any: every
+    byte is read, while the other ranks wait."""
     at = root.child(step_dir(step))
     if not isinstance(at, LocalStorage) or not at.exists(MANIFEST_NAME):
         return
     held = next((h for h in inventory(root) if h.step == step), None)
-    for r in expand(held.ranks) if held is not None else ():
+    ranks = expand(held.ranks) if held is not None else set()
+    named = {int(m) for m in _NAMED_RANK.findall(error)} & ranks
+    for r in sorted(named or ranks):
         problem = rank_problem(at, r)
         if problem is not None:
             log.warning(

@@ -175,8 +175,8 @@ class NodeLocal:
                         holders = self._holders(s, by_node, remote)
                     except CheckpointError as e:
                         holders = e
-                self._fetch(ctx, at, holders, state, options)
-                try:
+                try:  # a damaged file met by the fetch (a peer's copy) or by the load: agreed by every rank
+                    self._fetch(ctx, at, holders, state, options)
                     load_one(at)
                 except (CorruptCheckpointError, IncompleteCheckpointError) as e:
                     if s in checked:
@@ -196,7 +196,10 @@ class NodeLocal:
                 rechecked.append((r.step, "local", str(r.error)[:2000]))
                 checked.add(r.step)
                 if self.me.leader:
-                    mark_damaged(root, r.step)
+                    try:  # whatever happens here, this leader goes on to the agreement the others wait in
+                        mark_damaged(root, r.step, str(r.error))
+                    except Exception as e:
+                        log.warning("stashpoint: checking this node's copy of step %d failed: %s", r.step, e)
                 continue
             finally:  # the memory area: copied to the node's directory once loaded, else emptied
                 loaded = found[0] if found is not None and found[1] == "local" else None

@@ -12,7 +12,7 @@ import xxhash
 from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, Chunk, Manifest, checksum
 from stashpoint._load.manifest import read_head, read_index
 from stashpoint._storage import Storage
-from stashpoint.errors import CorruptCheckpointError, IncompleteCheckpointError
+from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 COPY_BLOCK = 64 * 1024 * 1024
 
@@ -63,15 +63,15 @@ def rank_problem(src: Storage, saved: int) -> str | None:
         index = read_index(src, head, saved)
         spans = _spans(index.chunks.values())
         for f in index.files:
+            if src.size(f.name) != f.size:  # cut short, or grown (a copy would carry every byte)
+                return f"{src.location}/{f.name} holds {src.size(f.name)} bytes where its index says {f.size}"
             for start, end, sums in sorted(set(spans.get(f.name, ()))):
                 for k, lo in enumerate(range(start, max(end, start + 1), CHECKSUM_BLOCK_BYTES)):
                     block = _read(src, f.name, lo, min(lo + CHECKSUM_BLOCK_BYTES, end))
                     if k >= len(sums) or xxhash.xxh3_64_hexdigest(block) != sums[k]:
                         return f"{src.location}/{f.name} does not match its checksums at bytes {lo}-{lo + len(block)}"
-    except (CorruptCheckpointError, IncompleteCheckpointError) as e:
-        return str(e)
-    except FileNotFoundError as e:
-        return f"a file of rank {saved} is missing: {e}"
+    except (OSError, CheckpointError) as e:  # unreadable here (EIO, missing) is damaged here
+        return f"{type(e).__name__}: {e}"
     return None
 
 
