@@ -107,3 +107,47 @@ def test_a_rewind_moves_the_remote_tiers_newer_steps_aside_too(tmp_path):
         assert mgr.remote_steps() == [1, 2]
     assert _names(remote, "rewound") == ["step-00000002", "step-00000003"]
     assert _resume(tmp_path / "fresh-node", remote_root=remote) == (2, 2.5)
+
+
+def test_a_refused_save_of_a_step_already_there_moves_nothing(tmp_path):
+    root = tmp_path / "run"
+    with stashpoint.CheckpointManager(root, keep_last=None) as mgr:
+        for s in (100, 200, 300):
+            mgr.save(s, _state(s)).wait()
+    with stashpoint.CheckpointManager(root, keep_last=None) as mgr:  # no restore: a script's slip
+        with pytest.raises(stashpoint.CheckpointError, match="step 100 already has a committed checkpoint"):
+            mgr.save(100, _state(1))
+        assert mgr.steps() == [100, 200, 300]
+    assert not list(root.glob("step-*.*"))
+
+
+def test_looking_at_an_old_step_then_saving_above_the_newest_moves_nothing(tmp_path):
+    root = tmp_path / "run"
+    with stashpoint.CheckpointManager(root, keep_last=None) as mgr:
+        for s in (100, 200, 300):
+            mgr.save(s, _state(s)).wait()
+        mgr.restore(_state(0), step=100)  # an evaluation of an old step, into another object
+        mgr.save(310, _state(310)).wait()
+        assert mgr.steps() == [100, 200, 300, 310]
+    assert not list(root.glob("step-*.*"))
+
+
+def test_a_remote_tier_that_cannot_be_listed_is_never_taken_for_an_empty_one(tmp_path):
+    """A fresh node (no local step) while the remote tier cannot be listed: the restore raises
+    instead of returning None (a run starting over would later hide the remote steps)."""
+    from test_tiers import _Unreachable
+
+    remote = _Unreachable(tmp_path / "remote")
+    with stashpoint.CheckpointManager(tmp_path / "a", remote_root=remote) as mgr:
+        for s in (1, 2):
+            mgr.save(s, _state(s)).wait()
+    _Unreachable.down = True
+    try:
+        with (
+            stashpoint.CheckpointManager(tmp_path / "fresh", remote_root=remote) as mgr,
+            pytest.raises(stashpoint.CheckpointError, match=r"cannot be listed now .* holds no step"),
+        ):
+            mgr.restore(_state(0))
+    finally:
+        _Unreachable.down = False
+    assert _resume(tmp_path / "fresh2", remote_root=remote) == (2, 2.0)

@@ -39,7 +39,7 @@ from stashpoint._load.exchange import agree, failure, own_or_agreed
 from stashpoint._load.loader import ranges_needed, writers_needed
 from stashpoint._load.manifest import read_head
 from stashpoint._manager.holdings import inventory, mark_damaged, node_order, remote_copy
-from stashpoint._manager.restoring import RestoreReport, reachable, try_in_order
+from stashpoint._manager.restoring import RestoreReport, reachable, try_in_order, unseen_remote
 from stashpoint._manager.steps import committed_steps, move_aside
 from stashpoint._runtime import gc_paused
 from stashpoint._storage import LocalStorage, Storage
@@ -81,6 +81,7 @@ class NodeLocal:
     def __init__(self, world: int, replicas: int = 0, timeout: float | None = None) -> None:
         self.me = this_node(world)
         self.world = world
+        self.remote_unseen = False  # a restore could not list the remote tier
         if world == 1:
             self.map = NodeMap(((0, 0),), ((0, ((0, 1),)),), (0,))
         else:
@@ -248,7 +249,9 @@ class NodeLocal:
             else:
                 by_node = {s[0]: s[1] for s in seen if s is not None}
                 on_disk = sorted(s[0] for s in seen if s is not None and not s[3])  # leaders without an area
-                answer = ("ok", *node_order(by_node, seen[0][2], step), on_disk, orphan_replicas(by_node))
+                unseen = seen[0][2] is None  # the remote tier could not be listed: nothing is torn for sure
+                order, torn = node_order(by_node, seen[0][2] or [], step)
+                answer = ("ok", order, [] if unseen else torn, on_disk, orphan_replicas(by_node), unseen)
         answer = ctx.broadcast("node-local: the steps to try", answer)
         if answer[0] == "error":
             raise CheckpointError("listing the node-local checkpoints failed: " + answer[1])
@@ -264,6 +267,10 @@ class NodeLocal:
                 if (step is None or s != step) and root.child(step_dir(s)).exists():
                     log.warning("stashpoint: step %d lacks some rank's files on every node; moving it aside", s)
                     move_aside(root, s)
+        if answer[5] and remote is not None:
+            self.remote_unseen = True
+            if not order:
+                raise unseen_remote(remote.location)
         if step is not None and not order:
             order = [(step, "local")]  # raises CheckpointNotFoundError, naming the path
         return order, by_node, mem

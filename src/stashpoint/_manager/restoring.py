@@ -55,18 +55,25 @@ class StepsSeen:
 
     error: str | None
     local: tuple[int, ...] = ()
-    remote: tuple[int, ...] = ()
+    remote: tuple[int, ...] | None = ()  # None: the remote tier could not be listed
 
 
-def reachable(remote_steps: Callable[[], list[int]]) -> list[int]:
-    """The remote tier's steps, or none while it cannot be listed (the local copies are tried)."""
+def reachable(remote_steps: Callable[[], list[int]]) -> list[int] | None:
+    """The remote tier's steps, or None while it cannot be listed (the local copies are tried)."""
     try:
         return remote_steps()
     except (OSError, CheckpointError) as e:
-        log.warning(
-            "stashpoint: listing the remote tier failed (%s: %s); restoring from the local tier", type(e).__name__, e
-        )
-        return []
+        log.warning("stashpoint: listing the remote tier failed (%s: %s); trying the local tier", type(e).__name__, e)
+        return None
+
+
+def unseen_remote(remote: str) -> CheckpointError:
+    """Why a restore that found no local step cannot say there is none to restore."""
+    return CheckpointError(
+        f"the remote tier {remote} cannot be listed now and the local tier holds no step to restore: whether a "
+        "checkpoint exists cannot be told. Restore again once it can be reached (starting over now could later "
+        "hide the remote steps)"
+    )
 
 
 def agreed_restore_order(
@@ -75,14 +82,16 @@ def agreed_restore_order(
     rank: int,
     step: int | None,
     options: dict[str, Any],
-) -> list[tuple[int, str]]:
+) -> tuple[list[tuple[int, str]], bool]:
     """The (step, tier) candidates every rank tries in the same order: a local copy only where
-    every rank has it; the remote listing is rank 0's; an error on any rank is everybody's."""
+    every rank has it; the remote listing is rank 0's; an error on any rank is everybody's. And
+    whether rank 0 could not list the remote tier."""
     from stashpoint._dist import group as _dist
     from stashpoint._save import engine as _save
 
     try:
-        mine = StepsSeen(None, tuple(local_steps()), tuple(reachable(remote_steps)) if rank == 0 else ())
+        remote = reachable(remote_steps) if rank == 0 else []
+        mine = StepsSeen(None, tuple(local_steps()), None if remote is None else tuple(remote))
     except Exception as e:
         mine = StepsSeen(f"rank {rank}: {type(e).__name__}: {e}")
     _save.wait_all()
@@ -90,21 +99,21 @@ def agreed_restore_order(
     if ctx is None:
         if mine.error:
             raise CheckpointError(f"listing the checkpoints failed: {mine.error}")
-        return restore_order(list(mine.local), list(mine.remote), step)
+        return restore_order(list(mine.local), list(mine.remote or ()), step), mine.remote is None
     seen: list[StepsSeen] | None = ctx.gather("restore: the steps each rank has", mine)  # on rank 0 only
-    answer: tuple[str, Any] | None = None
+    answer: tuple[Any, ...] | None = None
     if seen is not None:
         errors = [s.error for s in seen if s.error]
         if errors:
             answer = ("error", "; ".join(errors[:16])[:4000])
         else:
             everywhere = sorted(set.intersection(*(set(s.local) for s in seen)))
-            answer = ("ok", restore_order(everywhere, list(seen[0].remote), step))
+            answer = ("ok", restore_order(everywhere, list(seen[0].remote or ()), step), seen[0].remote is None)
     answer = ctx.broadcast("restore: the order", answer)
     assert answer is not None
     if answer[0] == "error":
         raise CheckpointError("listing the checkpoints to restore failed: " + answer[1])
-    return list(answer[1])
+    return list(answer[1]), bool(answer[2])
 
 
 def try_in_order(
@@ -144,7 +153,9 @@ def restore_run(
 
     remote = mgr._tier.remote if mgr._tier is not None else None
     if mgr._nodes is not None:
-        return mgr._nodes.restore(mgr.storage, state, step, load_one, options, remote)  # type: ignore[no-any-return]
+        report: RestoreReport = mgr._nodes.restore(mgr.storage, state, step, load_one, options, remote)
+        mgr._remote_unseen = mgr._nodes.remote_unseen
+        return report
     if remote is None and step is not None:
         try:
             load_one(mgr._at(step))
@@ -152,9 +163,12 @@ def restore_run(
             raise CheckpointNotFoundError(f"{e}; {_held(mgr.steps())}") from None
         return RestoreReport(step, "local", ((step, "local"),), ())
     if mgr.world == 1:
-        order = restore_order(mgr.steps(), reachable(mgr.remote_steps), step)
+        remote_steps = reachable(mgr.remote_steps)
+        order, unseen = restore_order(mgr.steps(), remote_steps or [], step), remote_steps is None
     else:  # every rank the same order, from what every rank sees (one listing each, gathered)
-        order = agreed_restore_order(mgr.steps, mgr.remote_steps, mgr.rank, step, options)
+        order, unseen = agreed_restore_order(mgr.steps, mgr.remote_steps, mgr.rank, step, options)
+    if unseen and not order and remote is not None:
+        raise unseen_remote(remote.location)
     if step is not None and not order:
         order = [(step, "local")]  # raises CheckpointNotFoundError, naming the path
 
@@ -168,6 +182,8 @@ def restore_run(
     if step is None and mgr.rank == 0:
         for s, t, _ in damaged:
             move_aside(mgr.storage if t == "local" or mgr._tier is None else mgr._tier.remote, s)
+    if unseen:  # the steps above this one may be the remote tier's: no save may take them for a rewind
+        mgr._remote_unseen = True
     return RestoreReport(candidate, tier, tuple(order), tuple(damaged))
 
 

@@ -9,7 +9,7 @@ import json
 import logging
 import numbers
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from stashpoint._core.naming import MANIFEST_NAME
@@ -115,35 +115,46 @@ def after_save(
         after.set_result(None)
 
 
-def set_aside_newer(mgr: CheckpointManager, step: int) -> None:
-    """Before the first save after going back (``restore(step=K)`` below the newest step, or a
-    new run in an old root saving low steps): move the steps of the run that was abandoned
-    aside (``step-N.rewound-<time>``), in both tiers. Retention ranks steps by number and a
-    restart takes the highest: left in place they would delete every step saved after the
-    rewind and be resumed in its stead. After a restore of K, every step above K goes (the save
-    may re-use their numbers); otherwise every step above the one saved."""
-    above = mgr._resumed_at if mgr._resumed_at is not None else step
-    mgr._resumed_at = None
-    local, remote = mgr._owner, mgr._tier is not None and mgr.rank == 0
-    if not (local or remote):  # the others' steps are the owners' to move
-        return
-    roots = [mgr.storage] if local else []
-    if remote and mgr._tier is not None:
-        roots.append(mgr._tier.remote)
+def set_aside_newer(mgr: CheckpointManager, step: int) -> bool:
+    """Before a save whose step goes back below the run's highest (after ``restore(step=K)``
+    below the newest step, or a new run in an old root saving low steps): move the steps of the
+    run that was abandoned aside (``step-N.rewound-<time>``), in both tiers. Retention ranks
+    steps by number and a restart takes the highest: left in place they would delete every step
+    saved after the rewind and be resumed in its stead. After a restore of K, every step above
+    K goes (the save may re-use their numbers); otherwise every step above the one saved, and a
+    save of a step already there is refused (by the caller) with nothing moved.
+
+    Decided alike on every rank where it raises (the saves in flight are the same everywhere);
+    only the roots' owners list and move. Moving a remote step aside on object storage copies
+    it, server-side, within this call. Returns whether this is the first save after a restore
+    of a lower step, alike on every rank: a step already there is then the owners' to move, not
+    a reason to refuse the save."""
+    resumed, mgr._resumed_at = mgr._resumed_at, None
+    after_restore = resumed is not None and resumed < step
+    with mgr._lock:
+        busy = sorted(h.step for h, a in mgr._handles if h.step is not None and h.step > step and not a.done())
+    if busy:
+        raise CheckpointError(
+            f"step {step} is below step {busy[-1]}, which is still being saved; wait for it (mgr.wait()) before "
+            "saving a lower step"
+        )
+    local = mgr._owner
+    remote = mgr._tier is not None and mgr.rank == 0 and not mgr._remote_unseen
+    roots = ([mgr.storage] if local else []) + ([mgr._tier.remote] if remote and mgr._tier is not None else [])
+    if not roots:  # the others' steps are the owners' to move
+        return after_restore
     if mgr._top is None:  # listed once; after that only a save below the highest step lists again
         mgr._top = max((s for root in roots for s in _whole_steps(mgr, root)), default=-1)
     top, mgr._top = mgr._top, max(mgr._top, step)
-    if above >= top:
-        return
-    with mgr._lock:
-        busy = sorted(h.step for h, a in mgr._handles if h.step is not None and h.step > above and not a.done())
-    if busy:
-        raise CheckpointError(
-            f"step {step} goes back below step {busy[-1]}, which is still being saved; wait for it (mgr.wait()) "
-            "before saving the steps after a rewind"
-        )
-    for root in roots:
-        newer = [s for s in _whole_steps(mgr, root) if s > above]
+    if step > top:  # the step numbers go on: nothing to set aside, even after looking at an old step
+        return after_restore
+    above = resumed if resumed is not None and after_restore else step
+    doomed = {root: [s for s in _steps(mgr, root) if s > above] for root in roots}
+    if local and mgr._at(step).exists(MANIFEST_NAME) and step not in doomed[mgr.storage]:
+        return after_restore  # a save of a step already there: refused by the caller, nothing moved
+    if remote and mgr._tier is not None:
+        mgr._tier.settle()  # uploads of the steps about to move end first
+    for root, newer in doomed.items():
         if newer:
             log.warning(
                 "stashpoint: step %d goes back below the steps %s of %s (a rewind, or a new run in an old root): "
@@ -158,19 +169,30 @@ def set_aside_newer(mgr: CheckpointManager, step: int) -> None:
             move_aside(root, s, "rewound")
             mgr._metrics.pop(s, None)  # the number may be saved again, with the new run's metrics
     mgr._top = max(step, above)
+    return after_restore
+
+
+def _steps(mgr: CheckpointManager, root: Storage) -> list[int]:
+    """Every committed step of ``root``, damaged ones too (a damaged step above a rewind would
+    refuse the new run's save of its number)."""
+    return mgr.steps() if root is mgr.storage else _listed(mgr, root, committed_steps)
+
+
+def _listed(mgr: CheckpointManager, root: Storage, lister: Callable[[Storage], list[int]]) -> list[int]:
+    try:
+        return lister(root)
+    except (OSError, CheckpointError) as e:
+        if root is mgr.storage:
+            raise
+        log.warning("stashpoint: listing %s failed (%s: %s)", root.location, type(e).__name__, e)
+        return []
 
 
 def _whole_steps(mgr: CheckpointManager, root: Storage) -> list[int]:
     """The committed steps of ``root`` whose manifests read whole: those the retention counts (a
     damaged one is a restore's to set aside, as damaged). None of a remote tier that cannot be
     listed now: its save goes on."""
-    try:
-        steps = committed_steps(root)
-    except (OSError, CheckpointError) as e:
-        if root is mgr.storage:
-            raise
-        log.warning("stashpoint: listing %s failed (%s: %s)", root.location, type(e).__name__, e)
-        return []
+    steps = _listed(mgr, root, committed_steps)
     return [s for s in steps if (m := mgr._metrics_of(s, root)) is not None and m is not DAMAGED]
 
 
@@ -191,8 +213,8 @@ def start_save(
             raise CheckpointError(
                 f"step {step} is still being saved to {target.location}; wait for that save (mgr.wait()) first"
             )
-    set_aside_newer(mgr, step)
-    if target.exists(MANIFEST_NAME):
+    going_back = set_aside_newer(mgr, step)
+    if not going_back and target.exists(MANIFEST_NAME):
         raise CheckpointError(
             f"step {step} already has a committed checkpoint at {target.location}; save under a new step, or "
             "delete that directory first."

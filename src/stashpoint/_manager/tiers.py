@@ -343,6 +343,12 @@ class RemoteTier:
             )
         self._track(self.uploader.submit(step, after))
 
+    def settle(self) -> None:
+        """Wait for the uploads queued so far (their failures stay for ``wait()``)."""
+        with self._lock:
+            pending = list(self.futures)
+        cf.wait(pending)
+
     def protected(self) -> set[int]:
         """Local steps retention must keep: their upload is pending, or failed."""
         with self._lock:

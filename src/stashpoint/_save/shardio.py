@@ -24,6 +24,7 @@ import xxhash
 from stashpoint._storage import FileWriter, Storage
 
 WRITE_BLOCK = 64 * 1024 * 1024  # bytes per write() call of a coalesced run
+PROGRESS_BLOCK = 16 * 1024 * 1024  # in the writer process, which reports its progress
 CHECKSUM = "xxh3_64"  # the algorithm of ``_format.checksum``; a test keeps the two equal
 
 
@@ -81,9 +82,12 @@ def _no_progress(n: int) -> None:
 
 
 def _write_run(writer: FileWriter, run: memoryview, progress: Progress) -> None:
-    for b in range(0, len(run), WRITE_BLOCK):
-        writer.write(run[b : b + WRITE_BLOCK])
-        progress(min(WRITE_BLOCK, len(run) - b))
+    # Smaller writes where someone listens for progress: one 64 MiB write on a disk slower than
+    # the writer process's stall limit allows would look like a stall.
+    step = WRITE_BLOCK if progress is _no_progress else PROGRESS_BLOCK
+    for b in range(0, len(run), step):
+        writer.write(run[b : b + step])
+        progress(min(step, len(run) - b))
 
 
 def _write_file(

@@ -179,7 +179,8 @@ class WriterProcess:
             if gone and self.usable():
                 try:
                     send_msg(self.sock, {"op": "forget", "forget": gone})
-                except OSError as e:  # the next write finds out what happened
+                except OSError as e:  # maybe part of a frame went out: the protocol cannot go on
+                    self.broken = f"telling it to unmap freed buffers failed: {e}"
                     log.debug("stashpoint: telling the writer process to unmap freed buffers failed: %s", e)
 
     def write(
