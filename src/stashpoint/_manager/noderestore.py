@@ -267,10 +267,9 @@ class NodeLocal:
                 if (step is None or s != step) and root.child(step_dir(s)).exists():
                     log.warning("stashpoint: step %d lacks some rank's files on every node; moving it aside", s)
                     move_aside(root, s)
-        if answer[5] and remote is not None:
-            self.remote_unseen = True
-            if not order:
-                raise unseen_remote(remote.location)
+        self.remote_unseen = bool(answer[5]) and remote is not None
+        if self.remote_unseen and not order and remote is not None:
+            raise unseen_remote(remote.location)
         if step is not None and not order:
             order = [(step, "local")]  # raises CheckpointNotFoundError, naming the path
         return order, by_node, mem

@@ -176,14 +176,13 @@ def restore_run(
         return mgr._at(s) if tier == "local" or mgr._tier is None else mgr._tier.at(s)
 
     found = try_in_order(order, step, where, load_one)
+    mgr._remote_unseen = unseen  # the steps above this one may be the remote tier's: no rewind reaches them
     if found is None:
         return RestoreReport(None, None, tuple(order), ())
     candidate, tier, damaged = found
     if step is None and mgr.rank == 0:
         for s, t, _ in damaged:
             move_aside(mgr.storage if t == "local" or mgr._tier is None else mgr._tier.remote, s)
-    if unseen:  # the steps above this one may be the remote tier's: no save may take them for a rewind
-        mgr._remote_unseen = True
     return RestoreReport(candidate, tier, tuple(order), tuple(damaged))
 
 
