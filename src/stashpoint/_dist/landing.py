@@ -15,7 +15,7 @@ from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME, split_group
 from stashpoint._core.nodeplan import Transfer, expand
 from stashpoint._dist.stream import Stream
 from stashpoint._storage import LocalStorage, Storage
-from stashpoint._storage.localwrite import LocalWriter
+from stashpoint._storage.localwrite import LocalWriter, fsync_dir
 from stashpoint.errors import CheckpointError
 
 PARTIAL_RE = re.compile(r"partial-r([0-9]{5,})")
@@ -44,11 +44,7 @@ def adopt_replicas(step: Path, ranks: Iterable[int]) -> None:
     for r in ranks:
         (step / replica_name(r)).unlink(missing_ok=True)
     (step / RECOVERABLE_NAME).unlink(missing_ok=True)
-    fd = os.open(step, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(step)
 
 
 class Landing(LocalStorage):

@@ -122,8 +122,8 @@ class Uploader:
         return self._executor.submit(self._one, step, after, self._seq)
 
     def catch_up(self, todo: list[int]) -> cf.Future[list[int]]:
-        """Upload the steps in ``todo`` (rank 0's list counts): those a crash or a failed upload
-        left behind."""
+        """Upload the steps in ``todo``, the same list on every rank (rank 0's, sent at open):
+        those a crash or a failed upload left behind."""
         self._seq += 1
         return self._executor.submit(self._catch_up, todo, self._seq)
 
@@ -131,7 +131,6 @@ class Uploader:
         self._executor.shutdown(wait=True)
 
     def _catch_up(self, todo: list[int], seq: int) -> list[int]:
-        todo = self._broadcast("steps to upload", todo)
         done = []
         for s in todo:
             try:

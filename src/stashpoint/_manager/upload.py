@@ -4,10 +4,8 @@ good remote step under the remote retention."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-
-import xxhash
 
 from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, Chunk, Manifest, checksum
 from stashpoint._load.manifest import read_head, read_index
@@ -65,11 +63,8 @@ def rank_problem(src: Storage, saved: int) -> str | None:
         for f in index.files:
             if src.size(f.name) != f.size:  # cut short, or grown (a copy would carry every byte)
                 return f"{src.location}/{f.name} holds {src.size(f.name)} bytes where its index says {f.size}"
-            for start, end, sums in sorted(set(spans.get(f.name, ()))):
-                for k, lo in enumerate(range(start, max(end, start + 1), CHECKSUM_BLOCK_BYTES)):
-                    block = _read(src, f.name, lo, min(lo + CHECKSUM_BLOCK_BYTES, end))
-                    if k >= len(sums) or xxhash.xxh3_64_hexdigest(block) != sums[k]:
-                        return f"{src.location}/{f.name} does not match its checksums at bytes {lo}-{lo + len(block)}"
+            for _ in _checked(src, f.name, f.size, spans.get(f.name, ())):
+                pass
     except (OSError, CheckpointError) as e:  # unreadable here (EIO, missing) is damaged here
         return f"{type(e).__name__}: {e}"
     return None
@@ -83,33 +78,40 @@ def _spans(chunks: Iterable[Chunk]) -> dict[str, list[Span]]:
 
 
 def copy_file(src: Storage, dst: Storage, up: Upload) -> None:
-    """Copy ``up`` from ``src`` to ``dst``: in large blocks between its checked spans, block by
-    checksum block within them; raises ``CorruptCheckpointError`` at the first mismatch (the
-    copy is aborted)."""
+    """Copy ``up`` from ``src`` to ``dst``, checked as it goes; raises ``CorruptCheckpointError``
+    at the first mismatch (the copy is aborted)."""
     writer = dst.open_writer(up.name, up.size)
     try:
-        if up.data is not None:
-            writer.write(up.data)
-        else:
-            pos = 0
-            for start, end, sums in sorted(set(up.spans)):
-                if start < pos:  # the same bytes named twice (tied tensors): checked once
-                    continue
-                _copy(src, up.name, pos, start, writer.write)
-                for k, lo in enumerate(range(start, max(end, start + 1), CHECKSUM_BLOCK_BYTES)):
-                    block = _read(src, up.name, lo, min(lo + CHECKSUM_BLOCK_BYTES, end))
-                    if k >= len(sums) or xxhash.xxh3_64_hexdigest(block) != sums[k]:
-                        raise CorruptCheckpointError(
-                            f"{src.location}/{up.name} does not match its checksums at bytes {lo}-{lo + len(block)} "
-                            "(damaged since it was saved): not uploaded"
-                        )
-                    writer.write(block)
-                pos = max(pos, end)
-            _copy(src, up.name, pos, up.size, writer.write)
+        try:
+            for block in (up.data,) if up.data is not None else _checked(src, up.name, up.size, up.spans):
+                writer.write(block)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{e}: not uploaded") from None
         writer.close()
     except BaseException:
         writer.abort()
         raise
+
+
+def _checked(src: Storage, name: str, size: int, spans: Iterable[Span]) -> Iterator[bytes]:
+    """The ``size`` bytes of ``name`` in order: large blocks between the checked spans, and
+    within them each checksum block, checked (``CorruptCheckpointError`` at the first that is
+    not what the index says)."""
+    pos = 0
+    for start, end, sums in sorted(set(spans)):
+        if start < pos:  # the same bytes named twice (tied tensors): checked once
+            continue
+        yield from _unchecked(src, name, pos, start)
+        for k, lo in enumerate(range(start, max(end, start + 1), CHECKSUM_BLOCK_BYTES)):
+            block = _read(src, name, lo, min(lo + CHECKSUM_BLOCK_BYTES, end))
+            if k >= len(sums) or checksum(block) != sums[k]:
+                raise CorruptCheckpointError(
+                    f"{src.location}/{name} does not match its checksums at bytes {lo}-{lo + len(block)} (damaged "
+                    "since it was saved)"
+                )
+            yield block
+        pos = max(pos, end)
+    yield from _unchecked(src, name, pos, size)
 
 
 def _read(src: Storage, name: str, lo: int, hi: int) -> bytes:
@@ -119,6 +121,6 @@ def _read(src: Storage, name: str, lo: int, hi: int) -> bytes:
     return block
 
 
-def _copy(src: Storage, name: str, lo: int, hi: int, write: Callable[[bytes], object]) -> None:
+def _unchecked(src: Storage, name: str, lo: int, hi: int) -> Iterator[bytes]:
     for at in range(lo, hi, COPY_BLOCK):
-        write(_read(src, name, at, min(at + COPY_BLOCK, hi)))
+        yield _read(src, name, at, min(at + COPY_BLOCK, hi))
