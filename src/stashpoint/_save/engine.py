@@ -145,7 +145,7 @@ class _Engine:
         layout = self.layouts(tensors, buffers if ctx.world > 1 else ())
         # Once the ranks have agreed a plan for this layout, copy only what it gives this rank to
         # write: a replicated tensor (DDP, HSDP's replicas) is copied by one rank, not by all.
-        # The agreement checks that the plan still holds (``PersistJob._plan``).
+        # The agreement checks that the plan still holds (``_save.agree``).
         keys = layout.expected_writes(ctx) if ctx.world > 1 else None
         specs = layout.specs(keys)
         plan = self.plan(specs, opts.max_shard_bytes, ctx.rank)

@@ -11,42 +11,33 @@ import json
 import logging
 import time
 import traceback
-import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stashpoint._core.assign import assign_writers
-from stashpoint._core.catalog import catalog_of
-from stashpoint._core.described import described_catalog
 from stashpoint._core.format import MAX_MANIFEST_BYTES, Chunk, checksum
 from stashpoint._core.index import Head, RankIndex
-from stashpoint._core.naming import MANIFEST_NAME, RANKS_PER_DIR, group_dir, index_name, parse_save_file, placed
+from stashpoint._core.naming import MANIFEST_NAME, group_dir, index_name, parse_save_file, placed
 from stashpoint._core.nodeplan import Room
 from stashpoint._core.plan import TensorSpec, plan_files
 from stashpoint._dist import group as _dist
 from stashpoint._dist.arrival import CollectiveError
 from stashpoint._dist.commit import (
-    Assignment,
-    LayoutMsg,
     Outcome,
-    Plan,
     RankFailure,
-    SaveHello,
-    Start,
     Written,
     finish_together,
-    start_save,
 )
 from stashpoint._dist.group import DistContext
 from stashpoint._dist.nodecommit import commit_on_nodes, node_room
 from stashpoint._dist.transfer import ReplicaError, replicate
+from stashpoint._save.agree import agree
 from stashpoint._save.handle import SaveStats
 from stashpoint._save.layout import Layout
 from stashpoint._save.persist import Writer, WrittenShards, write_shards
 from stashpoint._save.staging import StagingBuffers, StagingPool
-from stashpoint._storage import Storage, env_number
+from stashpoint._storage import Storage
 from stashpoint._version import __version__
 from stashpoint.errors import CheckpointError
 
@@ -59,13 +50,6 @@ log = logging.getLogger("stashpoint")
 
 def _shard_of(name: str, rank: int, save_id: str) -> bool:
     return parse_save_file(name) == (rank, save_id)
-
-
-def ranks_per_dir(world: int) -> int:
-    """How many ranks' files share a directory in a world of ``world`` ranks: all of them (0, the
-    checkpoint's root) up to ``STASHPOINT_RANKS_PER_DIR`` (default 1,024) ranks, that many above."""
-    per_dir = int(env_number("STASHPOINT_RANKS_PER_DIR", RANKS_PER_DIR, 1, 1 << 24))
-    return per_dir if world > per_dir else 0
 
 
 @dataclass(frozen=True)
@@ -94,7 +78,7 @@ class PersistJob:
     writer: Writer | None = None  # the writer process; None: write on this (the writer) thread
     staged_keys: frozenset[str] | None = None  # the keys copied for this save; None: every key
     reported_ok: bool = False  # this rank told the others its part succeeded
-    ranks_per_dir: int = 0  # rank 0's choice for this save (see ``ranks_per_dir()``)
+    ranks_per_dir: int = 0  # rank 0's choice for this save (see ``agree.ranks_per_dir()``)
     manifest: bytes | None = None  # rank 0: the manifest it committed
     room: dict[int, Room] | None = None  # rank 0, node-local with replicas: each node's bytes of the step
     staging_pinned: bool | None = None  # set at the call: see SaveStats.staging_pinned
@@ -106,106 +90,6 @@ class PersistJob:
         """A save this rank could not stage: it still joins the collectives, to fail them all."""
         empty = Layout([], {}, {}, {}, "")
         return cls(storage, None, pool, {}, empty, opts, ctx, early_error=e)
-
-    def _covers(self, last: Plan | None) -> bool:
-        """Whether this rank copied everything plan ``last`` gives it to write."""
-        if self.staged_keys is None:
-            return True
-        return last is not None and self.layout.given(last.mine) <= self.staged_keys
-
-    def _plan(self) -> tuple[str, frozenset[Any]]:
-        """Agree with the other ranks on this save and on who writes what: the last plan when
-        every rank's layout is the same as then and every rank copied its part of it, else a
-        new one. Returns the save's id and the chunks this rank writes.
-
-        Every rank sends rank 0 a small hello and gets its answer. A new plan comes from the
-        ranks' descriptions where every rank has one (one broadcast per distinct description,
-        ``_core.described``), else each rank sends its layout to rank 0 alone, which answers
-        each with its own part."""
-        ctx = self.ctx
-        err = None if self.early_error is None else f"{type(self.early_error).__name__}: {self.early_error}"
-        last: Plan | None = ctx.last_plan
-        loc = self.storage.location
-        if self.opts.nodes is not None:  # each node's own root: only the step's name must agree
-            loc = "node-local root/" + loc.rstrip("/").rpartition("/")[2]
-        desc = self.layout.description if ctx.world_numbered else None
-        mine = SaveHello(
-            self.layout.hash,
-            uuid.uuid4().hex[:16],
-            self.seq,
-            loc,
-            err,
-            self._covers(last),
-            None if desc is None else desc.digest,
-            self.staged_keys is None,
-        )
-        hellos: list[SaveHello] | None = ctx.gather("save hellos", mine)
-        start = None
-        if hellos is not None:  # rank 0 decides, and its answer reaches every rank even on a bad setting
-            try:
-                start = start_save(ctx, hellos, last, ctx.plan_constrained, ranks_per_dir(ctx.world))
-            except ValueError as e:
-                start = Start("", False, ((0, str(e)),))
-        start = ctx.broadcast("save start", start)
-        assert isinstance(start, Start)
-        if start.failed:
-            raise RankFailure(list(start.failed))
-        self.ranks_per_dir = start.ranks_per_dir
-        if start.reuse:
-            assert last is not None
-            return start.save_id, last.mine
-        hashes = None if hellos is None else tuple(h.layout_hash for h in hellos)
-        if start.described is not None:
-            reps, members = start.described
-            descs = [ctx.broadcast("description", desc if ctx.rank == r else None, src=r) for r in reps]
-            try:
-                described = described_catalog(descs, members)
-            except CheckpointError as e:
-                self._plan_failed(str(e))
-            if described is not None:  # else (alike on every rank) the general path below
-                given = frozenset(c.ident for c in self.layout.chunks if described.writes(*c.ident, ctx.rank))
-                catalog = described.catalog if ctx.rank == 0 else None
-                self._planned(Plan(self.layout.hash, given, hashes, catalog), False)
-                ctx.plans_described += 1
-                return start.save_id, given
-        keys = self.staged_keys
-        staged = None if keys is None else tuple(c.ident for c in self.layout.chunks if c.key in keys)
-        layouts: list[LayoutMsg] | None = ctx.gather("layouts", self.layout.message(staged))
-        parts: list[Assignment] | None = None
-        writers: dict[Any, int] | None = None
-        if layouts is not None:
-            copied = [None if m.copied is None else set(m.copied) for m in layouts]
-            try:
-                writers = assign_writers([m.chunks for m in layouts], copied)
-                given_to: list[set[Any]] = [set() for _ in layouts]
-                for ident, rank in writers.items():
-                    given_to[rank].add(ident)
-                constrained = any(c is not None for c in copied)
-                parts = [Assignment(frozenset(g), constrained) for g in given_to]
-            except CheckpointError as e:
-                parts = [Assignment(frozenset(), error=str(e))] * ctx.world
-        part: Assignment = ctx.scatter("assignments", parts)
-        if part.error is not None:
-            self._plan_failed(part.error)
-        catalog = None
-        if layouts is not None and writers is not None:
-            keyinfo = (kv for m in layouts for kv in m.keyinfo.items())
-            catalog = catalog_of(keyinfo, (kv for m in layouts for kv in m.aliases.items()), writers)
-        self._planned(Plan(self.layout.hash, part.mine, hashes, catalog), part.constrained)
-        return start.save_id, part.mine
-
-    def _planned(self, plan: Plan, constrained: bool) -> None:
-        self.ctx.last_plan = plan
-        self.ctx.plan_constrained = constrained
-        self.ctx.plans_made += 1
-
-    def _plan_failed(self, error: str) -> NoReturn:
-        # on every rank alike: the next save copies everything everywhere, and this layout
-        # always will (a structure that did this once may do it again, e.g. saved in turn)
-        self.ctx.last_plan = None
-        if len(self.ctx.copy_all) < 64:
-            self.ctx.copy_all.add(self.layout.hash)
-        raise CheckpointError(error)
 
     def run(self, t_start: float, staging_s: float) -> SaveStats:
         """Persist what was staged (on the engine's thread); raises what failed the save."""
@@ -228,7 +112,18 @@ class PersistJob:
         local_error: BaseException | None = None
         mine_written: list[str] = []
         try:
-            save_id, given = self._plan()
+            loc_agreed = loc
+            if self.opts.nodes is not None:  # each node's own root: only the step's name must agree
+                loc_agreed = "node-local root/" + loc.rstrip("/").rpartition("/")[2]
+            agreed = agree(
+                ctx,
+                self.layout,
+                location=loc_agreed,
+                seq=self.seq,
+                staged_keys=self.staged_keys,
+                early_error=self.early_error,
+            )
+            save_id, given, self.ranks_per_dir = agreed.save_id, agreed.given, agreed.ranks_per_dir
             assert self.staged is not None
             mine = [c for c in self.layout.chunks if c.ident in given]
             specs = [TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in mine]

@@ -128,7 +128,7 @@ class Layout:
         """The keys the last plan gave this rank to write, if that plan was made for this
         layout and may be reused (None if not, and the rank copies everything: a first save, a
         changed structure, a plan made under constraint, or a layout that once left a tensor
-        uncopied, see ``PersistJob._plan``)."""
+        uncopied, see ``_save.agree``)."""
         last = ctx.last_plan
         if last is None or last.layout_hash != self.hash:
             return None
