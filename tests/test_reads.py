@@ -56,7 +56,7 @@ def test_pipelined_reads_report_every_damaged_piece(tmp_path):
 def test_whole_tensors_are_marked_shared_only_when_ranks_share_the_host(tmp_path):
     """Ranks on one host that each read what they need: whole tensors (replicated, read by every
     rank) go through the page cache; regions of a tensor (shards: one reader each) do not."""
-    from stashpoint._load.reads import _read_jobs
+    from stashpoint._load.pieces import read_jobs
 
     path = tmp_path / "ck"
     stashpoint.save({"w": torch.arange(4096.0).reshape(64, 64), "b": torch.ones(64)}, path)
@@ -68,7 +68,7 @@ def test_whole_tensors_are_marked_shared_only_when_ranks_share_the_host(tmp_path
     marked = {p.key: p.shared for p in plan_pieces(manifest, reads, shared_whole=True)}
     assert marked == {"w": False, "b": True}
     assert not any(p.shared for p in plan_pieces(manifest, reads))
-    jobs = _read_jobs([p for p in plan_pieces(manifest, reads, shared_whole=True) if p.whole])
+    jobs = read_jobs([p for p in plan_pieces(manifest, reads, shared_whole=True) if p.whole])
     assert [(j.keys, j.shared) for j in jobs] == [(["b"], True)]
 
 
@@ -78,7 +78,7 @@ def test_damage_in_any_block_of_a_chunk_read_by_several_jobs_is_named_once(tmp_p
     else one read per job): a chunk split over two jobs (over 64 MiB) is checked in every
     block, and small chunks read together are told apart."""
     from stashpoint._core.format import CHECKSUM_BLOCK_BYTES
-    from stashpoint._load.reads import _read_jobs
+    from stashpoint._load.pieces import read_jobs
 
     monkeypatch.setattr(LocalStorage, "cached", lambda self, name, offset: cached)
 
@@ -92,7 +92,7 @@ def test_damage_in_any_block_of_a_chunk_read_by_several_jobs_is_named_once(tmp_p
         return [Read(k, torch.empty_like(v), Box.whole(tuple(v.shape))) for k, v in state.items()]
 
     pieces = plan_pieces(m, reads())
-    jobs = _read_jobs(pieces)
+    jobs = read_jobs(pieces)
     big = [j for j in jobs if "big" in j.keys]
     assert len(big) == 2  # 72 MiB: a 64 MiB job and the rest
     for j in jobs:

@@ -19,7 +19,7 @@ class Arena:
     _POPULATE_WRITE = 23  # MADV_POPULATE_WRITE (Linux 5.14)
     _STEP = 32 << 20
 
-    def __init__(self, pieces: list[Any]) -> None:  # reads._Piece: their buf and mv are replaced
+    def __init__(self, pieces: list[Any]) -> None:  # pieces.Piece: their buf and mv are replaced
         mine = sorted((p for p in pieces if p.buf.device.type == "cpu"), key=lambda p: (p.chunk.file, p.chunk.start))
         sizes = [-(-p.buf.numel() * p.itemsize // 4096) * 4096 for p in mine]
         self.total = sum(sizes)

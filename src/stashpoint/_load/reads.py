@@ -13,25 +13,20 @@ from __future__ import annotations
 import bisect
 import concurrent.futures as cf
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from stashpoint._core.format import (
-    CHECKSUM_BLOCK_BYTES,
-    Chunk,
     Manifest,
-    checksum,
 )
-from stashpoint._core.reshard import Box, block_spans, intersect, local, runs
+from stashpoint._core.reshard import Box
 from stashpoint._load.arena import Arena
 from stashpoint._load.manifest import shard_problem
+from stashpoint._load.pieces import Piece, read_jobs
 from stashpoint._load.pinring import PinnedRing, ring
 from stashpoint._load.restore import Read
 from stashpoint._load.slotreads import SlotReads
-from stashpoint._state.dtypes import as_memoryview
 from stashpoint._storage import Storage
 from stashpoint._storage.oserror import read_failed
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
@@ -63,192 +58,6 @@ def check_files(storage: Storage, manifest: Manifest, names: Iterable[str]) -> N
             raise CorruptCheckpointError(problem)
 
 
-_JOB_BYTES = 64 * 1024 * 1024
-_JOB_BUFFERS = 256
-
-
-@dataclass
-class _Piece:
-    """The intersection of one stored chunk with one destination region, on its way in."""
-
-    key: str
-    chunk: Chunk
-    inter: Box  # global coordinates
-    target: torch.Tensor  # the destination's view of ``inter``
-    buf: torch.Tensor  # where the bytes land: ``target`` itself, or a bounce buffer
-    whole: bool  # the piece is the whole chunk (read and verified in one go)
-    mv: memoryview  # ``buf``'s bytes. Reader threads touch only this: no torch calls off the
-    # caller's thread (torch ops on short-lived threads have crashed process-group teardown)
-    itemsize: int
-    shared: bool = False  # other ranks on this host read the same bytes (read through the page cache)
-
-    @classmethod
-    def make(cls, key: str, chunk: Chunk, read: Read, staged: bool = False) -> _Piece | None:
-        cbox = Box(chunk.offsets, chunk.shape)
-        inter = intersect(cbox, read.region)
-        if inter is None:
-            return None
-        if inter == read.region:  # the whole destination (most reads): no view to make
-            view = read.dest
-        else:
-            view = read.dest[tuple(slice(o, o + n) for o, n in zip(local(inter, read.region).offsets, inter.shape))]
-        whole = inter == cbox
-        direct = (
-            not staged
-            and whole
-            and view.device.type == "cpu"
-            and view.is_contiguous()
-            and not view.is_conj()
-            and not view.is_neg()
-        )
-        # CUDA destinations get pageable buffers too: only the ring their copies go through is pinned
-        buf = view if direct else torch.empty(inter.shape, dtype=view.dtype)
-        return cls(key, chunk, inter, view, buf, whole, as_memoryview(buf), buf.element_size())
-
-    def bad(self, storage: Storage) -> CorruptCheckpointError:
-        return CorruptCheckpointError(_damaged(self.key, storage, self.chunk.file))
-
-    def read_partial(self, storage: Storage, verify: bool) -> None:
-        """Read only the byte ranges of the chunk that hold ``inter`` (whole checksum blocks
-        around them when verifying), then place them."""
-        cbox = Box(self.chunk.offsets, self.chunk.shape)
-        ranges = list(runs(cbox, self.inter, self.itemsize))
-        out = self.mv
-        total = self.chunk.end - self.chunk.start
-        if not verify:
-            pos = 0
-            for b, e in ranges:
-                storage.read_into(self.chunk.file, self.chunk.start + b, out[pos : pos + e - b])
-                pos += e - b
-            return
-        pos = 0
-        spans = block_spans(ranges, CHECKSUM_BLOCK_BYTES, total)
-        for lo, hi in spans:
-            span = bytearray(hi - lo)
-            storage.read_into(self.chunk.file, self.chunk.start + lo, memoryview(span))
-            for i in range(lo // CHECKSUM_BLOCK_BYTES, -(-hi // CHECKSUM_BLOCK_BYTES)):
-                b0 = i * CHECKSUM_BLOCK_BYTES - lo
-                if checksum(memoryview(span)[b0 : b0 + CHECKSUM_BLOCK_BYTES]) != self.chunk.checksums[i]:
-                    raise self.bad(storage)
-            for b, e in ranges:
-                if lo <= b and e <= hi:
-                    out[pos : pos + e - b] = memoryview(span)[b - lo : e - lo]
-                    pos += e - b
-
-    def place(self, pinned: PinnedRing | None = None) -> None:
-        """Copy the buffer into the destination: through ``pinned`` if it is a CUDA tensor."""
-        if self.buf is self.target:
-            return
-        if pinned is not None and self.target.device.type == "cuda":
-            pinned.copy(self.target, self.buf)
-            return
-        with torch.no_grad():  # the destination may be a view of a parameter
-            self.target.copy_(self.buf)
-
-    def bounce(self) -> None:
-        """Read into a buffer of its own (its destination shares memory with another's)."""
-        if self.buf is self.target:
-            self.buf = torch.empty(self.inter.shape, dtype=self.target.dtype)
-            self.mv = as_memoryview(self.buf)
-
-
-def _damaged(key: str, storage: Storage, file: str) -> str:
-    return (
-        f"checksum mismatch for key {key!r} in shard {storage.location}/{file}: the "
-        "data is damaged. Load an earlier checkpoint or a copy of this one."
-    )
-
-
-@dataclass
-class _ReadJob:
-    """One vectored read: a contiguous byte range of a file into a list of buffers, each a
-    whole chunk's bytes or a part of them that starts at one of its checksum blocks."""
-
-    file: str
-    offset: int
-    size: int
-    buffers: list[memoryview]
-    keys: list[str]
-    owners: list[int]  # id() of the piece of each buffer
-    shared: bool = False  # of pieces other ranks on this host read too
-    firsts: list[int] = field(default_factory=list)  # each buffer's first checksum block in its chunk
-    sums: list[tuple[str, ...]] = field(default_factory=list)  # each buffer's chunk's block checksums
-
-    def run(self, storage: Storage, verify: bool = False) -> None:
-        """Read it all, and with ``verify`` check every block. Bytes the host's cache holds are
-        read a block at a time (small chunks' blocks together), each checked right after it
-        lands, while it is still in the CPU's caches: checked in a second pass, a cached load
-        took a third longer (the reads fill memory's bandwidth). From a disk, large reads keep
-        its queue full and the check after each (64 MiB) read costs less than smaller reads."""
-        try:
-            # all of it cached: plain reads, without the residency probe a direct-I/O storage
-            # makes before each read to take what is cached from the cache (a tenth of a
-            # cached load). Pages evicted meanwhile cost speed, not correctness.
-            src = storage.reads_for(self.file, self.offset, self.size)
-            if not verify:
-                src.readv(self.file, self.offset, self.buffers)
-                return
-            bad: dict[str, None] = {}
-            pos = self.offset
-            cached = src is not storage or storage.cached(self.file, self.offset)
-            step_bytes = CHECKSUM_BLOCK_BYTES if cached else self.size
-            with src.reading(self.file) as readv:
-                for step in self._steps(step_bytes):
-                    readv(pos, [view for view, _, _ in step])
-                    pos += sum(len(view) for view, _, _ in step)
-                    bad |= {key: None for view, key, want in step if checksum(view) != want}
-            if bad:
-                raise CorruptCheckpointError("\n".join(_damaged(k, storage, self.file) for k in bad))
-        except EOFError as e:
-            keys = ", ".join(repr(k) for k in sorted(set(self.keys))[:5])
-            raise CorruptCheckpointError(
-                f"shard {storage.location}/{self.file} is truncated inside {keys}: {e}"
-            ) from None
-
-    def _steps(self, most: int) -> Iterator[list[tuple[memoryview, str, str]]]:
-        """The job's blocks (view, key, checksum) in file order, grouped into reads of at
-        most ``most`` bytes (or one block)."""
-        step: list[tuple[memoryview, str, str]] = []
-        size = 0
-        for buf, key, first, sums in zip(self.buffers, self.keys, self.firsts, self.sums, strict=True):
-            for b in range(0, len(buf), CHECKSUM_BLOCK_BYTES):
-                view = buf[b : b + CHECKSUM_BLOCK_BYTES]
-                if step and size + len(view) > most:
-                    yield step
-                    step, size = [], 0
-                step.append((view, key, sums[first + b // CHECKSUM_BLOCK_BYTES]))
-                size += len(view)
-        if step:
-            yield step
-
-
-def _read_jobs(pieces: list[_Piece]) -> list[_ReadJob]:
-    """Coalesce whole-chunk reads of adjacent byte ranges into large vectored reads."""
-    jobs: list[_ReadJob] = []
-    for p in sorted(pieces, key=lambda p: (p.chunk.file, p.chunk.start)):
-        mv = p.mv
-        for b in range(0, len(mv), _JOB_BYTES):
-            part = mv[b : b + _JOB_BYTES]
-            last = jobs[-1] if jobs else None
-            if not (
-                last is not None
-                and last.file == p.chunk.file
-                and last.shared == p.shared
-                and last.offset + last.size == p.chunk.start + b
-                and last.size + len(part) <= _JOB_BYTES
-                and len(last.buffers) < _JOB_BUFFERS
-            ):
-                last = _ReadJob(p.chunk.file, p.chunk.start + b, 0, [], [], [], p.shared)
-                jobs.append(last)
-            last.buffers.append(part)
-            last.keys.append(p.key)
-            last.owners.append(id(p))
-            last.firsts.append(b // CHECKSUM_BLOCK_BYTES)  # _JOB_BYTES is a whole number of blocks
-            last.sums.append(p.chunk.checksums)
-            last.size += len(part)
-    return jobs
-
-
 def _gather(futures: list[cf.Future[None]], storage: Storage, errors: list[str]) -> None:
     for f in futures:
         e = f.exception()
@@ -266,13 +75,13 @@ def _gather(futures: list[cf.Future[None]], storage: Storage, errors: list[str])
 
 def plan_pieces(
     manifest: Manifest, reads: list[Read], *, shared_whole: bool = False, staged: bool = False
-) -> list[_Piece]:
+) -> list[Piece]:
     """Every (stored chunk, destination) intersection; raise if some wanted region is not stored.
 
     With ``shared_whole``, pieces of reads of a whole tensor are marked ``shared``: other ranks
     on this host read those too (replicated tensors). With ``staged``, every piece gets a buffer
     of its own (no destination is read into)."""
-    pieces: list[_Piece] = []
+    pieces: list[Piece] = []
     seen: set[tuple[str, int, tuple[int, ...], tuple[int, ...], str, Box]] = set()
     missing = []
     for r in reads:  # tied destinations that share memory are read once
@@ -280,7 +89,7 @@ def plan_pieces(
         if r.region.numel == 0 or sig in seen:
             continue
         seen.add(sig)
-        found = [p for c in manifest.tensors[r.key].chunks if (p := _Piece.make(r.key, c, r, staged)) is not None]
+        found = [p for c in manifest.tensors[r.key].chunks if (p := Piece.make(r.key, c, r, staged)) is not None]
         if shared_whole and r.region == Box.whole(manifest.tensors[r.key].shape):
             for p in found:
                 p.shared = True
@@ -325,7 +134,7 @@ def execute_reads(
 
 def prepare_reads(
     storage: Storage, manifest: Manifest, reads: list[Read], *, ranks_share_host: bool = False
-) -> list[_Piece]:
+) -> list[Piece]:
     """:func:`execute_reads`' pieces, their shards checked (present, whole, of this save);
     nothing read into a destination yet."""
     pieces = plan_pieces(manifest, reads, shared_whole=ranks_share_host)
@@ -333,7 +142,7 @@ def prepare_reads(
     return pieces
 
 
-def run_reads(storage: Storage, pieces: list[_Piece], *, verify: bool) -> None:
+def run_reads(storage: Storage, pieces: list[Piece], *, verify: bool) -> None:
     """Read, verify and place the pieces :func:`prepare_reads` gave."""
     _execute_pipelined(storage, pieces, verify, place=True)
 
@@ -342,7 +151,7 @@ def run_reads(storage: Storage, pieces: list[_Piece], *, verify: bool) -> None:
 class Fetched:
     """Every piece of a load, read and verified into buffers of its own; nothing placed yet."""
 
-    pieces: list[_Piece]
+    pieces: list[Piece]
 
     def land(self) -> None:
         """Copy every piece into its destination (CUDA ones through the pinned ring, waited for)."""
@@ -364,7 +173,7 @@ def fetch(
     return Fetched(pieces)
 
 
-def _execute_pipelined(storage: Storage, pieces: list[_Piece], verify: bool, place: bool = True) -> None:
+def _execute_pipelined(storage: Storage, pieces: list[Piece], verify: bool, place: bool = True) -> None:
     """Read, verify and (with ``place``) place every piece. A piece bound for a CUDA tensor is
     read into host memory and verified, and copied to the device through the pinned ring as soon
     as it is ready (asynchronously, on a side stream), while later reads go on; CPU destinations are
@@ -381,7 +190,7 @@ def _execute_pipelined(storage: Storage, pieces: list[_Piece], verify: bool, pla
     ):
         direct = SlotReads.pieces(pieces) if pinned is not None else []
         skip = {id(p) for p in direct}
-        jobs = _read_jobs([p for p in pieces if p.whole and id(p) not in skip])
+        jobs = read_jobs([p for p in pieces if p.whole and id(p) not in skip])
         index = {id(p): i for i, p in enumerate(pieces)}
         left: dict[int, int] = {}  # piece -> its read jobs still running
         for job in jobs:
@@ -429,7 +238,7 @@ def _finished(left: dict[int, int], piece: int) -> bool:
     return left[piece] == 0
 
 
-def _ring_for(pieces: list[_Piece]) -> AbstractContextManager[PinnedRing | None]:
+def _ring_for(pieces: list[Piece]) -> AbstractContextManager[PinnedRing | None]:
     """The process's pinned ring, held for this load, if some piece is bound for a CUDA tensor."""
     if any(p.target.device.type == "cuda" for p in pieces):
         return ring().session()
