@@ -14,6 +14,7 @@ import torch
 
 import stashpoint
 from stashpoint._manager.tiers import restore_order
+from stashpoint._manager.upload import rank_problem
 from stashpoint._storage import LocalStorage
 from test_errors import FailingStorage
 
@@ -327,10 +328,29 @@ def test_restoring_a_step_whose_copies_are_both_damaged_names_both(tmp_path):
         mgr.restore(_state(0), step=1)
 
 
-def test_a_local_step_damaged_before_its_upload_fails_it_and_the_good_remote_step_stays(tmp_path, caplog):
+def _damage(shard, where: str) -> None:
+    """Damage ``shard``: 64 bytes of its data, or one bit of its header's padding (JSON that
+    still parses)."""
+    with shard.open("r+b") as f:
+        if where == "data":
+            f.seek(shard.stat().st_size // 2)
+            f.write(b"\xff" * 64)
+        else:
+            at = 8 + int.from_bytes(f.read(8), "little") - 1
+            f.seek(at)
+            byte = f.read(1)
+            assert byte == b" ", "the header ends in padding"
+            f.seek(at)
+            f.write(b"!")
+
+
+@pytest.mark.parametrize("where", ["data", "header"])
+def test_a_local_step_damaged_before_its_upload_fails_it_and_the_good_remote_step_stays(tmp_path, caplog, where):
     """Step 2 committed locally, not uploaded (as a crash before its upload leaves it), then
-    damaged on the local disk: the catch-up at the next open must refuse it, not let the
-    remote retention (remote_keep_last=1) replace the good remote step 1 with it."""
+    damaged on the local disk (its data, or one byte of a shard's header): the catch-up at the
+    next open must refuse it, not let the remote retention (remote_keep_last=1) replace the
+    good remote step 1 with it. The check a node-local restore makes of a rank's files finds
+    the same damage."""
     local, remote = tmp_path / "nvme", tmp_path / "remote"
     state = {"w": torch.arange(1 << 20, dtype=torch.float32)}
     with stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote, remote_keep_last=1) as mgr:
@@ -338,9 +358,8 @@ def test_a_local_step_damaged_before_its_upload_fails_it_and_the_good_remote_ste
     with stashpoint.CheckpointManager(local, keep_last=1) as mgr:  # no remote tier: no upload
         mgr.save(2, state).wait()
     shard = max((local / "step-00000002").rglob("shard-*"), key=lambda p: p.stat().st_size)
-    with shard.open("r+b") as f:
-        f.seek(shard.stat().st_size // 2)
-        f.write(b"\xff" * 64)
+    _damage(shard, where)
+    assert rank_problem(LocalStorage(local / "step-00000002"), 0) is not None
     with (
         caplog.at_level(logging.ERROR, logger="stashpoint"),
         stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote, remote_keep_last=1) as mgr,

@@ -7,15 +7,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, Chunk, Manifest, checksum
+from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, Chunk, FileEntry, Manifest, checksum
 from stashpoint._load.manifest import read_head, read_index
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 COPY_BLOCK = 64 * 1024 * 1024
 
-#: Checked bytes of a file: ``(start, end, the checksum of each CHECKSUM_BLOCK_BYTES of them)``.
-Span = tuple[int, int, tuple[str, ...]]
+#: Checked bytes of a file: ``(start, end, the checksum of each ``block`` bytes of them, block)``.
+Span = tuple[int, int, tuple[str, ...], int]
 
 
 @dataclass(frozen=True)
@@ -35,12 +35,12 @@ def own_files(src: Storage, rank: int, world: int) -> list[Upload]:
     index; a version-1 checkpoint's files go by the rank the manifest names."""
     head = read_head(src)
     if isinstance(head, Manifest):
-        spans = _spans(c for e in head.tensors.values() for c in e.chunks)
+        spans = _spans(head.files, (c for e in head.tensors.values() for c in e.chunks))
         return [Upload(f.name, f.size, tuple(spans.get(f.name, ()))) for f in head.files if f.rank % world == rank]
     out = []
     for saved in range(rank, head.world_size, world):
         index = read_index(src, head, saved)
-        spans = _spans(index.chunks.values())
+        spans = _spans(index.files, index.chunks.values())
         out += [Upload(f.name, f.size, tuple(spans.get(f.name, ()))) for f in index.files]
         name, (size, sums) = head.index_name(saved), head.indexes[saved]
         raw = _read(src, name, 0, size)
@@ -59,7 +59,7 @@ def rank_problem(src: Storage, saved: int) -> str | None:
         if isinstance(head, Manifest):  # version 1: no rank's files stand alone
             return None
         index = read_index(src, head, saved)
-        spans = _spans(index.chunks.values())
+        spans = _spans(index.files, index.chunks.values())
         for f in index.files:
             if src.size(f.name) != f.size:  # cut short, or grown (a copy would carry every byte)
                 return f"{src.location}/{f.name} holds {src.size(f.name)} bytes where its index says {f.size}"
@@ -70,10 +70,11 @@ def rank_problem(src: Storage, saved: int) -> str | None:
     return None
 
 
-def _spans(chunks: Iterable[Chunk]) -> dict[str, list[Span]]:
-    by_file: dict[str, list[Span]] = {}
+def _spans(files: Iterable[FileEntry], chunks: Iterable[Chunk]) -> dict[str, list[Span]]:
+    """Each file's checked spans: its header (one checksum) and its chunks (one per block)."""
+    by_file: dict[str, list[Span]] = {f.name: [(0, f.data_start, (f.header_checksum,), f.data_start)] for f in files}
     for c in chunks:
-        by_file.setdefault(c.file, []).append((c.start, c.end, c.checksums))
+        by_file.setdefault(c.file, []).append((c.start, c.end, c.checksums, CHECKSUM_BLOCK_BYTES))
     return by_file
 
 
@@ -98,12 +99,12 @@ def _checked(src: Storage, name: str, size: int, spans: Iterable[Span]) -> Itera
     within them each checksum block, checked (``CorruptCheckpointError`` at the first that is
     not what the index says)."""
     pos = 0
-    for start, end, sums in sorted(set(spans)):
+    for start, end, sums, size_of_block in sorted(set(spans)):
         if start < pos:  # the same bytes named twice (tied tensors): checked once
             continue
         yield from _unchecked(src, name, pos, start)
-        for k, lo in enumerate(range(start, max(end, start + 1), CHECKSUM_BLOCK_BYTES)):
-            block = _read(src, name, lo, min(lo + CHECKSUM_BLOCK_BYTES, end))
+        for k, lo in enumerate(range(start, max(end, start + 1), max(1, size_of_block))):
+            block = _read(src, name, lo, min(lo + size_of_block, end))
             if k >= len(sums) or checksum(block) != sums[k]:
                 raise CorruptCheckpointError(
                     f"{src.location}/{name} does not match its checksums at bytes {lo}-{lo + len(block)} (damaged "
