@@ -259,14 +259,23 @@ def test_step_dirs_near_misses_are_refused(step):
 
 
 @FAST
-@given(st.integers(0, 10**12), st.datetimes(min_value=datetime.datetime(1000, 1, 1)))  # %Y pads no year < 1000
-def test_set_aside_names_are_recognised(step, when):
-    name = set_aside_name(step, when.strftime("%Y%m%d-%H%M%S"))
+@given(
+    st.integers(0, 10**12),
+    st.datetimes(min_value=datetime.datetime(1000, 1, 1)),  # %Y pads no year < 1000
+    st.integers(0, 9999),
+)
+def test_set_aside_names_are_recognised(step, when, n):
+    name = set_aside_name(step, when.strftime("%Y%m%d-%H%M%S"), "rewound" if n % 2 else "damaged", n)
     assert is_set_aside(name)
     assert parse_step_dir(name) is None  # never taken for a step
     assert not is_set_aside(step_dir(step))
     assert not is_set_aside(name + "\n")
-    assert not is_set_aside(name[:-1])
+    if n == 0:
+        assert is_set_aside(name + "-1")
+    else:
+        assert not is_set_aside(name + "-1")
+    if n < 10:  # a longer counter cut short is a shorter one
+        assert not is_set_aside(name[:-1])
     assert not is_set_aside("step-0" + name[len("step-") :])
 
 

@@ -151,3 +151,51 @@ def test_a_remote_tier_that_cannot_be_listed_is_never_taken_for_an_empty_one(tmp
     finally:
         _Unreachable.down = False
     assert _resume(tmp_path / "fresh2", remote_root=remote) == (2, 2.0)
+
+
+def test_two_rewinds_within_one_second_keep_both_abandoned_runs(tmp_path):
+    """Run B's steps, moved aside in the same second as run A's: a second name, not a failed
+    move (which let the save delete one of B's committed steps and leave the other above C)."""
+    root = tmp_path / "run"
+    with stashpoint.CheckpointManager(root, keep_last=None) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, _state(s)).wait()
+        for run in (10, 100):  # runs B and C, each going back to step 1
+            mgr.restore(_state(0), step=1)
+            for s in (2, 3):
+                mgr.save(s, _state(s * run)).wait()
+        mgr.wait()
+        assert mgr.steps() == [1, 2, 3]
+    aside = sorted(p for p in root.glob("step-*.rewound-*"))
+    assert _names(root, "rewound") == ["step-00000002"] * 2 + ["step-00000003"] * 2, [p.name for p in aside]
+    values = set()
+    for p in aside:
+        out = _state(0)
+        stashpoint.load(out, p)
+        values.add(out["w"][0].item())
+    assert values == {2.0, 3.0, 20.0, 30.0}, "every abandoned step is kept whole"
+    assert _resume(root) == (3, 300.0)
+
+
+def test_a_rewind_that_cannot_move_a_step_aside_refuses_the_save_and_deletes_nothing(tmp_path, monkeypatch):
+    from stashpoint._storage import LocalStorage
+
+    root = tmp_path / "run"
+    with stashpoint.CheckpointManager(root, keep_last=None) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, _state(s)).wait()
+        mgr.restore(_state(0), step=1)
+
+        def refuse(self, name):
+            raise PermissionError(13, "Permission denied (injected)", str(self.root))
+
+        with monkeypatch.context() as m:
+            m.setattr(LocalStorage, "move", refuse)
+            with pytest.raises(
+                stashpoint.CheckpointError, match=r"below step 2 .* could not be moved"
+            ):
+                mgr.save(2, _state(20))
+        assert mgr.steps() == [1, 2, 3], "nothing deleted"
+        mgr.save(2, _state(20)).wait()  # once the cause is gone
+        assert mgr.steps() == [1, 2]
+    assert _names(root, "rewound") == ["step-00000002", "step-00000003"]

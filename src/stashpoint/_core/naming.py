@@ -18,7 +18,7 @@ _SHARD_RE = re.compile(r"shard-r([0-9]{5,})-([0-9]{4,})-([0-9a-f]+)\.safetensors
 _INDEX_RE = re.compile(r"index-r([0-9]{5,})-([0-9a-f]+)\.json")
 _GROUP_RE = re.compile(r"g([0-9]{5,})")
 _STEP_RE = re.compile(r"step-([0-9]{8,})")
-_SET_ASIDE_RE = re.compile(r"(step-[0-9]{8,})\.(?:damaged|rewound)-[0-9]{8}-[0-9]{6}")
+_SET_ASIDE_RE = re.compile(r"(step-[0-9]{8,})\.(?:damaged|rewound)-[0-9]{8}-[0-9]{6}(?:-[0-9]{1,4})?")
 
 
 def shard_name(rank: int, index: int, save_id: str) -> str:
@@ -113,12 +113,15 @@ def parse_step_dir(name: str) -> int | None:
     return step if step_dir(step) == name else None
 
 
-def set_aside_name(step: int, stamp: str, why: str = "damaged") -> str:
+def set_aside_name(step: int, stamp: str, why: str = "damaged", n: int = 0) -> str:
     """The name a step is moved to (``stamp``: ``%Y%m%d-%H%M%S``), kept for inspection: a
-    damaged one, or one ``"rewound"`` (newer than a step the run saved after going back)."""
+    damaged one, or one ``"rewound"`` (newer than a step the run saved after going back);
+    ``n`` (1-9999) tells apart steps set aside within the same second."""
     if why not in ("damaged", "rewound"):
         raise ValueError(f"a step is set aside as damaged or rewound, not {why!r}")
-    return f"{step_dir(step)}.{why}-{stamp}"
+    if not 0 <= n < 10_000:
+        raise ValueError(f"n must be in [0, 10000), not {n}")
+    return f"{step_dir(step)}.{why}-{stamp}" + (f"-{n}" if n else "")
 
 
 def is_set_aside(name: str) -> bool:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from stashpoint._core.naming import MANIFEST_NAME
+from stashpoint._core.naming import MANIFEST_NAME, step_dir
 from stashpoint._dist.transfer import ReplicaError
 from stashpoint._manager.lock import check_shared_root
 from stashpoint._manager.steps import DAMAGED, METRICS_KEY, committed_steps, delete_step, move_aside, quietly, retained
@@ -166,8 +166,14 @@ def set_aside_newer(mgr: CheckpointManager, step: int) -> bool:
             )
         for s in newer:
             mgr._known.discard(s)
-            move_aside(root, s, "rewound")
             mgr._metrics.pop(s, None)  # the number may be saved again, with the new run's metrics
+            if not move_aside(root, s, "rewound"):  # kept: it may be saved over, never deleted
+                mgr._top, mgr._resumed_at = None, resumed  # the next save decides anew
+                raise CheckpointError(
+                    f"step {step} goes back below step {s} of {root.location}, which could not be moved aside "
+                    "(the warning above says why); nothing was saved. Fix the cause and save again, or move "
+                    f"{step_dir(s)} away yourself"
+                )
     mgr._top = max(step, above)
     return after_restore
 

@@ -109,15 +109,21 @@ def remove_leftovers(root: Storage) -> None:
             quietly(target.remove_tree)
 
 
-def move_aside(root: Storage, step: int, why: str = "damaged") -> None:
-    """Rename a damaged (or rewound) step ``step-XXXXXXXX.damaged-<time>``: kept for inspection,
-    never listed."""
-    name = set_aside_name(step, time.strftime("%Y%m%d-%H%M%S"), why)
+def move_aside(root: Storage, step: int, why: str = "damaged") -> bool:
+    """Rename a damaged (or rewound) step ``step-XXXXXXXX.damaged-<time>[-n]``: kept for
+    inspection, never listed. Returns whether it moved (a failure is logged)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     try:
+        taken = set(root.children())
+        name = next((n for i in range(10_000) if (n := set_aside_name(step, stamp, why, i)) not in taken), None)
+        if name is None:
+            raise FileExistsError(f"every name for step {step} set aside at {stamp} is taken")
         moved = root.child(step_dir(step)).move(name)
         log.warning("stashpoint: moved the %s step %d aside to %s", why, step, moved.location)
+        return True
     except OSError as e:
         log.warning("stashpoint: could not move the %s step %d aside: %s", why, step, e)
+        return False
 
 
 def quietly(fn: Callable[[], None]) -> None:
