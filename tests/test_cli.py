@@ -598,6 +598,21 @@ def test_control_characters_in_names_and_values_are_printed_escaped(tmp_path):
     assert "recoverable without storage: forged" not in lines, lines  # before: a line of its own
 
 
+def test_a_hostile_recoverable_marker_is_passed_by(tmp_path):
+    """A node-local step's ``recoverable.json`` with counts no save writes (beyond 2**63, negative):
+    no claim shown, and no traceback (an OverflowError escaped while printing its sizes)."""
+    stashpoint.save({"w": torch.ones(4)}, tmp_path / "c")
+    for bad in (10**400, -1, 1 << 63):
+        doc = {"replicas": 1, "nodes": 2, "own_bytes": bad, "replica_bytes": 0}
+        (tmp_path / "c" / "recoverable.json").write_text(json.dumps(doc))
+        r = cli("inspect", tmp_path / "c")
+        assert r.exit_code == 0 and r.exception is None, r.output
+    doc = {"replicas": 10**400, "nodes": 2}
+    (tmp_path / "c" / "recoverable.json").write_text(json.dumps(doc))
+    r = cli("inspect", tmp_path / "c")
+    assert r.exit_code == 0 and "recoverable without storage" not in r.output, r.output
+
+
 def test_a_file_name_that_is_not_utf8_is_shown_by_its_bytes(tmp_path):
     stashpoint.save({"w": torch.ones(2)}, tmp_path / "c")
     (tmp_path / "c" / os.fsdecode(b"shard-r00000-0001-\xff.safetensors")).write_bytes(b"x")

@@ -440,3 +440,17 @@ def test_a_manager_on_a_read_only_root_says_what_reads_it(tmp_path):
             stashpoint.CheckpointManager(root)
     finally:
         subprocess.run(["umount", "-l", str(root)], check=False, timeout=30)
+
+
+def test_a_metric_too_large_for_a_float_does_not_stop_the_retention(tmp_path):
+    """An integer metric beyond a float's range (the user's, or a manifest's) does not compete
+    for keep_best; retention and a manager opening with a remote tier go on."""
+    root, remote = tmp_path / "run", tmp_path / "remote"
+    kw = {"keep_last": 1, "keep_best": (1, "loss"), "remote_root": remote, "remote_keep_last": 1}
+    with stashpoint.CheckpointManager(root, **kw) as mgr:
+        mgr.save(1, {"w": torch.ones(4)}, metrics={"loss": 10**400}).wait()
+    with stashpoint.CheckpointManager(root, **kw) as mgr:
+        for s, loss in ((2, 3.0), (3, 1.0), (4, 2.0)):
+            mgr.save(s, {"w": torch.ones(4)}, metrics={"loss": loss}).wait()
+            mgr.wait()
+        assert mgr.steps() == [3, 4]

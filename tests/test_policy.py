@@ -83,3 +83,13 @@ def test_schedule():
         Retention(keep_last=0)
     with pytest.raises(ValueError, match="mode"):
         Retention(mode="median")
+
+
+def test_metric_values_that_are_no_finite_number_do_not_compete():
+    """Read from any manifest: an integer too large for a float, a boolean, a string, NaN
+    and infinity are passed by, never raised on (an OverflowError here stopped the retention)."""
+    metrics = {1: {"loss": 10**400}, 2: {"loss": True}, 3: {"loss": "low"}, 4: {"loss": float("nan")}}
+    metrics |= {5: {"loss": float("-inf")}, 6: {"loss": 0.5}, 7: {"loss": 2}}
+    for mode, best in (("min", 6), ("max", 7)):
+        policy = Retention(keep_last=1, keep_best=1, metric="loss", mode=mode)
+        assert steps_to_keep(list(range(1, 9)), metrics, policy) == {8, best}

@@ -87,11 +87,23 @@ def steps_to_keep(
     if policy.keep_best is not None:
         scored = []
         for s in ordered:
-            value = metrics.get(s, {}).get(policy.metric)
-            if isinstance(value, (int, float)) and math.isfinite(value):
+            value = _score(metrics.get(s, {}).get(policy.metric))
+            if value is not None:
                 scored.append((value if policy.mode == "min" else -value, -s))  # ties: newer first
         keep.update(-neg_step for _, neg_step in sorted(scored)[: policy.keep_best])
     return frozenset(keep)
+
+
+def _score(value: object) -> float | None:
+    """A metric's value as a finite float; None for anything else (a string, a boolean, an
+    integer too large for a float, NaN), which then does not compete."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        score = float(value)
+    except OverflowError:
+        return None
+    return score if math.isfinite(score) else None
 
 
 @dataclass(frozen=True)

@@ -270,7 +270,11 @@ def _recoverable(storage: Storage) -> dict[str, int] | None:
         doc = json.loads(storage.read(RECOVERABLE_NAME, 0, 4096)) if storage.exists(RECOVERABLE_NAME) else None
     except (OSError, ValueError, CheckpointError):
         return None
-    if not (isinstance(doc, dict) and all(type(doc.get(k)) is int for k in ("replicas", "nodes"))):
+
+    def count(v: object) -> bool:  # an int a file of ours could hold
+        return type(v) is int and 0 <= v < 1 << 63
+
+    if not (isinstance(doc, dict) and all(count(doc.get(k)) for k in ("replicas", "nodes"))):
         return None
     keys = ("replicas", "nodes", "own_bytes", "replica_bytes")
-    return {k: doc[k] for k in keys if type(doc.get(k)) is int}
+    return {k: doc[k] for k in keys if count(doc.get(k))}
