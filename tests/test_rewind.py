@@ -191,11 +191,60 @@ def test_a_rewind_that_cannot_move_a_step_aside_refuses_the_save_and_deletes_not
 
         with monkeypatch.context() as m:
             m.setattr(LocalStorage, "move", refuse)
-            with pytest.raises(
-                stashpoint.CheckpointError, match=r"below step 2 .* could not be moved"
-            ):
+            with pytest.raises(stashpoint.CheckpointError, match=r"below step 2 .* could not be moved"):
                 mgr.save(2, _state(20))
         assert mgr.steps() == [1, 2, 3], "nothing deleted"
         mgr.save(2, _state(20)).wait()  # once the cause is gone
         assert mgr.steps() == [1, 2]
     assert _names(root, "rewound") == ["step-00000002", "step-00000003"]
+
+
+def test_a_new_run_on_a_fresh_node_moves_the_old_runs_remote_step_aside_not_away(tmp_path):
+    """Node B, with a fresh disk and no restore, saves step 1 where the remote tier holds an
+    old run's 1, 2, 3: all three are set aside (the old step 1 was deleted before the new copy
+    was even checked)."""
+    remote = tmp_path / "remote"
+    with stashpoint.CheckpointManager(tmp_path / "node-a", keep_last=None, remote_root=remote) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, _state(s)).wait()
+    with stashpoint.CheckpointManager(tmp_path / "node-b", keep_last=None, remote_root=remote) as mgr:
+        mgr.save(1, _state(100)).wait()
+        mgr.wait()
+        assert mgr.remote_steps() == [1]
+    assert _names(remote, "rewound") == ["step-00000001", "step-00000002", "step-00000003"]
+    out = _state(0)
+    stashpoint.load(out, next(remote.glob("step-00000001.rewound-*")))
+    assert out["w"][0].item() == 1.0, "the old run's step 1 is kept whole"
+    assert _resume(tmp_path / "node-c", remote_root=remote) == (1, 100.0)
+
+
+def test_a_rewind_whose_save_cannot_list_the_remote_tier_moves_its_steps_at_the_upload(tmp_path):
+    """The remote tier cannot be listed on the training thread at the rewind's save: its steps
+    above the rewind are moved aside by the upload of that step, before it copies anything."""
+    import threading
+
+    from test_tiers import _Unreachable
+
+    class _NotFromTheMainThread(_Unreachable):
+        def children(self):  # type: ignore[no-untyped-def]
+            if _NotFromTheMainThread.down and threading.current_thread() is threading.main_thread():
+                raise OSError(113, "No route to host")
+            return super(_Unreachable, self).children()
+
+        def child(self, name):  # type: ignore[no-untyped-def]
+            return _NotFromTheMainThread(self.root / name)
+
+    local, remote = tmp_path / "nvme", _NotFromTheMainThread(tmp_path / "remote")
+    with stashpoint.CheckpointManager(local, keep_last=None, remote_root=remote) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, _state(s)).wait()
+        mgr.restore(_state(0), step=1)
+        _NotFromTheMainThread.down = True
+        try:
+            mgr.save(2, _state(2.5)).wait()
+            mgr.wait()
+        finally:
+            _NotFromTheMainThread.down = False
+        assert mgr.remote_steps() == [1, 2]
+    assert _names(tmp_path / "remote", "rewound") == ["step-00000002", "step-00000003"]
+    assert _resume(tmp_path / "fresh-node", remote_root=tmp_path / "remote") == (2, 2.5)

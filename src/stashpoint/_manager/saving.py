@@ -149,7 +149,10 @@ def set_aside_newer(mgr: CheckpointManager, step: int) -> bool:
     if step > top:  # the step numbers go on: nothing to set aside, even after looking at an old step
         return after_restore
     above = resumed if resumed is not None and after_restore else step
-    doomed = {root: [s for s in _steps(mgr, root) if s > above] for root in roots}
+    listed = {root: _steps(mgr, root) for root in roots}
+    doomed = {root: [s for s in steps if s > above] for root, steps in listed.items() if steps is not None}
+    if remote and mgr._tier is not None and any(steps is None for steps in listed.values()):
+        mgr._tier.uploader.rewind_above = above  # the remote tier's are moved at the next upload
     if local and mgr._at(step).exists(MANIFEST_NAME) and step not in doomed[mgr.storage]:
         return after_restore  # a save of a step already there: refused by the caller, nothing moved
     if remote and mgr._tier is not None:
@@ -178,27 +181,27 @@ def set_aside_newer(mgr: CheckpointManager, step: int) -> bool:
     return after_restore
 
 
-def _steps(mgr: CheckpointManager, root: Storage) -> list[int]:
+def _steps(mgr: CheckpointManager, root: Storage) -> list[int] | None:
     """Every committed step of ``root``, damaged ones too (a damaged step above a rewind would
-    refuse the new run's save of its number)."""
+    refuse the new run's save of its number); None for a remote tier that cannot be listed now."""
     return mgr.steps() if root is mgr.storage else _listed(mgr, root, committed_steps)
 
 
-def _listed(mgr: CheckpointManager, root: Storage, lister: Callable[[Storage], list[int]]) -> list[int]:
+def _listed(mgr: CheckpointManager, root: Storage, lister: Callable[[Storage], list[int]]) -> list[int] | None:
     try:
         return lister(root)
     except (OSError, CheckpointError) as e:
         if root is mgr.storage:
             raise
         log.warning("stashpoint: listing %s failed (%s: %s)", root.location, type(e).__name__, e)
-        return []
+        return None
 
 
 def _whole_steps(mgr: CheckpointManager, root: Storage) -> list[int]:
     """The committed steps of ``root`` whose manifests read whole: those the retention counts (a
     damaged one is a restore's to set aside, as damaged). None of a remote tier that cannot be
     listed now: its save goes on."""
-    steps = _listed(mgr, root, committed_steps)
+    steps = _listed(mgr, root, committed_steps) or []
     return [s for s in steps if (m := mgr._metrics_of(s, root)) is not None and m is not DAMAGED]
 
 

@@ -32,7 +32,7 @@ from stashpoint._dist.commit import Outcome, RankFailure, finish_together
 from stashpoint._dist.group import DistContext
 from stashpoint._dist.transfer import ReplicaError
 from stashpoint._load.manifest import read_head
-from stashpoint._manager.steps import committed_steps, delete_step, quietly, remove_leftovers, retained
+from stashpoint._manager.steps import committed_steps, delete_step, move_aside, quietly, remove_leftovers, retained
 from stashpoint._manager.upload import copy_file, own_files
 from stashpoint._storage import LocalStorage, Storage, storage_for
 from stashpoint.errors import CheckpointError
@@ -114,6 +114,9 @@ class Uploader:
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-upload")
         self._broken: CollectiveError | None = None
         self._seq = 0
+        # rank 0: a rewind above this step could not move the remote steps (no listing at its
+        # save): the next upload moves them first
+        self.rewind_above: int | None = None
 
     def submit(self, step: int, after: cf.Future[Any] | None = None) -> cf.Future[bool]:
         """Upload ``step`` once ``after`` (its local save) has succeeded; the future tells whether
@@ -230,13 +233,19 @@ class Uploader:
             return ("ok", None)
         try:
             head = read_head(src)
+            if self.rewind_above is not None:
+                above = self.rewind_above
+                for s in committed_steps(self.remote):
+                    if s > above and not move_aside(self.remote, s, "rewound"):
+                        return ("error", f"step {s} of the run abandoned by a rewind could not be moved aside")
+                self.rewind_above = None
             if dst.exists(MANIFEST_NAME):
                 if read_head(dst).save_id == head.save_id:
                     return ("done", None)
-                # another save of this step number is there (a run rewound and saved it anew):
-                # uncommit it first, then upload this one
-                dst.delete(MANIFEST_NAME)
-                dst.remove_tree()
+                # another run's save of this step number (a new run in an old root): kept aside
+                # like a rewound one, never deleted before this copy is checked and committed
+                if not move_aside(self.remote, step, "rewound"):
+                    return ("error", f"another run's step {step} there could not be moved aside")
             return ("ok", None)
         except Exception as e:
             return ("error", f"{type(e).__name__}: {e}")
