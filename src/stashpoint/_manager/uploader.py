@@ -1,0 +1,239 @@
+"""The uploader: copies committed steps from the local tier to the remote one in the background,
+one at a time and in the order they were saved, on a thread of its own with a checkpoint process
+group of its own (so uploads never share a group with saves, nor with another manager's
+uploads). In a distributed run every rank uploads the shard files it wrote; once all of them
+are in place, rank 0 writes the remote manifest last: the remote copy commits exactly as a save
+does, and a crash mid-upload leaves only a leftover that the next manager removes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from stashpoint._core.naming import MANIFEST_NAME, step_dir
+from stashpoint._dist import group as _dist
+from stashpoint._dist.arrival import CollectiveError
+from stashpoint._dist.commit import Outcome, RankFailure, finish_together
+from stashpoint._dist.group import DistContext
+from stashpoint._dist.transfer import ReplicaError
+from stashpoint._load.manifest import read_head
+from stashpoint._manager.steps import committed_steps, move_aside, quietly
+from stashpoint._manager.upload import copy_file, own_files
+from stashpoint._storage import Storage
+from stashpoint.errors import CheckpointError
+
+log = logging.getLogger("stashpoint")
+
+#: Collectives of an upload wait for the slowest rank's copy: far longer than a save's steps.
+UPLOAD_TIMEOUT_S = 3600.0
+_uploader_ids = itertools.count()
+
+
+def _decide(starts: Sequence[UploadStart]) -> tuple[str, Any]:
+    """Rank 0: what every rank does about an upload, from every rank's view of it."""
+    if len({(u.seq, u.step) for u in starts}) > 1:
+        odd = [(r, u) for r, u in enumerate(starts) if (u.seq, u.step) != (starts[0].seq, starts[0].step)]
+        seen = ", ".join(f"rank {r}: upload #{u.seq} of step {u.step}" for r, u in [(0, starts[0]), *odd[:8]])
+        return ("broken", f"the ranks' uploads are out of step ({seen})")
+    if any(u.kind == "skip" for u in starts):
+        return ("skip", None)
+    return (starts[0].kind, starts[0].detail)
+
+
+def _commit_copy(src: Storage, dst: Storage, outcomes: Sequence[Outcome]) -> int:
+    """Rank 0, once every rank copied its files: commit the remote copy (its manifest, last)."""
+    dst.commit(MANIFEST_NAME, src.read(MANIFEST_NAME))
+    return sum(o.nbytes for o in outcomes)
+
+
+class Uploader:
+    """Copies steps from ``local`` to ``remote`` (two run roots) in the background, in order.
+
+    Create it on every rank at the same point (it creates a process group in a distributed run);
+    submit the same steps on every rank in the same order. ``on_result(step, uploaded)`` is
+    called on the uploader thread after each step: True once its remote copy committed, False
+    when there was nothing to upload (the save failed or was skipped), None when the upload
+    failed (the step is uploaded again when a manager next opens the root).
+    """
+
+    def __init__(
+        self,
+        local: Storage,
+        remote: Storage,
+        *,
+        on_result: Callable[[int, bool | None], None] | None = None,
+        on_committed: Callable[[int], None] | None = None,
+    ) -> None:
+        self.local = local
+        self.remote = remote
+        self.on_result = on_result
+        self.on_committed = on_committed
+        purpose = f"upload-{next(_uploader_ids)}"  # every rank creates its managers in the same order
+        self.ctx = _dist.context(None, UPLOAD_TIMEOUT_S, purpose=purpose) or DistContext.solo()
+        self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-upload")
+        self._broken: CollectiveError | None = None
+        self._seq = 0
+        # rank 0: a rewind above this step could not move the remote steps (no listing at its
+        # save): the next upload moves them first
+        self.rewind_above: int | None = None
+
+    def submit(self, step: int, after: cf.Future[Any] | None = None) -> cf.Future[bool]:
+        """Upload ``step`` once ``after`` (its local save) has succeeded; the future tells whether
+        a copy was made (False: the save failed or was skipped, so there was nothing to upload)."""
+        self._seq += 1
+        return self._executor.submit(self._one, step, after, self._seq)
+
+    def catch_up(self, todo: list[int]) -> cf.Future[list[int]]:
+        """Upload the steps in ``todo``, the same list on every rank (rank 0's, sent at open):
+        those a crash or a failed upload left behind."""
+        self._seq += 1
+        return self._executor.submit(self._catch_up, todo, self._seq)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def _catch_up(self, todo: list[int], seq: int) -> list[int]:
+        done = []
+        for s in todo:
+            try:
+                if self._one(s, None, seq):
+                    done.append(s)
+            except CheckpointError as e:
+                log.error("stashpoint: %s", e)
+        return done
+
+    def _one(self, step: int, after: cf.Future[Any] | None, seq: int) -> bool:
+        uploaded: bool | None = None
+        try:
+            uploaded = self._upload(step, after, seq)
+            return uploaded
+        finally:
+            if self.on_result is not None:
+                try:
+                    self.on_result(step, uploaded)
+                except Exception:
+                    log.exception("stashpoint: bookkeeping after the upload of step %d failed", step)
+
+    def _upload(self, step: int, after: cf.Future[Any] | None, seq: int) -> bool:
+        if self._broken is not None:
+            raise CheckpointError(
+                f"step {step} was not uploaded: the ranks lost each other in an earlier upload ({self._broken}); "
+                "it is uploaded when a manager opens this root again"
+            )
+        ctx = self.ctx
+        src = self.local.child(step_dir(step))
+        dst = self.remote.child(step_dir(step))
+        t0 = time.perf_counter()
+        # 1. agree that there is something to upload (every rank saw its save succeed); rank 0
+        # alone sees every rank's view and answers each with the decision
+        kind, detail = self._start_status(step, after, src, dst)
+        starts: list[UploadStart] | None = self._collective(
+            self.ctx.gather, "upload start", UploadStart(seq, step, kind, detail)
+        )
+        decision = _decide(starts) if starts is not None else None
+        kind, detail = self._broadcast("upload decision", decision)
+        if kind == "broken":
+            self._broken = CollectiveError(detail)
+            raise CheckpointError(f"uploading step {step} failed: {self._broken}")
+        if kind == "skip":
+            return False
+        if kind == "done":
+            return True
+        if kind == "error":
+            raise CheckpointError(f"uploading step {step} to {dst.location} failed: {detail}")
+        # 2. every rank copies the files it wrote; 3. rank 0 commits the remote copy (manifest last)
+        outcome, local = Outcome(), None
+        try:
+            dst.prepare()
+            nbytes = 0
+            for up in own_files(src, ctx.rank, ctx.world):
+                copy_file(src, dst, up)
+                nbytes += up.size
+            dst.sync()
+            outcome = Outcome(nbytes=nbytes)
+        except Exception as e:
+            outcome, local = Outcome(error=f"{type(e).__name__}: {e}"), e
+        try:
+            total = self._collective(
+                lambda what, mine: finish_together(ctx, what, mine, lambda done: _commit_copy(src, dst, done), local),
+                "upload",
+                outcome,
+            )
+        except RankFailure as e:
+            if ctx.rank == 0 and not dst.best_effort().exists(MANIFEST_NAME):
+                quietly(dst.best_effort().remove_tree)  # every rank is done with it
+            raise CheckpointError(
+                f"uploading step {step} to {dst.location} failed: {e}. The local copy at {src.location} is "
+                "kept; the step is uploaded again when a manager opens this root next time."
+            ) from e.local
+        log.info(
+            "stashpoint: uploaded step %d to %s (%.1f MB in %.2f s)",
+            step,
+            dst.location,
+            total / 1e6,
+            time.perf_counter() - t0,
+        )
+        if self.on_committed is not None:
+            try:
+                self.on_committed(step)
+            except Exception:  # the copy is committed: a failing retention must not say otherwise
+                log.exception("stashpoint: the remote retention after step %d failed", step)
+        return True
+
+    def _start_status(self, step: int, after: cf.Future[Any] | None, src: Storage, dst: Storage) -> tuple[str, Any]:
+        """This rank's view: ("skip", why), ("done", None), ("ok", files) or ("error", why)."""
+        if after is not None:
+            error = None if after.cancelled() else after.exception()
+            if after.cancelled() or (error is not None and not isinstance(error, ReplicaError)):
+                return ("skip", "the save failed")
+            if error is None and getattr(after.result(), "skipped", False):
+                return ("skip", "the save was skipped")
+        if self.ctx.rank != 0:
+            return ("ok", None)
+        try:
+            head = read_head(src)
+            if self.rewind_above is not None:
+                above = self.rewind_above
+                for s in committed_steps(self.remote):
+                    if s > above and not move_aside(self.remote, s, "rewound"):
+                        return ("error", f"step {s} of the run abandoned by a rewind could not be moved aside")
+                self.rewind_above = None
+            if dst.exists(MANIFEST_NAME):
+                if read_head(dst).save_id == head.save_id:
+                    return ("done", None)
+                # another run's save of this step number (a new run in an old root): kept aside
+                # like a rewound one, never deleted before this copy is checked and committed
+                if not move_aside(self.remote, step, "rewound"):
+                    return ("error", f"another run's step {step} there could not be moved aside")
+            return ("ok", None)
+        except Exception as e:
+            return ("error", f"{type(e).__name__}: {e}")
+
+    def _broadcast(self, what: str, obj: Any) -> Any:
+        return self._collective(self.ctx.broadcast, what, obj)
+
+    def _collective(self, fn: Callable[[str, Any], Any], what: str, obj: Any) -> Any:
+        """A collective on the upload group; once one fails, the group is dropped for good."""
+        try:
+            return fn(what, obj)
+        except CollectiveError as e:
+            self._broken = e
+            _dist.forget(self.ctx)
+            raise
+
+
+@dataclass(frozen=True)
+class UploadStart:
+    """A rank's view before an upload: kind "skip" (detail: why), "done", "ok" or "error"
+    (detail: why)."""
+
+    seq: int
+    step: int
+    kind: str
+    detail: Any
