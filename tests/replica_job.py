@@ -1,11 +1,11 @@
 """One rank of a small node-local job with replicas, for tests/test_replica_failures.py.
 
-    replica_job.py BASE [--steps A:B] [--replicas K] [--keep N] [--remote DIR] [--timeout S]
+    replica_job.py BASE [--steps A:B] [--replicas K] [--keep N] [--remote DIR] [--timeout S] [--no-restore]
 
 Started once per rank by the test (no torchrun: ``RANK``, ``WORLD_SIZE``, ``MASTER_*``,
 ``STASHPOINT_NODE``, ``STASHPOINT_LOCAL_RANK`` and ``NODE_DIR`` from the environment). The
 state is a DTensor sharded over the ranks, each rank's shard filled with ``step * 1000 + rank``.
-Restores (prints ``RESUMED <step> <value>``), then saves the even steps in A..B, waiting for
+Restores (prints ``RESUMED <step> <value>``; not with ``--no-restore``), then saves the even steps in A..B, waiting for
 each (``SAVED <step>`` or ``SAVE_ERROR <step> <error>``). With ``KILL_AT_REPLICA=<step>`` in its
 environment, the rank kills itself (SIGKILL) as its node starts sending its replica of that step.
 """
@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--keep", type=int, default=3)
     ap.add_argument("--remote", default=None)
     ap.add_argument("--timeout", type=float, default=None)
+    ap.add_argument("--no-restore", action="store_true")
     args = ap.parse_args()
     if "KILL_AT_REPLICA" in os.environ:
         kill_at_replica(int(os.environ["KILL_AT_REPLICA"]))
@@ -62,12 +63,13 @@ def main() -> None:
     with stashpoint.CheckpointManager(
         root, node_local=True, replicas=args.replicas, keep_last=args.keep, remote_root=args.remote
     ) as mgr:
-        try:
-            got = mgr.restore(state, **opts)
-        except stashpoint.CheckpointError as e:
-            say(f"RESTORE_ERROR {type(e).__name__}: {e}")
-            got = None
-        say(f"RESUMED {got} {state['w'].to_local()[0].item():.0f}")
+        if not args.no_restore:
+            try:
+                got = mgr.restore(state, **opts)
+            except stashpoint.CheckpointError as e:
+                say(f"RESTORE_ERROR {type(e).__name__}: {e}")
+                got = None
+            say(f"RESUMED {got} {state['w'].to_local()[0].item():.0f}")
         if args.steps:
             lo, hi = map(int, args.steps.split(":"))
             for s in range(lo, hi + 1, 2):

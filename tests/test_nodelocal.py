@@ -38,6 +38,7 @@ from stashpoint._core.nodeplan import (
     ranges,
     relay,
     replica_peers,
+    upload_parts,
 )
 from stashpoint._dist import memfetch
 from stashpoint._dist.nodes import this_node
@@ -678,3 +679,16 @@ def test_the_byte_ranges_a_rank_reads_travel_merged(tmp_path):
     got = ranges_needed(LocalStorage(tmp_path / "c"), {k: torch.zeros(2) for k in state}, 0, skip=set())
     [(rank, size, spans)] = got.values()
     assert rank == 0 and spans == [(0, size)], got
+
+
+def test_upload_parts_keep_each_rank_to_its_own_and_spread_the_rest_over_their_holders():
+    own = [((0, 1),), ((1, 2),)]
+    assert upload_parts(2, own) == ([((0, 1),), ((1, 2),)], [])
+    swapped = [((1, 2),), ((0, 1),)]  # the nodes numbered anew
+    assert upload_parts(2, swapped) == ([((1, 2),), ((0, 1),)], [])
+    # four saved ranks, two live ranks on nodes holding two each, one node holding all (a replica)
+    parts, missing = upload_parts(4, [((0, 4),), ((2, 4),)])
+    assert missing == [] and sorted(expand(parts[0]) | expand(parts[1])) == [0, 1, 2, 3]
+    assert not expand(parts[0]) & expand(parts[1]), "each saved rank uploaded once"
+    assert parts[1] == ((3, 4),) and expand(parts[0]) == {0, 1, 2}
+    assert upload_parts(3, [((0, 1),), ((0, 1), (5, 9))]) == ([((0, 1),), ()], [1, 2])

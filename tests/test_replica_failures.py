@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import stashpoint
 from conftest import ROOT
 from dist_util import rendezvous_store
 from stashpoint._core.naming import MANIFEST_NAME
@@ -142,3 +144,20 @@ def test_orphan_replicas_are_the_copies_no_node_holds_as_its_own():
     }
     assert orphan_replicas(seen) == {0: [(6, ((0, 1),))], 2: [(6, ((1, 2),))]}
     assert orphan_replicas({0: (Held(4, "x", 1, ((0, 1),)),)}) == {}
+
+
+def test_steps_caught_up_after_the_nodes_were_numbered_anew_are_uploaded_from_where_they_are(tmp_path):
+    """Steps 2 and 4 saved on nodes a, b with no remote tier; the job opens again with a remote
+    tier and the nodes numbered the other way round (a new rendezvous): each rank uploads the
+    saved ranks its node holds (rank 0 looked for saved rank 0's index on node b, every upload
+    failed and the steps were kept from the retention for good)."""
+    remote = tmp_path / "remote"
+    run(tmp_path, ["a", "b"], "--steps", "2:4", "--replicas", "0")
+    outs = run(tmp_path, ["b", "a"], "--replicas", "0", "--remote", str(remote), "--no-restore")
+    assert not [ln for out in outs for ln in out.splitlines() if "failed" in ln], outs
+    for step in (2, 4):
+        report = stashpoint.verify(remote / f"step-{step:08d}")
+        assert report.ok, report
+    out = {"w": torch.zeros(8192), "step": 0}
+    stashpoint.load(out, remote / "step-00000004")
+    assert out["w"][0].item() == 4000 and out["w"][4096].item() == 4001 and out["step"] == 4

@@ -304,3 +304,25 @@ def plan_parts(
         (mine.get(n, []) if leaders.get(n) == r else [], ranges(after.get(n, set()))) for r, n in enumerate(of_rank)
     ]
 
+
+def upload_parts(
+    saved_world: int, held: Sequence[tuple[tuple[int, int], ...]]
+) -> tuple[list[tuple[tuple[int, int], ...]], list[int]]:
+    """Who uploads each saved rank's files of a node-local step, from the saved ranks each live
+    rank's node directory holds (``held[rank]``, spans): rank ``s`` itself where it holds them
+    (the numbering the step was saved under), else one of their holders, spread. Returns each
+    rank's saved ranks (spans) and the saved ranks no rank holds. Pure."""
+    holders: dict[int, list[int]] = {}
+    for rank, spans in enumerate(held):
+        for a, b in spans:
+            for s in range(max(0, a), min(b, saved_world)):
+                holders.setdefault(s, []).append(rank)
+    given: list[list[int]] = [[] for _ in held]
+    missing = []
+    for s in range(saved_world):
+        who = holders.get(s)
+        if not who:
+            missing.append(s)
+            continue
+        given[s if s < len(held) and s in who else who[s % len(who)]].append(s)
+    return [ranges(g) for g in given], missing

@@ -54,17 +54,24 @@ def inventory(root: Storage) -> tuple[Held, ...]:
             head = read_head(where)
         except (CorruptCheckpointError, IncompleteCheckpointError):
             continue  # a damaged manifest: nothing of the step here is usable (unreadable: listing fails)
-        whole, partial, copies = set(), set(), set()
-        for name in where.list():
-            if (m := PARTIAL_RE.fullmatch(name)) is not None:
-                partial.add(int(m[1]))
-            if (m := REPLICA_RE.fullmatch(name)) is not None:
-                copies.add(int(m[1]))
-            parsed = parse_save_file(name)
-            if parsed is not None and parsed[1] == head.save_id and name.rpartition("/")[2] == index_name(*parsed):
-                whole.add(parsed[0])
-        found.append(Held(step, head.save_id, head.world_size, ranges(whole - partial), ranges(copies & whole)))
+        whole, copies = held_ranks(where, head.save_id)
+        found.append(Held(step, head.save_id, head.world_size, ranges(whole), ranges(copies & whole)))
     return tuple(found)
+
+
+def held_ranks(where: Storage, save_id: str) -> tuple[set[int], set[int]]:
+    """The saved ranks whose files of save ``save_id`` the step directory ``where`` holds whole
+    (their index is there, and no mark says a copy is partial), and those it holds as replicas."""
+    whole, partial, copies = set(), set(), set()
+    for name in where.list():
+        if (m := PARTIAL_RE.fullmatch(name)) is not None:
+            partial.add(int(m[1]))
+        if (m := REPLICA_RE.fullmatch(name)) is not None:
+            copies.add(int(m[1]))
+        parsed = parse_save_file(name)
+        if parsed is not None and parsed[1] == save_id and name.rpartition("/")[2] == index_name(*parsed):
+            whole.add(parsed[0])
+    return whole - partial, copies
 
 
 def node_order(

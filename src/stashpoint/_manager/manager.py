@@ -199,6 +199,7 @@ class CheckpointManager:
                     self.rank,
                     self._upload_ended,
                     owner=self._owner,
+                    node_local=self._nodes is not None,
                 )
         except BaseException:
             self._release()

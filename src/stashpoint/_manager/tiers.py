@@ -65,6 +65,7 @@ class RemoteTier:
         on_ended: Callable[[], None] | None = None,
         *,
         owner: bool = False,
+        node_local: bool = False,
     ) -> None:
         self.local = local
         self.remote = storage_for(remote_root)
@@ -90,7 +91,9 @@ class RemoteTier:
                 todo = self._missing()
         except (OSError, CheckpointError) as e:  # the remote tier is a second copy: training goes on
             problem = f"{type(e).__name__}: {e}"
-        self.uploader = Uploader(local, self.remote, on_result=self._result, on_committed=self._retain)
+        self.uploader = Uploader(
+            local, self.remote, on_result=self._result, on_committed=self._retain, node_local=node_local
+        )
         # every owner of a directory's retention (node-local: each node's leader) protects them
         todo, first = self.uploader.ctx.broadcast("upload: what the remote tier lacks", (todo, problem))
         problem = problem or first

@@ -29,20 +29,21 @@ class Upload:
     data: bytes | None = None
 
 
-def own_files(src: Storage, rank: int, world: int) -> list[Upload]:
-    """The files of the checkpoint at ``src`` this rank uploads: those of the saved ranks ``s``
-    with ``s % world == rank`` (its own, when the world is the one that saved), each with its
-    index; a version-1 checkpoint's files go by the rank the manifest names."""
+def own_files(src: Storage, rank: int, world: int, saved: Iterable[int] | None = None) -> list[Upload]:
+    """The files of the checkpoint at ``src`` this rank uploads: those of the saved ranks
+    ``saved`` (default: those ``s`` with ``s % world == rank``, its own when the world is the one
+    that saved), each with its index; a version-1 checkpoint's files go by the rank the manifest
+    names."""
     head = read_head(src)
     if isinstance(head, Manifest):
         spans = _spans(head.files, (c for e in head.tensors.values() for c in e.chunks))
         return [Upload(f.name, f.size, tuple(spans.get(f.name, ()))) for f in head.files if f.rank % world == rank]
     out = []
-    for saved in range(rank, head.world_size, world):
-        index = read_index(src, head, saved)
+    for saved_rank in range(rank, head.world_size, world) if saved is None else sorted(saved):
+        index = read_index(src, head, saved_rank)
         spans = _spans(index.files, index.chunks.values())
         out += [Upload(f.name, f.size, tuple(spans.get(f.name, ()))) for f in index.files]
-        name, (size, sums) = head.index_name(saved), head.indexes[saved]
+        name, (size, sums) = head.index_name(saved_rank), head.indexes[saved_rank]
         raw = _read(src, name, 0, size)
         if checksum(raw) != sums:  # read again: it may have changed since it was parsed
             raise CorruptCheckpointError(f"{src.location}/{name} does not match the manifest's checksum: not uploaded")

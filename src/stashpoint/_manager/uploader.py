@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from stashpoint._core.naming import MANIFEST_NAME, step_dir
+from stashpoint._core.nodeplan import expand, ranges, upload_parts
 from stashpoint._dist import group as _dist
 from stashpoint._dist.arrival import CollectiveError
 from stashpoint._dist.commit import Outcome, RankFailure, finish_together
 from stashpoint._dist.group import DistContext
 from stashpoint._dist.transfer import ReplicaError
 from stashpoint._load.manifest import read_head
+from stashpoint._manager.holdings import held_ranks
 from stashpoint._manager.steps import committed_steps, move_aside, quietly
 from stashpoint._manager.upload import copy_file, own_files
 from stashpoint._storage import Storage
@@ -69,9 +71,11 @@ class Uploader:
         *,
         on_result: Callable[[int, bool | None], None] | None = None,
         on_committed: Callable[[int], None] | None = None,
+        node_local: bool = False,
     ) -> None:
         self.local = local
         self.remote = remote
+        self.node_local = node_local  # ``local`` is this node's own root: each rank copies what its node holds
         self.on_result = on_result
         self.on_committed = on_committed
         purpose = f"upload-{next(_uploader_ids)}"  # every rank creates its managers in the same order
@@ -133,10 +137,17 @@ class Uploader:
         # 1. agree that there is something to upload (every rank saw its save succeed); rank 0
         # alone sees every rank's view and answers each with the decision
         kind, detail = self._start_status(step, after, src, dst)
+        held = _held(src) if self.node_local else None
         starts: list[UploadStart] | None = self._collective(
-            self.ctx.gather, "upload start", UploadStart(seq, step, kind, detail)
+            self.ctx.gather, "upload start", UploadStart(seq, step, kind, detail, held)
         )
         decision = _decide(starts) if starts is not None else None
+        parts = None  # node-local: the saved ranks each rank copies, from what its node holds
+        if starts is not None and decision is not None and decision[0] == "ok" and self.node_local:
+            parts, missing = upload_parts(decision[1], [u.held or () for u in starts])
+            if missing:
+                shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+                decision = ("error", f"no node holds the files of saved rank(s) {shown} whole")
         kind, detail = self._broadcast("upload decision", decision)
         if kind == "broken":
             self._broken = CollectiveError(detail)
@@ -148,11 +159,12 @@ class Uploader:
         if kind == "error":
             raise CheckpointError(f"uploading step {step} to {dst.location} failed: {detail}")
         # 2. every rank copies the files it wrote; 3. rank 0 commits the remote copy (manifest last)
+        saved = expand(self._collective(ctx.scatter, "upload parts", parts)) if self.node_local else None
         outcome, local = Outcome(), None
         try:
             dst.prepare()
             nbytes = 0
-            for up in own_files(src, ctx.rank, ctx.world):
+            for up in own_files(src, ctx.rank, ctx.world, saved):
                 copy_file(src, dst, up)
                 nbytes += up.size
             dst.sync()
@@ -187,7 +199,8 @@ class Uploader:
         return True
 
     def _start_status(self, step: int, after: cf.Future[Any] | None, src: Storage, dst: Storage) -> tuple[str, Any]:
-        """This rank's view: ("skip", why), ("done", None), ("ok", files) or ("error", why)."""
+        """This rank's view: ("skip", why), ("done", None), ("ok", the saved world size; None
+        but on rank 0) or ("error", why)."""
         if after is not None:
             error = None if after.cancelled() else after.exception()
             if after.cancelled() or (error is not None and not isinstance(error, ReplicaError)):
@@ -211,7 +224,7 @@ class Uploader:
                 # like a rewound one, never deleted before this copy is checked and committed
                 if not move_aside(self.remote, step, "rewound"):
                     return ("error", f"another run's step {step} there could not be moved aside")
-            return ("ok", None)
+            return ("ok", head.world_size)
         except Exception as e:
             return ("error", f"{type(e).__name__}: {e}")
 
@@ -237,3 +250,13 @@ class UploadStart:
     step: int
     kind: str
     detail: Any
+    held: tuple[tuple[int, int], ...] | None = None  # node-local: the saved ranks its node holds whole
+
+
+def _held(src: Storage) -> tuple[tuple[int, int], ...]:
+    """The saved ranks whose files of the step at ``src`` (a node's directory) it holds whole;
+    none where that cannot be told (the upload then finds who else holds them)."""
+    try:
+        return ranges(held_ranks(src, read_head(src).save_id)[0])
+    except (OSError, CheckpointError):
+        return ()
