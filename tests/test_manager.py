@@ -454,3 +454,11 @@ def test_a_metric_too_large_for_a_float_does_not_stop_the_retention(tmp_path):
             mgr.save(s, {"w": torch.ones(4)}, metrics={"loss": loss}).wait()
             mgr.wait()
         assert mgr.steps() == [3, 4]
+
+
+def test_an_option_a_managers_save_does_not_take_is_named(tmp_path):
+    with stashpoint.CheckpointManager(tmp_path / "run") as mgr:
+        for option in ("overwrite", "refused", "nodes", "overlapp"):
+            with pytest.raises(TypeError, match=rf"unexpected option\(s\) '{option}'; it takes allow_pickle"):
+                mgr.save(1, {"w": torch.ones(2)}, **{option: True})
+        assert mgr.steps() == []

@@ -6,8 +6,10 @@ a node failure is a real SIGKILL, a lost node's directory is deleted."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -161,3 +163,20 @@ def test_steps_caught_up_after_the_nodes_were_numbered_anew_are_uploaded_from_wh
     out = {"w": torch.zeros(8192), "step": 0}
     stashpoint.load(out, remote / "step-00000004")
     assert out["w"][0].item() == 4000 and out["w"][4096].item() == 4001 and out["step"] == 4
+
+
+def test_a_step_one_node_holds_refuses_the_save_on_every_node_together(tmp_path):
+    """A new run (no restore) where node b's disk was replaced: node a holds step 2, node b
+    nothing. Saving step 2 is refused on every rank at once ("already committed" on node a
+    alone left node b waiting in the save's collectives until the timeout), and node a's step 2
+    stays whole."""
+    run(tmp_path, ["a", "b"], "--steps", "2:2", "--replicas", "0")
+    shutil.rmtree(tmp_path / "node-b")
+    t0 = time.monotonic()
+    outs = run(tmp_path, ["a", "b"], "--steps", "2:2", "--replicas", "0", "--no-restore", "--timeout", "60")
+    took = time.monotonic() - t0
+    errors = lines(outs, "SAVE_ERROR 2")
+    assert len(errors) == 2 and all("already has a committed checkpoint" in e for e in errors), outs
+    assert took < 50, f"a rank waited for the others' save: {took:.0f} s"
+    assert (tmp_path / "node-a" / "step-00000002" / MANIFEST_NAME).exists()
+    assert rank_problem(LocalStorage(tmp_path / "node-a" / "step-00000002"), 0) is None

@@ -154,6 +154,7 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._deleter = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-retention")
         self._deletions: list[cf.Future[None]] = []
+        self._refused: list[cf.Future[Any]] = []  # saves this rank refused, still failing them with the others
         self._closed = False
         self._shared_checked = False  # every rank sees the root (checked at the first save)
         self.rank, self.world = rank_of()

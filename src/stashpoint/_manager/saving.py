@@ -205,12 +205,24 @@ def _whole_steps(mgr: CheckpointManager, root: Storage) -> list[int]:
     return [s for s in steps if (m := mgr._metrics_of(s, root)) is not None and m is not DAMAGED]
 
 
+#: What ``CheckpointManager.save`` passes on to the engine: ``async_save``'s options but
+#: ``overwrite`` (a manager decides what a step's directory holds), and ``on_busy``.
+SAVE_OPTIONS = frozenset(
+    {"allow_pickle", "metadata", "max_shard_bytes", "overlap", "writer", "timeout", "process_group", "on_busy"}
+)
+
+
 def start_save(
     mgr: CheckpointManager, step: int, state: Any, metrics: dict[str, Any], options: dict[str, Any]
 ) -> SaveHandle:
     """``CheckpointManager.save`` once its arguments are checked: the step's directory made
     ready, the engine's save started, and its bookkeeping (:func:`after_save`, the upload)
     attached to it."""
+    if unknown := sorted(set(options) - SAVE_OPTIONS):
+        raise TypeError(
+            f"CheckpointManager.save() got unexpected option(s) {', '.join(map(repr, unknown))}; it takes "
+            f"{', '.join(sorted(SAVE_OPTIONS))}"
+        )
     if not mgr._shared_checked and mgr._nodes is None and isinstance(mgr.storage, LocalStorage):
         check_shared_root(mgr.storage.root, options.get("process_group"), options.get("timeout"))
         mgr._shared_checked = True
@@ -223,18 +235,28 @@ def start_save(
                 f"step {step} is still being saved to {target.location}; wait for that save (mgr.wait()) first"
             )
     going_back = set_aside_newer(mgr, step)
+    refused = None
     if not going_back and target.exists(MANIFEST_NAME):
-        raise CheckpointError(
+        refused = (
             f"step {step} already has a committed checkpoint at {target.location}; save under a new step, or "
             "delete that directory first."
         )
-    if mgr._owner:  # the remains of an earlier failed save of this step, if any
+        if mgr._nodes is None:  # one root, one answer on every rank
+            raise CheckpointError(refused)
+        # node-local: another node may not hold the step (a disk replaced); the engine fails the
+        # save on every rank together instead of leaving those waiting for this one
+    if mgr._owner and refused is None:  # the remains of an earlier failed save of this step, if any
         target.remove_tree()
-    opts = save_options(mgr, step, metrics, options)
+    opts = save_options(mgr, step, metrics, {**options, "refused": refused})
     mgr._last_save_time = time.monotonic()
     try:
         handle = get_engine().submit(state, target, opts)
     except BaseException as e:
+        # a save this rank refused still runs its collectives, to fail it on every rank: wait()
+        # and close() wait for them, so that a program ending on this error does not cut them
+        queued = [h._future for h in get_engine().inflight if h.path == target.location and not h.done()]
+        with mgr._lock:
+            mgr._refused = [f for f in mgr._refused if not f.done()] + queued
         if mgr._tier is not None and mgr.world > 1:  # the other ranks queue this step's upload: so do we
             failed: cf.Future[Any] = cf.Future()
             failed.set_exception(e)
@@ -275,7 +297,8 @@ def wait_for(mgr: CheckpointManager) -> None:
         mgr._nodes.settled()
     with mgr._lock:
         pairs, mgr._handles = mgr._handles, []
-    cf.wait([a for _, a in pairs])
+        refused, mgr._refused = mgr._refused, []
+    cf.wait([a for _, a in pairs] + refused)  # the refused ones' errors were raised at their save
     handles = [h for h, _ in pairs]
     uploads = mgr._tier.take_futures() if mgr._tier is not None else []
     cf.wait(uploads)

@@ -130,6 +130,8 @@ class _Engine:
         return handle
 
     def _stage(self, state: Any, storage: Storage, opts: SaveOptions, ctx: DistContext) -> tuple[PersistJob, float]:
+        if opts.refused is not None:
+            raise CheckpointError(opts.refused)
         # rank 0 alone asks the storage (one request per save, not one per rank); its refusal
         # fails the save on every rank, as any one rank's error does
         if ctx.rank == 0 and not opts.overwrite and storage.exists(MANIFEST_NAME):
@@ -232,6 +234,7 @@ class SaveOptions:
     overlap: bool = False
     writer: str = DEFAULT_WRITER
     nodes: Any = None  # node-local directories: a ``_dist.nodes.NodeSave``
+    refused: str | None = None  # this rank refuses the save (why): every rank fails it together
 
     def __post_init__(self) -> None:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.metadata.items()):
