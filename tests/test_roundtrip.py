@@ -382,3 +382,27 @@ print(sorted(k for k in ("torch.distributed.tensor", "torch.distributed.fsdp") i
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_an_empty_param_group_keeps_its_hyperparameters(tmp_path):
+    """A decay/no-decay split of a model without biases leaves the no-decay group empty (LoRA
+    with bias-free adapters too): it has no parameter to be matched by, and loaded without its
+    lr and betas the first step raised KeyError."""
+
+    def build():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 2, bias=False))
+        ps = list(model.parameters())
+        groups = [{"params": [p for p in ps if p.ndim >= 2], "weight_decay": 0.1}, {"params": [], "weight_decay": 0.0}]
+        return model, torch.optim.AdamW(groups, lr=1e-3)
+
+    model, optim = build()
+    model(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    optim.param_groups[1]["lr"] = 0.123  # as a scheduler leaves it
+    stashpoint.save({"model": model, "optim": optim}, tmp_path / "c")
+    model2, optim2 = build()
+    stashpoint.load({"model": model2, "optim": optim2}, tmp_path / "c")
+    assert optim2.param_groups[1]["lr"] == 0.123 and optim2.param_groups[1]["betas"] == (0.9, 0.999)
+    assert optim2.param_groups[1]["params"] == []
+    model2(torch.randn(3, 4)).sum().backward()
+    optim2.step()

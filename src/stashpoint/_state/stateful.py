@@ -136,19 +136,27 @@ def optimizer_from_named(
 
     Integer ids follow the optimizer's *current* parameter order, and each current group takes
     the hyperparameters of the saved group that held its first parameter, so a checkpoint loads
-    correctly after the parameters were reordered. The caller checks beforehand that the saved
-    and current names agree.
+    correctly after the parameters were reordered. An empty group (a no-decay group of a model
+    without biases) takes the saved group in its place when the counts agree; a group matched to
+    none keeps its own. The caller checks beforehand that the saved and current names agree.
     """
-    saved_group_of = {n: gi for gi, g in enumerate(sd["param_groups"]) for n in g["params"]}
+    saved_groups = sd["param_groups"]
+    saved_group_of = {n: gi for gi, g in enumerate(saved_groups) for n in g["params"]}
+    same_count = len(saved_groups) == len(optim.param_groups)
     index_of: dict[str, int] = {}
     groups = []
-    for group in optim.param_groups:
+    for gi, group in enumerate(optim.param_groups):
         ids = []
         for p in group["params"]:
             index_of[names[id(p)]] = len(index_of)
             ids.append(index_of[names[id(p)]])
         first = names[id(group["params"][0])] if group["params"] else None
-        saved = sd["param_groups"][saved_group_of[first]] if first in saved_group_of else {}
+        if first in saved_group_of:
+            saved = saved_groups[saved_group_of[first]]
+        elif first is None and same_count and not saved_groups[gi]["params"]:
+            saved = saved_groups[gi]
+        else:
+            saved = group
         groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
     state = {index_of[n]: v for n, v in sd["state"].items() if n in index_of}
     return {"state": state, "param_groups": groups}
