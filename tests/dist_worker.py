@@ -217,6 +217,40 @@ def scenario_fsdp_save(path: str) -> None:
     result()
 
 
+def scenario_fsdp_save_dicts(path: str) -> None:
+    """FSDP2, saved as DCP's ``get_state_dict`` dicts (the optimizer's keyed by parameter name)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    m = _fsdp_model()
+    optim = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    torch.manual_seed(3)
+    m(torch.randn(4, 16)).pow(2).mean().backward()
+    optim.step()
+    msd, osd = get_state_dict(m, optim)
+    stashpoint.save({"model": msd, "optim": osd}, path)
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path + "-dcp")
+    moments = {n: optim.state[p]["exp_avg"].full_tensor() for n, p in m.named_parameters()}
+    if RANK == 0:
+        torch.save({"exp_avg": moments}, path + ".ref.pt")
+    result()
+
+
+def scenario_fsdp_load_modules(path: str) -> None:
+    """A fresh FSDP2 model and optimizer, given as objects, load what ``fsdp_save_dicts`` saved:
+    the moments made like their parameters (DTensors: each rank reads its slice), and a step."""
+    m = _fsdp_model()
+    optim = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    stashpoint.load({"model": m, "optim": optim}, path)
+    ref = torch.load(path + ".ref.pt", weights_only=True)
+    kinds = sorted({type(optim.state[p]["exp_avg"]).__name__ for p in m.parameters()})
+    same = all(torch.equal(ref["exp_avg"][n], optim.state[p]["exp_avg"].full_tensor()) for n, p in m.named_parameters())
+    m(torch.randn(4, 16)).pow(2).mean().backward()
+    optim.step()
+    result(kinds=kinds, same_moments=same)
+
+
 def scenario_fsdp_to_plain(path: str) -> None:
     """FSDP2 on N ranks -> a plain model and optimizer on this (single) process."""
     m = model(seed=42)

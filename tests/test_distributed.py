@@ -94,6 +94,23 @@ def test_fsdp2_on_two_ranks_loads_into_a_plain_model_on_one(tmp_path):
     assert r["same_model"] and r["same_moments"]
 
 
+def test_an_optimizer_saved_as_dcps_named_dict_loads_into_a_fresh_fsdp2_optimizer(tmp_path):
+    """Saved as ``get_state_dict``'s dicts (or by DCP and imported): the optimizer's state is
+    keyed by parameter name. A fresh FSDP2 optimizer loading it gets DTensor moments equal to the
+    saved ones, and steps (plain full-size moments made its first step fail)."""
+    import shutil
+
+    from stashpoint._tools.convert import import_checkpoint
+
+    ck = tmp_path / "ck"
+    run_world(2, "fsdp_save_dicts", str(ck))
+    import_checkpoint(tmp_path / "ck-dcp", tmp_path / "imported")
+    shutil.copy(tmp_path / "ck.ref.pt", tmp_path / "imported.ref.pt")
+    for path in (ck, tmp_path / "imported"):
+        for r in run_world(2, "fsdp_load_modules", str(path)):
+            assert r["kinds"] == ["DTensor"] and r["same_moments"], (path.name, r)
+
+
 def test_training_all_reduces_while_background_saves_coordinate(tmp_path):
     results = run_world(2, "train_loop", str(tmp_path / "run"), "30", timeout=240)
     for r in results:

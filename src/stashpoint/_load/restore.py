@@ -255,8 +255,8 @@ class Planner:
         """A state dict saved as such (a dict, not the object) into the live stateful ``live``."""
         kind = _stateful.kind_of(live)
         wrapped: Node = {"stateful": kind, "state": saved}
-        if kind == "optimizer":
-            wrapped["keyed_by"] = "index"  # torch's own state dict numbers the parameters
+        if kind == "optimizer":  # torch's own state dict numbers the parameters; DCP's names them
+            wrapped["keyed_by"] = "name" if _names_params(saved) else "index"
         self._stateful(wrapped, live, where, setter)
 
     def _stateful(self, saved: Node, live: Any, where: str, setter: Setter) -> None:
@@ -388,6 +388,22 @@ class Planner:
                     with torch.no_grad():
                         slot[skey] = torch.empty_like(param, dtype=torch_dtype(entry.dtype, entry.key))
         return out
+
+
+def _names_params(saved: Node) -> bool:
+    """Whether a raw optimizer state dict names its parameters (``get_state_dict``'s, DCP's):
+    every group's ``params`` a list of strings, one at least."""
+    fields = dict(saved.get("dict", ())) if isinstance(saved, dict) else {}
+    groups = fields.get("param_groups")
+    if not (isinstance(groups, dict) and isinstance(groups.get("list"), list)):
+        return False
+    names = []
+    for group in groups["list"]:
+        params = dict(group.get("dict", ())).get("params") if isinstance(group, dict) else None
+        if not (isinstance(params, dict) and isinstance(params.get("list"), list)):
+            return False
+        names += [p.get("value") if isinstance(p, dict) else None for p in params["list"]]
+    return bool(names) and all(isinstance(n, str) for n in names)
 
 
 def _optimizer_params(optim: torch.optim.Optimizer, names: Mapping[int, str], by_name: bool) -> dict[Any, torch.Tensor]:
