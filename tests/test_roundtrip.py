@@ -406,3 +406,33 @@ def test_an_empty_param_group_keeps_its_hyperparameters(tmp_path):
     assert optim2.param_groups[1]["params"] == []
     model2(torch.randn(3, 4)).sum().backward()
     optim2.step()
+
+
+def test_a_model_whose_blocks_are_compiled_one_by_one_saves_and_loads_under_plain_names(tmp_path):
+    """``layers[i] = torch.compile(layers[i])`` (the FSDP2 recipe) puts ``_orig_mod.`` inside the
+    keys: saved without it, as DCP's get_model_state_dict does, the checkpoint loads into the
+    plain model and back; one written with those keys (a state dict saved as such) loads too."""
+
+    def build(compiled: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        blocks = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)]
+        if compiled:
+            blocks = [torch.compile(b, backend="eager") for b in blocks]
+        return torch.nn.Sequential(*blocks)
+
+    compiled = build(True)
+    assert any("_orig_mod" in k for k in compiled.state_dict())
+    stashpoint.save({"model": compiled}, tmp_path / "c")
+    assert set(stashpoint.read(tmp_path / "c")["model"]) == set(build(False).state_dict())
+    for target in (build(False), build(True)):
+        with torch.no_grad():
+            for p in target.parameters():
+                p.zero_()
+        stashpoint.load({"model": target}, tmp_path / "c")
+        assert all(torch.equal(a, b) for a, b in zip(target.parameters(), compiled.parameters()))
+    stashpoint.save({"model": compiled.state_dict()}, tmp_path / "raw")  # the keys as they are
+    plain = build(False)
+    with torch.no_grad():
+        plain[0].weight.zero_()
+    stashpoint.load({"model": plain}, tmp_path / "raw")
+    assert torch.equal(plain[0].weight, compiled[0].weight)

@@ -287,9 +287,14 @@ class Planner:
             self._object(saved, live, where)
             return
         live = _stateful.unwrap(live)
-        box = [live.state_dict()]
-        self.restore(saved["state"], box[0], where, _bind(box.__setitem__, 0), materialize=False)
-        self.plan.finalizers.append((where, lambda: live.load_state_dict(box[0], strict=False)))
+        sd = live.state_dict()
+        keys = _stateful.module_keys(sd)  # the live keys as they are saved, and back
+        box = [{saved_key: sd[k] for saved_key, k in keys.items()}]
+        state = _without_inner_wrappers(saved["state"])
+        self.restore(state, box[0], where, _bind(box.__setitem__, 0), materialize=False)
+        self.plan.finalizers.append(
+            (where, lambda: live.load_state_dict({keys.get(k, k): v for k, v in box[0].items()}, strict=False))
+        )
 
     def _object(self, saved: Node, live: Any, where: str) -> None:
         """A stateful object gets back only a state of the structure its own ``state_dict()``
@@ -388,6 +393,21 @@ class Planner:
                     with torch.no_grad():
                         slot[skey] = torch.empty_like(param, dtype=torch_dtype(entry.dtype, entry.key))
         return out
+
+
+def _without_inner_wrappers(state: Node) -> Node:
+    """A module's saved state dict with its keys as saved now: a checkpoint written before
+    modules' keys were saved without inner wrappers' parts holds them."""
+    items = state.get("dict") if isinstance(state, dict) else None
+    if not isinstance(items, list) or not all(isinstance(kv, list) and len(kv) == 2 for kv in items):
+        return state
+    if not all(isinstance(k, str) for k, _ in items):
+        return state
+    keys = _stateful.module_keys(k for k, _ in items)
+    if all(saved == k for saved, k in keys.items()):
+        return state
+    back = {k: saved for saved, k in keys.items()}
+    return {**state, "dict": [[back[k], v] for k, v in items]}
 
 
 def _names_params(saved: Node) -> bool:

@@ -25,6 +25,21 @@ T = TypeVar("T")
 _WRAPPER_PARTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "module")
 
 
+# Parts that wrappers nested inside a model put into its state_dict() keys (a block compiled on
+# its own: ``layers.0._orig_mod.w``); never a name of the user's. A module's keys are saved without them.
+_INNER_WRAPPER_PARTS = frozenset(("_orig_mod", "_checkpoint_wrapped_module"))
+
+
+def module_keys(keys: Iterable[str]) -> dict[str, str]:
+    """Each of a module state dict's ``keys`` as saved: without the parts inner wrappers add
+    (``torch.compile`` of a block), so the same model saves the same keys however it is
+    wrapped, as DCP's ``get_model_state_dict`` does. Returns ``{saved key: key}``; the keys as
+    they are where two would become one."""
+    keys = list(keys)
+    out = {".".join(p for p in k.split(".") if p not in _INNER_WRAPPER_PARTS): k for k in keys}
+    return out if len(out) == len(keys) else {k: k for k in keys}
+
+
 def kind_of(obj: Any) -> str | None:
     """Return the stateful kind of ``obj``, or None if it is not stateful."""
     if isinstance(obj, torch.nn.Module):
