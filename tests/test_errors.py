@@ -519,3 +519,13 @@ def test_keys_under_another_prefix_get_a_hint_naming_both_prefixes(tmp_path):
     with pytest.raises(stashpoint.StateMismatchError, match=r"differ by a prefix: .*'model' where the state has "
                        r"'model.backbone' \('model/0.weight' against 'model/backbone.0.weight'\)"):  # fmt: skip
         stashpoint.load({"model": Wrapped()}, tmp_path / "c")
+
+
+def test_a_dtype_mismatch_says_that_a_load_does_not_cast_and_how_to_get_there(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    stashpoint.save({"model": model}, tmp_path / "c")
+    with pytest.raises(stashpoint.StateMismatchError) as info:
+        stashpoint.load({"model": torch.nn.Linear(4, 4).to(torch.bfloat16)}, tmp_path / "c")
+    message = str(info.value)
+    assert "float32[4, 4], the state holds bfloat16[4, 4]" in message
+    assert "a load does not cast" in message and "model.to(torch.bfloat16)" in message, message

@@ -436,3 +436,31 @@ def test_a_model_whose_blocks_are_compiled_one_by_one_saves_and_loads_under_plai
         plain[0].weight.zero_()
     stashpoint.load({"model": plain}, tmp_path / "raw")
     assert torch.equal(plain[0].weight, compiled[0].weight)
+
+
+def test_strict_false_loads_the_optimizer_state_of_the_parameters_both_have(tmp_path):
+    """Progressive unfreezing: saved with the first layer frozen (not in the optimizer), resumed
+    with every layer trainable. strict=False loads the moments of the parameters the checkpoint
+    has and starts the others fresh (it dropped the whole optimizer's state)."""
+
+    def build(frozen: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        params = [p for i, p in enumerate(model.parameters()) if not (frozen and i < 2)]
+        return model, torch.optim.AdamW(params, lr=1e-3)
+
+    model, optim = build(frozen=True)
+    model(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    stashpoint.save({"model": model, "optim": optim}, tmp_path / "c")
+    model2, optim2 = build(frozen=False)
+    with pytest.raises(stashpoint.StateMismatchError, match="missing optimizer parameter '0.weight'"):
+        stashpoint.load({"model": model2, "optim": optim2}, tmp_path / "c")
+    with pytest.warns(UserWarning, match="the others start fresh"):
+        stashpoint.load({"model": model2, "optim": optim2}, tmp_path / "c", strict=False)
+    assert len(optim2.state) == 2
+    for p, p2 in zip(list(model.parameters())[2:], list(model2.parameters())[2:]):
+        assert torch.equal(optim.state[p]["exp_avg"], optim2.state[p2]["exp_avg"])
+    model2(torch.randn(3, 4)).sum().backward()
+    optim2.step()
+    assert len(optim2.state) == 4

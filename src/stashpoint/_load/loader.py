@@ -127,7 +127,7 @@ def load(
                 )
             manifest, plan = _plan(storage, head, state, rank, allow_pickle=allow_pickle, partial=partial)
             if plan.problems and strict:
-                hint = wrapper_hint(plan.missing, plan.unexpected)
+                hint = wrapper_hint(plan.missing, plan.unexpected) or _cast_hint(plan.casts)
                 plan_error = StateMismatchError(storage.location, plan.problems, hint=hint)
         except CheckpointError as e:
             plan_error = e
@@ -175,6 +175,18 @@ def _plan(
     plan, have = _own_plan(storage, head, state, rank, partial=partial, allow_pickle=allow_pickle)
     needed = writers_of(head, ((r.key, r.region) for r in plan.reads))
     return read_view(storage, head, needed, rank % head.world_size, have), plan
+
+
+def _cast_hint(casts: set[tuple[str, str]]) -> str | None:
+    """For tensors of the saved shape in another dtype: a load never casts (it reads into the
+    state's own memory); say how to get there."""
+    if not casts:
+        return None
+    saved, live = sorted(casts)[0]
+    return (
+        f"a load does not cast ({saved} saved, {live} in the state): build the model in {saved}, load, "
+        f"then cast it (model.to(torch.{live})); or read the tensors with stashpoint.read(path) and copy_() them"
+    )
 
 
 def _warn_skipped(plan: Plan, location: str, stacklevel: int) -> None:

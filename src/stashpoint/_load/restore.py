@@ -24,11 +24,12 @@ import torch
 from stashpoint._core.format import Manifest, TensorEntry
 from stashpoint._core.nodes import Node, decode_plain, is_plain, join, tensor_keys
 from stashpoint._core.reshard import Box
+from stashpoint._load.optimplan import OptimizerPlanning, names_params
 from stashpoint._state import stateful as _stateful
 from stashpoint._state.dtensor import local_part, local_tensor
-from stashpoint._state.dtypes import dtype_name, empty_for, torch_dtype
+from stashpoint._state.dtypes import dtype_name, empty_for
 from stashpoint._state.scaler import scaler_load_state
-from stashpoint._state.validate import named_optimizer_problem, optimizer_problem, structure_problem
+from stashpoint._state.validate import structure_problem
 from stashpoint.errors import CorruptCheckpointError
 
 Setter = Callable[[Any], None] | None
@@ -57,6 +58,7 @@ class RestorePlan:
     problems: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # key paths of "missing key" problems
     unexpected: list[str] = field(default_factory=list)  # and of "unexpected key" ones
+    casts: set[tuple[str, str]] = field(default_factory=set)  # (saved, live) dtypes of same-shape mismatches
 
 
 def _holds_tensors(obj: Any) -> bool:
@@ -69,7 +71,7 @@ def _holds_tensors(obj: Any) -> bool:
     return False
 
 
-class Planner:
+class Planner(OptimizerPlanning):
     def __init__(
         self, manifest: Manifest, root: Any, *, allow_pickle: bool, where: str, rank: int = 0, partial: bool = False
     ) -> None:
@@ -201,6 +203,8 @@ class Planner:
                 )
                 return
             if _mismatch(entry, live):
+                if tuple(entry.shape) == tuple(live.shape):
+                    self.plan.casts.add((entry.dtype, dtype_name(live.dtype)))
                 self.plan.problems.append(
                     f"{self._name(key)}: the checkpoint holds {entry.dtype}{list(entry.shape)}, "
                     f"the state holds {dtype_name(live.dtype)}{list(live.shape)}"
@@ -256,7 +260,7 @@ class Planner:
         kind = _stateful.kind_of(live)
         wrapped: Node = {"stateful": kind, "state": saved}
         if kind == "optimizer":  # torch's own state dict numbers the parameters; DCP's names them
-            wrapped["keyed_by"] = "name" if _names_params(saved) else "index"
+            wrapped["keyed_by"] = "name" if names_params(saved) else "index"
         self._stateful(wrapped, live, where, setter)
 
     def _stateful(self, saved: Node, live: Any, where: str, setter: Setter) -> None:
@@ -316,84 +320,6 @@ class Planner:
             return
         self.plan.finalizers.append((where, lambda: live.load_state_dict(built)))
 
-    def _optimizer(self, saved: Node, optim: torch.optim.Optimizer, where: str) -> None:
-        n_before = len(self.plan.problems)
-        names = _stateful.param_names(_stateful.find_modules(self.root))
-        by_name = saved.get("keyed_by") == "name"
-        # the optimizer's current state (same keying) lends its tensors: loaded in place
-        live = _stateful.optimizer_to_tree(optim, names)[1] if by_name else optim.state_dict()
-        params = _optimizer_params(optim, names, by_name)
-        live = {**live, "state": self._state_like_params(saved["state"], live.get("state", {}), params)}
-        built = self.build(saved["state"], where, like=live)
-        if not (isinstance(built, dict) and isinstance(built.get("param_groups"), list)):
-            raise CorruptCheckpointError(f"the optimizer state at {self._name(where)} in {self.where} is malformed")
-        if not by_name:
-            self._optimizer_finalizer(built, optim, where)
-            return
-        current = _stateful.optimizer_current_names(optim, names)
-        if any(n is None for n in current):
-            self.plan.problems.append(
-                f"{self._name(where)}: the checkpoint keys this optimizer's state by parameter name, but some "
-                "of its parameters belong to no module in the state; put the model in the state too"
-            )
-            return
-        malformed = named_optimizer_problem(built)
-        if malformed is not None:
-            self.plan.problems.append(f"{self._name(where)}: the saved optimizer state is malformed: {malformed}")
-            return
-        saved_names = [n for g in built["param_groups"] for n in g["params"]]
-        for n in sorted(set(saved_names) - set(current), key=str):
-            self.plan.problems.append(
-                f"unexpected optimizer parameter {n!r} at {self._name(where)}: not in the optimizer"
-            )
-        for n in sorted(set(current) - set(saved_names), key=str):
-            self.plan.problems.append(
-                f"missing optimizer parameter {n!r} at {self._name(where)}: not in the checkpoint"
-            )
-        if len(built["param_groups"]) != len(optim.param_groups):
-            self.plan.problems.append(
-                f"{self._name(where)}: the checkpoint has {len(built['param_groups'])} parameter group(s), "
-                f"the optimizer {len(optim.param_groups)}"
-            )
-        if len(self.plan.problems) == n_before:
-            self._optimizer_finalizer(_stateful.optimizer_from_named(built, optim, names), optim, where)
-
-    def _optimizer_finalizer(self, sd: dict[str, Any], optim: torch.optim.Optimizer, where: str) -> None:
-        problem = optimizer_problem(sd, optim)
-        if problem is not None:
-            self.plan.problems.append(f"{self._name(where)}: the saved optimizer state does not fit: {problem}")
-        else:
-            self.plan.finalizers.append((where, lambda: optim.load_state_dict(sd)))
-
-    def _state_like_params(
-        self, saved: Node, live: Mapping[Any, Any], params: Mapping[Any, torch.Tensor]
-    ) -> dict[Any, Any]:
-        """The live optimizer's per-parameter state, completed with empty tensors made like their
-        parameter for every saved tensor the live optimizer lacks (a fresh optimizer has none).
-
-        A state tensor of its parameter's (global) shape is created like the parameter: a DTensor
-        on its mesh with its placements when it is one, on its device, in the saved dtype. Reading
-        into it then reads only this rank's slice. Other state (Adam's scalar ``step``) is left to
-        be built from the checkpoint as saved.
-        """
-        out: dict[Any, Any] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in live.items()}
-        state = dict(saved.get("dict", ())).get("state") if isinstance(saved, dict) else None
-        for pkey, pnode in (state or {}).get("dict", ()):
-            param = params.get(pkey)
-            if param is None or not isinstance(pnode, dict) or "dict" not in pnode:
-                continue
-            slot = out.setdefault(pkey, {})
-            if not isinstance(slot, dict):
-                continue
-            for skey, snode in pnode["dict"]:
-                if not (isinstance(snode, dict) and "tensor" in snode) or isinstance(slot.get(skey), torch.Tensor):
-                    continue
-                entry = self._entry(snode["tensor"])
-                if tuple(entry.shape) == tuple(param.shape) and len(entry.shape) > 0:
-                    with torch.no_grad():
-                        slot[skey] = torch.empty_like(param, dtype=torch_dtype(entry.dtype, entry.key))
-        return out
-
 
 def _without_inner_wrappers(state: Node) -> Node:
     """A module's saved state dict with its keys as saved now: a checkpoint written before
@@ -408,30 +334,6 @@ def _without_inner_wrappers(state: Node) -> Node:
         return state
     back = {k: saved for saved, k in keys.items()}
     return {**state, "dict": [[back[k], v] for k, v in items]}
-
-
-def _names_params(saved: Node) -> bool:
-    """Whether a raw optimizer state dict names its parameters (``get_state_dict``'s, DCP's):
-    every group's ``params`` a list of strings, one at least."""
-    fields = dict(saved.get("dict", ())) if isinstance(saved, dict) else {}
-    groups = fields.get("param_groups")
-    if not (isinstance(groups, dict) and isinstance(groups.get("list"), list)):
-        return False
-    names = []
-    for group in groups["list"]:
-        params = dict(group.get("dict", ())).get("params") if isinstance(group, dict) else None
-        if not (isinstance(params, dict) and isinstance(params.get("list"), list)):
-            return False
-        names += [p.get("value") if isinstance(p, dict) else None for p in params["list"]]
-    return bool(names) and all(isinstance(n, str) for n in names)
-
-
-def _optimizer_params(optim: torch.optim.Optimizer, names: Mapping[int, str], by_name: bool) -> dict[Any, torch.Tensor]:
-    """The optimizer's parameters by the key its saved state uses: name, or index in its order."""
-    params = [p for group in optim.param_groups for p in group["params"]]
-    if by_name:
-        return {names[id(p)]: p for p in params if id(p) in names}
-    return dict(enumerate(params))
 
 
 def _mismatch(entry: TensorEntry, t: torch.Tensor) -> bool:
