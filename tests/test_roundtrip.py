@@ -454,7 +454,7 @@ def test_strict_false_loads_the_optimizer_state_of_the_parameters_both_have(tmp_
     optim.step()
     stashpoint.save({"model": model, "optim": optim}, tmp_path / "c")
     model2, optim2 = build(frozen=False)
-    with pytest.raises(stashpoint.StateMismatchError, match="missing optimizer parameter '0.weight'"):
+    with pytest.raises(stashpoint.StateMismatchError, match=r"missing optimizer parameter '0\.weight'"):
         stashpoint.load({"model": model2, "optim": optim2}, tmp_path / "c")
     with pytest.warns(UserWarning, match="the others start fresh"):
         stashpoint.load({"model": model2, "optim": optim2}, tmp_path / "c", strict=False)
