@@ -692,3 +692,19 @@ def test_upload_parts_keep_each_rank_to_its_own_and_spread_the_rest_over_their_h
     assert not expand(parts[0]) & expand(parts[1]), "each saved rank uploaded once"
     assert parts[1] == ((3, 4),) and expand(parts[0]) == {0, 1, 2}
     assert upload_parts(3, [((0, 1),), ((0, 1), (5, 9))]) == ([((0, 1),), ()], [1, 2])
+
+
+def test_the_inventory_keeps_no_steps_manifest_in_memory(tmp_path):
+    """A restore looks at every step's manifest for two fields: parsed one at a time, none kept
+    for the rest of the restore (hostile manifests of many MB each added up, step by step)."""
+    from stashpoint._load import manifest as _manifest
+    from stashpoint._manager.holdings import inventory
+
+    with stashpoint.CheckpointManager(tmp_path / "run", node_local=True, keep_last=None) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, {"w": torch.ones(4)}).wait()
+    with _manifest.remembering():
+        held = inventory(LocalStorage(tmp_path / "run"))
+        memo = _manifest._MEMO.get()
+        assert [h.step for h in held] == [1, 2, 3]
+        assert memo is not None and not [k for k in memo if k[0] == "head"], list(memo)

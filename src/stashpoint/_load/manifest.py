@@ -59,9 +59,10 @@ def remembered(key: Any, make: Callable[[], _T]) -> _T:
     return memo[key]  # type: ignore[no-any-return]
 
 
-def read_head(storage: Storage) -> Manifest | Head:
+def read_head(storage: Storage, *, remember: bool = True) -> Manifest | Head:
     """Read and validate the manifest of the checkpoint at ``storage``: a version-1 manifest
-    whole, a version-2 one as its head (the catalog and the list of indexes)."""
+    whole, a version-2 one as its head (the catalog and the list of indexes). ``remember=False``:
+    parsed anew and not kept, even within :func:`remembering` (a look at every step's)."""
     loc = storage.location
     try:
         if isinstance(storage, LocalStorage) and storage.root.is_file():
@@ -78,6 +79,8 @@ def read_head(storage: Storage) -> Manifest | Head:
         _no_manifest(storage)
     except OSError as e:
         raise read_failed(f"the manifest of {loc}", e) from None
+    if not remember:
+        return parse_head(raw, f"{loc}/{MANIFEST_NAME}")
     return remembered(("head", raw), lambda: parse_head(raw, f"{loc}/{MANIFEST_NAME}"))
 
 

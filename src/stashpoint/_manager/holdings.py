@@ -51,7 +51,7 @@ def inventory(root: Storage) -> tuple[Held, ...]:
     for step in committed_steps(root):
         where = root.child(step_dir(step))
         try:
-            head = read_head(where)
+            head = read_head(where, remember=False)  # one step's at a time in memory: it needs two fields
         except (CorruptCheckpointError, IncompleteCheckpointError):
             continue  # a damaged manifest: nothing of the step here is usable (unreadable: listing fails)
         whole, copies = held_ranks(where, head.save_id)
