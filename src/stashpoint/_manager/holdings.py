@@ -48,10 +48,13 @@ def mark_damaged(root: Storage, step: int, error: str = "") -> None:
 def inventory(root: Storage) -> tuple[Held, ...]:
     """Every committed step under this node's ``root`` and the saving ranks it holds whole."""
     found = []
-    for step in committed_steps(root):
+    steps = committed_steps(root)
+    for step in steps:
         where = root.child(step_dir(step))
         try:
-            head = read_head(where, remember=False)  # one step's at a time in memory: it needs two fields
+            # two fields of each: only the newest step's (the one a restore takes, mostly) is kept
+            # parsed for the restore's passes, not every step's
+            head = read_head(where, remember=step == steps[-1])
         except (CorruptCheckpointError, IncompleteCheckpointError):
             continue  # a damaged manifest: nothing of the step here is usable (unreadable: listing fails)
         whole, copies = held_ranks(where, head.save_id)
