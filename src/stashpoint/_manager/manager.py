@@ -25,7 +25,7 @@ from stashpoint._manager.lock import acquire_root_lock, release_root_lock
 from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, signal_name, stop
 from stashpoint._manager.restoring import RestoreReport, restore_run
-from stashpoint._manager.saving import apply_retention, plain_metrics, start_save, wait_for
+from stashpoint._manager.saving import apply_retention, check_options, plain_metrics, start_save, wait_for
 from stashpoint._manager.steps import (
     committed_steps,
     read_metrics,
@@ -33,7 +33,6 @@ from stashpoint._manager.steps import (
     step_number,
 )
 from stashpoint._manager.tiers import RemoteTier
-from stashpoint._save.engine import SaveOptions
 from stashpoint._save.handle import SaveHandle, SaveStats
 from stashpoint._storage import LocalStorage, Storage, storage_for
 from stashpoint.errors import CheckpointError
@@ -137,10 +136,7 @@ class CheckpointManager:
         self.remote_retention = remote
         self.overlap = overlap
         self.writer = writer
-        if writer is not None:
-            SaveOptions(writer=writer)  # validates
         self.schedule = Schedule(every_steps, every_seconds)
-        SaveOptions(max_inflight=max_inflight, on_busy=on_busy)  # validates
         self.storage = storage_for(root)
         self.root: Path | str = self.storage.root if isinstance(self.storage, LocalStorage) else self.storage.location
         self.max_inflight = max_inflight
@@ -158,17 +154,16 @@ class CheckpointManager:
         self._closed = False
         self._shared_checked = False  # every rank sees the root (checked at the first save)
         self.rank, self.world = rank_of()
-        if self.world > 1 and every_seconds is not None:  # refused here, not at the first maybe_save
-            raise ValueError(
-                "every_seconds would let ranks decide differently in a distributed run (their clocks differ); "
-                "use every_steps, or decide on rank 0 and broadcast the decision on your own group"
-            )
-        if self.world > 1 and on_busy == "skip":
-            raise ValueError("on_busy='skip' would let ranks skip different saves in a distributed run; use 'wait'")
-        if node_local and not isinstance(self.storage, LocalStorage):
-            raise ValueError(f"node_local=True needs a local directory as root, not {self.storage.location}")
-        if replicas and not node_local:
-            raise ValueError("replicas need node_local=True: they are copies of each node's files on other nodes")
+        check_options(
+            self.storage,
+            self.world,
+            writer=writer,
+            max_inflight=max_inflight,
+            on_busy=on_busy,
+            every_seconds=every_seconds,
+            node_local=node_local,
+            replicas=replicas,
+        )
         self._nodes = NodeLocal(self.world, replicas) if node_local else None
         self._replicas = replicas
         # who looks after the root: rank 0, or with node-local roots each node's leader

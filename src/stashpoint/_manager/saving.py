@@ -51,6 +51,34 @@ def plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
+def check_options(
+    storage: Storage,
+    world: int,
+    *,
+    writer: str | None,
+    max_inflight: int,
+    on_busy: str,
+    every_seconds: float | None,
+    node_local: bool,
+    replicas: int,
+) -> None:
+    """Refuse, at the manager's creation, what its saves could not do (``ValueError``)."""
+    if writer is not None:
+        SaveOptions(writer=writer)  # validates
+    SaveOptions(max_inflight=max_inflight, on_busy=on_busy)  # validates
+    if world > 1 and every_seconds is not None:  # refused here, not at the first maybe_save
+        raise ValueError(
+            "every_seconds would let ranks decide differently in a distributed run (their clocks differ); "
+            "use every_steps, or decide on rank 0 and broadcast the decision on your own group"
+        )
+    if world > 1 and on_busy == "skip":
+        raise ValueError("on_busy='skip' would let ranks skip different saves in a distributed run; use 'wait'")
+    if node_local and not isinstance(storage, LocalStorage):
+        raise ValueError(f"node_local=True needs a local directory as root, not {storage.location}")
+    if replicas and not node_local:
+        raise ValueError("replicas need node_local=True: they are copies of each node's files on other nodes")
+
+
 def save_options(mgr: CheckpointManager, step: int, metrics: dict[str, float], options: dict[str, Any]) -> SaveOptions:
     """The engine's options for ``mgr``'s save of ``step``: the caller's ``options`` with the
     metrics in the metadata, the node-local plan, and the manager's defaults; raises
