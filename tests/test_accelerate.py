@@ -185,3 +185,39 @@ def test_a_dataloader_position_from_a_hostile_file_or_another_number_of_processe
     ]:
         sd = {**good, "batches": {**good["batches"], "_index_sampler_state": bad}}
         assert why in _LoaderPosition(loader, 1)._stashpoint_check(sd), why
+
+
+class _History:
+    """A registered object whose state grows as the run goes (a fresh one's is empty)."""
+
+    def __init__(self) -> None:
+        self.losses: list = []
+        self.best: dict = {}
+
+    def state_dict(self) -> dict:
+        return {"losses": list(self.losses), "best": dict(self.best)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.losses, self.best = list(sd["losses"]), dict(sd["best"])
+
+
+def test_a_registered_object_whose_state_grew_comes_back_whole(tmp_path):
+    """Accelerate hands a registered object back what its state_dict() gave; a fresh object's
+    empty history refused the saved one ("the keys differ"), and strict=False dropped it."""
+    from accelerate import Accelerator
+
+    def build():
+        acc = Accelerator(cpu=True)
+        history = _History()
+        acc.register_for_checkpointing(history)
+        return acc, acc.prepare(torch.nn.Linear(2, 2)), history
+
+    acc, _, history = build()
+    history.losses += [0.5, torch.arange(3.0)]
+    history.best["epoch1"] = 0.4
+    save_state(acc, tmp_path / "ckpt").wait()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc, _, history = build()
+    load_state(acc, tmp_path / "ckpt")
+    assert history.losses[0] == 0.5 and torch.equal(history.losses[1], torch.arange(3.0))
+    assert history.best == {"epoch1": 0.4}

@@ -33,7 +33,9 @@ def _kind(v: Any) -> str:
 def structure_problem(saved: Any, live: Any, where: str = "") -> str | None:
     """Why ``saved`` cannot stand in for ``live`` (None when it can): the same keys, the same
     sequence lengths, and leaves of the same kind (numbers for numbers, tensors of the same dtype
-    and shape for tensors); None on either side matches anything (a value not set yet)."""
+    and shape for tensors); None on either side matches anything (a value not set yet), and an
+    empty dict or list on the object's side any dict or list (a fresh object's history, its
+    best scores so far: what grows as it runs)."""
     stack = [(saved, live, where)]
     while stack:
         s, v, at = stack.pop()
@@ -45,6 +47,8 @@ def structure_problem(saved: Any, live: Any, where: str = "") -> str | None:
         here = at or "the root"
         if ks != kv:
             return f"{here} holds a {ks} where the object has a {kv}"
+        if ks in ("dict", "sequence") and len(v) == 0:
+            continue
         if ks == "dict":
             if set(s) != set(v):
                 extra, missing = sorted(map(str, set(s) - set(v))), sorted(map(str, set(v) - set(s)))
