@@ -102,3 +102,50 @@ def test_ddp_saves_on_rank_0_without_collectives_and_every_rank_resumes(tmp_path
     assert json.loads((tmp_path / "done.json").read_text())["global_step"] == 3 * 4  # 32 samples per rank / 8
     for rank in (0, 1):
         assert sorted(_losses(tmp_path, rank)) == list(range(12)), rank
+
+
+def test_save_last_as_a_link_and_load_from_checkpoint(tmp_path):
+    """ModelCheckpoint(save_last="link") links last.ckpt to the newest checkpoint the moment the
+    plugin returns, before the background save made its directory (fit crashed on it); the
+    module comes back with load_from_checkpoint, which Lightning's own cannot (torch.load of a
+    directory)."""
+    import torch
+
+    from lightning_worker import Model, data
+    from stashpoint.integrations.lightning import load_from_checkpoint
+
+    d = tmp_path / "ckpts"
+    trainer = L.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        plugins=[StashpointCheckpointIO()],
+        callbacks=[ModelCheckpoint(dirpath=d, save_last="link", every_n_train_steps=4, save_top_k=2, monitor="step")],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = Model(width=8, note="linked")
+    trainer.fit(model, data())
+    assert (d / "last.ckpt").is_symlink() and stashpoint.verify(d / "last.ckpt").ok
+    loaded = load_from_checkpoint(Model, d / "last.ckpt")
+    assert loaded.hparams.width == 8 and loaded.hparams.note == "linked"
+    saved = stashpoint.read(d / "last.ckpt")["state_dict"]
+    assert saved and all(torch.equal(v, saved[k]) for k, v in loaded.state_dict().items())
+    assert load_from_checkpoint(Model, d / "last.ckpt", note="other").hparams.note == "other"
+
+
+def test_a_torch_save_checkpoint_file_is_named_with_the_import_and_replaced_by_the_next_save(tmp_path):
+    """A project switching over: last.ckpt is Lightning's own torch.save file. Resuming from it
+    names the conversion; a save to that path (ModelCheckpoint's last_model_path, restored from
+    a resumed run) replaces it (the background save failed on it, reported a save later)."""
+    import torch
+
+    d = tmp_path / "ckpts"
+    d.mkdir()
+    torch.save({"state_dict": {}}, d / "last.ckpt")
+    io = StashpointCheckpointIO()
+    with pytest.raises(stashpoint.CheckpointError, match=r"python -m stashpoint import .*last\.ckpt"):
+        io.load_checkpoint(d / "last.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 3}, d / "last.ckpt")
+    io.wait()
+    assert (d / "last.ckpt").is_dir() and io.load_checkpoint(d / "last.ckpt")["global_step"] == 3

@@ -19,7 +19,9 @@ saves on rank 0 alone, and the plugin saves without any collective; every rank l
 
 from __future__ import annotations
 
+import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,7 +40,9 @@ from stashpoint._save.handle import SaveHandle
 from stashpoint._storage import storage_for
 from stashpoint.errors import CheckpointError
 
-__all__ = ["StashpointCheckpointIO"]
+__all__ = ["StashpointCheckpointIO", "load_from_checkpoint"]
+
+log = logging.getLogger("stashpoint")
 
 
 class StashpointCheckpointIO(CheckpointIO):
@@ -83,6 +87,15 @@ class StashpointCheckpointIO(CheckpointIO):
             )
         self.wait()
         target = os.fspath(path)
+        if "://" not in target:
+            where = Path(target)
+            # ModelCheckpoint(save_last="link") links last.ckpt to it as soon as this returns
+            where.absolute().parent.mkdir(parents=True, exist_ok=True)
+            if where.is_file() and not where.is_symlink():
+                # Lightning's own torch.save file at a path it saves again (last.ckpt): replaced,
+                # as its own plugin would write over it
+                log.warning("stashpoint: replacing the torch.save checkpoint %s by a stashpoint checkpoint", target)
+                where.unlink()
         self._pending = async_save(
             checkpoint,
             target,
@@ -95,16 +108,21 @@ class StashpointCheckpointIO(CheckpointIO):
         )
         self._pending_path = target
 
-    def load_checkpoint(
-        self, path: Any, map_location: Any | None = None, *args: Any, **kwargs: Any
-    ) -> dict[str, Any]:
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The checkpoint at ``path`` as the dict Lightning saved (tensors on ``map_location``
         when it names a device, else on the CPU; Lightning moves them where they belong).
         Accepts ``map_location`` positionally (older Lightning) or by keyword, and the newer
         keywords (``weights_only``, ``state``): the checkpoint is returned for Lightning to apply."""
         self.wait()
+        target = os.fspath(path)
+        if "://" not in target and Path(target).is_file():
+            raise CheckpointError(
+                f"{target} is a file, as Lightning's own plugin writes them (torch.save), not a stashpoint checkpoint: "
+                f"convert it once with `python -m stashpoint import {target} {target}.stashpoint` and resume with "
+                f'ckpt_path="{target}.stashpoint"'
+            )
         device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
-        out = read(os.fspath(path), device=device, allow_pickle=self.allow_pickle)
+        out = read(target, device=device, allow_pickle=self.allow_pickle)
         if not isinstance(out, dict):
             raise CheckpointError(f"{os.fspath(path)} holds a {type(out).__name__}, not a Lightning checkpoint dict")
         return out
@@ -125,3 +143,37 @@ class StashpointCheckpointIO(CheckpointIO):
         handle, self._pending = self._pending, None
         if handle is not None:
             handle.wait(self.timeout)
+
+
+def load_from_checkpoint(
+    cls: type[Any],
+    path: str | os.PathLike[str],
+    *,
+    map_location: Any = None,
+    strict: bool = True,
+    allow_pickle: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """``cls.load_from_checkpoint(path)`` for a checkpoint written by
+    :class:`StashpointCheckpointIO` (Lightning's reads the path with ``torch.load``, which a
+    directory is not): a new ``cls`` (a ``LightningModule`` or ``LightningDataModule``) built from
+    the saved hyper-parameters (``kwargs`` override them), with the saved weights on
+    ``map_location`` (a device; default: the CPU).
+
+    .. code-block:: python
+
+        model = load_from_checkpoint(Regressor, "ckpts/last.ckpt")
+    """
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.core.saving import _load_state
+
+    device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
+    checkpoint = read(os.fspath(path), device=device, allow_pickle=allow_pickle)
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"{os.fspath(path)} holds a {type(checkpoint).__name__}, not a Lightning checkpoint dict")
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
+    checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
+    if not issubclass(cls, LightningModule):
+        return _load_state(cls, checkpoint, **kwargs)
+    model = _load_state(cls, checkpoint, strict=strict, **kwargs)
+    return model.to(device) if isinstance(model, LightningModule) else model
