@@ -217,6 +217,17 @@ def scenario_fsdp_save(path: str) -> None:
     result()
 
 
+def scenario_tree_max(_: str) -> None:
+    """The preemption check's all-reduce (a tree up and a broadcast down) on a new gloo group."""
+    from stashpoint._dist.group import tree_max
+
+    group = dist.new_group(backend="gloo")
+    values = [(r * 7) % 5 for r in range(WORLD)]
+    flag = torch.tensor([values[RANK], RANK, -RANK], dtype=torch.int64)
+    tree_max(flag, group)
+    result(got=flag.tolist(), want=[max(values), WORLD - 1, 0])
+
+
 def scenario_fsdp_save_dicts(path: str) -> None:
     """FSDP2, saved as DCP's ``get_state_dict`` dicts (the optimizer's keyed by parameter name)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -420,3 +420,14 @@ def test_signals_around_a_closed_manager_reach_the_program(tmp_path, script, arg
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     assert want in res.stdout, (res.stdout, res.stderr[-3000:])
+
+
+@pytest.mark.parametrize("world", [3, 5])
+def test_the_per_step_agreement_is_a_tree_that_every_rank_ends_with(tmp_path, world):
+    """maybe_save's agreement on a signal runs every step: a tree up to rank 0 and a broadcast
+    (2 log2 R messages in sequence, where a ring all-reduce takes 4R); every rank ends with the
+    maximum, for worlds that are not powers of two too."""
+    from dist_util import run_world
+
+    for r in run_world(world, "tree_max", str(tmp_path)):
+        assert r["got"] == r["want"], r

@@ -365,3 +365,24 @@ def rank_of(process_group: Any = None) -> tuple[int, int]:
         return 0, 1
     src = process_group if process_group is not None else dist.group.WORLD
     return dist.get_rank(src), dist.get_world_size(src)
+
+
+def tree_max(flag: Any, group: Any) -> None:
+    """``all_reduce(flag, MAX)`` over ``group`` in place, as a binomial tree up to its first rank
+    and a broadcast down: 2 log2(R) messages in sequence on every training step, where gloo's
+    ring all-reduce takes about 4R (seconds at 16,384 ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    other = torch.empty_like(flag)
+    mask = 1
+    while mask < size:
+        if me & mask:  # this rank's subtree is done: up to its parent
+            dist.send(flag, dist.get_global_rank(group, me - mask), group=group)
+            break
+        if me + mask < size:
+            dist.recv(other, dist.get_global_rank(group, me + mask), group=group)
+            torch.maximum(flag, other, out=flag)
+        mask <<= 1
+    dist.broadcast(flag, dist.get_global_rank(group, 0), group=group)

@@ -22,6 +22,7 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any, NoReturn
 
+from stashpoint._dist.group import tree_max
 from stashpoint.errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
@@ -182,10 +183,9 @@ class Preemption:
         if self._group is None:
             return self.signum
         import torch
-        import torch.distributed as dist
 
         flag = torch.tensor([self.signum or 0, step, -step], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        tree_max(flag, self._group)
         got, hi, lo = int(flag[0]), int(flag[1]), -int(flag[2])
         if hi != lo:
             raise CheckpointError(
