@@ -4,7 +4,7 @@ of a save, which rank reads each region every rank wants, and which ranks share 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,18 +123,24 @@ def merge_trees(trees: Sequence[dict[str, Any]]) -> tuple[tuple[dict[str, Any], 
 Item = tuple[str, Box]  # (key, region)
 
 
-def assign_readers(wanted: Sequence[dict[Item, int]]) -> dict[Item, int]:
-    """For each region every rank wants (``wanted[r]`` maps item -> bytes), the rank that reads
-    it: biggest first, each to the rank with the fewest bytes so far (ties: lowest rank)."""
-    if not wanted:
-        return {}
-    common = set(wanted[0])
-    for w in wanted[1:]:
-        common &= set(w)
-    load = [0] * len(wanted)
+#: The least a reader of replicated regions takes before the next rank is given any: one
+#: exchange window, so that small states go out in a few broadcasts, not one per rank.
+READ_SHARE_FLOOR = 64 * 1024 * 1024
+
+
+def assign_readers(wanted: Mapping[Item, int], world: int, floor: int = READ_SHARE_FLOOR) -> dict[Item, int]:
+    """For each region every rank wants (``wanted`` maps item -> bytes, alike on every rank),
+    the rank that reads it and broadcasts it: biggest first, filling ranks 0, 1, ... in turn up
+    to an even share (at least ``floor`` bytes), so a rank reads at most that share and its
+    largest item, and as few ranks broadcast as the bytes need. O(items log items), whatever
+    the world size."""
+    total = sum(wanted.values())
+    share = max(-(-total // max(1, world)), floor)
     out: dict[Item, int] = {}
-    for item in sorted(common, key=lambda i: (-wanted[0][i], i[0], i[1].offsets, i[1].shape)):
-        rank = min(range(len(wanted)), key=lambda r: (load[r], r))
+    rank, load = 0, 0
+    for item in sorted(wanted, key=lambda i: (-wanted[i], i[0], i[1].offsets, i[1].shape)):
+        if load and load + wanted[item] > share and rank + 1 < world:
+            rank, load = rank + 1, 0
         out[item] = rank
-        load[rank] += wanted[0][item]
+        load += wanted[item]
     return out

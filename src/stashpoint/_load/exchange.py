@@ -57,10 +57,13 @@ def broadcast_shares(ctx: DistContext, readers: dict[Item, int], dests: dict[Ite
                 off += n
             received += used
 
-    for src in range(ctx.world):
+    by_reader: dict[int, list[tuple[Item, torch.Tensor]]] = {}
+    for item, r in readers.items():
+        by_reader.setdefault(r, []).append((item, dests[item]))
+    for src in sorted(by_reader):  # the ranks that read something: a few, whatever the world size
         batch: list[torch.Tensor] = []
         used = 0
-        for _, t in _order([(item, dests[item]) for item, r in readers.items() if r == src]):
+        for _, t in _order(by_reader[src]):
             n = t.numel() * t.element_size()
             if n > _WINDOW:
                 direct = t.device.type == "cpu" and t.is_contiguous() and t.dim() > 0

@@ -11,7 +11,7 @@ import torch
 import xxhash
 
 from stashpoint import _runtime
-from stashpoint._core.assign import Item, assign_readers
+from stashpoint._core.assign import READ_SHARE_FLOOR, Item, assign_readers
 from stashpoint._core.format import Manifest
 from stashpoint._core.index import Head
 from stashpoint._core.nodeplan import merge
@@ -25,7 +25,7 @@ from stashpoint._load.reads import Fetched, fetch, prepare_reads, run_reads
 from stashpoint._load.restore import Planner, Read
 from stashpoint._load.restore import RestorePlan as Plan
 from stashpoint._runtime import gc_paused
-from stashpoint._storage import Storage, storage_for
+from stashpoint._storage import Storage, env_number, storage_for
 from stashpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -252,7 +252,8 @@ def _load_together(
     assert plan is not None  # every rank planned: agree() raised otherwise
     readers: dict[Item, int] = {}
     if share and alike and wanted:
-        readers = assign_readers([wanted] * ctx.world)
+        floor = int(env_number("STASHPOINT_READ_SHARE_FLOOR", READ_SHARE_FLOOR, 0, 1 << 50))
+        readers = assign_readers(wanted, ctx.world, floor)  # alike everywhere: every rank's digest agreed
         reads = [r for r in reads if readers.get((r.key, r.region), ctx.rank) == ctx.rank]
     _warn_skipped(plan, storage.location, 4)
     fetched, error = _read(storage, manifest, reads, verify=verify, atomic=atomic, shared_host=not share)
