@@ -217,6 +217,16 @@ def scenario_fsdp_save(path: str) -> None:
     result()
 
 
+def scenario_gather_root_long(_: str) -> None:
+    """Rank 0's own long message (a remote tier's listing) neither travels nor pads the others'."""
+    from stashpoint._dist import group as _group
+
+    ctx = _group.context(None, 60)
+    long = "x" * 100_000
+    got = ctx.gather("a gather", long if RANK == 0 else RANK)
+    result(ok=got is None if RANK else got == [long, *range(1, WORLD)], received=ctx.received)
+
+
 def scenario_tree_max(_: str) -> None:
     """The preemption check's all-reduce (a tree up and a broadcast down) on a new gloo group."""
     from stashpoint._dist.group import tree_max

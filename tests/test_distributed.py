@@ -349,3 +349,11 @@ def test_ranks_saving_to_paths_of_their_own_are_told_to_pass_one_path(tmp_path):
     for r in run_world(2, "per_rank_paths", str(tmp_path)):
         assert r["error"] and "passed different paths to one save" in r["error"], r
         assert "ckpt_0" in r["error"] and "ckpt_1" in r["error"]
+
+
+def test_rank_0s_own_long_message_does_not_pad_a_gather(tmp_path):
+    """A restore's gather, where rank 0 alone adds the remote tier's listing (thousands of steps):
+    each rank sent it padded to that length, R x S bytes to rank 0."""
+    results = run_world(3, "gather_root_long", str(tmp_path))
+    assert all(r["ok"] for r in results), results
+    assert results[0]["received"] < 10_000, results[0]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -162,7 +163,8 @@ class DistContext:
         """Every rank's ``obj``, on the group's first rank only (None on the others): each
         rank sends one message and only rank 0 receives R, where ``all_gather`` sends every
         rank all R. Messages up to ``GATHER_SLOT`` bytes take one collective; longer ones two
-        more (the longest length, broadcast, then a gather padded to it)."""
+        more (the longest length, broadcast, then a gather padded to it). Rank 0's own message
+        never travels, nor sets the padding (it may carry a listing the others' do not)."""
         import pickle
 
         import torch
@@ -174,20 +176,21 @@ class DistContext:
         root = self.rank == 0
         slot = torch.zeros(GATHER_SLOT + 8, dtype=torch.uint8)
         slot[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-        if len(data) <= GATHER_SLOT:
+        if len(data) <= GATHER_SLOT and not root:
             slot[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         slots = [torch.empty_like(slot) for _ in range(self.world)] if root else None
         self.collective(what, dist.gather, slot, gather_list=slots, dst=self.ranks[0])
         self.sent += len(slot)
         self.received += 8 + (len(slot) * self.world if root else 0)  # and the length broadcast below
         sizes = [int(s[:8].view(torch.int64)[0]) for s in slots] if slots is not None else []
-        longest = torch.tensor([max(sizes) if root else 0], dtype=torch.int64)
+        longest = torch.tensor([max(sizes[1:]) if root else 0], dtype=torch.int64)
         if self.world > 1:
             self.collective(f"{what} (length)", dist.broadcast, longest, src=self.ranks[0])
         big = int(longest[0])
         if big > GATHER_SLOT:
             pad = torch.zeros(big, dtype=torch.uint8)
-            pad[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if not root:
+                pad[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             bigs = [torch.empty_like(pad) for _ in range(self.world)] if root else None
             self.collective(f"{what} (long)", dist.gather, pad, gather_list=bigs, dst=self.ranks[0])
             self.sent += big
@@ -197,7 +200,8 @@ class DistContext:
         if slots is None:
             return None
         # messages of this job's own ranks, as all_gather_object unpickles them; never file contents
-        return [pickle.loads(s[8 : 8 + n].numpy().tobytes()) for s, n in zip(slots, sizes)]  # noqa: S301
+        others = [pickle.loads(s[8 : 8 + n].numpy().tobytes()) for s, n in zip(slots[1:], sizes[1:])]  # noqa: S301
+        return [pickle.loads(data), *others]  # noqa: S301  # rank 0's: a copy, as the others' are
 
     def scatter(self, what: str, objs: list[Any] | None) -> Any:
         """Rank ``r``'s item of ``objs`` (given on rank 0 only), sent to it alone."""
@@ -339,11 +343,8 @@ def context(process_group: Any = None, timeout_s: float | None = None, purpose: 
             mark = f"stashpoint/{purpose}/{xxhash.xxh3_64_hexdigest(repr(ranks).encode())}/group-{made}"
             all_came(store(), mark, me, len(ranks), timeout)
             try:
-                group = dist.new_group(
-                    ranks=list(ranks),
-                    backend="gloo",
-                    timeout=_dt.timedelta(seconds=timeout),
-                    use_local_synchronization=True,
+                group = gloo_group(
+                    ranks=list(ranks), timeout=_dt.timedelta(seconds=timeout), use_local_synchronization=True
                 )
             except Exception as e:
                 raise CollectiveError(
@@ -386,3 +387,25 @@ def tree_max(flag: Any, group: Any) -> None:
             torch.maximum(flag, other, out=flag)
         mask <<= 1
     dist.broadcast(flag, dist.get_global_rank(group, 0), group=group)
+
+
+_lazy_lock = threading.Lock()
+
+
+def gloo_group(**kwargs: Any) -> Any:
+    """``dist.new_group(backend="gloo", **kwargs)`` whose ranks connect to a peer when they first
+    exchange with it: created eagerly, each of R ranks would read R addresses from the store and
+    open R - 1 connections (2 GB read per rank, 16,383 sockets per process and group, at 16,384
+    ranks), where stashpoint's trees and rank-0 exchanges use a few peers each. The launcher's own
+    ``TORCH_GLOO_LAZY_INIT``, when set, is kept."""
+    import torch.distributed as dist
+
+    with _lazy_lock:  # the variable is read as the group is made: set around it alone
+        before = os.environ.get("TORCH_GLOO_LAZY_INIT")
+        if before is None:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+        try:
+            return dist.new_group(backend="gloo", **kwargs)
+        finally:
+            if before is None:
+                os.environ.pop("TORCH_GLOO_LAZY_INIT", None)

@@ -22,7 +22,7 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any, NoReturn
 
-from stashpoint._dist.group import tree_max
+from stashpoint._dist.group import gloo_group, tree_max
 from stashpoint.errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
@@ -57,11 +57,9 @@ class Preemption:
         self.stopping = False  # stop() is saving at the safe point: it reports its own outcome
         self._group: Any = None
         if world > 1:
-            import torch.distributed as dist
-
             # every rank creates its manager at the same point, so every rank creates this group;
             # ranks may reach maybe_save minutes apart (one rank evaluating): torch's own default
-            self._group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
+            self._group = gloo_group(timeout=timedelta(minutes=30))
         self._signals = tuple(signals)
         self._previous: dict[int, Any] = {}
         self._wakeup: tuple[int, int] | None = None  # the pipe the signals' bytes come through
