@@ -221,3 +221,31 @@ def test_a_registered_object_whose_state_grew_comes_back_whole(tmp_path):
     load_state(acc, tmp_path / "ckpt")
     assert history.losses[0] == 0.5 and torch.equal(history.losses[1], torch.arange(3.0))
     assert history.best == {"epoch1": 0.4}
+
+
+def test_automatic_checkpoint_naming_and_total_limit(tmp_path):
+    """save_state(accelerator) with Accelerate's automatic naming: project_dir/checkpoints/
+    checkpoint_<iteration>, the oldest beyond total_limit deleted once a new one committed;
+    load_state(accelerator) loads the newest. Accelerate's own keywords are accepted."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    def build():
+        config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
+        acc = Accelerator(cpu=True, project_config=config)
+        return acc, acc.prepare(torch.nn.Linear(2, 2))
+
+    acc, model = build()
+    for i in range(4):
+        with torch.no_grad():
+            model.weight.fill_(i)
+        save_state(acc, safe_serialization=True).wait()
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint_2", "checkpoint_3"]
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc, model = build()
+    load_state(acc)
+    assert torch.equal(model.weight, torch.full((2, 2), 3.0)) and acc.save_iteration == 4
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with pytest.raises(ValueError, match="automatic_checkpoint_naming=True"):
+        save_state(Accelerator(cpu=True))

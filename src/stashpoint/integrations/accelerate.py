@@ -24,11 +24,13 @@ models' weights; the optimizers, schedulers, samplers and RNG states would still
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import math
 import os
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,12 +44,14 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "stashpoint.integrations.accelerate needs Hugging Face Accelerate: pip install 'stashpoint[accelerate]'"
     ) from e
 
+from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._load.loader import load
 from stashpoint._save.engine import async_save
 from stashpoint._save.handle import SaveHandle
 from stashpoint._state.dtypes import dtype_name, torch_dtype
 from stashpoint._state.rng import RNGState
-from stashpoint.errors import CorruptCheckpointError, UnsupportedStateError
+from stashpoint._storage import storage_for
+from stashpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError
 
 __all__ = ["accelerator_state", "load_state", "save_state"]
 
@@ -101,9 +105,10 @@ def accelerator_state(accelerator: Accelerator) -> dict[str, Any]:
 
 def save_state(
     accelerator: Accelerator,
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | None = None,
     *,
     overwrite: bool = True,
+    safe_serialization: bool = True,
     **options: Any,
 ) -> SaveHandle:
     """Checkpoint what ``accelerator.save_state`` would, to the directory ``path``, asynchronously.
@@ -117,24 +122,51 @@ def save_state(
     Args:
         accelerator: the ``Accelerator`` after ``prepare(...)``.
         path: the checkpoint directory to create (or a storage URL such as ``s3://bucket/run/step-100``).
+            None with ``ProjectConfiguration(automatic_checkpoint_naming=True)``: as Accelerate
+            names it, ``project_dir/checkpoints/checkpoint_<iteration>``; with ``total_limit``
+            the oldest beyond it are deleted once this one has committed.
         overwrite: replace a committed checkpoint at ``path``, as ``Accelerator.save_state``
             writes over its directory (the old one stays loadable until the new one commits);
             ``False`` refuses instead.
+        safe_serialization: accepted for ``Accelerator.save_state``'s signature; stashpoint's
+            shards are always safetensors files.
         **options: passed on to :func:`stashpoint.async_save` (``metadata``, ``writer``,
             ``overlap``, ``timeout``, ``allow_pickle``, ...).
     """
     _warn_hooks(accelerator._save_model_state_pre_hook, "register_save_state_pre_hook", "save")
     metadata = {"framework": "accelerate", **dict(options.pop("metadata", None) or {})}
     config = accelerator.project_configuration
+    folder = _checkpoints(accelerator) if path is None else None
+    target = folder / f"checkpoint_{config.iteration}" if folder is not None else path
+    assert target is not None
     config.iteration += 1  # before staging, so that the checkpoint holds the count a resume continues from
     try:
-        return async_save(accelerator_state(accelerator), path, overwrite=overwrite, metadata=metadata, **options)
+        handle = async_save(accelerator_state(accelerator), target, overwrite=overwrite, metadata=metadata, **options)
     except BaseException:
         config.iteration -= 1
         raise
+    if folder is not None and config.total_limit is not None and accelerator.is_main_process:
+        handle._future = _then(handle._future, folder, config.total_limit)  # wait() waits for it too
+    return handle
 
 
-def load_state(accelerator: Accelerator, path: str | os.PathLike[str], **options: Any) -> None:
+def _then(saved: cf.Future[Any], folder: Path, limit: int) -> cf.Future[Any]:
+    """``saved``'s outcome, once the oldest checkpoints beyond ``limit`` went after its commit."""
+    done: cf.Future[Any] = cf.Future()
+
+    def finish(f: cf.Future[Any]) -> None:
+        error = f.exception()
+        if error is not None:
+            done.set_exception(error)
+            return
+        _keep_newest(folder, limit)
+        done.set_result(f.result())
+
+    saved.add_done_callback(finish)
+    return done
+
+
+def load_state(accelerator: Accelerator, path: str | os.PathLike[str] | None = None, **options: Any) -> None:
     """Restore a checkpoint written by :func:`save_state` into the prepared objects, in place.
 
     Call it in every process, after ``accelerator.prepare(...)`` with the same models,
@@ -146,14 +178,51 @@ def load_state(accelerator: Accelerator, path: str | os.PathLike[str], **options
 
     Args:
         accelerator: the ``Accelerator`` after ``prepare(...)``.
-        path: the checkpoint directory.
+        path: the checkpoint directory. None with ``automatic_checkpoint_naming``: the newest
+            committed ``project_dir/checkpoints/checkpoint_<n>``.
         **options: passed on to :func:`stashpoint.load` (``strict``, ``verify``, ``allow_pickle``, ...).
 
     Raises:
         CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError: as :func:`stashpoint.load`.
     """
     _warn_hooks(accelerator._load_model_state_pre_hook, "register_load_state_pre_hook", "load")
+    if path is None:
+        folder = _checkpoints(accelerator)
+        found = _committed(folder)
+        if not found:
+            raise CheckpointNotFoundError(f"{folder} holds no committed checkpoint_<n> to load")
+        path = folder / f"checkpoint_{found[-1]}"
     load(accelerator_state(accelerator), path, **options)
+
+
+def _checkpoints(accelerator: Accelerator) -> Path:
+    """Where Accelerate's automatic checkpoint naming puts them; a clear error without it."""
+    config = accelerator.project_configuration
+    if not config.automatic_checkpoint_naming or not config.project_dir:
+        raise ValueError(
+            "give the checkpoint's path, or set ProjectConfiguration(project_dir=..., "
+            "automatic_checkpoint_naming=True) for checkpoints named project_dir/checkpoints/checkpoint_<n>"
+        )
+    return Path(config.project_dir) / "checkpoints"
+
+
+def _committed(folder: Path) -> list[int]:
+    """The numbers of the committed ``checkpoint_<n>`` in ``folder``, oldest first."""
+    found = []
+    for entry in folder.glob("checkpoint_*") if folder.is_dir() else ():
+        number = entry.name.removeprefix("checkpoint_")
+        if number.isdigit() and (entry / MANIFEST_NAME).is_file():
+            found.append(int(number))
+    return sorted(found)
+
+
+def _keep_newest(folder: Path, limit: int) -> None:
+    """Delete the oldest committed checkpoints beyond ``limit`` (after a save committed)."""
+    for n in _committed(folder)[: max(0, len(_committed(folder)) - limit)]:
+        try:
+            storage_for(folder / f"checkpoint_{n}").remove_tree()
+        except OSError as e:  # best effort, as a retention
+            log.warning("stashpoint: could not delete %s: %s", folder / f"checkpoint_{n}", e)
 
 
 def _warn_hooks(hooks: Mapping[Any, Any], register: str, what: str) -> None:

@@ -44,7 +44,7 @@ from stashpoint._manager.steps import committed_steps
 from stashpoint._save.engine import save
 from stashpoint._state.validate import structure_problem
 from stashpoint._storage import storage_for
-from stashpoint.errors import CheckpointError
+from stashpoint.errors import CheckpointError, CheckpointNotFoundError
 
 __all__ = ["StashpointCheckpointManager", "use_stashpoint"]
 
@@ -211,7 +211,12 @@ class StashpointCheckpointManager(BaseCheckpointManager):
                 self._roll_back_past(step)
             elif self.manager.steps():
                 self._refuse_a_finished_run()
-            restored = self.manager.restore(self._state(full), None if step == -1 else step, **options)
+            try:
+                restored = self.manager.restore(self._state(full), None if step == -1 else step, **options)
+            except CheckpointNotFoundError as e:  # in the launcher's words
+                raise CheckpointNotFoundError(
+                    str(e).replace("restore(state) loads the newest", "--checkpoint.load_step -1 loads the newest")
+                ) from None
             chosen = -1 if restored is None else restored
         if chosen != -1:
             self._loaded(full, f"step {chosen} of {self.folder}", t0)
