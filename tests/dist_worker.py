@@ -217,6 +217,40 @@ def scenario_fsdp_save(path: str) -> None:
     result()
 
 
+def scenario_rewind_refused(root: str) -> None:
+    """A rewind whose step rank 0 (the root's owner) cannot move aside: refused on every rank
+    together, and the save once the cause is gone goes on everywhere."""
+    from stashpoint._storage import LocalStorage
+
+    def state(v: float) -> dict:
+        return {"w": torch.full((4,), float(v))}
+
+    out = {}
+    with stashpoint.CheckpointManager(root, keep_last=None) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, state(s), timeout=30).wait()
+        mgr.restore(state(0), step=1)
+        real = LocalStorage.move
+        if RANK == 0:
+
+            def refuse(self, name):  # type: ignore[no-untyped-def]
+                raise PermissionError(13, "Permission denied (injected)", str(self.root))
+
+            LocalStorage.move = refuse  # type: ignore[method-assign]
+        for attempt in ("first", "second"):
+            t0 = time.monotonic()
+            try:
+                mgr.save(2, state(20), timeout=30)
+                mgr.wait()
+                out[attempt] = "ok"
+            except stashpoint.CheckpointError as e:
+                out[attempt] = str(e)[:300]
+            out[f"{attempt}_s"] = time.monotonic() - t0
+            LocalStorage.move = real  # type: ignore[method-assign]
+        out["steps"] = mgr.steps()
+    result(**out)
+
+
 def scenario_gather_root_long(_: str) -> None:
     """Rank 0's own long message (a remote tier's listing) neither travels nor pads the others'."""
     from stashpoint._dist import group as _group

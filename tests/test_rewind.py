@@ -6,12 +6,15 @@ them."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import stashpoint
+from stashpoint._storage import LocalStorage
 
 
 def _state(v: float) -> dict[str, torch.Tensor]:
@@ -191,7 +194,9 @@ def test_a_rewind_that_cannot_move_a_step_aside_refuses_the_save_and_deletes_not
 
         with monkeypatch.context() as m:
             m.setattr(LocalStorage, "move", refuse)
-            with pytest.raises(stashpoint.CheckpointError, match=r"below step 2 .* could not be moved"):
+            with pytest.raises(
+                stashpoint.CheckpointError, match=r"abandoned by going back to step 1, could not be moved aside"
+            ):
                 mgr.save(2, _state(20))
         assert mgr.steps() == [1, 2, 3], "nothing deleted"
         mgr.save(2, _state(20)).wait()  # once the cause is gone
@@ -248,3 +253,79 @@ def test_a_rewind_whose_save_cannot_list_the_remote_tier_moves_its_steps_at_the_
         assert mgr.remote_steps() == [1, 2]
     assert _names(tmp_path / "remote", "rewound") == ["step-00000002", "step-00000003"]
     assert _resume(tmp_path / "fresh-node", remote_root=tmp_path / "remote") == (2, 2.5)
+
+
+def test_a_rewind_refused_on_the_roots_owner_fails_that_save_on_every_rank_together(tmp_path):
+    """Two ranks, a shared root: rank 0 alone moves steps aside, and cannot. Its refusal reached
+    rank 0 alone; rank 1's save paired with rank 0's next one and the ranks went out of step."""
+    from dist_util import run_world
+
+    results = run_world(2, "rewind_refused", str(tmp_path / "run"), timeout=240)
+    for r in results:
+        assert "could not be moved aside" in r["first"], r
+        assert r["second"] == "ok" and r["second_s"] < 25, r
+        assert r["steps"] == [1, 2], r
+
+
+class _Unlisted(LocalStorage):
+    """A remote tier the training thread cannot list while ``down``; uploads of steps 3 and 4
+    slow (still queued when the rewind's save comes)."""
+
+    down = False
+
+    def children(self):  # type: ignore[no-untyped-def]
+        if _Unlisted.down and threading.current_thread() is threading.main_thread():
+            raise OSError(113, "No route to host")
+        return super().children()
+
+    def open_writer(self, name, size):  # type: ignore[no-untyped-def]
+        if (
+            self.root.name in ("step-00000003", "step-00000004")
+            and threading.current_thread() is not threading.main_thread()
+        ):
+            time.sleep(0.5)
+        return super().open_writer(name, size)
+
+    def child(self, name):  # type: ignore[no-untyped-def]
+        return _Unlisted(self.root / name)
+
+
+def test_an_unlisted_rewind_is_moved_by_its_own_steps_upload_not_an_older_one_still_queued(tmp_path):
+    """The abandoned run's uploads of steps 3 and 4 are still queued at the rewind's save: the
+    remote steps above step 1 are moved by step 2's upload (an older upload took the move and
+    step 4 then stayed above the new run)."""
+    remote = _Unlisted(tmp_path / "remote")
+    with stashpoint.CheckpointManager(tmp_path / "nvme", keep_last=None, remote_root=remote) as mgr:
+        for s in (1, 2):
+            mgr.save(s, _state(s)).wait()
+        mgr.wait()
+        for s in (3, 4):
+            mgr.save(s, _state(s)).wait()  # their uploads still running
+        mgr.restore(_state(0), step=1)
+        _Unlisted.down = True
+        try:
+            mgr.save(2, _state(2.5)).wait()
+            mgr.wait()
+        finally:
+            _Unlisted.down = False
+        assert mgr.remote_steps() == [1, 2]
+    assert _resume(tmp_path / "fresh", remote_root=tmp_path / "remote") == (2, 2.5)
+
+
+def test_a_refused_save_leaves_no_rewind_for_a_later_upload(tmp_path):
+    """A save of a step already there, refused while the remote tier could not be listed, moves
+    nothing: the next save's upload left this run's own remote steps 4 and 5 where they were."""
+    with stashpoint.CheckpointManager(tmp_path / "nvme", keep_last=None, remote_root=_Unlisted(tmp_path / "r")) as mgr:
+        for s in (1, 2, 3, 4, 5):
+            mgr.save(s, _state(s)).wait()
+        mgr.wait()
+        _Unlisted.down = True
+        try:
+            with pytest.raises(stashpoint.CheckpointError, match="step 3 already has a committed checkpoint"):
+                mgr.save(3, _state(33))
+        finally:
+            _Unlisted.down = False
+        mgr.save(6, _state(6)).wait()
+        mgr.wait()
+        assert mgr.remote_steps() == [1, 2, 3, 4, 5, 6]
+    assert not list((tmp_path / "r").glob("step-*.rewound-*"))

@@ -176,6 +176,7 @@ class CheckpointManager:
         self._resumed_at: int | None = None  # the step restored, until the next save (a rewind?)
         self._top: int | None = None  # the highest step this run holds, once a save looked
         self._known: set[int] = set()  # steps found committed in the root (steps() asks for the others alone)
+        self._remote_rewind: int | None = None  # a rewind's remote steps above this, for its upload to move
         self._remote_unseen = False  # the last restore could not list the remote tier: no rewind reaches it
         self.storage.prepare()
         # In a distributed run rank 0 owns the root: the lock, the cleanup and the retention.

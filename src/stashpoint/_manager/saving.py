@@ -106,15 +106,24 @@ def save_options(mgr: CheckpointManager, step: int, metrics: dict[str, float], o
     return SaveOptions(metadata=meta, max_inflight=mgr.max_inflight, step=step, **options)
 
 
-def after_save(
-    mgr: CheckpointManager, step: int, metrics: dict[str, float], future: cf.Future[SaveStats], after: cf.Future[None]
+def after_save(  # noqa: PLR0917
+    mgr: CheckpointManager,
+    step: int,
+    metrics: dict[str, float],
+    future: cf.Future[SaveStats],
+    after: cf.Future[None],
+    resumed: int | None = None,
 ) -> None:
     """Once ``mgr``'s save of ``step`` ended: its stats and metrics recorded and the retention
-    rules applied in the background, or a failed save's directory removed; ``after`` is set
+    rules applied in the background, or a failed save's directory removed (and the restore of
+    ``resumed`` it followed still the last thing done, for the next save); ``after`` is set
     done in every case."""
     try:
         error = future.exception()
         if error is not None and not isinstance(error, ReplicaError):
+            with mgr._lock:
+                if mgr._resumed_at is None:
+                    mgr._resumed_at = resumed
             # node-local: a failed save is no step of the job even where its manifest landed
             if mgr._owner and (mgr._nodes is not None or not mgr._at(step).exists(MANIFEST_NAME)):
                 quietly(mgr._at(step).remove_tree)
@@ -143,7 +152,7 @@ def after_save(
         after.set_result(None)
 
 
-def set_aside_newer(mgr: CheckpointManager, step: int) -> bool:
+def set_aside_newer(mgr: CheckpointManager, step: int) -> tuple[bool, str | None]:
     """Before a save whose step goes back below the run's highest (after ``restore(step=K)``
     below the newest step, or a new run in an old root saving low steps): move the steps of the
     run that was abandoned aside (``step-N.rewound-<time>``), in both tiers. Retention ranks
@@ -154,9 +163,11 @@ def set_aside_newer(mgr: CheckpointManager, step: int) -> bool:
 
     Decided alike on every rank where it raises (the saves in flight are the same everywhere);
     only the roots' owners list and move. Moving a remote step aside on object storage copies
-    it, server-side, within this call. Returns whether this is the first save after a restore
-    of a lower step, alike on every rank: a step already there is then the owners' to move, not
-    a reason to refuse the save."""
+    it, server-side, within this call; where the remote tier cannot be listed now, the step's
+    upload moves them (``mgr._remote_rewind``). Returns whether this is the first save after a
+    restore of a lower step, alike on every rank (a step already there is then the owners' to
+    move, not a reason to refuse the save), and, on an owner, why the save must be refused (a
+    step that could not be moved aside), for the caller to fail the save on every rank."""
     resumed, mgr._resumed_at = mgr._resumed_at, None
     after_restore = resumed is not None and resumed < step
     with mgr._lock:
@@ -170,21 +181,21 @@ def set_aside_newer(mgr: CheckpointManager, step: int) -> bool:
     remote = mgr._tier is not None and mgr.rank == 0 and not mgr._remote_unseen
     roots = ([mgr.storage] if local else []) + ([mgr._tier.remote] if remote and mgr._tier is not None else [])
     if not roots:  # the others' steps are the owners' to move
-        return after_restore
+        return after_restore, None
     if mgr._top is None:  # listed once; after that only a save below the highest step lists again
         mgr._top = max((s for root in roots for s in _whole_steps(mgr, root)), default=-1)
     top, mgr._top = mgr._top, max(mgr._top, step)
     if step > top:  # the step numbers go on: nothing to set aside, even after looking at an old step
-        return after_restore
+        return after_restore, None
     above = resumed if resumed is not None and after_restore else step
     listed = {root: _steps(mgr, root) for root in roots}
     doomed = {root: [s for s in steps if s > above] for root, steps in listed.items() if steps is not None}
-    if remote and mgr._tier is not None and any(steps is None for steps in listed.values()):
-        mgr._tier.uploader.rewind_above = above  # the remote tier's are moved at the next upload
     if local and mgr._at(step).exists(MANIFEST_NAME) and step not in doomed[mgr.storage]:
-        return after_restore  # a save of a step already there: refused by the caller, nothing moved
+        return after_restore, None  # a save of a step already there: refused by the caller, nothing moved
     if remote and mgr._tier is not None:
         mgr._tier.settle()  # uploads of the steps about to move end first
+        if any(steps is None for steps in listed.values()):
+            mgr._remote_rewind = above  # moved by this step's own upload, before it copies anything
     for root, newer in doomed.items():
         if newer:
             log.warning(
@@ -199,14 +210,14 @@ def set_aside_newer(mgr: CheckpointManager, step: int) -> bool:
             mgr._known.discard(s)
             mgr._metrics.pop(s, None)  # the number may be saved again, with the new run's metrics
             if not move_aside(root, s, "rewound"):  # kept: it may be saved over, never deleted
-                mgr._top, mgr._resumed_at = None, resumed  # the next save decides anew
-                raise CheckpointError(
-                    f"step {step} goes back below step {s} of {root.location}, which could not be moved aside "
-                    "(the warning above says why); nothing was saved. Fix the cause and save again, or move "
-                    f"{step_dir(s)} away yourself"
+                mgr._top, mgr._resumed_at, mgr._remote_rewind = None, resumed, None  # the next save decides anew
+                return True, (
+                    f"step {s} of {root.location}, of the run abandoned by going back to step {above}, could not be "
+                    "moved aside (the warning above says why); nothing was saved. Fix the cause and save again, or "
+                    f"move {step_dir(s)} away yourself"
                 )
     mgr._top = max(step, above)
-    return after_restore
+    return after_restore, None
 
 
 def _steps(mgr: CheckpointManager, root: Storage) -> list[int] | None:
@@ -262,24 +273,28 @@ def start_save(
             raise CheckpointError(
                 f"step {step} is still being saved to {target.location}; wait for that save (mgr.wait()) first"
             )
-    going_back = set_aside_newer(mgr, step)
-    refused = None
-    if not going_back and target.exists(MANIFEST_NAME):
+    resumed = mgr._resumed_at
+    going_back, refused = set_aside_newer(mgr, step)
+    if refused is None and not going_back and target.exists(MANIFEST_NAME):
         refused = (
             f"step {step} already has a committed checkpoint at {target.location}; save under a new step, or "
             "delete that directory first."
         )
         if mgr._nodes is None:  # one root, one answer on every rank
             raise CheckpointError(refused)
-        # node-local: another node may not hold the step (a disk replaced); the engine fails the
-        # save on every rank together instead of leaving those waiting for this one
+    # a refusal of one rank (an owner that could not move a step aside; a node-local step one
+    # node holds and another, on a new disk, not): the engine fails the save on every rank
+    # together instead of leaving those waiting for this one
     if mgr._owner and refused is None:  # the remains of an earlier failed save of this step, if any
         target.remove_tree()
+    rewind, mgr._remote_rewind = mgr._remote_rewind, None
     opts = save_options(mgr, step, metrics, {**options, "refused": refused})
     mgr._last_save_time = time.monotonic()
     try:
         handle = get_engine().submit(state, target, opts)
     except BaseException as e:
+        if mgr._resumed_at is None:  # no step was saved: the next save is the first after the restore still
+            mgr._resumed_at = resumed
         # a save this rank refused still runs its collectives, to fail it on every rank: wait()
         # and close() wait for them, so that a program ending on this error does not cut them
         queued = [h._future for h in get_engine().inflight if h.path == target.location and not h.done()]
@@ -295,9 +310,9 @@ def start_save(
         # keep saves in flight, and failed ones until wait() has reported them
         mgr._handles = [(h, a) for h, a in mgr._handles if not a.done() or h.exception() is not None]
         mgr._handles.append((handle, after))
-    handle._future.add_done_callback(lambda f: after_save(mgr, step, metrics, f, after))
+    handle._future.add_done_callback(lambda f: after_save(mgr, step, metrics, f, after, resumed))
     if mgr._tier is not None:
-        mgr._tier.submit(step, handle._future)
+        mgr._tier.submit(step, handle._future, rewind_above=rewind)
     return handle
 
 

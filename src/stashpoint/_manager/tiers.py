@@ -119,7 +119,7 @@ class RemoteTier:
         keep = retained(everything, lambda s: self.metrics(s, self.local), self.retention)
         return [s for s in missing if s in keep]
 
-    def submit(self, step: int, after: cf.Future[Any]) -> None:
+    def submit(self, step: int, after: cf.Future[Any], rewind_above: int | None = None) -> None:
         with self._lock:
             self._unuploaded[step] += 1
             backlog = len(self._unuploaded)
@@ -130,7 +130,7 @@ class RemoteTier:
                 backlog,
                 self.remote.location,
             )
-        self._track(self.uploader.submit(step, after))
+        self._track(self.uploader.submit(step, after, rewind_above))
 
     def settle(self) -> None:
         """Wait for the uploads queued so far (their failures stay for ``wait()``)."""

@@ -83,15 +83,16 @@ class Uploader:
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-upload")
         self._broken: CollectiveError | None = None
         self._seq = 0
-        # rank 0: a rewind above this step could not move the remote steps (no listing at its
-        # save): the next upload moves them first
-        self.rewind_above: int | None = None
 
-    def submit(self, step: int, after: cf.Future[Any] | None = None) -> cf.Future[bool]:
+    def submit(
+        self, step: int, after: cf.Future[Any] | None = None, rewind_above: int | None = None
+    ) -> cf.Future[bool]:
         """Upload ``step`` once ``after`` (its local save) has succeeded; the future tells whether
-        a copy was made (False: the save failed or was skipped, so there was nothing to upload)."""
+        a copy was made (False: the save failed or was skipped, so there was nothing to upload).
+        ``rewind_above`` (rank 0): the save went back to this step without listing the remote
+        tier; its steps above are moved aside first."""
         self._seq += 1
-        return self._executor.submit(self._one, step, after, self._seq)
+        return self._executor.submit(self._one, step, after, self._seq, rewind_above)
 
     def catch_up(self, todo: list[int]) -> cf.Future[list[int]]:
         """Upload the steps in ``todo``, the same list on every rank (rank 0's, sent at open):
@@ -112,10 +113,10 @@ class Uploader:
                 log.error("stashpoint: %s", e)
         return done
 
-    def _one(self, step: int, after: cf.Future[Any] | None, seq: int) -> bool:
+    def _one(self, step: int, after: cf.Future[Any] | None, seq: int, rewind_above: int | None = None) -> bool:
         uploaded: bool | None = None
         try:
-            uploaded = self._upload(step, after, seq)
+            uploaded = self._upload(step, after, seq, rewind_above)
             return uploaded
         finally:
             if self.on_result is not None:
@@ -124,7 +125,7 @@ class Uploader:
                 except Exception:
                     log.exception("stashpoint: bookkeeping after the upload of step %d failed", step)
 
-    def _upload(self, step: int, after: cf.Future[Any] | None, seq: int) -> bool:
+    def _upload(self, step: int, after: cf.Future[Any] | None, seq: int, rewind_above: int | None) -> bool:
         if self._broken is not None:
             raise CheckpointError(
                 f"step {step} was not uploaded: the ranks lost each other in an earlier upload ({self._broken}); "
@@ -136,7 +137,7 @@ class Uploader:
         t0 = time.perf_counter()
         # 1. agree that there is something to upload (every rank saw its save succeed); rank 0
         # alone sees every rank's view and answers each with the decision
-        kind, detail = self._start_status(step, after, src, dst)
+        kind, detail = self._start_status(step, after, src, dst, rewind_above)
         held = _held(src) if self.node_local else None
         starts: list[UploadStart] | None = self._collective(
             self.ctx.gather, "upload start", UploadStart(seq, step, kind, detail, held)
@@ -198,7 +199,9 @@ class Uploader:
                 log.exception("stashpoint: the remote retention after step %d failed", step)
         return True
 
-    def _start_status(self, step: int, after: cf.Future[Any] | None, src: Storage, dst: Storage) -> tuple[str, Any]:
+    def _start_status(
+        self, step: int, after: cf.Future[Any] | None, src: Storage, dst: Storage, rewind_above: int | None = None
+    ) -> tuple[str, Any]:
         """This rank's view: ("skip", why), ("done", None), ("ok", the saved world size; None
         but on rank 0) or ("error", why)."""
         if after is not None:
@@ -211,12 +214,10 @@ class Uploader:
             return ("ok", None)
         try:
             head = read_head(src)
-            if self.rewind_above is not None:
-                above = self.rewind_above
+            if rewind_above is not None:
                 for s in committed_steps(self.remote):
-                    if s > above and not move_aside(self.remote, s, "rewound"):
+                    if s > rewind_above and not move_aside(self.remote, s, "rewound"):
                         return ("error", f"step {s} of the run abandoned by a rewind could not be moved aside")
-                self.rewind_above = None
             if dst.exists(MANIFEST_NAME):
                 if read_head(dst).save_id == head.save_id:
                     return ("done", None)
