@@ -167,19 +167,19 @@ def test_readers_each_item_once_within_a_share_in_any_order(wanted, world, floor
     load = [0] * world
     for item, r in out.items():
         load[r] += wanted[item]
-    share = max(-(-sum(wanted.values()) // world), floor)
+    total = sum(wanted.values())
+    readers = max(1, min(world, -(-total // max(1, floor))))
     largest = max(wanted.values(), default=0)
-    assert max(load) <= share + largest, (load, share, largest)
-    used = sorted(set(out.values()))
-    assert used == list(range(len(used))), "ranks 0, 1, ... in turn"
-    if floor >= sum(wanted.values()):
-        assert used in ([], [0]), "a state under the floor: one reader, one broadcast"
+    assert max(load) <= -(-total // readers) + largest, (load, readers, largest)
+    assert set(out.values()) <= set(range(readers)), "the first k ranks read"
+    if floor >= total:
+        assert set(out.values()) <= {0}, "a state under the floor: one reader, one broadcast"
     assert assign_readers(dict(rnd.sample(list(wanted.items()), len(wanted))), world, floor) == out
 
 
 def test_readers_at_sixteen_thousand_ranks_take_no_time_and_few_broadcasts():
     """1,000 small tensors (Adam's step counters) and 3,000 of 1 MiB, at 16,384 ranks: quick,
-    and the small ones in one broadcast (each went to a rank of its own, in 1,000)."""
+    and as many readers as 64 MiB shares (each tensor went to a rank of its own)."""
     import time
 
     small = {(f"optim/state/{i}/step", Box((), ())): 8 for i in range(1000)}
@@ -187,8 +187,8 @@ def test_readers_at_sixteen_thousand_ranks_take_no_time_and_few_broadcasts():
     t0 = time.perf_counter()
     out = assign_readers({**small, **big}, 16_384)
     assert time.perf_counter() - t0 < 1.0
-    assert len({out[i] for i in small}) == 1
     assert len(set(out.values())) <= -(-(3000 << 20) // READ_SHARE_FLOOR) + 1
+    assert set(assign_readers(small, 16_384).values()) == {0}, "the counters alone: one broadcast"
 
 
 # -- merge_trees -----------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ of a save, which rank reads each region every rank wants, and which ranks share 
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -123,24 +124,24 @@ def merge_trees(trees: Sequence[dict[str, Any]]) -> tuple[tuple[dict[str, Any], 
 Item = tuple[str, Box]  # (key, region)
 
 
-#: The least a reader of replicated regions takes before the next rank is given any: one
-#: exchange window, so that small states go out in a few broadcasts, not one per rank.
+#: The bytes of replicated regions per reader that make another rank a reader: one exchange
+#: window, so that small states go out in a few broadcasts, not one per rank.
 READ_SHARE_FLOOR = 64 * 1024 * 1024
 
 
 def assign_readers(wanted: Mapping[Item, int], world: int, floor: int = READ_SHARE_FLOOR) -> dict[Item, int]:
     """For each region every rank wants (``wanted`` maps item -> bytes, alike on every rank),
-    the rank that reads it and broadcasts it: biggest first, filling ranks 0, 1, ... in turn up
-    to an even share (at least ``floor`` bytes), so a rank reads at most that share and its
-    largest item, and as few ranks broadcast as the bytes need. O(items log items), whatever
-    the world size."""
+    the rank that reads it and broadcasts it: the first ``k`` ranks read, as many as the bytes
+    need at ``floor`` each (every rank for a large state, one for a small one), and each item,
+    biggest first, goes to the one of them with the fewest bytes so far (ties: the lowest rank),
+    so no reader takes more than an even share and one item. O(items log k), whatever the
+    world size."""
     total = sum(wanted.values())
-    share = max(-(-total // max(1, world)), floor)
+    readers = max(1, min(world, -(-total // max(1, floor))))
+    heap = [(0, r) for r in range(readers)]  # already a heap: (bytes so far, rank)
     out: dict[Item, int] = {}
-    rank, load = 0, 0
     for item in sorted(wanted, key=lambda i: (-wanted[i], i[0], i[1].offsets, i[1].shape)):
-        if load and load + wanted[item] > share and rank + 1 < world:
-            rank, load = rank + 1, 0
+        load, rank = heapq.heappop(heap)
         out[item] = rank
-        load += wanted[item]
+        heapq.heappush(heap, (load + wanted[item], rank))
     return out

@@ -244,7 +244,8 @@ def _load_together(
         if share and r.region == Box.whole(manifest.tensors[r.key].shape)
     }
     items = sorted((k, b.offsets, b.shape, n) for (k, b), n in wanted.items())
-    digest = xxhash.xxh3_128_intdigest(repr(items).encode())  # not a str: a str status is an error
+    floor = int(env_number("STASHPOINT_READ_SHARE_FLOOR", READ_SHARE_FLOOR, 0, 1 << 50))  # agreed with the items
+    digest = xxhash.xxh3_128_intdigest(repr((floor, items)).encode())  # not a str: a str status is an error
     try:
         alike = agree(ctx, "load plans", failure(plan_error) if plan_error else digest, CorruptCheckpointError)
     except CheckpointError as agreed:
@@ -252,7 +253,6 @@ def _load_together(
     assert plan is not None  # every rank planned: agree() raised otherwise
     readers: dict[Item, int] = {}
     if share and alike and wanted:
-        floor = int(env_number("STASHPOINT_READ_SHARE_FLOOR", READ_SHARE_FLOOR, 0, 1 << 50))
         readers = assign_readers(wanted, ctx.world, floor)  # alike everywhere: every rank's digest agreed
         reads = [r for r in reads if readers.get((r.key, r.region), ctx.rank) == ctx.rank]
     _warn_skipped(plan, storage.location, 4)
