@@ -464,3 +464,42 @@ def test_strict_false_loads_the_optimizer_state_of_the_parameters_both_have(tmp_
     model2(torch.randn(3, 4)).sum().backward()
     optim2.step()
     assert len(optim2.state) == 4
+
+
+def test_strict_false_leaves_a_resized_parameters_optimizer_state_fresh(tmp_path):
+    """A head resized between runs: its saved moments are of the old shape. strict=False loads
+    the others' and starts the head's fresh (they were loaded, and the first step failed)."""
+
+    def build(out: int):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, out))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    model, optim = build(2)
+    model(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    stashpoint.save({"optim": optim, "model": model}, tmp_path / "c")
+    model2, optim2 = build(3)
+    with pytest.warns(UserWarning, match=r"'1\.weight'.*'exp_avg' is \[2, 4\], the parameter \[3, 4\]"):
+        stashpoint.load({"optim": optim2, "model": model2}, tmp_path / "c", strict=False)
+    assert sorted(tuple(optim2.state[p]["exp_avg"].shape) for p in optim2.state) == [(4,), (4, 4)]
+    model2(torch.randn(3, 4)).sum().backward()
+    optim2.step()
+
+
+def test_a_dcp_named_optimizer_dict_loads_by_position_into_a_state_without_the_model(tmp_path):
+    """get_state_dict's optimizer dict loaded beside the model's state dict (no module to name
+    the parameters by): paired by position, as torch's load_state_dict pairs them."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    stashpoint.save({"model": msd, "optim": osd}, tmp_path / "c")
+    model2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optim2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    stashpoint.load({"model": model2.state_dict(), "optim": optim2}, tmp_path / "c")
+    for p, p2 in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(optim.state[p]["exp_avg"], optim2.state[p2]["exp_avg"])

@@ -52,6 +52,9 @@ class OptimizerPlanning:
             self._optimizer_finalizer(built, optim, where)
             return
         current = _stateful.optimizer_current_names(optim, names)
+        if any(n is None for n in current) and saved.get("raw"):  # as torch pairs them: by position
+            self._optimizer_finalizer(built, optim, where)
+            return
         if any(n is None for n in current):
             self.plan.problems.append(
                 f"{self._name(where)}: the checkpoint keys this optimizer's state by parameter name, but some "
@@ -76,6 +79,11 @@ class OptimizerPlanning:
                 f"{self._name(where)}: the checkpoint has {len(built['param_groups'])} parameter group(s), "
                 f"the optimizer {len(optim.param_groups)}"
             )
+        for n, state in list(built.get("state", {}).items()):
+            odd = _misshapen(state, params.get(n))
+            if odd is not None:  # a resized parameter: its old moments would fail the first step
+                del built["state"][n]
+                self.plan.problems.append(f"optimizer parameter {n!r} at {self._name(where)}: {odd}")
         # Loaded for the parameters both have: a problem above fails a strict load anyway, and
         # strict=False loads what matches (the others start fresh), as it does for tensors.
         if len(self.plan.problems) != n_before:
@@ -144,3 +152,13 @@ def _optimizer_params(optim: torch.optim.Optimizer, names: Mapping[int, str], by
     if by_name:
         return {names[id(p)]: p for p in params if id(p) in names}
     return dict(enumerate(params))
+
+
+def _misshapen(state: Any, param: torch.Tensor | None) -> str | None:
+    """Why a parameter's saved state does not fit it (a state tensor of another shape), or None."""
+    if param is None or not isinstance(state, Mapping):
+        return None
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
+            return f"the checkpoint's {key!r} is {list(value.shape)}, the parameter {list(param.shape)}"
+    return None

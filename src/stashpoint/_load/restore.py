@@ -258,7 +258,7 @@ class Planner(OptimizerPlanning):
     def _raw_state(self, saved: Node, live: Any, where: str, setter: Setter) -> None:
         """A state dict saved as such (a dict, not the object) into the live stateful ``live``."""
         kind = _stateful.kind_of(live)
-        wrapped: Node = {"stateful": kind, "state": saved}
+        wrapped: Node = {"stateful": kind, "state": saved, "raw": True}
         if kind == "optimizer":  # torch's own state dict numbers the parameters; DCP's names them
             wrapped["keyed_by"] = "name" if names_params(saved) else "index"
         self._stateful(wrapped, live, where, setter)
