@@ -149,3 +149,20 @@ def test_a_torch_save_checkpoint_file_is_named_with_the_import_and_replaced_by_t
     io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 3}, d / "last.ckpt")
     io.wait()
     assert (d / "last.ckpt").is_dir() and io.load_checkpoint(d / "last.ckpt")["global_step"] == 3
+
+
+def test_a_torch_save_file_stays_when_the_save_replacing_it_fails(tmp_path):
+    """The old last.ckpt is set aside while the new one is written and removed once it
+    committed; a save that fails (a value not saved without pickle) puts it back."""
+    import torch
+
+    d = tmp_path / "ckpts"
+    d.mkdir()
+    torch.save({"state_dict": {}}, d / "last.ckpt")
+    io = StashpointCheckpointIO()
+    with pytest.raises(stashpoint.UnsupportedStateError):
+        io.save_checkpoint({"note": Fraction(1, 3)}, d / "last.ckpt")
+    assert (d / "last.ckpt").is_file() and torch.load(d / "last.ckpt") == {"state_dict": {}}
+    io.save_checkpoint({"global_step": 3}, d / "last.ckpt")
+    io.wait()
+    assert (d / "last.ckpt").is_dir() and sorted(p.name for p in d.iterdir()) == ["last.ckpt"]

@@ -19,6 +19,7 @@ saves on rank 0 alone, and the plugin saves without any collective; every rank l
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -77,6 +78,7 @@ class StashpointCheckpointIO(CheckpointIO):
         self.metadata = dict(metadata or {})
         self._pending: SaveHandle | None = None
         self._pending_path: str | None = None
+        self._aside: Path | None = None  # a torch.save file at the path being saved, until it commits
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Stage ``checkpoint`` and return; it is written to ``path`` (a directory) in the background."""
@@ -93,20 +95,34 @@ class StashpointCheckpointIO(CheckpointIO):
             where.absolute().parent.mkdir(parents=True, exist_ok=True)
             if where.is_file() and not where.is_symlink():
                 # Lightning's own torch.save file at a path it saves again (last.ckpt): replaced,
-                # as its own plugin would write over it
+                # as its own plugin would write over it, once the new one committed
                 log.warning("stashpoint: replacing the torch.save checkpoint %s by a stashpoint checkpoint", target)
-                where.unlink()
-        self._pending = async_save(
-            checkpoint,
-            target,
-            overwrite=True,  # Lightning saves last.ckpt again and again at one path
-            allow_pickle=self.allow_pickle,
-            metadata={"framework": "lightning", **self.metadata},
-            max_shard_bytes=self.max_shard_bytes,
-            process_group=LOCAL,
-            writer=self.writer,
-        )
+                self._aside = where.with_name(f"{where.name}.torch-save-{os.getpid()}")
+                where.rename(self._aside)
+        try:
+            self._pending = async_save(
+                checkpoint,
+                target,
+                overwrite=True,  # Lightning saves last.ckpt again and again at one path
+                allow_pickle=self.allow_pickle,
+                metadata={"framework": "lightning", **self.metadata},
+                max_shard_bytes=self.max_shard_bytes,
+                process_group=LOCAL,
+                writer=self.writer,
+            )
+        except BaseException:
+            self._put_back(target)
+            raise
         self._pending_path = target
+
+    def _put_back(self, target: str) -> None:
+        """The torch.save file set aside for a save that failed goes back to its path."""
+        aside, self._aside = self._aside, None
+        if aside is not None:
+            with contextlib.suppress(OSError):
+                Path(target).rmdir()  # an uncommitted save's empty directory, if any
+            with contextlib.suppress(OSError):
+                aside.rename(target)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The checkpoint at ``path`` as the dict Lightning saved (tensors on ``map_location``
@@ -141,8 +157,18 @@ class StashpointCheckpointIO(CheckpointIO):
     def wait(self) -> None:
         """Block until the save in flight is committed; raise :class:`CheckpointError` if it failed."""
         handle, self._pending = self._pending, None
-        if handle is not None:
+        if handle is None:
+            return
+        try:
             handle.wait(self.timeout)
+        except BaseException:
+            if self._pending_path is not None:
+                self._put_back(self._pending_path)
+            raise
+        aside, self._aside = self._aside, None
+        if aside is not None:  # the new checkpoint committed: the torch.save file it replaced goes
+            with contextlib.suppress(OSError):
+                aside.unlink()
 
 
 def load_from_checkpoint(
