@@ -226,30 +226,11 @@ def test_a_new_run_on_a_fresh_node_moves_the_old_runs_remote_step_aside_not_away
 def test_a_rewind_whose_save_cannot_list_the_remote_tier_moves_its_steps_at_the_upload(tmp_path):
     """The remote tier cannot be listed on the training thread at the rewind's save: its steps
     above the rewind are moved aside by the upload of that step, before it copies anything."""
-    import threading
-
-    from test_tiers import _Unreachable
-
-    class _NotFromTheMainThread(_Unreachable):
-        def children(self):  # type: ignore[no-untyped-def]
-            if _NotFromTheMainThread.down and threading.current_thread() is threading.main_thread():
-                raise OSError(113, "No route to host")
-            return super(_Unreachable, self).children()
-
-        def child(self, name):  # type: ignore[no-untyped-def]
-            return _NotFromTheMainThread(self.root / name)
-
-    local, remote = tmp_path / "nvme", _NotFromTheMainThread(tmp_path / "remote")
-    with stashpoint.CheckpointManager(local, keep_last=None, remote_root=remote) as mgr:
+    remote = _Unlisted(tmp_path / "remote")
+    with stashpoint.CheckpointManager(tmp_path / "nvme", keep_last=None, remote_root=remote) as mgr:
         for s in (1, 2, 3):
             mgr.save(s, _state(s)).wait()
-        mgr.restore(_state(0), step=1)
-        _NotFromTheMainThread.down = True
-        try:
-            mgr.save(2, _state(2.5)).wait()
-            mgr.wait()
-        finally:
-            _NotFromTheMainThread.down = False
+        _back_to_step_1_unlisted(mgr)
         assert mgr.remote_steps() == [1, 2]
     assert _names(tmp_path / "remote", "rewound") == ["step-00000002", "step-00000003"]
     assert _resume(tmp_path / "fresh-node", remote_root=tmp_path / "remote") == (2, 2.5)
@@ -301,15 +282,20 @@ def test_an_unlisted_rewind_is_moved_by_its_own_steps_upload_not_an_older_one_st
         mgr.wait()
         for s in (3, 4):
             mgr.save(s, _state(s)).wait()  # their uploads still running
-        mgr.restore(_state(0), step=1)
-        _Unlisted.down = True
-        try:
-            mgr.save(2, _state(2.5)).wait()
-            mgr.wait()
-        finally:
-            _Unlisted.down = False
+        _back_to_step_1_unlisted(mgr)
         assert mgr.remote_steps() == [1, 2]
     assert _resume(tmp_path / "fresh", remote_root=tmp_path / "remote") == (2, 2.5)
+
+
+def _back_to_step_1_unlisted(mgr: stashpoint.CheckpointManager) -> None:
+    """Restore step 1 and save step 2 anew while the training thread cannot list the remote tier."""
+    mgr.restore(_state(0), step=1)
+    _Unlisted.down = True
+    try:
+        mgr.save(2, _state(2.5)).wait()
+        mgr.wait()
+    finally:
+        _Unlisted.down = False
 
 
 def test_a_refused_save_leaves_no_rewind_for_a_later_upload(tmp_path):
