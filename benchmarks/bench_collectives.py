@@ -54,7 +54,7 @@ def _rank(rank: int, world: int, calls: int, init: str, out: Any) -> None:
     eager = dist.new_group(backend="gloo")
     eager_sockets = _sockets() - before
     before = _sockets()
-    lazy = gloo_group()
+    lazy = gloo_group(lazy=True)
     lazy_sockets = _sockets() - before
     dist.broadcast(torch.ones(1), 0, group=lazy)
     lazy_after = _sockets() - before

@@ -244,7 +244,7 @@ def scenario_rewind_refused(root: str) -> None:
                 mgr.wait()
                 out[attempt] = "ok"
             except stashpoint.CheckpointError as e:
-                out[attempt] = str(e)[:300]
+                out[attempt] = str(e)[:3000]
             out[f"{attempt}_s"] = time.monotonic() - t0
             LocalStorage.move = real  # type: ignore[method-assign]
         out["steps"] = mgr.steps()
@@ -263,9 +263,9 @@ def scenario_gather_root_long(_: str) -> None:
 
 def scenario_tree_max(_: str) -> None:
     """The preemption check's all-reduce (a tree up and a broadcast down) on a new gloo group."""
-    from stashpoint._dist.group import tree_max
+    from stashpoint._dist.group import gloo_group, tree_max
 
-    group = dist.new_group(backend="gloo")
+    group = gloo_group(lazy=True)  # as from LAZY_FROM_RANKS ranks: connected as the tree goes
     values = [(r * 7) % 5 for r in range(WORLD)]
     flag = torch.tensor([values[RANK], RANK, -RANK], dtype=torch.int64)
     tree_max(flag, group)

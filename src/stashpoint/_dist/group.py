@@ -392,14 +392,26 @@ def tree_max(flag: Any, group: Any) -> None:
 _lazy_lock = threading.Lock()
 
 
-def gloo_group(**kwargs: Any) -> Any:
-    """``dist.new_group(backend="gloo", **kwargs)`` whose ranks connect to a peer when they first
-    exchange with it: created eagerly, each of R ranks would read R addresses from the store and
-    open R - 1 connections (2 GB read per rank, 16,383 sockets per process and group, at 16,384
-    ranks), where stashpoint's trees and rank-0 exchanges use a few peers each. The launcher's own
+#: From this many ranks a stashpoint group connects lazily (see :func:`gloo_group`).
+LAZY_FROM_RANKS = 256
+
+
+def gloo_group(lazy: bool | None = None, **kwargs: Any) -> Any:
+    """``dist.new_group(backend="gloo", **kwargs)``; from ``LAZY_FROM_RANKS`` ranks (or with
+    ``lazy``) one whose ranks connect to a peer when they first exchange with it: created eagerly,
+    each of R ranks reads R addresses from the store and opens R - 1 connections (2 GB read per
+    rank, 16,383 sockets per process and group, at 16,384 ranks), where stashpoint's trees and
+    rank-0 exchanges use a few peers each. Smaller groups connect eagerly: a collective whose
+    peers are connected fails at once when the program destroys the process groups under it
+    (a lazy one waits for a peer that never connects, until its timeout). The launcher's own
     ``TORCH_GLOO_LAZY_INIT``, when set, is kept."""
     import torch.distributed as dist
 
+    ranks = kwargs.get("ranks")
+    if lazy is None:
+        lazy = (len(ranks) if ranks is not None else dist.get_world_size()) >= LAZY_FROM_RANKS
+    if not lazy:
+        return dist.new_group(backend="gloo", **kwargs)
     with _lazy_lock:  # the variable is read as the group is made: set around it alone
         before = os.environ.get("TORCH_GLOO_LAZY_INIT")
         if before is None:
