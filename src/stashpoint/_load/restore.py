@@ -292,8 +292,8 @@ class Planner(OptimizerPlanning):
             return
         live = _stateful.unwrap(live)
         sd = live.state_dict()
-        keys = _stateful.module_keys(sd)  # the live keys as they are saved, and back
-        box = [{saved_key: sd[k] for saved_key, k in keys.items()}]
+        keys = _stateful.module_keys(sd) or {}  # the live keys as they are saved, and back
+        box = [{saved_key: sd[k] for saved_key, k in keys.items()} if keys else sd]
         state = _without_inner_wrappers(saved["state"])
         self.restore(state, box[0], where, _bind(box.__setitem__, 0), materialize=False)
         self.plan.finalizers.append(
@@ -330,7 +330,7 @@ def _without_inner_wrappers(state: Node) -> Node:
     if not all(isinstance(k, str) for k, _ in items):
         return state
     keys = _stateful.module_keys(k for k, _ in items)
-    if all(saved == k for saved, k in keys.items()):
+    if keys is None:
         return state
     back = {k: saved for saved, k in keys.items()}
     return {**state, "dict": [[back[k], v] for k, v in items]}

@@ -30,14 +30,18 @@ _WRAPPER_PARTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_modu
 _INNER_WRAPPER_PARTS = frozenset(("_orig_mod", "_checkpoint_wrapped_module"))
 
 
-def module_keys(keys: Iterable[str]) -> dict[str, str]:
+def module_keys(keys: Iterable[str]) -> dict[str, str] | None:
     """Each of a module state dict's ``keys`` as saved: without the parts inner wrappers add
     (``torch.compile`` of a block), so the same model saves the same keys however it is
-    wrapped, as DCP's ``get_model_state_dict`` does. Returns ``{saved key: key}``; the keys as
-    they are where two would become one."""
+    wrapped, as DCP's ``get_model_state_dict`` does. Returns ``{saved key: key}``, or None where
+    every key is saved as it is (most models; asked on every save: a scan, not a split per key)
+    or where two keys would become one."""
     keys = list(keys)
+    joined = "\n".join(keys)
+    if not any(part in joined for part in _INNER_WRAPPER_PARTS):
+        return None
     out = {".".join(p for p in k.split(".") if p not in _INNER_WRAPPER_PARTS): k for k in keys}
-    return out if len(out) == len(keys) else {k: k for k in keys}
+    return out if len(out) == len(keys) else None
 
 
 def kind_of(obj: Any) -> str | None:

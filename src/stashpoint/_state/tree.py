@@ -165,7 +165,8 @@ class Flattener:
             # their local parts detached. Only where state_dict() is nn.Module's own.
             if getattr(obj.state_dict, "__func__", None) is torch.nn.Module.state_dict:
                 sd = obj.state_dict(keep_vars=True)
-                sd = {saved: sd[k] for saved, k in _stateful.module_keys(sd).items()}
+                if (renamed := _stateful.module_keys(sd)) is not None:
+                    sd = {saved: sd[k] for saved, k in renamed.items()}
                 node = {"stateful": kind, "state": self._node(sd, key)}
                 self.buffers.update(
                     join(key, k)
