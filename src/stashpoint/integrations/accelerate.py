@@ -218,7 +218,8 @@ def _committed(folder: Path) -> list[int]:
 
 def _keep_newest(folder: Path, limit: int) -> None:
     """Delete the oldest committed checkpoints beyond ``limit`` (after a save committed)."""
-    for n in _committed(folder)[: max(0, len(_committed(folder)) - limit)]:
+    found = _committed(folder)
+    for n in found[: max(0, len(found) - limit)]:
         try:
             storage_for(folder / f"checkpoint_{n}").remove_tree()
         except OSError as e:  # best effort, as a retention
