@@ -82,3 +82,24 @@ def test_failed_saves_a_manager_keeps_for_wait_do_not_keep_their_states_alive(sm
         with pytest.raises(stashpoint.CheckpointError, match="No space left"):
             manager.wait()
         filler.unlink()
+
+
+def test_a_failure_its_handle_raised_is_not_raised_again_by_the_managers_wait(small_fs: Path):
+    """A training loop that caught a save's failure from ``handle.wait()`` and went on must not get
+    it again from ``close()`` at the end of training; a failure nobody looked at still is."""
+    filler = small_fs / "filler"
+    filler.write_bytes(b"\0" * (11 << 20))  # about 1 MiB left: a 4 MiB save fails
+    manager = stashpoint.CheckpointManager(small_fs / "run")
+    seen = manager.save(1, _state(4, 1.0))
+    with pytest.raises(stashpoint.CheckpointError, match="No space left"):
+        seen.wait()
+    manager.wait()  # reported already: not raised again
+    unseen = manager.save(2, _state(4, 2.0))
+    while not unseen.done():
+        time.sleep(0.01)
+    with pytest.raises(stashpoint.CheckpointError, match="No space left"):
+        manager.wait()
+    filler.unlink()
+    manager.save(3, _state(4, 3.0)).wait()
+    manager.close()
+    assert stashpoint.CheckpointManager(small_fs / "run").steps() == [3]

@@ -361,7 +361,8 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Wait for this manager's saves, uploads and deletions; raise the first failure, if any
-        (a save's first, then an upload's)."""
+        (a save's first, then an upload's). A save's failure that its handle's ``wait()`` already
+        raised (or ``exception()`` returned) is not raised again."""
         wait_for(self)
 
     def close(self) -> None:

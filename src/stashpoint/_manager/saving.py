@@ -307,8 +307,10 @@ def start_save(
         raise
     after: cf.Future[None] = cf.Future()  # done once the bookkeeping below has run too
     with mgr._lock:
-        # keep saves in flight, and failed ones until wait() has reported them
-        mgr._handles = [(h, a) for h, a in mgr._handles if not a.done() or h.exception() is not None]
+        # keep saves in flight, and failed ones until wait() or their own handle has reported them
+        mgr._handles = [
+            (h, a) for h, a in mgr._handles if not a.done() or (h._failure() is not None and not h._reported)
+        ]
         mgr._handles.append((handle, after))
     handle._future.add_done_callback(lambda f: after_save(mgr, step, metrics, f, after, resumed))
     if mgr._tier is not None:
@@ -335,7 +337,8 @@ def apply_retention(mgr: CheckpointManager) -> None:
 
 def wait_for(mgr: CheckpointManager) -> None:
     """``CheckpointManager.wait``: every save, upload and deletion of ``mgr`` ended; the first
-    failure raised (a save's first, then an upload's)."""
+    failure raised (a save's first, then an upload's), except a save's that its own handle
+    already raised or returned."""
     if mgr._nodes is not None:
         mgr._nodes.settled()
     with mgr._lock:
@@ -352,8 +355,8 @@ def wait_for(mgr: CheckpointManager) -> None:
             break
         cf.wait(pending)
     for h in handles:
-        exc = h.exception()
-        if exc is not None:
+        exc = h._failure()
+        if exc is not None and not h._reported:  # one the caller caught from h.wait() is not raised again
             raise exc
     for u in uploads:
         err = u.exception()

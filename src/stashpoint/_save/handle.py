@@ -97,6 +97,7 @@ class SaveHandle:
         self._copies = copies
         self.blocking_s = blocking_s
         self.staging_s = staging_s
+        self._reported = False  # the failure reached the caller through wait() or exception()
 
     def wait(self, timeout: float | None = None) -> SaveStats:
         """Block until the checkpoint is committed and durable; return its figures.
@@ -109,6 +110,9 @@ class SaveHandle:
             return self._future.result(timeout)
         except cf.TimeoutError:
             raise TimeoutError(f"the save to {self.path} is still running after {timeout} s") from None
+        except BaseException as e:
+            self._reported = self._reported or (self._future.done() and self._future.exception() is e)
+            raise
         finally:
             if self._copies is not None and self._future.done():
                 self._copies.wait()  # already done: removes what step hooks are left, from this thread
@@ -139,9 +143,15 @@ class SaveHandle:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The background failure, or None if the save succeeded (waits like :meth:`wait`)."""
         try:
-            return self._future.exception(timeout)
+            exc = self._future.exception(timeout)
         except cf.TimeoutError:
             raise TimeoutError(f"the save to {self.path} is still running after {timeout} s") from None
+        self._reported = self._reported or exc is not None
+        return exc
+
+    def _failure(self) -> BaseException | None:
+        """The failure of a save that has ended, for the library's own bookkeeping (not reported)."""
+        return self._future.exception()
 
     @classmethod
     def skipped(cls, path: str, step: int | None, blocking_s: float) -> SaveHandle:
