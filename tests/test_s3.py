@@ -290,3 +290,20 @@ def test_an_outage_shorter_than_the_retry_budget_is_ridden_out(s3_own_server, mo
     back = {k: torch.zeros_like(v) for k, v in state.items()}
     stashpoint.load(back, url)
     assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_the_bucket_is_checked_once_per_process_not_on_every_save(s3_url):
+    """At 16,384 ranks a HeadBucket per rank per save is 16,384 requests a save."""
+    st = storage_for(f"{s3_url}/once-0")
+    assert isinstance(st, S3Storage)
+    client = st.client()
+    client.checked.clear()  # as in a process that has not saved yet
+    asked = []
+    client.control.meta.events.register("before-call.s3.HeadBucket", lambda **kw: asked.append(1))
+    for i in range(3):
+        stashpoint.save({"w": torch.full((8,), float(i))}, f"{s3_url}/once-{i}")
+        assert storage_for(f"{s3_url}/once-{i}").client() is client
+    assert len(asked) == 1, f"HeadBucket asked {len(asked)} times for 3 saves"
+    out = {"w": torch.zeros(8)}
+    stashpoint.load(out, f"{s3_url}/once-2")
+    assert out["w"][0] == 2.0

@@ -154,11 +154,15 @@ class S3Storage(Storage):
     # -- the checkpoint level -------------------------------------------------------------------
 
     def prepare(self) -> None:
-        """Check that the bucket exists and is ours to use (objects need no directory), and abort
-        the multipart uploads of earlier failed saves whose abort could not reach the server."""
+        """Check that the bucket exists and is ours to use (objects need no directory; asked once
+        per process and client), and abort the multipart uploads of earlier failed saves whose
+        abort could not reach the server."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         c = self.client()
+        if "bucket" in c.checked:
+            self._retry_pending_aborts(c)
+            return
         try:
             c.control.head_bucket(Bucket=self.bucket)
         except ClientError as e:
@@ -173,6 +177,7 @@ class S3Storage(Storage):
             raise S3Error(f"saving to {self.url}: checking the bucket failed ({e})") from None
         except BotoCoreError as e:
             raise S3Error(f"saving to {self.url}: {e}; {c.endpoint_hint()}") from None
+        c.checked.add("bucket")
         self._retry_pending_aborts(c)
 
     def open_writer(self, name: str, size: int) -> FileWriter:

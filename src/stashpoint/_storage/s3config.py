@@ -19,7 +19,7 @@ import importlib.util
 import os
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -83,6 +83,9 @@ class S3Client:
     endpoint: str  # where requests go, for messages
     custom_endpoint: bool
     credentials_from: str  # where the credentials were found, for messages
+    # holds "bucket" once a HeadBucket found it usable: a save asks once per process, not per
+    # save on every rank (16,384 requests a save at that scale); a later refusal still names the fix
+    checked: set[str] = field(default_factory=set, compare=False, repr=False)
 
     def credentials_hint(self) -> str:
         return (
