@@ -5,11 +5,11 @@ creation, and who reads a load's replicated regions.
 
 Three measurements, each against what it replaced, in one run:
 
-* **the agreement at every ``maybe_save``** (``preempt.tree_max``: a tree up to rank 0 and a
+* **the agreement at every ``maybe_save``** (``gloo.tree_max``: a tree up to rank 0 and a
   broadcast down) against gloo's ring ``all_reduce``, ms per call, on real gloo processes of
   this host (one per rank: past two ranks they share two cores, so the figures show how each
   grows with the world, not what a cluster takes);
-* **the sockets a new stashpoint group opens** per process (``group.gloo_group``, connecting to
+* **the sockets a new stashpoint group opens** per process (``gloo.gloo_group``, connecting to
   a peer at the first exchange with it) against ``new_group``'s full mesh, then after one
   broadcast on it;
 * **assigning a load's replicated regions to readers** at ``--ranks`` ranks, pure: the seconds
@@ -47,7 +47,7 @@ def _sockets() -> int:
 
 
 def _rank(rank: int, world: int, calls: int, init: str, out: Any) -> None:
-    from stashpoint._dist.group import gloo_group, tree_max
+    from stashpoint._dist.gloo import gloo_group, tree_max
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     before = _sockets()

@@ -263,7 +263,7 @@ def scenario_gather_root_long(_: str) -> None:
 
 def scenario_tree_max(_: str) -> None:
     """The preemption check's all-reduce (a tree up and a broadcast down) on a new gloo group."""
-    from stashpoint._dist.group import gloo_group, tree_max
+    from stashpoint._dist.gloo import gloo_group, tree_max
 
     group = gloo_group(lazy=True)  # as from LAZY_FROM_RANKS ranks: connected as the tree goes
     values = [(r * 7) % 5 for r in range(WORLD)]

@@ -349,5 +349,43 @@ def scenario_verify_unreadable_shard(root: str) -> None:
         result(raised=f"{type(e).__name__}: {e}")
 
 
+def scenario_arrival_marks(root: str) -> None:
+    """Which arrival marks a rank leaves in the job's store: none for collectives that end at
+    once, its own for one that waits (rank 1 comes 2.5 s late)."""
+    import time
+
+    from stashpoint._dist import group
+    from stashpoint._dist.arrival import store
+
+    marks = store()
+    for i in range(3):
+        stashpoint.save({"w": torch.full((4,), float(i))}, Path(root, f"fast-{i}"))
+    ctx = group.context()
+    assert ctx is not None
+    prefix = ctx._store_prefix()
+    fast = [marks.check([f"{prefix}/{c}/{r}"]) for c in range(1, ctx.calls + 1) for r in range(2)]
+    dist.barrier()
+    if RANK == 1:
+        time.sleep(2.5)
+    import threading
+
+    start, seen, done = ctx.calls + 1, [], threading.Event()
+
+    def look() -> None:  # while rank 0 waits (its mark goes again two collectives later)
+        while not done.is_set() and not seen:
+            if any(marks.check([f"{prefix}/{c}/0"]) for c in range(start, start + 8)):
+                seen.append(1)
+            time.sleep(0.05)
+
+    looking = threading.Thread(target=look)
+    looking.start()
+    stashpoint.save({"w": torch.ones(4)}, Path(root, "slow"))  # rank 0 waits for rank 1 in it
+    done.set()
+    looking.join()
+    waited = bool(seen)
+    dist.barrier()
+    result(fast_marks=sum(fast), calls=ctx.calls, rank0_marked_while_waiting=waited)
+
+
 if __name__ == "__main__":
     main()

@@ -73,3 +73,13 @@ def test_the_ranks_that_never_came_are_found_in_few_requests():
 
     assert absent(Counting(), "m", world) == missing
     assert len(asked) < 12 + 16 * len(missing), len(asked)
+
+
+def test_a_collective_that_ends_at_once_asks_the_store_nothing_and_a_waiting_one_marks(tmp_path):
+    """Before: every rank set a mark (and deleted an old one) at every collective, 32,768 store
+    requests a collective at 16,384 ranks, all to one server; a rank that dies or never comes is
+    still named (test_a_save_on_rank_0_alone_..., tests/test_distributed.py)."""
+    results = run_world(2, "arrival_marks", str(tmp_path), worker=WORKER_OF)
+    for r in results:
+        assert r["calls"] > 3 and r["fast_marks"] == 0, r
+    assert results[0]["rank0_marked_while_waiting"], results

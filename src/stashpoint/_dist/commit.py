@@ -132,12 +132,7 @@ def start_save(
             )
         return Start("", False, ((0, why),))
     hashes = tuple(h.layout_hash for h in hellos)
-    reuse = (
-        last is not None
-        and last.hashes == hashes
-        and not constrained
-        and all(h.covers_last_plan for h in hellos)
-    )
+    reuse = last is not None and last.hashes == hashes and not constrained and all(h.covers_last_plan for h in hellos)
     return Start(hellos[0].save_id, reuse, ranks_per_dir=ranks_per_dir, described=None if reuse else _described(hellos))
 
 

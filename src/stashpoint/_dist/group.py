@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,7 +29,19 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from stashpoint import _runtime
-from stashpoint._dist.arrival import CollectiveError, absent, all_came, came, ranks_text, store, watch
+from stashpoint._dist.arrival import (
+    CollectiveError,
+    Mark,
+    absent,
+    all_came,
+    arm,
+    came,
+    ranks_text,
+    settle,
+    store,
+    watch,
+)
+from stashpoint._dist.gloo import gloo_group
 
 if TYPE_CHECKING:
     from stashpoint._dist.commit import Plan
@@ -67,6 +78,7 @@ class DistContext:
     calls: int = 0  # collectives issued on this group by this rank (the same count on every rank)
     sent: int = 0  # payload bytes this rank sent on the group (gather slots, pickled messages)
     received: int = 0  # and received (rank 0 receives every gathered slot)
+    marks: dict[int, Mark] = field(default_factory=dict)  # this rank's arrivals at its last two collectives
 
     spans_hosts: bool | None = None
     purpose: str = "save"  # contexts of other purposes (tier uploads) have their own group
@@ -111,14 +123,12 @@ class DistContext:
         the ranks that never reached it (each rank marks its arrival in the job's store)."""
         self.calls += 1
         mark = f"{self._store_prefix()}/{self.calls}"
-        marks = store()
-        if marks is not None:
-            try:
-                marks.set(f"{mark}/{self.rank}", "1")
-                if self.calls > 2:  # forget this rank's marks of two collectives ago
-                    marks.delete_key(f"{self._store_prefix()}/{self.calls - 2}/{self.rank}")
-            except Exception:
-                marks = None
+        marks = store() if self.world > 1 else None
+        arrived = arm(marks, f"{mark}/{self.rank}") if marks is not None else None
+        if self.calls > 2 and (old := self.marks.pop(self.calls - 2, None)) is not None:
+            old.forget()  # this rank's mark of two collectives ago (rank 0 may have looked late)
+        if arrived is not None:
+            self.marks[self.calls] = arrived
         t0 = time.monotonic()
         timer = watch(what, self.rank, self.world, self.timeout_s, store=marks, mark=mark)
         try:
@@ -127,14 +137,20 @@ class DistContext:
         except Exception as e:
             import torch.distributed as dist
 
+            if arrived is not None:
+                arrived.now()
+
             if not dist.is_initialized():  # the program tore the job down under this save
                 raise CollectiveError(
                     f"rank {self.rank}: torch.distributed's process group was destroyed while the checkpoint "
                     f"collective '{what}' ran: wait for saves in flight (handle.wait(), the manager's wait() or "
                     "close(), or stashpoint.shutdown()) before torch.distributed.destroy_process_group()"
                 ) from e
-            # only the group's first rank looks for the absent (R store calls in all, not R per rank)
-            missing = absent(marks, mark, self.world) if self.rank == 0 else []
+            # only the group's first rank looks for the absent (R / 256 store calls, not R per rank)
+            missing = []
+            if self.rank == 0 and marks is not None:
+                settle(t0)
+                missing = absent(marks, mark, self.world)
             if missing:
                 who = f"{ranks_text(missing)} never reached it"
             else:
@@ -145,6 +161,8 @@ class DistContext:
                 f"{type(e).__name__}: {str(e)[:300]}"
             ) from e
         finally:
+            if arrived is not None:
+                arrived.cancel()
             if timer is not None:
                 timer.cancel()
 
@@ -366,58 +384,3 @@ def rank_of(process_group: Any = None) -> tuple[int, int]:
         return 0, 1
     src = process_group if process_group is not None else dist.group.WORLD
     return dist.get_rank(src), dist.get_world_size(src)
-
-
-def tree_max(flag: Any, group: Any) -> None:
-    """``all_reduce(flag, MAX)`` over ``group`` in place, as a binomial tree up to its first rank
-    and a broadcast down: 2 log2(R) messages in sequence on every training step, where gloo's
-    ring all-reduce takes about 4R (seconds at 16,384 ranks)."""
-    import torch
-    import torch.distributed as dist
-
-    me, size = dist.get_rank(group), dist.get_world_size(group)
-    other = torch.empty_like(flag)
-    mask = 1
-    while mask < size:
-        if me & mask:  # this rank's subtree is done: up to its parent
-            dist.send(flag, dist.get_global_rank(group, me - mask), group=group)
-            break
-        if me + mask < size:
-            dist.recv(other, dist.get_global_rank(group, me + mask), group=group)
-            torch.maximum(flag, other, out=flag)
-        mask <<= 1
-    dist.broadcast(flag, dist.get_global_rank(group, 0), group=group)
-
-
-_lazy_lock = threading.Lock()
-
-
-#: From this many ranks a stashpoint group connects lazily (see :func:`gloo_group`).
-LAZY_FROM_RANKS = 256
-
-
-def gloo_group(lazy: bool | None = None, **kwargs: Any) -> Any:
-    """``dist.new_group(backend="gloo", **kwargs)``; from ``LAZY_FROM_RANKS`` ranks (or with
-    ``lazy``) one whose ranks connect to a peer when they first exchange with it: created eagerly,
-    each of R ranks reads R addresses from the store and opens R - 1 connections (2 GB read per
-    rank, 16,383 sockets per process and group, at 16,384 ranks), where stashpoint's trees and
-    rank-0 exchanges use a few peers each. Smaller groups connect eagerly: a collective whose
-    peers are connected fails at once when the program destroys the process groups under it
-    (a lazy one waits for a peer that never connects, until its timeout). The launcher's own
-    ``TORCH_GLOO_LAZY_INIT``, when set, is kept."""
-    import torch.distributed as dist
-
-    ranks = kwargs.get("ranks")
-    if lazy is None:
-        lazy = (len(ranks) if ranks is not None else dist.get_world_size()) >= LAZY_FROM_RANKS
-    if not lazy:
-        return dist.new_group(backend="gloo", **kwargs)
-    with _lazy_lock:  # the variable is read as the group is made: set around it alone
-        before = os.environ.get("TORCH_GLOO_LAZY_INIT")
-        if before is None:
-            os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
-        try:
-            return dist.new_group(backend="gloo", **kwargs)
-        finally:
-            if before is None:
-                os.environ.pop("TORCH_GLOO_LAZY_INIT", None)

@@ -22,7 +22,7 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any, NoReturn
 
-from stashpoint._dist.group import gloo_group, tree_max
+from stashpoint._dist.gloo import gloo_group, tree_max
 from stashpoint.errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
