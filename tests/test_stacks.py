@@ -156,3 +156,9 @@ def test_fsdp1_is_refused_with_what_to_use_instead(tmp_path):
         stashpoint.save({"model": torch.nn.Linear(2, 2)}, tmp_path / "plain")
         stashpoint.load({"model": fsdp1}, tmp_path / "plain")
     assert not (tmp_path / "ckpt" / "manifest.json").exists()
+    # wrapped around a part of the model, or under torch.compile: before, saved through the
+    # training's process group (only the root was looked at)
+    for outer in (torch.nn.Sequential(fsdp1, torch.nn.Linear(2, 2)), torch.compile(torch.nn.Sequential(fsdp1))):
+        with pytest.raises(stashpoint.UnsupportedStateError, match="FSDP1"):
+            stashpoint.save({"model": outer}, tmp_path / "nested")
+    assert not (tmp_path / "nested" / "manifest.json").exists()

@@ -12,6 +12,7 @@ Three kinds of stateful objects are told apart:
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -61,8 +62,8 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
     Raises :class:`UnsupportedStateError` for FSDP1 (``FullyShardedDataParallel``), whose
     ``state_dict()`` runs collectives on the training's process group."""
-    refuse_fsdp1(module)
     while True:
+        refuse_fsdp1(module)
         inner = (
             getattr(module, "module", None) if isinstance(module, torch.nn.parallel.DistributedDataParallel) else None
         )
@@ -73,17 +74,26 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
         module = inner
 
 
+_no_fsdp1: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # modules whose tree was scanned once
+
+
 def refuse_fsdp1(module: torch.nn.Module) -> None:
+    """Raise :class:`UnsupportedStateError` if ``module`` or any module inside it is FSDP1's
+    (wrapped around a part of the model, or under ``torch.compile``): its ``state_dict()``
+    gathers over the training's group. Each module's tree is scanned once per process."""
     # only a program that imported FSDP has FSDP modules: the others skip its costly import
     fsdp: Any = sys.modules.get("torch.distributed.fsdp")
     cls = getattr(fsdp, "FullyShardedDataParallel", None)
-    if cls is not None and isinstance(module, cls):  # FSDP1 always wraps the root
+    if cls is None or module in _no_fsdp1:
+        return
+    if any(isinstance(m, cls) for m in module.modules()):
         raise UnsupportedStateError(
             "FullyShardedDataParallel (FSDP1) is not supported: its state_dict() gathers or reshards over the "
             "training's process group, which a background save must not touch. Use FSDP2 "
             "(torch.distributed.fsdp.fully_shard), whose parameters and optimizer state are DTensors that "
             "stashpoint saves shard by shard and loads on any number of ranks."
         )
+    _no_fsdp1.add(module)
 
 
 def find_all(state: Any, cls: type[T]) -> list[T]:
