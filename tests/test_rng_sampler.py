@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -83,19 +84,30 @@ def test_sampler_splits_over_ranks_and_resumes_on_another_world_size():
         stashpoint.StatefulSampler(4, rank=2, world_size=2)
 
 
-def test_the_documented_position_for_loaders_with_workers_resumes_exactly():
-    """With workers the loader takes indices ahead of the loop; the docs' formula,
-    ``batches_done_in_epoch * batch_size * world_size``, puts a resumed rank where the loop was."""
-    n, bs, world, done = 64, 4, 2, 3
-    straight = [b.tolist() for b in DataLoader(list(range(n)), batch_size=bs,
-                sampler=stashpoint.StatefulSampler(n, seed=1, rank=1, world_size=world))]  # fmt: skip
-    sampler = stashpoint.StatefulSampler(n, seed=1, rank=1, world_size=world)
-    loader = DataLoader(list(range(n)), batch_size=bs, sampler=sampler, num_workers=2, generator=torch.Generator())
-    it = iter(loader)
-    seen = [next(it).tolist() for _ in range(done)]
-    assert sampler.state_dict()["index"] > done * bs * world, "the workers took indices ahead"
-    del it
-    fresh = stashpoint.StatefulSampler(n, seed=0, rank=1, world_size=world)
-    fresh.load_state_dict({**sampler.state_dict(), "index": done * bs * world})
-    rest = [b.tolist() for b in DataLoader(list(range(n)), batch_size=bs, sampler=fresh)]
-    assert seen + rest == straight
+def test_seek_puts_a_loader_with_workers_where_the_loop_was_across_epochs():
+    """With workers the loader takes indices ahead of the loop, near an epoch's end into the next
+    epoch: the docs' earlier formula (the index alone) skipped the rest of epoch 0 there."""
+    n, bs, world, per_epoch = 64, 4, 2, 8  # 32 samples per rank: 8 batches an epoch
+
+    def batches(sampler: stashpoint.StatefulSampler, epochs: int, workers: int = 0) -> Iterator[list[int]]:
+        for _ in range(epochs):
+            loader = DataLoader(list(range(n)), batch_size=bs, sampler=sampler, num_workers=workers,
+                                generator=torch.Generator())  # fmt: skip
+            for b in loader:
+                yield b.tolist()
+
+    straight = list(batches(stashpoint.StatefulSampler(n, seed=1, rank=1, world_size=world), 3))
+    for done in (3, per_epoch - 1, per_epoch + 2):
+        sampler = stashpoint.StatefulSampler(n, seed=1, rank=1, world_size=world)
+        it = batches(sampler, 2, workers=2)
+        seen = [next(it) for _ in range(done)]
+        taken = sampler.state_dict()
+        assert (taken["epoch"], taken["index"]) != (done // per_epoch, done % per_epoch * bs * world), "ahead"
+        it.close()
+        fresh = stashpoint.StatefulSampler(n, seed=0, rank=1, world_size=world)
+        fresh.load_state_dict(taken)
+        fresh.seek(done, bs)
+        rest = list(batches(fresh, 3 - done // per_epoch))
+        assert seen + rest == straight, done
+    with pytest.raises(ValueError, match="no batch of 64"):
+        stashpoint.StatefulSampler(n, world_size=2).seek(1, 64, drop_last=True)

@@ -32,9 +32,9 @@ class StatefulSampler(Sampler[int]):
     Give the DataLoader its own ``generator``: each new iterator draws a seed from it, and from
     torch's global generator (which dropout uses) otherwise, so a resumed run would drift. The
     position counts the indices the DataLoader has taken from the sampler: with
-    ``num_workers=0`` that is exactly what the loop consumed. Worker processes prefetch ahead, so
-    with ``num_workers > 0`` set the position from the step count after restoring:
-    ``sampler.load_state_dict({**sd, "index": steps_in_epoch * batch_size * world_size})``.
+    ``num_workers=0`` that is exactly what the loop consumed. Worker processes prefetch ahead (into
+    the next epoch, near an epoch's end), so with ``num_workers > 0`` set the position from the
+    step count after restoring: ``sampler.seek(batches_taken, batch_size)``.
     """
 
     def __init__(
@@ -88,6 +88,22 @@ class StatefulSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning."""
         self.epoch, self.index = epoch, 0
+
+    def seek(self, batches: int, batch_size: int, *, drop_last: bool = False) -> None:
+        """Stand where a loop stands that has taken ``batches`` batches of ``batch_size`` (per
+        rank) from a DataLoader on this sampler, epoch after epoch from epoch 0: the epoch and
+        the position in it. For ``num_workers > 0``, whose workers take indices ahead of the loop,
+        call it after restoring, with the loop's own count; ``drop_last`` as the DataLoader's."""
+        if batches < 0 or batch_size < 1:
+            raise ValueError(f"seek needs batches >= 0 and batch_size >= 1, got {batches} and {batch_size}")
+        per_rank = self._usable // self.world_size
+        per_epoch = per_rank // batch_size if drop_last else -(-per_rank // batch_size)
+        if per_epoch == 0:
+            raise ValueError(
+                f"an epoch of {per_rank} samples per rank makes no batch of {batch_size} with drop_last=True"
+            )
+        self.epoch, done = divmod(batches, per_epoch)
+        self.index = min(done * batch_size, per_rank) * self.world_size
 
     def state_dict(self) -> dict[str, Any]:
         return {
