@@ -138,13 +138,12 @@ def test_a_rank_dying_or_stalling_mid_save_fails_it_on_the_others_within_the_tim
     assert prev["x"].sum() == 10
 
 
-def test_a_rank_0_slowed_past_the_timeout_leaves_the_save_committed_and_whole_or_not_committed(tmp_path):
+def test_a_rank_0_slowed_past_the_timeout_leaves_the_save_committed_and_whole(tmp_path):
     """The others stop waiting after 4 s while rank 0 builds and writes the manifest for 7 s:
     they must not delete their shards, since rank 0 may (and here does) still commit."""
     results = run_world(2, "slow_commit", str(tmp_path / "ck"), "7", timeout=150)
-    assert results[0]["committed"] == results[1]["committed"]
-    if results[0]["committed"]:
-        assert all(r["verified"] for r in results), results  # committed means whole: every shard there
+    assert results[0]["committed"] and results[1]["committed"], results  # rank 0 commits late
+    assert all(r["verified"] for r in results), results  # and whole: every shard is still there
     slow = results[1]
     assert slow["raised"] and "either complete and loadable or not committed" in slow["message"], slow
 

@@ -462,3 +462,45 @@ def test_an_option_a_managers_save_does_not_take_is_named(tmp_path):
             with pytest.raises(TypeError, match=rf"unexpected option\(s\) '{option}'; it takes allow_pickle"):
                 mgr.save(1, {"w": torch.ones(2)}, **{option: True})
         assert mgr.steps() == []
+
+
+_DELETER = """
+import sys, time
+import torch
+import stashpoint
+from stashpoint._storage.local import LocalStorage
+
+real = LocalStorage.remove_tree
+
+def stalled(self):  # the retention's deletion of a step with files, frozen for the kill
+    if self.root.is_dir() and any(p.name.startswith("shard-") for p in self.root.iterdir()):
+        print("DELETING", self.root.name, flush=True)
+        time.sleep(60)
+    real(self)
+
+LocalStorage.remove_tree = stalled
+with stashpoint.CheckpointManager(sys.argv[1], keep_last=1) as mgr:
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((1000,), float(step))}).wait()
+    time.sleep(60)
+"""
+
+
+def test_a_retention_killed_mid_deletion_leaves_an_uncommitted_leftover_not_a_torn_step(tmp_path):
+    """The retention takes a step's manifest first: a kill -9 inside the deletion leaves files
+    that no listing takes for a committed step, and the next manager removes them."""
+    root = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", _DELETER, str(root)], stdout=subprocess.PIPE, text=True, env=_env())
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("DELETING step-"), line
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    doomed = root / line.split()[1]
+    assert doomed.exists() and any(doomed.iterdir()), "killed before any file went"
+    assert not (doomed / "manifest.json").exists(), "the manifest goes first"
+    with stashpoint.CheckpointManager(root, keep_last=1) as mgr:
+        assert mgr.steps() == [2]
+        out = {"w": torch.zeros(1000)}
+        assert mgr.restore(out) == 2 and out["w"][0] == 2.0
+    assert not doomed.exists(), "the leftover was removed when the manager opened"

@@ -22,8 +22,8 @@ from dist_util import run_world
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._storage import storage_for
 from stashpoint._storage.s3 import S3Storage
-from stashpoint._storage.s3config import S3Error, S3Options
-from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from stashpoint._storage.s3config import S3Options
+from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, S3Error
 
 S3_WORKER = Path(__file__).with_name("s3_worker.py")
 

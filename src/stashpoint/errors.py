@@ -13,6 +13,8 @@ __all__ = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
+    "ReplicaError",
+    "S3Error",
     "StateMismatchError",
     "UnsupportedStateError",
 ]
@@ -32,6 +34,15 @@ class CorruptCheckpointError(CheckpointError):
 
 class IncompleteCheckpointError(CheckpointError):
     """The path exists but the save that created it never committed (no manifest)."""
+
+
+class S3Error(CheckpointError, OSError):
+    """An S3 request failed for good: the message names the URL, what the server said and the fix."""
+
+
+class ReplicaError(CheckpointError):
+    """A step committed on every node, but copying it to other nodes (``replicas``) failed: the
+    step is loadable, and a node lost now takes its files of the step with it."""
 
 
 class UnsupportedStateError(CheckpointError, TypeError):

@@ -36,16 +36,12 @@ from stashpoint._dist.nodes import NodeSave, recv_blob, send_blob
 from stashpoint._dist.stream import Stream
 from stashpoint._storage import LocalStorage, Storage
 from stashpoint._storage.oserror import read_failed, says_damage
-from stashpoint.errors import CheckpointError, CorruptCheckpointError
+from stashpoint.errors import CheckpointError, CorruptCheckpointError, ReplicaError
 
 log = logging.getLogger("stashpoint")
 
 _MAX_LISTING = 64 << 20  # a transfer's list of files
 _MAX_FILE = 1 << 44
-
-
-class ReplicaError(CheckpointError):
-    """A step committed on every node, but copying it to other nodes failed."""
 
 
 def _check_space(step: Storage, needed: int) -> None:

@@ -215,9 +215,10 @@ def _read(
         if not pieces:
             return None, e
         return None, type(e)(
-            f"{e}\nSome of the state's tensors may already hold this checkpoint's values (its plain values "
-            "and objects are unchanged): load a good checkpoint before training on, or load with atomic=True, "
-            "which leaves the whole state untouched when a load fails."
+            f"{e}\nSome of the state's tensors (the model's, and the optimizer's moments and step counts) may "
+            "already hold this checkpoint's values; its plain values, the optimizer's hyperparameters and other "
+            "objects are unchanged. Load a good checkpoint before training on, or load with atomic=True, which "
+            "leaves the whole state untouched when a load fails."
         )
 
 

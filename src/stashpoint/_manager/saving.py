@@ -13,13 +13,12 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from stashpoint._core.naming import MANIFEST_NAME, step_dir
-from stashpoint._dist.transfer import ReplicaError
 from stashpoint._manager.lock import check_shared_root
 from stashpoint._manager.steps import DAMAGED, METRICS_KEY, committed_steps, delete_step, move_aside, quietly, retained
 from stashpoint._save.engine import SaveOptions, get_engine
 from stashpoint._save.handle import SaveHandle, SaveStats
 from stashpoint._storage import LocalStorage, Storage
-from stashpoint.errors import CheckpointError
+from stashpoint.errors import CheckpointError, ReplicaError
 
 if TYPE_CHECKING:
     from stashpoint._manager.manager import CheckpointManager

@@ -22,13 +22,12 @@ from stashpoint._dist import group as _dist
 from stashpoint._dist.arrival import CollectiveError
 from stashpoint._dist.commit import Outcome, RankFailure, finish_together
 from stashpoint._dist.group import DistContext
-from stashpoint._dist.transfer import ReplicaError
 from stashpoint._load.manifest import read_head
 from stashpoint._manager.holdings import held_ranks
 from stashpoint._manager.steps import committed_steps, move_aside, quietly
 from stashpoint._manager.upload import copy_file, own_files
 from stashpoint._storage import Storage
-from stashpoint.errors import CheckpointError
+from stashpoint.errors import CheckpointError, ReplicaError
 
 log = logging.getLogger("stashpoint")
 

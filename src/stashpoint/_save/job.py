@@ -31,7 +31,7 @@ from stashpoint._dist.commit import (
 )
 from stashpoint._dist.group import DistContext
 from stashpoint._dist.nodecommit import commit_on_nodes, node_room
-from stashpoint._dist.transfer import ReplicaError, replicate
+from stashpoint._dist.transfer import replicate
 from stashpoint._save.agree import agree
 from stashpoint._save.handle import SaveStats
 from stashpoint._save.layout import Layout
@@ -39,7 +39,7 @@ from stashpoint._save.persist import Writer, WrittenShards, write_shards
 from stashpoint._save.staging import StagingBuffers, StagingPool
 from stashpoint._storage import Storage
 from stashpoint._version import __version__
-from stashpoint.errors import CheckpointError
+from stashpoint.errors import CheckpointError, ReplicaError
 
 if TYPE_CHECKING:
     from stashpoint._save.engine import SaveOptions

@@ -33,7 +33,6 @@ from stashpoint._core.naming import is_group_dir, split_group
 from stashpoint._storage.base import FileWriter, Storage
 from stashpoint._storage.s3config import (
     S3Client,
-    S3Error,
     S3Options,
     addressable,
     check_installed,
@@ -43,6 +42,7 @@ from stashpoint._storage.s3config import (
 from stashpoint._storage.s3io import S3Writer, copy_into, server_said, status_of
 from stashpoint._storage.s3list import list_prefix
 from stashpoint._storage.s3tree import copy_tree, delete_tree
+from stashpoint.errors import S3Error
 
 log = logging.getLogger("stashpoint")
 T = TypeVar("T")

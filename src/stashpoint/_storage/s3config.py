@@ -25,16 +25,12 @@ from urllib.parse import urlsplit
 
 from stashpoint import _runtime
 from stashpoint._storage.base import env_number
-from stashpoint.errors import CheckpointError
+from stashpoint.errors import S3Error
 
 MiB = 1024 * 1024
 #: S3's limits on a multipart upload's parts (all but the last).
 MIN_PART, MAX_PART = 5 * MiB, 5 * 1024 * MiB
 INSTALL_HINT = "pip install 'stashpoint[s3]'"
-
-
-class S3Error(CheckpointError, OSError):
-    """An S3 request failed for good: the message names the URL, what the server said and the fix."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stashpoint._storage.s3config import S3Error
+from stashpoint.errors import S3Error
 
 MAX_ENTRIES = 10_000_000  # a run of 16,384 ranks holds about 33k files a step
 _TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling"})

@@ -9,8 +9,9 @@ import concurrent.futures as cf
 from typing import TYPE_CHECKING, Any
 
 from stashpoint._core.naming import MANIFEST_NAME
-from stashpoint._storage.s3config import S3Error, addressable, has_control
+from stashpoint._storage.s3config import addressable, has_control
 from stashpoint._storage.s3list import retrying
+from stashpoint.errors import S3Error
 
 if TYPE_CHECKING:
     from stashpoint._storage.s3 import S3Storage
