@@ -19,7 +19,8 @@ from typing import Any
 from stashpoint._core.naming import is_group_dir, split_group
 from stashpoint._storage.base import FileWriter, Storage, env_number
 from stashpoint._storage.directio import ALIGN, MIN_DIRECT_BYTES, BouncePool, drop_front, readv_direct
-from stashpoint._storage.localwrite import LocalWriter, fsync_dir, link_new
+from stashpoint._storage.localwrite import LocalWriter, fsync_dir, link_new, sync_parent
+from stashpoint._storage.oserror import file_kind, not_regular
 from stashpoint._storage.pagecache import keep_cached, read_resident, resident_at, resident_sampled
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
@@ -30,33 +31,9 @@ _NOFOLLOW = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
-def _kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO")):
-        if test(mode):
-            return kind
-    return "special file"
-
-
-def not_regular(path: Path, kind: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"{path} is a {kind}, not a regular file; a checkpoint holds only regular files, so it is refused "
-        "(remove it, or load an earlier checkpoint)"
-    )
-
-
 DIRECT_ALIGN = ALIGN
 # errors of an O_DIRECT open or read that mean "not on this file system": read buffered instead
 _NO_DIRECT = {errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
-
-
-def _sync_parent(path: Path) -> None:
-    """fsync the directory ``path``; one this process may enter but not read (a drop box, mode
-    0733) cannot be opened to sync, and the save goes on without it."""
-    try:
-        fsync_dir(path)
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EPERM, errno.EINVAL):
-            raise
 
 
 class LocalStorage(Storage):
@@ -108,7 +85,7 @@ class LocalStorage(Storage):
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             for path in made:  # a new directory's name is durable once its parent is synced
-                _sync_parent(path.parent)
+                sync_parent(path.parent)
         except (FileExistsError, NotADirectoryError):  # a file where a directory must be
             blocker = next((p for p in (self.root, *self.root.parents) if p.exists() and not p.is_dir()), self.root)
             raise CheckpointError(
@@ -186,7 +163,7 @@ class LocalStorage(Storage):
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise not_regular(self.root / name, _kind(st.st_mode))
+                raise not_regular(self.root / name, file_kind(st.st_mode))
             if st.st_size != size:
                 os.ftruncate(fd, size)
         except BaseException:
@@ -237,7 +214,7 @@ class LocalStorage(Storage):
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)
-            raise not_regular(path, _kind(mode))
+            raise not_regular(path, file_kind(mode))
         return fd
 
     def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
@@ -358,7 +335,7 @@ class LocalStorage(Storage):
         with self._where(name) as (at, leaf):
             st = os.stat(leaf, dir_fd=at, follow_symlinks=False)
         if not stat.S_ISREG(st.st_mode):
-            raise not_regular(self.root / name, _kind(st.st_mode))
+            raise not_regular(self.root / name, file_kind(st.st_mode))
         return st.st_size
 
     def exists(self, name: str | None = None) -> bool:

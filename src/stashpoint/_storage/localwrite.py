@@ -156,3 +156,13 @@ class LocalWriter(FileWriter):
                 pass
             finally:
                 self._close_fds()
+
+
+def sync_parent(path: Path) -> None:
+    """fsync the directory ``path``; one this process may enter but not read (a drop box, mode
+    0733) cannot be opened to sync, and the save goes on without it."""
+    try:
+        fsync_dir(path)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EINVAL):
+            raise

@@ -12,6 +12,8 @@ a device gone), the error is taken for the second kind: a good step is never set
 from __future__ import annotations
 
 import errno
+import stat
+from pathlib import Path
 
 from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
@@ -59,4 +61,20 @@ def read_failed(what: str, e: OSError) -> CheckpointError:
         f"reading {what} failed: {reason}{code}. This does not say the checkpoint is damaged, so it is "
         "neither set aside nor passed over for an older one: fix the cause (the files' permissions, the "
         "open-file limit, the storage's reachability) and load again"
+    )
+
+
+def file_kind(mode: int) -> str:
+    """What a ``st_mode`` that is no regular file names: a link, a directory, a FIFO, ..."""
+    for test, kind in ((stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO")):
+        if test(mode):
+            return kind
+    return "special file"
+
+
+def not_regular(path: Path, kind: str) -> CorruptCheckpointError:
+    """A checkpoint's file that is no regular file (a FIFO, a link, ...): refused, named."""
+    return CorruptCheckpointError(
+        f"{path} is a {kind}, not a regular file; a checkpoint holds only regular files, so it is refused "
+        "(remove it, or load an earlier checkpoint)"
     )
