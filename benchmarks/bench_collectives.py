@@ -12,6 +12,10 @@ Three measurements, each against what it replaced, in one run:
 * **the sockets a new stashpoint group opens** per process (``gloo.gloo_group``, connecting to
   a peer at the first exchange with it) against ``new_group``'s full mesh, then after one
   broadcast on it;
+* **the job store's requests a save makes** (each rank marks its arrival at a collective only
+  once the collective has waited 1 s; it used to set a mark and delete an old one at every
+  collective, two requests per rank per collective, all to the one store server): counted over
+  ``SAVES`` saves of a small state after a first one, with the collectives they ran;
 * **assigning a load's replicated regions to readers** at ``--ranks`` ranks, pure: the seconds
   and the number of readers (one broadcast each at least) for 1,000 eight-byte step counters and
   3,000 tensors of 1 MiB, the assignment before (every rank intersected R copies of the wanted
@@ -46,6 +50,44 @@ def _sockets() -> int:
     return n
 
 
+SAVES = 10
+
+
+class _CountingStore:
+    """The job's store, counting the requests made through it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.requests = inner, 0
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self.inner, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.requests += 1
+            return real(*args, **kwargs)
+
+        return counted
+
+
+def _store_requests(root: str) -> tuple[int, int]:
+    """(store requests, collectives) of this rank over ``SAVES`` saves, after a first one."""
+    import stashpoint
+    from stashpoint._dist import group as _group
+
+    stashpoint.save({"w": torch.ones(1024)}, f"{root}/first")  # creates stashpoint's group
+    counting = _CountingStore(_group.store())
+    real, _group.store = _group.store, lambda: counting  # type: ignore[assignment]
+    ctx = _group.context()
+    assert ctx is not None
+    calls = ctx.calls
+    try:
+        for i in range(SAVES):
+            stashpoint.save({"w": torch.full((1024,), float(i))}, f"{root}/s{i}")
+    finally:
+        _group.store = real  # type: ignore[assignment]
+    return counting.requests, ctx.calls - calls
+
+
 def _rank(rank: int, world: int, calls: int, init: str, out: Any) -> None:
     from stashpoint._dist.gloo import gloo_group, tree_max
 
@@ -58,6 +100,9 @@ def _rank(rank: int, world: int, calls: int, init: str, out: Any) -> None:
     lazy_sockets = _sockets() - before
     dist.broadcast(torch.ones(1), 0, group=lazy)
     lazy_after = _sockets() - before
+    requests, collectives = _store_requests(init.removeprefix("file://").rpartition("/")[0])
+    requests_all = [torch.tensor([requests])]
+    dist.all_reduce(requests_all[0], group=eager)
     times: dict[str, list[float]] = {"all_reduce": [], "tree_max": []}
     for _ in range(calls):
         for name, spent in times.items():
@@ -76,6 +121,8 @@ def _rank(rank: int, world: int, calls: int, init: str, out: Any) -> None:
             "eager_sockets": eager_sockets,
             "lazy_sockets": lazy_sockets,
             "lazy_after_broadcast": lazy_after,
+            "store_requests_per_save": int(requests_all[0]) / SAVES,
+            "collectives_per_save": collectives / SAVES,
         })  # fmt: skip
     dist.destroy_process_group()
 
@@ -134,11 +181,18 @@ def main() -> None:
     args = ap.parse_args()
     print("| ranks | ring all_reduce | tree_max | sockets, full mesh | sockets, lazy | lazy, after a broadcast |")
     print("|---:|---:|---:|---:|---:|---:|")
-    for r in agreement(args.worlds, args.calls):
+    rows = agreement(args.worlds, args.calls)
+    for r in rows:
         print(
             f"| {r['world']} | {r['all_reduce_ms']:.2f} ms | {r['tree_max_ms']:.2f} ms | {r['eager_sockets']} "
             f"| {r['lazy_sockets']} | {r['lazy_after_broadcast']} |"
         )
+    print(f"\nthe job store's requests a save makes (all ranks; {SAVES} saves after a first):\n")
+    print("| ranks | collectives a save | requests a save, marking at every collective | requests a save now |")
+    print("|---:|---:|---:|---:|")
+    for r in rows:
+        c = r["collectives_per_save"]
+        print(f"| {r['world']} | {c:g} | {2 * c * r['world']:g} | {r['store_requests_per_save']:g} |")
     print(f"\nreaders of a load's replicated regions at {args.ranks} ranks:\n")
     print("| regions | before | readers before | now | readers now |")
     print("|---|---:|---:|---:|---:|")
