@@ -122,6 +122,31 @@ def test_a_planted_lock_symlink_or_file_paths_give_clear_errors_and_write_nothin
     assert not outside.exists()
 
 
+def test_a_users_own_link_to_a_directory_is_followed_as_a_root_or_a_checkpoint_path(tmp_path):
+    """``runs -> /scratch/...``: before, a linked root was refused ("not a directory"), and a
+    linked remote_root taken for an unreachable one, so steps saved before the tier was added
+    were never uploaded and stayed protected from the retention for good."""
+    for d in ("disk", "far"):
+        (tmp_path / d).mkdir()
+        (tmp_path / f"{d}-link").symlink_to(tmp_path / d)
+    stashpoint.save({"w": torch.ones(2)}, tmp_path / "disk-link")
+    out = {"w": torch.zeros(2)}
+    stashpoint.load(out, tmp_path / "disk-link")
+    assert out["w"][0] == 1.0 and (tmp_path / "disk" / "manifest.json").exists()
+    with stashpoint.CheckpointManager(tmp_path / "disk-link" / "run") as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((2,), float(step))})
+    (tmp_path / "disk" / "runs").mkdir()
+    (tmp_path / "disk" / "runs" / "a").symlink_to(tmp_path / "disk" / "run")
+    with stashpoint.CheckpointManager(
+        tmp_path / "disk" / "runs" / "a", remote_root=tmp_path / "far-link", keep_last=1
+    ) as mgr:
+        mgr.save(3, {"w": torch.full((2,), 3.0)})
+        mgr.wait()
+        assert mgr.remote_steps() == [1, 2, 3], "the steps saved before the tier was added are uploaded at open"
+        assert mgr.steps() == [3], "and no longer held back from the retention"
+
+
 def test_hostile_metrics_in_one_step_neither_stop_retention_nor_break_ls(tmp_path):
     from stashpoint._core.format import seal
     from stashpoint._core.naming import MANIFEST_NAME

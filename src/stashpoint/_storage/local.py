@@ -99,7 +99,12 @@ class LocalStorage(Storage):
                 "process can write to, or fix the permissions of its parent"
             ) from None
         if self.root.is_symlink() or not self.root.is_dir():
-            raise CheckpointError(f"{self.root} is not a directory (a symbolic link?); choose another path")
+            what = (
+                "a symbolic link, which is not followed inside a checkpoint or run directory"
+                if self.root.is_symlink()
+                else "not a directory"
+            )
+            raise CheckpointError(f"{self.root} is {what}; remove it or choose another path")
 
     def _split(self, name: str) -> tuple[str, str]:
         parts = split_group(name)
