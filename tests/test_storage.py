@@ -590,11 +590,11 @@ def test_as_memoryview_is_zero_copy():
 def test_directories_a_save_creates_are_synced_into_their_parents(tmp_path, monkeypatch):
     """A new checkpoint directory's name lives in its parent: without syncing the parent a power
     loss can lose the whole (fsynced) checkpoint. Recorded here: a power loss cannot be."""
-    from stashpoint._storage import local
+    from stashpoint._storage import localwrite
 
     synced: list[Path] = []
-    real = local.fsync_dir
-    monkeypatch.setattr(local, "fsync_dir", lambda p: (synced.append(Path(p)), real(p)))
+    real = localwrite.fsync_dir
+    monkeypatch.setattr(localwrite, "fsync_dir", lambda p: (synced.append(Path(p)), real(p)))
     (tmp_path / "runs").mkdir()
     LocalStorage(tmp_path / "runs" / "run" / "step-1").prepare()
     assert set(synced) == {tmp_path / "runs", tmp_path / "runs" / "run"}
@@ -607,11 +607,11 @@ def test_a_parent_this_process_may_not_read_is_not_synced_and_the_save_goes_on(t
     """A drop box (mode 0733): a directory can be made in it, not opened to sync it."""
     import errno
 
-    from stashpoint._storage import local
+    from stashpoint._storage import localwrite
 
     def refused(path):
         raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
-    monkeypatch.setattr(local, "fsync_dir", refused)
+    monkeypatch.setattr(localwrite, "fsync_dir", refused)
     LocalStorage(tmp_path / "box" / "ck").prepare()
     assert (tmp_path / "box" / "ck").is_dir()
