@@ -315,3 +315,24 @@ def test_a_refused_save_leaves_no_rewind_for_a_later_upload(tmp_path):
         mgr.wait()
         assert mgr.remote_steps() == [1, 2, 3, 4, 5, 6]
     assert not list((tmp_path / "r").glob("step-*.rewound-*"))
+
+
+def test_a_damaged_step_right_above_the_one_restored_is_set_aside_not_deleted(tmp_path):
+    """Before: damaged steps did not count for the run's highest, so saving K + 1 after
+    ``restore(step=K)`` took it for a new step and deleted the old one's directory."""
+    root = tmp_path / "run"
+    with stashpoint.CheckpointManager(root, keep_last=None) as mgr:
+        for s in range(1, 6):
+            mgr.save(s, _state(s)).wait()
+    manifest = root / "step-00000005" / "manifest.json"
+    raw = bytearray(manifest.read_bytes())
+    raw[40] ^= 1
+    manifest.write_bytes(bytes(raw))
+    with stashpoint.CheckpointManager(root, keep_last=None) as mgr:
+        assert mgr.restore(_state(0), step=4) == 4
+        mgr.save(5, _state(50)).wait()
+        assert mgr.steps() == [1, 2, 3, 4, 5]
+    assert _names(root, "rewound") == ["step-00000005"], "kept aside, for a person to look at"
+    kept = next(root.glob("step-00000005.rewound-*")) / "manifest.json"
+    assert kept.read_bytes() == bytes(raw)
+    assert _resume(root, keep_last=None) == (5, 50.0)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from stashpoint._core.naming import MANIFEST_NAME, step_dir
 from stashpoint._manager.lock import check_shared_root
-from stashpoint._manager.steps import DAMAGED, METRICS_KEY, committed_steps, delete_step, move_aside, quietly, retained
+from stashpoint._manager.steps import METRICS_KEY, committed_steps, delete_step, move_aside, quietly, retained
 from stashpoint._save.engine import SaveOptions, get_engine
 from stashpoint._save.handle import SaveHandle, SaveStats
 from stashpoint._storage import LocalStorage, Storage
@@ -182,7 +182,8 @@ def set_aside_newer(mgr: CheckpointManager, step: int) -> tuple[bool, str | None
     if not roots:  # the others' steps are the owners' to move
         return after_restore, None
     if mgr._top is None:  # listed once; after that only a save below the highest step lists again
-        mgr._top = max((s for root in roots for s in _whole_steps(mgr, root)), default=-1)
+        # damaged and unreadable steps count: one above the save would otherwise be left in its way
+        mgr._top = max((s for root in roots for s in (_listed(mgr, root, committed_steps) or [])), default=-1)
     top, mgr._top = mgr._top, max(mgr._top, step)
     if step > top:  # the step numbers go on: nothing to set aside, even after looking at an old step
         return after_restore, None
@@ -235,14 +236,6 @@ def _listed(mgr: CheckpointManager, root: Storage, lister: Callable[[Storage], l
         return None
 
 
-def _whole_steps(mgr: CheckpointManager, root: Storage) -> list[int]:
-    """The committed steps of ``root`` whose manifests read whole: those the retention counts (a
-    damaged one is a restore's to set aside, as damaged). None of a remote tier that cannot be
-    listed now: its save goes on."""
-    steps = _listed(mgr, root, committed_steps) or []
-    return [s for s in steps if (m := mgr._metrics_of(s, root)) is not None and m is not DAMAGED]
-
-
 #: What ``CheckpointManager.save`` passes on to the engine: ``async_save``'s options but
 #: ``overwrite`` (a manager decides what a step's directory holds), and ``on_busy``.
 SAVE_OPTIONS = frozenset(
@@ -285,7 +278,13 @@ def start_save(
     # node holds and another, on a new disk, not): the engine fails the save on every rank
     # together instead of leaving those waiting for this one
     if mgr._owner and refused is None:  # the remains of an earlier failed save of this step, if any
-        target.remove_tree()
+        if target.exists(MANIFEST_NAME) and not move_aside(mgr.storage, step, "rewound"):
+            # committed once (a manifest this process cannot read now is no leftover): kept
+            refused = f"step {step} at {target.location} holds a committed checkpoint that could not be moved aside"
+            if mgr._nodes is None:
+                raise CheckpointError(refused)
+        else:
+            target.remove_tree()
     rewind, mgr._remote_rewind = mgr._remote_rewind, None
     opts = save_options(mgr, step, metrics, {**options, "refused": refused})
     mgr._last_save_time = time.monotonic()

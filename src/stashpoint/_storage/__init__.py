@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from pathlib import Path
 
 from stashpoint._storage.base import FileWriter, Storage, env_number
 from stashpoint._storage.local import LocalStorage
@@ -33,10 +34,10 @@ def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
             backend: type[Storage] = getattr(importlib.import_module(module), name)
             return backend(text)  # type: ignore[call-arg]
         raise ValueError(f"unsupported storage scheme {scheme!r} in {text!r}; use a local path or s3://bucket/prefix")
-    if os.path.islink(text) and os.path.isdir(text):
+    if Path(text).is_symlink() and Path(text).is_dir():
         # the user's own link to a directory (runs -> /scratch/...): followed here, once; links
         # found inside a checkpoint or run directory are never followed
-        text = os.path.realpath(text)
+        text = str(Path(text).resolve())
     return LocalStorage(
         text,
         direct_io=env_number("STASHPOINT_DIRECT_IO", 1, 0, 1) == 1,
