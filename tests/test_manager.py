@@ -74,7 +74,8 @@ def test_retention_keep_last_every_and_best(tmp_path):
 def test_a_damaged_step_numbered_above_the_rest_costs_retention_no_real_step(tmp_path, node_local, planted):
     """Before: a step directory numbered 97 whose manifest was damaged (or a FIFO) counted as
     the newest step, so keep_last=1 deleted each real step right after its commit, and a
-    restart found nothing to restore."""
+    restart found nothing to restore. A save below it sets it aside, as it does any step of
+    the run it goes back from, never deletes it."""
     root = tmp_path / "r"
     with stashpoint.CheckpointManager(root, keep_last=1, node_local=node_local) as mgr:
         mgr.save(1, _state(1)).wait()
@@ -85,7 +86,8 @@ def test_a_damaged_step_numbered_above_the_rest_costs_retention_no_real_step(tmp
         for step in (2, 3):
             mgr.save(step, _state(step))
             mgr.wait()  # retention too
-        assert mgr.steps() == [3, 97], "the damaged step is kept, not counted: step 3 is the last"
+        assert mgr.steps() == [3], "step 3 is the last"
+    assert [p.name.split(".")[1].split("-")[0] for p in root.glob("step-00000097.*")] == ["rewound"], "kept aside"
     state = _state(0)
     with stashpoint.CheckpointManager(root, keep_last=1, node_local=node_local) as mgr:
         assert mgr.restore(state) == 3

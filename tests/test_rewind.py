@@ -336,3 +336,80 @@ def test_a_damaged_step_right_above_the_one_restored_is_set_aside_not_deleted(tm
     kept = next(root.glob("step-00000005.rewound-*")) / "manifest.json"
     assert kept.read_bytes() == bytes(raw)
     assert _resume(root, keep_last=None) == (5, 50.0)
+
+
+class _Down:
+    """The remote tier gone for real: its directory renamed away and a file in its place."""
+
+    def __init__(self, remote: Path) -> None:
+        self.remote, self.away = remote, remote.with_name(remote.name + ".away")
+
+    def __enter__(self) -> None:
+        self.remote.rename(self.away)
+        self.remote.write_text("")
+
+    def __exit__(self, *exc: object) -> None:
+        self.remote.unlink()
+        self.away.rename(self.remote)
+
+
+def _first_run(local: Path, remote: Path) -> None:
+    with stashpoint.CheckpointManager(local, keep_last=None, remote_root=remote) as mgr:
+        for s in range(1, 7):
+            mgr.save(s, _state(s)).wait()
+
+
+def test_a_rewind_whose_first_upload_fails_is_moved_by_the_next_and_its_step_uploaded_at_open(tmp_path):
+    """Before: the rewind went with the one upload of its save; that upload failing (the remote
+    tier down for a moment), nobody moved the abandoned run's remote steps 4-6, a restart
+    resumed its step 6, and the new run's step 4 was never uploaded (the remote tier had a 4)."""
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    _first_run(local, remote)
+    with stashpoint.CheckpointManager(local, keep_last=None, remote_root=remote) as mgr:
+        assert mgr.restore(_state(0), step=3) == 3
+        with _Down(remote):
+            mgr.save(4, _state(40)).wait()
+            with pytest.raises(stashpoint.CheckpointError, match="uploading step 4"):
+                mgr.wait()
+        mgr.save(5, _state(50)).wait()
+        mgr.wait()
+        assert mgr.remote_steps() == [1, 2, 3, 5]
+    assert _names(remote, "rewound") == ["step-00000004", "step-00000005", "step-00000006"]
+    assert _resume(local, keep_last=None, remote_root=remote) == (5, 50.0)
+    with stashpoint.CheckpointManager(local, keep_last=None, remote_root=remote) as mgr:
+        mgr.wait()  # the catch-up at open
+        assert mgr.remote_steps() == [1, 2, 3, 4, 5]
+    assert _resume(tmp_path / "fresh-node", remote_root=remote) == (5, 50.0)
+    out = _state(0)
+    stashpoint.load(out, remote / "step-00000004")
+    assert out["w"][0] == 40.0, "the new run's step 4"
+
+
+def test_a_rewind_after_a_restore_that_could_not_see_the_remote_tier_is_kept_across_restarts(tmp_path):
+    """Before: the remote tier was left alone when the restore could not list it, and the next
+    restart resumed the abandoned run's step 6 from it."""
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    _first_run(local, remote)
+    with _Down(remote):
+        mgr = stashpoint.CheckpointManager(local, keep_last=None, remote_root=remote)
+        assert mgr.restore(_state(0), step=3) == 3 and mgr.restored_from() == "local"
+        for s in (4, 5):
+            mgr.save(s, _state(10 * s)).wait()
+        with pytest.raises(stashpoint.CheckpointError, match="uploading step"):
+            mgr.close()
+    assert (local / ".stashpoint-rewind.json").exists(), "written down until the remote tier has seen it"
+    assert _resume(local, keep_last=None, remote_root=remote) == (5, 50.0)  # its catch-up moves them
+    assert not (local / ".stashpoint-rewind.json").exists()
+    assert _names(remote, "rewound") == ["step-00000004", "step-00000005", "step-00000006"]
+    assert _resume(tmp_path / "fresh-node", remote_root=remote) == (5, 50.0)
+    assert stashpoint.verify(local).ok
+
+
+@pytest.mark.parametrize("planted", [b"", b"{not json", b'{"above": "3"}', b'{"above": 3.5}', b"\xff" * 300])
+def test_a_rewind_mark_that_is_no_mark_of_ours_is_ignored(tmp_path, planted):
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    _first_run(local, remote)
+    (local / ".stashpoint-rewind.json").write_bytes(planted)
+    assert _resume(tmp_path / "fresh", remote_root=remote) == (6, 6.0)
+    assert _resume(local, keep_last=None, remote_root=remote) == (6, 6.0)
+    assert stashpoint.verify(remote).ok and stashpoint.verify(local).ok

@@ -8,6 +8,7 @@ import re
 
 MANIFEST_NAME = "manifest.json"
 LOCK_NAME = ".stashpoint-manager.lock"  # the manager's lock file in its root
+REWIND_NAME = ".stashpoint-rewind.json"  # in a run's root: a rewind the remote tier has not seen yet
 #: In a node-local step directory: every node's files of this step had live copies on
 #: ``replicas`` other nodes when it was written (the manifest is sealed before the copies exist)
 RECOVERABLE_NAME = "recoverable.json"

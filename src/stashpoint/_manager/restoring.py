@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from stashpoint._manager.rewindmark import live, pending_rewind
 from stashpoint._manager.tiers import restore_order
 from stashpoint.errors import (
     CheckpointError,
@@ -162,11 +163,15 @@ def restore_run(
         except CheckpointNotFoundError as e:
             raise CheckpointNotFoundError(f"{e}; {_held(mgr.steps())}") from None
         return RestoreReport(step, "local", ((step, "local"),), ())
+
+    def remote_live() -> list[int]:  # not the steps of a run gone back from, not yet set aside there
+        return live(mgr.remote_steps(), pending_rewind(mgr.storage))
+
     if mgr.world == 1:
-        remote_steps = reachable(mgr.remote_steps)
+        remote_steps = reachable(remote_live)
         order, unseen = restore_order(mgr.steps(), remote_steps or [], step), remote_steps is None
     else:  # every rank the same order, from what every rank sees (one listing each, gathered)
-        order, unseen = agreed_restore_order(mgr.steps, mgr.remote_steps, mgr.rank, step, options)
+        order, unseen = agreed_restore_order(mgr.steps, remote_live, mgr.rank, step, options)
     if unseen and not order and remote is not None:
         raise unseen_remote(remote.location)
     if step is not None and not order:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from stashpoint._core.naming import LOCK_NAME, MANIFEST_NAME, is_set_aside, parse_step_dir
+from stashpoint._core.naming import LOCK_NAME, MANIFEST_NAME, REWIND_NAME, is_set_aside, parse_step_dir
 from stashpoint._storage import LocalStorage, Storage
 
 
@@ -38,6 +38,8 @@ def run_contents(root: Storage) -> RunContents | None:
             steps.append((name, step))
         elif name == LOCK_NAME and is_file:
             lock = True
+        elif name == REWIND_NAME and is_file:
+            continue
         elif is_dir and is_set_aside(name):
             aside.append(name)
         else:

@@ -163,12 +163,17 @@ def set_aside_newer(mgr: CheckpointManager, step: int) -> tuple[bool, str | None
     Decided alike on every rank where it raises (the saves in flight are the same everywhere);
     only the roots' owners list and move. Moving a remote step aside on object storage copies
     it, server-side, within this call; where the remote tier cannot be listed now, the step's
-    upload moves them (``mgr._remote_rewind``). Returns whether this is the first save after a
+    upload moves them (``mgr._remote_rewind``, written down in the local root until one has:
+    ``_manager/rewindmark``). Returns whether this is the first save after a
     restore of a lower step, alike on every rank (a step already there is then the owners' to
     move, not a reason to refuse the save), and, on an owner, why the save must be refused (a
     step that could not be moved aside), for the caller to fail the save on every rank."""
     resumed, mgr._resumed_at = mgr._resumed_at, None
     after_restore = resumed is not None and resumed < step
+    if after_restore and mgr._remote_unseen and mgr._tier is not None and mgr.rank == 0:
+        # the restore could not see the remote tier: its steps above the one restored are the
+        # branch this run leaves, whatever the local tier holds; its uploads move them aside
+        mgr._remote_rewind = resumed
     with mgr._lock:
         busy = sorted(h.step for h, a in mgr._handles if h.step is not None and h.step > step and not a.done())
     if busy:
@@ -285,7 +290,9 @@ def start_save(
                 raise CheckpointError(refused)
         else:
             target.remove_tree()
-    rewind, mgr._remote_rewind = mgr._remote_rewind, None
+    if refused is None and mgr._remote_rewind is not None and mgr._tier is not None:  # rank 0
+        mgr._tier.uploader.note_rewind(mgr._remote_rewind)  # moved by this step's upload, or a later one
+    mgr._remote_rewind = None
     opts = save_options(mgr, step, metrics, {**options, "refused": refused})
     mgr._last_save_time = time.monotonic()
     try:
@@ -312,7 +319,7 @@ def start_save(
         mgr._handles.append((handle, after))
     handle._future.add_done_callback(lambda f: after_save(mgr, step, metrics, f, after, resumed))
     if mgr._tier is not None:
-        mgr._tier.submit(step, handle._future, rewind_above=rewind)
+        mgr._tier.submit(step, handle._future)
     return handle
 
 

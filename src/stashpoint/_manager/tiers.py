@@ -17,6 +17,7 @@ from typing import Any
 
 from stashpoint._core.naming import step_dir
 from stashpoint._core.policy import Retention
+from stashpoint._manager.rewindmark import live, pending_rewind
 from stashpoint._manager.steps import committed_steps, delete_step, remove_leftovers, retained
 from stashpoint._manager.uploader import Uploader
 from stashpoint._storage import LocalStorage, Storage, storage_for
@@ -84,16 +85,19 @@ class RemoteTier:
         self._known: set[int] = set()  # remote steps found committed (their manifests not asked again)
         todo: list[int] = []
         problem = None
+        rewound = pending_rewind(local) if rank == 0 else None  # a rewind the remote tier has not seen
         try:
             self.remote.prepare()
             if rank == 0:
                 remove_leftovers(self.remote)
-                todo = self._missing()
+                todo = self._missing(rewound)
         except (OSError, CheckpointError) as e:  # the remote tier is a second copy: training goes on
             problem = f"{type(e).__name__}: {e}"
         self.uploader = Uploader(
             local, self.remote, on_result=self._result, on_committed=self._retain, node_local=node_local
         )
+        if rewound is not None:  # the catch-up below and every upload after move them first
+            self.uploader.note_rewind(rewound, since=0)
         # every owner of a directory's retention (node-local: each node's leader) protects them
         todo, first = self.uploader.ctx.broadcast("upload: what the remote tier lacks", (todo, problem))
         problem = problem or first
@@ -109,9 +113,10 @@ class RemoteTier:
             self._unuploaded.update(committed_steps(local) if problem is not None and owner else todo)
         self._track(self.uploader.catch_up(todo))
 
-    def _missing(self) -> list[int]:
-        """Local steps the remote tier lacks and would keep (rank 0, at open)."""
-        local, remote = committed_steps(self.local), committed_steps(self.remote)
+    def _missing(self, rewound: int | None) -> list[int]:
+        """Local steps the remote tier lacks and would keep (rank 0, at open); its steps above a
+        rewind it has not seen (``rewound``) are another run's, about to be moved aside."""
+        local, remote = committed_steps(self.local), live(committed_steps(self.remote), rewound)
         missing = [s for s in local if s not in remote]
         if self.retention is None or not missing:
             return missing
@@ -119,7 +124,7 @@ class RemoteTier:
         keep = retained(everything, lambda s: self.metrics(s, self.local), self.retention)
         return [s for s in missing if s in keep]
 
-    def submit(self, step: int, after: cf.Future[Any], rewind_above: int | None = None) -> None:
+    def submit(self, step: int, after: cf.Future[Any]) -> None:
         with self._lock:
             self._unuploaded[step] += 1
             backlog = len(self._unuploaded)
@@ -130,7 +135,7 @@ class RemoteTier:
                 backlog,
                 self.remote.location,
             )
-        self._track(self.uploader.submit(step, after, rewind_above))
+        self._track(self.uploader.submit(step, after))
 
     def settle(self) -> None:
         """Wait for the uploads queued so far (their failures stay for ``wait()``)."""

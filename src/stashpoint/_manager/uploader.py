@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from stashpoint._dist.commit import Outcome, RankFailure, finish_together
 from stashpoint._dist.group import DistContext
 from stashpoint._load.manifest import read_head
 from stashpoint._manager.holdings import held_ranks
+from stashpoint._manager.rewindmark import clear_rewind, mark_rewind
 from stashpoint._manager.steps import committed_steps, move_aside, quietly
 from stashpoint._manager.upload import copy_file, own_files
 from stashpoint._storage import Storage
@@ -82,16 +84,32 @@ class Uploader:
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-upload")
         self._broken: CollectiveError | None = None
         self._seq = 0
+        # (rank 0) a rewind's remote steps above this step, moved aside by the first upload from
+        # this sequence number on that can; its mark in the local root goes then (rewindmark)
+        self.rewind: tuple[int, int] | None = None
+        self._rewind_lock = threading.Lock()
 
-    def submit(
-        self, step: int, after: cf.Future[Any] | None = None, rewind_above: int | None = None
-    ) -> cf.Future[bool]:
+    def submit(self, step: int, after: cf.Future[Any] | None = None) -> cf.Future[bool]:
         """Upload ``step`` once ``after`` (its local save) has succeeded; the future tells whether
-        a copy was made (False: the save failed or was skipped, so there was nothing to upload).
-        ``rewind_above`` (rank 0): the save went back to this step without listing the remote
-        tier; its steps above are moved aside first."""
+        a copy was made (False: the save failed or was skipped, so there was nothing to upload)."""
         self._seq += 1
-        return self._executor.submit(self._one, step, after, self._seq, rewind_above)
+        return self._executor.submit(self._one, step, after, self._seq)
+
+    def note_rewind(self, above: int, *, since: int | None = None) -> None:
+        """(Rank 0) a save went back to step ``above`` without moving the remote tier's steps
+        above it aside (it could not list them): the next upload (or ``since``, a sequence
+        number) and every later one move them before copying anything, until one has. Written
+        down in the local root meanwhile, for a restore to pass them by and a later manager to
+        move them."""
+        with self._rewind_lock:
+            try:
+                mark_rewind(self.local, above)
+            except (OSError, CheckpointError) as e:
+                log.warning("stashpoint: could not write the rewind down in %s (%s)", self.local.location, e)
+            first = self._seq + 1 if since is None else since
+            if self.rewind is not None:  # one still pending: the two together (no new step went up since)
+                above, first = min(above, self.rewind[0]), min(first, self.rewind[1])
+            self.rewind = (above, first)
 
     def catch_up(self, todo: list[int]) -> cf.Future[list[int]]:
         """Upload the steps in ``todo``, the same list on every rank (rank 0's, sent at open):
@@ -112,10 +130,10 @@ class Uploader:
                 log.error("stashpoint: %s", e)
         return done
 
-    def _one(self, step: int, after: cf.Future[Any] | None, seq: int, rewind_above: int | None = None) -> bool:
+    def _one(self, step: int, after: cf.Future[Any] | None, seq: int) -> bool:
         uploaded: bool | None = None
         try:
-            uploaded = self._upload(step, after, seq, rewind_above)
+            uploaded = self._upload(step, after, seq)
             return uploaded
         finally:
             if self.on_result is not None:
@@ -124,7 +142,7 @@ class Uploader:
                 except Exception:
                     log.exception("stashpoint: bookkeeping after the upload of step %d failed", step)
 
-    def _upload(self, step: int, after: cf.Future[Any] | None, seq: int, rewind_above: int | None) -> bool:
+    def _upload(self, step: int, after: cf.Future[Any] | None, seq: int) -> bool:
         if self._broken is not None:
             raise CheckpointError(
                 f"step {step} was not uploaded: the ranks lost each other in an earlier upload ({self._broken}); "
@@ -136,7 +154,7 @@ class Uploader:
         t0 = time.perf_counter()
         # 1. agree that there is something to upload (every rank saw its save succeed); rank 0
         # alone sees every rank's view and answers each with the decision
-        kind, detail = self._start_status(step, after, src, dst, rewind_above)
+        kind, detail = self._start_status(step, after, src, dst, seq)
         held = _held(src) if self.node_local else None
         starts: list[UploadStart] | None = self._collective(
             self.ctx.gather, "upload start", UploadStart(seq, step, kind, detail, held)
@@ -199,7 +217,7 @@ class Uploader:
         return True
 
     def _start_status(
-        self, step: int, after: cf.Future[Any] | None, src: Storage, dst: Storage, rewind_above: int | None = None
+        self, step: int, after: cf.Future[Any] | None, src: Storage, dst: Storage, seq: int
     ) -> tuple[str, Any]:
         """This rank's view: ("skip", why), ("done", None), ("ok", the saved world size; None
         but on rank 0) or ("error", why)."""
@@ -213,10 +231,14 @@ class Uploader:
             return ("ok", None)
         try:
             head = read_head(src)
-            if rewind_above is not None:
+            if (rewind := self.rewind) is not None and seq >= rewind[1]:
                 for s in committed_steps(self.remote):
-                    if s > rewind_above and not move_aside(self.remote, s, "rewound"):
+                    if s > rewind[0] and not move_aside(self.remote, s, "rewound"):
                         return ("error", f"step {s} of the run abandoned by a rewind could not be moved aside")
+                with self._rewind_lock:
+                    if self.rewind == rewind:  # not a newer rewind meanwhile
+                        self.rewind = None
+                        clear_rewind(self.local)
             if dst.exists(MANIFEST_NAME):
                 if read_head(dst).save_id == head.save_id:
                     return ("done", None)
