@@ -237,6 +237,34 @@ def test_plain_values_come_back_into_placeholders(tmp_path):
     assert torch.equal(target["w"], torch.ones(2))
 
 
+def test_numpy_floats_that_are_not_finite_come_back(tmp_path):
+    """Before: np.float64('nan') was written as "np.float64(nan)" (its repr under NumPy 2), the
+    save committed, and every load refused the manifest as damaged."""
+    import numpy as np
+
+    state = {"best": np.float64("nan"), "worst": np.float64("-inf"), "hi": np.float64("inf"), "x": np.float64(0.5)}
+    stashpoint.save(state, tmp_path / "ck")
+    back = stashpoint.read(tmp_path / "ck")
+    assert math.isnan(back["best"]) and back["worst"] == -math.inf and back["hi"] == math.inf and back["x"] == 0.5
+    assert stashpoint.verify(tmp_path / "ck").ok
+    # a checkpoint written before the fix loads too (its manifest re-sealed as such a save sealed it)
+    from stashpoint._core.nodes import decode_plain, nonfinite
+
+    assert nonfinite("np.float64(-inf)") == "-inf" and nonfinite("np.float64(1.5)") is None
+    assert decode_plain({"float": "np.float32(nan)"}, allow_pickle=False, where="x") != 0.0
+
+
+def test_plain_values_a_load_would_refuse_are_refused_at_the_save(tmp_path):
+    """Before: a 200 MiB bytes value (or a list of 10 million ints) saved, and every load refused
+    the checkpoint as damaged; in a manager the retention then deleted the good steps."""
+    stashpoint.save({"w": torch.ones(2)}, tmp_path / "ck")
+    with pytest.raises(stashpoint.CheckpointError, match=r"index would be .* plain values .* too large.*frombuffer"):
+        stashpoint.save({"w": torch.ones(2), "blob": b"\0" * (200 << 20)}, tmp_path / "ck", overwrite=True)
+    out = {"w": torch.zeros(2)}
+    stashpoint.load(out, tmp_path / "ck")  # the earlier checkpoint is whole
+    assert out["w"][0] == 1.0 and stashpoint.verify(tmp_path / "ck").ok
+
+
 def test_pickle_is_opt_in_on_both_sides(tmp_path):
     from fractions import Fraction
 

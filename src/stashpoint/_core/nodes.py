@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import functools
 import pickle
+import re
 from collections.abc import Container
 from typing import Any, NoReturn
 
@@ -63,12 +64,24 @@ def is_plain(node: Node) -> bool:
     return "tensor" not in node and "stateful" not in node
 
 
+_NUMPY_NONFINITE = re.compile(r"np\.float(?:16|32|64)\((nan|inf|-inf)\)")
+
+
+def nonfinite(text: object) -> str | None:
+    """A float node's text as ``float()`` takes it: "nan", "inf" or "-inf", also as earlier
+    versions wrote a NumPy float's (``np.float64(nan)``, which no load took); None otherwise."""
+    if text in ("nan", "inf", "-inf"):
+        return str(text)
+    m = _NUMPY_NONFINITE.fullmatch(text) if isinstance(text, str) else None
+    return m[1] if m else None
+
+
 def decode_plain(node: Node, *, allow_pickle: bool, where: str, key: str | None = None) -> Any:
     """Rebuild a plain node's Python value."""
     if "value" in node:
         return node["value"]
     if "float" in node:
-        return float(node["float"])
+        return float(nonfinite(node["float"]) or "nan")
     if "bytes" in node:
         try:
             return base64.b64decode(node["bytes"], validate=True)
@@ -102,11 +115,7 @@ def unreadable_values(node: Node, path: str = "") -> list[str]:
             return [path or "<root>"]
         return []
     if "float" in node:
-        try:
-            float(node["float"])
-        except ValueError:
-            return [path or "<root>"]
-        return []
+        return [] if nonfinite(node["float"]) is not None else [path or "<root>"]
     if "stateful" in node:
         return unreadable_values(node["state"], path)
     if "dict" in node:
@@ -168,7 +177,7 @@ def check_tree(node: object, tensors: Container[str], where: str, depth: int) ->
         if not (type(value) is str and value in tensors):
             _bad(where, f"tree names tensor {str(value)[:80]!r} with no entry")
     elif kind in _LEAF_TYPES:
-        if not isinstance(value, _LEAF_TYPES[kind]) or (kind == "float" and value not in ("nan", "inf", "-inf")):
+        if not isinstance(value, _LEAF_TYPES[kind]) or (kind == "float" and nonfinite(value) is None):
             _bad(where, f"malformed {kind} node")
     elif kind == "dict":
         if type(value) is not list:

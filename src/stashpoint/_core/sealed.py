@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 import xxhash
 
 from stashpoint._core.naming import split_group
-from stashpoint.errors import CorruptCheckpointError
+from stashpoint.errors import CorruptCheckpointError, UnsupportedStateError
 
 FORMAT_NAME = "stashpoint"
 FORMAT_VERSION = 2  # 2: per-rank indexes and a catalog (docs/FORMAT.md); 1 still loads
@@ -48,7 +48,17 @@ def seal(doc: dict[str, Any]) -> bytes:
     same JSON without it, so that damage anywhere in the manifest is detected."""
     doc = {k: v for k, v in doc.items() if k != "checksum"}
     doc["checksum"] = checksum(_body(doc))
-    return _body(doc)
+    raw = _body(doc)
+    # what a load would refuse is refused here: a checkpoint saved past the bounds never loads
+    if len(raw) > MAX_MANIFEST_BYTES or _parse_memory_bound(raw) > MAX_PARSE_MEMORY:
+        raise UnsupportedStateError(
+            f"the checkpoint's {'manifest' if doc.get('format') == FORMAT_NAME else 'index'} would be "
+            f"{len(raw) / 2**20:.0f} MiB of JSON with "
+            f"{raw.count(b',') + 1} items, past what a load accepts ({MAX_MANIFEST_BYTES >> 20} MiB, "
+            f"{MAX_PARSE_MEMORY >> 30} GiB to parse): its plain values (lists, strings, bytes) are too large. Keep "
+            "large data in tensors (torch.tensor(a_list), torch.frombuffer(a_bytes, dtype=torch.uint8))"
+        )
+    return raw
 
 
 def _fail(where: str, what: str) -> NoReturn:

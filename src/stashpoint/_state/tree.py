@@ -150,7 +150,8 @@ class Flattener:
         if obj is None or isinstance(obj, (bool, int, str)):
             return {"value": obj}
         if isinstance(obj, float):
-            return {"value": obj} if math.isfinite(obj) else {"float": repr(obj)}
+            # repr(float(...)): a NumPy float's repr is "np.float64(nan)", which no load takes
+            return {"value": obj} if math.isfinite(obj) else {"float": repr(float(obj))}
         if isinstance(obj, bytes):
             return {"bytes": base64.b64encode(obj).decode("ascii")}
         kind = None if type(obj) in _PLAIN_MAPPINGS else _stateful.kind_of(obj)
