@@ -79,8 +79,10 @@ class OptimizerPlanning:
                 f"{self._name(where)}: the checkpoint has {len(built['param_groups'])} parameter group(s), "
                 f"the optimizer {len(optim.param_groups)}"
             )
+        # LBFGS keeps its whole state (flat directions, a history) under its first parameter
+        shaped = not isinstance(optim, torch.optim.LBFGS)
         for n, state in list(built.get("state", {}).items()):
-            odd = _misshapen(state, params.get(n))
+            odd = _misshapen(state, params.get(n)) if shaped else None
             if odd is not None:  # a resized parameter: its old moments would fail the first step
                 del built["state"][n]
                 self.plan.problems.append(f"optimizer parameter {n!r} at {self._name(where)}: {odd}")
@@ -155,10 +157,15 @@ def _optimizer_params(optim: torch.optim.Optimizer, names: Mapping[int, str], by
 
 
 def _misshapen(state: Any, param: torch.Tensor | None) -> str | None:
-    """Why a parameter's saved state does not fit it (a state tensor of another shape), or None."""
+    """Why a parameter's saved state does not fit it, or None: a state tensor of the parameter's
+    rank that cannot broadcast to it (moments saved for a resized parameter). Factored state
+    (Adafactor's row and column statistics, ``[n, 1]`` and ``[1, m]`` of an ``[n, m]`` weight)
+    and state of another rank are the optimizer's own business."""
     if param is None or not isinstance(state, Mapping):
         return None
     for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
+        if not isinstance(value, torch.Tensor) or value.dim() != param.dim() or value.dim() == 0:
+            continue
+        if any(a not in (b, 1) for a, b in zip(value.shape, param.shape)):
             return f"the checkpoint's {key!r} is {list(value.shape)}, the parameter {list(param.shape)}"
     return None

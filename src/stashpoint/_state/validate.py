@@ -111,6 +111,17 @@ def optimizer_problem(sd: Any, optim: torch.optim.Optimizer) -> str | None:
         if not isinstance(entry, Mapping) or not all(isinstance(k, str) for k in entry):
             return f"the state of parameter {p} is not a dict keyed by strings"
         for k, v in entry.items():
-            if not isinstance(v, torch.Tensor) and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
-                return f"the state {k!r} of parameter {p} is a {type(v).__name__}, not a tensor or a number"
+            items = v if isinstance(v, (list, tuple)) else (v,)  # LBFGS keeps its history in lists
+            if not all(_state_value(x, none=x is not v) for x in items):
+                return (
+                    f"the state {k!r} of parameter {p} is a {type(v).__name__}, not a tensor, a number or a list "
+                    "of them"
+                )
     return None
+
+
+def _state_value(v: Any, *, none: bool) -> bool:
+    """A per-parameter optimizer state value: a tensor or a number (``None`` in a list: LBFGS's)."""
+    if v is None:
+        return none
+    return isinstance(v, torch.Tensor) or (isinstance(v, numbers.Real) and not isinstance(v, bool))
