@@ -387,5 +387,31 @@ def scenario_arrival_marks(root: str) -> None:
     result(fast_marks=sum(fast), calls=ctx.calls, rank0_marked_while_waiting=waited)
 
 
+def scenario_last_rank_skips_a_save(root: str) -> None:
+    """The last rank skips one save (``if rank != last: save(...)``): rank 0 names it alone,
+    though the others are done with the save's first collective and wait in the next."""
+    import logging
+    import time
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logging.getLogger("stashpoint").addHandler(Keep(logging.WARNING))
+    stashpoint.save({"w": torch.ones(3)}, Path(root, "all"))  # the group exists
+    out: dict = {}
+    if RANK != dist.get_world_size() - 1:
+        try:
+            stashpoint.save({"w": torch.ones(3)}, Path(root, "skipped"), timeout=6)
+            out["error"] = "no error"
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+    out["warnings"] = [m for m in seen if "has waited" in m]
+    time.sleep(3)  # the others' failures reached every rank before any leaves
+    result(**out)
+
+
 if __name__ == "__main__":
     main()

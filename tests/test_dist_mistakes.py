@@ -83,3 +83,14 @@ def test_a_collective_that_ends_at_once_asks_the_store_nothing_and_a_waiting_one
     for r in results:
         assert r["calls"] > 3 and r["fast_marks"] == 0, r
     assert results[0]["rank0_marked_while_waiting"], results
+
+
+def test_the_rank_that_skips_a_save_is_named_alone_though_the_others_wait_in_a_later_collective(tmp_path):
+    """Three ranks, the last skipping one save. Before: once marks were set only after a wait,
+    rank 1 (done with the save's first, rooted collective and waiting in the next) was named as
+    never having reached it, beside rank 2."""
+    results = run_world(3, "last_rank_skips_a_save", str(tmp_path), worker=WORKER_OF, timeout=120)
+    first = results[0]
+    assert "rank(s) 2 never reached it" in first["error"] or "rank(s) 2 did not come" in first["error"], first
+    (warning,) = first["warnings"]
+    assert "for rank(s) 2 to reach" in warning, warning

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from stashpoint.errors import CheckpointError
@@ -39,16 +40,19 @@ def store() -> Any:
 _CHECK_SPAN = 256  # arrival keys asked about in one request
 
 
-def absent(store: Any, mark: str, world: int) -> list[int]:
-    """Group ranks that did not mark their arrival at a collective (empty if unknown). Asks
-    about spans of keys and halves only the spans where some are missing: R / 256 requests
-    when all came, about 16 more per rank that did not (one per rank was 16,384 requests)."""
+def absent(store: Any, mark: str | Sequence[str], world: int) -> list[int]:
+    """Group ranks that did not mark their arrival at a collective (empty if unknown); with
+    several marks, a rank that marked any of them came (the collectives after it: a rank done
+    with a rooted one waits in the next). Asks about spans of keys and halves only the spans
+    where some are missing: R / 256 requests when all came, about 16 more per rank that did
+    not (one per rank was 16,384 requests)."""
     if store is None:
         return []
+    marks = [mark] if isinstance(mark, str) else list(mark)
     out: list[int] = []
 
     def scan(lo: int, hi: int) -> None:
-        if store.check([f"{mark}/{r}" for r in range(lo, hi)]):
+        if any(store.check([f"{m}/{r}" for r in range(lo, hi)]) for m in marks):
             return
         if hi - lo == 1:
             out.append(lo)
@@ -72,12 +76,13 @@ class Mark:
     server. Whoever looks for the absent (rank 0, after a wait far longer than this or after a
     failure, see :func:`settle`) finds every rank still waiting marked."""
 
-    __slots__ = ("cancelled", "due", "key", "store", "was_set")
+    __slots__ = ("cancelled", "due", "key", "landed", "store", "was_set")
 
     def __init__(self, store: Any, key: str, due: float) -> None:
         self.store, self.key, self.due = store, key, due
         self.cancelled = False
         self.was_set = False  # the store may hold the key: whoever forgets the mark deletes it
+        self.landed = threading.Event()  # the request that sets it has returned
 
     def now(self) -> None:
         """Mark at once (this rank's collective failed: rank 0 may be about to look)."""
@@ -85,8 +90,14 @@ class Mark:
             if self.was_set:
                 return
             self.was_set = True
-        with contextlib.suppress(Exception):
-            self.store.set(self.key, "1")
+        self.put()
+
+    def put(self) -> None:
+        try:
+            with contextlib.suppress(Exception):  # the store failed: the marks only serve messages
+                self.store.set(self.key, "1")
+        finally:
+            self.landed.set()
 
     def cancel(self) -> None:
         """The collective ended on this rank: no mark is needed any more."""
@@ -96,6 +107,7 @@ class Mark:
     def forget(self) -> None:
         """Take the mark from the store, if it was ever set (two collectives later)."""
         if self.was_set:
+            self.landed.wait(5.0)  # not before the request that sets it (it would stay for good)
             with contextlib.suppress(Exception):
                 self.store.delete_key(self.key)
 
@@ -135,15 +147,23 @@ def _set_due_marks() -> None:
                 continue
             mark = heapq.heappop(_due)[2]
             mark.was_set = True
-        with contextlib.suppress(Exception):  # the store failed: the marks only serve messages
-            mark.store.set(mark.key, "1")
+        mark.put()
 
 
-def settle(started: float) -> None:
+def settle() -> None:
     """Before rank 0 looks for the absent after a failure: the ranks still in the collective
-    have marked by now (their wait passed :data:`MARK_AFTER_S`), and those that failed with it
-    marked as they failed."""
-    time.sleep(max(0.5, started + MARK_AFTER_S + 0.5 - time.monotonic()))
+    (or the next) have marked by now, however late they came (their wait passed
+    :data:`MARK_AFTER_S`), and those that failed with it marked as they failed."""
+    time.sleep(MARK_AFTER_S + 0.5)
+
+
+def _forked() -> None:  # a fork may copy the lock held by the marker thread, which it does not copy
+    global _cv, _marker_pid
+    _cv, _marker_pid = threading.Condition(), None
+    _due.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def ranks_text(ranks: list[int]) -> str:
@@ -152,14 +172,16 @@ def ranks_text(ranks: list[int]) -> str:
     return f"rank(s) {', '.join(map(str, ranks[:16]))}{more}"
 
 
-def watch(what: str, rank: int, world: int, timeout_s: float, *, store: Any, mark: str) -> threading.Timer | None:
+def watch(
+    what: str, rank: int, world: int, timeout_s: float, *, store: Any, mark: str | Sequence[str]
+) -> threading.Timer | None:
     """On the group's first rank, a warning naming the ranks that have not reached ``what``
     once it has waited ``WAIT_WARN_S`` (or half its timeout): a rank that never calls (the
     ``if rank == 0: save(...)`` idiom of torch.save) would otherwise show nothing until the
     timeout, ten minutes by default."""
     if rank != 0 or store is None or world == 1:
         return None
-    after = min(WAIT_WARN_S, timeout_s / 2)
+    after = min(WAIT_WARN_S, max(timeout_s / 2, MARK_AFTER_S + 0.5))  # once the waiting ranks marked
 
     def warn() -> None:
         missing = absent(store, mark, world)

@@ -79,6 +79,7 @@ class DistContext:
     sent: int = 0  # payload bytes this rank sent on the group (gather slots, pickled messages)
     received: int = 0  # and received (rank 0 receives every gathered slot)
     marks: dict[int, Mark] = field(default_factory=dict)  # this rank's arrivals at its last two collectives
+    made: int = 1  # the how-manieth group over these ranks and for this purpose (alike on every rank)
 
     spans_hosts: bool | None = None
     purpose: str = "save"  # contexts of other purposes (tier uploads) have their own group
@@ -115,8 +116,10 @@ class DistContext:
 
     def _store_prefix(self) -> str:
         """This group's keys in the job's store: bounded in size whatever the number of ranks
-        (the store refuses long keys), by a hash of the ranks."""
-        return f"stashpoint/{self.purpose}/{xxhash.xxh3_64_hexdigest(repr(self.ranks).encode())}"
+        (the store refuses long keys), by a hash of the ranks; and which group of those ranks
+        it is (a group made anew after a failure counts its collectives from 1 again, and the
+        marks its ranks set as the old one failed are never taken away)."""
+        return f"stashpoint/{self.purpose}/{xxhash.xxh3_64_hexdigest(repr(self.ranks).encode())}/{self.made}"
 
     def collective(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a collective on the checkpoint group; turn failures into a clear error that names
@@ -130,7 +133,9 @@ class DistContext:
         if arrived is not None:
             self.marks[self.calls] = arrived
         t0 = time.monotonic()
-        timer = watch(what, self.rank, self.world, self.timeout_s, store=marks, mark=mark)
+        # a rank done with a rooted collective (a gather's sender) waits, and marks, in the next
+        seen = [f"{self._store_prefix()}/{c}" for c in range(self.calls, self.calls + 3)]
+        timer = watch(what, self.rank, self.world, self.timeout_s, store=marks, mark=seen)
         try:
             self._apply_timeout()
             return fn(*args, group=self.group, **kwargs)
@@ -149,8 +154,8 @@ class DistContext:
             # only the group's first rank looks for the absent (R / 256 store calls, not R per rank)
             missing = []
             if self.rank == 0 and marks is not None:
-                settle(t0)
-                missing = absent(marks, mark, self.world)
+                settle()
+                missing = absent(marks, seen, self.world)
             if missing:
                 who = f"{ranks_text(missing)} never reached it"
             else:
@@ -371,7 +376,7 @@ def context(process_group: Any = None, timeout_s: float | None = None, purpose: 
                 ) from e
             _made[(ranks, purpose)] = made
             came(store(), mark, me)
-            ctx = DistContext(group, ranks, dist.get_rank(group), len(ranks), timeout, purpose=purpose)
+            ctx = DistContext(group, ranks, dist.get_rank(group), len(ranks), timeout, purpose=purpose, made=made)
             contexts[(ranks, purpose)] = ctx
     return ctx
 
