@@ -402,7 +402,7 @@ def scenario_last_rank_skips_a_save(root: str) -> None:
     logging.getLogger("stashpoint").addHandler(Keep(logging.WARNING))
     stashpoint.save({"w": torch.ones(3)}, Path(root, "all"))  # the group exists
     out: dict = {}
-    if RANK != dist.get_world_size() - 1:
+    if dist.get_world_size() - 1 != RANK:
         try:
             stashpoint.save({"w": torch.ones(3)}, Path(root, "skipped"), timeout=6)
             out["error"] = "no error"

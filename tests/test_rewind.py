@@ -405,11 +405,44 @@ def test_a_rewind_after_a_restore_that_could_not_see_the_remote_tier_is_kept_acr
     assert stashpoint.verify(local).ok
 
 
-@pytest.mark.parametrize("planted", [b"", b"{not json", b'{"above": "3"}', b'{"above": 3.5}', b"\xff" * 300])
+_NOW = '"2999-01-01T00:00:00+00:00"'
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        b"",
+        b"{not json",
+        b'{"above": "3"}',
+        b'{"above": 3.5}',
+        b"\xff" * 300,
+        b'{"above": 3}',  # no remote tier, no time
+        b'{"above": -1, "remote": "R", "at": ' + _NOW.encode() + b"}",
+        b'{"above": 3, "remote": "elsewhere", "at": ' + _NOW.encode() + b"}",
+        b'{"above": 3, "remote": "R", "at": "2999-01-01T00:00:00"}',  # a time of no zone
+    ],
+)
 def test_a_rewind_mark_that_is_no_mark_of_ours_is_ignored(tmp_path, planted):
     local, remote = tmp_path / "nvme", tmp_path / "remote"
     _first_run(local, remote)
-    (local / ".stashpoint-rewind.json").write_bytes(planted)
+    (local / ".stashpoint-rewind.json").write_bytes(planted.replace(b'"R"', f'"{remote}"'.encode()))
     assert _resume(tmp_path / "fresh", remote_root=remote) == (6, 6.0)
     assert _resume(local, keep_last=None, remote_root=remote) == (6, 6.0)
     assert stashpoint.verify(remote).ok and stashpoint.verify(local).ok
+
+
+def test_a_rewind_mark_never_takes_a_step_committed_after_it(tmp_path):
+    """A mark that outlived its purpose (its removal failed; a job that came back to a root that
+    held it): before, it moved the new run's remote steps aside and restores passed them by."""
+    import json
+
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    (local).mkdir()
+    mark = {"above": 3, "remote": str(remote), "at": "2020-01-01T00:00:00+00:00"}
+    (local / ".stashpoint-rewind.json").write_text(json.dumps(mark))
+    _first_run(local, remote)  # steps 1-6, all committed after the mark
+    assert _resume(tmp_path / "fresh", remote_root=remote) == (6, 6.0)
+    assert _resume(local, keep_last=None, remote_root=remote) == (6, 6.0)
+    assert _names(remote, "rewound") == []
+    with stashpoint.CheckpointManager(local, keep_last=None, remote_root=remote) as mgr:
+        assert mgr.remote_steps() == [1, 2, 3, 4, 5, 6]

@@ -162,3 +162,9 @@ def test_fsdp1_is_refused_with_what_to_use_instead(tmp_path):
         with pytest.raises(stashpoint.UnsupportedStateError, match="FSDP1"):
             stashpoint.save({"model": outer}, tmp_path / "nested")
     assert not (tmp_path / "nested" / "manifest.json").exists()
+    # a model saved once, then wrapped in place (FSDP1's auto-wrap sets the wrappers into it)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    stashpoint.save({"model": model}, tmp_path / "before")
+    model[1] = fsdp1
+    with pytest.raises(stashpoint.UnsupportedStateError, match="FSDP1"):
+        stashpoint.save({"model": model}, tmp_path / "after")

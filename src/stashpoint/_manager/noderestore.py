@@ -40,7 +40,6 @@ from stashpoint._load.loader import ranges_needed, writers_needed
 from stashpoint._load.manifest import read_head
 from stashpoint._manager.holdings import inventory, mark_damaged, node_order, remote_copy
 from stashpoint._manager.restoring import RestoreReport, reachable, try_in_order, unseen_remote
-from stashpoint._manager.rewindmark import live, pending_rewind
 from stashpoint._manager.steps import committed_steps, move_aside
 from stashpoint._runtime import gc_paused
 from stashpoint._storage import LocalStorage, Storage
@@ -236,11 +235,7 @@ class NodeLocal:
         mine: Any = None
         if self.me.leader:
             try:
-                remote_steps = (
-                    reachable(lambda: live(committed_steps(remote), pending_rewind(root)))
-                    if ctx.rank == 0 and remote
-                    else []
-                )
+                remote_steps = reachable(lambda: committed_steps(remote)) if ctx.rank == 0 and remote else []
                 mine = (self.me.node, inventory(root), remote_steps, mem is not None)
             except Exception as e:
                 mine = f"rank {ctx.rank}: listing {root.location} failed: {type(e).__name__}: {e}"

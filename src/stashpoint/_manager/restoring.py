@@ -165,7 +165,8 @@ def restore_run(
         return RestoreReport(step, "local", ((step, "local"),), ())
 
     def remote_live() -> list[int]:  # not the steps of a run gone back from, not yet set aside there
-        return live(mgr.remote_steps(), pending_rewind(mgr.storage))
+        steps = mgr.remote_steps()
+        return live(steps, pending_rewind(mgr.storage, remote.location), remote) if remote is not None else steps
 
     if mgr.world == 1:
         remote_steps = reachable(remote_live)

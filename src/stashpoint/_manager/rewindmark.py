@@ -3,29 +3,57 @@
 A save that goes back below the run's highest step moves the abandoned run's steps aside in
 both tiers. Where the remote tier cannot be listed then (unreachable at the restore, or at the
 save), its steps above the rewind stay, and a restart would take the highest of them and resume
-the abandoned run. So the rewind is written down in the local root
-(``.stashpoint-rewind.json``: the step gone back to), restores pass by the remote steps above
-it, and every upload tries to move them aside before it copies anything; the first that does
-removes the mark. While the mark stands no step of the new run has reached the remote tier
-(each upload applies the mark first), so every remote step above it is the abandoned run's.
+the abandoned run. So the rewind is written down in the local root (``.stashpoint-rewind.json``:
+the step gone back to, the remote tier and the time), restores pass by the remote steps above
+it that were committed before it, and every upload tries to move those aside before it copies
+anything; the first that does removes the mark. The time keeps a mark that outlived its
+purpose (it could not be removed, or a node-local job's rank 0 came back to a node that held
+it) from ever taking a step the new run uploaded: those were committed after it.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import logging
+from dataclasses import dataclass
 
-from stashpoint._core.naming import REWIND_NAME
+from stashpoint._core.naming import REWIND_NAME, step_dir
+from stashpoint._load.manifest import read_head
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
 
-_MAX_BYTES = 256
+_MAX_BYTES = 4096
 
 
-def pending_rewind(local: Storage) -> int | None:
-    """The step of a rewind whose remote steps above are not yet set aside, or None."""
+@dataclass(frozen=True)
+class Rewind:
+    """The step a run went back to, on which remote tier, and when (UTC, to the second)."""
+
+    above: int
+    remote: str
+    at: str
+
+    def abandoned(self, remote: Storage, step: int) -> bool:
+        """Whether the remote ``step`` is the abandoned run's: above the rewind and committed
+        no later than it (one whose manifest cannot be read counts too: it is moved, not lost)."""
+        if step <= self.above:
+            return False
+        try:
+            created = read_head(remote.child(step_dir(step)), remember=False).created
+            return _dt.datetime.fromisoformat(created) <= _dt.datetime.fromisoformat(self.at)
+        except (OSError, CheckpointError, ValueError, TypeError):
+            return True
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def pending_rewind(local: Storage, remote: str) -> Rewind | None:
+    """The rewind written down in ``local`` for the remote tier at ``remote``, or None."""
     try:
         raw = local.read(REWIND_NAME, 0, _MAX_BYTES)
     except FileNotFoundError:
@@ -34,34 +62,49 @@ def pending_rewind(local: Storage) -> int | None:
         log.warning("stashpoint: the rewind mark %s/%s cannot be read (%s)", local.location, REWIND_NAME, e)
         return None
     try:
-        above = json.loads(raw)["above"]
-        if type(above) is not int or not -1 <= above < 2**62:
-            raise ValueError(above)
+        doc = json.loads(raw)
+        mark = Rewind(doc["above"], doc["remote"], doc["at"])
+        if type(mark.above) is not int or not 0 <= mark.above < 2**62 or not isinstance(mark.remote, str):
+            raise ValueError(mark)
+        if _dt.datetime.fromisoformat(mark.at).tzinfo is None:
+            raise ValueError(mark.at)
     except (ValueError, TypeError, KeyError):
         log.warning("stashpoint: %s/%s is no rewind mark of ours; it is ignored", local.location, REWIND_NAME)
         return None
-    return above
+    if mark.remote != remote:
+        log.warning(
+            "stashpoint: the rewind mark in %s is for the remote tier %s, not %s; it is ignored",
+            local.location,
+            mark.remote,
+            remote,
+        )
+        return None
+    return mark
 
 
-def mark_rewind(local: Storage, above: int) -> None:
-    """Write down that the remote steps above ``above`` belong to a run gone back from. A mark
-    already there for a lower step stays: its steps are the older run's too."""
-    before = pending_rewind(local)
-    if before is not None and before <= above:
-        return
-    local.commit(REWIND_NAME, json.dumps({"above": above}).encode())
+def mark_rewind(local: Storage, mark: Rewind) -> None:
+    """Write ``mark`` down (over an older one: the newer time covers its steps too, and a lower
+    step is kept)."""
+    before = pending_rewind(local, mark.remote)
+    if before is not None and before.above < mark.above:
+        mark = Rewind(before.above, mark.remote, mark.at)
+    local.commit(REWIND_NAME, json.dumps({"above": mark.above, "remote": mark.remote, "at": mark.at}).encode())
 
 
-def clear_rewind(local: Storage) -> None:
-    """The remote steps above the mark are set aside: the mark goes."""
+def clear_rewind(local: Storage) -> bool:
+    """The remote steps the mark is about are set aside: the mark goes. Whether it went."""
     try:
         local.delete(REWIND_NAME)
     except FileNotFoundError:
         pass
-    except OSError as e:  # the next upload moves nothing more (nothing is above) and tries again
-        log.warning("stashpoint: could not remove the rewind mark in %s: %s", local.location, e)
+    except OSError as e:
+        log.warning("stashpoint: could not remove the rewind mark in %s (%s); tried again", local.location, e)
+        return False
+    return True
 
 
-def live(remote_steps: list[int], above: int | None) -> list[int]:
+def live(remote_steps: list[int], mark: Rewind | None, remote: Storage) -> list[int]:
     """The remote steps a restore may take: not those of a run gone back from."""
-    return remote_steps if above is None else [s for s in remote_steps if s <= above]
+    if mark is None:
+        return remote_steps
+    return [s for s in remote_steps if not mark.abandoned(remote, s)]

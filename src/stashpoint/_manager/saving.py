@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from stashpoint._core.naming import MANIFEST_NAME, step_dir
 from stashpoint._manager.lock import check_shared_root
+from stashpoint._manager.rewindmark import Rewind
+from stashpoint._manager.rewindmark import now as rewind_time
 from stashpoint._manager.steps import METRICS_KEY, committed_steps, delete_step, move_aside, quietly, retained
 from stashpoint._save.engine import SaveOptions, get_engine
 from stashpoint._save.handle import SaveHandle, SaveStats
@@ -285,13 +287,13 @@ def start_save(
     if mgr._owner and refused is None:  # the remains of an earlier failed save of this step, if any
         if target.exists(MANIFEST_NAME) and not move_aside(mgr.storage, step, "rewound"):
             # committed once (a manifest this process cannot read now is no leftover): kept
+            # (the owner's alone: failed through the engine, on every rank together)
             refused = f"step {step} at {target.location} holds a committed checkpoint that could not be moved aside"
-            if mgr._nodes is None:
-                raise CheckpointError(refused)
         else:
             target.remove_tree()
     if refused is None and mgr._remote_rewind is not None and mgr._tier is not None:  # rank 0
-        mgr._tier.uploader.note_rewind(mgr._remote_rewind)  # moved by this step's upload, or a later one
+        mark = Rewind(mgr._remote_rewind, mgr._tier.remote.location, rewind_time())
+        mgr._tier.uploader.note_rewind(mark)  # moved by this step's upload, or a later one
     mgr._remote_rewind = None
     opts = save_options(mgr, step, metrics, {**options, "refused": refused})
     mgr._last_save_time = time.monotonic()

@@ -17,7 +17,7 @@ from typing import Any
 
 from stashpoint._core.naming import step_dir
 from stashpoint._core.policy import Retention
-from stashpoint._manager.rewindmark import live, pending_rewind
+from stashpoint._manager.rewindmark import Rewind, live, pending_rewind
 from stashpoint._manager.steps import committed_steps, delete_step, remove_leftovers, retained
 from stashpoint._manager.uploader import Uploader
 from stashpoint._storage import LocalStorage, Storage, storage_for
@@ -85,7 +85,8 @@ class RemoteTier:
         self._known: set[int] = set()  # remote steps found committed (their manifests not asked again)
         todo: list[int] = []
         problem = None
-        rewound = pending_rewind(local) if rank == 0 else None  # a rewind the remote tier has not seen
+        # a rewind the remote tier has not seen (none is written down in a node-local root)
+        rewound = pending_rewind(local, self.remote.location) if rank == 0 and not node_local else None
         try:
             self.remote.prepare()
             if rank == 0:
@@ -97,7 +98,7 @@ class RemoteTier:
             local, self.remote, on_result=self._result, on_committed=self._retain, node_local=node_local
         )
         if rewound is not None:  # the catch-up below and every upload after move them first
-            self.uploader.note_rewind(rewound, since=0)
+            self.uploader.note_rewind(rewound, since=0, write=False)
         # every owner of a directory's retention (node-local: each node's leader) protects them
         todo, first = self.uploader.ctx.broadcast("upload: what the remote tier lacks", (todo, problem))
         problem = problem or first
@@ -113,10 +114,10 @@ class RemoteTier:
             self._unuploaded.update(committed_steps(local) if problem is not None and owner else todo)
         self._track(self.uploader.catch_up(todo))
 
-    def _missing(self, rewound: int | None) -> list[int]:
+    def _missing(self, rewound: Rewind | None) -> list[int]:
         """Local steps the remote tier lacks and would keep (rank 0, at open); its steps above a
         rewind it has not seen (``rewound``) are another run's, about to be moved aside."""
-        local, remote = committed_steps(self.local), live(committed_steps(self.remote), rewound)
+        local, remote = committed_steps(self.local), live(committed_steps(self.remote), rewound, self.remote)
         missing = [s for s in local if s not in remote]
         if self.retention is None or not missing:
             return missing

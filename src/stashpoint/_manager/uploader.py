@@ -25,7 +25,7 @@ from stashpoint._dist.commit import Outcome, RankFailure, finish_together
 from stashpoint._dist.group import DistContext
 from stashpoint._load.manifest import read_head
 from stashpoint._manager.holdings import held_ranks
-from stashpoint._manager.rewindmark import clear_rewind, mark_rewind
+from stashpoint._manager.rewindmark import Rewind, clear_rewind, mark_rewind
 from stashpoint._manager.steps import committed_steps, move_aside, quietly
 from stashpoint._manager.upload import copy_file, own_files
 from stashpoint._storage import Storage
@@ -84,9 +84,9 @@ class Uploader:
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-upload")
         self._broken: CollectiveError | None = None
         self._seq = 0
-        # (rank 0) a rewind's remote steps above this step, moved aside by the first upload from
-        # this sequence number on that can; its mark in the local root goes then (rewindmark)
-        self.rewind: tuple[int, int] | None = None
+        # (rank 0) a rewind's remote steps, moved aside by the first upload from this sequence
+        # number on that can; its mark in the local root goes then (rewindmark)
+        self.rewind: tuple[Rewind, int] | None = None
         self._rewind_lock = threading.Lock()
 
     def submit(self, step: int, after: cf.Future[Any] | None = None) -> cf.Future[bool]:
@@ -95,21 +95,23 @@ class Uploader:
         self._seq += 1
         return self._executor.submit(self._one, step, after, self._seq)
 
-    def note_rewind(self, above: int, *, since: int | None = None) -> None:
-        """(Rank 0) a save went back to step ``above`` without moving the remote tier's steps
-        above it aside (it could not list them): the next upload (or ``since``, a sequence
+    def note_rewind(self, mark: Rewind, *, since: int | None = None, write: bool = True) -> None:
+        """(Rank 0) a save went back to step ``mark.above`` without moving the remote tier's
+        steps above it aside (it could not list them): the next upload (or ``since``, a sequence
         number) and every later one move them before copying anything, until one has. Written
-        down in the local root meanwhile, for a restore to pass them by and a later manager to
-        move them."""
+        down in the local root meanwhile (not a node-local one: rank 0 may come back on another
+        node), for a restore to pass them by and a later manager to move them."""
         with self._rewind_lock:
-            try:
-                mark_rewind(self.local, above)
-            except (OSError, CheckpointError) as e:
-                log.warning("stashpoint: could not write the rewind down in %s (%s)", self.local.location, e)
             first = self._seq + 1 if since is None else since
             if self.rewind is not None:  # one still pending: the two together (no new step went up since)
-                above, first = min(above, self.rewind[0]), min(first, self.rewind[1])
-            self.rewind = (above, first)
+                old, seq = self.rewind
+                mark, first = Rewind(min(mark.above, old.above), mark.remote, max(mark.at, old.at)), min(first, seq)
+            if write and not self.node_local:
+                try:
+                    mark_rewind(self.local, mark)
+                except (OSError, CheckpointError) as e:
+                    log.warning("stashpoint: could not write the rewind down in %s (%s)", self.local.location, e)
+            self.rewind = (mark, first)
 
     def catch_up(self, todo: list[int]) -> cf.Future[list[int]]:
         """Upload the steps in ``todo``, the same list on every rank (rank 0's, sent at open):
@@ -233,12 +235,11 @@ class Uploader:
             head = read_head(src)
             if (rewind := self.rewind) is not None and seq >= rewind[1]:
                 for s in committed_steps(self.remote):
-                    if s > rewind[0] and not move_aside(self.remote, s, "rewound"):
+                    if rewind[0].abandoned(self.remote, s) and not move_aside(self.remote, s, "rewound"):
                         return ("error", f"step {s} of the run abandoned by a rewind could not be moved aside")
-                with self._rewind_lock:
-                    if self.rewind == rewind:  # not a newer rewind meanwhile
+                with self._rewind_lock:  # not if a newer rewind came meanwhile, or its mark stays
+                    if self.rewind == rewind and (self.node_local or clear_rewind(self.local)):
                         self.rewind = None
-                        clear_rewind(self.local)
             if dst.exists(MANIFEST_NAME):
                 if read_head(dst).save_id == head.save_id:
                     return ("done", None)

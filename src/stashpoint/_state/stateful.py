@@ -75,6 +75,20 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
 
 _no_fsdp1: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # modules whose tree was scanned once
+_watching: list[Any] = []
+
+
+def _watch_wrapping(cls: type) -> None:
+    """Forget the scans once an FSDP1 module is set into any module (a model wrapped in place,
+    as FSDP1's auto-wrap policy does, after a save scanned it)."""
+    if _watching:
+        return
+
+    def seen(module: torch.nn.Module, name: str, sub: Any) -> None:
+        if isinstance(sub, cls):
+            _no_fsdp1.clear()
+
+    _watching.append(torch.nn.modules.module.register_module_module_registration_hook(seen))
 
 
 def refuse_fsdp1(module: torch.nn.Module) -> None:
@@ -86,6 +100,7 @@ def refuse_fsdp1(module: torch.nn.Module) -> None:
     cls = getattr(fsdp, "FullyShardedDataParallel", None)
     if cls is None or module in _no_fsdp1:
         return
+    _watch_wrapping(cls)
     if any(isinstance(m, cls) for m in module.modules()):
         raise UnsupportedStateError(
             "FullyShardedDataParallel (FSDP1) is not supported: its state_dict() gathers or reshards over the "
