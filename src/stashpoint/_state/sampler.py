@@ -93,7 +93,10 @@ class StatefulSampler(Sampler[int]):
         """Stand where a loop stands that has taken ``batches`` batches of ``batch_size`` (per
         rank) from a DataLoader on this sampler, epoch after epoch from epoch 0: the epoch and
         the position in it. For ``num_workers > 0``, whose workers take indices ahead of the loop,
-        call it after restoring, with the loop's own count; ``drop_last`` as the DataLoader's."""
+        call it after restoring, with the loop's own count; ``drop_last`` as the DataLoader's.
+        The count is of batches at this sampler's world size: after a restart on another number
+        of ranks, where the batches before it were of another size, restore the sampler's saved
+        position instead (exact with ``num_workers=0``)."""
         if batches < 0 or batch_size < 1:
             raise ValueError(f"seek needs batches >= 0 and batch_size >= 1, got {batches} and {batch_size}")
         per_rank = self._usable // self.world_size
