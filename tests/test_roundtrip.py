@@ -237,6 +237,19 @@ def test_plain_values_come_back_into_placeholders(tmp_path):
     assert torch.equal(target["w"], torch.ones(2))
 
 
+def test_empty_containers_in_the_state_take_the_saved_tensors_grown_by_training(tmp_path):
+    """A list of detached losses or ``{epoch: tensor}`` starts empty in a fresh process. Before,
+    a strict load refused them ("the checkpoint holds a sequence of 2 items, the state holds list
+    of 0 items"); the same containers of floats loaded."""
+    state = {"w": torch.ones(2), "losses": [torch.tensor(1.5), torch.tensor(2.5)], "by_epoch": {3: torch.ones(3)}}
+    stashpoint.save(state, tmp_path / "ck")
+    fresh = {"w": torch.zeros(2), "losses": [], "by_epoch": {}}
+    stashpoint.load(fresh, tmp_path / "ck")
+    assert [t.item() for t in fresh["losses"]] == [1.5, 2.5] and torch.equal(fresh["by_epoch"][3], torch.ones(3))
+    with pytest.raises(stashpoint.StateMismatchError, match="sequence of 2 items, the state holds list of 1"):
+        stashpoint.load({"w": torch.zeros(2), "losses": [torch.zeros(())], "by_epoch": {}}, tmp_path / "ck")
+
+
 def test_numpy_floats_that_are_not_finite_come_back(tmp_path):
     """Before: np.float64('nan') was written as "np.float64(nan)" (its repr under NumPy 2), the
     save committed, and every load refused the manifest as damaged."""

@@ -178,7 +178,8 @@ class Planner(OptimizerPlanning):
                     self.plan.setters.append(lambda: setter(type(live)(seq)))
                 elif isinstance(live, tuple) and any(is_plain(c) for c in items):
                     self._set(None, None, where)  # a root tuple cannot take plain values back
-            elif materialize or live is None:
+            elif materialize or live is None or (isinstance(live, list) and not live and where):
+                # an empty list (losses kept as tensors, grown by training) takes the saved one
                 self._set(setter, self.build(saved, where))
             else:
                 n = len(live) if isinstance(live, (list, tuple)) else None
@@ -231,6 +232,8 @@ class Planner(OptimizerPlanning):
                 f"{self._name(where)}: the checkpoint holds a dict, the state holds {type(live).__name__}"
             )
             return
+        # an empty dict in the state ({epoch: tensor}, grown by training) takes the saved one
+        materialize = materialize or (not live and bool(where) and type(live) is dict)
         seen = set()
         for k, child in saved["dict"]:
             seen.add(k)
