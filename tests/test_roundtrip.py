@@ -264,6 +264,9 @@ def test_numpy_floats_that_are_not_finite_come_back(tmp_path):
     from stashpoint._core.nodes import decode_plain, nonfinite
 
     assert nonfinite("np.float64(-inf)") == "-inf" and nonfinite("np.float64(1.5)") is None
+    # the NumPy values that are refused say how to keep them
+    with pytest.raises(stashpoint.UnsupportedStateError, match=r"'lr'.*x\.item\(\).*torch\.from_numpy"):
+        stashpoint.save({"lr": np.float32(0.1)}, tmp_path / "np32")
     assert decode_plain({"float": "np.float32(nan)"}, allow_pickle=False, where="x") != 0.0
 
 

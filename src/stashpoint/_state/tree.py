@@ -198,10 +198,14 @@ class Flattener:
             return {kind_name: [self._node(v, join(key, i)) for i, v in enumerate(obj)]}
         if self.allow_pickle:
             return {"pickle": base64.b64encode(pickle.dumps(obj, protocol=5)).decode("ascii")}
+        module = type(obj).__module__
+        hint = ""
+        if module == "numpy" and hasattr(obj, "item"):  # a NumPy scalar or array
+            hint = " (a NumPy scalar: x.item(); an array: torch.from_numpy(x))"
         raise UnsupportedStateError(
-            f"value of type {type(obj).__module__}.{type(obj).__qualname__} at key "
+            f"value of type {module}.{type(obj).__qualname__} at key "
             f"{key or '<root>'!r} cannot be saved without pickle. Give it state_dict()/"
-            "load_state_dict(), convert it to tensors or plain values, or pass allow_pickle=True "
+            f"load_state_dict(), convert it to tensors or plain values{hint}, or pass allow_pickle=True "
             "(the file then needs allow_pickle=True to load, and loading runs code from it)."
         )
 
