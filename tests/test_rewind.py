@@ -446,3 +446,35 @@ def test_a_rewind_mark_never_takes_a_step_committed_after_it(tmp_path):
     assert _names(remote, "rewound") == []
     with stashpoint.CheckpointManager(local, keep_last=None, remote_root=remote) as mgr:
         assert mgr.remote_steps() == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_rewind_mark_that_could_not_be_removed_never_takes_the_new_runs_steps(tmp_path, monkeypatch):
+    """The mark's removal fails once after its steps were moved. Before, the next upload applied
+    it again and moved the new run's step 4 aside (committed in the same second as the mark)."""
+    from stashpoint._core.naming import REWIND_NAME
+
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    _first_run(local, remote)
+    real = LocalStorage.delete
+    refused = []
+
+    def delete(self, name):
+        if name == REWIND_NAME and not refused:
+            refused.append(name)
+            raise PermissionError(13, "Permission denied (injected once)", name)
+        return real(self, name)
+
+    with stashpoint.CheckpointManager(local, keep_last=None, remote_root=remote) as mgr:
+        with _Down(remote):
+            assert mgr.restore(_state(0), step=3) == 3
+        monkeypatch.setattr(LocalStorage, "delete", delete)
+        for s in (4, 5, 6):
+            mgr.save(s, _state(10 * s)).wait()
+            mgr.wait()
+        assert refused and mgr.remote_steps() == [1, 2, 3, 4, 5, 6]
+    assert not (local / REWIND_NAME).exists(), "removed by a later upload"
+    assert _names(remote, "rewound") == ["step-00000004", "step-00000005", "step-00000006"]
+    assert _resume(tmp_path / "fresh", remote_root=remote) == (6, 60.0)
+    out = _state(0)
+    stashpoint.load(out, remote / "step-00000004")
+    assert out["w"][0] == 40.0

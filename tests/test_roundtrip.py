@@ -250,6 +250,15 @@ def test_empty_containers_in_the_state_take_the_saved_tensors_grown_by_training(
         stashpoint.load({"w": torch.zeros(2), "losses": [torch.zeros(())], "by_epoch": {}}, tmp_path / "ck")
 
 
+def test_partial_takes_nothing_into_an_empty_container(tmp_path):
+    """``partial=True`` loads what the state holds and reads nothing else: an empty dict stays
+    empty (the rule that an empty one takes the saved one is for full loads)."""
+    stashpoint.save({"w": torch.ones(2), "ema": {"big": torch.ones(8)}}, tmp_path / "ck")
+    out = {"w": torch.zeros(2), "ema": {}}
+    stashpoint.load(out, tmp_path / "ck", partial=True)
+    assert out["ema"] == {} and out["w"][0] == 1.0
+
+
 def test_numpy_floats_that_are_not_finite_come_back(tmp_path):
     """Before: np.float64('nan') was written as "np.float64(nan)" (its repr under NumPy 2), the
     save committed, and every load refused the manifest as damaged."""
@@ -510,21 +519,23 @@ def test_strict_false_loads_the_optimizer_state_of_the_parameters_both_have(tmp_
     assert len(optim2.state) == 4
 
 
-def test_strict_false_leaves_a_resized_parameters_optimizer_state_fresh(tmp_path):
+@pytest.mark.parametrize("before", [2, 1])
+def test_strict_false_leaves_a_resized_parameters_optimizer_state_fresh(tmp_path, before):
     """A head resized between runs: its saved moments are of the old shape. strict=False loads
-    the others' and starts the head's fresh (they were loaded, and the first step failed)."""
+    the others' and starts the head's fresh (they were loaded, and the first step failed; from
+    a size of 1 too, which a first rule for factored state took for a factor)."""
 
     def build(out: int):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, out))
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    model, optim = build(2)
+    model, optim = build(before)
     model(torch.randn(3, 4)).sum().backward()
     optim.step()
     stashpoint.save({"optim": optim, "model": model}, tmp_path / "c")
     model2, optim2 = build(3)
-    with pytest.warns(UserWarning, match=r"'1\.weight'.*'exp_avg' is \[2, 4\], the parameter \[3, 4\]"):
+    with pytest.warns(UserWarning, match=rf"'1\.weight'.*'exp_avg' is \[{before}, 4\], the parameter \[3, 4\]"):
         stashpoint.load({"optim": optim2, "model": model2}, tmp_path / "c", strict=False)
     assert sorted(tuple(optim2.state[p]["exp_avg"].shape) for p in optim2.state) == [(4,), (4, 4)]
     model2(torch.randn(3, 4)).sum().backward()

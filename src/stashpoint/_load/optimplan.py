@@ -157,15 +157,21 @@ def _optimizer_params(optim: torch.optim.Optimizer, names: Mapping[int, str], by
 
 
 def _misshapen(state: Any, param: torch.Tensor | None) -> str | None:
-    """Why a parameter's saved state does not fit it, or None: a state tensor of the parameter's
-    rank that cannot broadcast to it (moments saved for a resized parameter). Factored state
-    (Adafactor's row and column statistics, ``[n, 1]`` and ``[1, m]`` of an ``[n, m]`` weight)
-    and state of another rank are the optimizer's own business."""
+    """Why a parameter's saved state does not fit it, or None: a state tensor (not a scalar) of
+    another shape than the parameter's (moments saved for a resized parameter), unless the
+    tensors of other shapes are factors of it: of its rank, each dimension its own or 1, and
+    together broadcast to exactly its shape (Adafactor's ``[n, 1]`` and ``[1, m]`` of an
+    ``[n, m]`` weight)."""
     if param is None or not isinstance(state, Mapping):
         return None
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor) or value.dim() != param.dim() or value.dim() == 0:
-            continue
-        if any(a not in (b, 1) for a, b in zip(value.shape, param.shape)):
-            return f"the checkpoint's {key!r} is {list(value.shape)}, the parameter {list(param.shape)}"
-    return None
+    shape = tuple(param.shape)
+    odd = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    odd = {k: s for k, s in odd.items() if s != shape}
+    if not odd:
+        return None
+    factors = all(len(s) == len(shape) and all(a in (b, 1) for a, b in zip(s, shape)) for s in odd.values())
+    covered = all(any(s[i] == n for s in odd.values()) for i, n in enumerate(shape))  # they broadcast to it
+    if factors and len(odd) > 1 and covered:
+        return None
+    key, s = next(iter(odd.items()))
+    return f"the checkpoint's {key!r} is {list(s)}, the parameter {list(shape)}"

@@ -178,7 +178,11 @@ class Planner(OptimizerPlanning):
                     self.plan.setters.append(lambda: setter(type(live)(seq)))
                 elif isinstance(live, tuple) and any(is_plain(c) for c in items):
                     self._set(None, None, where)  # a root tuple cannot take plain values back
-            elif materialize or live is None or (isinstance(live, list) and not live and where):
+            elif (
+                materialize
+                or live is None
+                or (isinstance(live, list) and not live and where and "list" in saved and not self.partial)
+            ):
                 # an empty list (losses kept as tensors, grown by training) takes the saved one
                 self._set(setter, self.build(saved, where))
             else:
@@ -233,7 +237,7 @@ class Planner(OptimizerPlanning):
             )
             return
         # an empty dict in the state ({epoch: tensor}, grown by training) takes the saved one
-        materialize = materialize or (not live and bool(where) and type(live) is dict)
+        materialize = materialize or (not live and bool(where) and type(live) is dict and not self.partial)
         seen = set()
         for k, child in saved["dict"]:
             seen.add(k)

@@ -165,8 +165,10 @@ def restore_run(
         return RestoreReport(step, "local", ((step, "local"),), ())
 
     def remote_live() -> list[int]:  # not the steps of a run gone back from, not yet set aside there
-        steps = mgr.remote_steps()
-        return live(steps, pending_rewind(mgr.storage, remote.location), remote) if remote is not None else steps
+        steps: list[int] = mgr.remote_steps()
+        if remote is None:
+            return steps
+        return live(steps, pending_rewind(mgr.storage, remote.location), remote, mgr.storage)
 
     if mgr.world == 1:
         remote_steps = reachable(remote_live)

@@ -30,26 +30,37 @@ _MAX_BYTES = 4096
 
 @dataclass(frozen=True)
 class Rewind:
-    """The step a run went back to, on which remote tier, and when (UTC, to the second)."""
+    """The step a run went back to, on which remote tier, and when (UTC, to the millisecond)."""
 
     above: int
     remote: str
     at: str
 
-    def abandoned(self, remote: Storage, step: int) -> bool:
-        """Whether the remote ``step`` is the abandoned run's: above the rewind and committed
-        no later than it (one whose manifest cannot be read counts too: it is moved, not lost)."""
+    def abandoned(self, remote: Storage, step: int, local: Storage | None = None) -> bool:
+        """Whether the remote ``step`` is the abandoned run's: above the rewind, committed before
+        it, and not the save the local root holds under that number (the abandoned run's local
+        steps were set aside, so that one is the new run's). One whose manifest cannot be read
+        counts too: it is moved, not lost."""
         if step <= self.above:
             return False
         try:
-            created = read_head(remote.child(step_dir(step)), remember=False).created
-            return _dt.datetime.fromisoformat(created) <= _dt.datetime.fromisoformat(self.at)
-        except (OSError, CheckpointError, ValueError, TypeError):
+            head = read_head(remote.child(step_dir(step)), remember=False)
+        except (OSError, CheckpointError):
+            return True
+        if local is not None:
+            try:
+                if read_head(local.child(step_dir(step)), remember=False).save_id == head.save_id:
+                    return False
+            except (OSError, CheckpointError):
+                pass  # not there (the retention took it), or not readable now: the time decides
+        try:  # manifests are stamped to the millisecond (older ones to the second: earlier still)
+            return _dt.datetime.fromisoformat(head.created) < _dt.datetime.fromisoformat(self.at)
+        except (ValueError, TypeError):
             return True
 
 
 def now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
 
 
 def pending_rewind(local: Storage, remote: str) -> Rewind | None:
@@ -83,11 +94,8 @@ def pending_rewind(local: Storage, remote: str) -> Rewind | None:
 
 
 def mark_rewind(local: Storage, mark: Rewind) -> None:
-    """Write ``mark`` down (over an older one: the newer time covers its steps too, and a lower
-    step is kept)."""
-    before = pending_rewind(local, mark.remote)
-    if before is not None and before.above < mark.above:
-        mark = Rewind(before.above, mark.remote, mark.at)
+    """Write ``mark`` down, over any other: a rewind still pending is merged into ``mark`` by its
+    uploader, and one that was applied must not lend its lower step to the new time."""
     local.commit(REWIND_NAME, json.dumps({"above": mark.above, "remote": mark.remote, "at": mark.at}).encode())
 
 
@@ -103,8 +111,8 @@ def clear_rewind(local: Storage) -> bool:
     return True
 
 
-def live(remote_steps: list[int], mark: Rewind | None, remote: Storage) -> list[int]:
+def live(remote_steps: list[int], mark: Rewind | None, remote: Storage, local: Storage) -> list[int]:
     """The remote steps a restore may take: not those of a run gone back from."""
     if mark is None:
         return remote_steps
-    return [s for s in remote_steps if not mark.abandoned(remote, s)]
+    return [s for s in remote_steps if not mark.abandoned(remote, s, local)]

@@ -117,7 +117,8 @@ class RemoteTier:
     def _missing(self, rewound: Rewind | None) -> list[int]:
         """Local steps the remote tier lacks and would keep (rank 0, at open); its steps above a
         rewind it has not seen (``rewound``) are another run's, about to be moved aside."""
-        local, remote = committed_steps(self.local), live(committed_steps(self.remote), rewound, self.remote)
+        local = committed_steps(self.local)
+        remote = live(committed_steps(self.remote), rewound, self.remote, self.local)
         missing = [s for s in local if s not in remote]
         if self.retention is None or not missing:
             return missing

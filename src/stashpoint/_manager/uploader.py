@@ -88,6 +88,7 @@ class Uploader:
         # number on that can; its mark in the local root goes then (rewindmark)
         self.rewind: tuple[Rewind, int] | None = None
         self._rewind_lock = threading.Lock()
+        self._stale_mark = False  # applied, but its file could not be removed: tried again
 
     def submit(self, step: int, after: cf.Future[Any] | None = None) -> cf.Future[bool]:
         """Upload ``step`` once ``after`` (its local save) has succeeded; the future tells whether
@@ -235,11 +236,15 @@ class Uploader:
             head = read_head(src)
             if (rewind := self.rewind) is not None and seq >= rewind[1]:
                 for s in committed_steps(self.remote):
-                    if rewind[0].abandoned(self.remote, s) and not move_aside(self.remote, s, "rewound"):
+                    if rewind[0].abandoned(self.remote, s, self.local) and not move_aside(self.remote, s, "rewound"):
                         return ("error", f"step {s} of the run abandoned by a rewind could not be moved aside")
-                with self._rewind_lock:  # not if a newer rewind came meanwhile, or its mark stays
-                    if self.rewind == rewind and (self.node_local or clear_rewind(self.local)):
+                with self._rewind_lock:  # not if a newer rewind came meanwhile
+                    if self.rewind == rewind:
                         self.rewind = None
+                        self._stale_mark = not self.node_local
+            with self._rewind_lock:
+                if self._stale_mark and self.rewind is None:
+                    self._stale_mark = not clear_rewind(self.local)
             if dst.exists(MANIFEST_NAME):
                 if read_head(dst).save_id == head.save_id:
                     return ("done", None)

@@ -300,7 +300,7 @@ class PersistJob:
         written: list[Written] = [o.payload for o in outcomes]
         head = Head(
             save_id=save_id,
-            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds"),
             library_version=__version__,
             torch_version=torch.__version__,
             world_size=self.ctx.world,
