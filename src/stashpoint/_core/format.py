@@ -6,6 +6,7 @@ Everything read from a file is validated here before use; a malformed input rais
 
 from __future__ import annotations
 
+import datetime as _dt
 import itertools
 import math
 from collections.abc import Iterable, Mapping
@@ -50,6 +51,12 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------------
 # Records
+
+
+def utc_stamp() -> str:
+    """Now, as a manifest's ``created`` is written: UTC, ISO 8601, to the millisecond (a rewind
+    mark is compared with it, so both are made here)."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
 
 
 @dataclass(frozen=True)

@@ -119,13 +119,17 @@ class DistContext:
         (the store refuses long keys), by a hash of the ranks; and which group of those ranks
         it is (a group made anew after a failure counts its collectives from 1 again, and the
         marks its ranks set as the old one failed are never taken away)."""
+        return self._prefix
+
+    @functools.cached_property
+    def _prefix(self) -> str:  # once: the ranks' repr is 100 KB at 16,384 ranks, and every collective asks
         return f"stashpoint/{self.purpose}/{xxhash.xxh3_64_hexdigest(repr(self.ranks).encode())}/{self.made}"
 
     def collective(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a collective on the checkpoint group; turn failures into a clear error that names
         the ranks that never reached it (each rank marks its arrival in the job's store)."""
         self.calls += 1
-        mark = f"{self._store_prefix()}/{self.calls}"
+        mark = f"{self._prefix}/{self.calls}"
         marks = store() if self.world > 1 else None
         arrived = arm(marks, f"{mark}/{self.rank}") if marks is not None else None
         if self.calls > 2 and (old := self.marks.pop(self.calls - 2, None)) is not None:
@@ -134,7 +138,7 @@ class DistContext:
             self.marks[self.calls] = arrived
         t0 = time.monotonic()
         # a rank done with a rooted collective (a gather's sender) waits, and marks, in the next
-        seen = [f"{self._store_prefix()}/{c}" for c in range(self.calls, self.calls + 3)]
+        seen = [f"{self._prefix}/{c}" for c in range(self.calls, self.calls + 3)]
         timer = watch(what, self.rank, self.world, self.timeout_s, store=marks, mark=seen)
         try:
             self._apply_timeout()

@@ -59,10 +59,6 @@ class Rewind:
             return True
 
 
-def now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
-
-
 def pending_rewind(local: Storage, remote: str) -> Rewind | None:
     """The rewind written down in ``local`` for the remote tier at ``remote``, or None."""
     try:

@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from stashpoint._core.format import utc_stamp
 from stashpoint._core.naming import MANIFEST_NAME, step_dir
 from stashpoint._manager.lock import check_shared_root
 from stashpoint._manager.rewindmark import Rewind
-from stashpoint._manager.rewindmark import now as rewind_time
 from stashpoint._manager.steps import METRICS_KEY, committed_steps, delete_step, move_aside, quietly, retained
 from stashpoint._save.engine import SaveOptions, get_engine
 from stashpoint._save.handle import SaveHandle, SaveStats
@@ -292,7 +292,7 @@ def start_save(
         else:
             target.remove_tree()
     if refused is None and mgr._remote_rewind is not None and mgr._tier is not None:  # rank 0
-        mark = Rewind(mgr._remote_rewind, mgr._tier.remote.location, rewind_time())
+        mark = Rewind(mgr._remote_rewind, mgr._tier.remote.location, utc_stamp())
         mgr._tier.uploader.note_rewind(mark)  # moved by this step's upload, or a later one
     mgr._remote_rewind = None
     opts = save_options(mgr, step, metrics, {**options, "refused": refused})

@@ -6,7 +6,6 @@ process the same code runs against a trivial one-rank context.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import logging
 import time
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stashpoint._core.format import MAX_MANIFEST_BYTES, Chunk, checksum
+from stashpoint._core.format import MAX_MANIFEST_BYTES, Chunk, checksum, utc_stamp
 from stashpoint._core.index import Head, RankIndex
 from stashpoint._core.naming import MANIFEST_NAME, group_dir, index_name, parse_save_file, placed
 from stashpoint._core.nodeplan import Room
@@ -300,7 +299,7 @@ class PersistJob:
         written: list[Written] = [o.payload for o in outcomes]
         head = Head(
             save_id=save_id,
-            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds"),
+            created=utc_stamp(),
             library_version=__version__,
             torch_version=torch.__version__,
             world_size=self.ctx.world,
