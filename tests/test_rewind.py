@@ -478,3 +478,13 @@ def test_a_rewind_mark_that_could_not_be_removed_never_takes_the_new_runs_steps(
     out = _state(0)
     stashpoint.load(out, remote / "step-00000004")
     assert out["w"][0] == 40.0
+
+
+def test_a_rewind_mark_a_crash_left_half_written_is_removed_when_a_manager_opens(tmp_path):
+    torn = tmp_path / f"..stashpoint-rewind.json.{'ab' * 16}.partial"
+    other = tmp_path / ".notes.partial"  # not ours: kept
+    torn.write_bytes(b'{"above": 3')
+    other.write_bytes(b"x")
+    with stashpoint.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": torch.ones(2)}).wait()
+    assert not torn.exists() and other.exists()

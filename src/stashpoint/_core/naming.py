@@ -22,6 +22,16 @@ _STEP_RE = re.compile(r"step-([0-9]{8,})")
 _SET_ASIDE_RE = re.compile(r"(step-[0-9]{8,})\.(?:damaged|rewound)-[0-9]{8}-[0-9]{6}(?:-[0-9]{1,4})?")
 
 
+def partial_name(name: str, tag: str) -> str:
+    """Where a file ``name`` is written before it is renamed into place (``tag``: a random hex)."""
+    return f".{name}.{tag}.partial"
+
+
+def is_partial_of(candidate: str, name: str) -> bool:
+    """Whether ``candidate`` is a write of ``name`` a crash left before its rename."""
+    return re.fullmatch(re.escape(f".{name}.") + r"[0-9a-f]{32}\.partial", candidate) is not None
+
+
 def shard_name(rank: int, index: int, save_id: str) -> str:
     """The file name of shard ``index`` written by ``rank`` in the save ``save_id``."""
     return f"shard-r{rank:05d}-{index:04d}-{save_id}.safetensors"

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import time
 from collections.abc import Callable
 from typing import Any
 
-from stashpoint._core.naming import MANIFEST_NAME, parse_step_dir, set_aside_name, step_dir
+from stashpoint._core.naming import MANIFEST_NAME, REWIND_NAME, is_partial_of, parse_step_dir, set_aside_name, step_dir
 from stashpoint._core.policy import Retention, parse_metrics, steps_to_keep
 from stashpoint._load.manifest import read_head
-from stashpoint._storage import Storage
+from stashpoint._storage import LocalStorage, Storage
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 log = logging.getLogger("stashpoint")
@@ -101,12 +102,17 @@ def delete_step(root: Storage, step: int) -> None:
 
 
 def remove_leftovers(root: Storage) -> None:
+    """What crashes left in a run root (its owner's, under its lock): steps never committed."""
     for name in root.children():
         step = parse_step_dir(name)
         target = root.child(name)
         if step is not None and not target.exists(MANIFEST_NAME):
             log.warning("stashpoint: removing %s, left by a save that never committed", target.location)
             quietly(target.remove_tree)
+    if isinstance(root, LocalStorage):  # a rewind mark a crash left half written (object stores write whole)
+        for name in root.list():
+            if is_partial_of(name, REWIND_NAME):
+                quietly(functools.partial(root.delete, name))
 
 
 def move_aside(root: Storage, step: int, why: str = "damaged") -> bool:

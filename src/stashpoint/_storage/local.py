@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from stashpoint._core.naming import is_group_dir, split_group
+from stashpoint._core.naming import is_group_dir, partial_name, split_group
 from stashpoint._storage.base import FileWriter, Storage, env_number
 from stashpoint._storage.directio import ALIGN, MIN_DIRECT_BYTES, BouncePool, drop_front, readv_direct
 from stashpoint._storage.localwrite import LocalWriter, fsync_dir, link_new, sync_parent
@@ -189,7 +189,7 @@ class LocalStorage(Storage):
         fsync_dir(self.root)
 
     def commit(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
-        tmp = self.root / f".{name}.{uuid.uuid4().hex}.partial"
+        tmp = self.root / partial_name(name, uuid.uuid4().hex)
         try:
             w = LocalWriter(tmp, len(data))
             w.write(data)
