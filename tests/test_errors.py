@@ -439,6 +439,16 @@ def test_a_path_under_a_file_names_the_file_in_the_way(tmp_path):
         stashpoint.CheckpointManager(tmp_path / "afile")
 
 
+def test_a_link_to_a_directory_that_is_not_there_names_the_link_and_its_target(tmp_path):
+    (tmp_path / "runs").symlink_to(tmp_path / "unmounted" / "scratch")
+    for root in (tmp_path / "runs", tmp_path / "runs" / "exp1"):
+        with pytest.raises(stashpoint.CheckpointError, match=r"runs is a symbolic link to .*unmounted/scratch, which"):
+            stashpoint.CheckpointManager(root)
+        with pytest.raises(stashpoint.CheckpointError, match=r"does not exist; create that directory"):
+            stashpoint.save({"w": torch.ones(3)}, root)
+    assert not (tmp_path / "unmounted").exists()
+
+
 def test_a_mismatch_by_a_wrappers_prefix_says_so(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     wrapped_sd = {f"module.{k}": v for k, v in model.state_dict().items()}  # what DDP's state_dict() gives

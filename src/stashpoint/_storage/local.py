@@ -7,7 +7,6 @@ import builtins
 import contextlib
 import copy
 import errno
-import itertools
 import os
 import shutil
 import stat
@@ -19,7 +18,7 @@ from typing import Any
 from stashpoint._core.naming import is_group_dir, partial_name, split_group
 from stashpoint._storage.base import FileWriter, Storage, env_number
 from stashpoint._storage.directio import ALIGN, MIN_DIRECT_BYTES, BouncePool, drop_front, readv_direct
-from stashpoint._storage.localwrite import LocalWriter, fsync_dir, link_new, sync_parent
+from stashpoint._storage.localwrite import LocalWriter, fsync_dir, link_new, make_root
 from stashpoint._storage.oserror import file_kind, not_regular
 from stashpoint._storage.pagecache import keep_cached, read_resident, resident_at, resident_sampled
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
@@ -81,30 +80,7 @@ class LocalStorage(Storage):
         return str(self.root)
 
     def prepare(self) -> None:
-        made = list(itertools.takewhile(lambda p: not os.path.lexists(p), (self.root, *self.root.parents)))
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for path in made:  # a new directory's name is durable once its parent is synced
-                sync_parent(path.parent)
-        except (FileExistsError, NotADirectoryError):  # a file where a directory must be
-            blocker = next((p for p in (self.root, *self.root.parents) if p.exists() and not p.is_dir()), self.root)
-            raise CheckpointError(
-                f"{blocker} exists and is not a directory"
-                + ("" if blocker == self.root else f", so {self.root} cannot be made under it")
-                + "; a checkpoint is a directory: remove the file or choose another path"
-            ) from None
-        except OSError as e:  # permissions, a read-only file system, no space
-            raise CheckpointError(
-                f"cannot create the checkpoint directory {self.root}: {e.strerror or e}; choose a path this "
-                "process can write to, or fix the permissions of its parent"
-            ) from None
-        if self.root.is_symlink() or not self.root.is_dir():
-            what = (
-                "a symbolic link, which is not followed inside a checkpoint or run directory"
-                if self.root.is_symlink()
-                else "not a directory"
-            )
-            raise CheckpointError(f"{self.root} is {what}; remove it or choose another path")
+        make_root(self.root)
 
     def _split(self, name: str) -> tuple[str, str]:
         parts = split_group(name)

@@ -5,11 +5,13 @@ and the directory-level steps around it."""
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 from pathlib import Path
 
 from stashpoint._storage.base import FileWriter
 from stashpoint._storage.directio import ALIGN, address
+from stashpoint.errors import CheckpointError
 
 _BLOCK = 64 * 1024 * 1024
 
@@ -166,3 +168,37 @@ def sync_parent(path: Path) -> None:
     except OSError as e:
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EINVAL):
             raise
+
+
+def make_root(root: Path) -> None:
+    """Create ``root`` (and its parents, durably), or say what is in the way and how to fix it."""
+    made = list(itertools.takewhile(lambda p: not os.path.lexists(p), (root, *root.parents)))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for path in made:  # a new directory's name is durable once its parent is synced
+            sync_parent(path.parent)
+    except (FileExistsError, NotADirectoryError):  # a file where a directory must be
+        blocker = next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), root)
+        dangling = next((p for p in (root, *root.parents) if p.is_symlink() and not p.exists()), None)
+        if dangling is not None:
+            raise CheckpointError(
+                f"{dangling} is a symbolic link to {dangling.readlink()}, which does not exist; create "
+                "that directory (e.g. mount the volume it is on) or remove the link"
+            ) from None
+        raise CheckpointError(
+            f"{blocker} exists and is not a directory"
+            + ("" if blocker == root else f", so {root} cannot be made under it")
+            + "; a checkpoint is a directory: remove the file or choose another path"
+        ) from None
+    except OSError as e:  # permissions, a read-only file system, no space
+        raise CheckpointError(
+            f"cannot create the checkpoint directory {root}: {e.strerror or e}; choose a path this "
+            "process can write to, or fix the permissions of its parent"
+        ) from None
+    if root.is_symlink() or not root.is_dir():
+        what = (
+            "a symbolic link, which is not followed inside a checkpoint or run directory"
+            if root.is_symlink()
+            else "not a directory"
+        )
+        raise CheckpointError(f"{root} is {what}; remove it or choose another path")
