@@ -5,6 +5,7 @@ them."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -420,6 +421,7 @@ _NOW = '"2999-01-01T00:00:00+00:00"'
         b'{"above": -1, "remote": "R", "at": ' + _NOW.encode() + b"}",
         b'{"above": 3, "remote": "elsewhere", "at": ' + _NOW.encode() + b"}",
         b'{"above": 3, "remote": "R", "at": "2999-01-01T00:00:00"}',  # a time of no zone
+        b"[" * 2000,  # nested past the parser's depth
     ],
 )
 def test_a_rewind_mark_that_is_no_mark_of_ours_is_ignored(tmp_path, planted):
@@ -429,6 +431,17 @@ def test_a_rewind_mark_that_is_no_mark_of_ours_is_ignored(tmp_path, planted):
     assert _resume(tmp_path / "fresh", remote_root=remote) == (6, 6.0)
     assert _resume(local, keep_last=None, remote_root=remote) == (6, 6.0)
     assert stashpoint.verify(remote).ok and stashpoint.verify(local).ok
+
+
+def test_a_rewind_mark_dated_in_the_future_is_ignored(tmp_path, caplog):
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    _first_run(local, remote)
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    mark = {"above": 0, "remote": str(remote), "at": "9999-12-31T00:00:00+00:00"}
+    (fresh / ".stashpoint-rewind.json").write_text(json.dumps(mark))
+    assert _resume(fresh, remote_root=remote) == (6, 6.0)
+    assert "in the future; it is ignored" in caplog.text
 
 
 def test_a_rewind_mark_never_takes_a_step_committed_after_it(tmp_path):

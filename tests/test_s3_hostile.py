@@ -76,6 +76,15 @@ class _Hostile(BaseHTTPRequestHandler):
                 f"<Prefix>{prefix}</Prefix><KeyCount>1</KeyCount><IsTruncated>false</IsTruncated>"
                 f"<CommonPrefixes><Prefix>{prefix}step-00000001/</Prefix></CommonPrefixes>"
             )
+        if self.mode == "outside_prefix":  # a server (or proxy) that ignores the Prefix
+            return self._xml(
+                f"<Prefix>{prefix}</Prefix><KeyCount>2</KeyCount><IsTruncated>false</IsTruncated>"
+                + "".join(
+                    f'<Contents><Key>{k}</Key><LastModified>2024-01-01T00:00:00.000Z</LastModified><ETag>"e"</ETag>'
+                    "<Size>1</Size></Contents>"
+                    for k in (f"{prefix}shard-r00000-0000-a.safetensors", "other-team/model/manifest.json")
+                )
+            )
         n = type(self).requests
         token = "same" if self.mode == "same_token" else f"t{n}"
         key = "obj" if self.mode == "same_token" else "repeated"
@@ -221,6 +230,15 @@ def test_a_step_holding_a_key_obstore_cannot_address_is_moved_and_removed(s3_env
         o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/step-00000002/").get("Contents", [])
     ]
     assert left == [], "retention removed step 2 with the foreign key in it"
+
+
+def test_a_listing_naming_keys_outside_its_prefix_deletes_and_moves_nothing(hostile):
+    hostile.mode = "outside_prefix"
+    leftover = S3Storage("s3://bucket/run/step-00000002")
+    for act in (leftover.remove_tree, lambda: leftover.move("step-00000002.damaged-20260101-000000"), leftover.list):
+        with pytest.raises(CheckpointError, match=r"listed 'other-team/model/manifest.json', which is not under"):
+            act()
+    assert hostile.deleted == []
 
 
 def test_a_tree_is_deleted_key_by_key_as_named(hostile):

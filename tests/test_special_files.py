@@ -122,6 +122,19 @@ def test_a_planted_lock_symlink_or_file_paths_give_clear_errors_and_write_nothin
     assert not outside.exists()
 
 
+def test_a_step_planted_as_a_link_is_never_restored_by_number(tmp_path):
+    stashpoint.save({"w": torch.full((2,), 42.0)}, tmp_path / "elsewhere")
+    with stashpoint.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"w": torch.ones(2)}).wait()
+        (tmp_path / "run" / "step-00000002").symlink_to(tmp_path / "elsewhere")
+        assert mgr.steps() == [1]
+        out = {"w": torch.zeros(2)}
+        with pytest.raises(stashpoint.CheckpointError, match=r"step-00000002 is a symbolic link; .*stashpoint\.load"):
+            mgr.restore(out, step=2)
+        assert torch.equal(out["w"], torch.zeros(2))
+        assert mgr.restore(out) == 1 and torch.equal(out["w"], torch.ones(2))
+
+
 def test_a_users_own_link_to_a_directory_is_followed_as_a_root_or_a_checkpoint_path(tmp_path):
     """``runs -> /scratch/...``: before, a linked root was refused ("not a directory"), and a
     linked remote_root taken for an unreachable one, so steps saved before the tier was added

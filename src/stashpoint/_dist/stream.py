@@ -179,8 +179,11 @@ class Stream:
             assert self.ctx is not None
             raw = recv_blob(self.ctx, self.peer, 2 * _STATUS_CHARS, self.tag)
             try:
-                sent = json.loads(raw) if raw else {}
-            except ValueError:
+                got = json.loads(raw) if raw else {}
+            except (ValueError, RecursionError):
+                got = None
+            sent = got if isinstance(got, dict) else {}
+            if not isinstance(got, dict):
                 sent = {"error": f"an unreadable status ({len(raw)} bytes)", "damage": False}
         if isinstance(self.error, OSError) and not isinstance(self.error, CheckpointError):
             # this node's own disk or memory area failed: no sign of damage to the copy sent

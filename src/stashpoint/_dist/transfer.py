@@ -152,7 +152,7 @@ def _listing(raw: bytes, who: str) -> tuple[list[tuple[str, int]], list[Any]]:
         files, spans = doc["files"], doc["spans"]
         ok = all(isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and type(f[1]) is int for f in files)
         ok = ok and all(isinstance(s, list) and len(s) == 4 and isinstance(s[3], list) for s in spans)
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):
         ok = False
     if not ok:
         raise CorruptCheckpointError(f"{who} sent a malformed list of files")

@@ -9,6 +9,7 @@ from typing import Any
 
 from stashpoint._manager.rewindmark import live, pending_rewind
 from stashpoint._manager.tiers import restore_order
+from stashpoint._storage import LocalStorage
 from stashpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -159,7 +160,7 @@ def restore_run(
         return report
     if remote is None and step is not None:
         try:
-            load_one(mgr._at(step))
+            load_one(_unlinked(mgr._at(step)))
         except CheckpointNotFoundError as e:
             raise CheckpointNotFoundError(f"{e}; {_held(mgr.steps())}") from None
         return RestoreReport(step, "local", ((step, "local"),), ())
@@ -181,7 +182,7 @@ def restore_run(
         order = [(step, "local")]  # raises CheckpointNotFoundError, naming the path
 
     def where(s: int, tier: str) -> Any:
-        return mgr._at(s) if tier == "local" or mgr._tier is None else mgr._tier.at(s)
+        return _unlinked(mgr._at(s)) if tier == "local" or mgr._tier is None else mgr._tier.at(s)
 
     found = try_in_order(order, step, where, load_one)
     mgr._remote_unseen = unseen  # the steps above this one may be the remote tier's: no rewind reaches them
@@ -192,6 +193,17 @@ def restore_run(
         for s, t, _ in damaged:
             move_aside(mgr.storage if t == "local" or mgr._tier is None else mgr._tier.remote, s)
     return RestoreReport(candidate, tier, tuple(order), tuple(damaged))
+
+
+def _unlinked(at: Any) -> Any:
+    """``at``, a step of the run directory, unless it is a symbolic link (the listing passes such
+    a step by, and a restore of it by number must not load a checkpoint from anywhere)."""
+    if isinstance(at, LocalStorage) and at.root.is_symlink():
+        raise CheckpointError(
+            f"{at.root} is a symbolic link; a run directory's steps are never links and a restore does not "
+            "follow one: remove it, or load the checkpoint it points to with stashpoint.load"
+        )
+    return at
 
 
 def _held(steps: list[int]) -> str:

@@ -26,6 +26,7 @@ from stashpoint.errors import CheckpointError
 log = logging.getLogger("stashpoint")
 
 _MAX_BYTES = 4096
+_SKEW = _dt.timedelta(minutes=10)  # hosts' clocks may differ by this much
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,17 @@ def pending_rewind(local: Storage, remote: str) -> Rewind | None:
         mark = Rewind(doc["above"], doc["remote"], doc["at"])
         if type(mark.above) is not int or not 0 <= mark.above < 2**62 or not isinstance(mark.remote, str):
             raise ValueError(mark)
-        if _dt.datetime.fromisoformat(mark.at).tzinfo is None:
+        at = _dt.datetime.fromisoformat(mark.at)
+        if at.tzinfo is None:
             raise ValueError(mark.at)
-    except (ValueError, TypeError, KeyError):
+        if at > _dt.datetime.now(_dt.UTC) + _SKEW:  # it would take every remote step saved until then
+            log.warning(
+                "stashpoint: the rewind mark in %s is dated %s, in the future; it is ignored (check this host's clock)",
+                local.location,
+                mark.at,
+            )
+            return None
+    except (ValueError, TypeError, KeyError, RecursionError):
         log.warning("stashpoint: %s/%s is no rewind mark of ours; it is ignored", local.location, REWIND_NAME)
         return None
     if mark.remote != remote:

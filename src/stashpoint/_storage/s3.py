@@ -381,7 +381,7 @@ class S3Storage(Storage):
             pages = c.control.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=key)
             for page in pages:
                 for up in page.get("Uploads", []):
-                    if exact and up["Key"] != key:
+                    if up["Key"] != key if exact else not up["Key"].startswith(key):
                         continue
                     c.control.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
                     n += 1

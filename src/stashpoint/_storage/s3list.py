@@ -3,8 +3,9 @@
 obstore refuses a whole listing over one key it cannot address (a control character, a ``..``
 segment: legal in S3, and written there by another tool), and follows continuation tokens with
 no end: a server whose pages never end hung ``ls``, ``verify`` and the manager. Here every key
-comes back as the server sent it, and a token or an entry seen twice, or more entries than any
-checkpoint run holds, ends the listing with an :class:`S3Error` naming the prefix.
+comes back as the server sent it, and a token or an entry seen twice, an entry outside the prefix,
+or more entries than any checkpoint run holds, ends the listing with an :class:`S3Error` naming
+the prefix.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def list_prefix(
         entries = [(o["Key"], int(o.get("Size", 0))) for o in page.get("Contents") or ()]
         entries += [(p["Prefix"], -1) for p in page.get("CommonPrefixes") or ()]
         for name, size in entries:
+            if not name.startswith(prefix):  # deleting a tree deletes what its listing names
+                raise S3Error(
+                    f"listing s3://{bucket}/{prefix}: the server listed {name[:200]!r}, which is not under that "
+                    "prefix; it does not honour ListObjectsV2's Prefix (check the server, or its proxy)"
+                )
             if name in seen:
                 raise S3Error(_endless(bucket, prefix, f"listed {name[:200]!r} twice"))
             seen.add(name)

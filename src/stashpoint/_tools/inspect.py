@@ -268,7 +268,7 @@ def _recoverable(storage: Storage) -> dict[str, int] | None:
     """A node-local step's claim to have live copies of every node's files on other nodes."""
     try:
         doc = json.loads(storage.read(RECOVERABLE_NAME, 0, 4096)) if storage.exists(RECOVERABLE_NAME) else None
-    except (OSError, ValueError, CheckpointError):
+    except (OSError, ValueError, RecursionError, CheckpointError):
         return None
 
     def count(v: object) -> bool:  # an int a file of ours could hold
