@@ -772,11 +772,16 @@ def test_import_reads_only_the_dcp_checkpoints_own_files_and_only_what_they_hold
             if isinstance(entry, TensorStorageMetadata):
                 entry.size = torch.Size([1 << 40])
 
+    def repeated(metadata) -> None:
+        entry = metadata.state_dict_metadata["w"]
+        entry.chunks = [entry.chunks[0]] * 50
+
     cases = {
         "absolute": (place_all(str(secret)), "not a file name inside"),
         "parent": (place_all("../elsewhere.pt"), "not a file name inside"),
         "past the end": (place_all("__0_0.distcp", 1 << 30), "past its end"),
         "huge tensor": (huge, "more than its files hold"),
+        "a chunk listed 50 times": (repeated, "must tile it once"),  # before: the tensor read 50 times
     }
     for name, (edit, says) in cases.items():
         ck = _crafted_dcp(tmp_path, edit)
@@ -788,3 +793,14 @@ def test_import_reads_only_the_dcp_checkpoints_own_files_and_only_what_they_hold
     data.rename(tmp_path / "moved.distcp")
     data.symlink_to(tmp_path / "moved.distcp")  # a link where a data file belongs
     one_line_error(cli("import", ck, tmp_path / "out"), "is a symbolic link", "cp -rL")
+
+
+def test_import_refuses_a_small_file_that_would_take_hours_or_write_gigabytes(tmp_path: Path) -> None:
+    torch.save({"w": torch.zeros(1).expand(1 << 28)}, tmp_path / "expanded.pt")  # 1.5 KB; 1 GiB written before
+    one_line_error(cli("import", tmp_path / "expanded.pt", tmp_path / "o"), "'w' is a view of 4 bytes expanded to")
+    p = (1 << 61) - 1
+    torch.save({k * p: 0 for k in range(1, 3000)}, tmp_path / "keys.pt")  # every key hashes alike: quadratic
+    one_line_error(cli("import", tmp_path / "keys.pt", tmp_path / "o"), "more than 1000 integers beyond 2**61")
+    assert not (tmp_path / "o").exists()
+    torch.save({"seeds": [1 << 62] * 10, "w": torch.ones(3)}, tmp_path / "fine.pt")  # a few such ints: imported
+    assert cli("import", tmp_path / "fine.pt", tmp_path / "o").exit_code == 0

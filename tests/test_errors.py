@@ -40,6 +40,17 @@ def test_a_torch_save_file_is_refused_with_a_hint(tmp_path):
         stashpoint.load({}, tmp_path / "model.pt")
 
 
+def test_an_overwrite_over_a_hostile_manifest_saves_and_deletes_nothing_of_it(tmp_path):
+    stashpoint.save({"a": torch.ones(2)}, tmp_path / "ck")
+    (tmp_path / "ck" / "manifest.json").write_bytes(b"[" * 100_000)  # nested past the parser's depth
+    shards = sorted(p.name for p in (tmp_path / "ck").glob("shard-*"))
+    stashpoint.save({"a": torch.full((2,), 5.0)}, tmp_path / "ck", overwrite=True)
+    out = {"a": torch.zeros(2)}
+    stashpoint.load(out, tmp_path / "ck")
+    assert torch.equal(out["a"], torch.full((2,), 5.0))
+    assert set(shards) <= {p.name for p in (tmp_path / "ck").glob("shard-*")}  # not ours to judge: kept
+
+
 def test_saving_over_a_committed_checkpoint_needs_overwrite(tmp_path):
     stashpoint.save({"a": torch.ones(2)}, tmp_path / "ck")
     with pytest.raises(stashpoint.CheckpointError, match="overwrite=True"):

@@ -27,8 +27,7 @@ def _objects(seed: int = 0):
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2)
     data = torch.utils.data.TensorDataset(torch.arange(20.0))
     sampler = stashpoint.StatefulSampler(data, seed=0)
-    return {"model": model, "optim": optim, "sched": sched, "rng": stashpoint.RNGState(), "sampler": sampler,
-            "step": 3}
+    return {"model": model, "optim": optim, "sched": sched, "rng": stashpoint.RNGState(), "sampler": sampler, "step": 3}
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +103,13 @@ def _load_mutated(saved, tmp_path, path, replacement):
     sched_before = dict(state["sched"].state_dict())
     try:
         stashpoint.load(state, d, atomic=True)
-    except CheckpointError:
+    except CheckpointError as e:
         assert all(torch.equal(v, before[k]) for k, v in state["model"].state_dict().items())
         assert state["sched"].state_dict() == sched_before and len(state["optim"].state) == 0
+        return e
     finally:
         shutil.rmtree(d)
+    return None
 
 
 @given(st.data())
@@ -119,6 +120,25 @@ def test_a_hostile_state_tree_raises_only_checkpoint_errors_and_changes_nothing(
     path = data.draw(st.sampled_from(paths))
     replacement = data.draw(tree_nodes(sorted(saved[2]["tensors"])))
     _load_mutated(saved, tmp_path_factory.mktemp("fz"), path, replacement)
+
+
+_PARAM_STATE = ("dict", 1, 1, "state", "dict", 0, 1, "dict", 1, 1)  # AdamW's state of its second parameter
+
+
+@pytest.mark.parametrize(
+    "path, replacement",
+    [
+        (_PARAM_STATE, {"dict": [["a", {"value": 1}]]}),  # no "step": AdamW's own load raises KeyError
+        ((*_PARAM_STATE, "dict", 0, 1), {"list": []}),  # "step" a list: float() of it fails
+    ],
+)
+def test_an_atomic_load_that_the_optimizer_itself_refuses_changes_nothing(saved, tmp_path, path, replacement):
+    node = saved[0]["tree"]
+    for part in _PARAM_STATE:
+        node = node[part]
+    assert next(k for k, _ in node["dict"]) == "step", node  # the path leads where it says
+    refused = _load_mutated(saved, tmp_path, path, replacement)
+    assert refused is not None and "into its object failed" in str(refused)
 
 
 def test_a_tree_nested_deeper_than_any_state_is_refused(saved, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -136,7 +137,7 @@ def load(
                 raise plan_error
             assert plan is not None
             _warn_skipped(plan, storage.location, 3)
-            fetched, error = _read(storage, manifest, plan.reads, verify=verify, atomic=atomic, shared_host=False)
+            fetched, error = _read(storage, manifest, plan, plan.reads, verify=verify, atomic=atomic, shared_host=False)
             if error is not None:
                 raise error
             if fetched is not None:
@@ -199,12 +200,23 @@ def _warn_skipped(plan: Plan, location: str, stacklevel: int) -> None:
 
 
 def _read(
-    storage: Storage, manifest: Manifest, reads: list[Read], *, verify: bool, atomic: bool, shared_host: bool
+    storage: Storage,
+    manifest: Manifest,
+    plan: Plan,
+    reads: list[Read],
+    *,
+    verify: bool,
+    atomic: bool,
+    shared_host: bool,
 ) -> tuple[Fetched | None, CheckpointError | None]:
-    """Read this rank's part: into the state (or, ``atomic``, into buffers landed later)."""
+    """Read this rank's part: into the state (or, ``atomic``, into buffers landed later, once the
+    objects' own loads are known to take their state)."""
     try:
         if atomic:
-            return fetch(storage, manifest, reads, verify=verify, ranks_share_host=shared_host), None
+            fetched = fetch(storage, manifest, reads, verify=verify, ranks_share_host=shared_host)
+            for where, check in plan.checks:
+                _call(check, where, storage.location)
+            return fetched, None
         pieces = prepare_reads(storage, manifest, reads, ranks_share_host=shared_host)
     except CheckpointError as e:  # nothing read into the state yet
         return None, e
@@ -257,7 +269,7 @@ def _load_together(
         readers = assign_readers(wanted, ctx.world, floor)  # alike everywhere: every rank's digest agreed
         reads = [r for r in reads if readers.get((r.key, r.region), ctx.rank) == ctx.rank]
     _warn_skipped(plan, storage.location, 4)
-    fetched, error = _read(storage, manifest, reads, verify=verify, atomic=atomic, shared_host=not share)
+    fetched, error = _read(storage, manifest, plan, reads, verify=verify, atomic=atomic, shared_host=not share)
     try:
         agree(ctx, "load reads", failure(error) if error else 0, CorruptCheckpointError)
     except CheckpointError as agreed:
@@ -282,15 +294,18 @@ def _apply(plan: Plan, location: str) -> None:
     for s in plan.setters:
         s()
     for where, fin in plan.finalizers:
-        try:
-            fin()
-        except CheckpointError:
-            raise
-        except Exception as e:  # an object's own load_state_dict refused what passed our checks
-            raise CheckpointError(
-                f"loading the state at {where or '<root>'!r} of {location} into its object failed: "
-                f"{type(e).__name__}: {e}"
-            ) from e
+        _call(fin, where, location)
+
+
+def _call(fn: Callable[[], None], where: str, location: str) -> None:
+    try:
+        fn()
+    except CheckpointError:
+        raise
+    except Exception as e:  # an object's own load_state_dict refused what passed our checks
+        raise CheckpointError(
+            f"loading the state at {where or '<root>'!r} of {location} into its object failed: {type(e).__name__}: {e}"
+        ) from e
 
 
 def _own_plan(

@@ -101,6 +101,7 @@ class OptimizerPlanning:
             self.plan.problems.append(f"{self._name(where)}: the saved optimizer state does not fit: {problem}")
         else:
             self.plan.finalizers.append((where, lambda: optim.load_state_dict(sd)))
+            self.plan.checks.append((where, lambda: _dry_load(optim, sd)))
 
     def _state_like_params(
         self, saved: Node, live: Mapping[Any, Any], params: Mapping[Any, torch.Tensor]
@@ -175,3 +176,12 @@ def _misshapen(state: Any, param: torch.Tensor | None) -> str | None:
         return None
     key, s = next(iter(odd.items()))
     return f"the checkpoint's {key!r} is {list(s)}, the parameter {list(shape)}"
+
+
+def _dry_load(optim: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    """``optim.load_state_dict(sd)`` on a shallow copy of ``optim``: raises where torch would
+    refuse ``sd`` (a per-parameter state without the ``step`` its class reads, say), and leaves
+    ``optim`` and ``sd`` as they were (torch builds its state and groups anew)."""
+    dry = object.__new__(type(optim))
+    dry.__dict__.update(optim.__dict__)
+    dry.load_state_dict(sd)

@@ -55,6 +55,8 @@ class RestorePlan:
     reads: list[Read] = field(default_factory=list)
     setters: list[Callable[[], None]] = field(default_factory=list)
     finalizers: list[tuple[str, Callable[[], None]]] = field(default_factory=list)  # (where, call)
+    # calls that raise where a finalizer would, changing nothing: an atomic load runs them first
+    checks: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # key paths of "missing key" problems
     unexpected: list[str] = field(default_factory=list)  # and of "unexpected key" ones

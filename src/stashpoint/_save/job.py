@@ -6,7 +6,6 @@ process the same code runs against a trivial one-rank context.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import traceback
@@ -20,6 +19,7 @@ from stashpoint._core.index import Head, RankIndex
 from stashpoint._core.naming import MANIFEST_NAME, group_dir, index_name, parse_save_file, placed
 from stashpoint._core.nodeplan import Room
 from stashpoint._core.plan import TensorSpec, plan_files
+from stashpoint._core.sealed import open_sealed
 from stashpoint._dist import group as _dist
 from stashpoint._dist.arrival import CollectiveError
 from stashpoint._dist.commit import (
@@ -254,12 +254,13 @@ class PersistJob:
             return None
 
     def _manifest_id(self) -> str | None:
-        """The save id of the manifest in place: None where there is none, or a damaged one."""
+        """The save id of the manifest in place: None where there is none, or a damaged one (any
+        file may be in the way: parsed within the bounds a load keeps, and its seal checked)."""
         try:
-            doc = json.loads(self.storage.read(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1))  # ours is below the cap
-        except (FileNotFoundError, ValueError):
+            doc, _ = open_sealed(self.storage.read(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1), self.storage.location)
+        except (FileNotFoundError, CheckpointError):
             return None
-        found = doc.get("save_id") if isinstance(doc, dict) else None
+        found = doc.get("save_id")
         return found if isinstance(found, str) else None
 
     def _remove(self, doomed: Any, storage: Storage | None = None, group: str | None = None) -> None:

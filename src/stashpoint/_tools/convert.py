@@ -26,6 +26,7 @@ from stashpoint._state.dtypes import torch_dtype
 from stashpoint._storage import storage_for
 from stashpoint._tools import progress as _progress
 from stashpoint._tools.dcpread import load_dcp
+from stashpoint._tools.importcheck import check_tensors, check_torch_file
 from stashpoint._tools.tensors import read_tensors
 from stashpoint.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
@@ -191,6 +192,7 @@ class ImportResult:
 def _load_torch_file(p: Path) -> Any:
     if not p.is_file():  # a FIFO would block torch.load forever, a device read without end
         raise CheckpointError(f"{p} is not a regular file: give the file torch.save wrote")
+    check_torch_file(p, str(p))
     try:
         try:
             return torch.load(p, map_location="cpu", weights_only=True, mmap=True)
@@ -233,7 +235,7 @@ def import_checkpoint(
         odd = [c.name for c in p.iterdir() if not c.is_file()]
         if odd:  # DCP's reader would block on a FIFO
             raise CheckpointError(f"{p} holds {odd[0]!r}, not a regular file: a DCP checkpoint holds only files")
-        kind = "dcp"
+        kind, read = "dcp", sum(c.lstat().st_size for c in p.iterdir())
         try:
             state = load_dcp(p)
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
@@ -244,7 +246,8 @@ def import_checkpoint(
             what = f"{type(e).__name__}: {why}"
             raise CorruptCheckpointError(f"could not read the DCP checkpoint at {p}: {what}") from None
     else:
-        kind, state = "torch.save", _load_torch_file(p)
+        kind, state, read = "torch.save", _load_torch_file(p), p.stat().st_size
+    check_tensors(state, read, str(p))
     if not isinstance(state, (dict, list, tuple)):  # e.g. a lone tensor: give it a name
         state = {"state": state}
     stats = save(state, path, overwrite=overwrite)

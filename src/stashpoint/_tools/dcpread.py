@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from stashpoint._tools.importcheck import check_pickle, check_torch_file
 from stashpoint.errors import CheckpointError
 
 MAX_METADATA_BYTES = 256 << 20  # or 1/16 of the data, for checkpoints of very many chunks
@@ -64,13 +65,24 @@ def load_dcp(p: Path) -> dict[str, Any]:
             "load the checkpoint with torch yourself if you trust it and save it with stashpoint.save"
         ) from None
 
+    refused: list[Exception] = []  # DCP wraps what its reader raises in a traceback's text: ours, whole
+
     class Reader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return self._read_metadata()
+            except (ValueError, pickle.UnpicklingError, CheckpointError) as e:
+                refused.append(e)
+                raise
+
+        def _read_metadata(self) -> Any:
             from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
             root = Path(self.path)
             with open(_regular(root, ".metadata", _metadata_cap(root)), "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
+                raw = f.read()
+            check_pickle(raw, f"{root / '.metadata'}")
+            metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
             if not isinstance(metadata, Metadata):
                 raise pickle.UnpicklingError(
                     f"the .metadata file holds a {type(metadata).__name__}, not DCP's Metadata"
@@ -84,7 +96,11 @@ def load_dcp(p: Path) -> dict[str, Any]:
     class Planner(_EmptyStateDictLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:  # torch's: weights_only=False
             key = read_item.dest_index.fqn
-            obj = _plain_value(value, key)
+            try:
+                obj = _plain_value(value, key)
+            except CheckpointError as e:
+                refused.append(e)
+                raise
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[key], obj)
             else:
@@ -93,7 +109,12 @@ def load_dcp(p: Path) -> dict[str, Any]:
     state: dict[str, Any] = {}
     with _quiet(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns that no process group is initialized
-        _load_state_dict(state_dict=state, storage_reader=Reader(str(p)), planner=Planner(), no_dist=True)  # type: ignore[no-untyped-call]
+        try:
+            _load_state_dict(state_dict=state, storage_reader=Reader(str(p)), planner=Planner(), no_dist=True)  # type: ignore[no-untyped-call]
+        except BaseException:
+            if refused:
+                raise refused[0] from None
+            raise
     return state
 
 
@@ -161,6 +182,29 @@ def _check_places(metadata: Any, root: Path) -> None:
         raise ValueError(
             f"the DCP metadata promises {promised} bytes of tensors, more than its files hold ({sum(sizes.values())})"
         )
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            _check_tiling(key, tuple(entry.size), entry.chunks)
+
+
+def _check_tiling(key: str, dims: tuple[int, ...], chunks: Any) -> None:
+    """A tensor's chunks must lie inside it and hold as many elements as it does: DCP reads each
+    chunk listed, so a chunk listed a million times would read the tensor a million times."""
+    covered = 0
+    for c in chunks:
+        offsets, sizes = tuple(c.offsets), tuple(c.sizes)
+        inside = len(offsets) == len(sizes) == len(dims) and all(
+            type(o) is int and type(n) is int and o >= 0 and n >= 0 and o + n <= d
+            for o, n, d in zip(offsets, sizes, dims)
+        )
+        if not inside:
+            raise ValueError(f"the DCP tensor {key!r} of shape {dims!r} has a chunk at {offsets!r} of {sizes!r}")
+        covered += math.prod(sizes)
+    if covered != math.prod(dims):
+        raise ValueError(
+            f"the DCP tensor {key!r} has chunks of {covered} elements in all, not its {math.prod(dims)}: they must "
+            "tile it once"
+        )
 
 
 def _plain_value(value: io.BytesIO, key: str) -> Any:
@@ -168,6 +212,7 @@ def _plain_value(value: io.BytesIO, key: str) -> Any:
     import torch
 
     value.seek(0)
+    check_torch_file(value, f"the DCP value {key!r}")
     try:
         return torch.load(value, weights_only=True)
     except pickle.UnpicklingError as e:

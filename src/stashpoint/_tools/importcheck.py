@@ -1,0 +1,111 @@
+"""Bounds on what ``stashpoint import`` takes from a foreign file: the pickles it unpickles and the
+bytes it would write. A file of a few KB must not make an import run for hours (a dict whose keys
+all hash alike) or write gigabytes (a tensor expanded from one element)."""
+
+from __future__ import annotations
+
+import io
+import pickletools
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from stashpoint.errors import CheckpointError
+
+#: Python hashes an int modulo 2**61 - 1: past that, keys can be chosen to share one hash, and
+#: building a dict of N of them takes N**2 steps. Checkpoints hold few such ints (seeds, counters).
+MAX_HUGE_INTS = 1_000
+_HASH_MODULUS = (1 << 61) - 1
+_INT_OPS = frozenset({"INT", "LONG", "LONG1", "LONG4"})
+#: An import writes each tensor whole: views of one storage are written once each (tied weights
+#: twice), and more than this many times the input's bytes means views made to multiply it.
+WRITE_FACTOR = 8
+_WRITE_SLACK = 256 << 20
+_READ_WHOLE = 256 << 20
+
+
+def check_pickle(source: bytes | IO[bytes], where: str) -> None:
+    """Refuse the pickle ``source`` (at a stream's position) if it holds more than
+    :data:`MAX_HUGE_INTS` integers beyond 2**61, before anything unpickles it. A malformed pickle
+    is left to the unpickler's own error (this scan stops where it would)."""
+    if isinstance(source, bytes):
+        if sum(source.count(op) for op in (b"\x8a", b"\x8b", b"I", b"L")) <= MAX_HUGE_INTS:
+            return  # too few opcodes that could make such an int: no walk through the opcodes
+        source = io.BytesIO(source)
+    huge = 0
+    try:
+        for op, arg, _ in pickletools.genops(source):
+            if op.name in _INT_OPS and type(arg) is int and abs(arg) >= _HASH_MODULUS:
+                huge += 1
+                if huge > MAX_HUGE_INTS:
+                    raise CheckpointError(
+                        f"{where} holds more than {MAX_HUGE_INTS} integers beyond 2**61, as a dict crafted to "
+                        "take hours to unpickle does; import refuses it. Load it yourself if you trust it and "
+                        "save its state with stashpoint.save"
+                    )
+    except (ValueError, EOFError, UnicodeDecodeError):
+        return
+
+
+def check_torch_file(source: Path | io.BytesIO, where: str) -> None:
+    """:func:`check_pickle` on the pickles of a ``torch.save`` file: the zip format's ``data.pkl``,
+    or the legacy format's four pickles ahead of its data."""
+    try:
+        if zipfile.is_zipfile(source):
+            with zipfile.ZipFile(source) as z:
+                for info in z.infolist():
+                    if info.filename.endswith(".pkl"):
+                        with z.open(info) as f:
+                            check_pickle(f.read() if info.file_size <= _READ_WHOLE else f, f"{where} ({info.filename})")
+        elif isinstance(source, Path):
+            with open(source, "rb") as f:
+                for _ in range(4):  # magic number, protocol, system info, the state
+                    check_pickle(f, where)
+        else:
+            for _ in range(4):
+                check_pickle(source, where)
+    except (zipfile.BadZipFile, OSError, NotImplementedError):
+        pass  # torch.load says what is wrong with it
+    finally:
+        if isinstance(source, io.BytesIO):
+            source.seek(0)
+
+
+def check_tensors(state: Any, input_bytes: int, where: str) -> None:
+    """Refuse a state whose tensors would make the import write far more than it read: a view
+    expanded past its storage (a stride of 0), or views of one storage, each written whole."""
+    import torch
+
+    total = 0
+    for key, t in _tensors(state):
+        if not isinstance(t, torch.Tensor) or t.is_sparse or t.is_quantized:
+            continue
+        n = t.numel() * t.element_size()
+        held = t.untyped_storage().nbytes()
+        if n > held:
+            raise CheckpointError(
+                f"{where}: {key!r} is a view of {held} bytes expanded to {n} (a stride of 0); import writes tensors "
+                "whole and refuses it. Load the file yourself and save the tensor you mean (its base, or .clone())"
+            )
+        total += n
+    if total > WRITE_FACTOR * input_bytes + _WRITE_SLACK:
+        raise CheckpointError(
+            f"{where}: its tensors would take {total} bytes written from {input_bytes} read (views of the same "
+            f"storage, each written whole); import refuses more than {WRITE_FACTOR}x. Load the file yourself and "
+            "save the tensors you mean with stashpoint.save"
+        )
+
+
+def _tensors(state: Any) -> Iterator[tuple[str, Any]]:
+    """Every leaf under the dicts, lists and tuples of ``state`` with its key path (no recursion:
+    an unpickled state may nest deeper than Python's stack)."""
+    stack: list[tuple[str, Any]] = [("", state)]
+    while stack:
+        key, node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((f"{key}/{k}" if key else str(k), v) for k, v in node.items())
+        elif isinstance(node, (list, tuple)):
+            stack.extend((f"{key}/{i}" if key else str(i), v) for i, v in enumerate(node))
+        else:
+            yield key, node
