@@ -141,6 +141,15 @@ def test_an_atomic_load_that_the_optimizer_itself_refuses_changes_nothing(saved,
     assert refused is not None and "into its object failed" in str(refused)
 
 
+def test_integer_keys_that_python_hashes_alike_are_refused_when_saved_and_loaded(saved, tmp_path):
+    alike = [k * ((1 << 61) - 1) for k in range(1, 4)]  # one hash: a dict of N such keys takes N**2 to build
+    refused = _load_mutated(saved, tmp_path, ("dict", 5, 1), {"dict": [[k, {"value": 0}] for k in alike]})
+    assert refused is not None and f"dict key {alike[0]} is beyond" in str(refused)
+    with pytest.raises(stashpoint.UnsupportedStateError, match=r"dict key 2305843009213693951 under 'ids'"):
+        stashpoint.save({"ids": {k: 0 for k in alike}}, tmp_path / "ck")
+    stashpoint.save({"ids": {-(2**61) + 2: 0, 2**61 - 2: 1}}, tmp_path / "ok")  # the largest keys a load takes
+
+
 def test_a_tree_nested_deeper_than_any_state_is_refused(saved, tmp_path):
     deep: dict = {"value": 1}
     for _ in range(450):

@@ -31,6 +31,9 @@ from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 Node = dict[str, Any]
 MAX_TREE_DEPTH = 100  # containers nested in a state; deeper ones are refused when saving and loading
+#: Python hashes an int modulo 2**61 - 1: keys beyond that can share one hash, and a dict of N
+#: of them takes N**2 steps to build (a crafted checkpoint's attack on a load's time)
+MAX_INT_KEY = (1 << 61) - 2
 
 
 def _bad(where: str, what: str) -> NoReturn:
@@ -185,6 +188,8 @@ def check_tree(node: object, tensors: Container[str], where: str, depth: int) ->
         for item in value:
             if not (type(item) is list and len(item) == 2 and type(item[0]) in (str, int)):
                 _bad(where, "dict node must hold [key, node] pairs")
+            if type(item[0]) is int and not -MAX_INT_KEY <= item[0] <= MAX_INT_KEY:
+                _bad(where, f"dict key {item[0]} is beyond the integer keys a save writes (+-2**61)")
             check_tree(item[1], tensors, where, depth + 1)
     elif kind in ("list", "tuple"):
         if type(value) is not list:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from stashpoint import _runtime
-from stashpoint._core.nodes import MAX_TREE_DEPTH, Node, join
+from stashpoint._core.nodes import MAX_INT_KEY, MAX_TREE_DEPTH, Node, join
 from stashpoint._state import stateful as _stateful
 from stashpoint._state.dtensor import is_dtensor, is_strided
 from stashpoint._state.dtypes import STORABLE
@@ -188,6 +188,11 @@ class Flattener:
                     raise UnsupportedStateError(
                         f"dict key {k!r} of type {type(k).__name__} under {key or '<root>'!r}: only "
                         "str and int keys can be saved; convert the key to a string."
+                    )
+                if isinstance(k, int) and not -MAX_INT_KEY <= k <= MAX_INT_KEY:
+                    raise UnsupportedStateError(
+                        f"dict key {k} under {key or '<root>'!r} is beyond the integer keys a checkpoint holds "
+                        "(+-2**61, which a load checks); convert the key to a string."
                     )
                 # a tensor value without the depth count's frames (most of a state's nodes)
                 sub = join(key, k)
