@@ -160,9 +160,9 @@ def _optimizer_params(optim: torch.optim.Optimizer, names: Mapping[int, str], by
 def _misshapen(state: Any, param: torch.Tensor | None) -> str | None:
     """Why a parameter's saved state does not fit it, or None: a state tensor (not a scalar) of
     another shape than the parameter's (moments saved for a resized parameter), unless the
-    tensors of other shapes are factors of it: of its rank, each dimension its own or 1, and
-    together broadcast to exactly its shape (Adafactor's ``[n, 1]`` and ``[1, m]`` of an
-    ``[n, m]`` weight)."""
+    tensors of other shapes are factors of it that together cover each of its dimensions:
+    torch's Adafactor keeps ``[n, 1]`` and ``[1, m]`` of an ``[n, m]`` weight, transformers'
+    ``[n]`` and ``[m]``."""
     if param is None or not isinstance(state, Mapping):
         return None
     shape = tuple(param.shape)
@@ -170,12 +170,23 @@ def _misshapen(state: Any, param: torch.Tensor | None) -> str | None:
     odd = {k: s for k, s in odd.items() if s != shape}
     if not odd:
         return None
-    factors = all(len(s) == len(shape) and all(a in (b, 1) for a, b in zip(s, shape)) for s in odd.values())
-    covered = all(any(s[i] == n for s in odd.values()) for i, n in enumerate(shape))  # they broadcast to it
-    if factors and len(odd) > 1 and covered:
+    kept = [_kept_dims(s, shape) for s in odd.values()]
+    dims = [k for k in kept if k is not None]
+    if len(odd) > 1 and len(dims) == len(kept) and set().union(*dims) == set(range(len(shape))):
         return None
     key, s = next(iter(odd.items()))
     return f"the checkpoint's {key!r} is {list(s)}, the parameter {list(shape)}"
+
+
+def _kept_dims(s: tuple[int, ...], shape: tuple[int, ...]) -> set[int] | None:
+    """The dimensions of ``shape`` a factor of shape ``s`` keeps: ``s`` is ``shape`` with some
+    sizes set to 1, or with one dimension left out. None: no factor of it."""
+    if len(s) == len(shape) and all(a in (b, 1) for a, b in zip(s, shape)):
+        return {i for i, (a, b) in enumerate(zip(s, shape)) if a == b}
+    for i in range(len(shape) if len(s) == len(shape) - 1 else 0):
+        if s == shape[:i] + shape[i + 1 :]:
+            return set(range(len(shape))) - {i}
+    return None
 
 
 def _dry_load(optim: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
