@@ -317,6 +317,56 @@ def scenario_fsdp_to_plain(path: str) -> None:
     result(same_model=same_model, same_moments=same_moments)
 
 
+def scenario_fsdp_unsharded_names(path: str) -> None:
+    """FSDP2 that keeps its root unsharded after a forward (``reshard_after_forward=False``), with
+    the optimizer ahead of the model in the state: after a no-grad forward, named_parameters()
+    gives the full tensors, not the DTensors the optimizer holds."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def build():
+        m = fully_shard(model(), mesh=init_device_mesh("cpu", (WORLD,)), reshard_after_forward=False)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    m, optim = build()
+    m(torch.randn(4, 16)).pow(2).mean().backward()
+    optim.step()
+    with torch.no_grad():
+        m(torch.randn(4, 16))  # an evaluation: the root stays unsharded
+    stashpoint.save({"optim": optim, "model": m}, path)
+    saved_keys = sorted(map(str, stashpoint.read(path)["optim"]["state"]))
+    m2, optim2 = build()
+    with torch.no_grad():
+        m2(torch.randn(4, 16))
+    stashpoint.load({"optim": optim2, "model": m2}, path)
+    same = all(
+        torch.equal(optim.state[p]["exp_avg"].full_tensor(), optim2.state[q]["exp_avg"].full_tensor())
+        for p, q in zip(m.parameters(), m2.parameters())
+    )
+    result(saved_keys=saved_keys, same_moments=same)
+
+
+def scenario_zero_refused(path: str) -> None:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    m = model()
+    optim = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+    m(torch.randn(4, 16)).sum().backward()
+    optim.step()
+    errors = []
+    try:
+        stashpoint.save({"model": m, "optim": optim}, path)
+    except stashpoint.UnsupportedStateError as e:
+        errors.append(str(e))
+    exists = os.path.exists(path)
+    stashpoint.save({"model": m, "optim": {}}, path)
+    try:
+        stashpoint.load({"model": m, "optim": optim}, path)
+    except stashpoint.UnsupportedStateError as e:
+        errors.append(str(e))
+    result(errors=errors, exists=exists)
+
+
 def scenario_train_loop(root: str, steps: str) -> None:
     """All-reduce on the default group every step while saves coordinate in the background."""
     m = torch.nn.parallel.DistributedDataParallel(model())

@@ -94,6 +94,20 @@ def test_fsdp2_on_two_ranks_loads_into_a_plain_model_on_one(tmp_path):
     assert r["same_model"] and r["same_moments"]
 
 
+def test_zero_redundancy_optimizer_is_refused_with_what_to_use_instead(tmp_path):
+    """Before: torch's RuntimeError ("consolidate_state_dict") escaped the save."""
+    (r,) = run_world(1, "zero_refused", str(tmp_path / "ck"))
+    assert len(r["errors"]) == 2 and all("ZeroRedundancyOptimizer is not supported" in e for e in r["errors"]), r
+    assert all("Use FSDP2" in e for e in r["errors"]) and not r["exists"], r
+
+
+def test_fsdp2_left_unsharded_by_a_forward_still_names_the_optimizers_parameters(tmp_path):
+    """Before: the state was keyed by index when saved after a no-grad forward, and a load after
+    one refused, saying some parameters belong to no module in the state."""
+    (r,) = run_world(1, "fsdp_unsharded_names", str(tmp_path / "ck"))
+    assert r["saved_keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"] and r["same_moments"], r
+
+
 def test_an_optimizer_saved_as_dcps_named_dict_loads_into_a_fresh_fsdp2_optimizer(tmp_path):
     """Saved as ``get_state_dict``'s dicts (or by DCP and imported): the optimizer's state is
     keyed by parameter name. A fresh FSDP2 optimizer loading it gets DTensor moments equal to the

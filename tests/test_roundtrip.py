@@ -614,3 +614,60 @@ def test_optimizers_whose_state_is_not_shaped_like_their_parameters_resume_exact
     a, b = torch.load(straight, weights_only=True), torch.load(resumed, weights_only=True)
     assert_same(a["model"], b["model"])
     assert_same(a["optim"], b["optim"])
+
+
+class _ChildCalledModule(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())  # the user's own name
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.module(x))
+
+
+def _trained_child_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = _ChildCalledModule()
+    optim = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    return m, optim
+
+
+def test_a_submodule_called_module_keeps_its_name_in_the_optimizers_state(tmp_path, monkeypatch):
+    """Before: every 'module' part was taken for DDP's and left out of the optimizer's names
+    ('0.weight'), unlike the model's keys and DCP's ('module.0.weight'): DCP's optimizer state
+    dict did not load. Checkpoints named the old way still load."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from stashpoint._state import stateful
+
+    m, optim = _trained_child_model()
+    stashpoint.save({"model": m, "optim": optim}, tmp_path / "c")
+    assert sorted(stashpoint.read(tmp_path / "c")["optim"]["state"]) == sorted(
+        get_optimizer_state_dict(m, optim)["state"]
+    )
+    stashpoint.save({"model": m.state_dict(), "optim": get_optimizer_state_dict(m, optim)}, tmp_path / "dcp-form")
+    original = stateful.param_names
+    monkeypatch.setattr(stateful, "param_names", lambda modules, **_: original(modules, legacy=True))
+    stashpoint.save({"model": m, "optim": optim}, tmp_path / "old")
+    assert "0.weight" in stashpoint.read(tmp_path / "old")["optim"]["state"]
+    monkeypatch.undo()
+    for ck in ("old", "dcp-form"):
+        torch.manual_seed(1)
+        m2 = _ChildCalledModule()
+        o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+        stashpoint.load({"model": m2, "optim": o2}, tmp_path / ck)
+        for p, q in zip(m.parameters(), m2.parameters()):
+            assert torch.equal(optim.state[p]["exp_avg"], o2.state[q]["exp_avg"]), ck
+
+
+def test_an_optimizer_built_from_named_parameters_keeps_the_models_names_after_a_load(tmp_path):
+    m, _ = _trained_child_model()
+    wrapped = torch.optim.AdamW([(f"module.{n}", p) for n, p in m.named_parameters()], lr=1e-2)  # as under DDP
+    stashpoint.save({"model": m, "optim": wrapped}, tmp_path / "c")
+    m2 = _ChildCalledModule()
+    o2 = torch.optim.AdamW(m2.named_parameters(), lr=1e-2)
+    stashpoint.load({"model": m2, "optim": o2}, tmp_path / "c")
+    assert o2.param_groups[0]["param_names"] == [n for n, _ in m2.named_parameters()]

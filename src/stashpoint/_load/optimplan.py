@@ -39,8 +39,9 @@ class OptimizerPlanning:
 
     def _optimizer(self, saved: Node, optim: torch.optim.Optimizer, where: str) -> None:
         n_before = len(self.plan.problems)
-        names = _stateful.param_names(_stateful.find_modules(self.root))
         by_name = saved.get("keyed_by") == "name"
+        modules = _stateful.find_modules(self.root)
+        names = _stateful.names_as_saved(modules, saved_param_names(saved["state"]) or ()) if by_name else {}
         # the optimizer's current state (same keying) lends its tensors: loaded in place
         live = _stateful.optimizer_to_tree(optim, names)[1] if by_name else optim.state_dict()
         params = _optimizer_params(optim, names, by_name)
@@ -136,17 +137,24 @@ class OptimizerPlanning:
 def names_params(saved: Node) -> bool:
     """Whether a raw optimizer state dict names its parameters (``get_state_dict``'s, DCP's):
     every group's ``params`` a list of strings, one at least."""
+    names = saved_param_names(saved)
+    return bool(names) and all(isinstance(n, str) for n in names or ())
+
+
+def saved_param_names(saved: Node) -> list[object] | None:
+    """The values of every group's ``params`` in a saved optimizer state dict's node (None where
+    it has no groups of that form)."""
     fields = dict(saved.get("dict", ())) if isinstance(saved, dict) else {}
     groups = fields.get("param_groups")
     if not (isinstance(groups, dict) and isinstance(groups.get("list"), list)):
-        return False
-    names = []
+        return None
+    names: list[object] = []
     for group in groups["list"]:
         params = dict(group.get("dict", ())).get("params") if isinstance(group, dict) else None
         if not (isinstance(params, dict) and isinstance(params.get("list"), list)):
-            return False
+            return None
         names += [p.get("value") if isinstance(p, dict) else None for p in params["list"]]
-    return bool(names) and all(isinstance(n, str) for n in names)
+    return names
 
 
 def _optimizer_params(optim: torch.optim.Optimizer, names: Mapping[int, str], by_name: bool) -> dict[Any, torch.Tensor]:

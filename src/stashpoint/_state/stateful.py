@@ -22,8 +22,9 @@ from stashpoint.errors import UnsupportedStateError
 
 T = TypeVar("T")
 
-# Wrapper prefixes that other tools insert into parameter names; stripped so that names stay stable.
-_WRAPPER_PARTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "module")
+# What checkpoints saved before 2026-12-06 stripped from optimizer parameter names: "module" anywhere,
+# also a user's own submodule of that name (a load still matches those names).
+_LEGACY_WRAPPER_PARTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "module")
 
 
 # Parts that wrappers nested inside a model put into its state_dict() keys (a block compiled on
@@ -46,10 +47,21 @@ def module_keys(keys: Iterable[str]) -> dict[str, str] | None:
 
 
 def kind_of(obj: Any) -> str | None:
-    """Return the stateful kind of ``obj``, or None if it is not stateful."""
+    """Return the stateful kind of ``obj``, or None if it is not stateful.
+
+    Raises :class:`UnsupportedStateError` for ``ZeroRedundancyOptimizer``, whose state lives on
+    the ranks that own it and is gathered over the training's process group."""
     if isinstance(obj, torch.nn.Module):
         return "module"
     if isinstance(obj, torch.optim.Optimizer):
+        zero: Any = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+        if zero is not None and isinstance(obj, zero.ZeroRedundancyOptimizer):
+            raise UnsupportedStateError(
+                "ZeroRedundancyOptimizer is not supported: its state_dict() needs consolidate_state_dict(), which "
+                "gathers over the training's process group, and its load then runs on every rank alike. Use FSDP2 "
+                "(torch.distributed.fsdp.fully_shard), whose optimizer state is sharded as DTensors stashpoint "
+                "saves shard by shard, or a plain optimizer under DDP"
+            )
         return "optimizer"
     if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
         return "object"
@@ -136,18 +148,43 @@ def find_modules(state: Any) -> list[torch.nn.Module]:
     return find_all(state, torch.nn.Module)
 
 
-def _clean_name(name: str) -> str:
-    parts = [p for p in name.split(".") if p not in _WRAPPER_PARTS]
-    return ".".join(parts)
-
-
-def param_names(modules: Iterable[torch.nn.Module]) -> dict[int, str]:
-    """Map ``id(parameter)`` to its name in the first module that holds it."""
+def param_names(modules: Iterable[torch.nn.Module], *, legacy: bool = False) -> dict[int, str]:
+    """Map ``id(parameter)`` to its name in the first module that holds it: its key in the
+    module's saved state (a DDP or ``torch.compile`` wrapper around it adds nothing; DCP's
+    ``get_optimizer_state_dict`` names them alike). ``legacy``: as checkpoints saved before
+    2026-12-06 named them (every ``module`` part left out)."""
     names: dict[int, str] = {}
     for module in modules:
-        for name, param in module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), _clean_name(name))
+        inner = unwrap(module)
+        _reshard_fsdp2(inner)
+        drop = _LEGACY_WRAPPER_PARTS if legacy else _INNER_WRAPPER_PARTS
+        for name, param in (module if legacy else inner).named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), ".".join(p for p in name.split(".") if p not in drop))
     return names
+
+
+def names_as_saved(modules: list[torch.nn.Module], saved: Iterable[object]) -> dict[int, str]:
+    """:func:`param_names` as the checkpoint whose optimizer names ``saved`` named them: today's,
+    or the legacy naming where that matches more of them (a model with a child called ``module``)."""
+    names = param_names(modules)
+    legacy = param_names(modules, legacy=True)
+    if legacy == names:
+        return names
+    wanted = {n for n in saved if isinstance(n, str)}
+    return legacy if len(wanted & set(legacy.values())) > len(wanted & set(names.values())) else names
+
+
+def _reshard_fsdp2(module: torch.nn.Module) -> None:
+    """FSDP2 modules back in their sharded state (as their ``state_dict()`` does): after a forward
+    that kept them unsharded (``reshard_after_forward=False``), their parameters are the full
+    tensors, not the DTensors the optimizer holds, and would go unnamed."""
+    fsdp: Any = sys.modules.get("torch.distributed.fsdp")
+    cls = getattr(fsdp, "FSDPModule", None)
+    if cls is None:
+        return
+    for m in module.modules():
+        if isinstance(m, cls):
+            m.reshard()
 
 
 def optimizer_to_tree(optim: torch.optim.Optimizer, names: Mapping[int, str]) -> tuple[str, dict[str, Any]]:
@@ -201,7 +238,9 @@ def optimizer_from_named(
             saved = saved_groups[gi]
         else:
             saved = group
-        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+        # the names of the model as it is, where the optimizer keeps them (built from named_parameters())
+        here = {"param_names": group["param_names"]} if "param_names" in group else {}
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, **here, "params": ids})
     state = {index_of[n]: v for n, v in sd["state"].items() if n in index_of}
     return {"state": state, "param_groups": groups}
 
