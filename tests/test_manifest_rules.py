@@ -111,10 +111,10 @@ def test_a_tensor_of_no_elements_with_huge_dimensions_is_read_or_refused_cleanly
 def test_a_manifest_over_the_entry_cap_is_refused_before_its_entries_are_built(tmp_path, monkeypatch):
     doc, _ = _one_element_chunks(tmp_path, 40)
     _write(tmp_path, doc)
-    monkeypatch.setattr(stashpoint._core.format, "MAX_MANIFEST_ENTRIES", 40)  # 40 chunks + 1 file
-    with pytest.raises(CorruptCheckpointError, match=r"lists 41 chunks and files \(the cap is 40\)"):
+    monkeypatch.setattr(stashpoint._core.format, "MAX_MANIFEST_ENTRIES", 41)  # 40 chunks + 1 file + 1 rank
+    with pytest.raises(CorruptCheckpointError, match=r"lists 42 chunks, files and ranks \(the cap is 41\)"):
         stashpoint.load({"t": torch.zeros(40)}, tmp_path / "c")
-    monkeypatch.setattr(stashpoint._core.format, "MAX_MANIFEST_ENTRIES", 41)
+    monkeypatch.setattr(stashpoint._core.format, "MAX_MANIFEST_ENTRIES", 42)
     live = {"t": torch.zeros(40)}
     stashpoint.load(live, tmp_path / "c")
     assert torch.equal(live["t"], torch.arange(40.0))

@@ -183,9 +183,11 @@ def parse_v1(doc: dict[str, Any], where: str) -> Manifest:
     _want(isinstance(tensors_doc, dict), where, "tensors must be an object")
     assert isinstance(files_doc, list) and isinstance(tensors_doc, dict)
     chunk_lists = (e.get("chunks") for e in tensors_doc.values() if isinstance(e, dict))
-    entries = len(files_doc) + sum(len(c) for c in chunk_lists if isinstance(c, list))
+    of_rank = doc.get("tree_of_rank")  # an entry per rank: a world of 80 million fit in 152 MB
+    ranks = len(of_rank) if isinstance(of_rank, list) else 0
+    entries = len(files_doc) + sum(len(c) for c in chunk_lists if isinstance(c, list)) + ranks
     cap = MAX_MANIFEST_ENTRIES
-    _want(entries <= cap, where, f"it lists {entries} chunks and files (the cap is {cap})")
+    _want(entries <= cap, where, f"it lists {entries} chunks, files and ranks (the cap is {cap})")
     files: dict[str, FileEntry] = {}
     for f in files_doc:
         _want(isinstance(f, dict), where, "file entry must be an object")
@@ -224,7 +226,6 @@ def parse_v1(doc: dict[str, Any], where: str) -> Manifest:
     except RecursionError:
         raise CorruptCheckpointError(f"malformed manifest {where}: tree nested too deeply") from None
     world = _int(doc.get("world_size", 1), where, "world_size", 1)
-    of_rank = doc.get("tree_of_rank")
     _want(
         isinstance(of_rank, list)
         and len(of_rank) == world

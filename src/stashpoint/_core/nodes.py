@@ -225,17 +225,24 @@ def wrapper_hint(missing: list[str], unexpected: list[str]) -> str | None:
     )
 
 
+_HINT_PARTS = 64  # a model's keys have a dozen parts or so; longer ones get no hint
+
+
 def _prefix_hint(missing: list[str], unexpected: list[str]) -> str | None:
     """A hint where most missing keys are unexpected ones under another prefix (a model saved
     bare, loaded as a submodule ``backbone`` of another): the two prefixes, with an example."""
     table: dict[tuple[str, ...], tuple[str, str]] = {}
     for u in unexpected[:100_000]:
         parts = tuple(u.replace("/", ".").split("."))
+        if len(parts) > _HINT_PARTS:  # every tail of a key is kept: quadratic in its parts
+            continue
         for k in range(len(parts) - 1):  # every tail of two names or more ("0.weight", not "weight")
             table.setdefault(parts[k:], (".".join(parts[:k]), u))
     counts: dict[tuple[str, str], list[tuple[str, str]]] = {}
     for m in missing[:100_000]:
         parts = tuple(m.replace("/", ".").split("."))
+        if len(parts) > _HINT_PARTS:
+            continue
         for k in range(len(parts) - 1):
             hit = table.get(parts[k:])
             if hit is not None:
