@@ -162,6 +162,7 @@ def test_a_rank_0_slowed_past_the_timeout_leaves_the_save_committed_and_whole(tm
     assert slow["raised"] and "either complete and loadable or not committed" in slow["message"], slow
 
 
+@pytest.mark.slow  # ~60 s: several worlds, each read path
 def test_replicated_state_is_read_once_and_exchanged_or_read_directly(tmp_path, monkeypatch):
     ck = tmp_path / "ck"
     run_world(2, "ddp_save", str(ck))
@@ -209,6 +210,7 @@ def test_later_saves_send_and_receive_a_bounded_few_hundred_bytes_per_rank(tmp_p
         assert _manifest(tmp_path / f"s{i}")["world_size"] == world
 
 
+@pytest.mark.slow  # ~60 s; version-1 loads are also in test_format_v2.py
 def test_a_load_reads_only_the_indexes_its_regions_need_and_version_1_still_loads(tmp_path, monkeypatch):
     """Same world: a rank's own index and rank 0's (small replicated tensors); on half the world,
     also the writers of the rows it loads. A version-1 copy (every chunk in the manifest, no

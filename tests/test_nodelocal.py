@@ -268,6 +268,7 @@ def test_what_every_node_reads_of_one_rank_is_passed_on_by_the_nodes_that_got_it
             assert shard.stat().st_blocks * 512 < shard.stat().st_size, "a sparse copy, not the whole shard"
 
 
+@pytest.mark.slow  # ~70 s; the memory area itself is checked in test_memfetch.py
 def test_a_node_whose_leader_cannot_hold_its_memory_area_reads_its_directory_alone(tmp_path, fetch_memory, monkeypatch):
     """Another process holds node 0's memory area, with a manifest that is not the step's in
     it: node 0's leader cannot take the area, so none of the node's ranks reads through it

@@ -41,7 +41,9 @@ def _steps(d: Path) -> list[int]:
         return mgr.steps()
 
 
-@pytest.mark.parametrize("every", [1000, 1], ids=["no-save-due", "a-save-every-step"])
+@pytest.mark.parametrize(  # the slow tier: a save in flight at the signal as well
+    "every", [pytest.param(1000, id="no-save-due"), pytest.param(1, id="a-save-every-step", marks=pytest.mark.slow)]
+)
 def test_sigterm_saves_the_current_step_commits_it_and_exits_then_a_fresh_process_resumes_there(tmp_path, every):
     proc = subprocess.Popen(
         [sys.executable, str(WORKER), str(tmp_path), "200", "--every", str(every)], env=ENV, stdout=subprocess.PIPE,
@@ -105,7 +107,14 @@ def _start(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.parametrize("case", ["stuck", "twice", "after-the-last-step"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "stuck",
+        pytest.param("twice", marks=pytest.mark.slow),
+        pytest.param("after-the-last-step", marks=pytest.mark.slow),
+    ],
+)
 def test_sigterm_ends_the_process_when_no_safe_point_comes(tmp_path, case):
     """Before: a process that never reached maybe_save again (an evaluation, a hung
     collective) ignored SIGTERM, sent twice, until SIGKILL; one signalled after its last
@@ -422,7 +431,7 @@ def test_signals_around_a_closed_manager_reach_the_program(tmp_path, script, arg
     assert want in res.stdout, (res.stdout, res.stderr[-3000:])
 
 
-@pytest.mark.parametrize("world", [3, 5])
+@pytest.mark.parametrize("world", [pytest.param(3, marks=pytest.mark.slow), 5])
 def test_the_per_step_agreement_is_a_tree_that_every_rank_ends_with(tmp_path, world):
     """maybe_save's agreement on a signal runs every step: a tree up to rank 0 and a broadcast
     (2 log2 R messages in sequence, where a ring all-reduce takes 4R); every rank ends with the

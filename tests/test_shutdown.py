@@ -61,6 +61,7 @@ def test_a_forked_child_starts_without_the_parents_state_and_can_save(tmp_path):
     assert (tmp_path / "child" / "manifest.json").exists()
 
 
+@pytest.mark.slow  # ~50 s of two ranks; the single-process shutdown tests stay in the default tier
 def test_two_ranks_end_normally_after_shutdown_without_os_exit(tmp_path):
     """shutdown() waits for the save still persisting, then destroys stashpoint's gloo group once
     both ranks reach it; the worker returns from main (no os._exit) and exits 0, three runs in a row."""
