@@ -59,3 +59,24 @@ def test_an_intact_checkpoint_loads_the_same_either_way(tmp_path):
         stashpoint.load({"model": fresh, "optim": torch.optim.AdamW(fresh.parameters())}, tmp_path / "c",
                         atomic=atomic)
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+
+
+def test_an_atomic_loads_trial_of_the_optimizer_runs_none_of_its_hooks_twice(tmp_path):
+    """The trial on a copy (which finds an optimizer refusing its state before anything lands) is
+    for torch's own load_state_dict without hooks: a hook would run twice (an lr halved twice)."""
+    model = torch.nn.Linear(4, 2)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    stashpoint.save({"model": model, "optim": optim}, tmp_path / "c")
+    calls = []
+
+    def halve(opt, sd):
+        calls.append(opt)
+        for g in sd["param_groups"]:
+            g["lr"] /= 2
+
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.01)
+    fresh.register_load_state_dict_pre_hook(halve)
+    stashpoint.load({"model": model, "optim": fresh}, tmp_path / "c", atomic=True)
+    assert calls == [fresh] and fresh.param_groups[0]["lr"] == 0.005

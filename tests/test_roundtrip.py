@@ -564,7 +564,9 @@ _OPTIM_JOB = """
 import sys, torch, stashpoint
 kind, mode, ck, out = sys.argv[1:5]
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+model = torch.nn.Sequential(  # a square weight too: its two factors have one shape
+    torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)
+)
 if kind == "adafactor":
     optim = torch.optim.Adafactor(model.parameters(), lr=1e-2)
 elif kind == "hf_adafactor":  # transformers' (T5 recipes): factors [n] and [m] of an [n, m] weight

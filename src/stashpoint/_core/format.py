@@ -7,6 +7,7 @@ Everything read from a file is validated here before use; a malformed input rais
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Mapping
@@ -110,6 +111,15 @@ class Manifest:
     format_version: int = 1  # as read; ``to_json`` writes version 1 (version 2: ``_core.index``)
     checksum_algorithm: str = CHECKSUM_ALGORITHM
     indexes: tuple[tuple[str, int], ...] = ()  # version 2: each rank's index (name, size)
+
+    @functools.cached_property
+    def keys_by_file(self) -> dict[str, set[str]]:
+        """The keys each file holds chunks of (worked out once: errors name them file by file)."""
+        found: dict[str, set[str]] = {}
+        for k, e in self.tensors.items():
+            for c in e.chunks:
+                found.setdefault(c.file, set()).add(k)
+        return found
 
     def to_json(self) -> bytes:
         doc = {

@@ -21,19 +21,21 @@ inside a component are percent-escaped. Objects with ``state_dict()`` add no com
 from __future__ import annotations
 
 import base64
+import collections
 import functools
 import pickle
 import re
-from collections.abc import Container
+from collections.abc import Container, Iterable
 from typing import Any, NoReturn
 
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 Node = dict[str, Any]
 MAX_TREE_DEPTH = 100  # containers nested in a state; deeper ones are refused when saving and loading
-#: Python hashes an int modulo 2**61 - 1: keys beyond that can share one hash, and a dict of N
-#: of them takes N**2 steps to build (a crafted checkpoint's attack on a load's time)
-MAX_INT_KEY = (1 << 61) - 2
+#: Python hashes an int modulo 2**61 - 1 (not randomised, unlike str): keys can be chosen to share
+#: one hash, and a dict of N of them takes N**2 steps to build. Real keys (``hash(s)`` of strings,
+#: ids) share one by chance alone: more than this many is a crafted checkpoint's attack on a load
+MAX_SAME_HASH = 64
 
 
 def _bad(where: str, what: str) -> NoReturn:
@@ -188,9 +190,10 @@ def check_tree(node: object, tensors: Container[str], where: str, depth: int) ->
         for item in value:
             if not (type(item) is list and len(item) == 2 and type(item[0]) in (str, int)):
                 _bad(where, "dict node must hold [key, node] pairs")
-            if type(item[0]) is int and not -MAX_INT_KEY <= item[0] <= MAX_INT_KEY:
-                _bad(where, f"dict key {item[0]} is beyond the integer keys a save writes (+-2**61)")
             check_tree(item[1], tensors, where, depth + 1)
+        crowded = same_hash_keys(item[0] for item in value)
+        if crowded is not None:
+            _bad(where, f"a dict node holds more than {MAX_SAME_HASH} integer keys of one hash, as {crowded}'s")
     elif kind in ("list", "tuple"):
         if type(value) is not list:
             _bad(where, f"{kind} node must hold a list")
@@ -203,6 +206,17 @@ def check_tree(node: object, tensors: Container[str], where: str, depth: int) ->
 # what wrappers put before a module's own names in its state_dict(): DDP and DataParallel,
 # torch.compile, FSDP1, activation checkpointing
 _WRAPPER_PARTS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def same_hash_keys(keys: Iterable[object]) -> int | None:
+    """An integer key that more than :data:`MAX_SAME_HASH` of ``keys`` share their hash with, or
+    None. Linear: the hashes are counted, no dict of the keys is built."""
+    ints = [k for k in keys if type(k) is int]
+    if len(ints) <= MAX_SAME_HASH:
+        return None
+    counts = collections.Counter(hash(k) for k in ints)
+    top, n = counts.most_common(1)[0]
+    return next(k for k in ints if hash(k) == top) if n > MAX_SAME_HASH else None
 
 
 def wrapper_hint(missing: list[str], unexpected: list[str]) -> str | None:

@@ -200,26 +200,9 @@ def unlisted_shards(storage: Storage, manifest: Manifest) -> list[str]:
 def shard_where(storage: Storage, manifest: Manifest, name: str) -> str:
     """How errors name a shard: its location and (some of) the keys it holds (a scan of the
     manifest: for error messages only)."""
-    keys = sorted(_keys_by_file(manifest).get(name, ()))
+    keys = sorted(manifest.keys_by_file.get(name, ()))
     shown = ", ".join(repr(k) for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
     return f"{storage.location}/{name} (holding {shown or 'no tensor'})"
-
-
-_by_file: tuple[Manifest, dict[str, set[str]]] | None = None  # the last manifest's (a verify names many files)
-
-
-def _keys_by_file(manifest: Manifest) -> dict[str, set[str]]:
-    """The keys each file of ``manifest`` holds: one pass over its chunks, not one per file named."""
-    global _by_file
-    last = _by_file
-    if last is not None and last[0] is manifest:
-        return last[1]
-    found: dict[str, set[str]] = {}
-    for k, e in manifest.tensors.items():
-        for c in e.chunks:
-            found.setdefault(c.file, set()).add(k)
-    _by_file = (manifest, found)
-    return found
 
 
 def shard_problem(storage: Storage, manifest: Manifest, fe: FileEntry) -> tuple[str | None, bool]:

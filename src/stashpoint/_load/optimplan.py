@@ -187,20 +187,27 @@ def _misshapen(state: Any, param: torch.Tensor | None) -> str | None:
 
 
 def _kept_dims(s: tuple[int, ...], shape: tuple[int, ...]) -> set[int] | None:
-    """The dimensions of ``shape`` a factor of shape ``s`` keeps: ``s`` is ``shape`` with some
+    """The dimensions of ``shape`` a factor of shape ``s`` may keep: ``s`` is ``shape`` with some
     sizes set to 1, or with one dimension left out. None: no factor of it."""
     if len(s) == len(shape) and all(a in (b, 1) for a, b in zip(s, shape)):
         return {i for i, (a, b) in enumerate(zip(s, shape)) if a == b}
-    for i in range(len(shape) if len(s) == len(shape) - 1 else 0):
-        if s == shape[:i] + shape[i + 1 :]:
-            return set(range(len(shape))) - {i}
-    return None
+    # which one was left out may be ambiguous (a square weight's row and column factors): any
+    left_out = [i for i in range(len(shape) if len(s) == len(shape) - 1 else 0) if s == shape[:i] + shape[i + 1 :]]
+    return {d for i in left_out for d in range(len(shape)) if d != i} if left_out else None
 
 
 def _dry_load(optim: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     """``optim.load_state_dict(sd)`` on a shallow copy of ``optim``: raises where torch would
     refuse ``sd`` (a per-parameter state without the ``step`` its class reads, say), and leaves
-    ``optim`` and ``sd`` as they were (torch builds its state and groups anew)."""
+    ``optim`` and ``sd`` as they were (torch builds its state and groups anew). Only torch's own
+    ``load_state_dict`` without hooks: a wrapper's (Accelerate's) loads into an optimizer the copy
+    shares, and a hook would run twice."""
+    if type(optim).load_state_dict is not torch.optim.Optimizer.load_state_dict:
+        return
+    if getattr(optim, "_optimizer_load_state_dict_pre_hooks", None) or getattr(
+        optim, "_optimizer_load_state_dict_post_hooks", None
+    ):
+        return
     dry = object.__new__(type(optim))
     dry.__dict__.update(optim.__dict__)
     dry.load_state_dict(sd)

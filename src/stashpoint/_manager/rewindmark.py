@@ -77,7 +77,7 @@ def pending_rewind(local: Storage, remote: str) -> Rewind | None:
         at = _dt.datetime.fromisoformat(mark.at)
         if at.tzinfo is None:
             raise ValueError(mark.at)
-        if at > _dt.datetime.now(_dt.UTC) + _SKEW:  # it would take every remote step saved until then
+        if at > _dt.datetime.now(_dt.timezone.utc) + _SKEW:  # it would take every remote step saved until then
             log.warning(
                 "stashpoint: the rewind mark in %s is dated %s, in the future; it is ignored (check this host's clock)",
                 local.location,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from stashpoint import _runtime
-from stashpoint._core.nodes import MAX_INT_KEY, MAX_TREE_DEPTH, Node, join
+from stashpoint._core.nodes import MAX_SAME_HASH, MAX_TREE_DEPTH, Node, join, same_hash_keys
 from stashpoint._state import stateful as _stateful
 from stashpoint._state.dtensor import is_dtensor, is_strided
 from stashpoint._state.dtypes import STORABLE
@@ -189,14 +189,15 @@ class Flattener:
                         f"dict key {k!r} of type {type(k).__name__} under {key or '<root>'!r}: only "
                         "str and int keys can be saved; convert the key to a string."
                     )
-                if isinstance(k, int) and not -MAX_INT_KEY <= k <= MAX_INT_KEY:
-                    raise UnsupportedStateError(
-                        f"dict key {k} under {key or '<root>'!r} is beyond the integer keys a checkpoint holds "
-                        "(+-2**61, which a load checks); convert the key to a string."
-                    )
                 # a tensor value without the depth count's frames (most of a state's nodes)
                 sub = join(key, k)
                 items.append([k, self._leaf(v, sub) if isinstance(v, torch.Tensor) else self._node(v, sub)])
+            crowded = same_hash_keys(obj) if len(obj) > MAX_SAME_HASH else None
+            if crowded is not None:  # a load refuses them: they are how a crafted checkpoint attacks it
+                raise UnsupportedStateError(
+                    f"the dict under {key or '<root>'!r} holds more than {MAX_SAME_HASH} integer keys of one hash "
+                    f"(as {crowded}'s), which a load refuses; convert the keys to strings."
+                )
             return {"dict": items}
         if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple, torch.Size):
             kind_name = "list" if isinstance(obj, list) else "tuple"
