@@ -141,12 +141,16 @@ def main(argv: list[str] | None = None) -> int:
                     f"{cpu[replicas][-1]:.2f} CPU s")  # fmt: skip
         lost = lost_per_save(totals) if totals else {}
         cost: dict[int, list[tuple[float, float]]] = {}  # replicas -> (CPU s, wall s) of each save, per node
+        by_thread: dict[int, dict[str, float]] = {}  # replicas -> thread name -> CPU s, summed
         for _ in range(args.repeats if args.cost else 0):
             for replicas in (0, 1):
                 shutil.rmtree(nodes / "node-0", ignore_errors=True)
                 shutil.rmtree(nodes / "node-1", ignore_errors=True)
                 for r in job(base, "cost", env, *common, "--replicas", str(replicas), "--gap", str(args.gap)):
                     cost.setdefault(replicas, []).extend(zip(r["save_cpu_s"], r["save_s"]))
+                    into = by_thread.setdefault(replicas, {})
+                    for name, s in r["threads_cpu_s"].items():
+                        into[name] = into.get(name, 0.0) + s
         cpu_lost = lost_per_save(cpu) if cpu else {}
     finally:
         server.stop()
@@ -170,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         cpu_s, wall = statistics.median(c for c, _ in got), statistics.median(w for _, w in got)
         print(f"a save alone, replicas={replicas}: {cpu_s:.3f} CPU s per node, {wall:.3f} s until wait() returned "
               f"(median of {len(got)}, {args.gap:g} s apart)")  # fmt: skip
+        busy = sorted(by_thread[replicas].items(), key=lambda kv: -kv[1])
+        ended = sum(c for c, _ in got) - sum(s for _, s in busy)  # threads gone before the save's end
+        parts = [f"{n} {s / len(got):.3f}" for n, s in busy if s > 0] + [f"threads that ended {ended / len(got):.3f}"]
+        print("  per save and node, by thread name (Python's all show as `python`): " + ", ".join(parts))
     return 0
 
 

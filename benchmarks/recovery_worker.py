@@ -52,6 +52,22 @@ def train_step(state: dict) -> None:
     state["step"] += 1
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each live thread of this process, summed by thread name
+    (Linux's ``/proc``; empty elsewhere). Threads that ended between two calls are missing."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path("/proc/self/task").glob("*") if Path("/proc/self/task").is_dir() else ():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = name.rstrip("0123456789_-")  # pool threads counted together
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def node_root(base: Path) -> Path:
     nodes = Path(os.environ.get("BENCH_NODES", base))  # the nodes' tier: a disk, or /dev/shm (memory)
     return nodes / f"node-{os.environ.get('NODE_DIR', os.environ.get('GROUP_RANK', '0'))}" / "ckpt"
@@ -122,16 +138,19 @@ def main() -> None:
             out["first_step_s"] = time.perf_counter() - t2
             out["to_first_step_s"] = time.time() - t0
     elif args.phase == "cost":
-        out["save_cpu_s"], out["save_s"] = [], []
+        out["save_cpu_s"], out["save_s"], out["threads_cpu_s"] = [], [], {}
         with stashpoint.CheckpointManager(node_root(args.base), node_local=True, replicas=args.replicas) as mgr:
             for step in range(1, 5):  # the first save allocates its buffers: not counted
                 dist.barrier()
-                u0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+                u0, t, th0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), thread_cpu()
                 mgr.save(step, state)
                 mgr.wait()  # durable on every node, and with replicas, copied
-                u1 = resource.getrusage(resource.RUSAGE_SELF)
+                u1, th1 = resource.getrusage(resource.RUSAGE_SELF), thread_cpu()
                 if step > 1:
                     out["save_cpu_s"].append(u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime)
+                    for name, s in th1.items():  # summed over the saves counted
+                        threads = out["threads_cpu_s"]
+                        threads[name] = threads.get(name, 0.0) + s - th0.get(name, 0.0)
                     out["save_s"].append(time.perf_counter() - t)
                 time.sleep(args.gap)
     else:
