@@ -52,6 +52,15 @@ class StorageSuite:
         assert s.cached("f", 0) in (True, False) and s.cached("f", 4999) in (True, False)
         assert s.cached("missing", 0) is False and s.cached("f", 1 << 40) is False
 
+    def test_a_listing_names_a_committed_file_and_no_other(self, tmp_path):
+        s = self.make(tmp_path / "ck")
+        s.prepare()
+        assert not s.listed("manifest.json")
+        s.commit("manifest.json.partial", b"x")  # a name that only starts like it
+        assert not s.listed("manifest.json")
+        s.commit("manifest.json", b"{}")
+        assert s.listed("manifest.json") and s.listed("manifest.json.partial") and not s.listed("other")
+
     def test_read_past_the_end_raises(self, tmp_path):
         s = self.make(tmp_path / "ck")
         s.prepare()

@@ -9,7 +9,7 @@ from typing import Any
 
 from stashpoint._manager.rewindmark import live, pending_rewind
 from stashpoint._manager.tiers import restore_order
-from stashpoint._storage import LocalStorage
+from stashpoint._storage import LocalStorage, Storage
 from stashpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -129,7 +129,7 @@ def try_in_order(
     errors: list[CheckpointError] = []
     for candidate, tier in order:
         try:
-            load_one(where(candidate, tier))
+            _load_remote_twice(load_one, where, candidate, tier)
         except (CorruptCheckpointError, IncompleteCheckpointError) as e:
             if step is not None and (candidate, tier) == order[-1] and not errors:
                 raise
@@ -144,6 +144,22 @@ def try_in_order(
     if errors:
         raise errors[0]
     return None
+
+
+def _load_remote_twice(load_one: Callable[[Any], None], where: Callable[[int, str], Any], step: int, tier: str) -> None:
+    """``load_one`` of a copy; one on object storage that fails as damaged is read once more
+    before it is taken for damaged (and set aside): an object store's one bad answer (a 404
+    from a lagging replica, a body cut short or changed on the way) must not hide a good step
+    from every later restore. Every rank raised the same error (a load's failure is agreed),
+    so every rank reads again."""
+    at = where(step, tier)
+    try:
+        load_one(at)
+    except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+        if not isinstance(at, Storage) or isinstance(at, LocalStorage):
+            raise
+        log.warning("stashpoint: step %d at %s failed to load (%s); reading it once more", step, at.location, e)
+        load_one(at)
 
 
 def restore_run(

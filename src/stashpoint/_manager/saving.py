@@ -16,7 +16,15 @@ from stashpoint._core.format import utc_stamp
 from stashpoint._core.naming import MANIFEST_NAME, step_dir
 from stashpoint._manager.lock import check_shared_root
 from stashpoint._manager.rewindmark import Rewind
-from stashpoint._manager.steps import METRICS_KEY, committed_steps, delete_step, move_aside, quietly, retained
+from stashpoint._manager.steps import (
+    METRICS_KEY,
+    committed_steps,
+    delete_step,
+    holds_manifest,
+    move_aside,
+    quietly,
+    retained,
+)
 from stashpoint._save.engine import SaveOptions, get_engine
 from stashpoint._save.handle import SaveHandle, SaveStats
 from stashpoint._storage import LocalStorage, Storage
@@ -126,7 +134,7 @@ def after_save(  # noqa: PLR0917
                 if mgr._resumed_at is None:
                     mgr._resumed_at = resumed
             # node-local: a failed save is no step of the job even where its manifest landed
-            if mgr._owner and (mgr._nodes is not None or not mgr._at(step).exists(MANIFEST_NAME)):
+            if mgr._owner and (mgr._nodes is not None or not holds_manifest(mgr._at(step))):
                 quietly(mgr._at(step).remove_tree)
             return
         if error is not None:  # committed, not copied to other nodes: kept, and raised by wait()
@@ -274,7 +282,7 @@ def start_save(
             )
     resumed = mgr._resumed_at
     going_back, refused = set_aside_newer(mgr, step)
-    if refused is None and not going_back and target.exists(MANIFEST_NAME):
+    if refused is None and not going_back and holds_manifest(target):
         refused = (
             f"step {step} already has a committed checkpoint at {target.location}; save under a new step, or "
             "delete that directory first."
@@ -285,12 +293,15 @@ def start_save(
     # node holds and another, on a new disk, not): the engine fails the save on every rank
     # together instead of leaving those waiting for this one
     if mgr._owner and refused is None:  # the remains of an earlier failed save of this step, if any
-        if target.exists(MANIFEST_NAME) and not move_aside(mgr.storage, step, "rewound"):
+        if holds_manifest(target) and not move_aside(mgr.storage, step, "rewound"):
             # committed once (a manifest this process cannot read now is no leftover): kept
             # (the owner's alone: failed through the engine, on every rank together)
             refused = f"step {step} at {target.location} holds a committed checkpoint that could not be moved aside"
         else:
-            target.remove_tree()
+            try:  # on the caller's thread: within the storage's short limits
+                target.best_effort().remove_tree()
+            except OSError as e:  # its files are named by their save's id: this save's are not among them
+                log.warning("stashpoint: could not clear %s before saving step %d there: %s", target.location, step, e)
     if refused is None and mgr._remote_rewind is not None and mgr._tier is not None:  # rank 0
         mark = Rewind(mgr._remote_rewind, mgr._tier.remote.location, utc_stamp())
         mgr._tier.uploader.note_rewind(mark)  # moved by this step's upload, or a later one

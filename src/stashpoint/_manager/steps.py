@@ -31,6 +31,15 @@ def step_number(step: object) -> int:
     return n
 
 
+def holds_manifest(step: Storage) -> bool:
+    """Whether a step directory holds its manifest (is committed). A "no" from an object store
+    is asked again through a listing: one HEAD answered 404 (a lagging replica of the store, a
+    proxy) must not have a committed step taken for a leftover and deleted, or passed by."""
+    if step.exists(MANIFEST_NAME):
+        return True
+    return not isinstance(step, LocalStorage) and step.listed(MANIFEST_NAME)
+
+
 def committed_steps(root: Storage, known: set[int] | None = None) -> list[int]:
     """The committed steps under a run root, oldest first.
 
@@ -45,7 +54,7 @@ def committed_steps(root: Storage, known: set[int] | None = None) -> list[int]:
         if step is None:
             continue
         listed.add(step)
-        if (known is not None and step in known) or root.child(name).exists(MANIFEST_NAME):
+        if (known is not None and step in known) or holds_manifest(root.child(name)):
             found.append(step)
     if known is not None:
         known.intersection_update(listed)
@@ -106,7 +115,7 @@ def remove_leftovers(root: Storage) -> None:
     for name in root.children():
         step = parse_step_dir(name)
         target = root.child(name)
-        if step is not None and not target.exists(MANIFEST_NAME):
+        if step is not None and not holds_manifest(target):
             log.warning("stashpoint: removing %s, left by a save that never committed", target.location)
             quietly(target.remove_tree)
     if isinstance(root, LocalStorage):  # a rewind mark a crash left half written (object stores write whole)

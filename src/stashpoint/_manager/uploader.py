@@ -89,6 +89,10 @@ class Uploader:
         self.rewind: tuple[Rewind, int] | None = None
         self._rewind_lock = threading.Lock()
         self._stale_mark = False  # applied, but its file could not be removed: tried again
+        # (rank 0) the last upload failed: the next asks the remote tier first, within its short
+        # limits, and fails at once if it does not answer (each queued step would wait out the
+        # whole retry budget and timeout of a server that is down or stalled: minutes at close())
+        self._suspect = False
 
     def submit(self, step: int, after: cf.Future[Any] | None = None) -> cf.Future[bool]:
         """Upload ``step`` once ``after`` (its local save) has succeeded; the future tells whether
@@ -138,6 +142,9 @@ class Uploader:
         try:
             uploaded = self._upload(step, after, seq)
             return uploaded
+        except BaseException:
+            self._suspect = self.ctx.rank == 0
+            raise
         finally:
             if self.on_result is not None:
                 try:
@@ -232,6 +239,12 @@ class Uploader:
                 return ("skip", "the save was skipped")
         if self.ctx.rank != 0:
             return ("ok", None)
+        if self._suspect:
+            try:
+                self.remote.best_effort().exists(None)
+            except OSError as e:
+                return ("error", f"the remote tier does not answer ({e}); the last upload failed too")
+            self._suspect = False
         try:
             head = read_head(src)
             if (rewind := self.rewind) is not None and seq >= rewind[1]:

@@ -134,7 +134,7 @@ class _Engine:
             raise CheckpointError(opts.refused)
         # rank 0 alone asks the storage (one request per save, not one per rank); its refusal
         # fails the save on every rank, as any one rank's error does
-        if ctx.rank == 0 and not opts.overwrite and storage.exists(MANIFEST_NAME):
+        if ctx.rank == 0 and not opts.overwrite and _committed_there(storage):
             if ctx.world == 1 and opts.process_group is None and unjoined_launch():
                 raise CheckpointError(f"a committed checkpoint already exists at {storage.location}: {unjoined_hint()}")
             raise CheckpointError(
@@ -200,6 +200,18 @@ def current_engine() -> _Engine | None:
     """This process's engine if a save made it, else None (nothing is created)."""
     engine: _Engine | None = _runtime.peek("save.engine")
     return engine
+
+
+def _committed_there(storage: Storage) -> bool:
+    """Whether a checkpoint is committed at ``storage`` already, asked on the caller's thread
+    (training waits): within the storage's short limits (object storage: seconds, not the
+    minutes a stalled server takes), and where it gives no answer, the exclusive commit at the
+    end of the save decides (an error then comes from ``wait()``)."""
+    try:
+        return storage.best_effort().exists(MANIFEST_NAME)
+    except OSError as e:
+        log.warning("stashpoint: could not ask whether %s holds a checkpoint (%s); saving on", storage.location, e)
+        return False
 
 
 def _refuse_run_dir(storage: Storage) -> None:

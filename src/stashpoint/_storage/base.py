@@ -107,6 +107,12 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def list(self) -> list[str]: ...
 
+    def listed(self, name: str) -> bool:
+        """Whether a listing names the file ``name``: asked beside :meth:`exists` before a
+        directory without its manifest is taken for a leftover and deleted (an object store's
+        listing and its HEAD are separate answers; one 404 of a HEAD costs no committed step)."""
+        return name in self.list()
+
     def sizes(self) -> dict[str, int]:
         """The size of every file :meth:`list` names (a file removed meanwhile is left out); an
         object store answers from one listing instead of a request per file."""

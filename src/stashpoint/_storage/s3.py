@@ -24,11 +24,10 @@ import concurrent.futures as cf
 import dataclasses
 import errno
 import logging
-import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from stashpoint import _runtime
 from stashpoint._core.naming import is_group_dir, split_group
 from stashpoint._storage.base import FileWriter, Storage
 from stashpoint._storage.s3config import (
@@ -40,8 +39,9 @@ from stashpoint._storage.s3config import (
     parse_url,
 )
 from stashpoint._storage.s3io import S3Writer, copy_into, server_said, status_of
-from stashpoint._storage.s3list import list_prefix
+from stashpoint._storage.s3list import list_prefix, retrying
 from stashpoint._storage.s3tree import copy_tree, delete_tree
+from stashpoint._storage.s3uploads import abort_uploads, retry_pending_aborts
 from stashpoint.errors import S3Error
 
 log = logging.getLogger("stashpoint")
@@ -52,15 +52,8 @@ T = TypeVar("T")
 # The storage
 
 
-_pending_lock = threading.Lock()
-
-
-def _pending_aborts() -> set[tuple[str, str, str]]:
-    """(endpoint, bucket, key) of the uploads whose abort failed, retried by the next save there."""
-    return _runtime.slot("storage.s3_pending_aborts", set)
-
-
 _BEST_EFFORT_RETRY_S = 3.0
+_BEST_EFFORT_TIMEOUT_S = 10.0
 # a ranged GET's body is taken in pieces of about this size: obstore gathers larger ones slower
 # (loads of 0.5 GB from SeaweedFS took 1.2x as long with 8 MiB, 1.6x with a whole 32 MiB part)
 _STREAM_CHUNK = 1 << 20
@@ -78,11 +71,16 @@ class S3Storage(Storage):
         self.options = options if options is not None else S3Options.from_env()
 
     def best_effort(self) -> S3Storage:
-        """A copy that retries transient errors for at most a few seconds (clean-up after a failure:
-        a server that is down should fail the save in seconds, not after every delete's budget)."""
-        if self.options.retry_seconds <= _BEST_EFFORT_RETRY_S:
-            return self
-        return S3Storage(self.url, dataclasses.replace(self.options, retry_seconds=_BEST_EFFORT_RETRY_S))
+        """A copy that retries transient errors for at most a few seconds, each request within a
+        shorter time limit (clean-up after a failure: a server that is down or stalled should
+        fail the save in seconds, not after every delete's budget and timeout)."""
+        o = self.options
+        quick = dataclasses.replace(
+            o,
+            retry_seconds=min(o.retry_seconds, _BEST_EFFORT_RETRY_S),
+            timeout_seconds=min(o.timeout_seconds, _BEST_EFFORT_TIMEOUT_S),
+        )
+        return self if quick == o else S3Storage(self.url, quick)
 
     # -- naming ---------------------------------------------------------------------------------
 
@@ -161,10 +159,10 @@ class S3Storage(Storage):
 
         c = self.client()
         if "bucket" in c.checked:
-            self._retry_pending_aborts(c)
+            retry_pending_aborts(self, c)
             return
         try:
-            c.control.head_bucket(Bucket=self.bucket)
+            retrying(lambda: c.control.head_bucket(Bucket=self.bucket), self.options.retry_seconds)
         except ClientError as e:
             code = str(e.response.get("Error", {}).get("Code", ""))
             if code in ("404", "NoSuchBucket", "NotFound"):
@@ -178,7 +176,7 @@ class S3Storage(Storage):
         except BotoCoreError as e:
             raise S3Error(f"saving to {self.url}: {e}; {c.endpoint_hint()}") from None
         c.checked.add("bucket")
-        self._retry_pending_aborts(c)
+        retry_pending_aborts(self, c)
 
     def open_writer(self, name: str, size: int) -> FileWriter:
         return S3Writer(self, name, size)
@@ -193,12 +191,39 @@ class S3Storage(Storage):
         if not exclusive:
             self.call("writing", name, obstore.put, store, key, data, use_multipart=False)
             return
-        try:  # a conditional PUT (If-None-Match: *): the store refuses it if the key exists
-            obstore.put(store, key, data, use_multipart=False, mode="create")
-        except Exception as e:
-            if type(e).__name__ == "AlreadyExistsError" or status_of(e) in ("412", "409"):
-                raise FileExistsError(errno.EEXIST, "already exists", self.location + "/" + name) from None
-            raise self.error("writing", name, e) from e
+        deadline, pause = time.monotonic() + self.options.retry_seconds, 0.1
+        while True:
+            try:  # a conditional PUT (If-None-Match: *): the store refuses it if the key exists
+                obstore.put(store, key, data, use_multipart=False, mode="create")
+                return
+            except Exception as e:
+                # obstore does not retry a conditional PUT whose connection broke, and its reply
+                # may be lost after the server stored it (a retry is then refused as existing):
+                # what is there now says whether this commit happened
+                there = self._commit_there(name, data, e)
+                if there:
+                    return
+                if time.monotonic() + pause > deadline:
+                    raise self.error("writing", name, e) from e
+            time.sleep(pause)
+            pause = min(pause * 2, 8.0)
+
+    def _commit_there(self, name: str, data: bytes, error: Exception) -> bool:
+        """After the conditional PUT of ``data`` failed with ``error``: True when the object holds
+        ``data`` (the PUT happened), False when there is none (try again); FileExistsError when
+        it holds other bytes (another save committed), ``error`` when it cannot be read."""
+        try:
+            held = self.read(name, 0, len(data) + 1)
+        except FileNotFoundError:
+            held = None
+        except Exception:
+            raise self.error("writing", name, error) from error
+        if held == data:
+            log.info("stashpoint: %s was committed by a request whose reply was lost", self.url_of(name))
+            return True
+        if held is not None:
+            raise FileExistsError(errno.EEXIST, "already exists", self.location + "/" + name) from None
+        return False
 
     def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
         import obstore
@@ -327,6 +352,14 @@ class S3Storage(Storage):
         """The names :meth:`sizes` gives (only names a checkpoint can hold)."""
         return builtins.list(self.sizes())
 
+    def listed(self, name: str) -> bool:
+        """One listing of the keys that start with ``name``'s (not a listing of every file)."""
+        keys, _ = self.call(
+            "listing", name, list_prefix, self.client().control, self.bucket, self.key(name),
+            delimiter=True, retry_seconds=self.options.retry_seconds,
+        )  # fmt: skip
+        return self.key(name) in keys
+
     def delete(self, name: str) -> None:
         import obstore
 
@@ -375,32 +408,4 @@ class S3Storage(Storage):
     def abort_uploads(self, key: str, *, exact: bool = True) -> int:
         """Abort the open multipart uploads of ``key`` (or, ``exact=False``, of every key under
         that prefix). If the server cannot be reached, remember them for the next ``prepare()``."""
-        c = self.client()
-        try:
-            n = 0
-            pages = c.control.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=key)
-            for page in pages:
-                for up in page.get("Uploads", []):
-                    if up["Key"] != key if exact else not up["Key"].startswith(key):
-                        continue
-                    c.control.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
-                    n += 1
-        except Exception as e:
-            log.warning(
-                "stashpoint: could not abort the multipart uploads of s3://%s/%s (%s); will retry at the next save",
-                self.bucket,
-                key,
-                server_said(e),
-            )
-            with _pending_lock:
-                _pending_aborts().add((c.endpoint, self.bucket, key))
-            return 0
-        return n
-
-    def _retry_pending_aborts(self, c: S3Client) -> None:
-        with _pending_lock:
-            pending = _pending_aborts()
-            mine = [p for p in pending if p[:2] == (c.endpoint, self.bucket)]
-            pending.difference_update(mine)
-        for _, _, key in mine:
-            self.abort_uploads(key)
+        return abort_uploads(self, key, exact=exact)

@@ -154,7 +154,9 @@ def _make_client(bucket: str, opts: S3Options) -> S3Client:
     control = session.create_client(
         "s3",
         config=Config(
-            retries={"mode": "standard", "max_attempts": 3},
+            # one attempt: s3list.retrying retries within STASHPOINT_S3_RETRY_SECONDS (botocore's
+            # own attempts each waited the whole timeout, 4x it against a stalled server)
+            retries={"mode": "standard", "total_max_attempts": 1},
             connect_timeout=min(10.0, opts.timeout_seconds),
             read_timeout=opts.timeout_seconds,
             s3={"addressing_style": "path"},

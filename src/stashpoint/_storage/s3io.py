@@ -177,7 +177,7 @@ class S3Writer(FileWriter):
         self._thread.join()
         if self._error is not None:
             self._thread = None  # cleaned up here: abort() need not do it again
-            self._storage.abort_uploads(self._key)
+            self._storage.best_effort().abort_uploads(self._key)  # the server may be down or stalled
             raise self._storage.error("uploading", self._name, self._error)
 
     def abort(self) -> None:
@@ -185,7 +185,7 @@ class S3Writer(FileWriter):
         if self._thread is not None:
             self._queue.put(_ABORT)
             self._thread.join()
-            self._storage.abort_uploads(self._key)
+            self._storage.best_effort().abort_uploads(self._key)  # the server may be down or stalled
         if not self._closed:  # the object was never completed: nothing to delete
             return
         try:  # close() may have failed after the object was complete (a lost response)

@@ -4,8 +4,9 @@ obstore refuses a whole listing over one key it cannot address (a control charac
 segment: legal in S3, and written there by another tool), and follows continuation tokens with
 no end: a server whose pages never end hung ``ls``, ``verify`` and the manager. Here every key
 comes back as the server sent it, and a token or an entry seen twice, an entry outside the prefix,
-or more entries than any checkpoint run holds, ends the listing with an :class:`S3Error` naming
-the prefix.
+more entries than any checkpoint run holds, or a long run of empty pages that say more follow,
+ends the listing with an :class:`S3Error` naming the prefix. The open multipart uploads under a
+prefix are listed with the same bounds.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from typing import Any
 from stashpoint.errors import S3Error
 
 MAX_ENTRIES = 10_000_000  # a run of 16,384 ranks holds about 33k files a step
-_TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling"})
+# S3 may send a page with fewer keys than asked, even none, and more to follow; a server whose
+# empty pages never end (each with a fresh token) sent 28,000 requests a minute
+MAX_EMPTY_PAGES = 1000
+TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling"})
 
 
 def list_prefix(
@@ -29,7 +33,7 @@ def list_prefix(
     keys: dict[str, int] = {}
     prefixes: list[str] = []
     seen: set[str] = set()
-    tokens: set[str] = set()
+    pages = Pages(f"s3://{bucket}/{prefix}", "ListObjectsV2")
     request: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
     if delimiter:
         request["Delimiter"] = "/"
@@ -44,28 +48,62 @@ def list_prefix(
                     "prefix; it does not honour ListObjectsV2's Prefix (check the server, or its proxy)"
                 )
             if name in seen:
-                raise S3Error(_endless(bucket, prefix, f"listed {name[:200]!r} twice"))
+                raise S3Error(pages.endless(f"listed {name[:200]!r} twice"))
             seen.add(name)
             if size < 0:
                 prefixes.append(name)
             else:
                 keys[name] = size
         if len(seen) > MAX_ENTRIES:
-            raise S3Error(_endless(bucket, prefix, f"listed more than {MAX_ENTRIES:,} entries"))
+            raise S3Error(pages.endless(f"listed more than {MAX_ENTRIES:,} entries"))
         if not page.get("IsTruncated"):
             return keys, prefixes
         token = page.get("NextContinuationToken")
-        if not token or token in tokens:
-            raise S3Error(_endless(bucket, prefix, "sent a page without a new continuation token"))
-        tokens.add(token)
+        pages.next(token, len(entries))
         request["ContinuationToken"] = token
 
 
-def _endless(bucket: str, prefix: str, what: str) -> str:
-    return (
-        f"listing s3://{bucket}/{prefix}: the server {what}, so its listing would not end; "
-        "it does not paginate ListObjectsV2 as S3 does (check the server, or its proxy)"
-    )
+def list_uploads(control: Any, bucket: str, prefix: str, *, retry_seconds: float) -> list[tuple[str, str]]:
+    """``(key, upload id)`` of every multipart upload open under ``prefix``, every page of them,
+    within the bounds of :func:`list_prefix`."""
+    found: list[tuple[str, str]] = []
+    pages = Pages(f"s3://{bucket}/{prefix}", "ListMultipartUploads")
+    request: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+    while True:
+        page = retrying(lambda: control.list_multipart_uploads(**request), retry_seconds)
+        uploads = [(str(u.get("Key", "")), str(u.get("UploadId", ""))) for u in page.get("Uploads") or ()]
+        found += uploads
+        if len(found) > MAX_ENTRIES:
+            raise S3Error(pages.endless(f"listed more than {MAX_ENTRIES:,} open uploads"))
+        if not page.get("IsTruncated"):
+            return found
+        marker = (page.get("NextKeyMarker"), page.get("NextUploadIdMarker"))
+        pages.next(marker if marker[0] else None, len(uploads))
+        request["KeyMarker"], request["UploadIdMarker"] = marker
+
+
+class Pages:
+    """The bounds of one paginated listing: every page must name a new place to go on from, and
+    at most :data:`MAX_EMPTY_PAGES` empty pages in a row may say that more follow."""
+
+    def __init__(self, where: str, call: str) -> None:
+        self.where, self.call = where, call
+        self._tokens: set[object] = set()
+        self._empty = 0
+
+    def next(self, token: object, entries: int) -> None:
+        if not token or token in self._tokens:
+            raise S3Error(self.endless("sent a page without a new continuation token"))
+        self._tokens.add(token)
+        self._empty = 0 if entries else self._empty + 1
+        if self._empty > MAX_EMPTY_PAGES:
+            raise S3Error(self.endless(f"sent {MAX_EMPTY_PAGES:,} empty pages in a row, each saying more follow"))
+
+    def endless(self, what: str) -> str:
+        return (
+            f"listing {self.where}: the server {what}, so its listing would not end; "
+            f"it does not paginate {self.call} as S3 does (check the server, or its proxy)"
+        )
 
 
 def retrying(request: Callable[[], dict[str, Any]], retry_seconds: float) -> dict[str, Any]:
@@ -90,5 +128,5 @@ def _transient(e: BaseException) -> bool:
     if isinstance(e, ClientError):
         code = str(e.response.get("Error", {}).get("Code", ""))
         status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-        return code in _TRANSIENT_CODES or status >= 500 or status == 429
+        return code in TRANSIENT_CODES or status >= 500 or status == 429
     return isinstance(e, (BotoConnectionError, HTTPClientError))

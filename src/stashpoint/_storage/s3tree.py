@@ -6,16 +6,20 @@ botocore, so that such a key never blocks retention or a move."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
+import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._storage.s3config import addressable, has_control
-from stashpoint._storage.s3list import retrying
+from stashpoint._storage.s3list import TRANSIENT_CODES, retrying
 from stashpoint.errors import S3Error
 
 if TYPE_CHECKING:
     from stashpoint._storage.s3 import S3Storage
 
+log = logging.getLogger("stashpoint")
 _DELETE_BATCH = 1000  # S3's limit per DeleteObjects request
 
 
@@ -34,8 +38,11 @@ def delete_tree(store: S3Storage, keys: list[str]) -> None:
     for k in keys:
         parts = k[len(store.prefix) + 1 :].split("/")[:-1]
         dirs.update(f"{store.prefix}/{'/'.join(parts[: i + 1])}/" for i in range(len(parts)))
-    for depth in sorted({d.count("/") for d in dirs}, reverse=True):
-        _delete(store, sorted(d for d in dirs if d.count("/") == depth))
+    try:  # what lists them as folders: a leftover is no step (no manifest) and goes later
+        for depth in sorted({d.count("/") for d in dirs}, reverse=True):
+            _delete(store, sorted(d for d in dirs if d.count("/") == depth))
+    except OSError as e:
+        log.warning("stashpoint: could not delete the folder keys of %s: %s", store.url, e)
 
 
 def copy_tree(store: S3Storage, target: S3Storage, keys: list[str]) -> None:
@@ -86,15 +93,27 @@ def _delete(store: S3Storage, keys: list[str]) -> None:
 
 
 def delete_batch(control: Any, bucket: str, keys: list[str], retry_seconds: float) -> None:
-    """Delete ``keys`` (at most 1,000, none with a control character) exactly as named."""
-    objects = [{"Key": k} for k in keys]
-    reply = retrying(
-        lambda: control.delete_objects(Bucket=bucket, Delete={"Objects": objects, "Quiet": True}), retry_seconds
-    )
-    failed = [e for e in reply.get("Errors") or () if e.get("Code") != "NoSuchKey"]
-    if failed:
-        e = failed[0]
-        raise S3Error(f"deleting s3://{bucket}/{e.get('Key')} failed ({e.get('Code')}: {e.get('Message')})")
+    """Delete ``keys`` (at most 1,000, none with a control character) exactly as named. A reply
+    may refuse some keys alone (``SlowDown``, ``InternalError``: S3 under load): those are sent
+    again within ``retry_seconds``."""
+    deadline, pause = time.monotonic() + retry_seconds, 0.1
+    left = keys
+    while True:
+        request = {"Objects": [{"Key": k} for k in left], "Quiet": True}
+        reply = retrying(
+            functools.partial(control.delete_objects, Bucket=bucket, Delete=request),
+            max(0.0, deadline - time.monotonic()),
+        )
+        failed = [e for e in reply.get("Errors") or () if e.get("Code") != "NoSuchKey"]
+        lasting = [e for e in failed if e.get("Code") not in TRANSIENT_CODES]
+        if failed and (lasting or time.monotonic() + pause > deadline):
+            e = (lasting or failed)[0]
+            raise S3Error(f"deleting s3://{bucket}/{e.get('Key')} failed ({e.get('Code')}: {e.get('Message')})")
+        if not failed:
+            return
+        left = [str(e.get("Key")) for e in failed]
+        time.sleep(pause)
+        pause = min(pause * 2, 8.0)
 
 
 def delete_raw(control: Any, bucket: str, key: str, retry_seconds: float) -> None:
