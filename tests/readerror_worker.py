@@ -16,6 +16,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 RANK = int(os.environ["RANK"])
 _PR_CAPBSET_DROP = 24
@@ -293,9 +294,22 @@ def scenario_rank0_only_save(root: str) -> None:
 
 
 def scenario_destroyed_under_save(root: str) -> None:
-    """The program destroys torch.distributed's groups while a background save is in flight."""
+    """The program destroys torch.distributed's groups while a background save is in flight,
+    through ``dist.destroy_process_group()``, which waits for it."""
+    _destroy_under_save(root, lambda: dist.destroy_process_group())  # looked up as a program calls it
+
+
+def scenario_destroyed_bare_under_save(root: str) -> None:
+    """The same through torch's own function (not stashpoint's wrapper), which does not wait:
+    the save fails, naming the fix."""
+    from torch.distributed import distributed_c10d
+
+    _destroy_under_save(root, distributed_c10d.destroy_process_group)
+
+
+def _destroy_under_save(root: str, destroy: Any) -> None:
     handle = stashpoint.async_save({"w": torch.ones(64 << 20 >> 2)}, Path(root, "ckpt"))
-    dist.destroy_process_group()
+    destroy()
     try:
         handle.wait()
         out = "no error"

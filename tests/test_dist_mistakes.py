@@ -4,6 +4,9 @@ process group this rank is not in or that is not a group. Real processes, a real
 
 from __future__ import annotations
 
+import torch
+
+import stashpoint
 from dist_util import WORKER, run_world
 
 WORKER_OF = WORKER.with_name("readerror_worker.py")
@@ -47,10 +50,14 @@ def test_a_save_on_rank_0_alone_names_the_ranks_it_waits_for_before_it_times_out
         assert "not only rank 0" in warning, warning
 
 
-def test_destroying_the_process_group_under_a_save_says_to_wait_for_it_first(tmp_path):
-    for r in run_world(2, "destroyed_under_save", str(tmp_path), worker=WORKER_OF):
+def test_destroying_the_process_group_under_a_save_waits_for_it_or_says_to(tmp_path):
+    for r in run_world(2, "destroyed_under_save", str(tmp_path / "a"), worker=WORKER_OF):
+        assert r["error"] == "no error", r  # dist.destroy_process_group() waited for the save
+    assert torch.equal(stashpoint.read(tmp_path / "a" / "ckpt")["w"], torch.ones(64 << 20 >> 2))
+    for r in run_world(2, "destroyed_bare_under_save", str(tmp_path / "b"), worker=WORKER_OF):
         assert "process group was destroyed while the checkpoint collective" in r["error"], r
         assert "before torch.distributed.destroy_process_group()" in r["error"], r
+    assert not (tmp_path / "b" / "ckpt" / "manifest.json").exists()
 
 
 def test_the_ranks_that_never_came_are_found_in_few_requests():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import stashpoint
-from conftest import to_v1, whole
+from conftest import run_python, to_v1, whole
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._storage import FileWriter, LocalStorage
 
@@ -442,8 +443,12 @@ def test_an_expanded_tensor_saves_and_loading_into_one_names_it(tmp_path):
         stashpoint.load({"t": torch.ones(1).expand(10)}, tmp_path / "c")
 
 
-def test_a_path_under_a_file_names_the_file_in_the_way(tmp_path):
+def test_a_path_under_a_file_names_the_file_in_the_way(tmp_path, caplog):
     (tmp_path / "afile").write_text("not a directory")
+    refused = pytest.raises(stashpoint.CheckpointError, match=r"^\S*afile exists and is not a directory; a checkpoint")
+    with caplog.at_level(logging.WARNING, logger="stashpoint"), refused:
+        stashpoint.save({"w": torch.ones(3)}, tmp_path / "afile")  # at once: no warning of files kept
+    assert caplog.text == "", caplog.text
     with pytest.raises(stashpoint.CheckpointError, match=r"afile exists and is not a directory, so .*afile/sub cannot"):
         stashpoint.save({"w": torch.ones(3)}, tmp_path / "afile" / "sub")
     with pytest.raises(stashpoint.CheckpointError, match=r"afile exists and is not a directory; a checkpoint"):
@@ -565,3 +570,26 @@ def test_a_dtype_mismatch_says_that_a_load_does_not_cast_and_how_to_get_there(tm
     message = str(info.value)
     assert "float32[4, 4], the state holds bfloat16[4, 4]" in message
     assert "a load does not cast" in message and "model.to(torch.bfloat16)" in message, message
+
+
+def test_a_file_size_limit_below_the_staging_memory_is_named(tmp_path):
+    """The staging memory is a memory file, which ``ulimit -f`` counts: a save larger than the
+    limit got a bare ``OSError: File too large`` out of ``save``."""
+    code = f"""
+import resource, torch, stashpoint
+resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, 8 << 20))
+try:
+    stashpoint.save({{"w": torch.ones(3 << 20)}}, {str(tmp_path / "ck")!r}, max_shard_bytes=1 << 20)
+except stashpoint.CheckpointError as e:
+    print("REFUSED", e)
+"""
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    assert "REFUSED" in out.stdout and "ulimit -f" in out.stdout, out.stdout
+
+
+def test_a_class_given_instead_of_its_object_is_named(tmp_path):
+    """Before: torch's ``TypeError: Module.state_dict() missing 1 required positional argument``."""
+    with pytest.raises(stashpoint.UnsupportedStateError, match=r"Linear is a class, not an object of it"):
+        stashpoint.save({"model": torch.nn.Linear}, tmp_path / "c")
+    assert not (tmp_path / "c").exists()

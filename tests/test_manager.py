@@ -17,7 +17,9 @@ import torch
 
 import stashpoint
 import stashpoint._storage.local
+from stashpoint._core.naming import written_by_a_save
 from stashpoint._save.engine import get_engine
+from stashpoint.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).with_name("manager_child.py")
@@ -205,6 +207,61 @@ def test_leftovers_of_a_crashed_save_are_removed_and_committed_steps_kept(tmp_pa
         assert mgr.steps() == [1]
     assert not partial.exists() and (tmp_path / "r" / "notes.txt").exists()
     assert "never committed" in caplog.text
+
+
+def test_a_step_directory_holding_a_users_files_is_never_deleted(tmp_path, caplog):
+    """An older run's ``step-00000500/model.pt`` (no manifest) is not a crashed save's leftover:
+    the manager's clean-up leaves it, and a save of that step is refused naming the file."""
+    run = tmp_path / "r"
+    old = run / "step-00000500"
+    (old / "g00000").mkdir(parents=True)
+    (old / "model.pt").write_bytes(b"weights")
+    (old / "shard-r00000-0000-abcd.safetensors").write_bytes(b"half")  # beside ours, still kept
+    partial = run / "step-00000002"
+    (partial / "g00000").mkdir(parents=True)  # ours only: a group directory, a write a crash left
+    (partial / "g00000" / "index-r00000-abcd.json").write_bytes(b"{")
+    (partial / ".manifest.json.0123456789abcdef0123456789abcdef.partial").write_bytes(b"{")
+    with caplog.at_level(logging.WARNING, logger="stashpoint"), stashpoint.CheckpointManager(run) as mgr:
+        assert mgr.steps() == []
+        assert (old / "model.pt").read_bytes() == b"weights" and not partial.exists()
+        assert "'model.pt'" in caplog.text and "did not write" in caplog.text
+        with pytest.raises(CheckpointError, match=r"model\.pt.*did not write"):
+            mgr.save(500, _state(1))
+        mgr.save(501, _state(1)).wait()
+    assert (old / "model.pt").read_bytes() == b"weights"
+
+
+def test_a_manager_given_a_checkpoint_instead_of_its_run_directory_says_so(tmp_path):
+    stashpoint.save(_state(1), tmp_path / "ck")
+    with pytest.raises(CheckpointError, match=r"ck is a checkpoint .*not a run directory.*stashpoint\.load"):
+        stashpoint.CheckpointManager(tmp_path / "ck")
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if not p.name.startswith(("shard-", "index-"))) == [
+        "manifest.json"
+    ]  # no lock file dropped into it
+
+
+def test_what_a_save_writes_is_told_from_what_it_does_not():
+    ours = [
+        "manifest.json",
+        "shard-r00000-0000-abcd.safetensors",
+        "g00001/index-r01024-abcd.json",
+        ".shard-r00000-0000-abcd.safetensors.0123456789abcdef0123456789abcdef.partial",
+        "g00001/.index-r01024-abcd.json.0123456789abcdef0123456789abcdef.partial",
+        "partial-r00003",
+        "replica-r00003",
+        "recoverable.json",
+    ]
+    theirs = [
+        "model.pt",
+        "g00001/model.pt",
+        "sub/manifest.json",
+        "g00001/manifest.json",
+        ".model.pt.0123456789abcdef0123456789abcdef.partial",
+        ".manifest.json.xyz.partial",
+        "g00001/partial-r00003",
+        "notes/shard-r00000-0000-abcd.safetensors",
+    ]
+    assert all(map(written_by_a_save, ours)) and not any(map(written_by_a_save, theirs))
 
 
 def _block_writer() -> threading.Event:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import uuid
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 import stashpoint
 from conftest import ROOT, small_model, train_steps, whole
+from stashpoint._save.engine import get_engine
 from test_format import ALL_DTYPES, _random_tensor
 
 
@@ -673,3 +675,23 @@ def test_an_optimizer_built_from_named_parameters_keeps_the_models_names_after_a
     o2 = torch.optim.AdamW(m2.named_parameters(), lr=1e-2)
     stashpoint.load({"model": m2, "optim": o2}, tmp_path / "c")
     assert o2.param_groups[0]["param_names"] == [n for n, _ in m2.named_parameters()]
+
+
+def test_a_relative_path_is_where_the_call_was_made_not_where_the_process_went_since(tmp_path, monkeypatch):
+    """The files of an ``async_save`` are written later on another thread, and a manager saves
+    long after it opened: a ``chdir`` meanwhile must not send them elsewhere."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    gate = threading.Event()
+    get_engine().executor.submit(gate.wait, 30)  # the save's writes wait until after the chdir
+    handle = stashpoint.async_save({"w": torch.ones(4)}, "ck")
+    mgr = stashpoint.CheckpointManager("run")
+    monkeypatch.chdir(tmp_path / "b")
+    gate.set()
+    handle.wait()
+    mgr.save(1, {"w": torch.ones(4)}).wait()
+    mgr.close()
+    assert (tmp_path / "a" / "ck" / "manifest.json").is_file()
+    assert (tmp_path / "a" / "run" / "step-00000001" / "manifest.json").is_file()
+    assert list((tmp_path / "b").iterdir()) == []

@@ -32,6 +32,21 @@ def is_partial_of(candidate: str, name: str) -> bool:
     return re.fullmatch(re.escape(f".{name}.") + r"[0-9a-f]{32}\.partial", candidate) is not None
 
 
+_PARTIAL_RE = re.compile(r"\.(.+)\.[0-9a-f]{32}\.partial")
+
+
+def written_by_a_save(name: str) -> bool:
+    """Whether ``name`` (a ``/``-separated path inside a step directory) is a file a save or a
+    node-local transfer writes there, or one a crash left before its rename: a leftover that
+    holds anything else is not stashpoint's to delete. Pure."""
+    head, _, leaf = name.rpartition("/")
+    if (m := _PARTIAL_RE.fullmatch(leaf)) is not None:
+        leaf = m[1]
+    if parse_save_file(f"{head}/{leaf}" if head else leaf) is not None:
+        return True
+    return not head and (leaf == MANIFEST_NAME or is_node_marker(leaf))
+
+
 def shard_name(rank: int, index: int, save_id: str) -> str:
     """The file name of shard ``index`` written by ``rank`` in the save ``save_id``."""
     return f"shard-r{rank:05d}-{index:04d}-{save_id}.safetensors"

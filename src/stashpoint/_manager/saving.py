@@ -18,11 +18,11 @@ from stashpoint._manager.lock import check_shared_root
 from stashpoint._manager.rewindmark import Rewind
 from stashpoint._manager.steps import (
     METRICS_KEY,
+    clear_leftover,
     committed_steps,
     delete_step,
     holds_manifest,
     move_aside,
-    quietly,
     retained,
 )
 from stashpoint._save.engine import SaveOptions, get_engine
@@ -71,7 +71,14 @@ def check_options(
     node_local: bool,
     replicas: int,
 ) -> None:
-    """Refuse, at the manager's creation, what its saves could not do (``ValueError``)."""
+    """Refuse, at the manager's creation, what its saves could not do (``ValueError``), and a
+    checkpoint given as the run directory (every rank sees it: a local directory is shared or
+    each node's own)."""
+    if isinstance(storage, LocalStorage) and storage.exists(MANIFEST_NAME):
+        raise CheckpointError(
+            f"{storage.location} is a checkpoint (it holds {MANIFEST_NAME}), not a run directory: give "
+            "CheckpointManager the directory its step-* checkpoints go in, and load this one with stashpoint.load"
+        )
     if writer is not None:
         SaveOptions(writer=writer)  # validates
     SaveOptions(max_inflight=max_inflight, on_busy=on_busy)  # validates
@@ -135,7 +142,12 @@ def after_save(  # noqa: PLR0917
                     mgr._resumed_at = resumed
             # node-local: a failed save is no step of the job even where its manifest landed
             if mgr._owner and (mgr._nodes is not None or not holds_manifest(mgr._at(step))):
-                quietly(mgr._at(step).remove_tree)
+                try:
+                    kept = clear_leftover(mgr._at(step))
+                except OSError as e:
+                    kept = f"cleanup of {mgr._at(step).location} failed: {e}"
+                if kept is not None:
+                    log.warning("stashpoint: %s", kept)
             return
         if error is not None:  # committed, not copied to other nodes: kept, and raised by wait()
             with mgr._lock:
@@ -299,7 +311,7 @@ def start_save(
             refused = f"step {step} at {target.location} holds a committed checkpoint that could not be moved aside"
         else:
             try:  # on the caller's thread: within the storage's short limits
-                target.best_effort().remove_tree()
+                refused = clear_leftover(target.best_effort())
             except OSError as e:  # its files are named by their save's id: this save's are not among them
                 log.warning("stashpoint: could not clear %s before saving step %d there: %s", target.location, step, e)
     if refused is None and mgr._remote_rewind is not None and mgr._tier is not None:  # rank 0

@@ -9,7 +9,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stashpoint._core.naming import MANIFEST_NAME, REWIND_NAME, is_partial_of, parse_step_dir, set_aside_name, step_dir
+from stashpoint._core.naming import (
+    MANIFEST_NAME,
+    REWIND_NAME,
+    is_partial_of,
+    parse_step_dir,
+    set_aside_name,
+    step_dir,
+    written_by_a_save,
+)
 from stashpoint._core.policy import Retention, parse_metrics, steps_to_keep
 from stashpoint._load.manifest import read_head
 from stashpoint._storage import LocalStorage, Storage
@@ -113,15 +121,37 @@ def delete_step(root: Storage, step: int) -> None:
 def remove_leftovers(root: Storage) -> None:
     """What crashes left in a run root (its owner's, under its lock): steps never committed."""
     for name in root.children():
-        step = parse_step_dir(name)
         target = root.child(name)
-        if step is not None and not holds_manifest(target):
-            log.warning("stashpoint: removing %s, left by a save that never committed", target.location)
-            quietly(target.remove_tree)
+        if parse_step_dir(name) is not None and not holds_manifest(target):
+            try:
+                refused = clear_leftover(target)
+            except OSError as e:
+                refused = f"cleanup of {target.location} failed: {e}"
+            if refused is not None:
+                log.warning("stashpoint: %s", refused)
     if isinstance(root, LocalStorage):  # a rewind mark a crash left half written (object stores write whole)
         for name in root.list():
             if is_partial_of(name, REWIND_NAME):
                 quietly(functools.partial(root.delete, name))
+
+
+def clear_leftover(target: Storage, storage: Storage | None = None) -> str | None:
+    """Remove a step directory a save that never committed left (through ``storage``, the same
+    files with other limits, if given); None once done, else why it was kept: one that holds
+    files no save writes (a user's ``model.pt`` in an older run's ``step-00000500``) is not
+    stashpoint's to delete."""
+    names = target.tree()
+    foreign = None if names is None else [n for n in names if not written_by_a_save(n)]
+    if foreign is None or foreign:
+        shown = "files it could not list" if foreign is None else ", ".join(map(repr, foreign[:3]))
+        return (
+            f"{target.location} holds no committed checkpoint but {shown}, which stashpoint did not write: "
+            "it is left as it is; move those files out of the run directory (a manager owns its step-* "
+            "directories)"
+        )
+    log.warning("stashpoint: removing %s, left by a save that never committed", target.location)
+    (storage or target).remove_tree()
+    return None
 
 
 def move_aside(root: Storage, step: int, why: str = "damaged") -> bool:

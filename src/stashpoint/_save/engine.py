@@ -21,6 +21,7 @@ from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext
 from stashpoint._runtime import gc_paused
 from stashpoint._save import overlap as _overlap
+from stashpoint._save import teardown
 from stashpoint._save import writerproc as _writerproc
 from stashpoint._save.cudacopy import cuda_device, refuse_capture, stage
 from stashpoint._save.handle import SaveHandle, SaveStats
@@ -95,6 +96,8 @@ class _Engine:
                 "on_busy='skip' would let ranks skip different saves in a distributed run; use on_busy='wait'"
             )
         ctx = _dist.context(opts.process_group, opts.timeout_s) or DistContext.solo()
+        if ctx.world > 1:
+            teardown.install(_pending_saves)
         if ctx.world == 1 and opts.process_group is None and unjoined_launch():
             warnings.warn(  # each process would save alone, and they would race for one path
                 f"WORLD_SIZE={os.environ['WORLD_SIZE']} but torch.distributed is not initialized: this process saves "
@@ -196,6 +199,11 @@ def get_engine() -> _Engine:
     return _runtime.slot("save.engine", _Engine, close=_Engine.close, order=10)
 
 
+def _pending_saves() -> list[cf.Future[Any]]:
+    engine = current_engine()
+    return [h._future for h in list(engine.inflight) if not h.done()] if engine is not None else []
+
+
 def current_engine() -> _Engine | None:
     """This process's engine if a save made it, else None (nothing is created)."""
     engine: _Engine | None = _runtime.peek("save.engine")
@@ -219,6 +227,11 @@ def _refuse_run_dir(storage: Storage) -> None:
     manager's steps, and ``ls`` and ``verify`` then see neither as they are."""
     if not isinstance(storage, LocalStorage):
         return
+    if storage.root.is_file():  # refused before anything is staged or written
+        raise CheckpointError(
+            f"{storage.root} exists and is not a directory; a checkpoint is a directory: remove the file or "
+            "choose another path"
+        )
     try:
         names = [p.name for p in storage.root.iterdir()]
     except OSError:

@@ -250,6 +250,8 @@ class PersistJob:
         """Whether this save's manifest is in place (None: the storage could not say)."""
         try:
             return self._manifest_id() == save_id
+        except NotADirectoryError:  # the path is a file: no manifest can be under it
+            return False
         except OSError:
             return None
 

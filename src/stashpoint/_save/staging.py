@@ -13,11 +13,13 @@ torch's allocator on CUDA, and saves use the writer thread.
 
 from __future__ import annotations
 
+import errno
 import functools
 import itertools
 import logging
 import mmap
 import os
+import resource
 import threading
 import weakref
 from collections.abc import Callable
@@ -29,6 +31,7 @@ from stashpoint import _runtime
 from stashpoint._core.plan import SavePlan, TensorSpec
 from stashpoint._save.pinning import pin, unpin
 from stashpoint._state.dtypes import as_memoryview, torch_dtype
+from stashpoint.errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
 
@@ -70,8 +73,15 @@ class SharedRegion:
         try:
             os.ftruncate(fd, nbytes)
             self.mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
+        except BaseException as e:
             os.close(fd)
+            if isinstance(e, OSError) and e.errno == errno.EFBIG:  # a memory file counts as a file
+                limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+                raise CheckpointError(
+                    f"staging a save needs {nbytes:,} bytes of memory held in a memory file, more than this "
+                    f"process's file-size limit allows ({limit:,} bytes: ulimit -f); raise the limit "
+                    "(ulimit -f unlimited) or save less state at once"
+                ) from None
             raise
         self.fd = fd
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)

@@ -64,6 +64,11 @@ def kind_of(obj: Any) -> str | None:
             )
         return "optimizer"
     if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+        if isinstance(obj, type):  # its state_dict is an unbound function: torch's TypeError told nothing
+            raise UnsupportedStateError(
+                f"{obj.__qualname__} is a class, not an object of it: pass the instance whose state to keep "
+                f"(model = {obj.__qualname__}(...))"
+            )
         return "object"
     return None
 

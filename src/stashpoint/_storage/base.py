@@ -107,6 +107,12 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def list(self) -> list[str]: ...
 
+    def tree(self) -> builtins.list[str] | None:
+        """Every file under this directory at any depth, as ``/``-separated names relative to
+        it, whatever wrote them; None where the backend cannot tell (or there are too many to
+        list). A crashed save's leftover is removed only when stashpoint wrote all of it."""
+        return None
+
     def listed(self, name: str) -> bool:
         """Whether a listing names the file ``name``: asked beside :meth:`exists` before a
         directory without its manifest is taken for a leftover and deleted (an object store's

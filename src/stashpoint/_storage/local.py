@@ -33,6 +33,7 @@ _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 DIRECT_ALIGN = ALIGN
 # errors of an O_DIRECT open or read that mean "not on this file system": read buffered instead
 _NO_DIRECT = {errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+_MAX_TREE = 1_000_000  # files a leftover may hold for tree() to list them all (a step at 16,384 ranks: ~33k)
 
 
 class LocalStorage(Storage):
@@ -64,7 +65,9 @@ class LocalStorage(Storage):
     ) -> None:
         if not isinstance(write_streams, int) or isinstance(write_streams, bool) or write_streams < 1:
             raise ValueError(f"write_streams must be a whole number of at least 1, got {write_streams!r}")
-        self.root = Path(root)
+        # absolute now: a save's files are written later, on another thread, and a chdir
+        # meanwhile must not send them elsewhere (links are kept as given, not resolved)
+        self.root = Path(root).absolute()
         self.direct_io = direct_io
         self.write_streams = write_streams
         if cache_newest is None:
@@ -341,6 +344,27 @@ class LocalStorage(Storage):
                         out.extend(f"{p.name}/{q.name}" for q in p.iterdir() if not q.is_dir())
         except FileNotFoundError:
             return []
+        return sorted(out)
+
+    def tree(self) -> builtins.list[str] | None:
+        """See :meth:`Storage.tree`; a link or file where the directory goes holds nothing (it is
+        removed itself, never followed); a subdirectory that cannot be read: None."""
+        if self.root.is_symlink() or not self.root.is_dir():
+            return []
+        out: list[str] = []
+
+        def refuse(e: OSError) -> None:
+            raise e
+
+        try:
+            for top, dirs, files in os.walk(self.root, onerror=refuse):
+                rel = os.path.relpath(top, self.root)
+                links = [d for d in dirs if (Path(top) / d).is_symlink()]  # entries, never followed
+                out.extend(n if rel == "." else f"{rel}/{n}" for n in (*files, *links))
+                if len(out) > _MAX_TREE:
+                    return None
+        except OSError:
+            return None
         return sorted(out)
 
     def delete(self, name: str) -> None:

@@ -375,6 +375,11 @@ class S3Storage(Storage):
         left out: it is no step, and the data client cannot address it)."""
         return sorted(p for p in self._list_level()[1] if not is_group_dir(p) and addressable(p))
 
+    def tree(self) -> builtins.list[str] | None:
+        """See :meth:`Storage.tree` (folder markers left out)."""
+        cut = len(self.prefix) + 1 if self.prefix else 0
+        return sorted(k[cut:] for k in self._all_keys() if not k.endswith("/"))
+
     def _all_keys(self) -> builtins.list[str]:
         """Every object key under the prefix, at any depth."""
         return builtins.list(self._listing(delimiter=False)[0])

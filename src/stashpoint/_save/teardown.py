@@ -1,0 +1,48 @@
+"""``torch.distributed.destroy_process_group()`` waits for this process's saves in flight.
+
+A training script often ends with ``dist.destroy_process_group()`` right after its last
+``async_save`` or ``mgr.save``: destroying every group takes stashpoint's own gloo group with
+it, so the save in flight failed, its checkpoint was lost and the job still exited 0 (in one
+process, exiting without ``wait()`` commits it: the interpreter's exit waits). The first
+distributed save wraps the function so that destroying the default group, or every group,
+waits for those saves first; a save's failure stays with its handle, as without the wrapper.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("stashpoint")
+
+
+def install(pending: Callable[[], list[cf.Future[Any]]]) -> None:
+    """Wrap ``torch.distributed.destroy_process_group`` (once per process) to wait for the
+    futures ``pending()`` gives first."""
+    import torch.distributed as dist
+
+    original = dist.destroy_process_group
+    if getattr(original, "_stashpoint_waits", False):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(group: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if group is None or group is getattr(dist.GroupMember, "WORLD", None):
+            wait_for(pending())
+        return original(group, *args, **kwargs)
+
+    destroy_process_group._stashpoint_waits = True  # type: ignore[attr-defined]
+    dist.destroy_process_group = destroy_process_group
+
+
+def wait_for(pending: list[cf.Future[Any]]) -> None:
+    """Wait until the saves of ``pending`` have committed or failed."""
+    if pending:
+        log.info(
+            "stashpoint: waiting for %d save(s) in flight before torch.distributed.destroy_process_group()",
+            len(pending),
+        )
+        cf.wait(pending)
