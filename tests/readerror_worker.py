@@ -307,6 +307,15 @@ def scenario_destroyed_bare_under_save(root: str) -> None:
     _destroy_under_save(root, distributed_c10d.destroy_process_group)
 
 
+def scenario_destroyed_under_upload(root: str) -> None:
+    """A manager with a remote tier saves, and the program destroys the groups at once, without
+    ``close()``: the save commits and so does its upload (it runs on stashpoint's own groups)."""
+    mgr = stashpoint.CheckpointManager(Path(root, "run"), remote_root=Path(root, "remote"))
+    mgr.save(1, {"w": torch.ones(16 << 20 >> 2)})
+    dist.destroy_process_group()
+    result(remote=(Path(root, "remote", "step-00000001", "manifest.json")).is_file())
+
+
 def _destroy_under_save(root: str, destroy: Any) -> None:
     handle = stashpoint.async_save({"w": torch.ones(64 << 20 >> 2)}, Path(root, "ckpt"))
     destroy()

@@ -54,6 +54,8 @@ def test_destroying_the_process_group_under_a_save_waits_for_it_or_says_to(tmp_p
     for r in run_world(2, "destroyed_under_save", str(tmp_path / "a"), worker=WORKER_OF):
         assert r["error"] == "no error", r  # dist.destroy_process_group() waited for the save
     assert torch.equal(stashpoint.read(tmp_path / "a" / "ckpt")["w"], torch.ones(64 << 20 >> 2))
+    for r in run_world(2, "destroyed_under_upload", str(tmp_path / "c"), worker=WORKER_OF):
+        assert r["remote"] is True, r  # a manager's upload to its remote tier was waited for too
     for r in run_world(2, "destroyed_bare_under_save", str(tmp_path / "b"), worker=WORKER_OF):
         assert "process group was destroyed while the checkpoint collective" in r["error"], r
         assert "before torch.distributed.destroy_process_group()" in r["error"], r

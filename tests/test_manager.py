@@ -231,6 +231,13 @@ def test_a_step_directory_holding_a_users_files_is_never_deleted(tmp_path, caplo
     assert (old / "model.pt").read_bytes() == b"weights"
 
 
+def test_saves_of_new_steps_warn_of_nothing(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="stashpoint"), stashpoint.CheckpointManager(tmp_path / "r") as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step)).wait()
+    assert caplog.text == "", caplog.text
+
+
 def test_a_manager_given_a_checkpoint_instead_of_its_run_directory_says_so(tmp_path):
     stashpoint.save(_state(1), tmp_path / "ck")
     with pytest.raises(CheckpointError, match=r"ck is a checkpoint .*not a run directory.*stashpoint\.load"):

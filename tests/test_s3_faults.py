@@ -150,3 +150,44 @@ def test_uploads_queued_behind_a_failed_one_ask_the_server_first(proxy, s3_url, 
     with stashpoint.CheckpointManager(tmp_path / "run", remote_root=s3_url) as again:
         again.wait()
         assert again.remote_steps() == [1, 2, 3]
+
+
+def test_a_commit_refused_for_good_is_not_sent_again(proxy, s3_url):
+    proxy.set([{"match": r"^PUT .*/manifest\.json", "action": "status", "status": 400, "code": "InvalidArgument"}])
+    with pytest.raises(CheckpointError, match=r"InvalidArgument|400"):
+        stashpoint.save(_state(5), s3_url)
+    assert len(proxy.requests(r"^PUT .*/manifest\.json")) == 1
+
+
+def test_a_managers_save_asks_a_stalled_server_within_short_limits(proxy, s3_url, monkeypatch):
+    monkeypatch.setenv("STASHPOINT_S3_TIMEOUT_SECONDS", "60")
+    mgr = stashpoint.CheckpointManager(s3_url)
+    mgr.save(1, _state(1)).wait()
+    proxy.set([{"match": r"prefix=.*step-00000002", "action": "stall"}])  # listings of the new step's prefix
+    t = time.monotonic()
+    with pytest.raises(CheckpointError, match="could not tell what"):
+        mgr.save(2, _state(2))
+    assert time.monotonic() - t < 30  # the short limits (10 s a request), not the 60 s timeout
+    proxy.set([])
+    mgr.save(3, _state(3)).wait()
+    mgr.close()
+    assert stashpoint.CheckpointManager(s3_url).steps() == [1, 3]
+
+
+def test_open_uploads_are_listed_page_by_page_without_an_empty_marker():
+    """A page may give the next key marker and no upload id marker: botocore refuses a None."""
+    from stashpoint._storage.s3list import list_uploads
+
+    class Pages:  # the pagination of ListMultipartUploads alone, as S3 answers it
+        def __init__(self):
+            self.asked = []
+
+        def list_multipart_uploads(self, **request):
+            self.asked.append(request)
+            if len(self.asked) == 1:
+                return {"Uploads": [{"Key": "p/a", "UploadId": "1"}], "IsTruncated": True, "NextKeyMarker": "p/a"}
+            return {"Uploads": [{"Key": "p/b", "UploadId": "2"}], "IsTruncated": False}
+
+    control = Pages()
+    assert list_uploads(control, "b", "p/", retry_seconds=1) == [("p/a", "1"), ("p/b", "2")]
+    assert control.asked[1] == {"Bucket": "b", "Prefix": "p/", "KeyMarker": "p/a"}

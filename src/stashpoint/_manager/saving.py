@@ -294,7 +294,7 @@ def start_save(
             )
     resumed = mgr._resumed_at
     going_back, refused = set_aside_newer(mgr, step)
-    if refused is None and not going_back and holds_manifest(target):
+    if refused is None and not going_back and target.exists(MANIFEST_NAME):
         refused = (
             f"step {step} already has a committed checkpoint at {target.location}; save under a new step, or "
             "delete that directory first."
@@ -305,15 +305,17 @@ def start_save(
     # node holds and another, on a new disk, not): the engine fails the save on every rank
     # together instead of leaving those waiting for this one
     if mgr._owner and refused is None:  # the remains of an earlier failed save of this step, if any
-        if holds_manifest(target) and not move_aside(mgr.storage, step, "rewound"):
-            # committed once (a manifest this process cannot read now is no leftover): kept
-            # (the owner's alone: failed through the engine, on every rank together)
-            refused = f"step {step} at {target.location} holds a committed checkpoint that could not be moved aside"
-        else:
-            try:  # on the caller's thread: within the storage's short limits
-                refused = clear_leftover(target.best_effort())
-            except OSError as e:  # its files are named by their save's id: this save's are not among them
-                log.warning("stashpoint: could not clear %s before saving step %d there: %s", target.location, step, e)
+        # the owner's alone, on the caller's thread within the storage's short limits; a refusal
+        # fails the save through the engine on every rank together
+        quick = target.best_effort()
+        try:
+            if holds_manifest(quick) and not move_aside(mgr.storage, step, "rewound"):
+                # committed once (a manifest this process cannot read now is no leftover): kept
+                refused = f"step {step} at {target.location} holds a committed checkpoint that could not be moved aside"
+            else:
+                refused = clear_leftover(quick)
+        except OSError as e:
+            refused = f"could not tell what {target.location} holds before saving step {step} there: {e}"
     if refused is None and mgr._remote_rewind is not None and mgr._tier is not None:  # rank 0
         mark = Rewind(mgr._remote_rewind, mgr._tier.remote.location, utc_stamp())
         mgr._tier.uploader.note_rewind(mark)  # moved by this step's upload, or a later one

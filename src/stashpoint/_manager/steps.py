@@ -141,6 +141,9 @@ def clear_leftover(target: Storage, storage: Storage | None = None) -> str | Non
     files no save writes (a user's ``model.pt`` in an older run's ``step-00000500``) is not
     stashpoint's to delete."""
     names = target.tree()
+    if names == []:  # none there (the usual case: a new step), or a link or file in its place
+        (storage or target).remove_tree()
+        return None
     foreign = None if names is None else [n for n in names if not written_by_a_save(n)]
     if foreign is None or foreign:
         shown = "files it could not list" if foreign is None else ", ".join(map(repr, foreign[:3]))

@@ -20,6 +20,7 @@ from stashpoint._core.policy import Retention
 from stashpoint._manager.rewindmark import Rewind, live, pending_rewind
 from stashpoint._manager.steps import committed_steps, delete_step, remove_leftovers, retained
 from stashpoint._manager.uploader import Uploader
+from stashpoint._save import teardown
 from stashpoint._storage import LocalStorage, Storage, storage_for
 from stashpoint.errors import CheckpointError
 
@@ -81,6 +82,7 @@ class RemoteTier:
         self.on_ended = on_ended  # after every upload (or catch-up): local steps it protected may go
         self.futures: list[cf.Future[Any]] = []
         self._lock = threading.Lock()
+        teardown.watch(self)  # a program's destroy_process_group() waits for its uploads
         self._unuploaded: collections.Counter[int] = collections.Counter()  # pending or failed uploads
         self._known: set[int] = set()  # remote steps found committed (their manifests not asked again)
         todo: list[int] = []
@@ -182,6 +184,11 @@ class RemoteTier:
         with self._lock:
             self.futures = [u for u in self.futures if not u.done() or u.exception() is not None]
             self.futures.append(future)
+
+    def pending_futures(self) -> list[cf.Future[Any]]:
+        """The uploads queued and not yet ended."""
+        with self._lock:
+            return [f for f in self.futures if not f.done()]
 
     def take_futures(self) -> list[cf.Future[Any]]:
         with self._lock:

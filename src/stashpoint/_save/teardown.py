@@ -5,7 +5,8 @@ A training script often ends with ``dist.destroy_process_group()`` right after i
 it, so the save in flight failed, its checkpoint was lost and the job still exited 0 (in one
 process, exiting without ``wait()`` commits it: the interpreter's exit waits). The first
 distributed save wraps the function so that destroying the default group, or every group,
-waits for those saves first; a save's failure stays with its handle, as without the wrapper.
+waits for those saves first, and for the uploads of open managers to their remote tier; a
+save's failure stays with its handle, as without the wrapper.
 """
 
 from __future__ import annotations
@@ -13,10 +14,24 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import logging
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger("stashpoint")
+
+
+class _Pending(Protocol):
+    def pending_futures(self) -> list[cf.Future[Any]]: ...
+
+
+_watched: weakref.WeakSet[_Pending] = weakref.WeakSet()  # work beside the saves: a manager's uploads
+
+
+def watch(work: _Pending) -> None:
+    """Have the wrapped ``destroy_process_group`` wait for ``work.pending_futures()`` too (while
+    ``work`` lives): a manager's uploads run on stashpoint's own groups, which it destroys."""
+    _watched.add(work)
 
 
 def install(pending: Callable[[], list[cf.Future[Any]]]) -> None:
@@ -31,7 +46,8 @@ def install(pending: Callable[[], list[cf.Future[Any]]]) -> None:
     @functools.wraps(original)
     def destroy_process_group(group: Any = None, *args: Any, **kwargs: Any) -> Any:
         if group is None or group is getattr(dist.GroupMember, "WORLD", None):
-            wait_for(pending())
+            wait_for(pending())  # the saves first: a manager's uploads are queued behind them
+            wait_for([f for w in list(_watched) for f in w.pending_futures()])
         return original(group, *args, **kwargs)
 
     destroy_process_group._stashpoint_waits = True  # type: ignore[attr-defined]
@@ -39,10 +55,10 @@ def install(pending: Callable[[], list[cf.Future[Any]]]) -> None:
 
 
 def wait_for(pending: list[cf.Future[Any]]) -> None:
-    """Wait until the saves of ``pending`` have committed or failed."""
+    """Wait until the saves (or uploads) of ``pending`` have ended."""
     if pending:
         log.info(
-            "stashpoint: waiting for %d save(s) in flight before torch.distributed.destroy_process_group()",
+            "stashpoint: waiting for %d save(s) or upload(s) in flight before destroy_process_group()",
             len(pending),
         )
         cf.wait(pending)

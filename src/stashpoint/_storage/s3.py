@@ -199,7 +199,11 @@ class S3Storage(Storage):
             except Exception as e:
                 # obstore does not retry a conditional PUT whose connection broke, and its reply
                 # may be lost after the server stored it (a retry is then refused as existing):
-                # what is there now says whether this commit happened
+                # what is there now says whether this commit happened. A refusal for good (400,
+                # 403) is not read back nor sent again.
+                status = status_of(e)
+                if status and status not in ("409", "412", "429") and not status.startswith("5"):
+                    raise self.error("writing", name, e) from e
                 there = self._commit_there(name, data, e)
                 if there:
                     return

@@ -79,7 +79,11 @@ def list_uploads(control: Any, bucket: str, prefix: str, *, retry_seconds: float
             return found
         marker = (page.get("NextKeyMarker"), page.get("NextUploadIdMarker"))
         pages.next(marker if marker[0] else None, len(uploads))
-        request["KeyMarker"], request["UploadIdMarker"] = marker
+        for field, value in zip(("KeyMarker", "UploadIdMarker"), marker):
+            if value:
+                request[field] = value
+            else:  # botocore refuses a None
+                request.pop(field, None)
 
 
 class Pages:
