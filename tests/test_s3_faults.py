@@ -174,6 +174,23 @@ def test_a_managers_save_asks_a_stalled_server_within_short_limits(proxy, s3_url
     assert stashpoint.CheckpointManager(s3_url).steps() == [1, 3]
 
 
+def test_a_save_of_a_step_already_there_is_refused_when_its_head_lags(proxy, s3_url):
+    """Every HEAD of the step's manifest says 404 (a lagging store): the owner's listing finds it,
+    and the save is refused as one of a step already there, not moved aside as a rewind."""
+    mgr = stashpoint.CheckpointManager(s3_url)
+    mgr.save(1, _state(1)).wait()
+    proxy.set([{"match": r"^HEAD .*/step-00000001/manifest\.json$", "action": "status", "status": 404}])
+    with pytest.raises(CheckpointError, match="step 1 already has a committed checkpoint"):
+        mgr.save(1, _state(2)).wait()
+    proxy.set([])
+    assert storage_for(s3_url).children() == ["step-00000001"]
+    mgr.save(2, _state(2)).wait()  # the next save goes on
+    mgr.close()
+    got = _state(0)
+    with stashpoint.CheckpointManager(s3_url) as again:
+        assert again.steps() == [1, 2] and again.restore(got, step=1) == 1 and _equal(got, _state(1))
+
+
 def test_open_uploads_are_listed_page_by_page_without_an_empty_marker():
     """A page may give the next key marker and no upload id marker: botocore refuses a None."""
     from stashpoint._storage.s3list import list_uploads

@@ -294,11 +294,16 @@ def start_save(
             )
     resumed = mgr._resumed_at
     going_back, refused = set_aside_newer(mgr, step)
-    if refused is None and not going_back and target.exists(MANIFEST_NAME):
-        refused = (
-            f"step {step} already has a committed checkpoint at {target.location}; save under a new step, or "
-            "delete that directory first."
-        )
+    there = (
+        f"step {step} already has a committed checkpoint at {target.location}; save under a new step, or "
+        "delete that directory first."
+    )
+    try:
+        committed = refused is None and not going_back and target.exists(MANIFEST_NAME)
+    except OSError as e:  # this rank's alone: failed through the engine with the others
+        committed, refused = False, f"could not tell whether {target.location} holds a checkpoint: {e}"
+    if committed:
+        refused = there
         if mgr._nodes is None:  # one root, one answer on every rank
             raise CheckpointError(refused)
     # a refusal of one rank (an owner that could not move a step aside; a node-local step one
@@ -309,13 +314,17 @@ def start_save(
         # fails the save through the engine on every rank together
         quick = target.best_effort()
         try:
-            if holds_manifest(quick) and not move_aside(mgr.storage, step, "rewound"):
+            if not holds_manifest(quick):
+                refused = clear_leftover(quick)
+            elif not going_back:  # the HEAD above said none (a lagging store): a step already there
+                refused = there
+            elif not move_aside(mgr.storage, step, "rewound"):
                 # committed once (a manifest this process cannot read now is no leftover): kept
                 refused = f"step {step} at {target.location} holds a committed checkpoint that could not be moved aside"
-            else:
-                refused = clear_leftover(quick)
         except OSError as e:
             refused = f"could not tell what {target.location} holds before saving step {step} there: {e}"
+        if refused is not None:  # nothing saved: the next save decides anew, as set_aside_newer's refusals
+            mgr._top, mgr._resumed_at, mgr._remote_rewind = None, resumed, None
     if refused is None and mgr._remote_rewind is not None and mgr._tier is not None:  # rank 0
         mark = Rewind(mgr._remote_rewind, mgr._tier.remote.location, utc_stamp())
         mgr._tier.uploader.note_rewind(mark)  # moved by this step's upload, or a later one

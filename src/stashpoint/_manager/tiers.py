@@ -99,6 +99,8 @@ class RemoteTier:
         self.uploader = Uploader(
             local, self.remote, on_result=self._result, on_committed=self._retain, node_local=node_local
         )
+        if self.uploader.ctx.world > 1:  # the catch-up below starts before any save could install it
+            teardown.install()
         if rewound is not None:  # the catch-up below and every upload after move them first
             self.uploader.note_rewind(rewound, since=0, write=False)
         # every owner of a directory's retention (node-local: each node's leader) protects them

@@ -34,11 +34,20 @@ def watch(work: _Pending) -> None:
     _watched.add(work)
 
 
-def install(pending: Callable[[], list[cf.Future[Any]]]) -> None:
-    """Wrap ``torch.distributed.destroy_process_group`` (once per process) to wait for the
-    futures ``pending()`` gives first."""
+_saves: list[Callable[[], list[cf.Future[Any]]]] = []
+# how long destroy waits for uploads: one whose peer never runs it would hold the program for
+# the upload group's hour; its step stays in the local root for the next manager to upload
+UPLOAD_WAIT_S = 600.0
+
+
+def install(saves: Callable[[], list[cf.Future[Any]]] | None = None) -> None:
+    """Wrap ``torch.distributed.destroy_process_group`` (once per process) to wait first for
+    the futures ``saves()`` gives (and every such function installed), then for the watched
+    uploads."""
     import torch.distributed as dist
 
+    if saves is not None and saves not in _saves:
+        _saves.append(saves)
     original = dist.destroy_process_group
     if getattr(original, "_stashpoint_waits", False):
         return
@@ -46,19 +55,26 @@ def install(pending: Callable[[], list[cf.Future[Any]]]) -> None:
     @functools.wraps(original)
     def destroy_process_group(group: Any = None, *args: Any, **kwargs: Any) -> Any:
         if group is None or group is getattr(dist.GroupMember, "WORLD", None):
-            wait_for(pending())  # the saves first: a manager's uploads are queued behind them
-            wait_for([f for w in list(_watched) for f in w.pending_futures()])
+            wait_for([f for fn in list(_saves) for f in fn()])  # the saves first: uploads queue behind them
+            wait_for([f for w in list(_watched) for f in w.pending_futures()], UPLOAD_WAIT_S)
         return original(group, *args, **kwargs)
 
     destroy_process_group._stashpoint_waits = True  # type: ignore[attr-defined]
     dist.destroy_process_group = destroy_process_group
 
 
-def wait_for(pending: list[cf.Future[Any]]) -> None:
-    """Wait until the saves (or uploads) of ``pending`` have ended."""
+def wait_for(pending: list[cf.Future[Any]], timeout: float | None = None) -> None:
+    """Wait until the saves (or uploads) of ``pending`` have ended, or ``timeout`` passed."""
     if pending:
         log.info(
             "stashpoint: waiting for %d save(s) or upload(s) in flight before destroy_process_group()",
             len(pending),
         )
-        cf.wait(pending)
+        left = cf.wait(pending, timeout=timeout).not_done
+        if left:
+            log.warning(
+                "stashpoint: destroying the process groups after waiting %.0f s for %d upload(s); their steps stay "
+                "in the local root and are uploaded when a manager opens it again",
+                timeout,
+                len(left),
+            )

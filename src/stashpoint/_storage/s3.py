@@ -202,7 +202,8 @@ class S3Storage(Storage):
                 # what is there now says whether this commit happened. A refusal for good (400,
                 # 403) is not read back nor sent again.
                 status = status_of(e)
-                if status and status not in ("409", "412", "429") and not status.startswith("5"):
+                lasting = status not in ("409", "412", "429") and not status.startswith("5")
+                if status and lasting and "RequestTimeout" not in str(e):  # S3's slow request: a 400
                     raise self.error("writing", name, e) from e
                 there = self._commit_there(name, data, e)
                 if there:
