@@ -222,14 +222,27 @@ def test_a_step_holding_a_key_obstore_cannot_address_is_moved_and_removed(s3_env
         client.put_object(Bucket=bucket, Key=f"{prefix}/step-00000001/notes\x01.txt", Body=b"x")
         moved = S3Storage(f"{s3_url}/step-00000001").move("step-00000001.aside")
         assert f"{moved.prefix}/notes\x01.txt" in moved._all_keys()
+        manager.save(2, {"w": torch.ones(4)}).wait()
+        # in a committed step (one without a manifest holding it is another tool's, and kept)
         client.put_object(Bucket=bucket, Key=f"{prefix}/step-00000002/notes\x01.txt", Body=b"x")
-        manager.save(2, {"w": torch.ones(4)})
         manager.save(3, {"w": torch.ones(4)})
         manager.wait()
     left = [
         o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/step-00000002/").get("Contents", [])
     ]
     assert left == [], "retention removed step 2 with the foreign key in it"
+
+
+def test_an_uncommitted_step_holding_another_tools_key_is_kept(s3_env, s3_url):
+    bucket, prefix = s3_url[len("s3://") :].split("/", 1)
+    client = boto3.client("s3", endpoint_url=s3_env.endpoint, region_name="us-east-1")
+    client.put_object(Bucket=bucket, Key=f"{prefix}/step-00000005/notes\x01.txt", Body=b"x")
+    with stashpoint.CheckpointManager(s3_url) as manager:  # its clean-up of crashed saves' leftovers
+        assert manager.steps() == []
+        with pytest.raises(CheckpointError, match=r"notes\\x01\.txt.*did not write"):
+            manager.save(5, {"w": torch.ones(4)}).wait()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/").get("Contents", [])]
+    assert keys == [f"{prefix}/step-00000005/notes\x01.txt"]
 
 
 def test_a_listing_naming_keys_outside_its_prefix_deletes_and_moves_nothing(hostile):

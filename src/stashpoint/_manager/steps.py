@@ -143,7 +143,7 @@ def clear_leftover(target: Storage, storage: Storage | None = None) -> str | Non
     names = target.tree()
     if names == []:  # none there (the usual case: a new step), or a link or file in its place
         if isinstance(target, LocalStorage) and (target.root.is_symlink() or target.root.exists()):
-            log.warning("stashpoint: removing %s, where a step directory goes", target.location)
+            log.warning("stashpoint: removing %s (empty, or a file or link where a step goes)", target.location)
         (storage or target).remove_tree()
         return None
     foreign = None if names is None else [n for n in names if not written_by_a_save(n)]
