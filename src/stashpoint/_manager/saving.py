@@ -23,6 +23,7 @@ from stashpoint._manager.steps import (
     delete_step,
     holds_manifest,
     move_aside,
+    remove_leftover,
     retained,
 )
 from stashpoint._save.engine import SaveOptions, get_engine
@@ -142,12 +143,7 @@ def after_save(  # noqa: PLR0917
                     mgr._resumed_at = resumed
             # node-local: a failed save is no step of the job even where its manifest landed
             if mgr._owner and (mgr._nodes is not None or not holds_manifest(mgr._at(step))):
-                try:
-                    kept = clear_leftover(mgr._at(step))
-                except OSError as e:
-                    kept = f"cleanup of {mgr._at(step).location} failed: {e}"
-                if kept is not None:
-                    log.warning("stashpoint: %s", kept)
+                remove_leftover(mgr._at(step))
             return
         if error is not None:  # committed, not copied to other nodes: kept, and raised by wait()
             with mgr._lock:

@@ -123,28 +123,32 @@ def remove_leftovers(root: Storage) -> None:
     for name in root.children():
         target = root.child(name)
         if parse_step_dir(name) is not None and not holds_manifest(target):
-            try:
-                refused = clear_leftover(target)
-            except OSError as e:
-                refused = f"cleanup of {target.location} failed: {e}"
-            if refused is not None:
-                log.warning("stashpoint: %s", refused)
+            remove_leftover(target)
     if isinstance(root, LocalStorage):  # a rewind mark a crash left half written (object stores write whole)
         for name in root.list():
             if is_partial_of(name, REWIND_NAME):
                 quietly(functools.partial(root.delete, name))
 
 
-def clear_leftover(target: Storage, storage: Storage | None = None) -> str | None:
-    """Remove a step directory a save that never committed left (through ``storage``, the same
-    files with other limits, if given); None once done, else why it was kept: one that holds
-    files no save writes (a user's ``model.pt`` in an older run's ``step-00000500``) is not
-    stashpoint's to delete."""
+def remove_leftover(target: Storage) -> None:
+    """:func:`clear_leftover`, logging why a leftover was kept or could not be removed."""
+    try:
+        kept = clear_leftover(target)
+    except OSError as e:
+        kept = f"cleanup of {target.location} failed: {e}"
+    if kept is not None:
+        log.warning("stashpoint: %s", kept)
+
+
+def clear_leftover(target: Storage) -> str | None:
+    """Remove a step directory a save that never committed left; None once done, else why it
+    was kept: one that holds files no save writes (a user's ``model.pt`` in an older run's
+    ``step-00000500``) is not stashpoint's to delete."""
     names = target.tree()
     if names == []:  # none there (the usual case: a new step), or a link or file in its place
         if isinstance(target, LocalStorage) and (target.root.is_symlink() or target.root.exists()):
             log.warning("stashpoint: removing %s (empty, or a file or link where a step goes)", target.location)
-        (storage or target).remove_tree()
+        target.remove_tree()
         return None
     foreign = None if names is None else [n for n in names if not written_by_a_save(n)]
     if foreign is None or foreign:
@@ -155,7 +159,7 @@ def clear_leftover(target: Storage, storage: Storage | None = None) -> str | Non
             "directories)"
         )
     log.warning("stashpoint: removing %s, left by a save that never committed", target.location)
-    (storage or target).remove_tree()
+    target.remove_tree()
     return None
 
 
