@@ -15,6 +15,7 @@ import ctypes
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -304,7 +305,11 @@ def scenario_destroyed_bare_under_save(root: str) -> None:
     the save fails, naming the fix."""
     from torch.distributed import distributed_c10d
 
-    _destroy_under_save(root, distributed_c10d.destroy_process_group)
+    def late_on_rank_1() -> None:  # a peer's teardown fails the collective here before this rank's own
+        time.sleep(0.5 * distributed_c10d.get_rank())
+        distributed_c10d.destroy_process_group()
+
+    _destroy_under_save(root, late_on_rank_1)
 
 
 def scenario_destroyed_under_upload(root: str) -> None:

@@ -149,7 +149,7 @@ class DistContext:
             if arrived is not None:
                 arrived.now()
 
-            if not dist.is_initialized():  # the program tore the job down under this save
+            if _torn_down(dist):  # the program tore the job down under this save
                 raise CollectiveError(
                     f"rank {self.rank}: torch.distributed's process group was destroyed while the checkpoint "
                     f"collective '{what}' ran: wait for saves in flight (handle.wait(), the manager's wait() or "
@@ -275,6 +275,20 @@ def _contexts() -> dict[tuple[tuple[int, ...], str], DistContext]:
 
 
 SHUTDOWN_TIMEOUT_S = 60.0
+
+
+def _torn_down(dist: Any, wait_s: float = 2.0) -> bool:
+    """Whether the program destroyed torch.distributed's groups under a collective that failed.
+    A peer's teardown can fail the collective here before this rank's own teardown, begun at
+    about the same time, has ended: a failure waits a moment for it."""
+    deadline = time.monotonic() + wait_s
+    while dist.is_initialized():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 # Rank sets whose group shutdown() destroyed. torch names a locally synchronized group by its
 # ranks alone, so a second group over them would meet the first one's stale rendezvous keys: a
 # fact about torch's registry that outlives our slots, kept to refuse that with a clear error.
