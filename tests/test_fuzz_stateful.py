@@ -141,6 +141,13 @@ def test_an_atomic_load_that_the_optimizer_itself_refuses_changes_nothing(saved,
     assert refused is not None and "into its object failed" in str(refused)
 
 
+@pytest.mark.parametrize("at", range(5))  # model, optimizer, scheduler, RNGState, sampler
+def test_an_object_whose_whole_saved_state_is_none_is_refused_before_anything_changes(saved, tmp_path, at):
+    # None stands for "not set yet" inside a state, never for the whole state of an object
+    refused = _load_mutated(saved, tmp_path, ("dict", at, 1), {"value": None})
+    assert refused is not None
+
+
 def test_integer_keys_that_python_hashes_alike_are_refused_when_saved_and_loaded(saved, tmp_path):
     alike = [k * ((1 << 61) - 1) for k in range(1, 101)]  # one hash: a dict of N such keys takes N**2 to build
     refused = _load_mutated(saved, tmp_path, ("dict", 5, 1), {"dict": [[k, {"value": 0}] for k in alike]})

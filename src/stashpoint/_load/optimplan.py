@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stashpoint._core.nodes import Node
+from stashpoint._load import trial
 from stashpoint._state import stateful as _stateful
 from stashpoint._state.dtypes import torch_dtype
 from stashpoint._state.validate import named_optimizer_problem, optimizer_problem
@@ -102,7 +103,7 @@ class OptimizerPlanning:
             self.plan.problems.append(f"{self._name(where)}: the saved optimizer state does not fit: {problem}")
         else:
             self.plan.finalizers.append((where, lambda: optim.load_state_dict(sd)))
-            self.plan.checks.append((where, lambda: _dry_load(optim, sd)))
+            self.plan.checks.append((where, lambda: trial.optimizer(optim, sd)))
 
     def _state_like_params(
         self, saved: Node, live: Mapping[Any, Any], params: Mapping[Any, torch.Tensor]
@@ -194,20 +195,3 @@ def _kept_dims(s: tuple[int, ...], shape: tuple[int, ...]) -> set[int] | None:
     # which one was left out may be ambiguous (a square weight's row and column factors): any
     left_out = [i for i in range(len(shape) if len(s) == len(shape) - 1 else 0) if s == shape[:i] + shape[i + 1 :]]
     return {d for i in left_out for d in range(len(shape)) if d != i} if left_out else None
-
-
-def _dry_load(optim: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-    """``optim.load_state_dict(sd)`` on a shallow copy of ``optim``: raises where torch would
-    refuse ``sd`` (a per-parameter state without the ``step`` its class reads, say), and leaves
-    ``optim`` and ``sd`` as they were (torch builds its state and groups anew). Only torch's own
-    ``load_state_dict`` without hooks: a wrapper's (Accelerate's) loads into an optimizer the copy
-    shares, and a hook would run twice."""
-    if type(optim).load_state_dict is not torch.optim.Optimizer.load_state_dict:
-        return
-    if getattr(optim, "_optimizer_load_state_dict_pre_hooks", None) or getattr(
-        optim, "_optimizer_load_state_dict_post_hooks", None
-    ):
-        return
-    dry = object.__new__(type(optim))
-    dry.__dict__.update(optim.__dict__)
-    dry.load_state_dict(sd)

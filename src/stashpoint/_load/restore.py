@@ -24,6 +24,7 @@ import torch
 from stashpoint._core.format import Manifest, TensorEntry
 from stashpoint._core.nodes import Node, decode_plain, is_plain, join, tensor_keys
 from stashpoint._core.reshard import Box
+from stashpoint._load import trial
 from stashpoint._load.optimplan import OptimizerPlanning, names_params
 from stashpoint._state import stateful as _stateful
 from stashpoint._state.dtensor import local_part, local_tensor
@@ -316,7 +317,10 @@ class Planner(OptimizerPlanning):
         live_sd = live.state_dict()
         built = self.build(saved["state"], where, like=live_sd)
         check = getattr(live, "_stashpoint_check", None)  # stashpoint's own objects check themselves
-        problem = check(built) if callable(check) else structure_problem(built, live_sd)
+        if built is None and live_sd is not None:  # None matches anything inside a state, not as all of it
+            problem: str | None = "the checkpoint holds None for its whole state"
+        else:
+            problem = check(built) if callable(check) else structure_problem(built, live_sd)
         if problem is not None:
             self.plan.problems.append(
                 f"{self._name(where)}: the saved state does not fit this {type(live).__name__}: {problem}"
@@ -328,6 +332,8 @@ class Planner(OptimizerPlanning):
             self.plan.finalizers.append((where, lambda: live.load_state_dict(scaler_load_state(built))))
             return
         self.plan.finalizers.append((where, lambda: live.load_state_dict(built)))
+        if trial.is_torch_scheduler(live):
+            self.plan.checks.append((where, lambda: trial.scheduler(live, built)))
 
 
 def _without_inner_wrappers(state: Node) -> Node:
