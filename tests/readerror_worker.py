@@ -294,6 +294,43 @@ def scenario_rank0_only_save(root: str) -> None:
     result(**out)
 
 
+def scenario_manifest_asked_once(root: str) -> None:
+    """A manager on a shared root: how many times each rank asks for the step's manifest in a
+    save (one per rank per save, 16,384 HEADs a save at that scale on S3), and a save of a step
+    already there while this rank's answer lags (rank 1 sees no manifest: it once submitted the
+    save while rank 0 refused it alone, and waited out the timeout)."""
+    import time
+
+    from stashpoint._core.naming import MANIFEST_NAME
+    from stashpoint._storage import LocalStorage
+
+    asked = [0]
+    real = LocalStorage.exists
+
+    def counted(self: LocalStorage, name: str | None = None) -> bool:
+        if name == MANIFEST_NAME and "step-" in str(self.root):
+            asked[0] += 1
+            if RANK == 1 and os.environ.get("LAGGING"):
+                return False
+        return real(self, name)
+
+    LocalStorage.exists = counted  # type: ignore[method-assign]
+    out: dict = {"rank": RANK}
+    with stashpoint.CheckpointManager(Path(root, "run"), keep_last=5) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.ones(4) * step}, timeout=30).wait()
+        out["asked"] = asked[0]
+        os.environ["LAGGING"] = "1"
+        t0 = time.monotonic()
+        try:
+            mgr.save(2, {"w": torch.zeros(4)}, timeout=30).wait()
+            out["again"] = "no error"
+        except Exception as e:
+            out["again"] = f"{type(e).__name__}: {e}"
+        out["again_s"] = time.monotonic() - t0
+    result(**out)
+
+
 def scenario_destroyed_under_save(root: str) -> None:
     """The program destroys torch.distributed's groups while a background save is in flight,
     through ``dist.destroy_process_group()``, which waits for it."""

@@ -62,6 +62,17 @@ def test_destroying_the_process_group_under_a_save_waits_for_it_or_says_to(tmp_p
     assert not (tmp_path / "b" / "ckpt" / "manifest.json").exists()
 
 
+def test_a_managers_save_asks_for_the_steps_manifest_on_its_owner_alone(tmp_path):
+    """Before: every rank asked (a HEAD each on S3: 16,384 a save at that scale), and a rank
+    whose answer lagged submitted the save that the others refused, then waited out the timeout."""
+    for r in run_world(2, "manifest_asked_once", str(tmp_path), worker=WORKER_OF):
+        assert "step 2 already has a committed checkpoint" in r["again"], r
+        assert r["again_s"] < 20, r
+        if r["rank"] == 1:
+            assert r["asked"] == 0, r
+    assert torch.equal(stashpoint.read(tmp_path / "run" / "step-00000002")["w"], torch.full((4,), 2.0))
+
+
 def test_the_ranks_that_never_came_are_found_in_few_requests():
     """Before: one store request per rank of the world (16,384 at full scale)."""
     from dist_util import rendezvous_store

@@ -294,14 +294,15 @@ def start_save(
         f"step {step} already has a committed checkpoint at {target.location}; save under a new step, or "
         "delete that directory first."
     )
+    # one root: its owner asks (one request a save, not one a rank, and no rank whose answer
+    # lags submits a save the others refused); node-local roots: each rank its node's own
+    ask = mgr._owner or mgr._nodes is not None
     try:
-        committed = refused is None and not going_back and target.exists(MANIFEST_NAME)
+        committed = ask and refused is None and not going_back and target.exists(MANIFEST_NAME)
     except OSError as e:  # this rank's alone: failed through the engine with the others
         committed, refused = False, f"could not tell whether {target.location} holds a checkpoint: {e}"
     if committed:
         refused = there
-        if mgr._nodes is None:  # one root, one answer on every rank
-            raise CheckpointError(refused)
     # a refusal of one rank (an owner that could not move a step aside; a node-local step one
     # node holds and another, on a new disk, not): the engine fails the save on every rank
     # together instead of leaving those waiting for this one
