@@ -24,7 +24,6 @@ import concurrent.futures as cf
 import dataclasses
 import errno
 import logging
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -39,7 +38,7 @@ from stashpoint._storage.s3config import (
     parse_url,
 )
 from stashpoint._storage.s3io import S3Writer, copy_into, server_said, status_of
-from stashpoint._storage.s3list import list_prefix, retrying
+from stashpoint._storage.s3list import Backoff, list_prefix, retrying
 from stashpoint._storage.s3tree import copy_tree, delete_tree
 from stashpoint._storage.s3uploads import abort_uploads, retry_pending_aborts
 from stashpoint.errors import S3Error
@@ -191,7 +190,7 @@ class S3Storage(Storage):
         if not exclusive:
             self.call("writing", name, obstore.put, store, key, data, use_multipart=False)
             return
-        deadline, pause = time.monotonic() + self.options.retry_seconds, 0.1
+        backoff = Backoff(self.options.retry_seconds)
         while True:
             try:  # a conditional PUT (If-None-Match: *): the store refuses it if the key exists
                 obstore.put(store, key, data, use_multipart=False, mode="create")
@@ -208,10 +207,8 @@ class S3Storage(Storage):
                 there = self._commit_there(name, data, e)
                 if there:
                     return
-                if time.monotonic() + pause > deadline:
+                if not backoff.wait():
                     raise self.error("writing", name, e) from e
-            time.sleep(pause)
-            pause = min(pause * 2, 8.0)
 
     def _commit_there(self, name: str, data: bytes, error: Exception) -> bool:
         """After the conditional PUT of ``data`` failed with ``error``: True when the object holds

@@ -110,19 +110,35 @@ class Pages:
         )
 
 
+class Backoff:
+    """The pauses between tries of a request that failed for now: 0.1 s, doubling to 8 s, while
+    the next try still starts within ``seconds`` of the first."""
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline, self.pause = time.monotonic() + seconds, 0.1
+
+    def left(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def wait(self) -> bool:
+        """Sleep until the next try; False, at once, when it would start past the deadline."""
+        if time.monotonic() + self.pause > self.deadline:
+            return False
+        time.sleep(self.pause)
+        self.pause = min(self.pause * 2, 8.0)
+        return True
+
+
 def retrying(request: Callable[[], dict[str, Any]], retry_seconds: float) -> dict[str, Any]:
     """``request()``, retried with backoff while it fails transiently, for up to ``retry_seconds``
     (as obstore retries the data requests)."""
-    deadline = time.monotonic() + retry_seconds
-    pause = 0.1
+    backoff = Backoff(retry_seconds)
     while True:
         try:
             return request()
         except Exception as e:
-            if not _transient(e) or time.monotonic() + pause > deadline:
+            if not _transient(e) or not backoff.wait():
                 raise
-        time.sleep(pause)
-        pause = min(pause * 2, 8.0)
 
 
 def _transient(e: BaseException) -> bool:

@@ -8,12 +8,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._storage.s3config import addressable, has_control
-from stashpoint._storage.s3list import TRANSIENT_CODES, retrying
+from stashpoint._storage.s3list import TRANSIENT_CODES, Backoff, retrying
 from stashpoint.errors import S3Error
 
 if TYPE_CHECKING:
@@ -96,24 +95,19 @@ def delete_batch(control: Any, bucket: str, keys: list[str], retry_seconds: floa
     """Delete ``keys`` (at most 1,000, none with a control character) exactly as named. A reply
     may refuse some keys alone (``SlowDown``, ``InternalError``: S3 under load): those are sent
     again within ``retry_seconds``."""
-    deadline, pause = time.monotonic() + retry_seconds, 0.1
+    backoff = Backoff(retry_seconds)
     left = keys
     while True:
         request = {"Objects": [{"Key": k} for k in left], "Quiet": True}
-        reply = retrying(
-            functools.partial(control.delete_objects, Bucket=bucket, Delete=request),
-            max(0.0, deadline - time.monotonic()),
-        )
+        reply = retrying(functools.partial(control.delete_objects, Bucket=bucket, Delete=request), backoff.left())
         failed = [e for e in reply.get("Errors") or () if e.get("Code") != "NoSuchKey"]
-        lasting = [e for e in failed if e.get("Code") not in TRANSIENT_CODES]
-        if failed and (lasting or time.monotonic() + pause > deadline):
-            e = (lasting or failed)[0]
-            raise S3Error(f"deleting s3://{bucket}/{e.get('Key')} failed ({e.get('Code')}: {e.get('Message')})")
         if not failed:
             return
+        lasting = [e for e in failed if e.get("Code") not in TRANSIENT_CODES]
+        if lasting or not backoff.wait():
+            e = (lasting or failed)[0]
+            raise S3Error(f"deleting s3://{bucket}/{e.get('Key')} failed ({e.get('Code')}: {e.get('Message')})")
         left = [str(e.get("Key")) for e in failed]
-        time.sleep(pause)
-        pause = min(pause * 2, 8.0)
 
 
 def delete_raw(control: Any, bucket: str, key: str, retry_seconds: float) -> None:
