@@ -74,6 +74,15 @@ def test_unsupported_values_name_their_key_path_and_type(tmp_path):
     q = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
     with pytest.raises(stashpoint.UnsupportedStateError, match="quantized tensor at key 'q'"):
         stashpoint.save({"q": q}, tmp_path / "ck")
+    with pytest.raises(stashpoint.UnsupportedStateError, match=r"key 'g'.*torch.Generator: save b = g.get_state"):
+        stashpoint.save({"g": torch.Generator()}, tmp_path / "ck")
+
+    class Config:  # a Hugging Face config's shape
+        def to_dict(self) -> dict:
+            return {"n_layer": 2}
+
+    with pytest.raises(stashpoint.UnsupportedStateError, match=r"key 'cfg'.*save obj.to_dict\(\)"):
+        stashpoint.save({"cfg": Config()}, tmp_path / "ck")
     with pytest.raises(TypeError, match="metadata must map str to str"):
         stashpoint.save({}, tmp_path / "ck", metadata={"a": 1})
     assert not (tmp_path / "ck").exists(), "a refused save writes nothing"

@@ -208,6 +208,14 @@ class Flattener:
         hint = ""
         if module == "numpy" and hasattr(obj, "item"):  # a NumPy scalar or array
             hint = " (a NumPy scalar: x.item(); an array: torch.from_numpy(x))"
+        elif isinstance(obj, torch.Generator):
+            hint = (
+                " (a torch.Generator: save b = g.get_state().numpy().tobytes(), kept per rank, and after the "
+                "load g.set_state(torch.frombuffer(bytearray(b), dtype=torch.uint8)); stashpoint.RNGState() keeps "
+                "the default generators)"
+            )
+        elif callable(getattr(obj, "to_dict", None)):  # a Hugging Face config, a dataclass-like record
+            hint = " (one with to_dict(): save obj.to_dict(), or leave it out: code that builds the model remakes it)"
         raise UnsupportedStateError(
             f"value of type {module}.{type(obj).__qualname__} at key "
             f"{key or '<root>'!r} cannot be saved without pickle. Give it state_dict()/"
