@@ -322,7 +322,7 @@ def test_max_inflight_two_stages_while_the_first_persists(tmp_path):
         assert out["w"][0] == 1, "each in-flight save has its own staging buffers"
 
 
-def test_restore_falls_back_when_the_newest_is_damaged(tmp_path):
+def test_restore_falls_back_when_the_newest_is_damaged(tmp_path, caplog):
     with stashpoint.CheckpointManager(tmp_path / "r", keep_last=None) as mgr:
         mgr.save(1, _state(1)).wait()
         mgr.save(2, _state(2)).wait()
@@ -333,7 +333,11 @@ def test_restore_falls_back_when_the_newest_is_damaged(tmp_path):
         with pytest.raises(stashpoint.CorruptCheckpointError):
             mgr.restore(_state(), step=2)  # asked for by number: the error, no fallback
         out = _state()
-        assert mgr.restore(out) == 1 and out["w"][0] == 1
+        with caplog.at_level(logging.WARNING, logger="stashpoint"):
+            assert mgr.restore(out) == 1 and out["w"][0] == 1
+        # the log names the damage; a plain load's advice to load a good checkpoint is the restore's to follow
+        assert "checksum mismatch" in caplog.text and "trying another" in caplog.text, caplog.text
+        assert "Load a good checkpoint" not in caplog.text, caplog.text
         assert mgr.steps() == [1], "the damaged step is moved aside"
         assert len(list(mgr.root.glob("step-00000002.damaged-*"))) == 1, "and kept for inspection"
         mgr.save(2, _state(2)).wait()  # training can save that step again

@@ -199,6 +199,16 @@ def _warn_skipped(plan: Plan, location: str, stacklevel: int) -> None:
         log.info(msg)  # for logs kept; a warning too would print the text twice without logging set up
 
 
+#: What a failed load that was not atomic adds to its error (a manager's restore, which loads
+#: another step in its stead, leaves it out of its log).
+PARTLY_LOADED = (
+    "Some of the state's tensors (the model's, and the optimizer's moments and step counts) may already hold "
+    "this checkpoint's values; its plain values, the optimizer's hyperparameters and other objects are unchanged. "
+    "Load a good checkpoint before training on, or load with atomic=True, which leaves the whole state untouched "
+    "when a load fails."
+)
+
+
 def _read(
     storage: Storage,
     manifest: Manifest,
@@ -226,12 +236,7 @@ def _read(
     except CheckpointError as e:
         if not pieces:
             return None, e
-        return None, type(e)(
-            f"{e}\nSome of the state's tensors (the model's, and the optimizer's moments and step counts) may "
-            "already hold this checkpoint's values; its plain values, the optimizer's hyperparameters and other "
-            "objects are unchanged. Load a good checkpoint before training on, or load with atomic=True, which "
-            "leaves the whole state untouched when a load fails."
-        )
+        return None, type(e)(f"{e}\n{PARTLY_LOADED}")
 
 
 def _load_together(

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from stashpoint._load.loader import PARTLY_LOADED
 from stashpoint._manager.rewindmark import live, pending_rewind
 from stashpoint._manager.tiers import restore_order
 from stashpoint._storage import LocalStorage, Storage
@@ -133,7 +134,7 @@ def try_in_order(
         except (CorruptCheckpointError, IncompleteCheckpointError) as e:
             if step is not None and (candidate, tier) == order[-1] and not errors:
                 raise
-            log.error("stashpoint: the %s copy of step %d is unusable (%s); trying another", tier, candidate, e)
+            log.error("stashpoint: the %s copy of step %d is unusable (%s); trying another", tier, candidate, _told(e))
             errors.append(e)
             damaged.append((candidate, tier, str(e)[:2000]))
             continue
@@ -158,7 +159,7 @@ def _load_remote_twice(load_one: Callable[[Any], None], where: Callable[[int, st
     except (CorruptCheckpointError, IncompleteCheckpointError) as e:
         if not isinstance(at, Storage) or isinstance(at, LocalStorage):
             raise
-        log.warning("stashpoint: step %d at %s failed to load (%s); reading it once more", step, at.location, e)
+        log.warning("stashpoint: step %d at %s failed to load (%s); reading it once more", step, at.location, _told(e))
         load_one(at)
 
 
@@ -228,3 +229,9 @@ def _held(steps: list[int]) -> str:
         return "the run directory holds no committed step"
     shown = ("..., " if len(steps) > 10 else "") + ", ".join(str(s) for s in steps[-10:])
     return f"the committed steps there are {shown} (restore(state) loads the newest)"
+
+
+def _told(e: CheckpointError) -> str:
+    """``e``'s message without a plain load's advice to load a good checkpoint: the restore
+    loads one in its stead."""
+    return str(e).replace(f"\n{PARTLY_LOADED}", "")
