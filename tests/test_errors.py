@@ -602,3 +602,10 @@ def test_a_class_given_instead_of_its_object_is_named(tmp_path):
     with pytest.raises(stashpoint.UnsupportedStateError, match=r"Linear is a class, not an object of it"):
         stashpoint.save({"model": torch.nn.Linear}, tmp_path / "c")
     assert not (tmp_path / "c").exists()
+
+
+def test_keys_that_print_alike_but_differ_in_type_are_named_as_such(tmp_path):
+    """Before: 'emb/0' was listed both as missing and as unexpected, with nothing to tell why."""
+    stashpoint.save({"emb": {"0": torch.ones(2), "1": torch.ones(2)}}, tmp_path / "ck")
+    with pytest.raises(stashpoint.StateMismatchError, match=r"'emb': 2 key\(s\) \(0, 1\) are of type str in the "):
+        stashpoint.load({"emb": {0: torch.zeros(2), 1: torch.zeros(2)}}, tmp_path / "ck")

@@ -264,6 +264,21 @@ class Planner(OptimizerPlanning):
                 self.plan.problems.append(
                     f"missing key {self._name(join(where, k))}: in the state, not in the checkpoint"
                 )
+        if not self.partial:
+            self._keys_of_another_type([k for k in seen if k not in live], [k for k in live if k not in seen], where)
+
+    def _keys_of_another_type(self, saved: list[Any], live: list[Any], where: str) -> None:
+        """Keys that print alike on both sides (0 and "0") read as one key both missing and
+        unexpected: say which type each side has."""
+        alike = sorted({str(k) for k in saved} & {str(k) for k in live})
+        if not alike:
+            return
+        kind_saved = type(next(k for k in saved if str(k) == alike[0])).__name__
+        kind_live = type(next(k for k in live if str(k) == alike[0])).__name__
+        self.plan.problems.append(
+            f"{self._name(where)}: {len(alike)} key(s) ({', '.join(alike[:3])}) are of type {kind_saved} in the "
+            f"checkpoint and {kind_live} in the state; build the state's dict with {kind_saved} keys, as it was saved"
+        )
 
     def _raw_state(self, saved: Node, live: Any, where: str, setter: Setter) -> None:
         """A state dict saved as such (a dict, not the object) into the live stateful ``live``."""
