@@ -249,3 +249,61 @@ def test_automatic_checkpoint_naming_and_total_limit(tmp_path):
     AcceleratorState._reset_state(reset_partial_state=True)
     with pytest.raises(ValueError, match="automatic_checkpoint_naming=True"):
         save_state(Accelerator(cpu=True))
+
+
+def _epochs(stateful: bool, ckpt: Path, resume: bool) -> torch.Tensor:
+    """12 batches an epoch, 20 steps; step 12, an epoch's last batch, saved (or resumed from)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, set_seed
+
+    acc = Accelerator(
+        cpu=True,
+        dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful, use_seedable_sampler=True),
+    )
+    set_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(96, 8, generator=torch.Generator().manual_seed(1))
+    data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
+    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(2))
+    model, opt, loader = acc.prepare(model, opt, loader)
+    step = 12 if resume else 0
+    if resume:
+        load_state(acc, ckpt)
+    while step < 20:
+        for xb, yb in loader:
+            acc.backward(torch.nn.functional.mse_loss(model(xb), yb))
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            if step == 12 and not resume:
+                save_state(acc, ckpt).wait()
+            if step == 20:
+                break
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return model.weight.detach().clone()
+
+
+@pytest.mark.parametrize("stateful", [True, False])
+def test_a_checkpoint_taken_at_an_epochs_last_batch_resumes_with_the_next_epoch(tmp_path, stateful):
+    """Before: the loader still counted the epoch it had just ended, and a resume replayed that
+    epoch's order instead of the next one's."""
+    straight = _epochs(stateful, tmp_path / "ckpt", resume=False)
+    assert stashpoint.read(tmp_path / "ckpt", select="dataloaders")[0]["epoch"] == 1
+    assert torch.equal(_epochs(stateful, tmp_path / "ckpt", resume=True), straight)
+
+
+def test_an_object_registered_only_after_the_load_is_named_missing(tmp_path):
+    """Before: load_state filled the empty list of registered objects with the saved states, as
+    plain dicts, and the object registered later kept its fresh state without a word."""
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    acc.register_for_checkpointing(_History())
+    acc.prepare(torch.nn.Linear(2, 2))
+    save_state(acc, tmp_path / "ckpt").wait()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = Accelerator(cpu=True)
+    acc.prepare(torch.nn.Linear(2, 2))
+    with pytest.raises(stashpoint.StateMismatchError, match=r"'custom': the checkpoint holds 1 object"):
+        load_state(acc, tmp_path / "ckpt")

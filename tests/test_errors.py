@@ -609,3 +609,22 @@ def test_keys_that_print_alike_but_differ_in_type_are_named_as_such(tmp_path):
     stashpoint.save({"emb": {"0": torch.ones(2), "1": torch.ones(2)}}, tmp_path / "ck")
     with pytest.raises(stashpoint.StateMismatchError, match=r"'emb': 2 key\(s\) \(0, 1\) are of type str in the "):
         stashpoint.load({"emb": {0: torch.zeros(2), 1: torch.zeros(2)}}, tmp_path / "ck")
+
+
+def test_objects_saved_in_a_container_the_state_holds_empty_are_missing_not_rebuilt(tmp_path):
+    """Before: an empty list or dict took the saved one, objects' states as plain dicts: a
+    scheduler left out of the state (or an object registered after the load) went unnoticed."""
+    model = torch.nn.Linear(2, 2)
+    sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    stashpoint.save({"scheds": [sched], "by_name": {"m": model}, "losses": [torch.ones(2)]}, tmp_path / "ck")
+    for live, where in (
+        ({"scheds": [], "by_name": {"m": model}}, "'scheds'"),
+        ({"scheds": [sched], "by_name": {}}, "'by_name'"),
+    ):
+        state = {**live, "losses": []}
+        with pytest.raises(stashpoint.StateMismatchError, match=where + r": the checkpoint holds 1 object\(s\)"):
+            stashpoint.load(state, tmp_path / "ck")
+    state = {"scheds": [], "by_name": {"m": model}, "losses": []}
+    with pytest.warns(UserWarning, match="put the objects in it"):
+        stashpoint.load(state, tmp_path / "ck", strict=False)
+    assert state["scheds"] == [] and torch.equal(state["losses"][0], torch.ones(2))  # plain values still grow

@@ -187,6 +187,8 @@ class Planner(OptimizerPlanning):
                 or (isinstance(live, list) and not live and where and "list" in saved and not self.partial)
             ):
                 # an empty list (losses kept as tensors, grown by training) takes the saved one
+                if live is not None and not materialize and self._objects_for_nothing(saved, where):
+                    return
                 self._set(setter, self.build(saved, where))
             else:
                 n = len(live) if isinstance(live, (list, tuple)) else None
@@ -240,7 +242,10 @@ class Planner(OptimizerPlanning):
             )
             return
         # an empty dict in the state ({epoch: tensor}, grown by training) takes the saved one
-        materialize = materialize or (not live and bool(where) and type(live) is dict and not self.partial)
+        grown = not materialize and not live and bool(where) and type(live) is dict and not self.partial
+        if grown and self._objects_for_nothing(saved, where):
+            return
+        materialize = materialize or grown
         seen = set()
         for k, child in saved["dict"]:
             seen.add(k)
@@ -266,6 +271,20 @@ class Planner(OptimizerPlanning):
                 )
         if not self.partial:
             self._keys_of_another_type([k for k in seen if k not in live], [k for k in live if k not in seen], where)
+
+    def _objects_for_nothing(self, saved: Node, where: str) -> bool:
+        """Whether the saved container, which an empty one in the state would take, holds
+        objects' states (a model's, an optimizer's, a registered object's): built as plain
+        dicts they would stand for no object, and the objects missing from the state would
+        go unnoticed. A problem says so."""
+        n = _objects_in(saved)
+        if n:
+            self.plan.problems.append(
+                f"{self._name(where)}: the checkpoint holds {n} object(s) with load_state_dict here (a model, an "
+                "optimizer, a registered object), the state an empty container: put the objects in it, as they "
+                "were when saved, before loading"
+            )
+        return n > 0
 
     def _keys_of_another_type(self, saved: list[Any], live: list[Any], where: str) -> None:
         """Keys that print alike on both sides (0 and "0") read as one key both missing and
@@ -374,3 +393,19 @@ def _bind(fn: Callable[[Any, Any], None] | None, key: Any) -> Setter:
     if fn is None:
         return None
     return lambda value: fn(key, value)
+
+
+def _objects_in(node: Node) -> int:
+    """How many objects' states (``stateful`` nodes, not within one another) ``node`` holds."""
+    count, stack = 0, [node]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, dict):
+            continue
+        if "stateful" in n:
+            count += 1
+        elif "dict" in n:
+            stack.extend(child for _, child in n["dict"])
+        elif "list" in n or "tuple" in n:
+            stack.extend(n.get("list") or n.get("tuple") or ())
+    return count

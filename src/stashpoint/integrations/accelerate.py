@@ -268,11 +268,14 @@ class _LoaderPosition:
 
     def state_dict(self) -> dict[str, Any]:
         dl = self._loader
-        sd: dict[str, Any] = {"epoch": int(getattr(dl, "iteration", 0)), "processes": self._processes}
+        # at an epoch's last batch the loader still counts that epoch (it counts up once the loop
+        # ends): a resume there starts the next epoch, from its first batch
+        done = _at_last_batch(dl)
+        sd: dict[str, Any] = {"epoch": int(getattr(dl, "iteration", 0)) + done, "processes": self._processes}
         sampler = _seedable(dl)
         if sampler is not None:
             sd["sampler"] = {"initial_seed": int(sampler.initial_seed), "epoch": int(sampler.epoch)}
-        if getattr(dl, "use_stateful_dataloader", False):
+        if getattr(dl, "use_stateful_dataloader", False) and not done:
             sd["batches"] = _plain(dl.state_dict())
         return sd
 
@@ -318,6 +321,14 @@ class _LoaderPosition:
             sampler.epoch = int(saved["epoch"])
         if "batches" in sd:
             dl.load_state_dict(_tensors(sd["batches"]))
+
+
+def _at_last_batch(loader: Any) -> bool:
+    """Whether ``loader`` has given its epoch's last batch and its loop has not ended yet."""
+    if not getattr(loader, "end_of_dataloader", False):
+        return False
+    gradient_state = getattr(loader, "gradient_state", None)
+    return loader in (getattr(gradient_state, "dataloader_references", None) or ())
 
 
 def _seedable(loader: Any) -> SeedableRandomSampler | None:
