@@ -80,6 +80,12 @@ def test_a_load_waits_for_a_save_of_the_same_checkpoint_still_in_flight(tmp_path
     stashpoint.load(out, tmp_path / "ck")  # committed by then, not half written
     handle.wait()
     assert torch.equal(out["w"], state["w"]) and out["step"] == 3
+    # and so does a read (before: "holds no committed checkpoint ... delete this directory", as
+    # Lightning's load_from_checkpoint right after trainer.save_checkpoint met it)
+    state["w"] = torch.randn(1 << 22)
+    handle = stashpoint.async_save(state, tmp_path / "ck2")
+    assert torch.equal(stashpoint.read(tmp_path / "ck2")["w"], state["w"])
+    handle.wait()
 
 
 def test_a_load_in_a_process_that_never_saved_does_not_import_the_save_engine(tmp_path):

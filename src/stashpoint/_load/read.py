@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from stashpoint import _runtime
 from stashpoint._core.format import Manifest
 from stashpoint._core.nodes import Node, decode_plain, escape, join
 from stashpoint._core.reshard import Box
@@ -14,7 +15,7 @@ from stashpoint._load.manifest import open_checkpoint
 from stashpoint._load.reads import execute_reads
 from stashpoint._load.restore import Read
 from stashpoint._state.dtypes import empty_for
-from stashpoint._storage import Storage
+from stashpoint._storage import Storage, storage_for
 from stashpoint.errors import CheckpointError
 
 
@@ -48,11 +49,17 @@ def read(
         rank: whose per-rank plain values (RNG states, ...) to return, for a checkpoint saved by
             several ranks; tensors are the same for every rank.
 
+    A save to ``path`` still in flight in this process (``async_save``) is waited for first.
+
     Raises:
         CheckpointNotFoundError: nothing at ``path``.
         CheckpointError: ``select`` names no key of the checkpoint (the message lists those there).
         CorruptCheckpointError: a checksum or the structure does not match.
     """
+    if _runtime.peek("save.engine") is not None:  # a save to ``path`` in flight here: read it committed
+        from stashpoint._save.engine import wait_all
+
+        wait_all(storage_for(path).location)
     storage, manifest = open_checkpoint(path)
     node = _select(manifest.tree_for(rank), select, str(path))
     builder = _Builder(manifest, torch.device(device), allow_pickle, storage.location)
