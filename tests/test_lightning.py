@@ -166,3 +166,108 @@ def test_a_torch_save_file_stays_when_the_save_replacing_it_fails(tmp_path):
     io.save_checkpoint({"global_step": 3}, d / "last.ckpt")
     io.wait()
     assert (d / "last.ckpt").is_dir() and sorted(p.name for p in d.iterdir()) == ["last.ckpt"]
+
+
+def test_a_checkpoint_lightning_removes_goes_only_once_its_replacement_committed(tmp_path, monkeypatch):
+    """ModelCheckpoint (save_top_k=1, the default) saves the new checkpoint, then at once removes
+    the old one. Before: the old one was deleted while the new one was still being written, and a
+    crash then left no committed checkpoint at all."""
+    from lightning_worker import Model, data
+    from stashpoint._storage import LocalStorage
+
+    d = tmp_path / "ckpts"
+    committed_beside: list[int] = []
+    real = LocalStorage.remove_tree
+
+    def spied(self: LocalStorage) -> None:
+        if self.root.name.endswith(".ckpt"):
+            others = [p for p in d.iterdir() if p != self.root and (p / "manifest.json").is_file()]
+            committed_beside.append(len(others))
+        real(self)
+
+    monkeypatch.setattr(LocalStorage, "remove_tree", spied)
+    trainer = L.Trainer(
+        max_epochs=4,
+        accelerator="cpu",
+        plugins=[StashpointCheckpointIO()],
+        callbacks=[ModelCheckpoint(dirpath=d)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Model(width=512), data())
+    assert len(committed_beside) == 3 and all(n >= 1 for n in committed_beside), committed_beside
+    (kept,) = d.iterdir()
+    assert kept.name == "epoch=3-step=32.ckpt" and stashpoint.verify(kept).ok
+
+
+def test_a_last_link_to_a_checkpoint_that_never_committed_loads_the_newest_committed_one(tmp_path, caplog):
+    """save_last="link" links last.ckpt to a checkpoint as soon as its save is staged: a run
+    killed before that save committed left a link to nothing loadable, and fit(ckpt_path="last")
+    failed although the checkpoint before it was whole."""
+    import logging
+
+    import torch
+
+    d = tmp_path / "ckpts"
+    io = StashpointCheckpointIO()
+    io.save_checkpoint({"global_step": 4, "w": torch.ones(3)}, d / "epoch=0-step=4.ckpt")
+    io.wait()
+    (d / "epoch=1-step=8.ckpt").mkdir()  # what a kill -9 mid-save leaves
+    (d / "epoch=1-step=8.ckpt" / "shard-r00000-0000-0123456789abcdef.safetensors").write_bytes(b"\0" * 64)
+    (d / "last.ckpt").symlink_to("epoch=1-step=8.ckpt")
+    with caplog.at_level(logging.WARNING, logger="stashpoint"):
+        got = io.load_checkpoint(d / "last.ckpt")
+    assert got["global_step"] == 4 and "holds no committed checkpoint" in caplog.text
+    (d / "epoch=0-step=4.ckpt" / "manifest.json").unlink()  # nothing committed beside it: the error as before
+    with pytest.raises(stashpoint.IncompleteCheckpointError):
+        io.load_checkpoint(d / "last.ckpt")
+
+
+def test_a_top_k_and_a_last_checkpoint_saved_back_to_back_are_both_in_flight(tmp_path):
+    """save_last=True makes ModelCheckpoint save twice at every checkpoint; the second save waited
+    for the first one's whole write (0.8 s of blocking in a review's run). Two may be in flight."""
+    import torch
+
+    io = StashpointCheckpointIO()
+    state = {"w": torch.ones(1 << 20)}
+    io.save_checkpoint(state, tmp_path / "a.ckpt")
+    io.save_checkpoint(state, tmp_path / "last.ckpt")
+    assert [s.path for s in io._saves] == [str(tmp_path / "a.ckpt"), str(tmp_path / "last.ckpt")]
+    io.save_checkpoint(state, tmp_path / "b.ckpt")  # a third waits for the first
+    assert [s.path for s in io._saves] == [str(tmp_path / "last.ckpt"), str(tmp_path / "b.ckpt")]
+    io.wait()
+    assert all(stashpoint.verify(tmp_path / n).ok for n in ("a.ckpt", "last.ckpt", "b.ckpt"))
+
+
+def test_the_standalone_pytorch_lightning_package_takes_the_plugin(tmp_path):
+    """`import pytorch_lightning as pl` checks plugins against lightning_fabric's CheckpointIO,
+    not lightning.fabric's: the Trainer refused the plugin as an invalid type."""
+    pl = pytest.importorskip("pytorch_lightning")
+    import torch
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.l(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 2)), batch_size=4)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        plugins=[StashpointCheckpointIO()],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Tiny(), loader)
+    assert isinstance(trainer.strategy.checkpoint_io, StashpointCheckpointIO)
+    (saved,) = (tmp_path / "checkpoints").iterdir()
+    assert stashpoint.verify(saved).ok

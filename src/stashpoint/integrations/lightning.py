@@ -12,8 +12,12 @@ fsync and atomic commit run in the background while training goes on. Each ``.ck
 becomes a stashpoint checkpoint directory. ``ModelCheckpoint`` (``save_top_k``, ``save_last``,
 ``every_n_train_steps``) and ``Trainer.fit(ckpt_path="last")`` work as with ``torch.save``.
 
-A later save, a load, a removal of the checkpoint being written and ``teardown()`` first wait
-for the save in flight; a background failure is raised there, with its cause. Under DDP Lightning
+Two saves may be in flight (``ModelCheckpoint`` saves a top-k checkpoint and ``last.ckpt`` back
+to back); a third save, a load and ``teardown()`` first wait for them, and a background failure
+is raised there, with its cause. A checkpoint Lightning removes while a save is in flight (the
+top-k one it replaces) goes only once that save has committed, so a crash in between still
+leaves a committed checkpoint; a ``last.ckpt`` link (``save_last="link"``) to one that never
+committed loads the newest committed checkpoint beside it, with a warning. Under DDP Lightning
 saves on rank 0 alone, and the plugin saves without any collective; every rank loads.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +39,10 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "stashpoint.integrations.lightning needs PyTorch Lightning 2.x: pip install 'stashpoint[lightning]'"
     ) from e
 
+from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._dist.group import LOCAL
 from stashpoint._load.read import read
-from stashpoint._save.engine import DEFAULT_MAX_SHARD_BYTES, async_save
+from stashpoint._save.engine import DEFAULT_MAX_SHARD_BYTES, SaveOptions, get_engine
 from stashpoint._save.handle import SaveHandle
 from stashpoint._storage import storage_for
 from stashpoint.errors import CheckpointError
@@ -44,6 +50,16 @@ from stashpoint.errors import CheckpointError
 __all__ = ["StashpointCheckpointIO", "load_from_checkpoint"]
 
 log = logging.getLogger("stashpoint")
+
+_IN_FLIGHT = 2  # a top-k checkpoint and last.ckpt, saved back to back by ModelCheckpoint
+
+
+@dataclass
+class _Save:
+    handle: SaveHandle
+    path: str
+    aside: Path | None  # a torch.save file at the path, deleted once the save commits
+    doomed: list[str] = field(default_factory=list)  # removed by Lightning after it: go once it commits
 
 
 class StashpointCheckpointIO(CheckpointIO):
@@ -76,9 +92,7 @@ class StashpointCheckpointIO(CheckpointIO):
         self.writer = writer
         self.max_shard_bytes = max_shard_bytes
         self.metadata = dict(metadata or {})
-        self._pending: SaveHandle | None = None
-        self._pending_path: str | None = None
-        self._aside: Path | None = None  # a torch.save file at the path being saved, until it commits
+        self._saves: list[_Save] = []
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Stage ``checkpoint`` and return; it is written to ``path`` (a directory) in the background."""
@@ -87,8 +101,11 @@ class StashpointCheckpointIO(CheckpointIO):
                 f"StashpointCheckpointIO.save_checkpoint takes no storage_options (got {storage_options!r}); "
                 "configure the plugin's constructor instead"
             )
-        self.wait()
         target = os.fspath(path)
+        if any(s.path == target for s in self._saves):
+            self.wait()  # the same path again: the save before it first
+        self._settle(keep=_IN_FLIGHT - 1)
+        aside = None
         if "://" not in target:
             where = Path(target)
             # ModelCheckpoint(save_last="link") links last.ckpt to it as soon as this returns
@@ -97,32 +114,23 @@ class StashpointCheckpointIO(CheckpointIO):
                 # Lightning's own torch.save file at a path it saves again (last.ckpt): replaced,
                 # as its own plugin would write over it, once the new one committed
                 log.warning("stashpoint: replacing the torch.save checkpoint %s by a stashpoint checkpoint", target)
-                self._aside = where.with_name(f"{where.name}.torch-save-{os.getpid()}")
-                where.rename(self._aside)
+                aside = where.with_name(f"{where.name}.torch-save-{os.getpid()}")
+                where.rename(aside)
+        opts = SaveOptions(
+            overwrite=True,  # Lightning saves last.ckpt again and again at one path
+            allow_pickle=self.allow_pickle,
+            metadata={"framework": "lightning", **self.metadata},
+            max_shard_bytes=self.max_shard_bytes,
+            process_group=LOCAL,
+            writer=self.writer,
+            max_inflight=_IN_FLIGHT,
+        )
         try:
-            self._pending = async_save(
-                checkpoint,
-                target,
-                overwrite=True,  # Lightning saves last.ckpt again and again at one path
-                allow_pickle=self.allow_pickle,
-                metadata={"framework": "lightning", **self.metadata},
-                max_shard_bytes=self.max_shard_bytes,
-                process_group=LOCAL,
-                writer=self.writer,
-            )
+            handle = get_engine().submit(checkpoint, storage_for(target), opts)
         except BaseException:
-            self._put_back(target)
+            _put_back(target, aside)
             raise
-        self._pending_path = target
-
-    def _put_back(self, target: str) -> None:
-        """The torch.save file set aside for a save that failed goes back to its path."""
-        aside, self._aside = self._aside, None
-        if aside is not None:
-            with contextlib.suppress(OSError):
-                Path(target).rmdir()  # an uncommitted save's empty directory, if any
-            with contextlib.suppress(OSError):
-                aside.rename(target)
+        self._saves.append(_Save(handle, target, aside))
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The checkpoint at ``path`` as the dict Lightning saved (tensors on ``map_location``
@@ -130,7 +138,7 @@ class StashpointCheckpointIO(CheckpointIO):
         Accepts ``map_location`` positionally (older Lightning) or by keyword, and the newer
         keywords (``weights_only``, ``state``): the checkpoint is returned for Lightning to apply."""
         self.wait()
-        target = os.fspath(path)
+        target = _through_link(os.fspath(path))
         if "://" not in target and Path(target).is_file():
             raise CheckpointError(
                 f"{target} is a file, as Lightning's own plugin writes them (torch.save), not a stashpoint checkpoint: "
@@ -144,31 +152,98 @@ class StashpointCheckpointIO(CheckpointIO):
         return out
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint at ``path`` (waiting first if it is the one being written)."""
+        """Delete the checkpoint at ``path``: once the saves in flight have committed (Lightning
+        removes the checkpoint a new one replaces as soon as the new one is staged), or at once
+        when none is (waiting first if it is the one being written)."""
         target = os.fspath(path)
-        if self._pending is not None and self._pending_path == target:
+        if any(s.path == target for s in self._saves):
             self.wait()
+        if self._saves:
+            self._saves[-1].doomed.append(target)
+            return
         storage_for(target).remove_tree()
 
     def teardown(self) -> None:
-        """Wait for the save in flight (raising its failure, if any)."""
+        """Wait for the saves in flight (raising the first failure, if any)."""
         self.wait()
 
     def wait(self) -> None:
-        """Block until the save in flight is committed; raise :class:`CheckpointError` if it failed."""
-        handle, self._pending = self._pending, None
-        if handle is None:
-            return
-        try:
-            handle.wait(self.timeout)
-        except BaseException:
-            if self._pending_path is not None:
-                self._put_back(self._pending_path)
-            raise
-        aside, self._aside = self._aside, None
-        if aside is not None:  # the new checkpoint committed: the torch.save file it replaced goes
-            with contextlib.suppress(OSError):
-                aside.unlink()
+        """Block until the saves in flight are committed (and the checkpoints removed meanwhile
+        deleted); raise :class:`CheckpointError` if one failed."""
+        self._settle(keep=0)
+
+    def _settle(self, keep: int) -> None:
+        """Wait for the oldest saves in flight until at most ``keep`` remain."""
+        first: BaseException | None = None
+        while len(self._saves) > keep:
+            save = self._saves.pop(0)
+            try:
+                save.handle.wait(self.timeout)
+            except BaseException as e:
+                _put_back(save.path, save.aside)
+                if save.doomed:  # nothing committed in their stead: kept
+                    log.warning(
+                        "stashpoint: keeping %s, which Lightning removed: the save that replaced them failed",
+                        ", ".join(save.doomed),
+                    )
+                first = first or e
+                continue
+            if save.aside is not None:  # the new checkpoint committed: the torch.save file it replaced goes
+                with contextlib.suppress(OSError):
+                    save.aside.unlink()
+            for doomed in save.doomed:
+                if any(s.path == doomed for s in self._saves):
+                    continue  # saved again since: a later save writes over it
+                try:
+                    storage_for(doomed).remove_tree()
+                except OSError as e:
+                    log.warning("stashpoint: could not remove %s: %s", doomed, e)
+        if first is not None:
+            raise first
+
+
+def _through_link(target: str) -> str:
+    """``target``, or where it is a link (``last.ckpt`` of ``save_last="link"``, made as soon as
+    a save is staged) to a checkpoint that never committed, the run having stopped while writing
+    it: the newest committed checkpoint beside that one, with a warning."""
+    link = Path(target)
+    if "://" in target or not link.is_symlink() or (link / MANIFEST_NAME).is_file():
+        return target
+    pointed = link.resolve()
+    try:
+        beside = [
+            p
+            for p in pointed.parent.iterdir()
+            if p.suffix == pointed.suffix and p != pointed and not p.is_symlink() and (p / MANIFEST_NAME).is_file()
+        ]
+    except OSError:
+        return target
+    if not beside:
+        return target
+    newest = max(beside, key=lambda p: (p / MANIFEST_NAME).stat().st_mtime)
+    log.warning(
+        "stashpoint: %s links to %s, which holds no committed checkpoint (the run stopped while writing it): "
+        "loading %s, the newest committed checkpoint beside it",
+        target,
+        pointed,
+        newest,
+    )
+    return str(newest)
+
+
+def _put_back(target: str, aside: Path | None) -> None:
+    """The torch.save file set aside for a save that failed goes back to its path."""
+    if aside is not None:
+        with contextlib.suppress(OSError):
+            Path(target).rmdir()  # an uncommitted save's empty directory, if any
+        with contextlib.suppress(OSError):
+            aside.rename(target)
+
+
+with contextlib.suppress(ImportError):  # the standalone pytorch_lightning package checks its own base class
+    from lightning_fabric.plugins import CheckpointIO as _StandaloneCheckpointIO
+
+    _StandaloneCheckpointIO.register(StashpointCheckpointIO)
 
 
 def load_from_checkpoint(
