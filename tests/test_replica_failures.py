@@ -122,6 +122,22 @@ def test_a_replica_left_as_the_last_copy_outlives_the_next_save(tmp_path):
     assert restorable(tmp_path, ["a", "b"]) == [8, 6]
 
 
+def test_keep_last_keeps_the_newest_step_a_node_loss_spares_while_a_newer_ones_copies_failed(tmp_path):
+    """keep_last=1: step 4's copies fail (node b killed as they cross), and node b is then lost
+    with its directory. Before: the retention after step 4 deleted step 2, the only step whose
+    files both nodes held, and the restarted job started from nothing."""
+    outs = run(
+        tmp_path, ["a", "b"], "--steps", "2:4", "--keep", "1", "--timeout", "20", env={1: {"KILL_AT_REPLICA": "4"}}
+    )
+    assert len(lines(outs, "SAVE_ERROR 4")) == 1, outs
+    assert (tmp_path / "node-a" / "step-00000002" / "recoverable.json").is_file()
+    shutil.rmtree(tmp_path / "node-b")
+    outs = run(tmp_path, ["a", "b"], "--steps", "6:6", "--keep", "1")
+    assert sorted(lines(outs, "RESUMED")) == ["RESUMED 2 2000", "RESUMED 2 2001"], outs
+    assert len(lines(outs, "SAVED 6")) == 2, outs  # its copies made: step 6 the one kept now
+    assert restorable(tmp_path, ["a", "b"]) == [6]
+
+
 def test_a_damaged_copy_on_one_node_is_replaced_by_a_peers_good_replica(tmp_path):
     """A byte of node a's own shard of step 4 flips; node b holds a good replica of it. The
     restart resumes step 4 (not step 2), fetching rank 0's files from b, and a's copy is whole

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from stashpoint._core.format import utc_stamp
-from stashpoint._core.naming import MANIFEST_NAME, step_dir
+from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME, step_dir
 from stashpoint._manager.lock import check_shared_root
 from stashpoint._manager.rewindmark import Rewind
 from stashpoint._manager.steps import (
@@ -364,6 +364,8 @@ def apply_retention(mgr: CheckpointManager) -> None:
         keep = retained(steps, mgr._metrics_of, mgr.retention)
         if mgr._tier is not None:
             keep |= mgr._tier.protected()  # not uploaded yet (pending, or failed: uploaded at next open)
+        if mgr._nodes is not None and mgr._replicas > 0:
+            keep |= newest_recoverable(mgr.storage, steps)
         for step in steps:
             if step not in keep:
                 mgr._known.discard(step)
@@ -371,6 +373,19 @@ def apply_retention(mgr: CheckpointManager) -> None:
                 mgr._metrics.pop(step, None)
     except Exception:
         log.exception("stashpoint: applying the retention rules to %s failed", mgr.storage.location)
+
+
+def newest_recoverable(root: Storage, steps: list[int]) -> set[int]:
+    """The newest of ``steps`` that a node lost now could be restored from (its files copied to
+    other nodes, ``recoverable.json``), kept while the newer ones' copies failed: the retention
+    would otherwise delete the last step that survives a node loss."""
+    for step in reversed(steps):
+        try:
+            if root.child(step_dir(step)).exists(RECOVERABLE_NAME):
+                return {step}
+        except OSError:
+            continue
+    return set()
 
 
 def wait_for(mgr: CheckpointManager) -> None:
