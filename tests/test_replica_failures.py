@@ -85,6 +85,8 @@ def test_a_node_killed_while_the_replicas_cross_leaves_the_step_committed_on_the
     outs = run(tmp_path, nodes, "--steps", "2:4", "--timeout", "20", env={2: {"KILL_AT_REPLICA": "4"}})
     errors = lines(outs, "SAVE_ERROR 4")
     assert len(errors) == 2 and all("ReplicaError" in e and "committed on every node" in e for e in errors), outs
+    # logged as it happened, for a loop that does not wait() for its saves
+    assert all("stashpoint: the step at" in out for out in outs[:2]), outs
     for d in nodes:
         assert (tmp_path / f"node-{d}" / "step-00000004" / MANIFEST_NAME).is_file(), f"step 4 kept on node {d}"
     outs = run(tmp_path, nodes)

@@ -173,13 +173,16 @@ class PersistJob:
         if nodes is not None and nodes.replicas:
             try:
                 replicate(ctx, self.storage, nodes, save_id, room)
-            except ReplicaError:
+            except ReplicaError as e:  # logged as it happens: a training loop may not wait() for its saves
+                log.error("stashpoint: %s", e)
                 raise
             except Exception as e:  # a peer lost in the middle: the step is committed all the same
-                raise ReplicaError(
+                failed = ReplicaError(
                     f"the step at {loc} is committed on every node, but copying it to other nodes failed "
                     f"({type(e).__name__}: {e}); a node lost now takes its files of this step with it"
-                ) from e
+                )
+                log.error("stashpoint: %s", failed)
+                raise failed from e
         t1 = time.perf_counter()
         pending = self.pending
         staged_at = pending.done_at if pending is not None and pending.done_at is not None else self.staged_at
