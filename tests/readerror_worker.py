@@ -331,6 +331,21 @@ def scenario_manifest_asked_once(root: str) -> None:
     result(**out)
 
 
+def scenario_dies_of_an_exception(root: str) -> None:
+    """Rank 1 ends on an exception nothing caught while rank 0 saves: its exit waited 60 s in
+    the shutdown barrier of stashpoint's groups, and rank 0 in its save until then."""
+    stashpoint.save({"w": torch.ones(4)}, Path(root, "a"))
+    if RANK == 1:
+        raise RuntimeError("a bug in rank 1's training step")
+    t0 = time.monotonic()
+    try:
+        stashpoint.save({"w": torch.ones(4)}, Path(root, "b"), timeout=300)
+        out = "no error"
+    except Exception as e:
+        out = f"{type(e).__name__}: {e}"
+    result(error=out, took=time.monotonic() - t0)
+
+
 def scenario_destroyed_under_save(root: str) -> None:
     """The program destroys torch.distributed's groups while a background save is in flight,
     through ``dist.destroy_process_group()``, which waits for it."""

@@ -4,6 +4,8 @@ process group this rank is not in or that is not a group. Real processes, a real
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 import stashpoint
@@ -71,6 +73,15 @@ def test_a_managers_save_asks_for_the_steps_manifest_on_its_owner_alone(tmp_path
         if r["rank"] == 1:
             assert r["asked"] == 0, r
     assert torch.equal(stashpoint.read(tmp_path / "run" / "step-00000002")["w"], torch.full((4,), 2.0))
+
+
+def test_a_rank_ending_on_an_uncaught_exception_exits_at_once_and_its_peers_save_fails_at_once(tmp_path):
+    """Before: its exit waited out the 60 s shutdown barrier of stashpoint's groups, which its
+    peer, waiting in a save's collective, never reached; the job ended a minute late."""
+    t0 = time.monotonic()
+    first, second = run_world(2, "dies_of_an_exception", str(tmp_path), worker=WORKER_OF, allow_fail=True)
+    assert "CheckpointError" in first["error"] and first["took"] < 30, first
+    assert second == {} and time.monotonic() - t0 < 45
 
 
 def test_the_ranks_that_never_came_are_found_in_few_requests():

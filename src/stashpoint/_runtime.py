@@ -14,6 +14,7 @@ import atexit
 import gc
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -56,7 +57,7 @@ def slot(
         if after_fork is not None:
             _fork_hooks[name] = after_fork
         if not _atexit_registered:
-            atexit.register(shutdown)
+            atexit.register(_at_exit)
             _atexit_registered = True
         return value
 
@@ -70,6 +71,22 @@ def drop(name: str) -> Any:
     """Empty slot ``name`` without closing what it held; returns that (or None)."""
     with _lock:
         return _slots.pop(name, None)
+
+
+_dying = False
+
+
+def _at_exit() -> None:
+    global _dying
+    # the interpreter sets sys.last_value when the program ends on an exception it printed
+    _dying = getattr(sys, "last_value", None) is not None
+    shutdown()
+
+
+def exiting_on_error() -> bool:
+    """Whether this is the interpreter's exit after an exception nothing caught: waiting for
+    peer ranks then only delays the job's end (they may be waiting on this one)."""
+    return _dying
 
 
 def shutdown() -> None:

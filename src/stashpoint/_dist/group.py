@@ -299,9 +299,13 @@ _made: dict[tuple[tuple[int, ...], str], int] = {}  # groups created over these 
 def _destroy(contexts: dict[tuple[tuple[int, ...], str], DistContext]) -> None:
     """Destroy stashpoint's groups, each once all its ranks got here (every rank calls
     ``shutdown()``): a rank never tears a group down while a peer still uses it. A group whose
-    peers do not all arrive is left to the process's end."""
+    peers do not all arrive is left to the process's end; so is every group at the exit of a
+    process ending on an exception nothing caught (a peer may be waiting on it in a save)."""
     import torch.distributed as dist
 
+    if _runtime.exiting_on_error():  # no barrier: the peers may wait on this rank, which is ending
+        contexts.clear()
+        return
     for ctx in sorted(contexts.values(), key=lambda c: (c.ranks, c.purpose)):  # the same order on every rank
         if ctx.group is None or not (dist.is_available() and dist.is_initialized()):
             continue
