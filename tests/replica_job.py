@@ -8,6 +8,9 @@ state is a DTensor sharded over the ranks, each rank's shard filled with ``step 
 Restores (prints ``RESUMED <step> <value>``; not with ``--no-restore``), then saves the even steps in A..B, waiting for
 each (``SAVED <step>`` or ``SAVE_ERROR <step> <error>``). With ``KILL_AT_REPLICA=<step>`` in its
 environment, the rank kills itself (SIGKILL) as its node starts sending its replica of that step.
+``--preempt-at S`` calls ``maybe_save`` every step instead (a save every second step, a 8 s
+preemption deadline), rank 0 sending itself SIGTERM after step S; ``SLOW_REPLICA_FROM=<step>``
+makes the replicas of that step and later ones take 30 s.
 """
 
 from __future__ import annotations
@@ -42,6 +45,29 @@ def kill_at_replica(step: int) -> None:
     transfer.send_step_files = sending  # type: ignore[assignment]
 
 
+def slow_replicas_from(step: int) -> None:
+    send = transfer.send_step_files
+
+    def sending(ctx, peer, at, t, save_id, **kw):  # type: ignore[no-untyped-def]
+        if int(at.root.name.removeprefix("step-")) >= step:
+            time.sleep(30)
+        return send(ctx, peer, at, t, save_id, **kw)
+
+    transfer.send_step_files = sending  # type: ignore[assignment]
+
+
+def preempted(mgr: stashpoint.CheckpointManager, state: dict, rank: int, at: int) -> None:
+    for s in range(1, 100):
+        state["w"].to_local().fill_(s * 1000 + rank)
+        state["step"] = s
+        handle = mgr.maybe_save(s, state)
+        if handle is not None:
+            handle.wait()
+        if s == at and rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("base")
@@ -51,18 +77,24 @@ def main() -> None:
     ap.add_argument("--remote", default=None)
     ap.add_argument("--timeout", type=float, default=None)
     ap.add_argument("--no-restore", action="store_true")
+    ap.add_argument("--preempt-at", type=int, default=None)
     args = ap.parse_args()
     if "KILL_AT_REPLICA" in os.environ:
         kill_at_replica(int(os.environ["KILL_AT_REPLICA"]))
+    if "SLOW_REPLICA_FROM" in os.environ:
+        slow_replicas_from(int(os.environ["SLOW_REPLICA_FROM"]))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     state = {"w": DTensor.from_local(torch.zeros(4096), mesh, [Shard(0)]), "step": 0}
     opts = {} if args.timeout is None else {"timeout": args.timeout}
     root = Path(args.base) / f"node-{os.environ['NODE_DIR']}"
+    preemption = {} if args.preempt_at is None else {"preemption_deadline": 8.0, "every_steps": 2}
     with stashpoint.CheckpointManager(
-        root, node_local=True, replicas=args.replicas, keep_last=args.keep, remote_root=args.remote
+        root, node_local=True, replicas=args.replicas, keep_last=args.keep, remote_root=args.remote, **preemption
     ) as mgr:
+        if args.preempt_at is not None:
+            preempted(mgr, state, rank, args.preempt_at)
         if not args.no_restore:
             try:
                 got = mgr.restore(state, **opts)

@@ -140,6 +140,25 @@ def test_keep_last_keeps_the_newest_step_a_node_loss_spares_while_a_newer_ones_c
     assert restorable(tmp_path, ["a", "b"]) == [6]
 
 
+def test_a_preempted_jobs_emergency_save_commits_without_waiting_for_its_copies(tmp_path):
+    """SIGTERM after step 4; the ranks save step 5 and exit within the 8 s deadline. Before: the
+    emergency save also sent its copies to the other node (30 s here), the deadline passed, and
+    the ranks ended at once saying no new step was committed, though step 5 was."""
+    t0 = time.monotonic()
+    outs = run(
+        tmp_path,
+        ["a", "b"],
+        "--preempt-at",
+        "4",
+        "--no-restore",
+        env={0: {"SLOW_REPLICA_FROM": "5"}, 1: {"SLOW_REPLICA_FROM": "5"}},
+    )
+    assert all("preempted by SIGTERM: step 5 committed" in out for out in outs), outs
+    assert time.monotonic() - t0 < 25, outs
+    outs = run(tmp_path, ["a", "b"])
+    assert sorted(lines(outs, "RESUMED")) == ["RESUMED 5 5000", "RESUMED 5 5001"], outs
+
+
 def test_a_damaged_copy_on_one_node_is_replaced_by_a_peers_good_replica(tmp_path):
     """A byte of node a's own shard of step 4 flips; node b holds a good replica of it. The
     restart resumes step 4 (not step 2), fetching rank 0's files from b, and a's copy is whole

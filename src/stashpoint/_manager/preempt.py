@@ -364,21 +364,49 @@ def stop(manager: Any, preemption: Preemption, signum: int, step: int, save: Any
         if step not in manager.steps():  # the emergency save
             save(timeout=max(1.0, preemption.left())).wait(max(0.0, preemption.left()))
     except Exception as e:  # exiting anyway: the newest committed step is what a restart gets
+        if _committed(manager, step):  # committed; what failed or ran out of time came after the commit
+            preemption.handled = True
+            log.warning(
+                "stashpoint: preempted by %s: step %d committed in %.1f s (then %s: %s); exiting",
+                name,
+                step,
+                time.monotonic() - t0,
+                type(e).__name__,
+                e,
+            )
+            raise SystemExit(128 + signum) from None
         if preemption.left() > 0:  # it failed in time (no room, ...): the program's clean-up may run
             preemption.handled = True
             log.warning(
-                "stashpoint: preempted by %s: no new step committed (%s: %s); a restart loads step %s; exiting",
+                "stashpoint: preempted by %s: no new step committed (%s: %s); a restart loads %s; exiting",
                 name,
                 type(e).__name__,
                 e,
-                manager.latest_step(),
+                _what_a_restart_loads(manager),
             )
             raise SystemExit(128 + signum) from None
         _exit_now(
             signum,
             f"no new step committed in {time.monotonic() - t0:.1f} s ({type(e).__name__}: {e}); a "
-            f"restart loads step {manager.latest_step()}",
+            f"restart loads {_what_a_restart_loads(manager)}",
         )
     preemption.handled = True  # the watchdog stands down: the program's own clean-up may take its time
     log.warning("stashpoint: preempted by %s: step %d committed in %.1f s; exiting", name, step, time.monotonic() - t0)
     raise SystemExit(128 + signum)
+
+
+def _committed(manager: Any, step: int) -> bool:
+    """Whether ``step`` is committed in the manager's root (its copies to other nodes, or its
+    bookkeeping, may still be running or have failed)."""
+    try:
+        return step in manager.steps()
+    except Exception:  # the root cannot be listed now: not known to be committed
+        return False
+
+
+def _what_a_restart_loads(manager: Any) -> str:
+    try:
+        latest = manager.latest_step()
+    except Exception:
+        latest = None
+    return "nothing (no step is committed)" if latest is None else f"step {latest}"

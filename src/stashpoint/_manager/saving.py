@@ -109,7 +109,9 @@ def save_options(mgr: CheckpointManager, step: int, metrics: dict[str, float], o
             raise ValueError(
                 "a node-local CheckpointManager saves over the whole world; process_group is not supported"
             )
-        options["nodes"] = mgr._nodes.for_save(mgr._replicas, mgr.retention.bound())
+        # the emergency save of a preempted job takes no copies: the deadline is for its commit
+        stopping = mgr._preemption is not None and mgr._preemption.stopping
+        options["nodes"] = mgr._nodes.for_save(0 if stopping else mgr._replicas, mgr.retention.bound())
     if mgr._tier is not None and options.get("process_group") is not None:
         raise ValueError(
             "a CheckpointManager with a remote_root uploads over the whole world; saving over a process_group "

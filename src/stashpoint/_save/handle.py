@@ -109,7 +109,7 @@ class SaveHandle:
         try:
             return self._future.result(timeout)
         except cf.TimeoutError:
-            raise TimeoutError(f"the save to {self.path} is still running after {timeout} s") from None
+            raise TimeoutError(f"the save to {self.path} is still running after {timeout:.3g} s") from None
         except BaseException as e:
             self._reported = self._reported or (self._future.done() and self._future.exception() is e)
             raise
@@ -145,7 +145,7 @@ class SaveHandle:
         try:
             exc = self._future.exception(timeout)
         except cf.TimeoutError:
-            raise TimeoutError(f"the save to {self.path} is still running after {timeout} s") from None
+            raise TimeoutError(f"the save to {self.path} is still running after {timeout:.3g} s") from None
         self._reported = self._reported or exc is not None
         return exc
 
