@@ -9,7 +9,8 @@ Prints ``RESUMED <step>`` after the restore and writes ``DIR/done-<rank>`` at a 
 ``--mb``: M MiB more state (a save that outlasts a short deadline); ``--stuck-at``: after step
 N's maybe_save, 60 s of work that never reaches the next (an evaluation, a hung collective);
 ``--after``: S seconds of work after the last step, inside the manager's ``with``; ``--skip``:
-rank 1 skips the maybe_save of step N (``RESULT {"error": ...}`` on a CheckpointError).
+rank 1 skips the maybe_save of step N (``RESULT {"error": ...}`` on a CheckpointError);
+``--remote``: a remote tier there, each step's upload made ``SLOW_UPLOAD`` seconds longer.
 """
 
 from __future__ import annotations
@@ -26,6 +27,20 @@ import torch.distributed as dist
 import stashpoint
 
 
+def slow_uploads(seconds: float) -> None:
+    from stashpoint._manager import uploader
+
+    copy, slowed = uploader.copy_file, set()
+
+    def copying(src, dst, up):  # type: ignore[no-untyped-def]
+        if dst.location not in slowed:  # once per step
+            slowed.add(dst.location)
+            time.sleep(seconds)
+        return copy(src, dst, up)
+
+    uploader.copy_file = copying  # type: ignore[assignment]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dir")
@@ -36,7 +51,10 @@ def main() -> None:
     ap.add_argument("--stuck-at", type=int, default=-1)
     ap.add_argument("--after", type=float, default=0.0)
     ap.add_argument("--skip", type=int, default=-1)
+    ap.add_argument("--remote", default=None)
     args = ap.parse_args()
+    if os.environ.get("SLOW_UPLOAD"):
+        slow_uploads(float(os.environ["SLOW_UPLOAD"]))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -45,7 +63,9 @@ def main() -> None:
     model = torch.nn.Linear(32, 32)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = {"model": model, "optim": optim, "rng": stashpoint.RNGState(), "extra": torch.ones(args.mb << 18)}
-    with stashpoint.CheckpointManager(out / "ckpt", every_steps=args.every, preemption_deadline=args.deadline) as mgr:
+    with stashpoint.CheckpointManager(
+        out / "ckpt", every_steps=args.every, preemption_deadline=args.deadline, remote_root=args.remote
+    ) as mgr:
         start = (mgr.restore(state) or 0) + 1
         print(f"RESUMED {start - 1}", flush=True)
         for step in range(start, args.steps + 1):

@@ -440,3 +440,30 @@ def test_the_per_step_agreement_is_a_tree_that_every_rank_ends_with(tmp_path, wo
 
     for r in run_world(world, "tree_max", str(tmp_path)):
         assert r["got"] == r["want"], r
+
+
+def test_a_preempted_job_uploads_its_last_step_before_the_older_ones_queued(tmp_path):
+    """Uploads of 4 s a step, a save every second step, SIGTERM at step 7: the process saves step
+    8 and exits once that step is uploaded. Before: close() uploaded every queued step first,
+    oldest first, and a scheduler's kill 30 s after its SIGTERM would have come before step 8
+    reached the remote tier. The older steps stay in the local tier for the next manager."""
+    remote = tmp_path / "remote"
+    env = {**ENV, "SLOW_UPLOAD": "4"}
+    cmd = [sys.executable, str(WORKER), str(tmp_path), "200", "--every", "2", "--remote", str(remote)]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: _progress(tmp_path) >= 7, "step 7")
+        p.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        _, err = p.communicate(timeout=90)
+        took = time.monotonic() - t0
+    finally:
+        p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
+    at = int(err.split("preempted by SIGTERM: step ")[1].split()[0])
+    assert (remote / f"step-{at:08d}" / "manifest.json").is_file(), err[-3000:]
+    assert took < 12.5, (took, err[-3000:])  # two uploads at most (one begun, the last step), not four
+    assert "is uploaded when a manager opens" in err, err[-3000:]
+    with stashpoint.CheckpointManager(tmp_path / "ckpt", remote_root=remote) as mgr:  # the catch-up
+        mgr.wait()
+        assert set(mgr.remote_steps()) >= {s for s in mgr.steps() if s <= at}

@@ -363,6 +363,8 @@ def stop(manager: Any, preemption: Preemption, signum: int, step: int, save: Any
                 )
         if step not in manager.steps():  # the emergency save
             save(timeout=max(1.0, preemption.left())).wait(max(0.0, preemption.left()))
+        if manager._tier is not None:  # its upload first: the older ones queued wait for the next manager
+            manager._tier.uploader.superseded_below = step
     except Exception as e:  # exiting anyway: the newest committed step is what a restart gets
         if _committed(manager, step):  # committed; what failed or ran out of time came after the commit
             preemption.handled = True

@@ -93,6 +93,9 @@ class Uploader:
         # limits, and fails at once if it does not answer (each queued step would wait out the
         # whole retry budget and timeout of a server that is down or stalled: minutes at close())
         self._suspect = False
+        # (rank 0) a preempted job's newest step committed: the queued uploads of older steps
+        # wait for the next manager of the root, so that the process ends with that step uploaded
+        self.superseded_below: int | None = None
 
     def submit(self, step: int, after: cf.Future[Any] | None = None) -> cf.Future[bool]:
         """Upload ``step`` once ``after`` (its local save) has succeeded; the future tells whether
@@ -141,7 +144,7 @@ class Uploader:
         uploaded: bool | None = None
         try:
             uploaded = self._upload(step, after, seq)
-            return uploaded
+            return bool(uploaded)
         except BaseException:
             self._suspect = self.ctx.rank == 0
             raise
@@ -152,7 +155,8 @@ class Uploader:
                 except Exception:
                     log.exception("stashpoint: bookkeeping after the upload of step %d failed", step)
 
-    def _upload(self, step: int, after: cf.Future[Any] | None, seq: int) -> bool:
+    def _upload(self, step: int, after: cf.Future[Any] | None, seq: int) -> bool | None:
+        """Whether ``step`` was uploaded (False: nothing to upload; None: left for later)."""
         if self._broken is not None:
             raise CheckpointError(
                 f"step {step} was not uploaded: the ranks lost each other in an earlier upload ({self._broken}); "
@@ -182,6 +186,11 @@ class Uploader:
             raise CheckpointError(f"uploading step {step} failed: {self._broken}")
         if kind == "skip":
             return False
+        if kind == "later":
+            log.warning(
+                "stashpoint: step %d is uploaded when a manager opens %s again: %s", step, self.local.location, detail
+            )
+            return None
         if kind == "done":
             return True
         if kind == "error":
@@ -239,6 +248,8 @@ class Uploader:
                 return ("skip", "the save was skipped")
         if self.ctx.rank != 0:
             return ("ok", None)
+        if self.superseded_below is not None and step < self.superseded_below:
+            return ("later", f"the job was preempted, and step {self.superseded_below} goes up first")
         if self._suspect:
             try:
                 self.remote.best_effort().exists(None)
