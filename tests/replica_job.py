@@ -10,7 +10,8 @@ each (``SAVED <step>`` or ``SAVE_ERROR <step> <error>``). With ``KILL_AT_REPLICA
 environment, the rank kills itself (SIGKILL) as its node starts sending its replica of that step.
 ``--preempt-at S`` calls ``maybe_save`` every step instead (a save every second step, a 8 s
 preemption deadline), rank 0 sending itself SIGTERM after step S; ``SLOW_REPLICA_FROM=<step>``
-makes the replicas of that step and later ones take 30 s.
+makes the replicas of that step and later ones take 30 s; ``LISTING_FAILS_AT=<step>`` makes
+listing the files of that step to send raise a RuntimeError.
 """
 
 from __future__ import annotations
@@ -56,6 +57,17 @@ def slow_replicas_from(step: int) -> None:
     transfer.send_step_files = sending  # type: ignore[assignment]
 
 
+def listing_fails_at(step: int) -> None:
+    files_of = transfer._files_of
+
+    def listing(at, *args, **kw):  # type: ignore[no-untyped-def]
+        if at.root.name == f"step-{step:08d}":
+            raise RuntimeError("a bug while listing the files to send")
+        return files_of(at, *args, **kw)
+
+    transfer._files_of = listing  # type: ignore[assignment]
+
+
 def preempted(mgr: stashpoint.CheckpointManager, state: dict, rank: int, at: int) -> None:
     for s in range(1, 100):
         state["w"].to_local().fill_(s * 1000 + rank)
@@ -81,6 +93,8 @@ def main() -> None:
     args = ap.parse_args()
     if "KILL_AT_REPLICA" in os.environ:
         kill_at_replica(int(os.environ["KILL_AT_REPLICA"]))
+    if "LISTING_FAILS_AT" in os.environ:
+        listing_fails_at(int(os.environ["LISTING_FAILS_AT"]))
     if "SLOW_REPLICA_FROM" in os.environ:
         slow_replicas_from(int(os.environ["SLOW_REPLICA_FROM"]))
     dist.init_process_group("gloo")

@@ -159,6 +159,17 @@ def test_a_preempted_jobs_emergency_save_commits_without_waiting_for_its_copies(
     assert sorted(lines(outs, "RESUMED")) == ["RESUMED 5 5000", "RESUMED 5 5001"], outs
 
 
+def test_a_sender_whose_listing_fails_in_any_way_tells_its_receiver(tmp_path):
+    """Only an OSError or a CheckpointError while listing the files to send was told to the
+    receiver; any other left it, and the save's next collective, waiting for the timeout."""
+    t0 = time.monotonic()
+    outs = run(tmp_path, ["a", "b"], "--steps", "2:2", "--timeout", "60", env={1: {"LISTING_FAILS_AT": "2"}})
+    errors = lines(outs, "SAVE_ERROR 2")
+    assert len(errors) == 2 and all("ReplicaError" in e for e in errors), outs
+    assert any("a bug while listing" in e for e in errors), outs
+    assert time.monotonic() - t0 < 40, outs
+
+
 def test_a_damaged_copy_on_one_node_is_replaced_by_a_peers_good_replica(tmp_path):
     """A byte of node a's own shard of step 4 flips; node b holds a good replica of it. The
     restart resumes step 4 (not step 2), fetching rank 0's files from b, and a's copy is whole

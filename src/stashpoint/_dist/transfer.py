@@ -126,8 +126,13 @@ def send_step_files(ctx: DistContext, peer: int, step: Storage, t: Transfer, sav
         if t.manifest:
             files.append((MANIFEST_NAME, step.size(MANIFEST_NAME)))
         listing: dict[str, Any] = {"files": files, "spans": t.spans}
-    except (OSError, CheckpointError) as e:
-        failed = e if isinstance(e, CheckpointError) else read_failed(f"the files of {step.location}", e)
+    except Exception as e:  # any failure: the receiver waits for this listing
+        if isinstance(e, CheckpointError):
+            failed = e
+        elif isinstance(e, OSError):
+            failed = read_failed(f"the files of {step.location}", e)
+        else:
+            failed = CheckpointError(f"listing the files of {step.location} failed: {type(e).__name__}: {e}")
         listing = {"error": str(failed)[:2000], "damage": says_damage(failed)}
     send_blob(ctx, peer, json.dumps(listing).encode(), tag)
     refused = recv_blob(ctx, peer, 4096, tag)  # the receiver checks the offer and its space first
