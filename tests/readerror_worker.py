@@ -45,6 +45,11 @@ import stashpoint  # noqa: E402
 from stashpoint._core.naming import step_dir  # noqa: E402
 
 
+def _set_aside(root: str) -> list[str]:
+    """The steps a manager set aside (damaged, or incomplete on the nodes) anywhere under ``root``."""
+    return [p.name for p in Path(root).rglob("step-*") if ".damaged-" in p.name or ".incomplete-" in p.name]
+
+
 def result(**kw: object) -> None:
     print("RESULT " + json.dumps(kw), flush=True)
 
@@ -93,7 +98,7 @@ def _restore_after(root: str, spoil: str) -> None:
     except Exception as e:
         out["error"], out["message"] = type(e).__name__, str(e)
     dist.barrier()  # rank 0 sets damaged steps aside once its restore returned
-    out["set_aside"] = sorted(p.name for p in Path(root).iterdir() if ".damaged-" in p.name)
+    out["set_aside"] = sorted(p.name for p in Path(root).iterdir() if ".damaged-" in p.name or ".incomplete-" in p.name)
     result(**out)
 
 
@@ -158,7 +163,7 @@ def scenario_node_replica_unreadable(root: str) -> None:
             out["taken_for_whole"] = bool(shards) and not (landed / "partial-r00001").exists()
         if attempt == "denied" and RANK == 0:
             replica.chmod(0o644)
-        out.setdefault("set_aside", []).extend(p.name for p in Path(root).rglob("*.damaged-*"))
+        out.setdefault("set_aside", []).extend(_set_aside(root))
         dist.barrier()
     result(**out)
 
@@ -413,7 +418,7 @@ def scenario_node_landing_unwritable(root: str) -> None:
         if RANK == 1:
             Path(root, "node-1").chmod(0o755)
             resource.setrlimit(resource.RLIMIT_FSIZE, limit)
-        out.setdefault("set_aside", []).extend(p.name for p in Path(root).rglob("*.damaged-*"))
+        out.setdefault("set_aside", []).extend(_set_aside(root))
         dist.barrier()
     result(**out)
 

@@ -182,7 +182,7 @@ def test_each_node_holds_its_ranks_files_and_restarts_fetch_what_they_read(tmp_p
     (tmp_path / "node-1/ckpt/step-00000006" / MANIFEST_NAME).unlink()
     outs = run_job(tmp_path, 8, "ddp")
     assert resumed(outs) == {4}, "the step only one node committed is passed by"
-    assert list((tmp_path / "node-0/ckpt").glob("step-00000006.damaged-*")), "and set aside, not deleted"
+    assert list((tmp_path / "node-0/ckpt").glob("step-00000006.incomplete-*")), "and set aside, not deleted"
     for rank in (0, 1):
         got, want = losses(tmp_path, rank), losses(ddp_reference, rank)
         assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]
@@ -190,6 +190,9 @@ def test_each_node_holds_its_ranks_files_and_restarts_fetch_what_they_read(tmp_p
     shutil.rmtree(tmp_path / "node-1")  # a node lost with its disk; no replicas (part 2) yet
     outs = run_job(tmp_path, 8, "ddp")
     assert resumed(outs) == {0}, "no step is whole without node 1's files: a fresh start"
+    # kept, named for what they are (not "damaged"), and the log says how to take them back
+    assert list((tmp_path / "node-0/ckpt").glob("step-*.incomplete-*")), sorted((tmp_path / "node-0/ckpt").iterdir())
+    assert any("rename it back on each node" in out for out in outs), outs
 
 
 @pytest.mark.slow  # the four-node relay test checks the same sparse fetch in the default tier

@@ -19,7 +19,7 @@ _SHARD_RE = re.compile(r"shard-r([0-9]{5,})-([0-9]{4,})-([0-9a-f]+)\.safetensors
 _INDEX_RE = re.compile(r"index-r([0-9]{5,})-([0-9a-f]+)\.json")
 _GROUP_RE = re.compile(r"g([0-9]{5,})")
 _STEP_RE = re.compile(r"step-([0-9]{8,})")
-_SET_ASIDE_RE = re.compile(r"(step-[0-9]{8,})\.(?:damaged|rewound)-[0-9]{8}-[0-9]{6}(?:-[0-9]{1,4})?")
+_SET_ASIDE_RE = re.compile(r"(step-[0-9]{8,})\.(?:damaged|rewound|incomplete)-[0-9]{8}-[0-9]{6}(?:-[0-9]{1,4})?")
 
 
 def partial_name(name: str, tag: str) -> str:
@@ -141,10 +141,11 @@ def parse_step_dir(name: str) -> int | None:
 
 def set_aside_name(step: int, stamp: str, why: str = "damaged", n: int = 0) -> str:
     """The name a step is moved to (``stamp``: ``%Y%m%d-%H%M%S``), kept for inspection: a
-    damaged one, or one ``"rewound"`` (newer than a step the run saved after going back);
-    ``n`` (1-9999) tells apart steps set aside within the same second."""
-    if why not in ("damaged", "rewound"):
-        raise ValueError(f"a step is set aside as damaged or rewound, not {why!r}")
+    damaged one, one ``"rewound"`` (newer than a step the run saved after going back), or one
+    ``"incomplete"`` (node-local: some saving rank's files are on no node of the job); ``n``
+    (1-9999) tells apart steps set aside within the same second."""
+    if why not in ("damaged", "rewound", "incomplete"):
+        raise ValueError(f"a step is set aside as damaged, rewound or incomplete, not {why!r}")
     if not 0 <= n < 10_000:
         raise ValueError(f"n must be in [0, 10000), not {n}")
     return f"{step_dir(step)}.{why}-{stamp}" + (f"-{n}" if n else "")

@@ -265,8 +265,14 @@ class NodeLocal:
         if self.me.leader:  # no restore can take them (some rank's files are on no node): set aside
             for s in torn:
                 if (step is None or s != step) and root.child(step_dir(s)).exists():
-                    log.warning("stashpoint: step %d lacks some rank's files on every node; moving it aside", s)
-                    move_aside(root, s)
+                    log.warning(
+                        "stashpoint: step %d lacks some saving rank's files on every node of this job (a node that "
+                        "saved it lost its directory, or is not in this job); it is moved aside as "
+                        "step-N.incomplete-<time>, kept: if the nodes holding the rest come back, rename it back on "
+                        "each node and restart with them",
+                        s,
+                    )
+                    move_aside(root, s, "incomplete")
         self.remote_unseen = bool(answer[5]) and remote is not None
         if self.remote_unseen and not order and remote is not None:
             raise unseen_remote(remote.location)

@@ -148,7 +148,11 @@ def _verify_run(root: Storage, run: RunContents, progress: Progress | None, this
         rep.problems += [f"step {step}: {p}" for p in sub.problems]
         rep.warnings += [f"step {step}: {w}" for w in sub.warnings]
     for name in run.set_aside:
-        what = "a step of a run abandoned by a rewind" if ".rewound-" in name else "a damaged step"
+        what = "a damaged step"
+        if ".rewound-" in name:
+            what = "a step of a run abandoned by a rewind"
+        elif ".incomplete-" in name:
+            what = "a step some of whose ranks' files no node of a later job held"
         rep.warnings.append(f"{root.location}/{name}: {what} the manager set aside, kept for inspection")
     for name in run.foreign:
         rep.warnings.append(
