@@ -351,6 +351,29 @@ def scenario_dies_of_an_exception(root: str) -> None:
     result(error=out, took=time.monotonic() - t0)
 
 
+def scenario_node_disk_full(root: str) -> None:
+    """Node 1's disk is full when step 2 is written: every rank's error names node 1's directory
+    (it named the save's path on the rank reporting it, node 0's on node 0)."""
+    import errno
+
+    from stashpoint._save import job
+
+    with _node_manager(root) as mgr:
+        mgr.save(1, {"w": torch.ones(1024) * RANK}).wait()
+        if RANK == 1:
+
+            def full(*args: Any, **kwargs: Any) -> Any:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            job.write_shards = full  # type: ignore[assignment]
+        try:
+            mgr.save(2, {"w": torch.ones(1024) * RANK}).wait()
+            out = "no error"
+        except Exception as e:
+            out = f"{type(e).__name__}: {e}"
+    result(error=out)
+
+
 def scenario_destroyed_under_save(root: str) -> None:
     """The program destroys torch.distributed's groups while a background save is in flight,
     through ``dist.destroy_process_group()``, which waits for it."""

@@ -84,6 +84,13 @@ def test_a_rank_ending_on_an_uncaught_exception_exits_at_once_and_its_peers_save
     assert second == {} and time.monotonic() - t0 < 45
 
 
+def test_a_full_disk_on_one_node_is_named_by_its_own_directory_on_every_rank(tmp_path):
+    """An ENOSPC names no file: the error rank 0 raised named node 0's directory alone."""
+    for r in run_world(2, "node_disk_full", str(tmp_path), worker=WORKER_OF):
+        assert "No space left on device (writing into " in r["error"], r
+        assert f"{tmp_path / 'node-1'}/step-00000002)" in r["error"], r
+
+
 def test_the_ranks_that_never_came_are_found_in_few_requests():
     """Before: one store request per rank of the world (16,384 at full scale)."""
     from dist_util import rendezvous_store

@@ -153,7 +153,11 @@ class PersistJob:
                 outcome = Outcome(payload=wrote, nbytes=written.bytes_written + len(index))
             except Exception as e:
                 local_error = e
-                outcome = Outcome(error=f"{type(e).__name__}: {e}")
+                # an OSError of a write names no file (ENOSPC): say whose directory, node-local ones differ
+                where = (
+                    f" (writing into {loc})" if isinstance(e, OSError) and ctx.world > 1 and loc not in str(e) else ""
+                )
+                outcome = Outcome(error=f"{type(e).__name__}: {e}{where}")
             self.reported_ok = outcome.error is None  # from here rank 0 may commit this save
             totals = finish_together(ctx, "save", outcome, lambda done: self._commit(save_id, done), local_error)
         except BaseException as e:
