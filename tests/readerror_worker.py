@@ -374,6 +374,23 @@ def scenario_node_disk_full(root: str) -> None:
     result(error=out)
 
 
+def scenario_peer_gone_under_preemption(root: str) -> None:
+    """With preemption on, every maybe_save asks the ranks for a signal; rank 1 ends after step 3
+    (a preempted rank that reached no safe point in its deadline): rank 0's next maybe_save got
+    gloo's own "Connection closed by peer" and a traceback through torch."""
+    with stashpoint.CheckpointManager(Path(root, "run"), every_steps=100, preemption_deadline=10) as mgr:
+        for step in range(1, 6):
+            if step == 4 and RANK == 1:
+                os._exit(0)
+            try:
+                mgr.maybe_save(step, {"w": torch.ones(4)})
+            except Exception as e:
+                result(error=f"{type(e).__name__}: {e}")
+                os._exit(0)
+            time.sleep(0.3)
+    result(error="no error")
+
+
 def scenario_destroyed_under_save(root: str) -> None:
     """The program destroys torch.distributed's groups while a background save is in flight,
     through ``dist.destroy_process_group()``, which waits for it."""

@@ -91,6 +91,12 @@ def test_a_full_disk_on_one_node_is_named_by_its_own_directory_on_every_rank(tmp
         assert f"{tmp_path / 'node-1'}/step-00000002)" in r["error"], r
 
 
+def test_a_rank_gone_from_the_preemption_check_is_named_as_such(tmp_path):
+    first, _ = run_world(2, "peer_gone_under_preemption", str(tmp_path), worker=WORKER_OF, allow_fail=True)
+    assert first["error"].startswith("CheckpointError: the ranks' check for a preemption signal at step 4"), first
+    assert "another rank left the job" in first["error"], first
+
+
 def test_the_ranks_that_never_came_are_found_in_few_requests():
     """Before: one store request per rank of the world (16,384 at full scale)."""
     from dist_util import rendezvous_store

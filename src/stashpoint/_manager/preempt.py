@@ -183,7 +183,14 @@ class Preemption:
         import torch
 
         flag = torch.tensor([self.signum or 0, step, -step], dtype=torch.int64)
-        tree_max(flag, self._group)
+        try:
+            tree_max(flag, self._group)
+        except Exception as e:  # gloo's own error says only that a connection closed
+            raise CheckpointError(
+                f"the ranks' check for a preemption signal at step {step} failed: another rank left the job (it "
+                "crashed, or was preempted and ended at its deadline before reaching this step) "
+                f"({type(e).__name__}: {str(e)[:300]})"
+            ) from e
         got, hi, lo = int(flag[0]), int(flag[1]), -int(flag[2])
         if hi != lo:
             raise CheckpointError(
