@@ -219,6 +219,9 @@ def test_a_last_link_to_a_checkpoint_that_never_committed_loads_the_newest_commi
     with caplog.at_level(logging.WARNING, logger="stashpoint"):
         got = io.load_checkpoint(d / "last.ckpt")
     assert got["global_step"] == 4 and "holds no committed checkpoint" in caplog.text
+    (d / "best.ckpt").symlink_to("epoch=1-step=8.ckpt")  # not Lightning's last link: loaded as it is
+    with pytest.raises(stashpoint.IncompleteCheckpointError):
+        io.load_checkpoint(d / "best.ckpt")
     (d / "epoch=0-step=4.ckpt" / "manifest.json").unlink()  # nothing committed beside it: the error as before
     with pytest.raises(stashpoint.IncompleteCheckpointError):
         io.load_checkpoint(d / "last.ckpt")
@@ -234,10 +237,15 @@ def test_a_top_k_and_a_last_checkpoint_saved_back_to_back_are_both_in_flight(tmp
     io.save_checkpoint(state, tmp_path / "a.ckpt")
     io.save_checkpoint(state, tmp_path / "last.ckpt")
     assert [s.path for s in io._saves] == [str(tmp_path / "a.ckpt"), str(tmp_path / "last.ckpt")]
+    assert (tmp_path / "last.ckpt").is_dir(), "there once staged: Lightning may link last.ckpt to it at once"
     io.save_checkpoint(state, tmp_path / "b.ckpt")  # a third waits for the first
     assert [s.path for s in io._saves] == [str(tmp_path / "last.ckpt"), str(tmp_path / "b.ckpt")]
+    io.save_checkpoint(state, tmp_path / "last.ckpt")  # last.ckpt again: its previous save first, not b's
+    assert [s.path for s in io._saves] == [str(tmp_path / "b.ckpt"), str(tmp_path / "last.ckpt")]
+    io.remove_checkpoint(tmp_path / "a.ckpt")  # committed: goes once the newest save in flight has
     io.wait()
-    assert all(stashpoint.verify(tmp_path / n).ok for n in ("a.ckpt", "last.ckpt", "b.ckpt"))
+    assert not (tmp_path / "a.ckpt").exists()
+    assert all(stashpoint.verify(tmp_path / n).ok for n in ("last.ckpt", "b.ckpt"))
 
 
 def test_the_standalone_pytorch_lightning_package_takes_the_plugin(tmp_path):

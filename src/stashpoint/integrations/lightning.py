@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,8 @@ class _Save:
     path: str
     aside: Path | None  # a torch.save file at the path, deleted once the save commits
     doomed: list[str] = field(default_factory=list)  # removed by Lightning after it: go once it commits
+    kept: list[str] = field(default_factory=list)  # those, when it failed
+    ended: bool = False
 
 
 class StashpointCheckpointIO(CheckpointIO):
@@ -93,6 +97,7 @@ class StashpointCheckpointIO(CheckpointIO):
         self.max_shard_bytes = max_shard_bytes
         self.metadata = dict(metadata or {})
         self._saves: list[_Save] = []
+        self._lock = threading.RLock()  # the saves' doomed lists, also used on the engine's thread
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Stage ``checkpoint`` and return; it is written to ``path`` (a directory) in the background."""
@@ -102,13 +107,17 @@ class StashpointCheckpointIO(CheckpointIO):
                 "configure the plugin's constructor instead"
             )
         target = os.fspath(path)
-        if any(s.path == target for s in self._saves):
-            self.wait()  # the same path again: the save before it first
+        self._settle_done()
+        with self._lock:  # saved again: not to be deleted once an earlier save commits
+            for save in self._saves:
+                save.doomed = [d for d in save.doomed if d != target]
+        same = [i for i, s in enumerate(self._saves) if s.path == target]
+        if same:  # the same path again (last.ckpt): the saves up to its previous one first
+            self._settle(keep=len(self._saves) - 1 - same[-1])
         self._settle(keep=_IN_FLIGHT - 1)
         aside = None
         if "://" not in target:
             where = Path(target)
-            # ModelCheckpoint(save_last="link") links last.ckpt to it as soon as this returns
             where.absolute().parent.mkdir(parents=True, exist_ok=True)
             if where.is_file() and not where.is_symlink():
                 # Lightning's own torch.save file at a path it saves again (last.ckpt): replaced,
@@ -116,6 +125,9 @@ class StashpointCheckpointIO(CheckpointIO):
                 log.warning("stashpoint: replacing the torch.save checkpoint %s by a stashpoint checkpoint", target)
                 aside = where.with_name(f"{where.name}.torch-save-{os.getpid()}")
                 where.rename(aside)
+            # ModelCheckpoint(save_last="link") links last.ckpt to it as soon as this returns, and
+            # a resume drops a link to nothing: the directory exists from now on
+            where.mkdir(exist_ok=True)
         opts = SaveOptions(
             overwrite=True,  # Lightning saves last.ckpt again and again at one path
             allow_pickle=self.allow_pickle,
@@ -130,7 +142,25 @@ class StashpointCheckpointIO(CheckpointIO):
         except BaseException:
             _put_back(target, aside)
             raise
-        self._saves.append(_Save(handle, target, aside))
+        save = _Save(handle, target, aside)
+        self._saves.append(save)
+        handle._future.add_done_callback(lambda _: self._ended(save))
+
+    def _ended(self, save: _Save) -> None:
+        """As soon as a save ends (on the engine's thread; again, harmlessly, when it is settled):
+        once it committed, the checkpoints Lightning removed after it go, while a crash would
+        leave them for good; if it failed, they are kept."""
+        with self._lock:
+            save.ended = True
+            doomed, save.doomed = save.doomed, []
+            if save.handle._future.exception() is not None:
+                save.kept += doomed
+                return
+            for path in doomed:
+                try:
+                    storage_for(path).remove_tree()
+                except Exception as e:
+                    log.warning("stashpoint: could not remove %s: %s", path, e)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The checkpoint at ``path`` as the dict Lightning saved (tensors on ``map_location``
@@ -156,11 +186,14 @@ class StashpointCheckpointIO(CheckpointIO):
         removes the checkpoint a new one replaces as soon as the new one is staged), or at once
         when none is (waiting first if it is the one being written)."""
         target = os.fspath(path)
-        if any(s.path == target for s in self._saves):
-            self.wait()
-        if self._saves:
-            self._saves[-1].doomed.append(target)
-            return
+        self._settle_done()
+        with self._lock:
+            live = [s for s in self._saves if not s.ended]
+            if live and live[-1].path != target:  # goes when the newest save in flight has committed
+                live[-1].doomed.append(target)
+                return
+        if live:
+            self.wait()  # the checkpoint being written: removed once it is
         storage_for(target).remove_tree()
 
     def teardown(self) -> None:
@@ -172,47 +205,62 @@ class StashpointCheckpointIO(CheckpointIO):
         deleted); raise :class:`CheckpointError` if one failed."""
         self._settle(keep=0)
 
+    def _settle_done(self) -> None:
+        """Settle the saves at the head of the queue that have ended, without waiting."""
+        ended = 0
+        for save in self._saves:
+            if not save.handle.done():
+                break
+            ended += 1
+        if ended:
+            self._settle(keep=len(self._saves) - ended)
+
     def _settle(self, keep: int) -> None:
-        """Wait for the oldest saves in flight until at most ``keep`` remain."""
-        first: BaseException | None = None
+        """Wait for the oldest saves in flight until at most ``keep`` remain: put back what each
+        that failed replaced (what each that committed replaced went as it committed, _ended).
+        A wait that times out (or is interrupted) leaves its save in flight, tracked."""
+        first: Exception | None = None
         while len(self._saves) > keep:
-            save = self._saves.pop(0)
+            save = self._saves[0]
             try:
                 save.handle.wait(self.timeout)
-            except BaseException as e:
+            except Exception as e:
+                if not save.handle.done():  # timed out: still running
+                    raise
+                self._saves.pop(0)
+                self._ended(save)  # its callback may not have run yet: the future wakes waiters first
                 _put_back(save.path, save.aside)
-                if save.doomed:  # nothing committed in their stead: kept
+                with self._lock:
+                    kept, save.kept = save.kept + save.doomed, []
+                if kept:  # nothing committed in their stead
                     log.warning(
                         "stashpoint: keeping %s, which Lightning removed: the save that replaced them failed",
-                        ", ".join(save.doomed),
+                        ", ".join(kept),
                     )
                 first = first or e
                 continue
+            self._saves.pop(0)
+            self._ended(save)
             if save.aside is not None:  # the new checkpoint committed: the torch.save file it replaced goes
                 with contextlib.suppress(OSError):
                     save.aside.unlink()
-            for doomed in save.doomed:
-                if any(s.path == doomed for s in self._saves):
-                    continue  # saved again since: a later save writes over it
-                try:
-                    storage_for(doomed).remove_tree()
-                except OSError as e:
-                    log.warning("stashpoint: could not remove %s: %s", doomed, e)
         if first is not None:
             raise first
 
 
 def _through_link(target: str) -> str:
-    """``target``, or where it is a link (``last.ckpt`` of ``save_last="link"``, made as soon as
-    a save is staged) to a checkpoint that never committed, the run having stopped while writing
-    it: the newest committed checkpoint beside that one, with a warning."""
+    """``target``, or where it is Lightning's ``last.ckpt`` link (``save_last="link"``, made as
+    soon as a save is staged) to a checkpoint directory that never committed, the run having
+    stopped while writing it: the newest committed checkpoint beside that one, with a warning."""
     link = Path(target)
-    if "://" in target or not link.is_symlink() or (link / MANIFEST_NAME).is_file():
+    if "://" in target or not link.is_symlink() or not re.fullmatch(r"last(-v\d+)?\.[^.]+", link.name):
         return target
     pointed = link.resolve()
+    if not pointed.is_dir() or (pointed / MANIFEST_NAME).exists():
+        return target  # a file or a checkpoint: the load says what it is
     try:
         beside = [
-            p
+            (p.joinpath(MANIFEST_NAME).stat().st_mtime, p)
             for p in pointed.parent.iterdir()
             if p.suffix == pointed.suffix and p != pointed and not p.is_symlink() and (p / MANIFEST_NAME).is_file()
         ]
@@ -220,7 +268,7 @@ def _through_link(target: str) -> str:
         return target
     if not beside:
         return target
-    newest = max(beside, key=lambda p: (p / MANIFEST_NAME).stat().st_mtime)
+    newest = max(beside)[1]
     log.warning(
         "stashpoint: %s links to %s, which holds no committed checkpoint (the run stopped while writing it): "
         "loading %s, the newest committed checkpoint beside it",
@@ -232,10 +280,13 @@ def _through_link(target: str) -> str:
 
 
 def _put_back(target: str, aside: Path | None) -> None:
-    """The torch.save file set aside for a save that failed goes back to its path."""
+    """After a save that failed: the empty directory it left goes, and the torch.save file it
+    was to replace goes back to its path."""
+    if "://" in target:
+        return
+    with contextlib.suppress(OSError):
+        Path(target).rmdir()  # only if empty: an older checkpoint there stays
     if aside is not None:
-        with contextlib.suppress(OSError):
-            Path(target).rmdir()  # an uncommitted save's empty directory, if any
         with contextlib.suppress(OSError):
             aside.rename(target)
 
