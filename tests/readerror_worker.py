@@ -327,8 +327,11 @@ def scenario_manifest_asked_once(root: str) -> None:
         out["asked"] = asked[0]
         os.environ["LAGGING"] = "1"
         t0 = time.monotonic()
+        out["raised_by"] = "save()"
         try:
-            mgr.save(2, {"w": torch.zeros(4)}, timeout=30).wait()
+            handle = mgr.save(2, {"w": torch.zeros(4)}, timeout=30)
+            out["raised_by"] = "wait()"
+            handle.wait()
             out["again"] = "no error"
         except Exception as e:
             out["again"] = f"{type(e).__name__}: {e}"

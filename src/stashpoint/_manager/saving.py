@@ -328,7 +328,8 @@ def start_save(
         mark = Rewind(mgr._remote_rewind, mgr._tier.remote.location, utc_stamp())
         mgr._tier.uploader.note_rewind(mark)  # moved by this step's upload, or a later one
     mgr._remote_rewind = None
-    opts = save_options(mgr, step, metrics, {**options, "refused": refused})
+    # one root: its owner alone refuses, and every rank learns of it alike, from its handle
+    opts = save_options(mgr, step, metrics, {**options, "refused": refused, "refusal_raised": mgr._nodes is not None})
     mgr._last_save_time = time.monotonic()
     try:
         handle = get_engine().submit(state, target, opts)

@@ -128,8 +128,8 @@ class _Engine:
             future = self.executor.submit(job.run, t_start, staging_s)
             handle = SaveHandle(storage.location, future, job.blocking_s, staging_s, opts.step, copies=copies)
             self.inflight.append(handle)
-            if job.early_error is not None:  # this rank's own error, raised here as in one process
-                raise job.early_error
+            if job.early_error is not None and (opts.refused is None or opts.refusal_raised or ctx.world == 1):
+                raise job.early_error  # this rank's own error, raised here as in one process
         return handle
 
     def _stage(self, state: Any, storage: Storage, opts: SaveOptions, ctx: DistContext) -> tuple[PersistJob, float]:
@@ -260,6 +260,9 @@ class SaveOptions:
     writer: str = DEFAULT_WRITER
     nodes: Any = None  # node-local directories: a ``_dist.nodes.NodeSave``
     refused: str | None = None  # this rank refuses the save (why): every rank fails it together
+    # the refusal raised from the call on this rank (the others learn of it from their handles),
+    # or, False, from the handle alone, as on every other rank
+    refusal_raised: bool = True
 
     def __post_init__(self) -> None:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.metadata.items()):
