@@ -57,7 +57,8 @@ def slot(
         if after_fork is not None:
             _fork_hooks[name] = after_fork
         if not _atexit_registered:
-            atexit.register(_at_exit)
+            atexit.register(shutdown)
+            sys.excepthook = _noting_uncaught(sys.excepthook)
             _atexit_registered = True
         return value
 
@@ -76,11 +77,17 @@ def drop(name: str) -> Any:
 _dying = False
 
 
-def _at_exit() -> None:
-    global _dying
-    # the interpreter sets sys.last_value when the program ends on an exception it printed
-    _dying = getattr(sys, "last_value", None) is not None
-    shutdown()
+def _noting_uncaught(previous: Callable[..., Any]) -> Callable[..., Any]:
+    """``sys.excepthook`` that notes a program ending on an exception nothing caught (what the
+    interpreter calls it for outside an interactive session), then does what it did before."""
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> Any:
+        global _dying
+        if not (hasattr(sys, "ps1") or sys.flags.interactive):
+            _dying = True
+        return previous(kind, value, tb)
+
+    return hook
 
 
 def exiting_on_error() -> bool:

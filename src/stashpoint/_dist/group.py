@@ -149,7 +149,7 @@ class DistContext:
             if arrived is not None:
                 arrived.now()
 
-            if _torn_down(dist):  # the program tore the job down under this save
+            if what != "shutdown" and _torn_down(dist):  # the program tore the job down under this save
                 raise CollectiveError(
                     f"rank {self.rank}: torch.distributed's process group was destroyed while the checkpoint "
                     f"collective '{what}' ran: wait for saves in flight (handle.wait(), the manager's wait() or "
@@ -277,7 +277,7 @@ def _contexts() -> dict[tuple[tuple[int, ...], str], DistContext]:
 SHUTDOWN_TIMEOUT_S = 60.0
 
 
-def _torn_down(dist: Any, wait_s: float = 2.0) -> bool:
+def _torn_down(dist: Any, wait_s: float = 1.0) -> bool:
     """Whether the program destroyed torch.distributed's groups under a collective that failed.
     A peer's teardown can fail the collective here before this rank's own teardown, begun at
     about the same time, has ended: a failure waits a moment for it."""
