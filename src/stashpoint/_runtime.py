@@ -58,7 +58,8 @@ def slot(
             _fork_hooks[name] = after_fork
         if not _atexit_registered:
             atexit.register(shutdown)
-            sys.excepthook = _noting_uncaught(sys.excepthook)
+            if not getattr(sys.excepthook, "__stashpoint__", False):
+                sys.excepthook = _noting_uncaught(sys.excepthook)
             _atexit_registered = True
         return value
 
@@ -74,26 +75,32 @@ def drop(name: str) -> Any:
         return _slots.pop(name, None)
 
 
-_dying = False
+_uncaught: list[BaseException] = []  # the exception our sys.excepthook saw nothing catch
 
 
 def _noting_uncaught(previous: Callable[..., Any]) -> Callable[..., Any]:
-    """``sys.excepthook`` that notes a program ending on an exception nothing caught (what the
-    interpreter calls it for outside an interactive session), then does what it did before."""
+    """``sys.excepthook`` that notes the exception it is called for, then does what the hook
+    before it did."""
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> Any:
-        global _dying
-        if not (hasattr(sys, "ps1") or sys.flags.interactive):
-            _dying = True
+        _uncaught[:] = [value]
         return previous(kind, value, tb)
 
+    hook.__stashpoint__ = True  # type: ignore[attr-defined]
     return hook
 
 
 def exiting_on_error() -> bool:
-    """Whether this is the interpreter's exit after an exception nothing caught: waiting for
-    peer ranks then only delays the job's end (they may be waiting on this one)."""
-    return _dying
+    """Whether the interpreter is exiting after an exception nothing caught: waiting for peer
+    ranks then only delays the job's end (they may be waiting on this one). The interpreter
+    sets ``sys.last_value`` when it printed such an exception; so do REPLs and test runners for
+    exceptions they handled, so where our hook is still installed the two must agree."""
+    last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if last is None or hasattr(sys, "ps1") or sys.flags.interactive:
+        return False
+    if getattr(sys.excepthook, "__stashpoint__", False):
+        return bool(_uncaught) and _uncaught[0] is last
+    return True  # another hook was installed after ours (rich, IPython's)
 
 
 def shutdown() -> None:

@@ -243,15 +243,13 @@ class Planner(OptimizerPlanning):
             return
         # an empty dict in the state ({epoch: tensor}, grown by training) takes the saved one
         grown = not materialize and not live and bool(where) and type(live) is dict and not self.partial
-        # its objects' states stand for nothing here: named (strict), else left out with the rest taken
-        objects = grown and self._objects_for_nothing(saved, where)
+        if grown and self._objects_for_nothing(saved, where):
+            return  # left empty (built beside the objects, a pickled value would mask the mismatch)
         materialize = materialize or grown
         seen = set()
         for k, child in saved["dict"]:
             seen.add(k)
             cw = join(where, k)
-            if objects and _objects_in(child):
-                continue
             if k in live:
                 self.restore(child, live[k], cw, _bind(live.__setitem__, k), materialize=materialize)
             elif self.partial and not materialize:

@@ -357,8 +357,6 @@ def stop(manager: Any, preemption: Preemption, signum: int, step: int, save: Any
     )
     t0 = time.monotonic()
     preemption.stopping = True
-    if manager._tier is not None:  # the step saved now goes up first: older uploads not begun wait
-        manager._tier.uploader.superseded_below = step
     try:
         for handle, after in manager.in_flight():
             try:
@@ -372,6 +370,8 @@ def stop(manager: Any, preemption: Preemption, signum: int, step: int, save: Any
                 )
         if step not in manager.steps():  # the emergency save
             save(timeout=max(1.0, preemption.left())).wait(max(0.0, preemption.left()))
+        if manager._tier is not None:  # committed: its upload next, the older ones not begun wait
+            manager._tier.uploader.superseded_below = step
     except Exception as e:  # exiting anyway: the newest committed step is what a restart gets
         if _committed(manager, step):  # committed; what failed or ran out of time came after the commit
             preemption.handled = True
@@ -384,8 +384,6 @@ def stop(manager: Any, preemption: Preemption, signum: int, step: int, save: Any
                 e,
             )
             raise SystemExit(128 + signum) from None
-        if manager._tier is not None:  # no new step: the older ones go up as they were queued
-            manager._tier.uploader.superseded_below = None
         if preemption.left() > 0:  # it failed in time (no room, ...): the program's clean-up may run
             preemption.handled = True
             log.warning(

@@ -324,6 +324,8 @@ def start_save(
             refused = f"could not tell what {target.location} holds before saving step {step} there: {e}"
         if refused is not None:  # nothing saved: the next save decides anew, as set_aside_newer's refusals
             mgr._top, mgr._resumed_at, mgr._remote_rewind = None, resumed, None
+    if refused is not None:  # nothing is saved: the next save decides anew (now, not when the refusal arrives)
+        mgr._top, mgr._resumed_at, mgr._remote_rewind = None, resumed, None
     if refused is None and mgr._remote_rewind is not None and mgr._tier is not None:  # rank 0
         mark = Rewind(mgr._remote_rewind, mgr._tier.remote.location, utc_stamp())
         mgr._tier.uploader.note_rewind(mark)  # moved by this step's upload, or a later one
@@ -353,7 +355,9 @@ def start_save(
             (h, a) for h, a in mgr._handles if not a.done() or (h._failure() is not None and not h._reported)
         ]
         mgr._handles.append((handle, after))
-    handle._future.add_done_callback(lambda f: after_save(mgr, step, metrics, f, after, resumed))
+    # a refused save's bookkeeping was reset above: a later save may have started when it arrives
+    restore_at = None if refused is not None else resumed
+    handle._future.add_done_callback(lambda f: after_save(mgr, step, metrics, f, after, restore_at))
     if mgr._tier is not None:
         mgr._tier.submit(step, handle._future)
     return handle

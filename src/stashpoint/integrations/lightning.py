@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +46,7 @@ from stashpoint._load.read import read
 from stashpoint._save.engine import DEFAULT_MAX_SHARD_BYTES, SaveOptions, get_engine
 from stashpoint._save.handle import SaveHandle
 from stashpoint._storage import storage_for
+from stashpoint._storage.localwrite import make_root
 from stashpoint.errors import CheckpointError
 
 __all__ = ["StashpointCheckpointIO", "load_from_checkpoint"]
@@ -125,9 +125,6 @@ class StashpointCheckpointIO(CheckpointIO):
                 log.warning("stashpoint: replacing the torch.save checkpoint %s by a stashpoint checkpoint", target)
                 aside = where.with_name(f"{where.name}.torch-save-{os.getpid()}")
                 where.rename(aside)
-            # ModelCheckpoint(save_last="link") links last.ckpt to it as soon as this returns, and
-            # a resume drops a link to nothing: the directory exists from now on
-            where.mkdir(exist_ok=True)
         opts = SaveOptions(
             overwrite=True,  # Lightning saves last.ckpt again and again at one path
             allow_pickle=self.allow_pickle,
@@ -138,6 +135,10 @@ class StashpointCheckpointIO(CheckpointIO):
             max_inflight=_IN_FLIGHT,
         )
         try:
+            if "://" not in target and not os.path.lexists(target):
+                # ModelCheckpoint(save_last="link") links last.ckpt to it as soon as this returns,
+                # and a resume drops a link to nothing: the directory exists from now on (durably)
+                make_root(Path(target))
             handle = get_engine().submit(checkpoint, storage_for(target), opts)
         except BaseException:
             _put_back(target, aside)
@@ -188,11 +189,15 @@ class StashpointCheckpointIO(CheckpointIO):
         target = os.fspath(path)
         self._settle_done()
         with self._lock:
-            live = [s for s in self._saves if not s.ended]
-            if live and live[-1].path != target:  # goes when the newest save in flight has committed
-                live[-1].doomed.append(target)
-                return
-        if live:
+            newest = self._saves[-1] if self._saves else None
+            if newest is not None and newest.path != target:  # goes once the newest save committed
+                if not newest.ended:
+                    newest.doomed.append(target)
+                    return
+                if newest.handle._future.exception() is not None:
+                    newest.kept.append(target)  # it failed: nothing committed in its stead
+                    return
+        if newest is not None and newest.path == target:
             self.wait()  # the checkpoint being written: removed once it is
         storage_for(target).remove_tree()
 
@@ -222,28 +227,29 @@ class StashpointCheckpointIO(CheckpointIO):
         first: Exception | None = None
         while len(self._saves) > keep:
             save = self._saves[0]
+            failed: Exception | None = None
             try:
                 save.handle.wait(self.timeout)
             except Exception as e:
                 if not save.handle.done():  # timed out: still running
                     raise
-                self._saves.pop(0)
-                self._ended(save)  # its callback may not have run yet: the future wakes waiters first
-                _put_back(save.path, save.aside)
-                with self._lock:
-                    kept, save.kept = save.kept + save.doomed, []
-                if kept:  # nothing committed in their stead
-                    log.warning(
-                        "stashpoint: keeping %s, which Lightning removed: the save that replaced them failed",
-                        ", ".join(kept),
-                    )
-                first = first or e
-                continue
+                failed = e if save.handle._future.exception() is not None else None  # else committed just then
             self._saves.pop(0)
-            self._ended(save)
-            if save.aside is not None:  # the new checkpoint committed: the torch.save file it replaced goes
-                with contextlib.suppress(OSError):
-                    save.aside.unlink()
+            self._ended(save)  # its callback may not have run yet: the future wakes waiters first
+            if failed is None:
+                if save.aside is not None:  # the new checkpoint committed: the torch.save file it replaced goes
+                    with contextlib.suppress(OSError):
+                        save.aside.unlink()
+                continue
+            _put_back(save.path, save.aside)
+            with self._lock:
+                kept, save.kept = save.kept + save.doomed, []
+            if kept:  # nothing committed in their stead
+                log.warning(
+                    "stashpoint: keeping %s, which Lightning removed: the save that replaced them failed",
+                    ", ".join(kept),
+                )
+            first = first or failed
         if first is not None:
             raise first
 
@@ -253,7 +259,7 @@ def _through_link(target: str) -> str:
     soon as a save is staged) to a checkpoint directory that never committed, the run having
     stopped while writing it: the newest committed checkpoint beside that one, with a warning."""
     link = Path(target)
-    if "://" in target or not link.is_symlink() or not re.fullmatch(r"last(-v\d+)?\.[^.]+", link.name):
+    if "://" in target or not link.is_symlink() or not link.name.startswith("last"):  # Lightning's rule
         return target
     pointed = link.resolve()
     if not pointed.is_dir() or (pointed / MANIFEST_NAME).exists():
@@ -280,15 +286,15 @@ def _through_link(target: str) -> str:
 
 
 def _put_back(target: str, aside: Path | None) -> None:
-    """After a save that failed: the empty directory it left goes, and the torch.save file it
-    was to replace goes back to its path."""
-    if "://" in target:
+    """After a save that failed: the torch.save file it was to replace goes back to its path.
+    (Otherwise its empty directory stays: a last.ckpt link may point to it, and a resume through
+    that link then loads the newest committed checkpoint beside it.)"""
+    if aside is None:
         return
     with contextlib.suppress(OSError):
-        Path(target).rmdir()  # only if empty: an older checkpoint there stays
-    if aside is not None:
-        with contextlib.suppress(OSError):
-            aside.rename(target)
+        Path(target).rmdir()  # only if empty
+    with contextlib.suppress(OSError):
+        aside.rename(target)
 
 
 with contextlib.suppress(ImportError):  # the standalone pytorch_lightning package checks its own base class
