@@ -322,9 +322,9 @@ def start_save(
                 refused = f"step {step} at {target.location} holds a committed checkpoint that could not be moved aside"
         except OSError as e:
             refused = f"could not tell what {target.location} holds before saving step {step} there: {e}"
-        if refused is not None:  # nothing saved: the next save decides anew, as set_aside_newer's refusals
-            mgr._top, mgr._resumed_at, mgr._remote_rewind = None, resumed, None
-    if refused is not None:  # nothing is saved: the next save decides anew (now, not when the refusal arrives)
+    # any refusal saves nothing: the next save decides anew, as set_aside_newer's refusals (now,
+    # not when the refusal arrives by the handle)
+    if refused is not None:
         mgr._top, mgr._resumed_at, mgr._remote_rewind = None, resumed, None
     if refused is None and mgr._remote_rewind is not None and mgr._tier is not None:  # rank 0
         mark = Rewind(mgr._remote_rewind, mgr._tier.remote.location, utc_stamp())
