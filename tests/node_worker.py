@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=0)
     ap.add_argument("--remote", default=None)
     ap.add_argument("--digest", action="store_true", help="print DIGEST lines of the state restored and at the end")
+    ap.add_argument("--restore-step", type=int, default=None, help="restore this step alone; print why it failed")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -58,6 +59,14 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator())
     state = {"model": model, "optim": optim, "sampler": sampler, "rng": stashpoint.RNGState()}
     opts = {"node_local": True, "replicas": args.replicas, "remote_root": args.remote}
+    if args.restore_step is not None:
+        with stashpoint.CheckpointManager(base / f"node-{node_dir}" / "ckpt", node_local=True) as mgr:
+            try:
+                mgr.restore(state, step=args.restore_step)
+            except stashpoint.CheckpointError as e:
+                say(f"RESTORE_ERROR {type(e).__name__}: {e}".replace("\n", " "))
+        dist.destroy_process_group()
+        os._exit(0)
     with stashpoint.CheckpointManager(base / f"node-{node_dir}" / "ckpt", keep_last=2, every_steps=args.every,
                                       **opts) as mgr:  # fmt: skip
         start = (mgr.restore(state) or 0) + 1

@@ -49,7 +49,7 @@ from stashpoint._manager.upload import rank_problem
 from stashpoint._storage import LocalStorage
 from stashpoint._tools.cli import main as cli_main
 from stashpoint._tools.inspect import describe
-from stashpoint.errors import CheckpointError, CorruptCheckpointError
+from stashpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 WORKER = Path(__file__).with_name("node_worker.py")
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
@@ -188,6 +188,10 @@ def test_each_node_holds_its_ranks_files_and_restarts_fetch_what_they_read(tmp_p
         assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]
 
     shutil.rmtree(tmp_path / "node-1")  # a node lost with its disk; no replicas (part 2) yet
+    outs = run_job(tmp_path, 8, "ddp", extra=("--restore-step", "8"))
+    errors = [line for out in outs for line in out.splitlines() if line.startswith("RESTORE_ERROR")]
+    assert len(errors) == 2 and all(e.startswith("RESTORE_ERROR IncompleteCheckpointError") for e in errors), outs
+    assert "step 8" in errors[0] and "on no node of this job" in errors[0], errors
     outs = run_job(tmp_path, 8, "ddp")
     assert resumed(outs) == {0}, "no step is whole without node 1's files: a fresh start"
     # kept, named for what they are (not "damaged"), and the log says how to take them back
@@ -552,7 +556,7 @@ def test_plan_transfers_sends_each_missing_rank_once_and_spreads_the_sources():
 
 
 def test_plan_transfers_fails_when_no_node_holds_a_needed_rank():
-    with pytest.raises(CorruptCheckpointError, match="saving rank 3"):
+    with pytest.raises(IncompleteCheckpointError, match="saving rank 3"):
         plan_transfers({0: {0, 1, 2}}, {1: {3}}, [0, 1])
 
 
@@ -630,7 +634,7 @@ def test_each_rank_is_sent_its_nodes_part_of_a_plan_alone():
 def test_relay_takes_the_remote_tier_only_for_what_no_node_holds_and_merges_a_pairs_keys():
     order = relay([(1, "a"), (1, "b"), (2, "c")], {"a": [0, REMOTE], "b": [0], "c": [REMOTE]})
     assert order == [(REMOTE, 2, ["c"]), (0, 1, ["a", "b"])], "both at the first step"
-    with pytest.raises(CorruptCheckpointError, match="no node holds"):
+    with pytest.raises(IncompleteCheckpointError, match="on no node of this job"):
         relay([(1, "z")], {})
 
 

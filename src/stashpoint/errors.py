@@ -33,7 +33,8 @@ class CorruptCheckpointError(CheckpointError):
 
 
 class IncompleteCheckpointError(CheckpointError):
-    """The path exists but the save that created it never committed (no manifest)."""
+    """The path exists but the save that created it never committed (no manifest), or, in a
+    node-local manager's restore, some of the step's files are on no node of the job."""
 
 
 class S3Error(CheckpointError, OSError):

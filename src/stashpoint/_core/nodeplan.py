@@ -19,7 +19,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from stashpoint.errors import CorruptCheckpointError
+from stashpoint.errors import IncompleteCheckpointError
 
 K = TypeVar("K", bound=Hashable)
 
@@ -150,7 +150,7 @@ def relay(wants: Sequence[tuple[int, K]], holders: Mapping[K, Iterable[int]]) ->
             continue
         heap = heaps.get(key)
         if not heap:
-            raise CorruptCheckpointError(f"no node holds {key!r}")
+            raise IncompleteCheckpointError(f"{key!r} is on no node of this job and on no remote tier")
         while True:  # the holder free first (entries go stale as holders take other transfers)
             t, src = heap[0]
             free = 0 if src == REMOTE else max(have[key][src], busy.get(src, 0))
@@ -191,11 +191,11 @@ def plan_transfers(
     source_of = _sources(held)
     has_step = {n for n in held if held[n]}
     if not has_step:
-        raise CorruptCheckpointError("no node holds this step")
+        raise IncompleteCheckpointError("no node of this job holds this step, nor does a remote tier")
     wants = [(dst, r) for dst in sorted(nodes) for r in sorted(need.get(dst, set()) - held[dst])]
     for _dst, r in wants:
         if not source_of.get(r):
-            raise CorruptCheckpointError(f"no node holds the files of saving rank {r}")
+            raise IncompleteCheckpointError(_lost(r))
     if indexes_only:
         order = relay(wants, source_of)
     else:
@@ -226,6 +226,13 @@ def plan_transfers(
     return transfers, {n: held[n] | got.get(n, set()) for n in nodes}
 
 
+def _lost(rank: int) -> str:
+    return (
+        f"the files of saving rank {rank} are on no node of this job (their node lost its directory, or is "
+        "not in this job) and on no remote tier: restart with the node that holds them, or restore another step"
+    )
+
+
 def merge(spans: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     """Byte ranges sorted, with overlapping and touching ones joined."""
     out: list[list[int]] = []
@@ -253,7 +260,7 @@ def plan_spans(
                 continue
             span = (name, rank, size, merge(spans))
             if not source_of.get(rank):
-                raise CorruptCheckpointError(f"no node holds the files of saving rank {rank}")
+                raise IncompleteCheckpointError(_lost(rank))
             holders[span] = source_of[rank]
             wants.append((dst, span))
     return [Transfer(src, dst, spans=tuple(sp)) for src, dst, sp in relay(wants, holders)]

@@ -276,6 +276,12 @@ class NodeLocal:
         self.remote_unseen = bool(answer[5]) and remote is not None
         if self.remote_unseen and not order and remote is not None:
             raise unseen_remote(remote.location)
+        if step is not None and step in torn:
+            raise IncompleteCheckpointError(
+                f"step {step} at {root.location} is incomplete on this job's nodes: some saving rank's files are "
+                "on no node of this job (a node that saved it lost its directory, or is not in this job) and on no "
+                "remote tier; restart with the nodes that hold them, or restore another step"
+            )
         if step is not None and not order:
             order = [(step, "local")]  # raises CheckpointNotFoundError, naming the path
         return order, by_node, mem
@@ -375,12 +381,11 @@ class NodeLocal:
                 mine = plan_parts(transfers, after, self.map.of_rank, self.leaders)
                 parts = [("ok", ts, self._save_id, held) for ts, held in mine]
             except CheckpointError as e:
-                parts = [("error", *failure(e))] * ctx.world
+                parts = [("error", *failure(e), isinstance(e, IncompleteCheckpointError))] * ctx.world
         plan = ctx.scatter(f"node-local: transfers of {what}", parts)
         if plan[0] == "error":
-            raise (CorruptCheckpointError if plan[2] else CheckpointError)(
-                f"fetching {what} of {at.location} across nodes: {plan[1]}"
-            )
+            kind = IncompleteCheckpointError if plan[3] else CorruptCheckpointError if plan[2] else CheckpointError
+            raise kind(f"fetching {what} of {at.location} across nodes: {plan[1]}")
         t0 = time.perf_counter()
         status = run_transfers(
             ctx, plan[1], self.leaders, self.me.node, at, save_id=plan[2], remote=self._remote, tally=self.fetched
