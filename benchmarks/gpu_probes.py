@@ -323,22 +323,22 @@ def dcp_pinned_async(state: dict[str, Any], scratch: Path) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.checkpoint import state_dict_saver
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(_free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    stager = DefaultStager(StagingOptions(True, False, True, True))
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(state["model"], state["optim"])
-    # CUDA tensors alone (AdamW's CPU step counts left out): torch 2.11's DefaultStager failed to
-    # deep-copy this state on an H200 (KeyError: <class 'type'> in _reconstruct)
-    sd = {
-        "model": {k: v for k, v in msd.items() if v.is_cuda},
-        "optim": {f"{k}.{n}": t for k, v in osd["state"].items() for n, t in v.items() if t.is_cuda},
-    }
     out: dict[str, Any] = {}
-    try:
+    stager = None
+    try:  # whatever fails here, the group goes: the FSDP2 probe after this one makes its own
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        stager = DefaultStager(StagingOptions(True, False, True, True))
+        msd, osd = get_state_dict(state["model"], state["optim"])
+        # CUDA tensors alone (AdamW's CPU step counts left out): torch 2.11's DefaultStager failed
+        # to deep-copy this state on an H200 (KeyError: <class 'type'> in _reconstruct)
+        sd = {
+            "model": {k: v for k, v in msd.items() if v.is_cuda},
+            "optim": {f"{k}.{n}": t for k, v in osd["state"].items() for n, t in v.items() if t.is_cuda},
+        }
         for i in range(2):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -352,8 +352,10 @@ def dcp_pinned_async(state: dict[str, Any], scratch: Path) -> dict[str, Any]:
             out = {"blocking_s": call, "staged_s": t_staged, "durable_s": time.perf_counter() - t0}
             shutil.rmtree(scratch / f"dcp{i}", ignore_errors=True)
     finally:
-        stager.close()
-        dist.destroy_process_group()
+        if stager is not None:
+            stager.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return out
 
 

@@ -184,3 +184,10 @@ def sigkill_once(proc: subprocess.Popen, ready: Callable[[], bool], timeout: flo
     finally:
         proc.kill()
         proc.wait()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test skipped without a CUDA device ``cuda``: the GPU check runs them alone."""
+    for item in items:
+        if any(m.name == "skipif" and "CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers()):
+            item.add_marker(pytest.mark.cuda)

@@ -62,6 +62,12 @@ def rec(monkeypatch) -> _Recorder:
         yield
         rec.log.append(f"off {stream.name}")
 
+    @contextlib.contextmanager
+    def device(d: torch.device) -> Iterator[None]:
+        rec.log.append(f"device {d}")
+        yield
+        rec.log.append(f"device back from {d}")
+
     real_gather = cudacopy._gather
 
     def gather(run: list) -> None:
@@ -71,6 +77,7 @@ def rec(monkeypatch) -> _Recorder:
     monkeypatch.setattr(cudacopy, "side_stream", lambda device: side)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
     monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(torch.cuda, "Event", type("Event", (_Event,), {"rec": rec}))
     monkeypatch.setattr(cudacopy, "_gather", gather)
     return rec
@@ -98,11 +105,13 @@ def test_copies_run_on_the_side_stream_after_the_training_work_and_before_a_bloc
     events = cudacopy.launch_cuda(pairs)
     assert rec.log == [
         "side waits for current",
+        "device cpu",  # the stream's device current first: leaving the stream would set the thread's
         "on side",
         "gather 2",
         "gather 2",
         "event1 (blocking) after side",
         "off side",
+        "device back from cpu",
     ]
     assert [e.name for _, e in events] == ["event1 (blocking)"]
     assert all(torch.equal(s, d) for s, d in pairs)
@@ -111,7 +120,7 @@ def test_copies_run_on_the_side_stream_after_the_training_work_and_before_a_bloc
 def test_copies_launched_later_wait_for_the_event_recorded_at_the_call(rec):
     at_call = torch.cuda.Event()
     cudacopy.launch_cuda(_pairs(), after={torch.device("cpu"): at_call})
-    assert rec.log[:2] == ["side waits for event1", "on side"]
+    assert rec.log[:3] == ["side waits for event1", "device cpu", "on side"]
 
 
 def test_a_launch_that_fails_half_way_waits_for_the_copies_it_queued(rec, monkeypatch):

@@ -354,3 +354,53 @@ def test_within_a_restore_each_manifest_and_index_is_parsed_once_and_changed_byt
     with stashpoint.CheckpointManager(tmp_path / "run", node_local=True) as mgr:
         assert mgr.restore(target) == 1
     assert calls == {"head": 1, "index": 1}
+
+
+def test_a_restore_holds_one_plan_at_a_time(tmp_path):
+    """A fresh optimizer's plan holds state tensors made for it to load into: a restore that
+    passes a damaged step by and plans the next must let the first plan's go (on a GPU, a
+    second optimizer's worth of memory)."""
+    import gc
+    import weakref
+
+    from stashpoint._load import manifest as m
+    from stashpoint._load.loader import _own_plan
+    from stashpoint._storage import LocalStorage
+
+    model = torch.nn.Linear(64, 64)
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optim.step()
+    for name in ("a", "b"):
+        stashpoint.save({"model": model, "optim": optim}, tmp_path / name)
+    fresh = torch.nn.Linear(64, 64)
+    state = {"model": fresh, "optim": torch.optim.Adam(fresh.parameters())}
+    with m.remembering():
+        a = LocalStorage(tmp_path / "a")
+        plan, _ = _own_plan(a, m.read_head(a), state, 0, partial=False, allow_pickle=False)
+        made = [weakref.ref(r.dest) for r in plan.reads if r.key.startswith("optim") and r.dest.dim() > 0]
+        assert len(made) == 4, "Adam's two moments for the weight and the bias"
+        del plan
+        b = LocalStorage(tmp_path / "b")
+        _own_plan(b, m.read_head(b), state, 0, partial=False, allow_pickle=False)
+        gc.collect()
+        assert all(ref() is None for ref in made), "the first step's plan is let go"
+
+
+def test_out_of_memory_for_a_fresh_optimizers_state_is_a_checkpoint_error(tmp_path, monkeypatch):
+    """A GPU too full for a fresh optimizer's state to load into: a CheckpointError that names
+    the state's key and the bytes, not torch's OutOfMemoryError out of the planner."""
+    model = torch.nn.Linear(8, 8)
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    optim.step()
+    stashpoint.save({"model": model, "optim": optim}, tmp_path / "c")
+    fresh = torch.nn.Linear(8, 8)
+    state = {"model": fresh, "optim": torch.optim.Adam(fresh.parameters())}
+
+    def full(*_a, **_k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 B")
+
+    monkeypatch.setattr(torch, "empty_like", full)
+    with pytest.raises(CheckpointError, match=r"cannot allocate 256 bytes on cpu for the optimizer state 'optim/"):
+        stashpoint.load(state, tmp_path / "c")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import threading
 import uuid
 
@@ -609,7 +610,10 @@ def test_optimizers_whose_state_is_not_shaped_like_their_parameters_resume_exact
     import subprocess
     import sys
 
-    env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    if kind == "hf_adafactor":
+        pytest.importorskip("transformers")
+    # the rest of the environment kept: a CUDA build of torch may find its libraries through it
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     ck, straight, resumed = tmp_path / "ck", tmp_path / "straight.pt", tmp_path / "resumed.pt"
     for mode, out in (("straight", straight), ("first", None), ("resume", resumed)):
         args = [sys.executable, "-c", _OPTIM_JOB, kind, mode, str(ck), str(out)]

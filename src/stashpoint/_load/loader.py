@@ -21,7 +21,7 @@ from stashpoint._core.reshard import Box, intersect
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext, rank_of
 from stashpoint._load.exchange import agree, broadcast_shares, failure, own_or_agreed
-from stashpoint._load.manifest import read_head, read_view, remembered, unlisted_shards, writers_of
+from stashpoint._load.manifest import forget, read_head, read_view, remembered, unlisted_shards, writers_of
 from stashpoint._load.reads import Fetched, fetch, prepare_reads, run_reads
 from stashpoint._load.restore import Planner, Read
 from stashpoint._load.restore import RestorePlan as Plan
@@ -328,6 +328,9 @@ def _own_plan(
         return state, head, plan, have  # held: their ids stay theirs while remembered
 
     key = ("plan", storage.location, id(state), id(head), rank, partial, allow_pickle)
+    # one plan at a time: a restore passing a damaged step by plans the next one, and a fresh
+    # optimizer's plan holds state tensors made for it (on the GPU: a second optimizer's worth)
+    forget(lambda k: k[0] == "plan" and k != key)
     _, _, plan, have = remembered(key, make)
     return plan, have
 

@@ -59,6 +59,13 @@ def remembered(key: Any, make: Callable[[], _T]) -> _T:
     return memo[key]  # type: ignore[no-any-return]
 
 
+def forget(doomed: Callable[[Any], bool]) -> None:
+    """Within :func:`remembering`, drop the values whose keys ``doomed`` picks."""
+    memo = _MEMO.get()
+    for key in [k for k in memo or () if doomed(k)]:
+        del memo[key]  # type: ignore[union-attr]
+
+
 def read_head(storage: Storage, *, remember: bool = True) -> Manifest | Head:
     """Read and validate the manifest of the checkpoint at ``storage``: a version-1 manifest
     whole, a version-2 one as its head (the catalog and the list of indexes). ``remember=False``:

@@ -15,7 +15,7 @@ from stashpoint._load import trial
 from stashpoint._state import stateful as _stateful
 from stashpoint._state.dtypes import torch_dtype
 from stashpoint._state.validate import named_optimizer_problem, optimizer_problem
-from stashpoint.errors import CorruptCheckpointError
+from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 if TYPE_CHECKING:
     from stashpoint._core.format import TensorEntry
@@ -130,9 +130,21 @@ class OptimizerPlanning:
                     continue
                 entry = self._entry(snode["tensor"])
                 if tuple(entry.shape) == tuple(param.shape) and len(entry.shape) > 0:
-                    with torch.no_grad():
-                        slot[skey] = torch.empty_like(param, dtype=torch_dtype(entry.dtype, entry.key))
+                    slot[skey] = _state_like(param, torch_dtype(entry.dtype, entry.key), entry.key)
         return out
+
+
+def _state_like(param: torch.Tensor, dtype: torch.dtype, key: str) -> torch.Tensor:
+    """A fresh optimizer's state tensor for ``param``, to load ``key`` into; out of memory (a
+    GPU full) is a CheckpointError naming the key and the bytes."""
+    try:
+        with torch.no_grad():
+            return torch.empty_like(param, dtype=dtype)
+    except (RuntimeError, MemoryError) as e:
+        raise CheckpointError(
+            f"cannot allocate {param.numel() * dtype.itemsize:,} bytes on {param.device} for the optimizer state "
+            f"{key!r} (a fresh optimizer's state is made to load into): {str(e)[:200]}"
+        ) from None
 
 
 def names_params(saved: Node) -> bool:

@@ -95,7 +95,7 @@ class CudaBackend(Backend):
             stream = side_stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             self.streams[device] = stream
-        return torch.cuda.stream(self.streams[device])
+        return _on_stream(device, self.streams[device])
 
     def event(self, device: torch.device) -> Waitable | None:
         if device.type != "cuda":
@@ -225,3 +225,12 @@ class PinnedRing:
 def ring() -> PinnedRing:
     """The process's ring for loads into CUDA tensors, made on first use and kept."""
     return _runtime.slot("load.pinned_ring", lambda: PinnedRing(SLOTS, SLOT_BYTES, pin=True, backend=CudaBackend()))
+
+
+@contextmanager
+def _on_stream(device: torch.device, stream: torch.cuda.Stream) -> Iterator[None]:
+    """``stream`` made current on ``device``, that device made current first: leaving a stream
+    context on a thread whose current device is another sets that device (a context on GPU 0
+    for a rank whose tensors are on another GPU)."""
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        yield

@@ -182,7 +182,9 @@ def launch_cuda(
                 stream.wait_event(after[device])
             else:
                 stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
+            # the device first: leaving a stream context on a thread whose current device is
+            # another (the copy thread's is 0) sets that device, making a context on GPU 0
+            with torch.cuda.device(device), torch.cuda.stream(stream):
                 copy_pairs(items, fences)
                 event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
                 event.record(stream)
