@@ -71,6 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--step-ms", type=float, help="training loop: target step time in ms (default 75)")
     ap.add_argument("--cold-sleep", type=float, help=f"seconds a cold save waits (default {COLD_SLEEP_S:g})")
     ap.add_argument("--no-loads", action="store_true", help="skip the loads")
+    ap.add_argument(
+        "--load-regime", choices=("fresh-node", "same-node"), default="fresh-node",
+        help="the loads' page cache: evicted first (a fresh node, the default), or as the save and --idle seconds "
+        "left it (a process restarted on the same node)",
+    )  # fmt: skip
+    ap.add_argument("--idle", type=float, default=12.0, help="same-node loads: seconds between the save and the loads")
     ap.add_argument("--no-steps", action="store_true", help="skip the training-loop experiment")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=None, help="seconds per worker (default: from the size)")
@@ -109,7 +115,7 @@ def worker_timeout(args: argparse.Namespace, size: float, phases: list[str]) -> 
         return float(args.timeout)
     per_op = 60.0 * size + 20.0
     ops: int = args.repeats + 1 + (args.repeats if "loads" in phases else 0)
-    t = 120.0 + 60.0 * size + ops * per_op + float(args.repeats * args.cold_sleep)
+    t = 120.0 + 60.0 * size + ops * per_op + float(args.repeats * args.cold_sleep) + args.idle
     if "steps" in phases:
         t += args.checkpoints * per_op + 4 * (args.baseline + args.every * args.checkpoints) * args.step_ms / 1e3
     return t
@@ -119,7 +125,7 @@ def _common_args(args: argparse.Namespace, size: float, regime: str, scratch: Pa
     return [
         *("--size-gb", f"{size:g}", "--regime", regime, "--repeats", str(args.repeats)),
         *("--cold-sleep", f"{args.cold_sleep:g}", "--seed", str(args.seed), "--op-timeout", f"{args.op_timeout:g}"),
-        *("--dir", str(scratch / tag)),
+        *("--dir", str(scratch / tag), "--load-regime", args.load_regime, "--idle", f"{args.idle:g}"),
     ]
 
 
@@ -148,6 +154,7 @@ def run_config(
     disks, floor = refs
     cfg: dict[str, Any] = {"ranks": ranks, "layout": layout, "size_gb": size, "state_bytes": shape.state_bytes}
     cfg.update(num_tensors=4 * shape.num_param_tensors, repeats=args.repeats, saves_regimes=list(args.regimes))
+    cfg.update(load_regime=args.load_regime)
     cfg.update(disk=disks, floor=floor, batch=batch, methods={})
     width = 1024 if size >= 0.25 else 256
     for name in args.methods:

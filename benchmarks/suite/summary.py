@@ -171,7 +171,8 @@ def targets(cfg: dict[str, Any], regimes: list[str]) -> list[dict[str, Any]]:
                                limit=1.0, at_least=False))  # fmt: skip
     load = (ms.get("stashpoint_save") or {}).get("load") or {}
     dcp_load = (ms.get("dcp_save") or {}).get("load") or {}
-    out.append(_target("load: >= 0.8x raw direct-I/O read", "stashpoint_save", None, load.get("frac_direct_read"),
+    raw_kind = "cached" if cfg.get("load_regime") == "same-node" else "direct-I/O"
+    out.append(_target(f"load: >= 0.8x raw {raw_kind} read", "stashpoint_save", None, load.get("frac_direct_read"),
                        limit=0.8, at_least=True))  # fmt: skip
     out.append(_target("load: faster than dcp.load (speedup)", "stashpoint_save", None,
                        _ratio(dcp_load.get("load_s"), load.get("load_s")), limit=1.0, at_least=True))  # fmt: skip
