@@ -699,3 +699,52 @@ def test_a_relative_path_is_where_the_call_was_made_not_where_the_process_went_s
     assert (tmp_path / "a" / "ck" / "manifest.json").is_file()
     assert (tmp_path / "a" / "run" / "step-00000001" / "manifest.json").is_file()
     assert list((tmp_path / "b").iterdir()) == []
+
+
+def _grouped(model: torch.nn.Module, order: tuple[list[str], ...], lrs: tuple[float, ...]) -> torch.optim.AdamW:
+    by_name = dict(model.named_parameters())
+    return torch.optim.AdamW(
+        [{"params": [by_name[n] for n in names], "lr": lr, "weight_decay": lr * 10} for names, lr in zip(order, lrs)]
+    )
+
+
+@pytest.mark.parametrize(
+    ("order", "lrs", "why"),
+    [
+        # the usual no-decay list grown by one name: the first group now starts with a decayed weight
+        ((["2.weight"], ["0.weight", "0.bias", "2.bias"]), (0.1, 0.01), "holds parameters of saved groups 0 and 1"),
+        ((["0.weight"], ["2.weight"], ["0.bias", "2.bias"]), (0.1, 0.1, 0.01), "2 parameter group.s., the optimizer 3"),
+        ((["0.bias", "2.bias"], ["0.weight", "2.weight"]), (0.01, 0.1), "in another order"),
+    ],
+)
+def test_optimizer_groups_formed_otherwise_are_refused_not_guessed(tmp_path, order, lrs, why):
+    """Each group takes its lr and weight decay from a saved group, and an LR scheduler keeps its
+    per-group state by position: before, a group holding parameters of two saved groups took the
+    hyperparameters of its first parameter's, and groups listed in another order loaded while
+    their scheduler's per-group state did not follow (lrs swapped one step later), silently."""
+    model = small_model()
+    optim = _grouped(model, (["0.weight", "2.weight"], ["0.bias", "2.bias"]), (0.1, 0.01))
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda e: 1.0 - e / 20)
+    train_steps(model, optim, 1)
+    stashpoint.save({"model": model, "optim": optim, "sched": sched}, tmp_path / "ck")
+
+    fresh = small_model(seed=3)
+    optim2 = _grouped(fresh, order, lrs)
+    state = {"model": fresh, "optim": optim2, "sched": torch.optim.lr_scheduler.LambdaLR(optim2, lambda e: 1.0)}
+    with pytest.raises(stashpoint.StateMismatchError, match=why):
+        stashpoint.load(state, tmp_path / "ck")
+    # the same groups in the same order, parameters listed otherwise within them, still load
+    optim3 = _grouped(fresh, (["2.weight", "0.weight"], ["2.bias", "0.bias"]), (0.5, 0.5))
+    stashpoint.load({"model": fresh, "optim": optim3}, tmp_path / "ck", partial=True)
+    assert [g["lr"] for g in optim3.param_groups] == [g["lr"] for g in optim.param_groups]
+
+
+def test_regroup_problem_names_each_way_groups_can_be_formed_otherwise():
+    from stashpoint._state.validate import regroup_problem
+
+    saved = [["a", "b"], ["c"], []]
+    assert regroup_problem(saved, [["b", "a"], ["c"], []]) is None, "order within a group is free"
+    assert regroup_problem(saved, [["a", "b"], ["c", "new"], ["old"]]) is None, "unknown names: reported elsewhere"
+    assert "saved groups 0 and 1" in (regroup_problem(saved, [["a", "c"], ["b"], []]) or "")
+    assert "groups 0 and 1 both hold parameters of saved group 0" in (regroup_problem(saved, [["a"], ["b"], []]) or "")
+    assert "group 0 holds the parameters of saved group 1" in (regroup_problem(saved, [["c"], ["a", "b"], []]) or "")

@@ -14,7 +14,7 @@ from stashpoint._core.nodes import Node
 from stashpoint._load import trial
 from stashpoint._state import stateful as _stateful
 from stashpoint._state.dtypes import torch_dtype
-from stashpoint._state.validate import named_optimizer_problem, optimizer_problem
+from stashpoint._state.validate import named_optimizer_problem, optimizer_problem, regroup_problem
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 if TYPE_CHECKING:
@@ -81,6 +81,13 @@ class OptimizerPlanning:
                 f"{self._name(where)}: the checkpoint has {len(built['param_groups'])} parameter group(s), "
                 f"the optimizer {len(optim.param_groups)}"
             )
+        elif (
+            regrouped := regroup_problem(
+                [g["params"] for g in built["param_groups"]],
+                [[names[id(p)] for p in g["params"]] for g in optim.param_groups],
+            )
+        ) is not None:
+            self.plan.problems.append(f"{self._name(where)}: {regrouped}")
         # LBFGS keeps its whole state (flat directions, a history) under its first parameter
         shaped = not isinstance(optim, torch.optim.LBFGS)
         for n, state in list(built.get("state", {}).items()):

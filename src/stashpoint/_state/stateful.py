@@ -222,7 +222,8 @@ def optimizer_from_named(
 
     Integer ids follow the optimizer's *current* parameter order, and each current group takes
     the hyperparameters of the saved group that held its first parameter, so a checkpoint loads
-    correctly after the parameters were reordered. An empty group (a no-decay group of a model
+    correctly after the parameters were reordered within their groups (groups formed otherwise
+    are refused beforehand: ``validate.regroup_problem``). An empty group (a no-decay group of a model
     without biases) takes the saved group in its place when the counts agree; a group matched to
     none keeps its own. The caller checks beforehand that the saved and current names agree.
     """

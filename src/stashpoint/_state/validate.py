@@ -77,6 +77,42 @@ def named_optimizer_problem(sd: Mapping[str, Any]) -> str | None:
     return None
 
 
+def regroup_problem(saved: Sequence[Sequence[object]], current: Sequence[Sequence[object]]) -> str | None:
+    """Why a name-keyed optimizer state whose parameter groups hold the parameter names
+    ``saved`` cannot take the groups ``current`` (as many) without a guess: a group holding
+    parameters of several saved groups, two groups sharing one saved group, or the saved groups
+    in another order. Each group takes its hyperparameters (lr, weight decay) from a saved group,
+    and an LR scheduler keeps its per-group state by position. Empty groups and parameters only
+    one side has are left out (reported elsewhere). Pure."""
+    group_of = {n: gi for gi, names in enumerate(saved) for n in names}
+    taken: dict[int, int] = {}
+    for gi, names in enumerate(current):
+        came = sorted({group_of[n] for n in names if n in group_of})
+        if len(came) > 1:
+            return (
+                f"parameter group {gi} holds parameters of saved groups {came[0]} and {came[1]} (the groups were "
+                "formed otherwise): which group's hyperparameters (lr, weight decay) apply would be a guess; form "
+                "the groups as they were saved, or load with strict=False and set the hyperparameters after"
+            )
+        if not came:
+            continue
+        if came[0] in taken:
+            return (
+                f"parameter groups {taken[came[0]]} and {gi} both hold parameters of saved group {came[0]} (the "
+                "groups were formed otherwise): form them as they were saved, or load with strict=False and set "
+                "the hyperparameters after"
+            )
+        taken[came[0]] = gi
+    moved = sorted((gi, si) for si, gi in taken.items() if si != gi)
+    if moved:
+        gi, si = moved[0]
+        return (
+            f"parameter group {gi} holds the parameters of saved group {si} (the groups are in another order): "
+            "an LR scheduler keeps its per-group state by position; list the groups in the order they were saved"
+        )
+    return None
+
+
 def optimizer_problem(sd: Any, optim: torch.optim.Optimizer) -> str | None:
     """Why the optimizer state dict ``sd`` does not fit ``optim`` (None if it does): its groups
     and their parameter counts, hyperparameters of the kinds the optimizer uses, and
