@@ -412,6 +412,11 @@ def test_state_dicts_without_tensors_load_into_live_objects(tmp_path, stepped):
         stashpoint.load(
             {"sched": torch.optim.lr_scheduler.LambdaLR(optim2, lambda s: 1.0)}, tmp_path / "ck", partial=True
         )
+    with pytest.warns(UserWarning, match="with strict=False it is not loaded.*its schedule starting over"):
+        stashpoint.load(
+            {"sched": torch.optim.lr_scheduler.LambdaLR(optim2, lambda s: 1.0)}, tmp_path / "ck", partial=True,
+            strict=False,
+        )  # fmt: skip
 
 
 def test_a_program_without_dtensors_does_not_import_them_through_stashpoint(tmp_path):
@@ -748,3 +753,39 @@ def test_regroup_problem_names_each_way_groups_can_be_formed_otherwise():
     assert "saved groups 0 and 1" in (regroup_problem(saved, [["a", "c"], ["b"], []]) or "")
     assert "groups 0 and 1 both hold parameters of saved group 0" in (regroup_problem(saved, [["a"], ["b"], []]) or "")
     assert "group 0 holds the parameters of saved group 1" in (regroup_problem(saved, [["c"], ["a", "b"], []]) or "")
+
+
+def test_partial_skips_the_saved_state_of_parameters_the_optimizer_no_longer_holds(tmp_path):
+    """A fine-tuning stage that freezes part of what the last one trained: partial=True skips
+    the frozen parameters' optimizer state as it skips keys, and loads the rest exactly."""
+    model = small_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, optim, 2)
+    stashpoint.save({"model": model, "optim": optim}, tmp_path / "ck")
+
+    fresh = small_model(seed=3)
+    fresh[0].requires_grad_(False)
+    optim2 = torch.optim.AdamW(fresh[2].parameters(), lr=0.5)
+    with pytest.raises(stashpoint.StateMismatchError, match=r"unexpected optimizer parameter '0\.weight'"):
+        stashpoint.load({"model": fresh, "optim": optim2}, tmp_path / "ck")
+    stashpoint.load({"model": fresh, "optim": optim2}, tmp_path / "ck", partial=True)
+    saved = dict(model.named_parameters())
+    for name, p in fresh[2].named_parameters():
+        assert torch.equal(optim2.state[p]["exp_avg"], optim.state[saved[f"2.{name}"]]["exp_avg"]), name
+    assert optim2.param_groups[0]["lr"] == 1e-2
+
+
+class _OwnSGD(torch.optim.SGD):
+    """An optimizer class outside torch.optim (transformers' Adafactor, a fused variant)."""
+
+
+def test_a_state_that_does_not_fit_another_libraries_optimizer_names_both_classes(tmp_path):
+    model = small_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, optim, 1)
+    stashpoint.save({"model": model, "optim": optim}, tmp_path / "ck")
+    fresh = small_model(seed=3)
+    with pytest.raises(
+        stashpoint.StateMismatchError, match=r"the state of a torch\.optim\.adamw\.AdamW, the state holds a .*_OwnSGD"
+    ):
+        stashpoint.load({"model": fresh, "optim": _OwnSGD(fresh.parameters(), lr=0.1)}, tmp_path / "ck")

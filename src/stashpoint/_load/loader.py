@@ -61,9 +61,10 @@ def load(
             every shape or dtype difference. With ``strict=False`` what matches is loaded and the
             rest is reported as a warning.
         partial: load only what ``state`` holds: keys of the checkpoint's dicts that the state
-            lacks, at any depth (a module's state dict too), are skipped and their bytes not
-            read, as DCP does (e.g. ``{"model": model}`` from a full training checkpoint). Keys
-            the state holds and the checkpoint lacks still fail.
+            lacks, at any depth (a module's state dict too, and parameters an optimizer no longer
+            holds), are skipped and their bytes not read, as DCP does (e.g. ``{"model": model}``
+            from a full training checkpoint). Keys the state holds and the checkpoint lacks still
+            fail.
         verify: check every tensor's checksum (:class:`CorruptCheckpointError` on mismatch).
         allow_pickle: unpickle values saved with ``allow_pickle=True``. Unpickling runs code
             from the file: only for files you trust.

@@ -28,6 +28,8 @@ class OptimizerPlanning:
     plan: RestorePlan
     root: Any
     where: str
+    partial: bool
+    _other_class = False  # the optimizer being planned is of another class than the one saved
 
     def _name(self, key: str) -> str:
         raise NotImplementedError
@@ -39,6 +41,18 @@ class OptimizerPlanning:
         raise NotImplementedError
 
     def _optimizer(self, saved: Node, optim: torch.optim.Optimizer, where: str) -> None:
+        n_before = len(self.plan.problems)
+        cls = saved.get("class")
+        self._other_class = isinstance(cls, str) and cls != _stateful.class_name(optim)
+        self._optimizer_state(saved, optim, where)
+        if len(self.plan.problems) != n_before and self._other_class:
+            # torch's own classes are told apart beforehand; another's state is only seen not to fit
+            self.plan.problems.append(
+                f"{self._name(where)}: the checkpoint holds the state of a {cls}, the state holds a "
+                f"{_stateful.class_name(optim)}: load it into the optimizer class it was saved from"
+            )
+
+    def _optimizer_state(self, saved: Node, optim: torch.optim.Optimizer, where: str) -> None:
         n_before = len(self.plan.problems)
         by_name = saved.get("keyed_by") == "name"
         modules = _stateful.find_modules(self.root)
@@ -60,7 +74,9 @@ class OptimizerPlanning:
         if any(n is None for n in current):
             self.plan.problems.append(
                 f"{self._name(where)}: the checkpoint keys this optimizer's state by parameter name, but some "
-                "of its parameters belong to no module in the state; put the model in the state too"
+                "of its parameters belong to no module in the state; put the model in the state too (or, if it "
+                "is there, build the optimizer after wrapping the model: fully_shard and the like replace its "
+                "parameters, and an optimizer built before holds the old ones)"
             )
             return
         malformed = named_optimizer_problem(built)
@@ -68,7 +84,8 @@ class OptimizerPlanning:
             self.plan.problems.append(f"{self._name(where)}: the saved optimizer state is malformed: {malformed}")
             return
         saved_names = [n for g in built["param_groups"] for n in g["params"]]
-        for n in sorted(set(saved_names) - set(current), key=str):
+        # partial: parameters the optimizer no longer holds (frozen since) are skipped, as keys are
+        for n in sorted(set() if self.partial else set(saved_names) - set(current), key=str):
             self.plan.problems.append(
                 f"unexpected optimizer parameter {n!r} at {self._name(where)}: not in the optimizer"
             )
@@ -105,7 +122,7 @@ class OptimizerPlanning:
         self._optimizer_finalizer(_stateful.optimizer_from_named(built, optim, names), optim, where)
 
     def _optimizer_finalizer(self, sd: dict[str, Any], optim: torch.optim.Optimizer, where: str) -> None:
-        problem = optimizer_problem(sd, optim)
+        problem = optimizer_problem(sd, optim, other_class=self._other_class)
         if problem is not None:
             self.plan.problems.append(f"{self._name(where)}: the saved optimizer state does not fit: {problem}")
         else:

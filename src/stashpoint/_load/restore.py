@@ -203,7 +203,8 @@ class Planner(OptimizerPlanning):
             if live.device.type == "meta":
                 self.plan.problems.append(
                     f"{self._name(key)}: the state's tensor is on the meta device and has no memory to load into; "
-                    "materialize it first (module.to_empty(device=...))"
+                    "materialize it first (module.to_empty(device=...)), then initialize what the checkpoint "
+                    "does not hold (buffers registered with persistent=False, e.g. rotary inv_freq)"
                 )
                 return
             if torch._debug_has_internal_overlap(local_tensor(live)) == 1:
@@ -357,7 +358,9 @@ class Planner(OptimizerPlanning):
             problem = check(built) if callable(check) else structure_problem(built, live_sd)
         if problem is not None:
             self.plan.problems.append(
-                f"{self._name(where)}: the saved state does not fit this {type(live).__name__}: {problem}"
+                f"{self._name(where)}: the saved state does not fit this {type(live).__name__}: {problem} "
+                "(with strict=False it is not loaded: it keeps the state it was built with"
+                + (", its schedule starting over)" if trial.is_torch_scheduler(live) else ")")
             )
             return
         if isinstance(live, torch.amp.GradScaler):

@@ -113,12 +113,15 @@ def regroup_problem(saved: Sequence[Sequence[object]], current: Sequence[Sequenc
     return None
 
 
-def optimizer_problem(sd: Any, optim: torch.optim.Optimizer) -> str | None:
+def optimizer_problem(sd: Any, optim: torch.optim.Optimizer, *, other_class: bool = False) -> str | None:
     """Why the optimizer state dict ``sd`` does not fit ``optim`` (None if it does): its groups
     and their parameter counts, hyperparameters of the kinds the optimizer uses, and
     per-parameter state of tensors and numbers for parameters it lists. Parameters are named by
     index (``state_dict()``'s form) or by any other unique id (DCP's names): torch's
-    ``load_state_dict`` pairs them with the optimizer's parameters by position."""
+    ``load_state_dict`` pairs them with the optimizer's parameters by position. ``other_class``:
+    saved from another optimizer class, whose groups must then hold every hyperparameter this one
+    uses (a group loaded replaces the optimizer's: one it lacks fails the first step; within one
+    class, a key added by a later torch is filled in by the class itself)."""
     if not isinstance(sd, Mapping) or not isinstance(sd.get("param_groups"), Sequence):
         return "the optimizer state is not a dict with a list of param_groups"
     groups, live = sd["param_groups"], optim.param_groups
@@ -134,6 +137,9 @@ def optimizer_problem(sd: Any, optim: torch.optim.Optimizer) -> str | None:
         if any(not isinstance(p, (int, str)) or isinstance(p, bool) or p in ids for p in g["params"]):
             return f"parameter group {i} does not name its parameters once each, by index or name"
         ids.update(g["params"])
+        lacking = sorted(set(lg) - set(g) - {"params", "param_names"}) if other_class else []
+        if lacking:
+            return f"parameter group {i} lacks {lacking[0]!r}, which this {type(optim).__name__} uses"
         for k in set(g) & set(lg) - {"params"}:
             problem = structure_problem(g[k], lg[k], f"param_groups/{i}/{k}")
             if problem:
