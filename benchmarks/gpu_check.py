@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -107,12 +108,17 @@ def run_cuda_tests(log: str | None) -> dict[str, Any]:
     files = [f for f in CUDA_TEST_FILES if (root / f).exists()]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "-n", "8", *files]
     t0 = time.perf_counter()
+    # a session of its own: a timeout stops pytest's workers too (they would hold the GPU while
+    # the next section measures)
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
     try:
-        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=TESTS_TIMEOUT_S, check=False)
-        rc, text = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:  # what ran is kept: the log says where it stopped
+        text, _ = proc.communicate(timeout=TESTS_TIMEOUT_S)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:  # what ran is kept: the log says where it stopped
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
         rc = -1
-        text = "".join(b.decode(errors="replace") if isinstance(b, bytes) else b for b in (e.stdout, e.stderr) if b)
         text += f"\n[gpu_check] the tests ran past {TESTS_TIMEOUT_S} s and were stopped"
     if log:
         Path(log).write_text(text)

@@ -404,3 +404,44 @@ def test_out_of_memory_for_a_fresh_optimizers_state_is_a_checkpoint_error(tmp_pa
     monkeypatch.setattr(torch, "empty_like", full)
     with pytest.raises(CheckpointError, match=r"cannot allocate 256 bytes on cpu for the optimizer state 'optim/"):
         stashpoint.load(state, tmp_path / "c")
+
+
+def test_a_restore_passing_a_damaged_step_lets_its_plans_state_tensors_go(tmp_path, monkeypatch):
+    """Through the manager: the newest step damaged, a fresh optimizer's state tensors made for
+    its plan are gone before the next step's are made (the caught error's traceback held the
+    load's frame, and its plan, before)."""
+    import gc
+    import weakref
+
+    from stashpoint._load import optimplan
+
+    model = torch.nn.Linear(32, 32)
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 32)).sum().backward()
+    optim.step()
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=5) as mgr:
+        mgr.save(1, {"model": model, "optim": optim})
+        mgr.save(2, {"model": model, "optim": optim})
+    step2 = next((tmp_path / "run").glob("step-*2"))
+    shard = max((p for p in step2.rglob("shard-*")), key=lambda p: p.stat().st_size)
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 64] = bytes(64)
+    shard.write_bytes(bytes(raw))
+
+    made: list[weakref.ref] = []
+    alive: list[int] = []
+    real = optimplan._state_like
+
+    def spy(param, dtype, key):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in made))
+        t = real(param, dtype, key)
+        made.append(weakref.ref(t))
+        return t
+
+    monkeypatch.setattr(optimplan, "_state_like", spy)
+    fresh = torch.nn.Linear(32, 32)
+    with stashpoint.CheckpointManager(tmp_path / "run") as mgr:
+        assert mgr.restore({"model": fresh, "optim": torch.optim.Adam(fresh.parameters())}) == 1
+    assert len(made) == 8, "4 state tensors for each step's plan"
+    assert alive[4] == 0, f"step 2's are gone when step 1's are made: {alive}"

@@ -199,6 +199,21 @@ def test_each_node_holds_its_ranks_files_and_restarts_fetch_what_they_read(tmp_p
     assert any("rename it back on each node" in out for out in outs), outs
 
 
+def test_restoring_a_step_whose_only_copy_of_some_files_is_damaged_names_the_damage(tmp_path):
+    """restore(step=N) where one rank's files are damaged on the one node holding them: the
+    nodes recheck, find no good copy, and say the step is damaged (not that a node was lost)."""
+    run_job(tmp_path, 4, "ddp")
+    step = tmp_path / "node-1/ckpt/step-00000004"
+    shard = max((p for p in step.iterdir() if p.name.startswith("shard-")), key=lambda p: p.stat().st_size)
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 64] = bytes(64)
+    shard.write_bytes(bytes(raw))
+    outs = run_job(tmp_path, 4, "ddp", extra=("--restore-step", "4"))
+    errors = [line for out in outs for line in out.splitlines() if line.startswith("RESTORE_ERROR")]
+    assert len(errors) == 2 and all(e.startswith("RESTORE_ERROR CorruptCheckpointError") for e in errors), outs
+    assert "no node holds an undamaged copy" in errors[0] and "checksum" in errors[0], errors
+
+
 @pytest.mark.slow  # the four-node relay test checks the same sparse fetch in the default tier
 def test_fsdp2_restart_fetches_only_the_bytes_its_ranks_read(tmp_path, tmp_path_factory):
     """FSDP2: each rank reads its own shards, which its node holds, and a few replicated bytes

@@ -747,12 +747,24 @@ def test_optimizer_groups_formed_otherwise_are_refused_not_guessed(tmp_path, ord
 def test_regroup_problem_names_each_way_groups_can_be_formed_otherwise():
     from stashpoint._state.validate import regroup_problem
 
-    saved = [["a", "b"], ["c"], []]
-    assert regroup_problem(saved, [["b", "a"], ["c"], []]) is None, "order within a group is free"
-    assert regroup_problem(saved, [["a", "b"], ["c", "new"], ["old"]]) is None, "unknown names: reported elsewhere"
-    assert "saved groups 0 and 1" in (regroup_problem(saved, [["a", "c"], ["b"], []]) or "")
-    assert "groups 0 and 1 both hold parameters of saved group 0" in (regroup_problem(saved, [["a"], ["b"], []]) or "")
-    assert "group 0 holds the parameters of saved group 1" in (regroup_problem(saved, [["c"], ["a", "b"], []]) or "")
+    def groups(*spec):
+        return [{"params": names, "lr": lr, "initial_lr": 9.0} for names, lr in spec]
+
+    saved = groups((["a", "b"], 0.1), (["c"], 0.01), ([], 0.1))
+    assert regroup_problem(saved, groups((["b", "a"], 0.5), (["c"], 0.5), ([], 0.5))) is None, "order within: free"
+    assert regroup_problem(saved, groups((["a", "b"], 0.1), (["c", "new"], 0.1), (["old"], 0.1))) is None
+    assert "saved groups 0 and 1, whose" in (
+        regroup_problem(saved, groups((["a", "c"], 0.1), (["b"], 0.1), ([], 1))) or ""
+    )
+    shared = regroup_problem(saved, groups((["a"], 0.1), (["b"], 0.2), ([], 0.1))) or ""
+    assert "groups 0 and 1 both hold parameters of saved group 0" in shared
+    assert regroup_problem(saved, groups((["a"], 0.1), (["b"], 0.1), ([], 0.1))) is None, "alike: both take its lr"
+    assert "group 0 holds the parameters of saved group 1" in (
+        regroup_problem(saved, groups((["c"], 1), (["a", "b"], 1), ([], 1))) or ""
+    )
+    alike = groups((["a", "b"], 0.1), (["c"], 0.1), ([], 0.1))
+    assert regroup_problem(alike, groups((["a", "c"], 0.1), (["b"], 0.1), ([], 0.1))) is None, "saved alike: no guess"
+    assert regroup_problem(alike, groups((["c"], 0.1), (["a", "b"], 0.1), ([], 0.1))) is None
 
 
 def test_partial_skips_the_saved_state_of_parameters_the_optimizer_no_longer_holds(tmp_path):
@@ -789,3 +801,68 @@ def test_a_state_that_does_not_fit_another_libraries_optimizer_names_both_classe
         stashpoint.StateMismatchError, match=r"the state of a torch\.optim\.adamw\.AdamW, the state holds a .*_OwnSGD"
     ):
         stashpoint.load({"model": fresh, "optim": _OwnSGD(fresh.parameters(), lr=0.1)}, tmp_path / "ck")
+
+
+class _ProjectAdamW(torch.optim.AdamW):
+    """A project's own subclass (a log line, a hook): the same hyperparameters as AdamW."""
+
+
+def _as_older_torch(_optim, sd):  # what an AdamW of an older torch saved: keys added since left out
+    for g in sd["param_groups"]:
+        for k in ("decoupled_weight_decay", "fused", "differentiable"):
+            g.pop(k, None)
+    return sd
+
+
+def test_a_subclass_takes_an_older_torchs_state_that_its_class_fills_in(tmp_path):
+    """The class of the state differs (a subclass), and the saved groups lack keys a later torch
+    added: torch's load fills them in (``__setstate__``), so the state fits."""
+    model = small_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optim.register_state_dict_post_hook(_as_older_torch)
+    train_steps(model, optim, 1)
+    stashpoint.save({"model": model, "optim": optim}, tmp_path / "ck")
+    fresh = small_model(seed=3)
+    optim2 = _ProjectAdamW(fresh.parameters(), lr=0.5)
+    torch.optim.lr_scheduler.LambdaLR(optim2, lambda e: 1.0)  # built before the load: adds initial_lr
+    stashpoint.load({"model": fresh, "optim": optim2}, tmp_path / "ck")
+    assert optim2.param_groups[0]["lr"] == 1e-2 and optim2.param_groups[0]["decoupled_weight_decay"] is True
+    train_steps(fresh, optim2, 1)
+
+
+def test_groups_alike_in_every_hyperparameter_may_be_formed_anew(tmp_path):
+    """Trainer-style groups whose weight decay is 0 in both: moving a name between them changes
+    nothing a load could get wrong."""
+    model = small_model()
+    optim = _grouped(model, (["0.weight", "2.weight"], ["0.bias", "2.bias"]), (0.1, 0.1))
+    for g in optim.param_groups:
+        g["weight_decay"] = 0.0
+    train_steps(model, optim, 1)
+    stashpoint.save({"model": model, "optim": optim}, tmp_path / "ck")
+    fresh = small_model(seed=3)
+    optim2 = _grouped(fresh, (["0.weight"], ["2.weight", "0.bias", "2.bias"]), (0.1, 0.1))
+    stashpoint.load({"model": fresh, "optim": optim2}, tmp_path / "ck")
+    assert [g["weight_decay"] for g in optim2.param_groups] == [0.0, 0.0]
+
+
+def test_partial_skips_a_group_whose_parameters_were_all_frozen(tmp_path):
+    model = small_model()
+    optim = _grouped(model, (["0.weight", "0.bias"], ["2.weight", "2.bias"]), (0.1, 0.01))
+    train_steps(model, optim, 1)
+    stashpoint.save({"model": model, "optim": optim}, tmp_path / "ck")
+    fresh = small_model(seed=3)
+    fresh[0].requires_grad_(False)
+    optim2 = torch.optim.AdamW(fresh[2].parameters(), lr=0.5, weight_decay=0.1)
+    stashpoint.load({"model": fresh, "optim": optim2}, tmp_path / "ck", partial=True)
+    assert optim2.param_groups[0]["lr"] == 0.01
+    assert torch.equal(optim2.state[fresh[2].weight]["exp_avg"], optim.state[model[2].weight]["exp_avg"])
+
+
+def test_a_torch_class_that_moved_module_is_the_same_class():
+    from stashpoint._state.stateful import saved_from_other_class
+
+    optim = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    assert not saved_from_other_class("torch.optim.adamw.AdamW", optim)
+    assert not saved_from_other_class("torch.optim._adamw.AdamW", optim)
+    assert not saved_from_other_class(None, optim)
+    assert saved_from_other_class("transformers.optimization.AdamW", optim)

@@ -93,7 +93,7 @@ class Paired:
         """Write the file through the page cache and read it once: :meth:`read_cached` then
         reads it from memory, as a same-node load finds a checkpoint's pages."""
         self.file.parent.mkdir(parents=True, exist_ok=True)
-        _write(self.file, self.nbytes, self.buf, direct=False)
+        _write(self.file, self.nbytes, self.buf, direct=False)  # fsynced: no writeback during the loads
         _read(self.file, self.buf, direct=False)
 
     def read_cached(self) -> float:

@@ -29,7 +29,7 @@ class OptimizerPlanning:
     root: Any
     where: str
     partial: bool
-    _other_class = False  # the optimizer being planned is of another class than the one saved
+    _saved_class: str | None = None  # the class the optimizer being planned was saved from, where another
 
     def _name(self, key: str) -> str:
         raise NotImplementedError
@@ -43,17 +43,8 @@ class OptimizerPlanning:
     def _optimizer(self, saved: Node, optim: torch.optim.Optimizer, where: str) -> None:
         n_before = len(self.plan.problems)
         cls = saved.get("class")
-        self._other_class = isinstance(cls, str) and cls != _stateful.class_name(optim)
-        self._optimizer_state(saved, optim, where)
-        if len(self.plan.problems) != n_before and self._other_class:
-            # torch's own classes are told apart beforehand; another's state is only seen not to fit
-            self.plan.problems.append(
-                f"{self._name(where)}: the checkpoint holds the state of a {cls}, the state holds a "
-                f"{_stateful.class_name(optim)}: load it into the optimizer class it was saved from"
-            )
-
-    def _optimizer_state(self, saved: Node, optim: torch.optim.Optimizer, where: str) -> None:
-        n_before = len(self.plan.problems)
+        # torch's own classes are told apart beforehand; another's state is judged by its fit
+        self._saved_class = cls if _stateful.saved_from_other_class(cls, optim) else None
         by_name = saved.get("keyed_by") == "name"
         modules = _stateful.find_modules(self.root)
         names = _stateful.names_as_saved(modules, saved_param_names(saved["state"]) or ()) if by_name else {}
@@ -83,8 +74,11 @@ class OptimizerPlanning:
         if malformed is not None:
             self.plan.problems.append(f"{self._name(where)}: the saved optimizer state is malformed: {malformed}")
             return
+        if self.partial:  # parameters the optimizer no longer holds (frozen since) are skipped, as keys are
+            held = set(current)
+            kept = [g for g in built["param_groups"] if not g["params"] or held & set(g["params"])]
+            built = {**built, "param_groups": kept}  # a group all of whose parameters went, too
         saved_names = [n for g in built["param_groups"] for n in g["params"]]
-        # partial: parameters the optimizer no longer holds (frozen since) are skipped, as keys are
         for n in sorted(set() if self.partial else set(saved_names) - set(current), key=str):
             self.plan.problems.append(
                 f"unexpected optimizer parameter {n!r} at {self._name(where)}: not in the optimizer"
@@ -100,8 +94,8 @@ class OptimizerPlanning:
             )
         elif (
             regrouped := regroup_problem(
-                [g["params"] for g in built["param_groups"]],
-                [[names[id(p)] for p in g["params"]] for g in optim.param_groups],
+                built["param_groups"],
+                [{**g, "params": [names[id(p)] for p in g["params"]]} for g in optim.param_groups],
             )
         ) is not None:
             self.plan.problems.append(f"{self._name(where)}: {regrouped}")
@@ -122,7 +116,12 @@ class OptimizerPlanning:
         self._optimizer_finalizer(_stateful.optimizer_from_named(built, optim, names), optim, where)
 
     def _optimizer_finalizer(self, sd: dict[str, Any], optim: torch.optim.Optimizer, where: str) -> None:
-        problem = optimizer_problem(sd, optim, other_class=self._other_class)
+        problem = optimizer_problem(sd, optim, other_class=self._saved_class is not None)
+        if problem is not None and self._saved_class is not None:
+            problem += (
+                f" (the checkpoint holds the state of a {self._saved_class}, the state holds a "
+                f"{_stateful.class_name(optim)}: load it into the optimizer class it was saved from)"
+            )
         if problem is not None:
             self.plan.problems.append(f"{self._name(where)}: the saved optimizer state does not fit: {problem}")
         else:
@@ -165,6 +164,8 @@ def _state_like(param: torch.Tensor, dtype: torch.dtype, key: str) -> torch.Tens
         with torch.no_grad():
             return torch.empty_like(param, dtype=dtype)
     except (RuntimeError, MemoryError) as e:
+        if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and "memory" not in str(e).lower():
+            raise
         raise CheckpointError(
             f"cannot allocate {param.numel() * dtype.itemsize:,} bytes on {param.device} for the optimizer state "
             f"{key!r} (a fresh optimizer's state is made to load into): {str(e)[:200]}"

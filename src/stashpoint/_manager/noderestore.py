@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -153,10 +153,10 @@ class NodeLocal:
                 self._area, self._claim = mem, memfetch.claim(mem)
             mem = self._area if self._claim is not None and mem == self._area else None
         ctx = _dist.context(options.get("process_group"), options.get("timeout")) or DistContext.solo()
-        checked: set[int] = set()  # steps whose copies every leader has checked, after a failed load
+        checked: dict[int, str] = {}  # steps whose copies every leader has checked, after a failed load: why
         rechecked: list[tuple[int, str, str]] = []
         while True:
-            order, by_node, mem = self._agree(ctx, root, remote, step, mem)
+            order, by_node, mem = self._agree(ctx, root, remote, step, mem, checked=checked)
 
             def fetch_and_load(
                 candidate: tuple[int, str], by_node: dict[int, tuple[Held, ...]] = by_node, mem: Path | None = mem
@@ -180,6 +180,8 @@ class NodeLocal:
                     self._fetch(ctx, at, holders, state, options)
                     load_one(at)
                 except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+                    if s in checked and isinstance(e, IncompleteCheckpointError):  # its damaged files are gone
+                        raise CorruptCheckpointError(f"{e} (checked after: {checked[s]})") from None
                     if s in checked:
                         raise
                     raise _Recheck(s, e) from e  # the same on every rank: the load's failure is agreed
@@ -195,7 +197,7 @@ class NodeLocal:
                     "stashpoint: the local copy of step %d is unusable (%s); checking each node's", r.step, r.error
                 )
                 rechecked.append((r.step, "local", str(r.error)[:2000]))
-                checked.add(r.step)
+                checked[r.step] = str(r.error)[:2000]
                 if self.me.leader:
                     try:  # whatever happens here, this leader goes on to the agreement the others wait in
                         mark_damaged(root, r.step, str(r.error))
@@ -226,7 +228,14 @@ class NodeLocal:
         return RestoreReport(candidate, tier, tuple(order), tuple(rechecked + damaged))
 
     def _agree(
-        self, ctx: DistContext, root: Storage, remote: Storage | None, step: int | None, mem: Path | None
+        self,
+        ctx: DistContext,
+        root: Storage,
+        remote: Storage | None,
+        step: int | None,
+        mem: Path | None,
+        *,
+        checked: Mapping[int, str],  # steps rechecked after a failed load: why
     ) -> tuple[list[tuple[int, str]], dict[int, tuple[Held, ...]], Path | None]:
         """Every node's holdings gathered and the copies to try agreed (newest first), with
         what each node holds and this node's memory area (None where its ranks read its
@@ -276,11 +285,17 @@ class NodeLocal:
         self.remote_unseen = bool(answer[5]) and remote is not None
         if self.remote_unseen and not order and remote is not None:
             raise unseen_remote(remote.location)
+        if step is not None and step in torn and step in checked:  # the damaged files were all it had
+            raise CorruptCheckpointError(
+                f"step {step} at {root.location}: no node holds an undamaged copy of some of its files "
+                f"({checked[step]}); restore another step"
+            )
         if step is not None and step in torn:
             raise IncompleteCheckpointError(
                 f"step {step} at {root.location} is incomplete on this job's nodes: some saving rank's files are "
-                "on no node of this job (a node that saved it lost its directory, or is not in this job) and on no "
-                "remote tier; restart with the nodes that hold them, or restore another step"
+                "on no node of this job (a node that saved it lost its directory or is not in this job, or the "
+                f"nodes hold different saves of it){' and on no remote tier' if remote is not None else ''}; "
+                "restart with the nodes that hold them, or restore another step"
             )
         if step is not None and not order:
             order = [(step, "local")]  # raises CheckpointNotFoundError, naming the path

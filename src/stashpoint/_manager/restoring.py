@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,6 +136,9 @@ def try_in_order(
             if step is not None and (candidate, tier) == order[-1] and not errors:
                 raise
             log.error("stashpoint: the %s copy of step %d is unusable (%s); trying another", tier, candidate, _told(e))
+            # its frames' locals go: the load's plan holds tensors made for it (a fresh
+            # optimizer's state), which the next copy's plan would make again beside them
+            traceback.clear_frames(e.__traceback__)
             errors.append(e)
             damaged.append((candidate, tier, str(e)[:2000]))
             continue

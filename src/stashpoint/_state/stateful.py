@@ -256,6 +256,18 @@ def class_name(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
+def saved_from_other_class(saved: object, live: Any) -> bool:
+    """Whether an optimizer state recorded as saved from class ``saved`` (None in older
+    checkpoints) comes from another class than ``live``: torch's own compared by name alone
+    (torch moves them between its modules)."""
+    mine = class_name(live)
+    if not isinstance(saved, str) or saved == mine:
+        return False
+    if saved.startswith("torch.optim.") and mine.startswith("torch.optim."):
+        return saved.rsplit(".", 1)[-1] != mine.rsplit(".", 1)[-1]
+    return True
+
+
 def optimizer_class_problem(saved: object, live: Any) -> str | None:
     """Why an optimizer state saved from class ``saved`` (the tree's record; None in older
     checkpoints) does not fit ``live``: two of torch's own optimizers that differ (an AdamW

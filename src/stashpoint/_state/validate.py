@@ -77,40 +77,85 @@ def named_optimizer_problem(sd: Mapping[str, Any]) -> str | None:
     return None
 
 
-def regroup_problem(saved: Sequence[Sequence[object]], current: Sequence[Sequence[object]]) -> str | None:
-    """Why a name-keyed optimizer state whose parameter groups hold the parameter names
-    ``saved`` cannot take the groups ``current`` (as many) without a guess: a group holding
-    parameters of several saved groups, two groups sharing one saved group, or the saved groups
-    in another order. Each group takes its hyperparameters (lr, weight decay) from a saved group,
-    and an LR scheduler keeps its per-group state by position. Empty groups and parameters only
-    one side has are left out (reported elsewhere). Pure."""
-    group_of = {n: gi for gi, names in enumerate(saved) for n in names}
+_NOT_HYPER = ("params", "param_names", "initial_lr")  # initial_lr: an LR scheduler's, set at its start
+
+
+def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in _NOT_HYPER}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Two hyperparameter values alike (tensors by their values)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _alike(groups: Sequence[Mapping[str, Any]]) -> bool:
+    first = _hyper(groups[0])
+    return all(_same(first, _hyper(g)) for g in groups[1:])
+
+
+def regroup_problem(saved: Sequence[Mapping[str, Any]], current: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why a name-keyed optimizer state with the parameter groups ``saved`` (their ``params``
+    parameter names) cannot take the groups ``current`` (as many, named alike) without a guess:
+    a group holding parameters of saved groups whose hyperparameters differ, groups of differing
+    hyperparameters sharing one saved group, or saved groups of differing hyperparameters in
+    another order. Each group takes its hyperparameters (lr, weight decay) from a saved group,
+    and an LR scheduler keeps its per-group state by position; groups alike in every
+    hyperparameter may be formed anew. Empty groups and parameters only one side has are left
+    out (reported elsewhere). Pure."""
+    fix = "form the groups as they were saved, or load with strict=False and set the hyperparameters after"
+    group_of = {n: gi for gi, g in enumerate(saved) for n in g["params"]}
     taken: dict[int, int] = {}
-    for gi, names in enumerate(current):
-        came = sorted({group_of[n] for n in names if n in group_of})
-        if len(came) > 1:
+    for gi, g in enumerate(current):
+        came = sorted({group_of[n] for n in g["params"] if n in group_of})
+        if len(came) > 1 and not _alike([saved[i] for i in came]):
             return (
-                f"parameter group {gi} holds parameters of saved groups {came[0]} and {came[1]} (the groups were "
-                "formed otherwise): which group's hyperparameters (lr, weight decay) apply would be a guess; form "
-                "the groups as they were saved, or load with strict=False and set the hyperparameters after"
+                f"parameter group {gi} holds parameters of saved groups {came[0]} and {came[1]}, whose "
+                f"hyperparameters differ: which apply would be a guess; {fix}"
             )
         if not came:
             continue
-        if came[0] in taken:
+        if came[0] in taken and not _alike([current[taken[came[0]]], g]):
             return (
-                f"parameter groups {taken[came[0]]} and {gi} both hold parameters of saved group {came[0]} (the "
-                "groups were formed otherwise): form them as they were saved, or load with strict=False and set "
-                "the hyperparameters after"
+                f"parameter groups {taken[came[0]]} and {gi} both hold parameters of saved group {came[0]}, and "
+                f"their hyperparameters differ: both would take that group's; {fix}"
             )
-        taken[came[0]] = gi
-    moved = sorted((gi, si) for si, gi in taken.items() if si != gi)
+        taken.setdefault(came[0], gi)
+    moved = sorted((gi, si) for si, gi in taken.items() if si != gi and not _alike([saved[si], saved[gi]]))
     if moved:
         gi, si = moved[0]
         return (
-            f"parameter group {gi} holds the parameters of saved group {si} (the groups are in another order): "
-            "an LR scheduler keeps its per-group state by position; list the groups in the order they were saved"
+            f"parameter group {gi} holds the parameters of saved group {si}, whose hyperparameters differ from "
+            f"saved group {gi}'s (the groups are in another order): an LR scheduler keeps its per-group state by "
+            f"position; {fix}"
         )
     return None
+
+
+def lacking_hyperparameters(
+    saved: Mapping[str, Any], live: Mapping[str, Any], optim: torch.optim.Optimizer
+) -> list[str]:
+    """The hyperparameters ``optim``'s group ``live`` holds that the saved group ``saved`` lacks once the
+    optimizer's class has filled in its own (torch's load fills a key added by a later torch
+    through ``__setstate__``): a group loaded replaces the optimizer's, and one it lacks fails
+    the first step. Judged on a throwaway instance; [] where that cannot be made."""
+    try:
+        shell = object.__new__(type(optim))
+        group = {**saved, "params": []}
+        type(optim).__setstate__(shell, {"defaults": dict(optim.defaults), "state": {}, "param_groups": [group]})
+        filled = set(shell.param_groups[0])
+    except Exception:  # a class whose fill-in needs more: not judged
+        return []
+    return sorted(set(live) - filled - set(_NOT_HYPER))
 
 
 def optimizer_problem(sd: Any, optim: torch.optim.Optimizer, *, other_class: bool = False) -> str | None:
@@ -137,7 +182,7 @@ def optimizer_problem(sd: Any, optim: torch.optim.Optimizer, *, other_class: boo
         if any(not isinstance(p, (int, str)) or isinstance(p, bool) or p in ids for p in g["params"]):
             return f"parameter group {i} does not name its parameters once each, by index or name"
         ids.update(g["params"])
-        lacking = sorted(set(lg) - set(g) - {"params", "param_names"}) if other_class else []
+        lacking = lacking_hyperparameters(g, lg, optim) if other_class else []
         if lacking:
             return f"parameter group {i} lacks {lacking[0]!r}, which this {type(optim).__name__} uses"
         for k in set(g) & set(lg) - {"params"}:
