@@ -212,6 +212,8 @@ def test_restoring_a_step_whose_only_copy_of_some_files_is_damaged_names_the_dam
     errors = [line for out in outs for line in out.splitlines() if line.startswith("RESTORE_ERROR")]
     assert len(errors) == 2 and all(e.startswith("RESTORE_ERROR CorruptCheckpointError") for e in errors), outs
     assert "no node holds an undamaged copy" in errors[0] and "checksum" in errors[0], errors
+    outs = run_job(tmp_path, 4, "ddp")  # a plain restore passes it by
+    assert resumed(outs) == {2}
 
 
 @pytest.mark.slow  # the four-node relay test checks the same sparse fetch in the default tier
