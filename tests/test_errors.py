@@ -628,3 +628,45 @@ def test_objects_saved_in_a_container_the_state_holds_empty_are_missing_not_rebu
     with pytest.warns(UserWarning, match="put the objects in it"):
         stashpoint.load(state, tmp_path / "ck", strict=False)
     assert state["scheds"] == [] and torch.equal(state["losses"][0], torch.ones(2))  # plain values still grow
+
+
+def test_drop_locals_clears_chained_errors_frames_and_leaves_a_suspended_generator_running():
+    import weakref
+
+    from stashpoint._runtime import drop_locals
+
+    class Held:
+        pass
+
+    def inner() -> None:
+        big = Held()
+        refs.append(weakref.ref(big))
+        raise ValueError("inner")
+
+    def outer() -> None:
+        try:
+            inner()
+        except ValueError:
+            raise KeyError("outer") from None  # the inner error stays its __context__
+
+    def gen():
+        try:
+            yield 1
+            raise ValueError("in a generator")
+        except ValueError as e:
+            caught.append(e)
+        yield 2
+        yield 3
+
+    refs: list = []
+    caught: list = []
+    try:
+        outer()
+    except KeyError as e:
+        error = e
+    drop_locals(error)
+    assert refs[0]() is None, "the chained error's frame let its locals go"
+    g = gen()
+    assert next(g) == 1 and next(g) == 2
+    drop_locals(caught[0])
+    assert next(g, "closed") == 3, "a suspended generator's frame is left alone (clearing it closes it)"

@@ -866,3 +866,56 @@ def test_a_torch_class_that_moved_module_is_the_same_class():
     assert not saved_from_other_class("torch.optim._adamw.AdamW", optim)
     assert not saved_from_other_class(None, optim)
     assert saved_from_other_class("transformers.optimization.AdamW", optim)
+
+
+def test_regrouping_groups_of_tensor_valued_hyperparameters_is_refused(tmp_path):
+    """A tensor lr (capturable Adam) is read after planning: groups holding one are never taken
+    for alike, so a merge of two saved groups whose lrs differ is refused, not loaded at one."""
+    model = small_model()
+    optim = torch.optim.AdamW(
+        [
+            {"params": [model[0].weight, model[2].weight], "lr": torch.tensor(0.1)},
+            {"params": [model[0].bias, model[2].bias], "lr": torch.tensor(0.001)},
+        ]
+    )
+    train_steps(model, optim, 1)
+    stashpoint.save({"model": model, "optim": optim}, tmp_path / "ck")
+    fresh = small_model(seed=3)
+    merged = torch.optim.AdamW(
+        [
+            {"params": [fresh[0].weight, fresh[0].bias], "lr": torch.tensor(0.5)},
+            {"params": [fresh[2].weight, fresh[2].bias], "lr": torch.tensor(0.5)},
+        ]
+    )
+    with pytest.raises(stashpoint.StateMismatchError, match="holds parameters of saved groups 0 and 1"):
+        stashpoint.load({"model": fresh, "optim": merged}, tmp_path / "ck")
+
+
+def test_partial_pairs_an_empty_group_with_the_group_whose_parameters_were_frozen(tmp_path):
+    """Groups built with `if p.requires_grad` keep an empty group where the frozen layer's was."""
+    model = small_model()
+    optim = _grouped(model, (["0.weight", "0.bias"], ["2.weight"], ["2.bias"]), (1e-4, 1e-3, 1e-2))
+    train_steps(model, optim, 1)
+    stashpoint.save({"model": model, "optim": optim}, tmp_path / "ck")
+    fresh = small_model(seed=3)
+    fresh[0].requires_grad_(False)
+    by_name = dict(fresh.named_parameters())
+    spec = ((["0.weight", "0.bias"], 1e-4), (["2.weight"], 1e-3), (["2.bias"], 1e-2))
+    optim2 = torch.optim.AdamW(
+        [{"params": [by_name[n] for n in names if by_name[n].requires_grad], "lr": lr} for names, lr in spec]
+    )
+    assert [len(g["params"]) for g in optim2.param_groups] == [0, 1, 1]
+    stashpoint.load({"model": fresh, "optim": optim2}, tmp_path / "ck", partial=True)
+    assert [g["lr"] for g in optim2.param_groups][1:] == [1e-3, 1e-2]
+
+
+def test_a_groups_label_is_not_a_hyperparameter(tmp_path):
+    model = small_model()
+    optim = _grouped(model, (["0.weight", "2.weight"], ["0.bias", "2.bias"]), (0.1, 0.1))
+    for g, label in zip(optim.param_groups, ("weights", "biases")):
+        g["name"] = label
+    train_steps(model, optim, 1)
+    stashpoint.save({"model": model, "optim": optim}, tmp_path / "ck")
+    fresh = small_model(seed=3)
+    optim2 = _grouped(fresh, (["0.weight", "0.bias"], ["2.weight", "2.bias"]), (0.1, 0.1))
+    stashpoint.load({"model": fresh, "optim": optim2}, tmp_path / "ck")

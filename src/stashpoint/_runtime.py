@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import inspect
 import logging
 import os
 import sys
@@ -174,3 +175,26 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
+def drop_locals(error: BaseException, keep: BaseException | None = None) -> None:
+    """Clear the local variables of the finished frames in ``error``'s traceback and those of
+    the errors it chains (plans, buffers, tensors made for a load or a save); the lines stay
+    for the report. ``keep`` (an error raised to a caller too) and what it chains keep theirs,
+    for its debugger; a suspended generator's frame is left alone (clearing it closes it)."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and e is not keep and id(e) not in seen:
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            if not tb.tb_frame.f_code.co_flags & _SUSPENDABLE:
+                try:
+                    tb.tb_frame.clear()
+                except RuntimeError:  # still running (the caller's own frame)
+                    pass
+            tb = tb.tb_next
+        e = e.__cause__ or e.__context__

@@ -77,7 +77,8 @@ class OptimizerPlanning:
         if self.partial:  # parameters the optimizer no longer holds (frozen since) are skipped, as keys are
             held = set(current)
             kept = [g for g in built["param_groups"] if not g["params"] or held & set(g["params"])]
-            built = {**built, "param_groups": kept}  # a group all of whose parameters went, too
+            if len(kept) == len(optim.param_groups):  # a group all of whose parameters went, too
+                built = {**built, "param_groups": kept}  # (kept where an empty group stands in its place)
         saved_names = [n for g in built["param_groups"] for n in g["params"]]
         for n in sorted(set() if self.partial else set(saved_names) - set(current), key=str):
             self.plan.problems.append(
@@ -96,6 +97,7 @@ class OptimizerPlanning:
             regrouped := regroup_problem(
                 built["param_groups"],
                 [{**g, "params": [names[id(p)] for p in g["params"]]} for g in optim.param_groups],
+                set(optim.defaults),
             )
         ) is not None:
             self.plan.problems.append(f"{self._name(where)}: {regrouped}")

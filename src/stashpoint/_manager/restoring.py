@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from stashpoint import _runtime
 from stashpoint._load.loader import PARTLY_LOADED
 from stashpoint._manager.rewindmark import live, pending_rewind
 from stashpoint._manager.tiers import restore_order
@@ -138,7 +138,7 @@ def try_in_order(
             log.error("stashpoint: the %s copy of step %d is unusable (%s); trying another", tier, candidate, _told(e))
             # its frames' locals go: the load's plan holds tensors made for it (a fresh
             # optimizer's state), which the next copy's plan would make again beside them
-            traceback.clear_frames(e.__traceback__)
+            _runtime.drop_locals(e)
             errors.append(e)
             damaged.append((candidate, tier, str(e)[:2000]))
             continue

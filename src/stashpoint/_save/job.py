@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from stashpoint import _runtime
 from stashpoint._core.format import MAX_MANIFEST_BYTES, Chunk, checksum, utc_stamp
 from stashpoint._core.index import Head, RankIndex
 from stashpoint._core.naming import MANIFEST_NAME, group_dir, index_name, parse_save_file, placed
@@ -95,7 +95,7 @@ class PersistJob:
         try:
             return self._run(t_start, staging_s)
         except BaseException as e:
-            _drop_locals(e, keep=self.early_error)
+            _runtime.drop_locals(e, keep=self.early_error)
             raise
         finally:
             # A failed save's handle is kept until wait() reports it (by a manager, over many
@@ -340,15 +340,3 @@ class PersistJob:
             # this path (which may commit after us, and win) must stay whole.
             self._remove(lambda name: (p := parse_save_file(name)) is not None and p[1] == replaced)
         return Totals(sum(o.nbytes for o in outcomes), sum(w.files for w in written), len(plan.catalog))
-
-
-def _drop_locals(error: BaseException, keep: BaseException | None) -> None:
-    """Clear the local variables of the finished frames in ``error``'s tracebacks and those of
-    its causes (plans, chunks and trees of every tensor); the lines stay for the report. ``keep``
-    (the caller's own error, raised to it too) and its causes keep theirs, for its debugger."""
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and e is not keep and id(e) not in seen:
-        seen.add(id(e))
-        traceback.clear_frames(e.__traceback__)
-        e = e.__cause__ or e.__context__

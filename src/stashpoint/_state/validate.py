@@ -4,7 +4,7 @@ handed to the object's ``load_state_dict``: what a file says is never trusted to
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -80,14 +80,15 @@ def named_optimizer_problem(sd: Mapping[str, Any]) -> str | None:
 _NOT_HYPER = ("params", "param_names", "initial_lr")  # initial_lr: an LR scheduler's, set at its start
 
 
-def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k not in _NOT_HYPER}
+def _hyper(group: Mapping[str, Any], keys: Collection[str] | None) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in _NOT_HYPER and (keys is None or k in keys)}
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Two hyperparameter values alike (tensors by their values)."""
+    """Two hyperparameter values alike. Tensors never are: a saved one is read after planning
+    (what the plan holds is the live tensor, or memory not yet read)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+        return False
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, Mapping) and isinstance(b, Mapping):
@@ -98,12 +99,9 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _alike(groups: Sequence[Mapping[str, Any]]) -> bool:
-    first = _hyper(groups[0])
-    return all(_same(first, _hyper(g)) for g in groups[1:])
-
-
-def regroup_problem(saved: Sequence[Mapping[str, Any]], current: Sequence[Mapping[str, Any]]) -> str | None:
+def regroup_problem(
+    saved: Sequence[Mapping[str, Any]], current: Sequence[Mapping[str, Any]], keys: Collection[str] | None = None
+) -> str | None:
     """Why a name-keyed optimizer state with the parameter groups ``saved`` (their ``params``
     parameter names) cannot take the groups ``current`` (as many, named alike) without a guess:
     a group holding parameters of saved groups whose hyperparameters differ, groups of differing
@@ -111,7 +109,13 @@ def regroup_problem(saved: Sequence[Mapping[str, Any]], current: Sequence[Mappin
     another order. Each group takes its hyperparameters (lr, weight decay) from a saved group,
     and an LR scheduler keeps its per-group state by position; groups alike in every
     hyperparameter may be formed anew. Empty groups and parameters only one side has are left
-    out (reported elsewhere). Pure."""
+    out (reported elsewhere). ``keys``: the hyperparameters compared (the optimizer's defaults;
+    None: every key but the parameters, e.g. not a user's label). Pure."""
+
+    def _alike(groups: Sequence[Mapping[str, Any]]) -> bool:
+        first = _hyper(groups[0], keys)
+        return all(_same(first, _hyper(g, keys)) for g in groups[1:])
+
     fix = "form the groups as they were saved, or load with strict=False and set the hyperparameters after"
     group_of = {n: gi for gi, g in enumerate(saved) for n in g["params"]}
     taken: dict[int, int] = {}
