@@ -868,9 +868,8 @@ def test_a_torch_class_that_moved_module_is_the_same_class():
     assert saved_from_other_class("transformers.optimization.AdamW", optim)
 
 
-def test_regrouping_groups_of_tensor_valued_hyperparameters_is_refused(tmp_path):
-    """A tensor lr (capturable Adam) is read after planning: groups holding one are never taken
-    for alike, so a merge of two saved groups whose lrs differ is refused, not loaded at one."""
+def _save_with_tensor_lrs(path):
+    """Weights at a tensor lr of 0.1, biases at 0.001 (a compiled optimizer's tensor lr)."""
     model = small_model()
     optim = torch.optim.AdamW(
         [
@@ -879,7 +878,13 @@ def test_regrouping_groups_of_tensor_valued_hyperparameters_is_refused(tmp_path)
         ]
     )
     train_steps(model, optim, 1)
-    stashpoint.save({"model": model, "optim": optim}, tmp_path / "ck")
+    stashpoint.save({"model": model, "optim": optim}, path)
+
+
+def test_regrouping_groups_of_tensor_valued_hyperparameters_is_refused(tmp_path):
+    """A tensor lr (capturable Adam) is read after planning: groups holding one are never taken
+    for alike, so a merge of two saved groups whose lrs differ is refused, not loaded at one."""
+    _save_with_tensor_lrs(tmp_path / "ck")
     fresh = small_model(seed=3)
     merged = torch.optim.AdamW(
         [
@@ -919,3 +924,17 @@ def test_a_groups_label_is_not_a_hyperparameter(tmp_path):
     fresh = small_model(seed=3)
     optim2 = _grouped(fresh, (["0.weight", "0.bias"], ["2.weight", "2.bias"]), (0.1, 0.1))
     stashpoint.load({"model": fresh, "optim": optim2}, tmp_path / "ck")
+
+
+def test_groups_sharing_the_default_lr_tensor_each_get_their_own_saved_lr(tmp_path):
+    """A tensor lr given as the optimizer's default (as for a compiled optimizer) is one object
+    in every group: read in place, each group took the last group's saved lr."""
+    _save_with_tensor_lrs(tmp_path / "ck")
+    fresh = small_model(seed=3)
+    shared = torch.tensor(0.5)
+    optim2 = torch.optim.AdamW(
+        [{"params": [fresh[0].weight, fresh[2].weight]}, {"params": [fresh[0].bias, fresh[2].bias]}], lr=shared
+    )
+    assert optim2.param_groups[0]["lr"] is optim2.param_groups[1]["lr"]
+    stashpoint.load({"model": fresh, "optim": optim2}, tmp_path / "ck")
+    assert [float(g["lr"]) for g in optim2.param_groups] == [float(torch.tensor(0.1)), float(torch.tensor(0.001))]

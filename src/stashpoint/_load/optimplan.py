@@ -52,6 +52,7 @@ class OptimizerPlanning:
         live = _stateful.optimizer_to_tree(optim, names)[1] if by_name else optim.state_dict()
         params = _optimizer_params(optim, names, by_name)
         live = {**live, "state": self._state_like_params(saved["state"], live.get("state", {}), params)}
+        live["param_groups"] = _unshared(live.get("param_groups"))
         built = self.build(saved["state"], where, like=live)
         if not (isinstance(built, dict) and isinstance(built.get("param_groups"), list)):
             raise CorruptCheckpointError(f"the optimizer state at {self._name(where)} in {self.where} is malformed")
@@ -157,6 +158,24 @@ class OptimizerPlanning:
                 if tuple(entry.shape) == tuple(param.shape) and len(entry.shape) > 0:
                     slot[skey] = _state_like(param, torch_dtype(entry.dtype, entry.key), entry.key)
         return out
+
+
+def _unshared(groups: Any) -> Any:
+    """The live groups, a hyperparameter tensor that several hold (a tensor lr given as the
+    optimizer's default is one object in every group) copied for each after the first: read in
+    place, every group would get the last one's saved value."""
+    if not isinstance(groups, list):
+        return groups
+    seen: set[int] = set()
+    out = []
+    for group in groups:
+        if not isinstance(group, dict):
+            out.append(group)
+            continue
+        own = {k: v.clone() if isinstance(v, torch.Tensor) and id(v) in seen else v for k, v in group.items()}
+        seen.update(id(v) for v in own.values() if isinstance(v, torch.Tensor))
+        out.append(own)
+    return out
 
 
 def _state_like(param: torch.Tensor, dtype: torch.dtype, key: str) -> torch.Tensor:
