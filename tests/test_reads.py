@@ -13,6 +13,8 @@ from stashpoint._load.reads import _execute_pipelined, plan_pieces
 from stashpoint._load.restore import Read
 from stashpoint._storage import LocalStorage
 
+CHECKSUM_BLOCK = 4 * 1024 * 1024
+
 
 def _checkpoint(tmp_path):
     torch.manual_seed(0)
@@ -97,7 +99,7 @@ def test_damage_in_any_block_of_a_chunk_read_by_several_jobs_is_named_once(tmp_p
     assert len(big) == 2  # 72 MiB: a 64 MiB job and the rest
     for j in jobs:
         for most in (CHECKSUM_BLOCK_BYTES, j.size):
-            steps = list(j._steps(most))
+            steps = [s for _, s in j._steps(most)]
             assert all(sum(len(v) for v, _, _ in s) <= most for s in steps)
             assert [v.obj for s in steps for v, _, _ in s] == [
                 b.obj for b in j.buffers for _ in range(0, len(b), CHECKSUM_BLOCK_BYTES)
@@ -158,3 +160,78 @@ def test_local_reads_use_no_more_threads_than_cores_and_object_storage_four(tmp_
 
     assert _readers(LocalStorage(tmp_path)) == max(1, min(4, _cores()))
     assert _readers(SimpleNamespace(local_reads=False)) == 4  # each reader waits on the network
+
+
+def _interleaved(tmp_path):
+    """An FSDP2-like file: large moments with a 4-byte step count between each pair, the step
+    counts read by every rank on the host (shared), the moments by one."""
+    torch.manual_seed(0)
+    state = {}
+    for i in range(6):
+        state[f"p{i}_exp_avg"] = torch.randn(70_000 + i)
+        state[f"p{i}_step"] = torch.tensor(float(i + 1))
+    stashpoint.save(state, tmp_path / "ck", max_shard_bytes=1 << 40)
+    storage = LocalStorage(tmp_path / "ck", direct_io=False)
+    return state, storage, read_manifest(storage)
+
+
+def test_small_shared_pieces_between_unshared_ones_do_not_cut_the_reads(tmp_path):
+    """A 2-rank FSDP2 load read every step count as a job of its own (300 jobs for 0.25 GB, a
+    cached load twice as long): small pieces read otherwise, or apart, join one job."""
+    from stashpoint._load.pieces import _SMALL, read_jobs
+
+    state, storage, m = _interleaved(tmp_path)
+    reads = [Read(k, torch.empty_like(v), Box.whole(tuple(v.shape))) for k, v in state.items()]
+    pieces = plan_pieces(m, reads)
+    for p in pieces:
+        p.shared = "step" in p.key  # a whole tensor every rank reads; the moments are this rank's shards
+    jobs = read_jobs(pieces)
+    assert len(jobs) == 1 and not jobs[0].shared  # read as the moments are: directly, by this rank
+    assert sorted(jobs[0].keys) == sorted(state)
+    # the step counts alone, as the rank whose moments are elsewhere reads them: apart in the
+    # file, one job whose reads start where each count lies
+    steps = [p for p in pieces if p.shared]
+    (job,) = read_jobs(steps)
+    assert job.shared and len(job.buffers) == 6
+    assert [pos for pos, _ in job._steps(CHECKSUM_BLOCK)] == [p.chunk.start for p in steps]
+    _execute_pipelined(storage, pieces, True)
+    for r in reads:
+        assert torch.equal(r.dest, state[r.key])
+    # a large shared piece keeps its own job (read once through the page cache for every rank)
+    big = [p for p in pieces if p.key == "p2_exp_avg"]
+    assert len(big[0].mv) > _SMALL
+    big[0].shared = True
+    assert [j.shared for j in read_jobs(pieces)] == [False, True, False]
+
+
+@pytest.mark.parametrize("where", ["start", "middle", "end"])
+def test_a_cached_block_checked_part_by_part_still_finds_damage_anywhere_in_it(tmp_path, monkeypatch, where):
+    """Cached bytes are read and checked a part of a block at a time (each part still in the
+    core's cache): the block's checksum covers all its parts."""
+    from stashpoint._load import pieces as pieces_module
+    from stashpoint._load.pieces import _PART, read_jobs
+
+    parted = []
+    checked = pieces_module._read_checked
+    monkeypatch.setattr(pieces_module, "_read_checked", lambda *a: parted.append(1) or checked(*a))
+
+    torch.manual_seed(0)
+    state = {"w": torch.randn(3 << 20)}  # 12 MiB: three blocks, each many parts
+    stashpoint.save(state, tmp_path / "ck")
+    storage = LocalStorage(tmp_path / "ck", direct_io=False)  # a plain read per part
+    m = read_manifest(storage)
+    (tmp_path / "ck" / m.tensors["w"].chunks[0].file).read_bytes()  # in the page cache
+    assert storage.cached(m.tensors["w"].chunks[0].file, m.tensors["w"].chunks[0].start)
+    reads = [Read("w", torch.empty(3 << 20), Box.whole((3 << 20,)))]
+    _execute_pipelined(storage, plan_pieces(m, reads), True)
+    assert torch.equal(reads[0].dest, state["w"])
+    assert len(parted) == 3  # each block read in parts
+    chunk = m.tensors["w"].chunks[0]
+    at = {"start": 0, "middle": CHECKSUM_BLOCK + 5 * _PART + 17, "end": 3 * CHECKSUM_BLOCK - 1}[where]
+    path = tmp_path / "ck" / chunk.file
+    data = bytearray(path.read_bytes())
+    data[chunk.start + at] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert len(read_jobs(plan_pieces(m, reads))) == 1
+    with pytest.raises(stashpoint.CorruptCheckpointError, match="for key 'w'"):
+        _execute_pipelined(storage, plan_pieces(m, reads), True)

@@ -32,6 +32,7 @@ from stashpoint._core.sealed import (
     checksum,
     common_fields,
     open_sealed,
+    running_checksum,
     safe_file_name,
     seal,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "block_checksums",
     "checksum",
     "parse_manifest",
+    "running_checksum",
     "seal",
 ]
 

@@ -31,6 +31,11 @@ def checksum(data: memoryview | bytes) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def running_checksum() -> xxhash.xxh3_64:
+    """:func:`checksum` of bytes given in parts: ``update()`` with each in order, then ``hexdigest()``."""
+    return xxhash.xxh3_64()
+
+
 def block_checksums(data: memoryview) -> tuple[str, ...]:
     """Checksums of each CHECKSUM_BLOCK_BYTES block of ``data`` (one for empty data)."""
     n = len(data)
