@@ -194,6 +194,8 @@ def test_small_shared_pieces_between_unshared_ones_do_not_cut_the_reads(tmp_path
     (job,) = read_jobs(steps)
     assert job.shared and len(job.buffers) == 6
     assert [pos for pos, _ in job._steps(CHECKSUM_BLOCK)] == [p.chunk.start for p in steps]
+    # from object storage each read is a request: apart, they stay jobs of their own (in parallel)
+    assert len(read_jobs(steps, apart=False)) == 6
     _execute_pipelined(storage, pieces, True)
     for r in reads:
         assert torch.equal(r.dest, state[r.key])

@@ -216,28 +216,31 @@ def _read_checked(readv: Callable[[int, Sequence[memoryview]], None], pos: int, 
     return summer.hexdigest()
 
 
-def _joins(job: ReadJob | None, piece: Piece, start: int, size: int) -> bool:
+def _joins(job: ReadJob | None, piece: Piece, start: int, size: int, apart: bool) -> bool:
     """Whether ``size`` bytes of ``piece`` at ``start`` may be read by ``job``: the same file,
-    right after its bytes (or a small part after a gap), read alike (or the shared side small)."""
+    right after its bytes (or, ``apart``, a small part after a gap), read alike (or the shared
+    side small)."""
     if job is None or job.file != piece.chunk.file:
         return False
     if job.size + size > _JOB_BYTES or len(job.buffers) >= _JOB_BUFFERS:
         return False
-    if job.end != start and size > _SMALL:
+    if job.end != start and (size > _SMALL or not apart):
         return False
     return job.shared == piece.shared or (size if piece.shared else job.size) <= _SMALL
 
 
-def read_jobs(pieces: list[Piece]) -> list[ReadJob]:
-    """Coalesce whole-chunk reads of adjacent byte ranges (and small chunks apart) into jobs of
-    large vectored reads."""
+def read_jobs(pieces: list[Piece], *, apart: bool = True) -> list[ReadJob]:
+    """Coalesce whole-chunk reads of adjacent byte ranges into jobs of large vectored reads,
+    and with ``apart`` small chunks apart in a file too: where each read is a call that costs
+    little (local files), not a request with a network's latency (object storage: jobs run in
+    parallel, a job's reads one after the other)."""
     jobs: list[ReadJob] = []
     for p in sorted(pieces, key=lambda p: (p.chunk.file, p.chunk.start)):
         mv = p.mv
         for b in range(0, len(mv), _JOB_BYTES):
             part = mv[b : b + _JOB_BYTES]
             last = jobs[-1] if jobs else None
-            if last is None or not _joins(last, p, p.chunk.start + b, len(part)):
+            if last is None or not _joins(last, p, p.chunk.start + b, len(part), apart):
                 last = ReadJob(p.chunk.file, p.chunk.start + b, 0, [], [], [], p.shared)
                 jobs.append(last)
             elif last.shared != p.shared:  # a small shared part and an unshared one: read unshared

@@ -190,7 +190,7 @@ def _execute_pipelined(storage: Storage, pieces: list[Piece], verify: bool, plac
     ):
         direct = SlotReads.pieces(pieces) if pinned is not None else []
         skip = {id(p) for p in direct}
-        jobs = read_jobs([p for p in pieces if p.whole and id(p) not in skip])
+        jobs = read_jobs([p for p in pieces if p.whole and id(p) not in skip], apart=storage.local_reads)
         index = {id(p): i for i, p in enumerate(pieces)}
         left: dict[int, int] = {}  # piece -> its read jobs still running
         for job in jobs:
