@@ -4,6 +4,8 @@ list every chunk, so they are the ones crafted here; version 2 shares the same c
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -127,3 +129,38 @@ def test_a_manifest_whose_objects_could_exhaust_memory_is_refused_before_it_is_p
     with pytest.raises(CorruptCheckpointError, match="could take more than 4 GiB to parse"):
         parse_manifest(raw, "m")
     assert stashpoint._core.sealed._parse_memory_bound(raw) > stashpoint._core.sealed.MAX_PARSE_MEMORY
+
+
+_SHORT_OF_MEMORY = r"""
+import resource, sys
+import torch  # imported, as a training process has it, before its memory is limited
+import stashpoint
+import stashpoint._load.loader
+from stashpoint._core.naming import MANIFEST_NAME
+
+path = sys.argv[1]
+# within every bound (40 MiB, ~1.3 GiB to parse by the byte counts), but under a limit on this
+# process's address space of 400 MiB more than it holds now
+raw = b'{"format":"stashpoint","trees":[{"list":[' + b"[]," * ((40 << 20) // 3) + b"0]}]}"
+open(f"{path}/{MANIFEST_NAME}", "wb").write(raw)
+del raw
+with open("/proc/self/statm") as f:
+    held = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (held + (400 << 20), resource.RLIM_INFINITY))
+try:
+    stashpoint.load({}, path)
+except stashpoint.CheckpointError as e:
+    print("CheckpointError:", e)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="an address-space limit, read from /proc")
+def test_a_manifest_too_large_for_the_memory_a_process_may_take_is_a_checkpoint_error(tmp_path):
+    """A manifest within the bounds can still need more memory than a process may take (a
+    limited container): the load says so as a CheckpointError, never a bare MemoryError."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SHORT_OF_MEMORY, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "CheckpointError:" in done.stdout and "ran out of memory" in done.stdout, done.stdout
+    assert "process with more memory free" in done.stdout

@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 import xxhash
 
 from stashpoint._core.naming import split_group
-from stashpoint.errors import CorruptCheckpointError, UnsupportedStateError
+from stashpoint.errors import CheckpointError, CorruptCheckpointError, UnsupportedStateError
 
 FORMAT_NAME = "stashpoint"
 FORMAT_VERSION = 2  # 2: per-rank indexes and a catalog (docs/FORMAT.md); 1 still loads
@@ -172,6 +172,11 @@ def open_sealed(raw: bytes, where: str, name: str = FORMAT_NAME) -> tuple[dict[s
         doc = json.loads(raw, parse_constant=lambda c: _finite(c, odd), parse_float=lambda f: _finite(f, odd))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptCheckpointError(f"malformed manifest {where}: not valid JSON ({e})") from None
+    except MemoryError:  # within the bound above, but more than this process may allocate
+        raise CheckpointError(
+            f"parsing the {kind} {where} ({len(raw) / 2**20:.0f} MiB of JSON) ran out of memory: read it in a "
+            "process with more memory free"
+        ) from None
     _want(isinstance(doc, dict), where, "top level is not an object")
     _want(doc.get("format") == name, where, f"not a stashpoint {kind}")
     claimed = doc.pop("checksum", None)

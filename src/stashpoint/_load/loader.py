@@ -133,6 +133,11 @@ def load(
                 plan_error = StateMismatchError(storage.location, plan.problems, hint=hint)
         except CheckpointError as e:
             plan_error = e
+        except MemoryError:  # through the ranks' agreement too: the others must not wait it out
+            plan_error = CheckpointError(
+                f"planning the load of {storage.location} on rank {rank} ran out of memory: load in processes "
+                "with more memory free"
+            )
         if world == 1:
             if plan_error is not None:
                 raise plan_error
