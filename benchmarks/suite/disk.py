@@ -76,9 +76,12 @@ class Paired:
     2x within minutes here): a direct-I/O write + fsync, or a read, of ``nbytes`` (this rank's
     share of the state) into ``root``, made by every rank at once right after a save or a load."""
 
-    def __init__(self, root: Path, rank: int, nbytes: int) -> None:
+    def __init__(self, root: Path, rank: int, nbytes: int, load_nbytes: int | None = None) -> None:
         self.file = root / f"paired-raw-{rank}.bin"
         self.nbytes = -(-nbytes // ALIGN) * ALIGN
+        # what a load of this rank reads: more than its share where every rank needs the whole
+        # state (DDP), each rank copying all of it from the page cache on the same node
+        self.load_nbytes = -(-(load_nbytes or nbytes) // ALIGN) * ALIGN
         self.buf = _buffer()
 
     def write(self) -> float:
@@ -90,10 +93,11 @@ class Paired:
         return _read(self.file, self.buf, direct=True)
 
     def cache(self) -> None:
-        """Write the file through the page cache and read it once: :meth:`read_cached` then
-        reads it from memory, as a same-node load finds a checkpoint's pages."""
+        """Write the file (as many bytes as a load of this rank reads) through the page cache
+        and read it once: :meth:`read_cached` then reads it from memory, as a same-node load
+        finds a checkpoint's pages."""
         self.file.parent.mkdir(parents=True, exist_ok=True)
-        _write(self.file, self.nbytes, self.buf, direct=False)  # fsynced: no writeback during the loads
+        _write(self.file, self.load_nbytes, self.buf, direct=False)  # fsynced: no writeback during the loads
         _read(self.file, self.buf, direct=False)
 
     def read_cached(self) -> float:

@@ -88,7 +88,7 @@ def load_table(cfg: dict[str, Any]) -> list[str]:
     same_node = cfg.get("load_regime") == "same-node"
     where = (
         "the page cache as the save and an idle wait left it (a process restarted on the same node); the raw read "
-        "reads as many bytes from the page cache"
+        "reads as many bytes as a rank's load (all of the state where every rank holds it) from the page cache"
         if same_node
         else "checkpoint pages evicted first (a fresh node)"
     )

@@ -194,7 +194,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         assert method is not None
         ctx = Ctx(rank, world, args.layout, args.op_timeout)
         share = out["local_bytes"] // (world if args.layout == "ddp" else 1)
-        paired = Paired(root, rank, share)  # allocated before the memory baseline
+        paired = Paired(root, rank, share, out["local_bytes"])  # allocated before the memory baseline
         gc.collect()
         mon = MemoryMonitor()
         try:
