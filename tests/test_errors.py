@@ -52,6 +52,40 @@ def test_an_overwrite_over_a_hostile_manifest_saves_and_deletes_nothing_of_it(tm
     assert set(shards) <= {p.name for p in (tmp_path / "ck").glob("shard-*")}  # not ours to judge: kept
 
 
+@pytest.mark.parametrize("unread", ["memory short", "object store"])
+def test_a_save_failing_after_its_commit_keeps_its_files_where_its_manifest_cannot_be_read_back(
+    tmp_path, monkeypatch, unread
+):
+    """A save that fails after rank 0 committed asks whether its manifest is in place: one it
+    could not read back (memory short for the parse, an object store's failure) is not one that
+    is absent, and deleting the shards would leave a committed manifest of missing files."""
+    from stashpoint._core.sealed import ShortOfMemoryError
+    from stashpoint._save import job
+    from stashpoint.errors import S3Error
+
+    commit = job.PersistJob._commit
+
+    def then_fail(self, *args, **kwargs):
+        commit(self, *args, **kwargs)
+
+        def cannot(*a, **k):
+            if unread == "memory short":
+                raise ShortOfMemoryError("parsing the manifest ran out of memory (injected)")
+            raise S3Error("GET manifest.json: HTTP 503 SlowDown (injected)")
+
+        monkeypatch.setattr(job, "open_sealed", cannot)
+        raise RuntimeError("a failure after the commit (injected)")
+
+    monkeypatch.setattr(job.PersistJob, "_commit", then_fail)
+    state = {"w": torch.randn(1000)}
+    with pytest.raises(stashpoint.CheckpointError, match="after the commit"):
+        stashpoint.save(state, tmp_path / "ck")
+    monkeypatch.undo()
+    live = {"w": torch.zeros(1000)}
+    stashpoint.load(live, tmp_path / "ck")
+    assert torch.equal(live["w"], state["w"])
+
+
 def test_saving_over_a_committed_checkpoint_needs_overwrite(tmp_path):
     stashpoint.save({"a": torch.ones(2)}, tmp_path / "ck")
     with pytest.raises(stashpoint.CheckpointError, match="overwrite=True"):

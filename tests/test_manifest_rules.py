@@ -164,3 +164,36 @@ def test_a_manifest_too_large_for_the_memory_a_process_may_take_is_a_checkpoint_
     assert done.returncode == 0, done.stderr[-2000:]
     assert "CheckpointError:" in done.stdout and "ran out of memory" in done.stdout, done.stdout
     assert "process with more memory free" in done.stdout
+
+
+def test_memory_running_short_while_a_load_plans_is_a_checkpoint_error_that_keeps_its_cause(tmp_path, monkeypatch):
+    """Raised from the planning, where several ranks agree on their plans: a CheckpointError
+    goes through that agreement (every rank raises), a bare MemoryError would leave the others
+    waiting for it until their timeout."""
+    from stashpoint._load import loader
+
+    stashpoint.save({"w": torch.ones(4)}, tmp_path / "c")
+
+    def short(*args, **kwargs):
+        raise MemoryError("allocating the plan (injected)")
+
+    monkeypatch.setattr(loader.Planner, "run", short)
+    with pytest.raises(
+        stashpoint.CheckpointError, match=r"planning the load of .* on rank 0 ran out of memory"
+    ) as info:
+        stashpoint.load({"w": torch.zeros(4)}, tmp_path / "c")
+    assert isinstance(info.value.__cause__, MemoryError)
+
+
+def test_memory_running_short_while_a_shard_header_parses_is_a_checkpoint_error(monkeypatch):
+    from types import SimpleNamespace
+
+    from stashpoint._core import header
+
+    def short(raw):
+        raise MemoryError
+
+    monkeypatch.setattr(header, "json", SimpleNamespace(loads=short))
+    raw = (2).to_bytes(8, "little") + b"{}"
+    with pytest.raises(stashpoint.CheckpointError, match=r"parsing the header of shard s \(0 MiB of JSON\) ran out"):
+        header.parse_header(raw, len(raw), "s")

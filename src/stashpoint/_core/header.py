@@ -8,7 +8,8 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from stashpoint.errors import CheckpointError, CorruptCheckpointError
+from stashpoint._core.sealed import ShortOfMemoryError
+from stashpoint.errors import CorruptCheckpointError
 
 HEADER_ALIGN = 4096
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -52,7 +53,7 @@ def parse_header(raw: bytes, file_size: int, where: str) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptCheckpointError(f"shard {where} has a malformed header: {e}") from None
     except MemoryError:
-        raise CheckpointError(
+        raise ShortOfMemoryError(
             f"parsing the header of shard {where} ({n / 2**20:.0f} MiB of JSON) ran out of memory: read it in a "
             "process with more memory free"
         ) from None

@@ -26,6 +26,12 @@ MAX_DIMS = 64
 _DIM_CAP = 2**62  # a dimension or offset fits torch's int64 sizes
 
 
+class ShortOfMemoryError(CheckpointError, MemoryError):
+    """A checkpoint's metadata, within the bounds, needed more memory than the process could
+    take: no sign of damage (a caller that tells damage from other failures must not take it
+    for damage)."""
+
+
 def checksum(data: memoryview | bytes) -> str:
     """The checksum stashpoint records for a byte range (xxh3_64, hex)."""
     return xxhash.xxh3_64_hexdigest(data)
@@ -173,7 +179,7 @@ def open_sealed(raw: bytes, where: str, name: str = FORMAT_NAME) -> tuple[dict[s
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptCheckpointError(f"malformed manifest {where}: not valid JSON ({e})") from None
     except MemoryError:  # within the bound above, but more than this process may allocate
-        raise CheckpointError(
+        raise ShortOfMemoryError(
             f"parsing the {kind} {where} ({len(raw) / 2**20:.0f} MiB of JSON) ran out of memory: read it in a "
             "process with more memory free"
         ) from None

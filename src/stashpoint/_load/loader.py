@@ -18,6 +18,7 @@ from stashpoint._core.index import Head
 from stashpoint._core.nodeplan import merge
 from stashpoint._core.nodes import wrapper_hint
 from stashpoint._core.reshard import Box, intersect
+from stashpoint._core.sealed import ShortOfMemoryError
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext, rank_of
 from stashpoint._load.exchange import agree, broadcast_shares, failure, own_or_agreed
@@ -133,11 +134,12 @@ def load(
                 plan_error = StateMismatchError(storage.location, plan.problems, hint=hint)
         except CheckpointError as e:
             plan_error = e
-        except MemoryError:  # through the ranks' agreement too: the others must not wait it out
-            plan_error = CheckpointError(
+        except MemoryError as e:  # through the ranks' agreement too: the others must not wait it out
+            plan_error = ShortOfMemoryError(
                 f"planning the load of {storage.location} on rank {rank} ran out of memory: load in processes "
                 "with more memory free"
             )
+            plan_error.__cause__ = e
         if world == 1:
             if plan_error is not None:
                 raise plan_error

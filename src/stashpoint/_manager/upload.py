@@ -4,6 +4,7 @@ good remote step under the remote retention."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -11,6 +12,8 @@ from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, Chunk, FileEntry, Mani
 from stashpoint._load.manifest import read_head, read_index
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
+
+log = logging.getLogger("stashpoint")
 
 COPY_BLOCK = 64 * 1024 * 1024
 
@@ -54,7 +57,7 @@ def own_files(src: Storage, rank: int, world: int, saved: Iterable[int] | None =
 def rank_problem(src: Storage, saved: int) -> str | None:
     """What is wrong with saved rank ``saved``'s files in the step directory ``src`` (its index
     against the manifest, every block of its shards against the index), or None when they are
-    whole: reads them all."""
+    whole (or could not be checked for want of memory: no sign of damage): reads them all."""
     try:
         head = read_head(src)
         if isinstance(head, Manifest):  # version 1: no rank's files stand alone
@@ -67,6 +70,9 @@ def rank_problem(src: Storage, saved: int) -> str | None:
             for _ in _checked(src, f.name, f.size, spans.get(f.name, ())):
                 pass
     except (OSError, CheckpointError) as e:  # unreadable here (EIO, missing) is damaged here
+        if isinstance(e, MemoryError):  # short of memory to parse it: no sign of damage
+            log.warning("stashpoint: could not check rank %d's files in %s: %s", saved, src.location, e)
+            return None
         return f"{type(e).__name__}: {e}"
     return None
 

@@ -259,7 +259,7 @@ class PersistJob:
             return self._manifest_id() == save_id
         except NotADirectoryError:  # the path is a file: no manifest can be under it
             return False
-        except OSError:
+        except (OSError, MemoryError):  # the manifest may be there: its files stay
             return None
 
     def _manifest_id(self) -> str | None:
@@ -267,7 +267,10 @@ class PersistJob:
         file may be in the way: parsed within the bounds a load keeps, and its seal checked)."""
         try:
             doc, _ = open_sealed(self.storage.read(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1), self.storage.location)
-        except (FileNotFoundError, CheckpointError):
+        except (FileNotFoundError, CheckpointError) as e:
+            # unread (an object store's failure, memory short) is not absent: the caller decides
+            if isinstance(e, (OSError, MemoryError)) and not isinstance(e, FileNotFoundError):
+                raise
             return None
         found = doc.get("save_id")
         return found if isinstance(found, str) else None
@@ -325,7 +328,7 @@ class PersistJob:
         if self.opts.overwrite:  # whose files go once this manifest replaced it
             try:
                 replaced = self._manifest_id()
-            except OSError:
+            except (OSError, MemoryError):  # unknown: its files stay (a leak, never a loss)
                 pass
         try:  # without overwrite, of two saves racing to one new path exactly one commits
             self.storage.commit(MANIFEST_NAME, self.manifest, exclusive=not self.opts.overwrite)
