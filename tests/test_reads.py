@@ -170,7 +170,8 @@ def _interleaved(tmp_path):
     for i in range(6):
         state[f"p{i}_exp_avg"] = torch.randn(70_000 + i)
         state[f"p{i}_step"] = torch.tensor(float(i + 1))
-    stashpoint.save(state, tmp_path / "ck", max_shard_bytes=1 << 40)
+    # not kept in the page cache after the save (a read-back in the background): evicted stays evicted
+    stashpoint.save(state, LocalStorage(tmp_path / "ck", cache_newest=False), max_shard_bytes=1 << 40)
     storage = LocalStorage(tmp_path / "ck", direct_io=False)
     return state, storage, read_manifest(storage)
 
@@ -237,3 +238,113 @@ def test_a_cached_block_checked_part_by_part_still_finds_damage_anywhere_in_it(t
     assert len(read_jobs(plan_pieces(m, reads))) == 1
     with pytest.raises(stashpoint.CorruptCheckpointError, match="for key 'w'"):
         _execute_pipelined(storage, plan_pieces(m, reads), True)
+
+
+def _evict(path):
+    import os
+
+    for f in path.glob("shard-*"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+@pytest.mark.parametrize("cached", [True, False])
+@pytest.mark.parametrize("verify", [True, False])
+def test_jobs_reading_small_chunks_apart_place_every_byte_and_name_the_damaged_key(tmp_path, direct_io, cached, verify):
+    """Jobs with gaps, parts read otherwise than the job, a small chunk read into two
+    destinations, a part of a tensor: every byte lands where it belongs, whichever way the
+    storage reads (direct or not, cached or not), and a damaged small chunk read after a gap is
+    named alone."""
+    from stashpoint._load.pieces import read_jobs
+
+    state, _, m = _interleaved(tmp_path)
+    storage = LocalStorage(tmp_path / "ck", direct_io=direct_io)
+    if not cached:
+        _evict(tmp_path / "ck")
+
+    def reads():
+        out = [Read(k, torch.empty_like(v), Box.whole(tuple(v.shape))) for k, v in state.items() if k != "p1_exp_avg"]
+        out.append(Read("p3_step", torch.empty(()), Box.whole(())))  # a second destination of one small chunk
+        out.append(Read("p1_exp_avg", torch.empty(1000), Box((500,), (1000,))))  # a part: read by itself
+        return out
+
+    def planned(rs):
+        pieces = plan_pieces(m, rs)
+        for p in pieces:
+            p.shared = "step" in p.key
+        return pieces
+
+    rs = reads()
+    pieces = planned(rs)
+    jobs = read_jobs([p for p in pieces if p.whole])
+    assert any(j.end - j.offset > j.size for j in jobs)  # some job reads across a gap
+    _execute_pipelined(storage, pieces, verify)
+    for r in rs:
+        assert torch.equal(
+            r.dest,
+            state[r.key][r.region.offsets[0] : r.region.offsets[0] + r.region.shape[0]]
+            if r.region.shape
+            else state[r.key],
+        )
+    if not verify:
+        return
+    chunk = m.tensors["p4_step"].chunks[0]
+    path = tmp_path / "ck" / chunk.file
+    data = bytearray(path.read_bytes())
+    data[chunk.start] ^= 0x01
+    path.write_bytes(bytes(data))
+    if not cached:
+        _evict(tmp_path / "ck")
+    with pytest.raises(stashpoint.CorruptCheckpointError) as info:
+        _execute_pipelined(storage, planned(reads()), True)
+    assert str(info.value).count("checksum mismatch") == 1 and "'p4_step'" in str(info.value)
+
+
+def test_object_storage_reads_small_chunks_apart_as_jobs_of_their_own(tmp_path, monkeypatch):
+    """The grouping of parts apart follows the storage: local files yes, object storage no."""
+    import stashpoint._load.reads as reads_module
+
+    state, storage, m = _interleaved(tmp_path)
+    asked = []
+    jobs = reads_module.read_jobs
+    monkeypatch.setattr(
+        reads_module, "read_jobs", lambda pieces, apart: asked.append(apart) or jobs(pieces, apart=apart)
+    )
+    reads = [Read(k, torch.empty_like(v), Box.whole(tuple(v.shape))) for k, v in state.items()]
+    _execute_pipelined(storage, plan_pieces(m, reads), True)
+    monkeypatch.setattr(LocalStorage, "local_reads", False)
+    _execute_pipelined(storage, plan_pieces(m, reads), True)
+    assert asked == [True, False]
+
+
+def test_a_view_over_an_evicted_directory_reads_it_in_large_direct_reads(tmp_path, monkeypatch):
+    """A node-local restore reads through a view (its memory area over the node's directory):
+    bytes not cached are read in one large direct read per job, not in the small checked parts
+    of cached bytes (each a buffered read of its own)."""
+    from stashpoint._dist.memfetch import FetchView
+    from stashpoint._load import pieces as pieces_module
+
+    torch.manual_seed(0)
+    state = {"w": torch.randn(4 << 20)}  # 16 MiB
+    stashpoint.save(state, LocalStorage(tmp_path / "ck", cache_newest=False))
+    (tmp_path / "mem").mkdir()
+    view = FetchView(LocalStorage(tmp_path / "mem", direct_io=False), LocalStorage(tmp_path / "ck"))
+    parted = []
+    checked = pieces_module._read_checked
+    monkeypatch.setattr(pieces_module, "_read_checked", lambda *a: parted.append(1) or checked(*a))
+    _evict(tmp_path / "ck")
+    reads = [Read("w", torch.empty(4 << 20), Box.whole((4 << 20,)))]
+    _execute_pipelined(view, plan_pieces(read_manifest(view), reads), True)
+    assert torch.equal(reads[0].dest, state["w"])
+    assert not parted
+    (tmp_path / "ck" / m_file(tmp_path)).read_bytes()  # cached now: read and checked in parts
+    _execute_pipelined(view, plan_pieces(read_manifest(view), reads), True)
+    assert len(parted) == 4
+
+
+def m_file(tmp_path):
+    return read_manifest(LocalStorage(tmp_path / "ck")).tensors["w"].chunks[0].file

@@ -74,7 +74,8 @@ def _evict(path: Path) -> None:
 class Paired:
     """The disk's speed next to each measured save and load (the machine's disk speed swings by
     2x within minutes here): a direct-I/O write + fsync, or a read, of ``nbytes`` (this rank's
-    share of the state) into ``root``, made by every rank at once right after a save or a load."""
+    share of the state) into ``root``, made by every rank at once right after a save or a load;
+    on the same node, a read of ``load_nbytes`` from the page cache (what a load of the rank reads)."""
 
     def __init__(self, root: Path, rank: int, nbytes: int, load_nbytes: int | None = None) -> None:
         self.file = root / f"paired-raw-{rank}.bin"

@@ -158,32 +158,41 @@ class ReadJob:
         lands, while it is still in the CPU's caches: checked in a second pass, a cached load
         took a third longer (the reads fill memory's bandwidth). From a disk, large reads keep
         its queue full and the check after each (64 MiB) read costs less than smaller reads."""
-        try:
-            # all of it cached: plain reads, without the residency probe a direct-I/O storage
-            # makes before each read to take what is cached from the cache (a tenth of a
-            # cached load). Pages evicted meanwhile cost speed, not correctness.
-            src = storage.reads_for(self.file, self.offset, self.end - self.offset)
-            bad: dict[str, None] = {}
-            cached = verify and (src is not storage or storage.cached(self.file, self.offset))
-            # parts: where each read is a plain one (a direct-I/O storage probes before each)
-            parts = cached and (src is not storage or storage.shared_reads() is storage)
-            with src.reading(self.file) as readv:
-                for pos, step in self._steps(CHECKSUM_BLOCK_BYTES if cached else self.end - self.offset):
-                    if parts and len(step) == 1 and len(step[0][0]) > _PART:
+        # all of it cached: plain reads, without the residency probe a direct-I/O storage
+        # makes before each read to take what is cached from the cache (a tenth of a cached
+        # load). Pages evicted meanwhile cost speed, not correctness. Asked of the job's first
+        # run of bytes: the gaps after it are other ranks' bytes, cached or not.
+        src = storage.reads_for(self.file, self.offset, self._first_run())
+        plain = src.shared_reads() is src  # each read a plain one (a direct-I/O storage probes first)
+        cached = verify and ((src is not storage and plain) or storage.cached(self.file, self.offset))
+        bad: dict[str, None] = {}
+        with src.reading(self.file) as readv:
+            for pos, step in self._steps(CHECKSUM_BLOCK_BYTES if cached else self.end - self.offset):
+                try:
+                    if cached and plain and len(step) == 1 and len(step[0][0]) > _PART:
                         view, key, want = step[0]
                         if _read_checked(readv, pos, view) != want:
                             bad[key] = None
                         continue
                     readv(pos, [view for view, _, _ in step])
-                    if verify:
-                        bad |= {key: None for view, key, want in step if checksum(view) != want}
-            if bad:
-                raise CorruptCheckpointError("\n".join(_damaged(k, storage, self.file) for k in bad))
-        except EOFError as e:
-            keys = ", ".join(repr(k) for k in sorted(set(self.keys))[:5])
-            raise CorruptCheckpointError(
-                f"shard {storage.location}/{self.file} is truncated inside {keys}: {e}"
-            ) from None
+                except EOFError as e:
+                    keys = ", ".join(repr(k) for k in list(dict.fromkeys(k for _, k, _ in step))[:5])
+                    raise CorruptCheckpointError(
+                        f"shard {storage.location}/{self.file} is truncated inside {keys}: {e}"
+                    ) from None
+                if verify:
+                    bad |= {key: None for view, key, want in step if checksum(view) != want}
+        if bad:
+            raise CorruptCheckpointError("\n".join(_damaged(k, storage, self.file) for k in bad))
+
+    def _first_run(self) -> int:
+        """The bytes from the job's offset to its first gap (or its end)."""
+        end = self.offset
+        for start, buf in zip(self.starts, self.buffers, strict=True):
+            if start != end:
+                break
+            end += len(buf)
+        return end - self.offset
 
     def _steps(self, most: int) -> Iterator[tuple[int, list[tuple[memoryview, str, str]]]]:
         """The job's blocks (view, key, checksum) in file order, grouped into contiguous reads
