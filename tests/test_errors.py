@@ -78,8 +78,9 @@ def test_a_save_failing_after_its_commit_keeps_its_files_where_its_manifest_cann
 
     monkeypatch.setattr(job.PersistJob, "_commit", then_fail)
     state = {"w": torch.randn(1000)}
-    with pytest.raises(stashpoint.CheckpointError, match="after the commit"):
+    with pytest.raises(stashpoint.CheckpointError, match="after the commit") as info:
         stashpoint.save(state, tmp_path / "ck")
+    assert "could not be told" in str(info.value) and "Nothing was committed" not in str(info.value)
     monkeypatch.undo()
     live = {"w": torch.zeros(1000)}
     stashpoint.load(live, tmp_path / "ck")

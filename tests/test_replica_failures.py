@@ -228,3 +228,37 @@ def test_a_step_one_node_holds_refuses_the_save_on_every_node_together(tmp_path)
     assert took < 50, f"a rank waited for the others' save: {took:.0f} s"
     assert (tmp_path / "node-a" / "step-00000002" / MANIFEST_NAME).exists()
     assert rank_problem(LocalStorage(tmp_path / "node-a" / "step-00000002"), 0) is None
+
+
+@pytest.mark.parametrize("failure", ["permissions", "memory short"])
+def test_a_copy_that_cannot_be_checked_for_a_cause_that_is_no_damage_is_not_called_damaged(
+    tmp_path, monkeypatch, caplog, failure
+):
+    """A node checks its copy of a rank's files after a failed load: a damaged byte is damage,
+    but a read refused (permissions, the open-file limit) or memory short for the index's parse
+    says nothing of the copy; marked partial, it would no longer count as held, and a step whose
+    other copies were damaged would be torn."""
+    from stashpoint._core.sealed import ShortOfMemoryError
+
+    step = LocalStorage(tmp_path / "step")
+    stashpoint.save({"w": torch.randn(1000)}, step)
+    assert rank_problem(step, 0) is None
+    read = LocalStorage.read
+
+    def refused(self, name, *args, **kwargs):
+        if name.startswith("index-"):
+            if failure == "permissions":
+                raise PermissionError(13, "Permission denied (injected)", name)
+            raise ShortOfMemoryError("parsing the index ran out of memory (injected)")
+        return read(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStorage, "read", refused)
+    with caplog.at_level("WARNING", logger="stashpoint"):
+        assert rank_problem(step, 0) is None
+    assert "could not check rank 0's files" in caplog.text
+    monkeypatch.undo()
+    shard = next((tmp_path / "step").glob("shard-*"))
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01
+    shard.write_bytes(bytes(data))
+    assert "checksum" in (rank_problem(step, 0) or "")

@@ -32,6 +32,13 @@ class ShortOfMemoryError(CheckpointError, MemoryError):
     for damage)."""
 
 
+def short_of_memory(what: str, cause: MemoryError) -> ShortOfMemoryError:
+    """The error for ``what`` (a load's planning, ...) having run out of memory, caused by ``cause``."""
+    error = ShortOfMemoryError(f"{what} ran out of memory: run it in processes with more memory free")
+    error.__cause__ = cause
+    return error
+
+
 def checksum(data: memoryview | bytes) -> str:
     """The checksum stashpoint records for a byte range (xxh3_64, hex)."""
     return xxhash.xxh3_64_hexdigest(data)

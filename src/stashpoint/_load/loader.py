@@ -18,7 +18,7 @@ from stashpoint._core.index import Head
 from stashpoint._core.nodeplan import merge
 from stashpoint._core.nodes import wrapper_hint
 from stashpoint._core.reshard import Box, intersect
-from stashpoint._core.sealed import ShortOfMemoryError
+from stashpoint._core.sealed import short_of_memory
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext, rank_of
 from stashpoint._load.exchange import agree, broadcast_shares, failure, own_or_agreed
@@ -135,11 +135,7 @@ def load(
         except CheckpointError as e:
             plan_error = e
         except MemoryError as e:  # through the ranks' agreement too: the others must not wait it out
-            plan_error = ShortOfMemoryError(
-                f"planning the load of {storage.location} on rank {rank} ran out of memory: load in processes "
-                "with more memory free"
-            )
-            plan_error.__cause__ = e
+            plan_error = short_of_memory(f"planning the load of {storage.location} on rank {rank}", e)
         if world == 1:
             if plan_error is not None:
                 raise plan_error

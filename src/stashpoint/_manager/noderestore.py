@@ -29,6 +29,7 @@ from stashpoint._core.nodeplan import (
     plan_transfers,
     ranges,
 )
+from stashpoint._core.sealed import short_of_memory
 from stashpoint._dist import group as _dist
 from stashpoint._dist import memfetch, stream
 from stashpoint._dist.group import DistContext
@@ -365,6 +366,9 @@ class NodeLocal:
                 value: Any = ("ok", mine())
         except CheckpointError as e:
             own, value = e, ("error", *failure(e))
+        except MemoryError as e:  # to every rank, as any failure here: none may wait it out
+            own = short_of_memory(f"planning the load of {at.location} on rank {ctx.rank}", e)
+            value = ("error", *failure(own))
         gathered = ctx.gather("node-local: what each rank's load reads", value)
         out: dict[int, list[Any]] = {}
         problem = None
@@ -395,8 +399,9 @@ class NodeLocal:
                 transfers, after = plan_them()
                 mine = plan_parts(transfers, after, self.map.of_rank, self.leaders)
                 parts = [("ok", ts, self._save_id, held) for ts, held in mine]
-            except CheckpointError as e:
-                parts = [("error", *failure(e), isinstance(e, IncompleteCheckpointError))] * ctx.world
+            except (CheckpointError, MemoryError) as e:
+                own = e if isinstance(e, CheckpointError) else short_of_memory(f"planning {what}", e)
+                parts = [("error", *failure(own), isinstance(own, IncompleteCheckpointError))] * ctx.world
         plan = ctx.scatter(f"node-local: transfers of {what}", parts)
         if plan[0] == "error":
             kind = IncompleteCheckpointError if plan[3] else CorruptCheckpointError if plan[2] else CheckpointError

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, Chunk, FileEntry, Manifest, checksum
 from stashpoint._load.manifest import read_head, read_index
 from stashpoint._storage import Storage
+from stashpoint._storage.oserror import says_damage
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 log = logging.getLogger("stashpoint")
@@ -57,7 +58,8 @@ def own_files(src: Storage, rank: int, world: int, saved: Iterable[int] | None =
 def rank_problem(src: Storage, saved: int) -> str | None:
     """What is wrong with saved rank ``saved``'s files in the step directory ``src`` (its index
     against the manifest, every block of its shards against the index), or None when they are
-    whole (or could not be checked for want of memory: no sign of damage): reads them all."""
+    whole (or could not be checked for a cause that is no sign of damage: memory, permissions):
+    reads them all."""
     try:
         head = read_head(src)
         if isinstance(head, Manifest):  # version 1: no rank's files stand alone
@@ -70,7 +72,7 @@ def rank_problem(src: Storage, saved: int) -> str | None:
             for _ in _checked(src, f.name, f.size, spans.get(f.name, ())):
                 pass
     except (OSError, CheckpointError) as e:  # unreadable here (EIO, missing) is damaged here
-        if isinstance(e, MemoryError):  # short of memory to parse it: no sign of damage
+        if not says_damage(e):  # memory, permissions, the open-file limit: no sign of damage
             log.warning("stashpoint: could not check rank %d's files in %s: %s", saved, src.location, e)
             return None
         return f"{type(e).__name__}: {e}"

@@ -77,6 +77,7 @@ class PersistJob:
     writer: Writer | None = None  # the writer process; None: write on this (the writer) thread
     staged_keys: frozenset[str] | None = None  # the keys copied for this save; None: every key
     reported_ok: bool = False  # this rank told the others its part succeeded
+    commit_tried: bool = False  # this rank asked the storage to commit (rank 0 only ever does)
     ranks_per_dir: int = 0  # rank 0's choice for this save (see ``agree.ranks_per_dir()``)
     manifest: bytes | None = None  # rank 0: the manifest it committed
     room: dict[int, Room] | None = None  # rank 0, node-local with replicas: each node's bytes of the step
@@ -212,7 +213,9 @@ class PersistJob:
 
     def _fail(self, e: BaseException, save_id: str, local_error: BaseException | None) -> None:
         loc, rank = self.storage.location, self.ctx.rank
-        committed = self._committed(save_id) if save_id else False
+        # rank 0 commits: where it never tried, nothing was (an object store it cannot reach must
+        # not keep its files as a maybe); every other rank asks the storage
+        committed = self._committed(save_id) if save_id and (rank != 0 or self.commit_tried) else False
         if committed:
             # rank 0 wrote the manifest but the confirmation did not arrive: the checkpoint is whole
             raise CheckpointError(
@@ -248,6 +251,12 @@ class PersistJob:
             raise CheckpointError(
                 f"{msg}. This rank could not learn whether rank 0 committed the save: the checkpoint there is either "
                 "complete and loadable or not committed at all; earlier checkpoints are untouched."
+            ) from local_error
+        if committed is None:
+            raise CheckpointError(
+                f"{msg}. Whether it was committed could not be told (its manifest could not be read back): the "
+                "checkpoint there is either complete and loadable or not committed at all, and its files are kept; "
+                "earlier checkpoints are untouched."
             ) from local_error
         raise CheckpointError(
             f"{msg}. Nothing was committed there and earlier checkpoints are untouched; fix the cause and save again."
@@ -331,6 +340,7 @@ class PersistJob:
             except (OSError, MemoryError):  # unknown: its files stay (a leak, never a loss)
                 pass
         try:  # without overwrite, of two saves racing to one new path exactly one commits
+            self.commit_tried = True
             self.storage.commit(MANIFEST_NAME, self.manifest, exclusive=not self.opts.overwrite)
         except FileExistsError:
             raise CheckpointError(
