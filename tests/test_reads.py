@@ -341,6 +341,11 @@ def test_a_view_over_an_evicted_directory_reads_it_in_large_direct_reads(tmp_pat
     _execute_pipelined(view, plan_pieces(read_manifest(view), reads), True)
     assert torch.equal(reads[0].dest, state["w"])
     assert not parted
+    shared = view.shared_reads()  # as ranks on one host read whole tensors: through the page cache
+    _evict(tmp_path / "ck")
+    _execute_pipelined(shared, plan_pieces(read_manifest(shared), reads), True)
+    assert torch.equal(reads[0].dest, state["w"])
+    assert not parted
     (tmp_path / "ck" / m_file(tmp_path)).read_bytes()  # cached now: read and checked in parts
     _execute_pipelined(view, plan_pieces(read_manifest(view), reads), True)
     assert len(parted) == 4
@@ -348,3 +353,25 @@ def test_a_view_over_an_evicted_directory_reads_it_in_large_direct_reads(tmp_pat
 
 def m_file(tmp_path):
     return read_manifest(LocalStorage(tmp_path / "ck")).tensors["w"].chunks[0].file
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_shard_cut_short_names_the_keys_past_its_end(tmp_path, cached):
+    """One job reads many small keys and a large one: a cut inside the large one names it, not
+    the first keys of the job (from a disk the job is one read)."""
+    torch.manual_seed(0)
+    state = {f"a{i:02d}": torch.randn(100) for i in range(10)} | {"z_last": torch.randn(2 << 20)}
+    stashpoint.save(state, LocalStorage(tmp_path / "ck", cache_newest=False))
+    storage = LocalStorage(tmp_path / "ck")
+    m = read_manifest(storage)
+    chunk = m.tensors["z_last"].chunks[0]
+    path = tmp_path / "ck" / chunk.file
+    with open(path, "r+b") as f:
+        f.truncate(chunk.start + (1 << 20))
+    if cached:
+        path.read_bytes()
+    else:
+        _evict(tmp_path / "ck")
+    reads = [Read(k, torch.empty_like(v), Box.whole(tuple(v.shape))) for k, v in state.items()]
+    with pytest.raises(stashpoint.CorruptCheckpointError, match="is truncated inside 'z_last':"):
+        _execute_pipelined(storage, plan_pieces(m, reads), True)

@@ -14,7 +14,7 @@ from stashpoint._load.pinring import PinnedRing
 from stashpoint._load.restore import Read
 from stashpoint._state.dtypes import as_memoryview
 from stashpoint._storage import Storage
-from stashpoint.errors import CorruptCheckpointError
+from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 _JOB_BYTES = 64 * 1024 * 1024
 _JOB_BUFFERS = 256
@@ -160,11 +160,13 @@ class ReadJob:
         its queue full and the check after each (64 MiB) read costs less than smaller reads."""
         # all of it cached: plain reads, without the residency probe a direct-I/O storage
         # makes before each read to take what is cached from the cache (a tenth of a cached
-        # load). Pages evicted meanwhile cost speed, not correctness. Asked of the job's first
-        # run of bytes: the gaps after it are other ranks' bytes, cached or not.
-        src = storage.reads_for(self.file, self.offset, self._first_run())
+        # load). Pages evicted meanwhile cost speed, not correctness. Asked of the job's longest
+        # run of bytes (the gaps are other ranks' bytes, cached or not), and of the storage the
+        # job reads from (a view's is the copy under it).
+        at, length = self._longest_run()
+        src = storage.reads_for(self.file, at, length)
         plain = src.shared_reads() is src  # each read a plain one (a direct-I/O storage probes first)
-        cached = verify and ((src is not storage and plain) or storage.cached(self.file, self.offset))
+        cached = verify and src.cached(self.file, at)
         bad: dict[str, None] = {}
         with src.reading(self.file) as readv:
             for pos, step in self._steps(CHECKSUM_BLOCK_BYTES if cached else self.end - self.offset):
@@ -176,23 +178,23 @@ class ReadJob:
                         continue
                     readv(pos, [view for view, _, _ in step])
                 except EOFError as e:
-                    keys = ", ".join(repr(k) for k in list(dict.fromkeys(k for _, k, _ in step))[:5])
-                    raise CorruptCheckpointError(
-                        f"shard {storage.location}/{self.file} is truncated inside {keys}: {e}"
-                    ) from None
+                    raise _truncated(storage, self.file, pos, step, e) from None
                 if verify:
                     bad |= {key: None for view, key, want in step if checksum(view) != want}
         if bad:
             raise CorruptCheckpointError("\n".join(_damaged(k, storage, self.file) for k in bad))
 
-    def _first_run(self) -> int:
-        """The bytes from the job's offset to its first gap (or its end)."""
-        end = self.offset
+    def _longest_run(self) -> tuple[int, int]:
+        """Where the job's longest run of contiguous bytes starts, and its length."""
+        best = (self.offset, 0)
+        at = end = self.offset
         for start, buf in zip(self.starts, self.buffers, strict=True):
             if start != end:
-                break
+                at = end = start
             end += len(buf)
-        return end - self.offset
+            if end - at > best[1]:
+                best = (at, end - at)
+        return best
 
     def _steps(self, most: int) -> Iterator[tuple[int, list[tuple[memoryview, str, str]]]]:
         """The job's blocks (view, key, checksum) in file order, grouped into contiguous reads
@@ -213,6 +215,25 @@ class ReadJob:
                 size += len(view)
         if step:
             yield at, step
+
+
+def _truncated(
+    storage: Storage, file: str, pos: int, step: list[tuple[memoryview, str, str]], e: EOFError
+) -> CorruptCheckpointError:
+    """The error of a read from ``pos`` that the file's end cut: it names the keys past the end."""
+    try:
+        size: int | None = storage.size(file)
+    except (OSError, CheckpointError):
+        size = None
+    cut, end = [], pos
+    for view, key, _ in step:
+        end += len(view)
+        if size is None or end > size:
+            cut.append(key)
+    keys = list(dict.fromkeys(cut or [k for _, k, _ in step]))
+    more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+    named = ", ".join(repr(k) for k in keys[:5])
+    return CorruptCheckpointError(f"shard {storage.location}/{file} is truncated inside {named}{more}: {e}")
 
 
 def _read_checked(readv: Callable[[int, Sequence[memoryview]], None], pos: int, view: memoryview) -> str:
