@@ -52,7 +52,7 @@ def test_an_overwrite_over_a_hostile_manifest_saves_and_deletes_nothing_of_it(tm
     assert set(shards) <= {p.name for p in (tmp_path / "ck").glob("shard-*")}  # not ours to judge: kept
 
 
-@pytest.mark.parametrize("unread", ["memory short", "object store"])
+@pytest.mark.parametrize("unread", ["memory short", "object store", "a lagging replica's 404"])
 def test_a_save_failing_after_its_commit_keeps_its_files_where_its_manifest_cannot_be_read_back(
     tmp_path, monkeypatch, unread
 ):
@@ -71,15 +71,20 @@ def test_a_save_failing_after_its_commit_keeps_its_files_where_its_manifest_cann
         def cannot(*a, **k):
             if unread == "memory short":
                 raise ShortOfMemoryError("parsing the manifest ran out of memory (injected)")
-            raise S3Error("GET manifest.json: HTTP 503 SlowDown (injected)")
+            if unread == "object store":
+                raise S3Error("GET manifest.json: HTTP 503 SlowDown (injected)")
+            raise FileNotFoundError("GET manifest.json: HTTP 404 (injected)")
 
         monkeypatch.setattr(job, "open_sealed", cannot)
         raise RuntimeError("a failure after the commit (injected)")
 
+    class ObjectStoreLike(LocalStorage):
+        atomic_rename = False  # a manifest's presence commits: a 404 may be a replica's lag
+
     monkeypatch.setattr(job.PersistJob, "_commit", then_fail)
     state = {"w": torch.randn(1000)}
     with pytest.raises(stashpoint.CheckpointError, match="after the commit") as info:
-        stashpoint.save(state, tmp_path / "ck")
+        stashpoint.save(state, ObjectStoreLike(tmp_path / "ck"))
     assert "could not be told" in str(info.value) and "Nothing was committed" not in str(info.value)
     monkeypatch.undo()
     live = {"w": torch.zeros(1000)}

@@ -265,7 +265,12 @@ class PersistJob:
     def _committed(self, save_id: str) -> bool | None:
         """Whether this save's manifest is in place (None: the storage could not say)."""
         try:
-            return self._manifest_id() == save_id
+            found = self._manifest_id()
+            # an object store's 404 may be a lagging replica's: its listing is asked too, as
+            # before a step directory without its manifest is taken for a leftover
+            if found is None and not self.storage.atomic_rename and self.storage.listed(MANIFEST_NAME):
+                return None
+            return found == save_id
         except NotADirectoryError:  # the path is a file: no manifest can be under it
             return False
         except (OSError, MemoryError):  # the manifest may be there: its files stay
