@@ -337,6 +337,9 @@ def test_a_view_over_an_evicted_directory_reads_it_in_large_direct_reads(tmp_pat
     checked = pieces_module._read_checked
     monkeypatch.setattr(pieces_module, "_read_checked", lambda *a: parted.append(1) or checked(*a))
     _evict(tmp_path / "ck")
+    chunk = read_manifest(view).tensors["w"].chunks[0]
+    if LocalStorage(tmp_path / "ck").cached(chunk.file, chunk.start):
+        pytest.skip("this file system keeps its pages whatever is asked (tmpfs): nothing is read from a disk")
     reads = [Read("w", torch.empty(4 << 20), Box.whole((4 << 20,)))]
     _execute_pipelined(view, plan_pieces(read_manifest(view), reads), True)
     assert torch.equal(reads[0].dest, state["w"])
@@ -355,10 +358,10 @@ def m_file(tmp_path):
     return read_manifest(LocalStorage(tmp_path / "ck")).tensors["w"].chunks[0].file
 
 
-@pytest.mark.parametrize("cached", [True, False])
-def test_a_shard_cut_short_names_the_keys_past_its_end(tmp_path, cached):
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_shard_cut_short_names_the_keys_past_its_end(tmp_path, verify):
     """One job reads many small keys and a large one: a cut inside the large one names it, not
-    the first keys of the job (from a disk the job is one read)."""
+    the first keys of the job (unchecked, or from a disk, the job is one read)."""
     torch.manual_seed(0)
     state = {f"a{i:02d}": torch.randn(100) for i in range(10)} | {"z_last": torch.randn(2 << 20)}
     stashpoint.save(state, LocalStorage(tmp_path / "ck", cache_newest=False))
@@ -368,10 +371,7 @@ def test_a_shard_cut_short_names_the_keys_past_its_end(tmp_path, cached):
     path = tmp_path / "ck" / chunk.file
     with open(path, "r+b") as f:
         f.truncate(chunk.start + (1 << 20))
-    if cached:
-        path.read_bytes()
-    else:
-        _evict(tmp_path / "ck")
+    path.read_bytes()  # cached: checked block by block; unchecked: one read whatever the cache holds
     reads = [Read(k, torch.empty_like(v), Box.whole(tuple(v.shape))) for k, v in state.items()]
     with pytest.raises(stashpoint.CorruptCheckpointError, match="is truncated inside 'z_last':"):
-        _execute_pipelined(storage, plan_pieces(m, reads), True)
+        _execute_pipelined(storage, plan_pieces(m, reads), verify)

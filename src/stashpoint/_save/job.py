@@ -213,9 +213,12 @@ class PersistJob:
 
     def _fail(self, e: BaseException, save_id: str, local_error: BaseException | None) -> None:
         loc, rank = self.storage.location, self.ctx.rank
-        # rank 0 commits: where it never tried, nothing was (an object store it cannot reach must
-        # not keep its files as a maybe); every other rank asks the storage
-        committed = self._committed(save_id) if save_id and (rank != 0 or self.commit_tried) else False
+        # Rank 0 commits: where it never tried, nothing was (an object store it cannot reach must
+        # not keep its files as a maybe), and where some rank failed (decided) it never tries;
+        # else a rank asks the storage.
+        decided = isinstance(e, RankFailure) and e.decided
+        ask = save_id and not decided and (rank != 0 or self.commit_tried)
+        committed = self._committed(save_id) if ask else False
         if committed:
             # rank 0 wrote the manifest but the confirmation did not arrive: the checkpoint is whole
             raise CheckpointError(
@@ -224,13 +227,14 @@ class PersistJob:
             ) from e
         # A rank never deletes files of a save that may still be committed: only rank 0 commits,
         # and only once every rank reported success, however long that takes on rank 0.
-        undecided = self.reported_ok and rank != 0 and not (isinstance(e, RankFailure) and e.decided)
+        undecided = self.reported_ok and rank != 0 and not decided
         if committed is None:  # the storage could not say: keep the files (an uncommitted leftover at worst)
             log.warning("stashpoint: could not tell whether %s was committed; its files are kept", loc)
         elif undecided:
             log.warning(
                 "stashpoint: rank %d keeps its files of the save to %s: rank 0 may still commit it (then it is "
-                "complete and loadable); if not, the next save there or the manager removes them",
+                "complete and loadable); if not, a CheckpointManager there removes them (stashpoint verify lists "
+                "them)",
                 rank,
                 loc,
             )
@@ -265,25 +269,26 @@ class PersistJob:
     def _committed(self, save_id: str) -> bool | None:
         """Whether this save's manifest is in place (None: the storage could not say)."""
         try:
-            found = self._manifest_id()
-            # an object store's 404 may be a lagging replica's: its listing is asked too, as
-            # before a step directory without its manifest is taken for a leftover
-            if found is None and not self.storage.atomic_rename and self.storage.listed(MANIFEST_NAME):
-                return None
-            return found == save_id
+            try:
+                return self._manifest_id(missing=True) == save_id
+            except FileNotFoundError:
+                # an object store's 404 may be a lagging replica's: its listing is asked too, as
+                # before a step directory without its manifest is taken for a leftover
+                return None if not self.storage.atomic_rename and self.storage.listed(MANIFEST_NAME) else False
         except NotADirectoryError:  # the path is a file: no manifest can be under it
             return False
         except (OSError, MemoryError):  # the manifest may be there: its files stay
             return None
 
-    def _manifest_id(self) -> str | None:
-        """The save id of the manifest in place: None where there is none, or a damaged one (any
-        file may be in the way: parsed within the bounds a load keeps, and its seal checked)."""
+    def _manifest_id(self, *, missing: bool = False) -> str | None:
+        """The save id of the manifest in place: None where there is none (``missing``: raise
+        FileNotFoundError then), or a damaged one (any file may be in the way: parsed within the
+        bounds a load keeps, and its seal checked)."""
         try:
             doc, _ = open_sealed(self.storage.read(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1), self.storage.location)
         except (FileNotFoundError, CheckpointError) as e:
             # unread (an object store's failure, memory short) is not absent: the caller decides
-            if isinstance(e, (OSError, MemoryError)) and not isinstance(e, FileNotFoundError):
+            if isinstance(e, (OSError, MemoryError)) and (missing or not isinstance(e, FileNotFoundError)):
                 raise
             return None
         found = doc.get("save_id")
