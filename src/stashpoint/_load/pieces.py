@@ -25,7 +25,7 @@ _PART = 256 * 1024
 # Parts this small join a job after a gap, or read otherwise than the job (shared, or not):
 # FSDP2's scalar step counts, saved once, sat between one rank's moments (cutting its reads
 # into a job per tensor) and apart in the file for the other rank (149 jobs of 4 bytes each):
-# a 2-rank cached load took twice as long.
+# a 2-rank cached load took half as long again.
 _SMALL = 64 * 1024
 
 
