@@ -8,7 +8,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from stashpoint._core.sealed import ShortOfMemoryError
+from stashpoint._core.sealed import short_of_memory
 from stashpoint.errors import CorruptCheckpointError
 
 HEADER_ALIGN = 4096
@@ -52,11 +52,8 @@ def parse_header(raw: bytes, file_size: int, where: str) -> dict[str, Any]:
         doc = json.loads(raw[8 : 8 + n])
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptCheckpointError(f"shard {where} has a malformed header: {e}") from None
-    except MemoryError:
-        raise ShortOfMemoryError(
-            f"parsing the header of shard {where} ({n / 2**20:.0f} MiB of JSON) ran out of memory: read it in a "
-            "process with more memory free"
-        ) from None
+    except MemoryError as e:
+        raise short_of_memory(f"parsing the header of shard {where} ({n / 2**20:.0f} MiB of JSON)", e) from e
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"shard {where} has a malformed header: not an object")
     data_len = file_size - 8 - n

@@ -34,7 +34,7 @@ class ShortOfMemoryError(CheckpointError, MemoryError):
 
 def short_of_memory(what: str, cause: MemoryError) -> ShortOfMemoryError:
     """The error for ``what`` (a load's planning, ...) having run out of memory, caused by ``cause``."""
-    error = ShortOfMemoryError(f"{what} ran out of memory: run it in processes with more memory free")
+    error = ShortOfMemoryError(f"{what} ran out of memory: run it in a process with more memory free")
     error.__cause__ = cause
     return error
 
@@ -185,11 +185,8 @@ def open_sealed(raw: bytes, where: str, name: str = FORMAT_NAME) -> tuple[dict[s
         doc = json.loads(raw, parse_constant=lambda c: _finite(c, odd), parse_float=lambda f: _finite(f, odd))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptCheckpointError(f"malformed manifest {where}: not valid JSON ({e})") from None
-    except MemoryError:  # within the bound above, but more than this process may allocate
-        raise ShortOfMemoryError(
-            f"parsing the {kind} {where} ({len(raw) / 2**20:.0f} MiB of JSON) ran out of memory: read it in a "
-            "process with more memory free"
-        ) from None
+    except MemoryError as e:  # within the bound above, but more than this process may allocate
+        raise short_of_memory(f"parsing the {kind} {where} ({len(raw) / 2**20:.0f} MiB of JSON)", e) from e
     _want(isinstance(doc, dict), where, "top level is not an object")
     _want(doc.get("format") == name, where, f"not a stashpoint {kind}")
     claimed = doc.pop("checksum", None)
