@@ -287,3 +287,24 @@ def test_any_damage_to_the_manifest_is_detected(tmp_path):
     index.write_bytes(iraw[:i] + b"1235" + iraw[i + 4 :])  # a plain value, nothing else would notice
     with pytest.raises(CorruptCheckpointError, match="does not match the manifest's checksum"):
         stashpoint.load({"w": torch.zeros(2)}, tmp_path / "ck")
+
+
+@given(
+    st.dictionaries(
+        st.text(max_size=8),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+            max_leaves=12,
+        ),
+        max_size=6,
+    )
+)
+@settings(max_examples=150, deadline=None)
+def test_a_seal_is_the_document_encoded_with_its_checksum_last(doc):
+    """``seal`` appends the seal to the encoded body: the same bytes as the document with the
+    field added last and encoded once more (what a load hashes when the tail does not match)."""
+    doc.pop("checksum", None)
+    body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    whole = dict(doc, checksum=xxhash.xxh3_64_hexdigest(body))
+    assert seal(doc) == json.dumps(whole, separators=(",", ":"), allow_nan=False).encode()

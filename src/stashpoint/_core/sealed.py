@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from typing import Any, NoReturn
 
 import xxhash
@@ -61,12 +62,17 @@ def _body(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
-def seal(doc: dict[str, Any]) -> bytes:
+def seal(doc: dict[str, Any], encoded: Mapping[str, bytes] | None = None) -> bytes:
     """The manifest's bytes: compact JSON whose last field, ``checksum``, is the xxh3-64 of the
-    same JSON without it, so that damage anywhere in the manifest is detected."""
-    doc = {k: v for k, v in doc.items() if k != "checksum"}
-    doc["checksum"] = checksum(_body(doc))
-    raw = _body(doc)
+    same JSON without it, so that damage anywhere in the manifest is detected. ``encoded``:
+    fields given as their compact JSON already, after ``doc``'s (a plan's catalog, encoded
+    once for every save of it)."""
+    given = dict(encoded or {})
+    body = _body({k: v for k, v in doc.items() if k != "checksum" and k not in given})
+    for name, value in given.items():  # appended: a field's JSON is alike inside its document
+        body = _appended(body, name, value)
+    # the seal is appended too: the document is not encoded again with it
+    raw = _appended(body, "checksum", json.dumps(checksum(body)).encode())
     # what a load would refuse is refused here: a checkpoint saved past the bounds never loads
     if len(raw) > MAX_MANIFEST_BYTES or _parse_memory_bound(raw) > MAX_PARSE_MEMORY:
         raise UnsupportedStateError(
@@ -77,6 +83,11 @@ def seal(doc: dict[str, Any]) -> bytes:
             "large data in tensors (torch.tensor(a_list), torch.frombuffer(a_bytes, dtype=torch.uint8))"
         )
     return raw
+
+
+def _appended(body: bytes, name: str, value: bytes) -> bytes:
+    """The compact JSON object ``body`` with the field ``name``: ``value`` (its JSON) last."""
+    return body[:-1] + (b"," if len(body) > 2 else b"") + json.dumps(name).encode() + b":" + value + b"}"
 
 
 def _fail(where: str, what: str) -> NoReturn:
