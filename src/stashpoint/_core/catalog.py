@@ -79,7 +79,9 @@ class Placement:
         if self.grid is None:
             return (box.offsets, box.shape, rank) in self._cell_set
         b = self.grid.block
-        if not any(box.offsets):  # the first cell: a tensor saved whole has no other
+        if b == self.shape:  # one cell, the tensor saved whole (most entries)
+            return box.shape == b and not any(box.offsets) and all(b) and self.grid.base == rank
+        if not any(box.offsets):  # the first cell
             first = tuple(min(k, n) for k, n in zip(b, self.shape))
             return first == box.shape and all(self.shape) and self.grid.base == rank
         if any(o % k for o, k in zip(box.offsets, b)):

@@ -16,7 +16,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
 def encode_header(
-    entries: Sequence[tuple[str, str, Sequence[int], int, int]],
+    entries: Sequence[tuple[str, str, Sequence[int], int, int]] | bytes,
     metadata: Mapping[str, str],
     *,
     align: int = HEADER_ALIGN,
@@ -24,15 +24,21 @@ def encode_header(
     """Encode a safetensors header: 8-byte little-endian length, JSON, padded with spaces.
 
     ``entries`` are ``(name, st_dtype, shape, begin, end)`` with offsets relative to the data
-    section. The result's length is a multiple of ``align``, so the data section starts aligned.
+    section, or :func:`encode_entries` of them (a layout's, made once for every save of it).
+    The result's length is a multiple of ``align``, so the data section starts aligned.
     """
-    doc: dict[str, Any] = {"__metadata__": dict(metadata)}
-    for name, st_dtype, shape, begin, end in entries:
-        doc[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [begin, end]}
-    body = json.dumps(doc, separators=(",", ":")).encode("utf-8")
+    tensors = entries if isinstance(entries, bytes) else encode_entries(entries)
+    meta = json.dumps({"__metadata__": dict(metadata)}, separators=(",", ":")).encode("utf-8")
+    body = meta[:-1] + (b"," + tensors if tensors else b"") + b"}"
     total = -(-(8 + len(body)) // align) * align
     body += b" " * (total - 8 - len(body))
     return struct.pack("<Q", len(body)) + body
+
+
+def encode_entries(entries: Sequence[tuple[str, str, Sequence[int], int, int]]) -> bytes:
+    """The tensors' fields of a header's JSON, compact and without the braces around them."""
+    doc = {name: {"dtype": st, "shape": list(shape), "data_offsets": [b, e]} for name, st, shape, b, e in entries}
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8")[1:-1]
 
 
 def header_length(prefix: bytes, file_size: int, where: str) -> int:

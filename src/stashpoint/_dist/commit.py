@@ -3,6 +3,7 @@ every rank reports its outcome, rank 0 commits only if all succeeded, and tells 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from stashpoint._core.assign import ChunkMeta
 from stashpoint._core.catalog import Placement
 from stashpoint._core.described import MAX_DESCRIPTIONS
+from stashpoint._core.index import catalog_json
 from stashpoint._dist.group import DistContext
 
 
@@ -46,6 +48,11 @@ class Plan:
     mine: frozenset[Any]  # the chunk idents this rank writes
     hashes: tuple[str, ...] | None = None  # rank 0: every rank's layout hash
     catalog: Mapping[str, Placement] | None = None  # rank 0: the manifest's catalog
+
+    @functools.cached_property
+    def catalog_json(self) -> bytes | None:
+        """The catalog as the manifest holds it: encoded once, for every save that reuses the plan."""
+        return None if self.catalog is None else catalog_json(self.catalog)
 
 
 @dataclass(frozen=True)

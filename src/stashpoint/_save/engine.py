@@ -51,6 +51,9 @@ class _Engine:
         self.lock = threading.Lock()
         self._plans: dict[tuple[Any, ...], SavePlan] = {}
         self.layouts = LayoutCache()
+        # one process saving alone: one context, as a group's, so that a save of the same
+        # structure reuses the last plan (its catalog) instead of making it again
+        self.solo = DistContext.solo()
 
     def close(self) -> None:
         """Wait for the saves in flight (their errors stay with their handles), then stop the threads."""
@@ -95,7 +98,7 @@ class _Engine:
             raise ValueError(
                 "on_busy='skip' would let ranks skip different saves in a distributed run; use on_busy='wait'"
             )
-        ctx = _dist.context(opts.process_group, opts.timeout_s) or DistContext.solo()
+        ctx = _dist.context(opts.process_group, opts.timeout_s) or self.solo
         if ctx.world > 1:
             teardown.install(_pending_saves)
         if ctx.world == 1 and opts.process_group is None and unjoined_launch():

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stashpoint import _runtime
-from stashpoint._core.format import MAX_MANIFEST_BYTES, Chunk, checksum, utc_stamp
-from stashpoint._core.index import Head, RankIndex
+from stashpoint._core.assign import ChunkMeta
+from stashpoint._core.format import MAX_MANIFEST_BYTES, checksum, utc_stamp
+from stashpoint._core.index import Head, index_json
 from stashpoint._core.naming import MANIFEST_NAME, group_dir, index_name, parse_save_file, placed
 from stashpoint._core.nodeplan import Room
-from stashpoint._core.plan import TensorSpec, plan_files
+from stashpoint._core.plan import FilePlan, TensorSpec, plan_files
 from stashpoint._core.sealed import open_sealed
 from stashpoint._dist import group as _dist
 from stashpoint._dist.arrival import CollectiveError
@@ -34,7 +35,7 @@ from stashpoint._dist.transfer import replicate
 from stashpoint._save.agree import agree
 from stashpoint._save.handle import SaveStats
 from stashpoint._save.layout import Layout
-from stashpoint._save.persist import Writer, WrittenShards, write_shards
+from stashpoint._save.persist import FileLayout, Writer, WrittenShards, file_layouts, write_shards
 from stashpoint._save.staging import StagingBuffers, StagingPool
 from stashpoint._storage import Storage
 from stashpoint._version import __version__
@@ -125,9 +126,11 @@ class PersistJob:
             )
             save_id, given, self.ranks_per_dir = agreed.save_id, agreed.given, agreed.ranks_per_dir
             assert self.staged is not None
-            mine = [c for c in self.layout.chunks if c.ident in given]
-            specs = [TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in mine]
-            files = plan_files(specs, max_file_bytes=self.opts.max_shard_bytes, rank=ctx.rank).files if mine else ()
+            with _runtime.gc_paused():  # the save's own records, in the thousands: no collections of the heap
+                mine, files = self.layout.remember(
+                    ("files", given, self.opts.max_shard_bytes, ctx.rank), lambda: self._files(given)
+                )
+                layouts = self._layouts(given, files, self.staged)
             try:
                 if self.staged_keys is not None and (lost := [c.key for c in mine if c.key not in self.staged_keys]):
                     raise CheckpointError(f"rank {ctx.rank} was given tensors to write it did not copy: {lost[:10]}")
@@ -145,6 +148,7 @@ class PersistJob:
                     save_id=save_id,
                     writer=self.writer,
                     directory=group_dir(ctx.rank, self.ranks_per_dir),
+                    layouts=layouts,
                 )
                 index = self._write_index(save_id, written)
                 self.storage.sync()
@@ -305,14 +309,40 @@ class PersistJob:
         except (OSError, CheckpointError) as e:  # best effort
             log.warning("stashpoint: could not remove files in %s: %s", storage.location, e)
 
-    def _write_index(self, save_id: str, written: WrittenShards) -> bytes:
-        """Write this rank's index (what it wrote, and its state tree) beside its shards."""
-        where = {c.key: c for c in self.layout.chunks}
-        chunks = {
-            key: Chunk(fname, where[key].offsets, where[key].shape, start, end, sums)
+    def _files(self, given: frozenset[Any]) -> tuple[list[ChunkMeta], tuple[FilePlan, ...]]:
+        """The chunks this rank writes, and its files of them: once per layout and plan."""
+        mine = [c for c in self.layout.chunks if c.ident in given]
+        specs = [TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in mine]
+        files = plan_files(specs, max_file_bytes=self.opts.max_shard_bytes, rank=self.ctx.rank).files if mine else ()
+        return mine, tuple(files)
+
+    def _layouts(
+        self, given: frozenset[Any], files: tuple[FilePlan, ...], staged: StagingBuffers
+    ) -> tuple[FileLayout, ...]:
+        """The files' layouts in ``staged``: once per layout, plan and staging plan (the value
+        kept holds the staging plan, so its id stays its own)."""
+        key = ("layouts", given, self.opts.max_shard_bytes, self.ctx.rank, id(staged.plan))
+        kept: tuple[Any, tuple[FileLayout, ...]] = self.layout.remember(
+            key, lambda: (staged.plan, file_layouts(files, staged))
+        )
+        return kept[1]
+
+    def _index_json(self, save_id: str, written: WrittenShards) -> bytes:
+        """This rank's index: each chunk's row as RankIndex.to_json makes it, without a record per chunk."""
+        where = self.layout.remember(
+            "boxes", lambda: {c.key: (list(c.offsets), list(c.shape)) for c in self.layout.chunks}
+        )
+        number = {f.name: i for i, f in enumerate(written.files)}
+        rows = {
+            key: [number[fname], *where[key], start, end, list(sums)]
             for key, (fname, start, end, sums) in written.chunks.items()
         }
-        raw = RankIndex(self.ctx.rank, save_id, written.files, chunks, self.tree).to_json()
+        return index_json(self.ctx.rank, save_id, written.files, rows, self.tree)
+
+    def _write_index(self, save_id: str, written: WrittenShards) -> bytes:
+        """Write this rank's index (what it wrote, and its state tree) beside its shards."""
+        with _runtime.gc_paused():
+            raw = self._index_json(save_id, written)
         name = placed(index_name(self.ctx.rank, save_id), self.ctx.rank, self.ranks_per_dir)
         out = self.storage.open_writer(name, len(raw))
         try:
@@ -329,18 +359,20 @@ class PersistJob:
         plan = self.ctx.last_plan
         assert plan is not None and plan.catalog is not None
         written: list[Written] = [o.payload for o in outcomes]
-        head = Head(
-            save_id=save_id,
-            created=utc_stamp(),
-            library_version=__version__,
-            torch_version=torch.__version__,
-            world_size=self.ctx.world,
-            indexes=tuple((w.index_size, w.index_checksum) for w in written),
-            catalog=plan.catalog,
-            metadata=self.opts.metadata,
-            ranks_per_dir=self.ranks_per_dir,
-        )
-        self.manifest = head.to_json()
+        with _runtime.gc_paused():  # the catalog's encoding, once per plan: no collections of the heap
+            head = Head(
+                save_id=save_id,
+                created=utc_stamp(),
+                library_version=__version__,
+                torch_version=torch.__version__,
+                world_size=self.ctx.world,
+                indexes=tuple((w.index_size, w.index_checksum) for w in written),
+                catalog=plan.catalog,
+                metadata=self.opts.metadata,
+                ranks_per_dir=self.ranks_per_dir,
+                encoded_catalog=plan.catalog_json,
+            )
+            self.manifest = head.to_json()
         if self.opts.nodes is not None and self.opts.nodes.replicas:
             self.room = node_room(self.opts.nodes, [o.nbytes for o in outcomes])
         replaced = None

@@ -62,6 +62,14 @@ def token(t: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
+def _shared_spread(d: KeyDesc, spreads: dict[Any, Any]) -> KeyDesc:
+    """``d`` holding the first of the equal spreads seen (a copy only where it held another)."""
+    if d.spread is None:
+        return d
+    first = spreads.setdefault(d.spread, d.spread)
+    return d if first is d.spread else dataclasses.replace(d, spread=first)
+
+
 @dataclass
 class Layout:
     """A rank's tensors as chunks of global tensors, with tied tensors stored once."""
@@ -120,7 +128,7 @@ class Layout:
         desc = None
         if all(d is not None for d in described):
             spreads: dict[Any, Any] = {}  # one object per distinct spread: pickled once, not per tensor
-            keys = tuple(dataclasses.replace(d, spread=spreads.setdefault(d.spread, d.spread)) for d in described if d)
+            keys = tuple(_shared_spread(d, spreads) for d in described if d)
             desc = Description(keys, tuple(sorted(aliases.items())))
         return cls(chunks, sources, aliases, keyinfo, layout_hash(chunks, aliases), signatures, key_of, desc)
 
