@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures as cf
+import itertools
 import os
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
@@ -82,10 +83,10 @@ def plan_pieces(
     on this host read those too (replicated tensors). With ``staged``, every piece gets a buffer
     of its own (no destination is read into)."""
     pieces: list[Piece] = []
-    seen: set[tuple[str, int, tuple[int, ...], tuple[int, ...], str, Box]] = set()
+    seen: set[tuple[object, ...]] = set()
     missing = []
     for r in reads:  # tied destinations that share memory are read once
-        sig = (r.key, r.dest.data_ptr(), tuple(r.dest.shape), r.dest.stride(), str(r.dest.device), r.region)
+        sig = (r.key, r.dest.data_ptr(), r.dest.shape, r.dest.stride(), r.dest.device, r.region)
         if r.region.numel == 0 or sig in seen:
             continue
         seen.add(sig)
@@ -96,10 +97,28 @@ def plan_pieces(
         if sum(p.inter.numel for p in found) != r.region.numel:
             missing.append(f"{r.key!r} {r.region}")
         pieces.extend(found)
-    # Destinations that share memory under different keys (a tied model loading an untied
-    # checkpoint) must not be read into concurrently: all but the first go through a buffer.
+    _bounce_shared(pieces)
+    if missing:
+        raise CorruptCheckpointError(
+            f"the checkpoint does not hold every part of: {', '.join(missing[:5])}; some rank's shards are missing"
+        )
+    return pieces
+
+
+def _bounce_shared(pieces: list[Piece]) -> None:
+    """Destinations that share memory under different keys (a tied model loading an untied
+    checkpoint) must not be read into concurrently: all but the first go through a buffer."""
+    spans = []
+    for p in pieces:
+        if p.buf is p.target and p.target.numel():
+            lo = p.target.data_ptr()
+            spans.append((lo, lo + p.target.numel() * p.target.element_size()))
+    ordered = sorted(spans)
+    # spans that overlap at all overlap a neighbour in start order: usually none do (n log n)
+    if all(a[1] <= b[0] for a, b in itertools.pairwise(ordered)):
+        return
     # The spans kept are disjoint: sorted by start, each new one is checked against its two
-    # neighbours only (n log n, where checking against all was quadratic).
+    # neighbours only (checking against all was quadratic; inserting is, in the tied few).
     starts: list[int] = []
     ends: list[int] = []
     for p in pieces:
@@ -112,11 +131,6 @@ def plan_pieces(
             else:
                 starts.insert(i, lo)
                 ends.insert(i, hi)
-    if missing:
-        raise CorruptCheckpointError(
-            f"the checkpoint does not hold every part of: {', '.join(missing[:5])}; some rank's shards are missing"
-        )
-    return pieces
 
 
 def execute_reads(
