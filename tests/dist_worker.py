@@ -419,6 +419,26 @@ def scenario_fail_mid_save(path: str, victim: str, how: str) -> None:
     os._exit(0)  # the group lost a member: skip the orderly shutdown
 
 
+def scenario_fail_planning_files(path: str) -> None:
+    """Rank 1 fails while it plans its shard files (after the ranks agreed who writes what): every
+    rank must learn it at once, not wait out the timeout for rank 1's outcome."""
+    from stashpoint._save import job as _job
+
+    if RANK == 1:
+
+        def fail(self, given):  # type: ignore[no-untyped-def]
+            raise MemoryError("injected")
+
+        _job.PersistJob._files = fail  # type: ignore[method-assign]
+    state = {"w": torch.full((1000,), float(RANK)), "x": torch.ones(10)}
+    t0 = time.perf_counter()
+    try:
+        stashpoint.save(state, path, timeout=60)
+        result(raised=False)
+    except stashpoint.CheckpointError as e:
+        result(raised=True, seconds=time.perf_counter() - t0, message=str(e))
+
+
 def scenario_slow_commit(path: str, delay: str) -> None:
     """Rank 0 takes ``delay`` seconds to commit, past the 4 s timeout of the others' wait for it:
     the save must end committed and whole, or not committed, never committed without shards."""

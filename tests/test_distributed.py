@@ -152,6 +152,14 @@ def test_a_rank_dying_or_stalling_mid_save_fails_it_on_the_others_within_the_tim
     assert prev["x"].sum() == 10
 
 
+def test_a_rank_failing_as_it_plans_its_files_fails_every_rank_at_once(tmp_path):
+    results = run_world(2, "fail_planning_files", str(tmp_path / "ck"), timeout=150)
+    for r in results:
+        assert r["raised"] and r["seconds"] < 30, r  # not the 60 s timeout
+        assert "rank(s) 1" in r["message"] and "MemoryError: injected" in r["message"], r
+    assert not (tmp_path / "ck" / MANIFEST_NAME).exists()
+
+
 def test_a_rank_0_slowed_past_the_timeout_leaves_the_save_committed_and_whole(tmp_path):
     """The others stop waiting after 4 s while rank 0 builds and writes the manifest for 7 s:
     they must not delete their shards, since rank 0 may (and here does) still commit."""

@@ -5,7 +5,9 @@ kept must never leak into a save of another structure, or of other values."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
+import threading
 
 import pytest
 import torch
@@ -69,3 +71,20 @@ def test_a_catalog_encoded_ahead_is_the_one_the_manifest_would_encode(grid):
     head = Head("ab12", "2026-12-06", "0", "2", 2, ((10, "x"), (11, "y")), catalog, {"m": "v"})
     ahead = dataclasses.replace(head, encoded_catalog=catalog_json(catalog))
     assert ahead.to_json() == head.to_json()
+
+
+def test_a_persist_never_switches_the_collector(tmp_path, monkeypatch):
+    """The collector is the process's: a pause the writer thread took while training runs would
+    undo a ``gc.disable()`` the training thread made meanwhile. Only the caller's thread pauses it."""
+    threads: list[str] = []
+    disable = gc.disable
+
+    def spy() -> None:
+        threads.append(threading.current_thread().name)
+        disable()
+
+    monkeypatch.setattr(gc, "disable", spy)
+    state = _state(2000, 0)
+    stashpoint.save(state, tmp_path / "a")
+    stashpoint.save(state, tmp_path / "b")
+    assert threads and all(not name.startswith("stashpoint-") for name in threads), threads

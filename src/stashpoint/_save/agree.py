@@ -15,7 +15,6 @@ from stashpoint._core.described import described_catalog
 from stashpoint._core.naming import RANKS_PER_DIR
 from stashpoint._dist.commit import Assignment, LayoutMsg, Plan, RankFailure, SaveHello, Start, start_save
 from stashpoint._dist.group import DistContext
-from stashpoint._runtime import gc_paused
 from stashpoint._save.layout import Layout
 from stashpoint._storage import env_number
 from stashpoint.errors import CheckpointError
@@ -88,8 +87,7 @@ def agree(
         reps, members = start.described
         descs = [ctx.broadcast("description", desc if ctx.rank == r else None, src=r) for r in reps]
         try:
-            with gc_paused():  # tens of thousands of records: collections would walk the whole heap
-                described = described_catalog(descs, members)
+            described = described_catalog(descs, members)
         except CheckpointError as e:
             _failed(ctx, layout, str(e))
         if described is not None:  # else (alike on every rank) the general path below
@@ -119,8 +117,7 @@ def agree(
     catalog = None
     if layouts is not None and writers is not None:
         keyinfo = (kv for m in layouts for kv in m.keyinfo.items())
-        with gc_paused():
-            catalog = catalog_of(keyinfo, (kv for m in layouts for kv in m.aliases.items()), writers)
+        catalog = catalog_of(keyinfo, (kv for m in layouts for kv in m.aliases.items()), writers)
     _planned(ctx, Plan(layout.hash, part.mine, hashes, catalog), part.constrained)
     return Agreed(start.save_id, part.mine, start.ranks_per_dir)
 

@@ -126,12 +126,10 @@ class PersistJob:
             )
             save_id, given, self.ranks_per_dir = agreed.save_id, agreed.given, agreed.ranks_per_dir
             assert self.staged is not None
-            with _runtime.gc_paused():  # the save's own records, in the thousands: no collections of the heap
+            try:  # from here any failure is this rank's outcome, which every rank learns
                 mine, files = self.layout.remember(
                     ("files", given, self.opts.max_shard_bytes, ctx.rank), lambda: self._files(given)
                 )
-                layouts = self._layouts(given, files, self.staged)
-            try:
                 if self.staged_keys is not None and (lost := [c.key for c in mine if c.key not in self.staged_keys]):
                     raise CheckpointError(f"rank {ctx.rank} was given tensors to write it did not copy: {lost[:10]}")
                 if self.pending is not None:  # write only what has been copied (overlap mode)
@@ -148,7 +146,7 @@ class PersistJob:
                     save_id=save_id,
                     writer=self.writer,
                     directory=group_dir(ctx.rank, self.ranks_per_dir),
-                    layouts=layouts,
+                    layouts=self._layouts(given, files, self.staged),
                 )
                 index = self._write_index(save_id, written)
                 self.storage.sync()
@@ -341,8 +339,7 @@ class PersistJob:
 
     def _write_index(self, save_id: str, written: WrittenShards) -> bytes:
         """Write this rank's index (what it wrote, and its state tree) beside its shards."""
-        with _runtime.gc_paused():
-            raw = self._index_json(save_id, written)
+        raw = self._index_json(save_id, written)
         name = placed(index_name(self.ctx.rank, save_id), self.ctx.rank, self.ranks_per_dir)
         out = self.storage.open_writer(name, len(raw))
         try:
@@ -359,20 +356,19 @@ class PersistJob:
         plan = self.ctx.last_plan
         assert plan is not None and plan.catalog is not None
         written: list[Written] = [o.payload for o in outcomes]
-        with _runtime.gc_paused():  # the catalog's encoding, once per plan: no collections of the heap
-            head = Head(
-                save_id=save_id,
-                created=utc_stamp(),
-                library_version=__version__,
-                torch_version=torch.__version__,
-                world_size=self.ctx.world,
-                indexes=tuple((w.index_size, w.index_checksum) for w in written),
-                catalog=plan.catalog,
-                metadata=self.opts.metadata,
-                ranks_per_dir=self.ranks_per_dir,
-                encoded_catalog=plan.catalog_json,
-            )
-            self.manifest = head.to_json()
+        head = Head(
+            save_id=save_id,
+            created=utc_stamp(),
+            library_version=__version__,
+            torch_version=torch.__version__,
+            world_size=self.ctx.world,
+            indexes=tuple((w.index_size, w.index_checksum) for w in written),
+            catalog=plan.catalog,
+            metadata=self.opts.metadata,
+            ranks_per_dir=self.ranks_per_dir,
+            encoded_catalog=plan.catalog_json,
+        )
+        self.manifest = head.to_json()
         if self.opts.nodes is not None and self.opts.nodes.replicas:
             self.room = node_room(self.opts.nodes, [o.nbytes for o in outcomes])
         replaced = None

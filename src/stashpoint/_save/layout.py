@@ -62,6 +62,9 @@ def token(t: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
+_NONE = object()
+
+
 def _shared_spread(d: KeyDesc, spreads: dict[Any, Any]) -> KeyDesc:
     """``d`` holding the first of the equal spreads seen (a copy only where it held another)."""
     if d.spread is None:
@@ -89,11 +92,13 @@ class Layout:
 
     def remember(self, key: Any, make: Callable[[], Any]) -> Any:
         """``make()``, once per structure and ``key`` (a few kept: keys that came and went go)."""
-        if key not in self.memo:
+        value = self.memo.get(key, _NONE)
+        if value is _NONE:  # (a local: the writer thread and the caller's may both ask)
+            value = make()
             if len(self.memo) > 8:
                 self.memo.clear()
-            self.memo[key] = make()
-        return self.memo[key]
+            self.memo[key] = value
+        return value
 
     def specs(self, keys: frozenset[str] | None) -> tuple[TensorSpec, ...]:
         """What planning needs of the chunks this rank copies (``keys``; None: all), made once
