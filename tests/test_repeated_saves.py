@@ -11,10 +11,14 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import stashpoint
 from stashpoint._core.catalog import Grid, Placement
-from stashpoint._core.index import Head, catalog_json
+from stashpoint._core.format import Chunk, FileEntry, seal
+from stashpoint._core.header import encode_entries
+from stashpoint._core.index import Head, RankIndex, catalog_json
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._save.engine import get_engine
 
@@ -88,3 +92,85 @@ def test_a_persist_never_switches_the_collector(tmp_path, monkeypatch):
     stashpoint.save(state, tmp_path / "a")
     stashpoint.save(state, tmp_path / "b")
     assert threads and all(not name.startswith("stashpoint-") for name in threads), threads
+
+
+_names = st.text(max_size=6)  # any text: quotes, escapes, non-ASCII
+_dims = st.lists(st.integers(0, 2**40), max_size=3).map(tuple)
+
+
+def _doc(p: Placement) -> dict[str, object]:
+    """What the manifest holds of ``p`` (FORMAT.md), as json.dumps would be given it."""
+    doc: dict[str, object] = {"dtype": p.dtype, "shape": list(p.shape)}
+    if p.alias_of is not None:
+        doc["alias_of"] = p.alias_of
+    elif p.grid is not None:
+        doc["grid"] = {"block": list(p.grid.block), "base": p.grid.base, "strides": list(p.grid.strides)}
+    else:
+        doc["chunks"] = [[list(o), list(s), w] for o, s, w in p.cells]
+    return doc
+
+
+_placements = st.builds(
+    lambda key, dtype, shape, kind, n, target: Placement(
+        key,
+        dtype,
+        shape,
+        Grid(shape, n, tuple(-n for _ in shape)) if kind == "grid" else None,
+        ((shape, shape, n), ((), shape, n + 1)) if kind == "cells" else (),
+        target if kind == "alias" else None,
+    ),
+    _names,
+    _names,
+    _dims,
+    st.sampled_from(["grid", "cells", "alias"]),
+    st.integers(0, 2**20),
+    _names,
+)
+
+
+@given(st.lists(_placements, max_size=5))
+@settings(max_examples=200, deadline=None)
+def test_the_catalog_written_as_text_is_what_json_dumps_writes(placements):
+    catalog = {p.key: p for p in placements}
+    want = json.dumps({k: _doc(p) for k, p in catalog.items()}, separators=(",", ":")).encode()
+    assert catalog_json(catalog) == want
+
+
+@given(st.lists(st.tuples(_names, _names, st.lists(st.integers(0, 2**40), max_size=3), st.integers(0), st.integers(0))))
+@settings(max_examples=200, deadline=None)
+def test_a_headers_entries_written_as_text_are_what_json_dumps_writes(entries):
+    doc = {n: {"dtype": t, "shape": list(s), "data_offsets": [b, e]} for n, t, s, b, e in entries}
+    if len(doc) == len(entries):  # (a file's names are unique)
+        assert encode_entries(entries) == json.dumps(doc, separators=(",", ":")).encode()[1:-1]
+
+
+_trees = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | _names,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_names, inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@given(
+    st.dictionaries(_names, st.tuples(_dims, _dims, st.integers(0), st.integers(0), st.lists(_names, max_size=2))),
+    st.dictionaries(_names, _trees, max_size=3),
+)
+@settings(max_examples=200, deadline=None)
+def test_an_index_written_as_text_is_what_json_dumps_writes(chunks, tree):
+    files = (FileEntry("shard-a", 10, 8, "x"), FileEntry("shard-b", 20, 8, "y"))
+    made = {k: Chunk(files[len(k) % 2].name, o, s, b, e, tuple(sums)) for k, (o, s, b, e, sums) in chunks.items()}
+    rows = {k: [len(k) % 2, list(c.offsets), list(c.shape), c.start, c.end, list(c.checksums)] for k, c in made.items()}
+    want = seal(
+        {
+            "format": "stashpoint-index",
+            "format_version": 2,
+            "save_id": "ab",
+            "rank": 3,
+            "checksum_algorithm": "xxh3_64",
+            "checksum_block_bytes": 4 << 20,
+            "files": [[f.name, f.size, f.data_start, f.header_checksum] for f in files],
+            "chunks": rows,
+            "tree": tree,
+        }
+    )
+    assert RankIndex(3, "ab", files, made, tree).to_json() == want

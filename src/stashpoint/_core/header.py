@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Mapping, Sequence
+from json.encoder import encode_basestring_ascii as _str
 from typing import Any
 
 from stashpoint._core.sealed import short_of_memory
@@ -36,9 +37,13 @@ def encode_header(
 
 
 def encode_entries(entries: Sequence[tuple[str, str, Sequence[int], int, int]]) -> bytes:
-    """The tensors' fields of a header's JSON, compact and without the braces around them."""
-    doc = {name: {"dtype": st, "shape": list(shape), "data_offsets": [b, e]} for name, st, shape, b, e in entries}
-    return json.dumps(doc, separators=(",", ":")).encode("utf-8")[1:-1]
+    """The tensors' fields of a header's JSON, compact and without the braces around them (as
+    ``json.dumps`` writes them; as text, not a dict and lists per tensor, which set off
+    collections of the heap by the ten thousand)."""
+    return ",".join(
+        f'{_str(name)}:{{"dtype":{_str(st)},"shape":[{",".join(map(str, shape))}],"data_offsets":[{b},{e}]}}'
+        for name, st, shape, b, e in entries
+    ).encode("ascii")
 
 
 def header_length(prefix: bytes, file_size: int, where: str) -> int:

@@ -16,11 +16,11 @@ needs (same world size: its own, and rank 0's for small replicated tensors). See
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _str
 from typing import Any
 
 from stashpoint._core.assign import merge_trees
@@ -37,6 +37,7 @@ from stashpoint._core.sealed import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MAX_MANIFEST_ENTRIES,
+    _body,
     _fail,
     _int,
     _ints,
@@ -101,20 +102,25 @@ class Head:
 
 
 def catalog_json(catalog: Mapping[str, Placement]) -> bytes:
-    """The manifest's ``tensors`` field, compact JSON: a plan's is encoded once for every save
-    of it (a quarter of a 40k-tensor save's persist was this, every save)."""
-    return json.dumps({k: _placement_doc(p) for k, p in catalog.items()}, separators=(",", ":")).encode()
+    """The manifest's ``tensors`` field, compact JSON (as ``json.dumps`` with ``(",", ":")``
+    writes it): a plan's is encoded once for every save of it. Written as text, not through a
+    dict and lists per tensor: tens of thousands of containers set off collections of the heap."""
+    return ("{" + ",".join(f"{_str(k)}:{_placement_json(p)}" for k, p in catalog.items()) + "}").encode()
 
 
-def _placement_doc(p: Placement) -> dict[str, Any]:
-    doc: dict[str, Any] = {"dtype": p.dtype, "shape": list(p.shape)}
+def _placement_json(p: Placement) -> str:
+    head = f'{{"dtype":{_str(p.dtype)},"shape":{_ints_json(p.shape)}'
     if p.alias_of is not None:
-        doc["alias_of"] = p.alias_of
-    elif p.grid is not None:
-        doc["grid"] = {"block": list(p.grid.block), "base": p.grid.base, "strides": list(p.grid.strides)}
-    else:
-        doc["chunks"] = [[list(o), list(s), w] for o, s, w in p.cells]
-    return doc
+        return f'{head},"alias_of":{_str(p.alias_of)}}}'
+    if p.grid is not None:
+        g = p.grid
+        return f'{head},"grid":{{"block":{_ints_json(g.block)},"base":{g.base},"strides":{_ints_json(g.strides)}}}}}'
+    cells = ",".join(f"[{_ints_json(o)},{_ints_json(s)},{w}]" for o, s, w in p.cells)
+    return f'{head},"chunks":[{cells}]}}'
+
+
+def _ints_json(v: tuple[int, ...]) -> str:
+    return "[" + ",".join(map(str, v)) + "]"
 
 
 @dataclass(frozen=True)
@@ -129,18 +135,31 @@ class RankIndex:
 
     def to_json(self) -> bytes:
         number = {f.name: i for i, f in enumerate(self.files)}
-        rows = {
-            k: [number[c.file], list(c.offsets), list(c.shape), c.start, c.end, list(c.checksums)]
+        rows = (
+            (k, number[c.file], box_json(c.offsets, c.shape), c.start, c.end, c.checksums)
             for k, c in self.chunks.items()
-        }
+        )
         return index_json(self.rank, self.save_id, self.files, rows, self.tree)
 
 
+def box_json(offsets: tuple[int, ...], shape: tuple[int, ...]) -> str:
+    """A chunk's offsets and shape as an index row holds them: ``[0,0],[4,2]``."""
+    return f"{_ints_json(offsets)},{_ints_json(shape)}"
+
+
 def index_json(
-    rank: int, save_id: str, files: tuple[FileEntry, ...], rows: Mapping[str, list[Any]], tree: dict[str, Any]
+    rank: int,
+    save_id: str,
+    files: tuple[FileEntry, ...],
+    rows: Iterable[tuple[str, int, str, int, int, Sequence[str]]],
+    tree: dict[str, Any],
 ) -> bytes:
-    """A rank's index, sealed: ``rows`` holds each chunk as ``[file number, offsets, shape,
-    start, end, block checksums]`` (what :meth:`RankIndex.to_json` makes of its chunks)."""
+    """A rank's index, sealed: ``rows`` gives each chunk's key, file number, :func:`box_json`,
+    start, end and block checksums. Its rows are written as text (as ``json.dumps`` writes
+    them), not through a list per chunk: tens of thousands set off collections of the heap."""
+    chunks = ",".join(
+        f"{_str(k)}:[{n},{box},{start},{end},[{','.join(map(_str, sums))}]]" for k, n, box, start, end, sums in rows
+    )
     return seal(
         {
             "format": INDEX_FORMAT,
@@ -150,9 +169,8 @@ def index_json(
             "checksum_algorithm": CHECKSUM_ALGORITHM,
             "checksum_block_bytes": CHECKSUM_BLOCK_BYTES,
             "files": [[f.name, f.size, f.data_start, f.header_checksum] for f in files],
-            "chunks": rows,
-            "tree": tree,
-        }
+        },
+        {"chunks": ("{" + chunks + "}").encode("ascii"), "tree": _body(tree)},
     )
 
 

@@ -16,7 +16,7 @@ import torch
 from stashpoint import _runtime
 from stashpoint._core.assign import ChunkMeta
 from stashpoint._core.format import MAX_MANIFEST_BYTES, checksum, utc_stamp
-from stashpoint._core.index import Head, index_json
+from stashpoint._core.index import Head, box_json, index_json
 from stashpoint._core.naming import MANIFEST_NAME, group_dir, index_name, parse_save_file, placed
 from stashpoint._core.nodeplan import Room
 from stashpoint._core.plan import FilePlan, TensorSpec, plan_files
@@ -327,14 +327,9 @@ class PersistJob:
 
     def _index_json(self, save_id: str, written: WrittenShards) -> bytes:
         """This rank's index: each chunk's row as RankIndex.to_json makes it, without a record per chunk."""
-        where = self.layout.remember(
-            "boxes", lambda: {c.key: (list(c.offsets), list(c.shape)) for c in self.layout.chunks}
-        )
+        boxes = self.layout.remember("boxes", lambda: {c.key: box_json(c.offsets, c.shape) for c in self.layout.chunks})
         number = {f.name: i for i, f in enumerate(written.files)}
-        rows = {
-            key: [number[fname], *where[key], start, end, list(sums)]
-            for key, (fname, start, end, sums) in written.chunks.items()
-        }
+        rows = ((key, number[f], boxes[key], start, end, sums) for key, (f, start, end, sums) in written.chunks.items())
         return index_json(self.ctx.rank, save_id, written.files, rows, self.tree)
 
     def _write_index(self, save_id: str, written: WrittenShards) -> bytes:
