@@ -89,7 +89,14 @@ def test_quick_run_one_rank_every_requested_method_reported(tmp_path):
         assert cfg["disk"][regime]["direct_write_gbps"] > 0 and cfg["disk"][regime]["buffered_read_gbps"] > 0
     assert cfg["floor"]["copy_s"] > 0
     checked = [t for t in cfg["targets"] if t["met"] is not None]
-    assert {t["target"].split(":")[0] for t in checked} >= {"blocking", "load", "step time while a persist runs"}
+    assert {t["target"].split(":")[0] for t in checked} >= {"blocking", "load"}
+    # the step-time target is measured only where a training step fell inside a persist: a
+    # persist of this small state can end within a step on a busy host, and then it says so
+    stepped = {t["method"]: t for t in cfg["targets"] if t["target"].startswith("step time while a persist runs")}
+    assert set(stepped) == {"stashpoint_async", "stashpoint_process", "stashpoint_overlap"}
+    for name, t in stepped.items():
+        steps = cfg["methods"].get(name, {}).get("steps") or {}
+        assert (t["value"] is None) == (not steps.get("during_persist_steps")), (name, steps)
     md = (out / "results.md").read_text()
     for e in cfg["methods"].values():
         assert e["label"] in md
