@@ -90,7 +90,8 @@ def steps_entry(ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
         vals = [r["steps"][key] for r in ranks if r["steps"].get(key) is not None]
         return max(vals) if vals else None
 
-    for key in ("base_step_ms", "during_persist_ratio", "loop_ratio", "lost_per_checkpoint_s", "max_step_s"):
+    keys = ("base_step_ms", "during_persist_steps", "during_persist_ratio", "loop_ratio", "lost_per_checkpoint_s")
+    for key in (*keys, "max_step_s"):
         e[key] = worst(key)
     return e
 
