@@ -145,7 +145,7 @@ def test_a_headers_entries_written_as_text_are_what_json_dumps_writes(entries):
 
 
 _trees = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | _names,
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | _names,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_names, inner, max_size=3),
     max_leaves=8,
 )

@@ -128,8 +128,11 @@ def described_catalog(descs: Sequence[Description], members: Sequence[int]) -> D
         if not holders[i]:
             continue
         for kd in desc.keys:
-            first = stored.setdefault(kd.key, (kd, []))
-            if (first[0].dtype, first[0].shape) != (kd.dtype, kd.shape):
+            first = stored.get(kd.key)
+            if first is None:  # (few records per key: tens of thousands set off collections of the heap)
+                stored[kd.key] = (kd, [i])
+                continue
+            if first[0].dtype != kd.dtype or first[0].shape != kd.shape:
                 problems.append(
                     f"{kd.key!r} is {first[0].dtype}{list(first[0].shape)} on rank {holders[first[1][0]][0]} "
                     f"but {kd.dtype}{list(kd.shape)} on rank {holders[i][0]}"
@@ -151,8 +154,10 @@ def described_catalog(descs: Sequence[Description], members: Sequence[int]) -> D
     empty: dict[str, int] = {}
     plain: list[tuple[KeyDesc, tuple[int, ...]]] = []
     covered: dict[tuple[tuple[int, ...], Spread], bool] = {}
+    held: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct set of descriptions
     for key, (kd, where) in stored.items():
-        held_by = tuple(sorted(set(where)))
+        w = tuple(where)
+        held_by = held.get(w) or held.setdefault(w, tuple(sorted(set(w))))
         if math.prod(kd.shape) == 0:
             out[key] = Placement(key, kd.dtype, kd.shape)
             empty[key] = min(holders[i][0] for i in held_by)
@@ -195,6 +200,8 @@ def _plain_writers(plain: list[tuple[KeyDesc, tuple[int, ...]]], holders: list[l
     tensors (usually one), so each choice costs log R, not R."""
     load: dict[int, int] = {}
     heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    lowest: dict[tuple[int, ...], int] = {}
+    zeros = {n: (0,) * n for n in range(8)}  # a whole tensor's grid strides, shared
     out = {}
     for kd, where in sorted(plain, key=lambda p: (-math.prod(p[0].shape) * p[0].itemsize, p[0].key)):
         nbytes = math.prod(kd.shape) * kd.itemsize
@@ -202,7 +209,9 @@ def _plain_writers(plain: list[tuple[KeyDesc, tuple[int, ...]]], holders: list[l
         if heap is None:
             heap = heaps[where] = sorted((load.get(r, 0), r) for i in where for r in holders[i])
         if kd.lowest or nbytes <= SMALL_CHUNK_BYTES:
-            rank = min(r for i in where for r in holders[i][:1])
+            rank = lowest.get(where, -1)
+            if rank < 0:
+                rank = lowest[where] = min(holders[i][0] for i in where)
         else:
             while heap[0][0] != load.get(heap[0][1], 0):  # another set's choice raised it: refresh
                 heapq.heapreplace(heap, (load.get(heap[0][1], 0), heap[0][1]))
@@ -210,5 +219,6 @@ def _plain_writers(plain: list[tuple[KeyDesc, tuple[int, ...]]], holders: list[l
         load[rank] = load.get(rank, 0) + nbytes
         if heap[0][1] == rank:
             heapq.heapreplace(heap, (load[rank], rank))
-        out[kd.key] = Placement(kd.key, kd.dtype, kd.shape, Grid(kd.shape, rank, (0,) * len(kd.shape)))
+        strides = zeros.get(len(kd.shape)) or (0,) * len(kd.shape)
+        out[kd.key] = Placement(kd.key, kd.dtype, kd.shape, Grid(kd.shape, rank, strides))
     return out
