@@ -59,3 +59,16 @@ def test_members_behave_as_the_list_they_replace():
     mixed = _Members([0, [1], "a"])  # something unhashable: a list's test
     assert [1] in mixed and "a" in mixed and 5 not in mixed
     assert [2] not in _Members([0, 1])  # an unhashable query of a hashable list
+
+
+def test_a_load_pre_hook_is_handed_the_groups_lists_as_they_were(tmp_path):
+    """A pre-hook may keep or pickle what it is given: it sees plain lists, as without stashpoint."""
+    model, optim = _model_and_optimizer(20, fill=True)
+    stashpoint.save({"model": model, "optim": optim}, tmp_path / "ckpt")
+    model2, optim2 = _model_and_optimizer(20, fill=False)
+    seen: list[type] = []
+    optim2.register_load_state_dict_pre_hook(lambda o, sd: seen.extend(type(g["params"]) for g in sd["param_groups"]))
+    stashpoint.load({"model": model2, "optim": optim2}, tmp_path / "ckpt")
+    assert seen and set(seen) == {list}
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(optim.state[p]["exp_avg"], optim2.state[q]["exp_avg"])

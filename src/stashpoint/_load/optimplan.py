@@ -128,7 +128,8 @@ class OptimizerPlanning:
         if problem is not None:
             self.plan.problems.append(f"{self._name(where)}: the saved optimizer state does not fit: {problem}")
         else:
-            sd = _members_as_sets(sd)
+            if _torch_loads(optim):  # anyone else is handed the lists as they were (they may pickle them)
+                sd = _members_as_sets(sd)
             self.plan.finalizers.append((where, lambda: optim.load_state_dict(sd)))
             self.plan.checks.append((where, lambda: trial.optimizer(optim, sd)))
 
@@ -178,6 +179,16 @@ class _Members(list):  # type: ignore[type-arg]
             return item in members
         except TypeError:
             return list.__contains__(self, item)
+
+
+def _torch_loads(optim: Any) -> bool:
+    """Whether ``optim.load_state_dict`` is torch's own, or a wrapper's (Accelerate's) handing
+    the dict to torch's own in its ``optimizer``, with no pre-hook that would see the dict."""
+    own = torch.optim.Optimizer.load_state_dict
+    inner = optim if type(optim).load_state_dict is own else getattr(optim, "optimizer", None)
+    if not isinstance(inner, torch.optim.Optimizer) or type(inner).load_state_dict is not own:
+        return False
+    return not any(getattr(o, "_optimizer_load_state_dict_pre_hooks", None) for o in (optim, inner))
 
 
 def _members_as_sets(sd: dict[str, Any]) -> dict[str, Any]:
