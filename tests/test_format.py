@@ -17,13 +17,13 @@ from hypothesis import strategies as st
 import stashpoint
 from conftest import index_doc, to_v1, v1_doc
 from stashpoint._core.format import parse_manifest, seal
-from stashpoint._core.header import encode_header, parse_header
+from stashpoint._core.header import encode_entries, encode_header, parse_header
 from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 
 def test_header_golden_bytes():
-    raw = encode_header([("w", "F32", [2], 0, 8)], {"format": "stashpoint", "save_id": "00"}, align=64)
+    raw = encode_header(encode_entries([("w", "F32", [2], 0, 8)]), {"format": "stashpoint", "save_id": "00"}, align=64)
     body = (
         b'{"__metadata__":{"format":"stashpoint","save_id":"00"},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
     )

@@ -17,20 +17,19 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
 def encode_header(
-    entries: Sequence[tuple[str, str, Sequence[int], int, int]] | bytes,
+    entries: bytes,
     metadata: Mapping[str, str],
     *,
     align: int = HEADER_ALIGN,
 ) -> bytes:
     """Encode a safetensors header: 8-byte little-endian length, JSON, padded with spaces.
 
-    ``entries`` are ``(name, st_dtype, shape, begin, end)`` with offsets relative to the data
-    section, or :func:`encode_entries` of them (a layout's, made once for every save of it).
-    The result's length is a multiple of ``align``, so the data section starts aligned.
+    ``entries`` are the tensors' fields, as :func:`encode_entries` gives them (a layout's, made
+    once for every save of it). The result's length is a multiple of ``align``, so the data
+    section starts aligned.
     """
-    tensors = entries if isinstance(entries, bytes) else encode_entries(entries)
     meta = json.dumps({"__metadata__": dict(metadata)}, separators=(",", ":")).encode("utf-8")
-    body = meta[:-1] + (b"," + tensors if tensors else b"") + b"}"
+    body = meta[:-1] + (b"," + entries if entries else b"") + b"}"
     total = -(-(8 + len(body)) // align) * align
     body += b" " * (total - 8 - len(body))
     return struct.pack("<Q", len(body)) + body

@@ -75,13 +75,13 @@ class Head:
     catalog: Mapping[str, Placement]
     metadata: Mapping[str, str] = field(default_factory=dict)
     ranks_per_dir: int = 0  # each rank's files are in its group directory (0: all at the root)
-    # the catalog as ``catalog_json`` gives it, where the caller has it already (None: encoded here)
-    encoded_catalog: bytes | None = field(default=None, compare=False, repr=False)
 
     def index_name(self, rank: int) -> str:
         return placed(index_name(rank, self.save_id), rank, self.ranks_per_dir)
 
-    def to_json(self) -> bytes:
+    def to_json(self, encoded_catalog: bytes | None = None) -> bytes:
+        """The sealed manifest; ``encoded_catalog``: ``catalog_json(self.catalog)``, where the
+        caller has it already (a plan's, encoded once for every save of it)."""
         return seal(
             {
                 "format": FORMAT_NAME,
@@ -97,7 +97,7 @@ class Head:
                 "metadata": dict(self.metadata),
                 "indexes": [[size, sums] for size, sums in self.indexes],
             },
-            {"tensors": catalog_json(self.catalog) if self.encoded_catalog is None else self.encoded_catalog},
+            {"tensors": catalog_json(self.catalog) if encoded_catalog is None else encoded_catalog},
         )
 
 

@@ -361,9 +361,8 @@ class PersistJob:
             catalog=plan.catalog,
             metadata=self.opts.metadata,
             ranks_per_dir=self.ranks_per_dir,
-            encoded_catalog=plan.catalog_json,
         )
-        self.manifest = head.to_json()
+        self.manifest = head.to_json(plan.catalog_json)
         if self.opts.nodes is not None and self.opts.nodes.replicas:
             self.room = node_room(self.opts.nodes, [o.nbytes for o in outcomes])
         replaced = None
