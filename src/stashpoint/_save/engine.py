@@ -302,7 +302,7 @@ def async_save(
     Args:
         state: a dict (or list/tuple) of tensors, plain values and objects with
             ``state_dict()``/``load_state_dict()`` (modules, optimizers, schedulers, ...).
-        path: the checkpoint directory to create.
+        path: the checkpoint directory to create (``~`` is the home directory, as in a shell).
         overwrite: replace a committed checkpoint at ``path``. The old one stays loadable until
             the new one commits.
         allow_pickle: pickle values that are not otherwise supported (loading them then needs

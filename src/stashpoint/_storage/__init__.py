@@ -34,6 +34,9 @@ def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
             backend: type[Storage] = getattr(importlib.import_module(module), name)
             return backend(text)  # type: ignore[call-arg]
         raise ValueError(f"unsupported storage scheme {scheme!r} in {text!r}; use a local path or s3://bucket/prefix")
+    # "~/ckpt" is the user's home, as in a shell (a directory named "~" made in the working
+    # directory is one a later `rm -rf ~` turns into the loss of the home directory)
+    text = str(Path(text).expanduser())
     if Path(text).is_symlink() and Path(text).is_dir():
         # the user's own link to a directory (runs -> /scratch/...): followed here, once; links
         # found inside a checkpoint or run directory are never followed

@@ -66,8 +66,9 @@ class LocalStorage(Storage):
         if not isinstance(write_streams, int) or isinstance(write_streams, bool) or write_streams < 1:
             raise ValueError(f"write_streams must be a whole number of at least 1, got {write_streams!r}")
         # absolute now: a save's files are written later, on another thread, and a chdir
-        # meanwhile must not send them elsewhere (links are kept as given, not resolved)
-        self.root = Path(root).absolute()
+        # meanwhile must not send them elsewhere (links are kept as given, not resolved); "~"
+        # is the home directory, as in a shell
+        self.root = Path(root).expanduser().absolute()
         self.direct_io = direct_io
         self.write_streams = write_streams
         if cache_newest is None:

@@ -259,4 +259,4 @@ def _local(path: str | os.PathLike[str], what: str) -> Path:
     local directory named ``s3:``)."""
     if "://" in str(path):
         raise ValueError(f"{what} local files; {str(path)!r} is a URL: give a local path (and copy it yourself)")
-    return Path(path)
+    return Path(path).expanduser()

@@ -72,7 +72,7 @@ def list_steps(root: str | os.PathLike[str]) -> list[StepInfo]:
     storage = storage_for(root)
     if not isinstance(storage, LocalStorage):
         return _list_remote_steps(storage)
-    r = Path(root)
+    r = storage.root
     if not r.is_dir():
         what = "does not exist" if not r.exists() else "is a file"
         raise CheckpointNotFoundError(f"no run directory at {r}: the path {what} (give a CheckpointManager root)")

@@ -1,0 +1,55 @@
+"""Paths as users write them: ``~`` is the home directory, as in a shell."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import stashpoint
+from stashpoint._tools.inspect import list_steps
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """A home directory of the test's own, and a working directory apart from it."""
+    home = tmp_path / "home"
+    home.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    return home
+
+
+def test_a_tilde_path_is_the_home_directory_never_a_directory_named_tilde(home):
+    model = torch.nn.Linear(3, 2)
+    stashpoint.save({"model": model}, "~/ckpt/step-1")
+    assert (home / "ckpt" / "step-1" / "manifest.json").is_file()
+    # a directory named "~" in the working directory is one a later `rm -rf ~` loses the home for
+    assert not Path("~").exists()
+
+    fresh = torch.nn.Linear(3, 2)
+    stashpoint.load({"model": fresh}, "~/ckpt/step-1")
+    assert torch.equal(fresh.weight, model.weight)
+    assert stashpoint.verify(Path("~/ckpt/step-1")).ok
+    assert torch.equal(stashpoint.read("~/ckpt/step-1")["model"]["weight"], model.weight)
+    stashpoint.async_save({"model": model}, "~/ckpt/step-2").wait()
+    assert (home / "ckpt" / "step-2" / "manifest.json").is_file()
+    assert not Path("~").exists()
+
+
+def test_a_manager_and_the_listing_of_its_run_take_a_tilde_root(home):
+    model = torch.nn.Linear(3, 2)
+    with stashpoint.CheckpointManager("~/run", keep_last=2) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, {"model": model})
+        manager.wait()
+    assert sorted(p.name for p in (home / "run").iterdir() if p.is_dir()) == ["step-00000002", "step-00000003"]
+    assert [s.step for s in list_steps("~/run")] == [2, 3]
+    fresh = torch.nn.Linear(3, 2)
+    with stashpoint.CheckpointManager("~/run") as again:
+        assert again.restore({"model": fresh}) == 3
+    assert torch.equal(fresh.bias, model.bias)
+    assert not Path("~").exists()
