@@ -534,6 +534,46 @@ def test_import_never_runs_code_from_a_dcp_checkpoint(tmp_path: Path) -> None:
     assert not marker.exists() and not (tmp_path / "o2").exists()
 
 
+class _ByGetattr:
+    """Pickles as ``getattr(target, name)``."""
+
+    def __init__(self, target: object, name: str) -> None:
+        self.target, self.name = target, name
+
+    def __reduce__(self):
+        return (getattr, (self.target, self.name))
+
+
+def test_import_reads_enums_pickled_by_getattr_and_no_other_getattr(tmp_path: Path) -> None:
+    import enum
+    import io
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.arange(3.0)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    meta = tmp_path / "dcp" / ".metadata"
+
+    class EnumsByGetattr(pickle.Pickler):  # as Python 3.11.0-3.11.3 (Debian 12's) pickle enum members
+        def reducer_override(self, obj):
+            return (getattr, (type(obj), obj.name)) if isinstance(obj, enum.Enum) else NotImplemented
+
+    out = io.BytesIO()
+    EnumsByGetattr(out, protocol=4).dump(pickle.loads(meta.read_bytes()))
+    assert b"getattr" in out.getvalue()
+    meta.write_bytes(out.getvalue())
+    r = cli("import", tmp_path / "dcp", tmp_path / "sp")
+    assert r.exit_code == 0 and "imported dcp" in r.stdout, r.output
+    assert torch.equal(stashpoint.read(tmp_path / "sp")["w"], torch.arange(3.0))
+
+    # getattr of anything but an enum's member is refused: a method is a step to running code
+    meta.write_bytes(pickle.dumps(_ByGetattr(Path, "home"), protocol=4))
+    one_line_error(cli("import", tmp_path / "dcp", tmp_path / "o1"), "getattr(Path, 'home')", "enum")
+    meta.write_bytes(pickle.dumps(_ByGetattr(torch.float32, "__class__"), protocol=4))
+    one_line_error(cli("import", tmp_path / "dcp", tmp_path / "o2"), "'__class__'", "enum")
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
 def test_import_refusals(tmp_path: Path, single) -> None:
     torch.save(small_model(), tmp_path / "module.pt")  # a pickled module: weights_only refuses it
     one_line_error(cli("import", tmp_path / "module.pt", tmp_path / "o"), "weights_only=True", "never runs code")

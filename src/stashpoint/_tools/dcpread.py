@@ -9,6 +9,7 @@ records, ``torch.Size``, dtypes, layouts and paths, and each value with
 
 from __future__ import annotations
 
+import enum
 import io
 import logging
 import math
@@ -42,6 +43,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         found = torch.__dict__.get(name)  # not getattr: that would import torch's lazy submodules
         if module == "torch" and (name == "Size" or isinstance(found, torch.dtype)):
             return found
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member  # how Python 3.11.0-3.11.3 pickle an enum's member
         allowed = _MODULES.get(module, set())
         if module in _MODULES and "." not in name and (allowed is None or name in allowed):
             found = super().find_class(module, name)
@@ -50,6 +53,17 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(
             f"the .metadata file asks for {module}.{name}, which a DCP checkpoint's metadata never holds"
         )
+
+
+def _enum_member(cls: Any, name: Any) -> Any:
+    """``getattr(cls, name)`` where ``cls`` is an enum (a class the unpickler allowed) and
+    ``name`` one of its members: nothing else a pickle may ask ``getattr`` for."""
+    if isinstance(cls, enum.EnumMeta) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(
+        f"the .metadata file asks for getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}), "
+        "which a DCP checkpoint's metadata never holds (only an enum's member)"
+    )
 
 
 def load_dcp(p: Path) -> dict[str, Any]:
