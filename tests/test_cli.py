@@ -321,7 +321,23 @@ def test_diff_identical_and_different(tmp_path: Path) -> None:
     stashpoint.save(state(), tmp_path / "a")
     stashpoint.save(state(), tmp_path / "a2")
     r = cli("diff", tmp_path / "a", tmp_path / "a2")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == "5 tensor(s) compared (by the checksums recorded; --verify checks the files): identical"
+    r = cli("diff", tmp_path / "a", tmp_path / "a2", "--verify")
     assert r.exit_code == 0 and r.stdout.strip() == "5 tensor(s) compared: identical", r.output
+
+    # a damaged copy: equal by the checksums its manifest records, and caught once its files are read
+    shutil.copytree(tmp_path / "a", tmp_path / "bad")
+    shard = next((tmp_path / "bad").glob("shard-*"))
+    with open(shard, "r+b") as f:
+        f.seek(shard.stat().st_size - 1)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([last[0] ^ 0xFF]))
+    assert cli("diff", tmp_path / "a", tmp_path / "bad").exit_code == 0
+    one_line_error(cli("diff", tmp_path / "a", tmp_path / "bad", "--verify"), "bad is damaged", "checksum")
+    d = json.loads(cli("diff", tmp_path / "a", tmp_path / "a2", "--json").stdout)
+    assert d["identical"] and d["compared"] == d["by_checksum"] == 5
 
     w = state()["w"].clone()
     w[1, 2] += 0.5

@@ -205,17 +205,37 @@ def verify_command(*, path: str, quiet: bool, this_node: bool, as_json: bool) ->
 @main.command("diff", short_help="Show which tensors and values differ between two checkpoints.")
 @click.argument("a", type=PATH_ARG)
 @click.argument("b", type=PATH_ARG)
+@click.option(
+    "--verify",
+    "check",
+    is_flag=True,
+    help="First check every file of both against its checksums (reads all their bytes); exit code 2 if "
+    "either is damaged.",
+)
 @json_option
 @fails_cleanly
-def diff_command(*, a: str, b: str, as_json: bool) -> None:
+def diff_command(*, a: str, b: str, check: bool, as_json: bool) -> None:
     """Show which tensors and values differ between checkpoints A and B.
 
-    For tensors of the same shape the maximum absolute difference is shown. Exit code 0 if
-    identical, 1 if they differ.
+    For tensors of the same shape the maximum absolute difference is shown. Tensors whose
+    chunks both manifests record with the same checksums are equal without being read: a
+    damaged copy of a checkpoint compares identical to it unless --verify checks the files
+    first. Exit code 0 if identical, 1 if they differ, 2 on an error.
     """
     from stashpoint._tools.diff import diff
     from stashpoint._tools.inspect import jsonable
 
+    if check:
+        from stashpoint._tools.checking import verify
+        from stashpoint.errors import CorruptCheckpointError
+
+        for path in (a, b):
+            found = verify(path)
+            if not found.ok:
+                raise CorruptCheckpointError(
+                    f"{path} is damaged ({len(found.problems)} problem(s); `stashpoint verify {path}` lists them): "
+                    + found.problems[0]
+                )
     rep = diff(a, b)
     if as_json:
         doc = dataclasses.asdict(rep)
@@ -236,7 +256,8 @@ def diff_command(*, a: str, b: str, as_json: bool) -> None:
             echo(f"value:     {esc(k)}: {esc(short(x, 40))} -> {esc(short(y, 40))}")
         n = len(rep.only_a) + len(rep.only_b) + len(set(rep.dtype) | set(rep.shape) | set(rep.values))
         if rep.identical:
-            echo(f"{rep.compared} tensor(s) compared: identical")
+            how = " (by the checksums recorded; --verify checks the files)" if rep.by_checksum and not check else ""
+            echo(f"{rep.compared} tensor(s) compared{how}: identical")
         else:
             echo(f"{n} tensor(s) and {len(rep.plain)} plain value(s) differ ({rep.compared} tensor(s) of the same "
                  "shape in both compared by their data)")  # fmt: skip

@@ -26,6 +26,7 @@ class DiffReport:
     values: dict[str, float | None] = field(default_factory=dict)
     plain: list[tuple[str, Any, Any]] = field(default_factory=list)  # (key path, value in A, value in B)
     compared: int = 0
+    by_checksum: int = 0  # of ``compared``: equal by the checksums both manifests record, not read
 
     @property
     def identical(self) -> bool:
@@ -91,6 +92,7 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> DiffReport:
             rep.shape[k] = (list(ea.shape), list(eb.shape))
         elif _same_bytes(ma, mb, k):
             rep.compared += 1
+            rep.by_checksum += 1
         else:
             same.append(k)
     if same:  # only tensors whose recorded bytes differ are read, and only then is torch imported
