@@ -69,6 +69,7 @@ def test_a_managers_save_asks_for_the_steps_manifest_on_its_owner_alone(tmp_path
     whose answer lagged submitted the save that the others refused, then waited out the timeout."""
     for r in run_world(2, "manifest_asked_once", str(tmp_path), worker=WORKER_OF):
         assert "step 2 already has a committed checkpoint" in r["again"], r
+        assert ".." not in r["again"], r  # one full stop between the cause and what it means
         assert r["raised_by"] == "wait()", r  # alike on every rank: the owner's refusal reaches all by the handle
         assert r["again_s"] < 20, r
         if r["rank"] == 1:

@@ -111,6 +111,9 @@ def test_unsupported_values_name_their_key_path_and_type(tmp_path):
         stashpoint.save({"x": {(1, 2): 3}}, tmp_path / "ck")
     with pytest.raises(stashpoint.UnsupportedStateError, match=r"layout torch.sparse_coo at key 'sp'.*to_dense"):
         stashpoint.save({"sp": torch.eye(3).to_sparse()}, tmp_path / "ck")
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])  # strided layout, no one shape
+    with pytest.raises(stashpoint.UnsupportedStateError, match=r"nested tensor at key 'n/0'.*unbind"):
+        stashpoint.save({"n": [nested]}, tmp_path / "ck")
     q = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
     with pytest.raises(stashpoint.UnsupportedStateError, match="quantized tensor at key 'q'"):
         stashpoint.save({"q": q}, tmp_path / "ck")
@@ -123,6 +126,10 @@ def test_unsupported_values_name_their_key_path_and_type(tmp_path):
 
     with pytest.raises(stashpoint.UnsupportedStateError, match=r"key 'cfg'.*save obj.to_dict\(\)"):
         stashpoint.save({"cfg": Config()}, tmp_path / "ck")
+    with pytest.raises(
+        TypeError, match=r"save\(\) got an unexpected keyword argument 'overwirte' \(did you mean 'overwrite'\?\)"
+    ):
+        stashpoint.save({}, tmp_path / "ck", overwirte=True)
     with pytest.raises(TypeError, match="metadata must map str to str"):
         stashpoint.save({}, tmp_path / "ck", metadata={"a": 1})
     assert not (tmp_path / "ck").exists(), "a refused save writes nothing"
@@ -285,6 +292,18 @@ def test_a_write_failing_mid_save_commits_nothing_and_keeps_the_previous_checkpo
     stashpoint.save(new, tmp_path / "ck", overwrite=True)
     stashpoint.load(out, tmp_path / "ck")
     assert torch.equal(out["w"], new["w"])
+
+
+class _RefusingStorage(LocalStorage):
+    def commit(self, name, data, *, exclusive=False):
+        raise stashpoint.CheckpointError("the test refuses this commit.")
+
+
+def test_a_failed_saves_message_has_one_full_stop_between_its_cause_and_what_it_means(tmp_path):
+    with pytest.raises(stashpoint.CheckpointError) as info:
+        stashpoint.save({"w": torch.ones(3)}, _RefusingStorage(tmp_path / "ck"))
+    assert "refuses this commit. Nothing was committed there" in str(info.value), info.value
+    assert ".." not in str(info.value)
 
 
 def test_a_failed_first_save_leaves_no_manifest(tmp_path):
@@ -554,7 +573,7 @@ def test_an_optimizer_state_loaded_into_another_of_torchs_optimizers_is_a_mismat
     stashpoint.save({"model": model, "optim": optim}, tmp_path / "c")
     fresh = torch.nn.Linear(4, 4)
     for other in (torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9), torch.optim.Adam(fresh.parameters())):
-        wrong = r"holds the state of a AdamW, the state holds a (SGD|Adam):"
+        wrong = r"holds the state of an optimizer of class AdamW, the state holds one of class (SGD|Adam):"
         with pytest.raises(stashpoint.StateMismatchError, match=wrong):
             stashpoint.load({"model": fresh, "optim": other}, tmp_path / "c")
     same = torch.optim.AdamW(fresh.parameters())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import difflib
+import inspect
 import logging
 import os
 import threading
@@ -353,6 +355,12 @@ def save(state: Any, path: str | os.PathLike[str] | Storage, **options: Any) -> 
 
     Takes the same options as :func:`async_save`.
     """
+    known = inspect.signature(async_save).parameters
+    for name in options.keys() - known:
+        near = difflib.get_close_matches(name, list(known), n=1)
+        raise TypeError(
+            f"save() got an unexpected keyword argument {name!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+        )
     return async_save(state, path, **options).wait()
 
 

@@ -253,6 +253,7 @@ class PersistJob:
             msg = f"saving the checkpoint to {loc} failed on rank {rank}: {type(e).__name__}: {e}"
             local_error = e
         log.error("stashpoint: %s", msg)
+        msg = msg.rstrip(".")  # the sentences below start after one full stop
         if undecided:
             raise CheckpointError(
                 f"{msg}. This rank could not learn whether rank 0 committed the save: the checkpoint there is either "
@@ -304,6 +305,8 @@ class PersistJob:
             for name in names:
                 if parse_save_file(name) is not None and doomed(name):
                     storage.delete(name)
+        except (FileNotFoundError, NotADirectoryError):  # nothing was made there: nothing to remove
+            pass
         except (OSError, CheckpointError) as e:  # best effort
             log.warning("stashpoint: could not remove files in %s: %s", storage.location, e)
 

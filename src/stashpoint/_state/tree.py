@@ -71,6 +71,10 @@ def check_tensor(key: str, t: torch.Tensor) -> None:
             f"quantized tensor {where} is not supported; dequantize it (t.dequantize()) or save "
             "its int_repr() with its scale and zero point."
         )
+    if t.is_nested:  # a strided nested tensor's layout is torch.strided, but it has no one shape
+        raise UnsupportedStateError(
+            f"nested tensor {where} is not supported; save its components (t.unbind(), a list of tensors) instead."
+        )
     if t.layout != torch.strided:
         raise UnsupportedStateError(
             f"tensor with layout {t.layout} {where} is not supported; convert it with .to_dense()."
