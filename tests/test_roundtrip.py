@@ -293,6 +293,13 @@ def test_plain_values_a_load_would_refuse_are_refused_at_the_save(tmp_path):
     assert out["w"][0] == 1.0 and stashpoint.verify(tmp_path / "ck").ok
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a process without a CUDA device")
+def test_a_read_to_cuda_in_a_process_without_it_says_so_before_reading(tmp_path):
+    stashpoint.save({"w": torch.ones(2)}, tmp_path / "ck")
+    with pytest.raises(ValueError, match="device='cuda', but this process has no CUDA device; read to device='cpu'"):
+        stashpoint.read(tmp_path / "ck", device="cuda")
+
+
 def test_pickle_is_opt_in_on_both_sides(tmp_path):
     from fractions import Fraction
 
@@ -301,6 +308,11 @@ def test_pickle_is_opt_in_on_both_sides(tmp_path):
     stashpoint.save({"cfg": Fraction(1, 3)}, tmp_path / "ck", allow_pickle=True)
     with pytest.raises(stashpoint.CheckpointError, match="pickled value"):
         stashpoint.load({}, tmp_path / "ck")
+    stashpoint.save({"run": {"ok": [1, 2], "cfgs": [0, Fraction(1, 3)]}}, tmp_path / "deep", allow_pickle=True)
+    for select, key in ((None, "run/cfgs/1"), ("run/cfgs", "run/cfgs/1")):  # read names the key as load does
+        with pytest.raises(stashpoint.CheckpointError, match=f"pickled value under '{key}'.*allow_pickle=True"):
+            stashpoint.read(tmp_path / "deep", select=select)
+    assert stashpoint.read(tmp_path / "deep", select="run/ok") == [1, 2]
     target: dict = {}
     stashpoint.load(target, tmp_path / "ck", allow_pickle=True)
     assert target["cfg"] == Fraction(1, 3)
@@ -515,8 +527,9 @@ def test_strict_false_loads_the_optimizer_state_of_the_parameters_both_have(tmp_
     optim.step()
     stashpoint.save({"model": model, "optim": optim}, tmp_path / "c")
     model2, optim2 = build(frozen=False)
-    with pytest.raises(stashpoint.StateMismatchError, match=r"missing optimizer parameter '0\.weight'"):
+    with pytest.raises(stashpoint.StateMismatchError, match=r"missing optimizer parameter '0\.weight'") as info:
         stashpoint.load({"model": model2, "optim": optim2}, tmp_path / "c")
+    assert "(2 problem(s))" in str(info.value) and "the others start fresh" in str(info.value), info.value
     with pytest.warns(UserWarning, match="the others start fresh"):
         stashpoint.load({"model": model2, "optim": optim2}, tmp_path / "c", strict=False)
     assert len(optim2.state) == 2
@@ -798,7 +811,8 @@ def test_a_state_that_does_not_fit_another_libraries_optimizer_names_both_classe
     stashpoint.save({"model": model, "optim": optim}, tmp_path / "ck")
     fresh = small_model(seed=3)
     with pytest.raises(
-        stashpoint.StateMismatchError, match=r"the state of a torch\.optim\.adamw\.AdamW, the state holds a .*_OwnSGD"
+        stashpoint.StateMismatchError,
+        match=r"of class torch\.optim\.adamw\.AdamW, the state holds one of class .*_OwnSGD",
     ):
         stashpoint.load({"model": fresh, "optim": _OwnSGD(fresh.parameters(), lr=0.1)}, tmp_path / "ck")
 

@@ -25,7 +25,7 @@ import collections
 import functools
 import pickle
 import re
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Iterator
 from typing import Any, NoReturn
 
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
@@ -100,33 +100,55 @@ def decode_plain(node: Node, *, allow_pickle: bool, where: str, key: str | None 
         return tuple(decode_plain(v, allow_pickle=allow_pickle, where=where) for v in node["tuple"])
     if "pickle" in node:
         if not allow_pickle:
-            under = f" under {key!r}" if key else ""
-            raise CheckpointError(
-                f"the checkpoint at {where} holds a pickled value{under}; loading it would run code from the "
-                "file. Pass allow_pickle=True only if you trust where the file came from."
-            )
+            raise PickleRefused(where, key)
         return pickle.loads(base64.b64decode(node["pickle"]))  # noqa: S301 - explicit opt-in
     raise CorruptCheckpointError(f"malformed tree node {str(node)[:100]!r} in the manifest of {where}")
+
+
+class PickleRefused(CheckpointError):
+    """A pickled value met where pickles are not allowed: names the key where known."""
+
+    def __init__(self, where: str, key: str | None) -> None:
+        under = f" under {key!r}" if key else ""
+        super().__init__(
+            f"the checkpoint at {where} holds a pickled value{under}; loading it would run code from the "
+            "file. Pass allow_pickle=True only if you trust where the file came from."
+        )
+
+
+def _leaves(node: Node, path: str = "") -> Iterator[tuple[str, Node]]:
+    """(key path, node) of every leaf under ``node``: tensors and plain values."""
+    if "stateful" in node:
+        yield from _leaves(node["state"], path)
+    elif "dict" in node:
+        for k, v in node["dict"]:
+            yield from _leaves(v, join(path, k))
+    elif "list" in node or "tuple" in node:
+        for i, v in enumerate(node["list"] if "list" in node else node["tuple"]):
+            yield from _leaves(v, join(path, i))
+    else:
+        yield path or "<root>", node
+
+
+def pickled_values(node: Node, path: str = "") -> list[str]:
+    """The key paths of the pickled values under ``node`` (unpickles nothing)."""
+    return [p for p, leaf in _leaves(node, path) if "pickle" in leaf]
+
+
+def _unreadable(leaf: Node) -> bool:
+    if "bytes" in leaf or "pickle" in leaf:
+        try:
+            base64.b64decode(leaf["bytes"] if "bytes" in leaf else leaf["pickle"], validate=True)
+        except ValueError:
+            return True
+    return "float" in leaf and nonfinite(leaf["float"]) is None
 
 
 def unreadable_values(node: Node, path: str = "") -> list[str]:
     """Where plain values under ``node`` (a parsed tree) would fail to decode: bytes or a
     pickle that is not base64, a float that is not one. Decodes nothing else, unpickles nothing:
     what ``verify`` checks of the values a load would rebuild."""
-    if "bytes" in node or "pickle" in node:
-        try:
-            base64.b64decode(node["bytes"] if "bytes" in node else node["pickle"], validate=True)
-        except ValueError:
-            return [path or "<root>"]
-        return []
-    if "float" in node:
-        return [] if nonfinite(node["float"]) is not None else [path or "<root>"]
-    if "stateful" in node:
-        return unreadable_values(node["state"], path)
-    if "dict" in node:
-        return [p for k, v in node["dict"] for p in unreadable_values(v, join(path, k))]
-    items: list[Node] = node["list"] if "list" in node else node.get("tuple", [])
-    return [p for i, v in enumerate(items) for p in unreadable_values(v, join(path, i))]
+    return [p for p, leaf in _leaves(node, path) if _unreadable(leaf)]
 
 
 def tensor_keys(node: Node) -> list[str]:

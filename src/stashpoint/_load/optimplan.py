@@ -111,10 +111,10 @@ class OptimizerPlanning:
                 self.plan.problems.append(f"optimizer parameter {n!r} at {self._name(where)}: {odd}")
         # Loaded for the parameters both have: a problem above fails a strict load anyway, and
         # strict=False loads what matches (the others start fresh), as it does for tensors.
-        if len(self.plan.problems) != n_before:
-            self.plan.problems.append(
-                f"{self._name(where)}: with strict=False the optimizer's state is loaded for the parameters the "
-                "checkpoint and the optimizer share; the others start fresh"
+        if len(self.plan.problems) != n_before:  # what strict=False does, said once: not a problem of its own
+            self.plan.problems[-1] += (
+                f" (with strict=False the state of {self._name(where)} is loaded for the parameters the checkpoint "
+                "and the optimizer share; the others start fresh)"
             )
         self._optimizer_finalizer(_stateful.optimizer_from_named(built, optim, names), optim, where)
 
@@ -122,8 +122,8 @@ class OptimizerPlanning:
         problem = optimizer_problem(sd, optim, other_class=self._saved_class is not None)
         if problem is not None and self._saved_class is not None:
             problem += (
-                f" (the checkpoint holds the state of a {self._saved_class}, the state holds a "
-                f"{_stateful.class_name(optim)}: load it into the optimizer class it was saved from)"
+                f" (the checkpoint holds the state of an optimizer of class {self._saved_class}, the state holds one "
+                f"of class {_stateful.class_name(optim)}: load it into the optimizer class it was saved from)"
             )
         if problem is not None:
             self.plan.problems.append(f"{self._name(where)}: the saved optimizer state does not fit: {problem}")

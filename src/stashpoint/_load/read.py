@@ -9,7 +9,7 @@ import torch
 
 from stashpoint import _runtime
 from stashpoint._core.format import Manifest
-from stashpoint._core.nodes import Node, decode_plain, escape, join
+from stashpoint._core.nodes import Node, PickleRefused, decode_plain, escape, join, pickled_values
 from stashpoint._core.reshard import Box
 from stashpoint._load.manifest import open_checkpoint
 from stashpoint._load.reads import execute_reads
@@ -55,15 +55,23 @@ def read(
         CheckpointNotFoundError: nothing at ``path``.
         CheckpointError: ``select`` names no key of the checkpoint (the message lists those there).
         CorruptCheckpointError: a checksum or the structure does not match.
+        ValueError: ``device`` is a CUDA device and this process has none.
     """
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():  # before anything is read, not at the first tensor
+        raise ValueError(f"device={device!r}, but this process has no CUDA device; read to device='cpu'")
     if _runtime.peek("save.engine") is not None:  # a save to ``path`` in flight here: read it committed
         from stashpoint._save.engine import wait_all
 
         wait_all(storage_for(path).location)
     storage, manifest = open_checkpoint(path)
     node = _select(manifest.tree_for(rank), select, str(path))
-    builder = _Builder(manifest, torch.device(device), allow_pickle, storage.location)
-    value = builder.build(node)
+    builder = _Builder(manifest, dev, allow_pickle, storage.location)
+    try:
+        value = builder.build(node)
+    except PickleRefused:  # the key is worked out only now: no path is made per value on every read
+        found = pickled_values(node, select.strip("/") if select else "")
+        raise PickleRefused(storage.location, found[0] if found else None) from None
     builder.run(storage)
     return value
 

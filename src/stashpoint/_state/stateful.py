@@ -279,6 +279,6 @@ def optimizer_class_problem(saved: object, live: Any) -> str | None:
     if saved.rsplit(".", 1)[-1] == mine.rsplit(".", 1)[-1]:  # the same class (torch may move its module)
         return None
     return (
-        f"the checkpoint holds the state of a {saved.rsplit('.', 1)[-1]}, the state holds a {type(live).__name__}: "
-        "load it into the optimizer class it was saved from"
+        f"the checkpoint holds the state of an optimizer of class {saved.rsplit('.', 1)[-1]}, the state holds one "
+        f"of class {type(live).__name__}: load it into the optimizer class it was saved from"
     )
