@@ -223,15 +223,23 @@ def test_a_registered_object_whose_state_grew_comes_back_whole(tmp_path):
     assert history.best == {"epoch1": 0.4}
 
 
-def test_automatic_checkpoint_naming_and_total_limit(tmp_path):
+@pytest.mark.parametrize("home", [False, True])
+def test_automatic_checkpoint_naming_and_total_limit(tmp_path, monkeypatch, home):
     """save_state(accelerator) with Accelerate's automatic naming: project_dir/checkpoints/
     checkpoint_<iteration>, the oldest beyond total_limit deleted once a new one committed;
-    load_state(accelerator) loads the newest. Accelerate's own keywords are accepted."""
+    load_state(accelerator) loads the newest. Accelerate's own keywords are accepted. A
+    project_dir of "~" is the home directory for the saves, the retention and the load alike."""
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
+    if home:
+        monkeypatch.setenv("HOME", str(tmp_path))
+        (tmp_path / "work").mkdir()
+        monkeypatch.chdir(tmp_path / "work")
+
     def build():
-        config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
+        project = "~" if home else str(tmp_path)
+        config = ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True, total_limit=2)
         acc = Accelerator(cpu=True, project_config=config)
         return acc, acc.prepare(torch.nn.Linear(2, 2))
 
@@ -246,6 +254,7 @@ def test_automatic_checkpoint_naming_and_total_limit(tmp_path):
     acc, model = build()
     load_state(acc)
     assert torch.equal(model.weight, torch.full((2, 2), 3.0)) and acc.save_iteration == 4
+    assert not Path("~").exists()
     AcceleratorState._reset_state(reset_partial_state=True)
     with pytest.raises(ValueError, match="automatic_checkpoint_naming=True"):
         save_state(Accelerator(cpu=True))

@@ -53,3 +53,27 @@ def test_a_manager_and_the_listing_of_its_run_take_a_tilde_root(home):
         assert again.restore({"model": fresh}) == 3
     assert torch.equal(fresh.bias, model.bias)
     assert not Path("~").exists()
+
+
+def test_a_tilde_after_other_components_or_of_an_unknown_user_stays_as_written(home):
+    from stashpoint._storage import storage_for
+
+    assert storage_for("./~/ckpt").root == Path.cwd() / "~" / "ckpt"  # as a shell keeps ./~
+    assert storage_for("~no-such-user-here/ckpt").root == Path.cwd() / "~no-such-user-here" / "ckpt"
+
+
+def test_the_lightning_plugin_takes_a_tilde_path(home):
+    pytest.importorskip("lightning")
+    from stashpoint.integrations.lightning import StashpointCheckpointIO
+
+    io = StashpointCheckpointIO()
+    torch.save({"w": torch.ones(1)}, home / "old.ckpt")  # Lightning's own file: replaced by the directory
+    for name in ("~/ck/epoch=0.ckpt", "~/old.ckpt"):
+        io.save_checkpoint({"w": torch.arange(3.0)}, name)
+        io.wait()
+        assert torch.equal(io.load_checkpoint(name)["w"], torch.arange(3.0))
+    assert (home / "ck" / "epoch=0.ckpt" / "manifest.json").is_file() and (home / "old.ckpt").is_dir()
+    io.remove_checkpoint("~/ck/epoch=0.ckpt")
+    io.wait()
+    assert not (home / "ck" / "epoch=0.ckpt").exists()
+    assert not Path("~").exists()

@@ -8,12 +8,12 @@ import os
 from pathlib import Path
 
 from stashpoint._storage.base import FileWriter, Storage, env_number
-from stashpoint._storage.local import LocalStorage
+from stashpoint._storage.local import LocalStorage, user_path
 
 # scheme -> (module, class): backends are imported only when a path needs them
 SCHEMES: dict[str, tuple[str, str]] = {"s3": ("stashpoint._storage.s3", "S3Storage")}
 
-__all__ = ["FileWriter", "LocalStorage", "Storage", "env_number", "storage_for"]
+__all__ = ["FileWriter", "LocalStorage", "Storage", "env_number", "storage_for", "user_path"]
 
 
 def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
@@ -34,9 +34,7 @@ def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
             backend: type[Storage] = getattr(importlib.import_module(module), name)
             return backend(text)  # type: ignore[call-arg]
         raise ValueError(f"unsupported storage scheme {scheme!r} in {text!r}; use a local path or s3://bucket/prefix")
-    # "~/ckpt" is the user's home, as in a shell (a directory named "~" made in the working
-    # directory is one a later `rm -rf ~` turns into the loss of the home directory)
-    text = str(Path(text).expanduser())
+    text = user_path(text)
     if Path(text).is_symlink() and Path(text).is_dir():
         # the user's own link to a directory (runs -> /scratch/...): followed here, once; links
         # found inside a checkpoint or run directory are never followed

@@ -36,6 +36,14 @@ _NO_DIRECT = {errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EO
 _MAX_TREE = 1_000_000  # files a leftover may hold for tree() to list them all (a step at 16,384 ranks: ~33k)
 
 
+def user_path(path: str | os.PathLike[str]) -> str:
+    """``path`` as text, a leading ``~`` or ``~user`` expanded as a shell does (``./~`` and an
+    unknown user's are kept); a URL as it is. A directory named "~" made in the working
+    directory is one a later ``rm -rf ~`` turns into the loss of the home directory."""
+    text = os.fspath(path)
+    return text if "://" in text else os.path.expanduser(text)  # noqa: PTH111 - pathlib folds "./~" into "~"
+
+
 class LocalStorage(Storage):
     """A checkpoint directory on a local or shared POSIX filesystem.
 
@@ -66,9 +74,8 @@ class LocalStorage(Storage):
         if not isinstance(write_streams, int) or isinstance(write_streams, bool) or write_streams < 1:
             raise ValueError(f"write_streams must be a whole number of at least 1, got {write_streams!r}")
         # absolute now: a save's files are written later, on another thread, and a chdir
-        # meanwhile must not send them elsewhere (links are kept as given, not resolved); "~"
-        # is the home directory, as in a shell
-        self.root = Path(root).expanduser().absolute()
+        # meanwhile must not send them elsewhere (links are kept as given, not resolved)
+        self.root = Path(user_path(root)).absolute()
         self.direct_io = direct_io
         self.write_streams = write_streams
         if cache_newest is None:

@@ -23,7 +23,7 @@ from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._load.manifest import open_checkpoint
 from stashpoint._save.engine import save
 from stashpoint._state.dtypes import torch_dtype
-from stashpoint._storage import storage_for
+from stashpoint._storage import storage_for, user_path
 from stashpoint._tools import progress as _progress
 from stashpoint._tools.dcpread import load_dcp
 from stashpoint._tools.importcheck import check_tensors, check_torch_file
@@ -259,4 +259,4 @@ def _local(path: str | os.PathLike[str], what: str) -> Path:
     local directory named ``s3:``)."""
     if "://" in str(path):
         raise ValueError(f"{what} local files; {str(path)!r} is a URL: give a local path (and copy it yourself)")
-    return Path(path).expanduser()
+    return Path(user_path(path))

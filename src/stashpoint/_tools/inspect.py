@@ -28,7 +28,7 @@ from stashpoint._core.policy import parse_metrics
 from stashpoint._load.manifest import IndexMissingError, open_checkpoint, read_head, read_index
 from stashpoint._manager.runcheck import run_contents
 from stashpoint._manager.steps import METRICS_KEY
-from stashpoint._storage import LocalStorage, Storage, storage_for
+from stashpoint._storage import LocalStorage, Storage, storage_for, user_path
 from stashpoint.errors import CheckpointError, CheckpointNotFoundError
 
 
@@ -72,7 +72,7 @@ def list_steps(root: str | os.PathLike[str]) -> list[StepInfo]:
     storage = storage_for(root)
     if not isinstance(storage, LocalStorage):
         return _list_remote_steps(storage)
-    r = storage.root
+    r = Path(user_path(root))
     if not r.is_dir():
         what = "does not exist" if not r.exists() else "is a file"
         raise CheckpointNotFoundError(f"no run directory at {r}: the path {what} (give a CheckpointManager root)")

@@ -50,7 +50,7 @@ from stashpoint._save.engine import async_save
 from stashpoint._save.handle import SaveHandle
 from stashpoint._state.dtypes import dtype_name, torch_dtype
 from stashpoint._state.rng import RNGState
-from stashpoint._storage import storage_for
+from stashpoint._storage import storage_for, user_path
 from stashpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError
 
 __all__ = ["accelerator_state", "load_state", "save_state"]
@@ -203,7 +203,7 @@ def _checkpoints(accelerator: Accelerator) -> Path:
             "give the checkpoint's path, or set ProjectConfiguration(project_dir=..., "
             "automatic_checkpoint_naming=True) for checkpoints named project_dir/checkpoints/checkpoint_<n>"
         )
-    return Path(config.project_dir) / "checkpoints"
+    return Path(user_path(config.project_dir)) / "checkpoints"
 
 
 def _committed(folder: Path) -> list[int]:

@@ -45,7 +45,7 @@ from stashpoint._dist.group import LOCAL
 from stashpoint._load.read import read
 from stashpoint._save.engine import DEFAULT_MAX_SHARD_BYTES, SaveOptions, get_engine
 from stashpoint._save.handle import SaveHandle
-from stashpoint._storage import storage_for
+from stashpoint._storage import storage_for, user_path
 from stashpoint._storage.localwrite import make_root
 from stashpoint.errors import CheckpointError
 
@@ -106,7 +106,7 @@ class StashpointCheckpointIO(CheckpointIO):
                 f"StashpointCheckpointIO.save_checkpoint takes no storage_options (got {storage_options!r}); "
                 "configure the plugin's constructor instead"
             )
-        target = os.fspath(path)
+        target = user_path(path)
         self._settle_done()
         with self._lock:  # saved again: not to be deleted once an earlier save commits
             for save in self._saves:
@@ -169,7 +169,7 @@ class StashpointCheckpointIO(CheckpointIO):
         Accepts ``map_location`` positionally (older Lightning) or by keyword, and the newer
         keywords (``weights_only``, ``state``): the checkpoint is returned for Lightning to apply."""
         self.wait()
-        target = _through_link(os.fspath(path))
+        target = _through_link(user_path(path))
         if "://" not in target and Path(target).is_file():
             raise CheckpointError(
                 f"{target} is a file, as Lightning's own plugin writes them (torch.save), not a stashpoint checkpoint: "
@@ -186,7 +186,7 @@ class StashpointCheckpointIO(CheckpointIO):
         """Delete the checkpoint at ``path``: once the saves in flight have committed (Lightning
         removes the checkpoint a new one replaces as soon as the new one is staged), or at once
         when none is (waiting first if it is the one being written)."""
-        target = os.fspath(path)
+        target = user_path(path)
         self._settle_done()
         with self._lock:
             newest = self._saves[-1] if self._saves else None
