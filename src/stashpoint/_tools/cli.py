@@ -226,9 +226,12 @@ def diff_command(*, a: str, b: str, check: bool, as_json: bool) -> None:
     from stashpoint._tools.inspect import jsonable
 
     if check:
+        from stashpoint._load.manifest import open_checkpoint
         from stashpoint._tools.checking import verify
         from stashpoint.errors import CorruptCheckpointError
 
+        for path in (a, b):  # both checkpoints (not run directories, say) before either is read whole
+            open_checkpoint(path)
         for path in (a, b):
             found = verify(path)
             if not found.ok:
@@ -259,8 +262,9 @@ def diff_command(*, a: str, b: str, check: bool, as_json: bool) -> None:
             how = " (by the checksums recorded; --verify checks the files)" if rep.by_checksum and not check else ""
             echo(f"{rep.compared} tensor(s) compared{how}: identical")
         else:
+            by_data = rep.compared - (0 if check else rep.by_checksum)
             echo(f"{n} tensor(s) and {len(rep.plain)} plain value(s) differ ({rep.compared} tensor(s) of the same "
-                 "shape in both compared by their data)")  # fmt: skip
+                 f"shape in both compared, {by_data} by their data)")  # fmt: skip
     sys.exit(0 if rep.identical else 1)
 
 

@@ -16,11 +16,12 @@ import math
 import os
 import pickle
 import stat
+import types
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from stashpoint._tools.importcheck import check_pickle, check_torch_file
 from stashpoint.errors import CheckpointError
@@ -36,7 +37,23 @@ _MODULES = {  # module -> the names a DCP .metadata may name in it (None: any cl
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):  # Python's own: its BUILD can be checked (C's cannot)
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
+
+    def _build(self) -> None:
+        """BUILD sets an object's attributes from a state: never a class's or a module's (a
+        file could change torch's or pathlib's classes for the rest of the process)."""
+        stack: list[Any] = self.stack  # type: ignore[attr-defined]  # _Unpickler's, undeclared in typeshed
+        target = stack[-2] if len(stack) > 1 else None
+        if isinstance(target, (type, types.ModuleType)):
+            raise pickle.UnpicklingError(
+                f"the .metadata file sets attributes of {getattr(target, '__name__', target)!s}, which a DCP "
+                "checkpoint's metadata never does"
+            )
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+
+    dispatch[pickle.BUILD[0]] = _build
+
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
@@ -55,14 +72,18 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def _enum_member(cls: Any, name: Any) -> Any:
+def _enum_member(cls: Any, name: Any = None, *more: Any) -> Any:
     """``getattr(cls, name)`` where ``cls`` is an enum (a class the unpickler allowed) and
     ``name`` one of its members: nothing else a pickle may ask ``getattr`` for."""
-    if isinstance(cls, enum.EnumMeta) and isinstance(name, str) and name in cls.__members__:
-        return cls[name]
+    if not more and isinstance(cls, enum.EnumMeta) and isinstance(name, str) and name in cls.__members__:
+        member: Any = cls[name]
+        if type(member) is cls:
+            return member
+    shown = cls.__name__ if isinstance(cls, type) else repr(cls)[:100]
+    args = ", ".join([shown, *(repr(a)[:100] for a in (name, *more))])
     raise pickle.UnpicklingError(
-        f"the .metadata file asks for getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}), "
-        "which a DCP checkpoint's metadata never holds (only an enum's member)"
+        f"the .metadata file asks for getattr({args}), which a DCP checkpoint's metadata never holds (only an "
+        "enum's member)"
     )
 
 
