@@ -253,7 +253,8 @@ class PersistJob:
             msg = f"saving the checkpoint to {loc} failed on rank {rank}: {type(e).__name__}: {e}"
             local_error = e
         log.error("stashpoint: %s", msg)
-        msg = msg.rstrip(".")  # the sentences below start after one full stop
+        if msg.endswith(".") and not msg.endswith(".."):  # the sentences below start after one full stop
+            msg = msg[:-1]
         if undecided:
             raise CheckpointError(
                 f"{msg}. This rank could not learn whether rank 0 committed the save: the checkpoint there is either "
@@ -301,12 +302,13 @@ class PersistJob:
         """Delete the save files that ``doomed(name)`` picks: anywhere, or in ``group`` alone."""
         storage = storage or self.storage
         try:
-            names = storage.list() if not group else [f"{group}/{n}" for n in storage.child(group).list()]
+            try:
+                names = storage.list() if not group else [f"{group}/{n}" for n in storage.child(group).list()]
+            except (FileNotFoundError, NotADirectoryError):  # nothing was made there: nothing to remove
+                return
             for name in names:
                 if parse_save_file(name) is not None and doomed(name):
                     storage.delete(name)
-        except (FileNotFoundError, NotADirectoryError):  # nothing was made there: nothing to remove
-            pass
         except (OSError, CheckpointError) as e:  # best effort
             log.warning("stashpoint: could not remove files in %s: %s", storage.location, e)
 

@@ -60,6 +60,10 @@ def check_tensor(key: str, t: torch.Tensor) -> None:
     """Raise :class:`UnsupportedStateError` for tensors whose bytes cannot be saved as-is."""
     where = f"at key {key!r}"
     kind = type(t)
+    if t.is_nested:  # strided (layout torch.strided, but no one shape) or jagged (a subclass)
+        raise UnsupportedStateError(
+            f"nested tensor {where} is not supported; save its components (t.unbind(), a list of tensors) instead."
+        )
     dtensor = kind not in _PLAIN_TYPES and is_dtensor(t)
     if kind not in _PLAIN_TYPES and not dtensor and not isinstance(t, torch.nn.Parameter):
         raise UnsupportedStateError(
@@ -70,10 +74,6 @@ def check_tensor(key: str, t: torch.Tensor) -> None:
         raise UnsupportedStateError(
             f"quantized tensor {where} is not supported; dequantize it (t.dequantize()) or save "
             "its int_repr() with its scale and zero point."
-        )
-    if t.is_nested:  # a strided nested tensor's layout is torch.strided, but it has no one shape
-        raise UnsupportedStateError(
-            f"nested tensor {where} is not supported; save its components (t.unbind(), a list of tensors) instead."
         )
     if t.layout != torch.strided:
         raise UnsupportedStateError(
