@@ -260,6 +260,49 @@ def test_automatic_checkpoint_naming_and_total_limit(tmp_path, monkeypatch, home
         save_state(Accelerator(cpu=True))
 
 
+def test_automatic_naming_never_replaces_an_earlier_runs_checkpoint_nor_deletes_the_one_it_saved(tmp_path):
+    """Before: a second run in the same project_dir (no load_state) replaced the first run's
+    checkpoint_1 and checkpoint_2 in silence, and total_limit deleted each checkpoint it had
+    just saved (the lowest number). Accelerate refuses an existing checkpoint_<n> too."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    def build():
+        AcceleratorState._reset_state(reset_partial_state=True)
+        config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
+        acc = Accelerator(cpu=True, project_config=config)
+        return acc, acc.prepare(torch.nn.Linear(2, 2))
+
+    folder = tmp_path / "checkpoints"
+    acc, _ = build()
+    for _ in range(3):
+        save_state(acc).wait()
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint_1", "checkpoint_2"]
+    first = {n: (folder / n / "manifest.json").read_bytes() for n in ("checkpoint_1", "checkpoint_2")}
+
+    acc, _ = build()  # a new run, no load_state: its iteration starts at 0
+    save_state(acc).wait()  # checkpoint_0 is kept, the oldest of the others goes
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint_0", "checkpoint_2"]
+    save_state(acc).wait()
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint_1", "checkpoint_2"]
+    with pytest.raises(stashpoint.CheckpointError, match=r"checkpoint_2 already holds a committed.*load_state"):
+        save_state(acc)
+    assert (folder / "checkpoint_2" / "manifest.json").read_bytes() == first["checkpoint_2"]
+    assert acc.project_configuration.iteration == 2  # the refused save did not count
+    save_state(acc, overwrite=True).wait()
+    assert (folder / "checkpoint_2" / "manifest.json").read_bytes() != first["checkpoint_2"]
+
+    # Accelerate's own keyword names, and a URL that automatic naming cannot list
+    save_state(acc, output_dir=tmp_path / "named").wait()
+    load_state(acc, input_dir=tmp_path / "named")
+    with pytest.raises(TypeError, match="give the checkpoint's path once"):
+        save_state(acc, tmp_path / "a", output_dir=tmp_path / "b")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    config = ProjectConfiguration(project_dir="s3://bucket/run", automatic_checkpoint_naming=True)
+    with pytest.raises(ValueError, match="local project_dir, not 's3://bucket/run'"):
+        save_state(Accelerator(cpu=True, project_config=config))
+
+
 def _epochs(stateful: bool, ckpt: Path, resume: bool) -> torch.Tensor:
     """12 batches an epoch, 20 steps; step 12, an epoch's last batch, saved (or resumed from)."""
     from accelerate import Accelerator

@@ -51,7 +51,7 @@ from stashpoint._save.handle import SaveHandle
 from stashpoint._state.dtypes import dtype_name, torch_dtype
 from stashpoint._state.rng import RNGState
 from stashpoint._storage import storage_for, user_path
-from stashpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError
+from stashpoint.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError
 
 __all__ = ["accelerator_state", "load_state", "save_state"]
 
@@ -107,7 +107,7 @@ def save_state(
     accelerator: Accelerator,
     path: str | os.PathLike[str] | None = None,
     *,
-    overwrite: bool = True,
+    overwrite: bool | None = None,
     safe_serialization: bool = True,
     **options: Any,
 ) -> SaveHandle:
@@ -127,18 +127,29 @@ def save_state(
             the oldest beyond it are deleted once this one has committed.
         overwrite: replace a committed checkpoint at ``path``, as ``Accelerator.save_state``
             writes over its directory (the old one stays loadable until the new one commits);
-            ``False`` refuses instead.
+            ``False`` refuses instead. Default: True for a ``path`` given, False under automatic
+            naming, where a committed ``checkpoint_<iteration>`` is another run's (Accelerate
+            refuses it too): call ``load_state(accelerator)`` first to continue that run.
         safe_serialization: accepted for ``Accelerator.save_state``'s signature; stashpoint's
             shards are always safetensors files.
         **options: passed on to :func:`stashpoint.async_save` (``metadata``, ``writer``,
             ``overlap``, ``timeout``, ``allow_pickle``, ...).
     """
     _warn_hooks(accelerator._save_model_state_pre_hook, "register_save_state_pre_hook", "save")
+    path = _accelerates_name(path, options, "output_dir")
     metadata = {"framework": "accelerate", **dict(options.pop("metadata", None) or {})}
     config = accelerator.project_configuration
     folder = _checkpoints(accelerator) if path is None else None
     target = folder / f"checkpoint_{config.iteration}" if folder is not None else path
     assert target is not None
+    if overwrite is None:
+        overwrite = folder is None
+    if folder is not None and not overwrite and (folder / f"checkpoint_{config.iteration}" / MANIFEST_NAME).is_file():
+        raise CheckpointError(
+            f"{target} already holds a committed checkpoint: this run's automatic checkpoint naming is at iteration "
+            f"{config.iteration}, where an earlier run saved. Call load_state(accelerator) first to continue that "
+            "run (it sets the iteration), give this run its own project_dir, or pass overwrite=True to replace it"
+        )
     config.iteration += 1  # before staging, so that the checkpoint holds the count a resume continues from
     try:
         handle = async_save(accelerator_state(accelerator), target, overwrite=overwrite, metadata=metadata, **options)
@@ -146,12 +157,14 @@ def save_state(
         config.iteration -= 1
         raise
     if folder is not None and config.total_limit is not None and accelerator.is_main_process:
-        handle._future = _then(handle._future, folder, config.total_limit)  # wait() waits for it too
+        saved = config.iteration - 1
+        handle._future = _then(handle._future, folder, config.total_limit, saved)  # wait() waits for it too
     return handle
 
 
-def _then(saved: cf.Future[Any], folder: Path, limit: int) -> cf.Future[Any]:
-    """``saved``'s outcome, once the oldest checkpoints beyond ``limit`` went after its commit."""
+def _then(saved: cf.Future[Any], folder: Path, limit: int, number: int) -> cf.Future[Any]:
+    """``saved``'s outcome, once the oldest checkpoints beyond ``limit`` went after its commit
+    (``checkpoint_<number>``, the one saved, stays)."""
     done: cf.Future[Any] = cf.Future()
 
     def finish(f: cf.Future[Any]) -> None:
@@ -159,7 +172,7 @@ def _then(saved: cf.Future[Any], folder: Path, limit: int) -> cf.Future[Any]:
         if error is not None:
             done.set_exception(error)
             return
-        _keep_newest(folder, limit)
+        _keep_newest(folder, limit, number)
         done.set_result(f.result())
 
     saved.add_done_callback(finish)
@@ -186,6 +199,7 @@ def load_state(accelerator: Accelerator, path: str | os.PathLike[str] | None = N
         CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError: as :func:`stashpoint.load`.
     """
     _warn_hooks(accelerator._load_model_state_pre_hook, "register_load_state_pre_hook", "load")
+    path = _accelerates_name(path, options, "input_dir")
     if path is None:
         folder = _checkpoints(accelerator)
         found = _committed(folder)
@@ -195,6 +209,14 @@ def load_state(accelerator: Accelerator, path: str | os.PathLike[str] | None = N
     load(accelerator_state(accelerator), path, **options)
 
 
+def _accelerates_name(path: Any, options: dict[str, Any], name: str) -> Any:
+    """``path``, or the same given under Accelerate's own keyword (``output_dir``, ``input_dir``)."""
+    given = options.pop(name, None)
+    if given is not None and path is not None:
+        raise TypeError(f"give the checkpoint's path once: path={path!r} and {name}={given!r}")
+    return given if path is None else path
+
+
 def _checkpoints(accelerator: Accelerator) -> Path:
     """Where Accelerate's automatic checkpoint naming puts them; a clear error without it."""
     config = accelerator.project_configuration
@@ -202,6 +224,12 @@ def _checkpoints(accelerator: Accelerator) -> Path:
         raise ValueError(
             "give the checkpoint's path, or set ProjectConfiguration(project_dir=..., "
             "automatic_checkpoint_naming=True) for checkpoints named project_dir/checkpoints/checkpoint_<n>"
+        )
+    if "://" in str(config.project_dir):  # pathlib would fold s3://b/k into a local directory "s3:"
+        raise ValueError(
+            f"automatic checkpoint naming keeps checkpoints in a local project_dir, not {config.project_dir!r}: "
+            "give save_state and load_state the checkpoint's URL (path=...), or a CheckpointManager with "
+            "remote_root=... for a remote tier"
         )
     return Path(user_path(config.project_dir)) / "checkpoints"
 
@@ -216,10 +244,12 @@ def _committed(folder: Path) -> list[int]:
     return sorted(found)
 
 
-def _keep_newest(folder: Path, limit: int) -> None:
-    """Delete the oldest committed checkpoints beyond ``limit`` (after a save committed)."""
-    found = _committed(folder)
-    for n in found[: max(0, len(found) - limit)]:
+def _keep_newest(folder: Path, limit: int, saved: int) -> None:
+    """Delete the oldest committed checkpoints beyond ``limit`` after ``checkpoint_<saved>``
+    committed: never that one, though an earlier run's may have higher numbers (as Accelerate,
+    which deletes before it saves)."""
+    others = [n for n in _committed(folder) if n != saved]
+    for n in others[: max(0, len(others) - (limit - 1))]:
         try:
             storage_for(folder / f"checkpoint_{n}").remove_tree()
         except OSError as e:  # best effort, as a retention
