@@ -222,6 +222,13 @@ def test_a_last_link_to_a_checkpoint_that_never_committed_loads_the_newest_commi
     (d / "best.ckpt").symlink_to("epoch=1-step=8.ckpt")  # not Lightning's last link: loaded as it is
     with pytest.raises(stashpoint.IncompleteCheckpointError):
         io.load_checkpoint(d / "best.ckpt")
+    # save_last=True: the first last.ckpt is a directory of its own, killed before it committed
+    (d / "last.ckpt").unlink()
+    (d / "epoch=1-step=8.ckpt").rename(d / "last.ckpt")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stashpoint"):
+        got = io.load_checkpoint(d / "last.ckpt")
+    assert got["global_step"] == 4 and "last.ckpt holds no committed checkpoint" in caplog.text
     (d / "epoch=0-step=4.ckpt" / "manifest.json").unlink()  # nothing committed beside it: the error as before
     with pytest.raises(stashpoint.IncompleteCheckpointError):
         io.load_checkpoint(d / "last.ckpt")

@@ -255,13 +255,14 @@ class StashpointCheckpointIO(CheckpointIO):
 
 
 def _through_link(target: str) -> str:
-    """``target``, or where it is Lightning's ``last.ckpt`` link (``save_last="link"``, made as
-    soon as a save is staged) to a checkpoint directory that never committed, the run having
-    stopped while writing it: the newest committed checkpoint beside that one, with a warning."""
+    """``target``, or where it is Lightning's ``last.ckpt`` that never committed, the run having
+    stopped while writing it (the first ``save_last=True`` save; or the checkpoint directory a
+    ``save_last="link"`` link points to, made as soon as a save is staged): the newest committed
+    checkpoint beside it, with a warning."""
     link = Path(target)
-    if "://" in target or not link.is_symlink() or not link.name.startswith("last"):  # Lightning's rule
+    if "://" in target or not link.name.startswith("last"):  # Lightning's rule
         return target
-    pointed = link.resolve()
+    pointed = link.resolve() if link.is_symlink() else link
     if not pointed.is_dir() or (pointed / MANIFEST_NAME).exists():
         return target  # a file or a checkpoint: the load says what it is
     try:
@@ -275,11 +276,11 @@ def _through_link(target: str) -> str:
     if not beside:
         return target
     newest = max(beside)[1]
+    what = f"{target} links to {pointed}, which" if pointed != link else target
     log.warning(
-        "stashpoint: %s links to %s, which holds no committed checkpoint (the run stopped while writing it): "
-        "loading %s, the newest committed checkpoint beside it",
-        target,
-        pointed,
+        "stashpoint: %s holds no committed checkpoint (the run stopped while writing it): loading %s, the newest "
+        "committed checkpoint beside it",
+        what,
         newest,
     )
     return str(newest)
