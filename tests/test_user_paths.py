@@ -55,6 +55,15 @@ def test_a_manager_and_the_listing_of_its_run_take_a_tilde_root(home):
     assert not Path("~").exists()
 
 
+def test_an_s3_url_that_pathlib_folded_is_refused_not_saved_to_a_local_directory(home):
+    from pathlib import PurePosixPath
+
+    folded = PurePosixPath("s3://bucket/run") / "step-1"  # s3:/bucket/run/step-1
+    with pytest.raises(ValueError, match=r"looks like an s3:// URL that lost a slash.*'s3://bucket/run/step-1'"):
+        stashpoint.save({"w": torch.ones(1)}, folded)
+    assert not Path("s3:").exists()
+
+
 def test_a_tilde_after_other_components_or_of_an_unknown_user_stays_as_written(home):
     from stashpoint._storage import storage_for
 

@@ -34,6 +34,12 @@ def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
             backend: type[Storage] = getattr(importlib.import_module(module), name)
             return backend(text)  # type: ignore[call-arg]
         raise ValueError(f"unsupported storage scheme {scheme!r} in {text!r}; use a local path or s3://bucket/prefix")
+    scheme, colon, rest = text.partition(":/")
+    if colon and scheme.lower() in SCHEMES:  # pathlib made "s3:/b/k" of "s3://b/k": not a local directory "s3:"
+        raise ValueError(
+            f"{text!r} looks like an {scheme}:// URL that lost a slash (pathlib's Path joins give {scheme}:/...); "
+            f"join URLs as strings, e.g. f'{scheme}://{rest}'"
+        )
     text = user_path(text)
     if Path(text).is_symlink() and Path(text).is_dir():
         # the user's own link to a directory (runs -> /scratch/...): followed here, once; links
