@@ -235,6 +235,63 @@ def scenario_wrong_group(root: str) -> None:
     result(**out)
 
 
+def scenario_subgroups_then_world(root: str) -> None:
+    """Ranks 0 and 1 in a group of their own (saving with it), rank 2 in none, then saves over
+    the world: torch's name for a group made with use_local_synchronization counts the groups
+    each process holds, which differ here."""
+    pair = dist.new_group([0, 1])
+    alone = dist.new_group([2])
+    out: dict[str, object] = {}
+    t0 = time.monotonic()
+    try:
+        if RANK < 2:
+            stashpoint.save({"w": torch.full((3,), 1.0)}, Path(root, "pair"), process_group=pair, timeout=30)
+        stashpoint.save({"w": torch.full((3,), 5.0)}, Path(root, "world"), timeout=30)
+        if RANK == 2:
+            stashpoint.save({"w": torch.ones(1)}, Path(root, "alone"), process_group=alone)
+        if RANK < 2:
+            stashpoint.save({"w": torch.full((3,), 2.0)}, Path(root, "pair2"), process_group=pair, timeout=30)
+        target = {"w": torch.zeros(3)}
+        stashpoint.load(target, Path(root, "world"), timeout=30)
+        out["loaded"] = target["w"].tolist()
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - t0
+    result(**out)
+
+
+def scenario_manager_mismatches(root: str) -> None:
+    """Ranks saving different steps with one manager, and ranks giving managers different roots."""
+    out: dict[str, object] = {}
+    with stashpoint.CheckpointManager(Path(root, "run")) as mgr:
+        try:
+            mgr.save(1 + RANK, _state(1.0)).wait()
+        except stashpoint.CheckpointError as e:
+            out["steps"] = str(e)
+    try:
+        with stashpoint.CheckpointManager(Path(root, f"own-{RANK}")) as mgr:
+            mgr.save(1, _state(1.0)).wait()
+    except stashpoint.CheckpointError as e:
+        out["roots"] = str(e)
+    result(**out)
+
+
+def scenario_load_kinds(root: str) -> None:
+    """One rank's load fails (its state does not fit; its path does not exist): the class raised
+    on every rank."""
+    stashpoint.save({"w": torch.ones(4)}, Path(root, "ck"))
+    out = {}
+    for case in ("mismatch", "missing"):
+        state = {"w": torch.zeros(4 if RANK == 0 or case != "mismatch" else 5)}
+        path = Path(root, "ck" if RANK == 0 or case != "missing" else "nowhere")
+        try:
+            stashpoint.load(state, path)
+            out[case] = "loaded"
+        except stashpoint.CheckpointError as e:
+            out[case] = type(e).__name__
+    result(**out)
+
+
 def scenario_retention_unreadable(root: str) -> None:
     """keep_best: the best step's manifest cannot be read when a fresh manager applies retention."""
     run = Path(root, "run")

@@ -38,6 +38,33 @@ def test_a_group_this_rank_is_not_in_or_a_mesh_is_refused_by_name(tmp_path):
         assert "mesh.get_group()" in r["mesh"], r
 
 
+def test_saves_over_the_world_work_after_subgroups_some_ranks_are_not_in(tmp_path):
+    """Before: the world's checkpoint group waited out its timeout on every rank (each rank's
+    torch named it by a hash of how many groups that rank held)."""
+    results = run_world(3, "subgroups_then_world", str(tmp_path), worker=WORKER_OF)
+    for r in results:
+        assert "error" not in r and r["seconds"] < 25, r
+        assert r["loaded"] == [5.0, 5.0, 5.0], r
+    assert all((tmp_path / d / "manifest.json").is_file() for d in ("pair", "world", "alone", "pair2"))
+
+
+def test_a_managers_ranks_saving_different_steps_or_given_different_roots_are_told_so(tmp_path):
+    """Before: different steps were called different paths, and different roots a root that
+    is not on a shared file system."""
+    for r in run_world(2, "manager_mismatches", str(tmp_path), worker=WORKER_OF):
+        assert "the ranks saved different steps to one run (rank 0: step 1, rank 1: step 2)" in r["steps"], r
+        assert "different roots (rank 0: " in r["roots"] and "own-0, rank 1: " in r["roots"], r
+        assert "every rank must give the same root" in r["roots"], r
+
+
+def test_a_load_failing_on_one_rank_raises_the_same_class_on_every_rank(tmp_path):
+    """Before: the rank whose state did not fit raised StateMismatchError (its path missing:
+    CheckpointNotFoundError) and the others a plain CheckpointError, so that an ``except`` of
+    the kind caught on some ranks only."""
+    for r in run_world(2, "load_kinds", str(tmp_path), worker=WORKER_OF):
+        assert r == {**r, "mismatch": "StateMismatchError", "missing": "CheckpointNotFoundError"}, r
+
+
 def test_a_save_on_rank_0_alone_names_the_ranks_it_waits_for_before_it_times_out(tmp_path):
     """torch.save's ``if rank == 0:`` idiom. Before: rank 0 waited out the timeout (ten minutes
     by default) in silence, in the group's creation that holds the interpreter, and then failed

@@ -12,6 +12,7 @@ from stashpoint._core.assign import ChunkMeta
 from stashpoint._core.catalog import Placement
 from stashpoint._core.described import MAX_DESCRIPTIONS
 from stashpoint._core.index import catalog_json
+from stashpoint._core.naming import parse_step_dir
 from stashpoint._dist.group import DistContext
 
 
@@ -125,7 +126,17 @@ def start_save(
     if len({(h.seq, h.location) for h in hellos}) > 1:
         odd = [(r, h) for r, h in enumerate(hellos) if (h.seq, h.location) != (hellos[0].seq, hellos[0].location)]
         seen = ", ".join(f"rank {r}: save #{h.seq} to {h.location}" for r, h in [(0, hellos[0]), *odd[:8]])
-        if len({h.seq for h in hellos}) == 1:  # the same save, to places of their own
+        steps = {parse_step_dir(h.location.rpartition("/")[2]) for h in hellos}
+        parents = {h.location.rpartition("/")[0] for h in hellos}
+        if len({h.seq for h in hellos}) == 1 and None not in steps and len(parents) == 1:  # a manager's steps
+            shown = ", ".join(
+                f"rank {r}: step {parse_step_dir(h.location.rpartition('/')[2])}" for r, h in [(0, hellos[0]), *odd[:8]]
+            )
+            why = (
+                f"the ranks saved different steps to one run ({shown}); every rank must save the same step: "
+                "CheckpointManager.save(step, ...) is collective"
+            )
+        elif len({h.seq for h in hellos}) == 1:  # the same save, to places of their own
             why = (
                 f"the ranks passed different paths to one save ({seen}); pass the same path on every rank: "
                 "stashpoint writes each rank's files there itself, and a load on any number of ranks reads "

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -36,9 +38,40 @@ _lazy_lock = threading.Lock()
 LAZY_FROM_RANKS = 256
 
 
-def gloo_group(lazy: bool | None = None, **kwargs: Any) -> Any:
+_naming_lock = threading.Lock()
+
+
+@contextmanager
+def _named(name: str) -> Iterator[None]:
+    """The group this thread makes with ``use_local_synchronization`` is named ``name``.
+
+    torch names such a group by a hash of its ranks and of how many groups the process holds,
+    which differs between ranks that belong to different earlier groups (a user's subgroup):
+    their store keys never meet and the creation waits out its timeout on every rank. The
+    name given is agreed by the group's ranks; other threads' groups keep torch's names."""
+    import torch.distributed.distributed_c10d as c10d
+
+    original = getattr(c10d, "_process_group_name", None)
+    if original is None:  # another torch: its own naming
+        yield
+        return
+    me = threading.get_ident()
+
+    def naming(ranks: Any, use_hashed_name: bool) -> Any:
+        return name if use_hashed_name and threading.get_ident() == me else original(ranks, use_hashed_name)
+
+    with _naming_lock:
+        c10d._process_group_name = naming
+        try:
+            yield
+        finally:
+            c10d._process_group_name = original
+
+
+def gloo_group(lazy: bool | None = None, name: str | None = None, **kwargs: Any) -> Any:
     """``dist.new_group(backend="gloo", **kwargs)``; from ``LAZY_FROM_RANKS`` ranks (or with
-    ``lazy``) one whose ranks connect to a peer when they first exchange with it: created eagerly,
+    ``lazy``) one whose ranks connect to a peer when they first exchange with it (``name``: the
+    group's name, agreed by its ranks, with ``use_local_synchronization``): created eagerly,
     each of R ranks reads R addresses from the store and opens R - 1 connections (2 GB read per
     rank, 16,383 sockets per process and group, at 16,384 ranks), where stashpoint's trees and
     rank-0 exchanges use a few peers each. Smaller groups connect eagerly: a collective whose
@@ -50,6 +83,9 @@ def gloo_group(lazy: bool | None = None, **kwargs: Any) -> Any:
     ranks = kwargs.get("ranks")
     if lazy is None:
         lazy = (len(ranks) if ranks is not None else dist.get_world_size()) >= LAZY_FROM_RANKS
+    if name is not None:
+        with _named(name):
+            return gloo_group(lazy, **kwargs)
     if not lazy:
         return dist.new_group(backend="gloo", **kwargs)
     with _lazy_lock:  # the variable is read as the group is made: set around it alone

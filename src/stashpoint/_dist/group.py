@@ -389,7 +389,10 @@ def context(process_group: Any = None, timeout_s: float | None = None, purpose: 
             all_came(store(), mark, me, len(ranks), timeout)
             try:
                 group = gloo_group(
-                    ranks=list(ranks), timeout=_dt.timedelta(seconds=timeout), use_local_synchronization=True
+                    ranks=list(ranks),
+                    timeout=_dt.timedelta(seconds=timeout),
+                    use_local_synchronization=True,
+                    name=mark.replace("/", "-"),
                 )
             except Exception as e:
                 raise CollectiveError(

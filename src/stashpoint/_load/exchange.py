@@ -12,10 +12,17 @@ from typing import Any
 
 import torch
 
+from stashpoint import errors
 from stashpoint._core.assign import Item
 from stashpoint._dist.group import DistContext
 from stashpoint._storage.oserror import says_damage
 from stashpoint.errors import CheckpointError
+
+# the kinds a failure may name, raised alike on every rank (``except CheckpointNotFoundError``
+# catches on all ranks or none)
+_KINDS: dict[str, type[CheckpointError]] = {
+    k.__name__: k for k in (errors.CheckpointNotFoundError, errors.IncompleteCheckpointError, errors.StateMismatchError)
+}
 
 
 def _order(items: list[tuple[Item, torch.Tensor]]) -> list[tuple[Item, torch.Tensor]]:
@@ -94,6 +101,12 @@ def failure(e: CheckpointError) -> tuple[str, bool]:
     return str(e), says_damage(e)
 
 
+def kinded_failure(e: CheckpointError) -> tuple[str, bool, str]:
+    """:func:`failure` and the error's class: where every failed rank's is the same, every rank
+    raises that class."""
+    return str(e), says_damage(e), type(e).__name__
+
+
 def agree(ctx: DistContext, what: str, status: Any, error: type[CheckpointError] = CheckpointError) -> bool:
     """Tell rank 0 one status per rank; raise on every rank if any rank failed, so that all
     ranks take the same path (e.g. all fall back to an older checkpoint, or none does). A
@@ -103,20 +116,34 @@ def agree(ctx: DistContext, what: str, status: Any, error: type[CheckpointError]
     every rank's status was the same. Each rank sends one status and receives one small
     answer (rank 0 alone sees all R)."""
     statuses = ctx.gather(what, status)
-    verdict: tuple[str, Any, bool] | None = None
+    verdict: tuple[str, Any, bool, str] | None = None
     if statuses is not None:
         failed = [(r, s) for r, s in enumerate(statuses) if isinstance(s, tuple)]
-        shown = "; ".join(f"rank {r}: {message}" for r, (message, _) in failed[:16])[:4000]
+        shown = "; ".join(f"rank {r}: {s[0]}" for r, s in failed[:16])[:4000]
         if failed:
             ranks = ", ".join(str(r) for r, _ in failed[:64]) + (" ..." if len(failed) > 64 else "")
-            verdict = ("failed", f"loading failed on rank(s) {ranks}: {shown}", all(d for _, (_, d) in failed))
+            kinds = {s[2] if len(s) > 2 else "" for _, s in failed}
+            kind = kinds.pop() if len(kinds) == 1 else ""
+            damaged = all(s[1] for _, s in failed)
+            verdict = ("failed", f"loading failed on rank(s) {ranks}: {shown}", damaged, kind)
         else:
-            verdict = ("ok", all(s == statuses[0] for s in statuses), True)
+            verdict = ("ok", all(s == statuses[0] for s in statuses), True, "")
     verdict = ctx.broadcast(f"{what} (verdict)", verdict)
     assert verdict is not None
     if verdict[0] == "failed":
-        raise (error if verdict[2] else CheckpointError)(verdict[1])
+        raise _agreed(error if verdict[2] else _KINDS.get(verdict[3], CheckpointError), verdict[1])
     return bool(verdict[1])
+
+
+def _agreed(kind: type[CheckpointError], message: str) -> CheckpointError:
+    """``kind(message)``; a :class:`StateMismatchError` (made from a path and problems) holds
+    the other ranks' message as its one problem."""
+    if not issubclass(kind, errors.StateMismatchError):
+        return kind(message)
+    e = kind.__new__(kind)
+    Exception.__init__(e, message)
+    e.path, e.problems = "", [message]
+    return e
 
 
 def own_or_agreed(own: CheckpointError | None, agreed: CheckpointError) -> CheckpointError:

@@ -21,7 +21,7 @@ from stashpoint._core.reshard import Box, intersect
 from stashpoint._core.sealed import short_of_memory
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext, rank_of
-from stashpoint._load.exchange import agree, broadcast_shares, failure, own_or_agreed
+from stashpoint._load.exchange import agree, broadcast_shares, kinded_failure, own_or_agreed
 from stashpoint._load.manifest import forget, read_head, read_view, remembered, unlisted_shards, writers_of
 from stashpoint._load.reads import Fetched, fetch, prepare_reads, run_reads
 from stashpoint._load.restore import Planner, Read
@@ -269,7 +269,7 @@ def _load_together(
     floor = int(env_number("STASHPOINT_READ_SHARE_FLOOR", READ_SHARE_FLOOR, 0, 1 << 50))  # agreed with the items
     digest = xxhash.xxh3_128_intdigest(repr((floor, items)).encode())  # not a str: a str status is an error
     try:
-        alike = agree(ctx, "load plans", failure(plan_error) if plan_error else digest, CorruptCheckpointError)
+        alike = agree(ctx, "load plans", kinded_failure(plan_error) if plan_error else digest, CorruptCheckpointError)
     except CheckpointError as agreed:
         raise own_or_agreed(plan_error, agreed) from None
     assert plan is not None  # every rank planned: agree() raised otherwise
@@ -280,7 +280,7 @@ def _load_together(
     _warn_skipped(plan, storage.location, 4)
     fetched, error = _read(storage, manifest, plan, reads, verify=verify, atomic=atomic, shared_host=not share)
     try:
-        agree(ctx, "load reads", failure(error) if error else 0, CorruptCheckpointError)
+        agree(ctx, "load reads", kinded_failure(error) if error else 0, CorruptCheckpointError)
     except CheckpointError as agreed:
         raise own_or_agreed(error, agreed) from None
     if fetched is not None:  # every rank read and verified its part: now the state changes

@@ -108,17 +108,25 @@ def check_shared_root(root: Path, process_group: Any = None, timeout: float | No
         except OSError:
             name = None  # the save that follows fails on it, with the cause
     name = ctx.broadcast("manager: the shared root's probe", name)
-    seen = ctx.gather("manager: the probe seen", name is None or (root / name).is_file())
+    # each rank's root goes to rank 0 alone: of the ranks that miss the probe, it names those whose
+    # root differs from its own (a shared file system mounted elsewhere on a node is no mistake)
+    seen = ctx.gather("manager: the probe seen", (name is None or (root / name).is_file(), str(root)))
     missing: list[int] | None = None
+    other: list[tuple[int, str]] = []
     if seen is not None:
-        missing = [r for r, ok in enumerate(seen) if not ok]
+        missing = [r for r, (ok, _) in enumerate(seen) if not ok]
+        other = [(r, where) for r, (ok, where) in enumerate(seen) if not ok and where != str(root)][:8]
+        other = [(0, str(root)), *other] if other else []
         if name is not None:
             (root / name).unlink(missing_ok=True)
-    missing = ctx.broadcast("manager: ranks that do not share the root", missing)
+    missing, other = ctx.broadcast("manager: ranks that do not share the root", (missing, other))
     if missing:
         shown = ", ".join(str(r) for r in missing[:16]) + (", ..." if len(missing) > 16 else "")
+        roots = ", ".join(f"rank {r}: {where}" for r, where in other)
+        differ = f"the ranks gave their CheckpointManager different roots ({roots}): " if other else ""
         raise CheckpointError(
-            f"rank(s) {shown} do not see the files rank 0 writes in {root}: a CheckpointManager keeps every "
-            "rank's files of a step in one directory, so its root must be on a file system every node shares. "
-            "For a directory on each node's own disk, pass node_local=True; or use a shared path or an s3:// root"
+            f"rank(s) {shown} do not see the files rank 0 writes in {root}: {differ}a CheckpointManager keeps "
+            "every rank's files of a step in one directory, so every rank must give the same root, on a file "
+            "system every node shares. For a directory on each node's own disk, pass node_local=True; or use a "
+            "shared path or an s3:// root"
         )
