@@ -196,7 +196,8 @@ def verify_command(*, path: str, quiet: bool, this_node: bool, as_json: bool) ->
             echo(f"problem: {p}")
         if rep.ok:
             steps = "" if rep.steps is None else f"{rep.steps} committed step(s), "
-            echo(f"OK: {steps}{rep.files} file(s), {rep.tensors} tensor(s), {human_bytes(rep.bytes_checked)} verified")
+            data = human_bytes(rep.bytes_checked)
+            echo(f"OK: {steps}{rep.files} file(s), {rep.tensors} tensor(s), {data} of tensor data verified")
         else:
             echo(f"FAILED: {len(rep.problems)} problem(s) in {rep.path}")
     sys.exit(0 if rep.ok else 1)

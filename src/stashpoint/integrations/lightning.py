@@ -47,7 +47,7 @@ from stashpoint._save.engine import DEFAULT_MAX_SHARD_BYTES, SaveOptions, get_en
 from stashpoint._save.handle import SaveHandle
 from stashpoint._storage import storage_for, user_path
 from stashpoint._storage.localwrite import make_root
-from stashpoint.errors import CheckpointError
+from stashpoint.errors import CheckpointError, UnsupportedStateError
 
 __all__ = ["StashpointCheckpointIO", "load_from_checkpoint"]
 
@@ -140,6 +140,13 @@ class StashpointCheckpointIO(CheckpointIO):
                 # and a resume drops a link to nothing: the directory exists from now on (durably)
                 make_root(Path(target))
             handle = get_engine().submit(checkpoint, storage_for(target), opts)
+        except UnsupportedStateError as e:
+            _put_back(target, aside)
+            if self.allow_pickle:
+                raise
+            raise UnsupportedStateError(
+                str(e).replace("pass allow_pickle=True", "pass StashpointCheckpointIO(allow_pickle=True)", 1)
+            ) from None
         except BaseException:
             _put_back(target, aside)
             raise
