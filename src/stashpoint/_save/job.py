@@ -315,6 +315,13 @@ class PersistJob:
     def _files(self, given: frozenset[Any]) -> tuple[list[ChunkMeta], tuple[FilePlan, ...]]:
         """The chunks this rank writes, and its files of them: once per layout and plan."""
         mine = [c for c in self.layout.chunks if c.ident in given]
+        staged = self.staged
+        if (
+            staged is not None
+            and len(mine) == len(staged.specs)
+            and all(c.key == s.key for c, s in zip(mine, staged.specs))
+        ):  # the staging plan's tensors (a world of one, or as copied): its files, not a second plan
+            return mine, staged.plan.files
         specs = [TensorSpec(c.key, c.dtype, c.shape, c.itemsize) for c in mine]
         files = plan_files(specs, max_file_bytes=self.opts.max_shard_bytes, rank=self.ctx.rank).files if mine else ()
         return mine, tuple(files)
