@@ -263,7 +263,9 @@ def test_automatic_checkpoint_naming_and_total_limit(tmp_path, monkeypatch, home
 def test_automatic_naming_never_replaces_an_earlier_runs_checkpoint_nor_deletes_the_one_it_saved(tmp_path):
     """Before: a second run in the same project_dir (no load_state) replaced the first run's
     checkpoint_1 and checkpoint_2 in silence, and total_limit deleted each checkpoint it had
-    just saved (the lowest number). Accelerate refuses an existing checkpoint_<n> too."""
+    just saved (the lowest number). Accelerate refuses an existing checkpoint_<n> too. The
+    earlier run's checkpoints numbered above the one saved are never deleted: whether a save is
+    refused cannot depend on when the main process's retention ran."""
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
@@ -281,16 +283,23 @@ def test_automatic_naming_never_replaces_an_earlier_runs_checkpoint_nor_deletes_
     first = {n: (folder / n / "manifest.json").read_bytes() for n in ("checkpoint_1", "checkpoint_2")}
 
     acc, _ = build()  # a new run, no load_state: its iteration starts at 0
-    save_state(acc).wait()  # checkpoint_0 is kept, the oldest of the others goes
-    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint_0", "checkpoint_2"]
-    save_state(acc).wait()
-    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint_1", "checkpoint_2"]
-    with pytest.raises(stashpoint.CheckpointError, match=r"checkpoint_2 already holds a committed.*load_state"):
+    handle = save_state(acc)  # not waited for: the next save's refusal does not depend on its retention
+    with pytest.raises(stashpoint.CheckpointError, match=r"checkpoint_1 already holds a committed.*load_state"):
         save_state(acc)
-    assert (folder / "checkpoint_2" / "manifest.json").read_bytes() == first["checkpoint_2"]
-    assert acc.project_configuration.iteration == 2  # the refused save did not count
-    save_state(acc, overwrite=True).wait()
-    assert (folder / "checkpoint_2" / "manifest.json").read_bytes() != first["checkpoint_2"]
+    handle.wait()
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
+    assert all((folder / n / "manifest.json").read_bytes() == first[n] for n in first)
+    assert acc.project_configuration.iteration == 1  # the refused save did not count
+    save_state(acc, overwrite=True).wait()  # replaces the earlier run's checkpoint_1; the oldest goes
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint_1", "checkpoint_2"]
+    assert (folder / "checkpoint_1" / "manifest.json").read_bytes() != first["checkpoint_1"]
+
+    # Accelerate's own save_state's files where the next automatic checkpoint goes: refused
+    (folder / "checkpoint_3").mkdir()
+    (folder / "checkpoint_3" / "model.safetensors").write_bytes(b"x")
+    acc.project_configuration.iteration = 3
+    with pytest.raises(stashpoint.CheckpointError, match=r"checkpoint_3 already holds files of another kind"):
+        save_state(acc)
 
     # Accelerate's own keyword names, and a URL that automatic naming cannot list
     save_state(acc, output_dir=tmp_path / "named").wait()

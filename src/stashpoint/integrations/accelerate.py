@@ -44,7 +44,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "stashpoint.integrations.accelerate needs Hugging Face Accelerate: pip install 'stashpoint[accelerate]'"
     ) from e
 
-from stashpoint._core.naming import MANIFEST_NAME
+from stashpoint._core.naming import MANIFEST_NAME, looks_like_shard
 from stashpoint._load.loader import load
 from stashpoint._save.engine import async_save
 from stashpoint._save.handle import SaveHandle
@@ -144,9 +144,9 @@ def save_state(
     assert target is not None
     if overwrite is None:
         overwrite = folder is None
-    if folder is not None and not overwrite and (folder / f"checkpoint_{config.iteration}" / MANIFEST_NAME).is_file():
+    if folder is not None and not overwrite and (held := _held(folder / f"checkpoint_{config.iteration}")):
         raise CheckpointError(
-            f"{target} already holds a committed checkpoint: this run's automatic checkpoint naming is at iteration "
+            f"{target} already holds {held}: this run's automatic checkpoint naming is at iteration "
             f"{config.iteration}, where an earlier run saved. Call load_state(accelerator) first to continue that "
             "run (it sets the iteration), give this run its own project_dir, or pass overwrite=True to replace it"
         )
@@ -244,12 +244,27 @@ def _committed(folder: Path) -> list[int]:
     return sorted(found)
 
 
+def _held(step: Path) -> str | None:
+    """What a ``checkpoint_<n>`` directory holds that a save there would replace: a committed
+    checkpoint, or files that are no save's of stashpoint (Accelerate's own save_state's);
+    None for nothing, or what a stashpoint save cut short left."""
+    if (step / MANIFEST_NAME).is_file():
+        return "a committed checkpoint"
+    try:
+        foreign = [p.name for p in step.iterdir() if not looks_like_shard(p.name) and not p.name.startswith(".")]
+    except OSError:
+        return None
+    shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
+    return f"files of another kind ({shown})" if foreign else None
+
+
 def _keep_newest(folder: Path, limit: int, saved: int) -> None:
     """Delete the oldest committed checkpoints beyond ``limit`` after ``checkpoint_<saved>``
-    committed: never that one, though an earlier run's may have higher numbers (as Accelerate,
-    which deletes before it saves)."""
-    others = [n for n in _committed(folder) if n != saved]
-    for n in others[: max(0, len(others) - (limit - 1))]:
+    committed, among those numbered below it: never that one, nor an earlier run's numbered
+    above it (which a later save of this run is refused over, on every process alike)."""
+    found = _committed(folder)
+    older = [n for n in found if n < saved]
+    for n in older[: max(0, len(found) - limit)]:
         try:
             storage_for(folder / f"checkpoint_{n}").remove_tree()
         except OSError as e:  # best effort, as a retention
