@@ -231,6 +231,10 @@ def test_a_last_link_to_a_checkpoint_that_never_committed_loads_the_newest_commi
     with caplog.at_level(logging.WARNING, logger="stashpoint"):
         got = io.load_checkpoint(d / "last.ckpt")
     assert got["global_step"] == 4 and "last.ckpt holds no committed checkpoint" in caplog.text
+    (d / "last.ckpt" / ".metadata").write_bytes(b"")  # another format's directory (DCP's): named, not passed over
+    with pytest.raises(stashpoint.CheckpointError, match="is a DCP checkpoint"):
+        io.load_checkpoint(d / "last.ckpt")
+    (d / "last.ckpt" / ".metadata").unlink()
     (d / "epoch=0-step=4.ckpt" / "manifest.json").unlink()  # nothing committed beside it: the error as before
     with pytest.raises(stashpoint.IncompleteCheckpointError):
         io.load_checkpoint(d / "last.ckpt")

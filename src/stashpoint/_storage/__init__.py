@@ -38,7 +38,7 @@ def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
     if colon and scheme.lower() in SCHEMES:  # pathlib made "s3:/b/k" of "s3://b/k": not a local directory "s3:"
         raise ValueError(
             f"{text!r} looks like an {scheme}:// URL that lost a slash (pathlib's Path joins give {scheme}:/...); "
-            f"join URLs as strings, e.g. f'{scheme}://{rest}'"
+            f"join URLs as strings, e.g. f'{scheme.lower()}://{rest}'"
         )
     text = user_path(text)
     if Path(text).is_symlink() and Path(text).is_dir():

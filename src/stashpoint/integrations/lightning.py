@@ -40,7 +40,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "stashpoint.integrations.lightning needs PyTorch Lightning 2.x: pip install 'stashpoint[lightning]'"
     ) from e
 
-from stashpoint._core.naming import MANIFEST_NAME
+from stashpoint._core.naming import MANIFEST_NAME, looks_like_shard
 from stashpoint._dist.group import LOCAL
 from stashpoint._load.read import read
 from stashpoint._save.engine import DEFAULT_MAX_SHARD_BYTES, SaveOptions, get_engine
@@ -107,6 +107,7 @@ class StashpointCheckpointIO(CheckpointIO):
                 "configure the plugin's constructor instead"
             )
         target = user_path(path)
+        storage = storage_for(target)  # a path refused (a URL pathlib folded) before any directory is made
         self._settle_done()
         with self._lock:  # saved again: not to be deleted once an earlier save commits
             for save in self._saves:
@@ -139,7 +140,7 @@ class StashpointCheckpointIO(CheckpointIO):
                 # ModelCheckpoint(save_last="link") links last.ckpt to it as soon as this returns,
                 # and a resume drops a link to nothing: the directory exists from now on (durably)
                 make_root(Path(target))
-            handle = get_engine().submit(checkpoint, storage_for(target), opts)
+            handle = get_engine().submit(checkpoint, storage, opts)
         except UnsupportedStateError as e:
             _put_back(target, aside)
             if self.allow_pickle:
@@ -272,6 +273,12 @@ def _through_link(target: str) -> str:
     pointed = link.resolve() if link.is_symlink() else link
     if not pointed.is_dir() or (pointed / MANIFEST_NAME).exists():
         return target  # a file or a checkpoint: the load says what it is
+    try:  # only what a save cut short leaves (another format's directory: the load names it)
+        names = [p.name for p in pointed.iterdir()]
+        if not all(looks_like_shard(n) or n.startswith(f".{MANIFEST_NAME}") for n in names):
+            return target
+    except OSError:
+        return target
     try:
         beside = [
             (p.joinpath(MANIFEST_NAME).stat().st_mtime, p)
