@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -280,10 +281,14 @@ def scenario_load_kinds(root: str) -> None:
     """One rank's load fails (its state does not fit; its path does not exist): the class raised
     on every rank."""
     stashpoint.save({"w": torch.ones(4)}, Path(root, "ck"))
+    if RANK == 1:  # a copy whose save never committed
+        shutil.copytree(Path(root, "ck"), Path(root, "uncommitted"))
+        Path(root, "uncommitted", "manifest.json").unlink()
+    dist.barrier()
     out = {}
-    for case in ("mismatch", "missing"):
+    for case in ("mismatch", "missing", "incomplete"):
         state = {"w": torch.zeros(4 if RANK == 0 or case != "mismatch" else 5)}
-        path = Path(root, "ck" if RANK == 0 or case != "missing" else "nowhere")
+        path = Path(root, "ck" if RANK == 0 or case == "mismatch" else {"missing": "nowhere"}.get(case, "uncommitted"))
         try:
             stashpoint.load(state, path)
             out[case] = "loaded"

@@ -133,8 +133,8 @@ def start_save(
                 f"rank {r}: step {parse_step_dir(h.location.rpartition('/')[2])}" for r, h in [(0, hellos[0]), *odd[:8]]
             )
             why = (
-                f"the ranks saved different steps to one run ({shown}); every rank must save the same step: "
-                "CheckpointManager.save(step, ...) is collective"
+                f"the ranks saved different steps to one run ({shown}); every rank must save the same step "
+                "(a CheckpointManager's save(step, ...) is collective)"
             )
         elif len({h.seq for h in hellos}) == 1:  # the same save, to places of their own
             why = (

@@ -51,16 +51,16 @@ def _named(name: str) -> Iterator[None]:
     name given is agreed by the group's ranks; other threads' groups keep torch's names."""
     import torch.distributed.distributed_c10d as c10d
 
-    original = getattr(c10d, "_process_group_name", None)
-    if original is None:  # another torch: its own naming
-        yield
-        return
     me = threading.get_ident()
-
-    def naming(ranks: Any, use_hashed_name: bool) -> Any:
-        return name if use_hashed_name and threading.get_ident() == me else original(ranks, use_hashed_name)
-
     with _naming_lock:
+        original = getattr(c10d, "_process_group_name", None)
+        if original is None:  # another torch: its own naming
+            yield
+            return
+
+        def naming(ranks: Any, use_hashed_name: bool) -> Any:
+            return name if use_hashed_name and threading.get_ident() == me else original(ranks, use_hashed_name)
+
         c10d._process_group_name = naming
         try:
             yield

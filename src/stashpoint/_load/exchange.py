@@ -131,7 +131,7 @@ def agree(ctx: DistContext, what: str, status: Any, error: type[CheckpointError]
     verdict = ctx.broadcast(f"{what} (verdict)", verdict)
     assert verdict is not None
     if verdict[0] == "failed":
-        raise _agreed(error if verdict[2] else _KINDS.get(verdict[3], CheckpointError), verdict[1])
+        raise _agreed(_KINDS.get(verdict[3]) or (error if verdict[2] else CheckpointError), verdict[1])
     return bool(verdict[1])
 
 
