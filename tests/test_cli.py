@@ -285,7 +285,7 @@ def test_verify_multi_block_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(_checking, "_SPAN", 2 * BLOCK)
     stashpoint.save({"big": torch.arange(BLOCK * 9 // 32, dtype=torch.int64), "small": torch.ones(3)}, tmp_path / "ck")
     r = cli("verify", tmp_path / "ck")
-    assert r.exit_code == 0 and "9.0 MiB verified" in r.stdout, r.stdout
+    assert r.exit_code == 0 and "9.0 MiB of tensor data verified" in r.stdout, r.stdout
     flip_byte(tmp_path / "ck", "big", at=2 * BLOCK + 7)
     start = whole(tmp_path / "ck").tensors["big"].chunks[0].start
     r = cli("verify", tmp_path / "ck")
