@@ -286,9 +286,10 @@ def scenario_load_kinds(root: str) -> None:
         Path(root, "uncommitted", "manifest.json").unlink()
     dist.barrier()
     out = {}
-    for case in ("mismatch", "missing", "incomplete"):
-        state = {"w": torch.zeros(4 if RANK == 0 or case != "mismatch" else 5)}
-        path = Path(root, "ck" if RANK == 0 or case == "mismatch" else {"missing": "nowhere"}.get(case, "uncommitted"))
+    for case in ("mismatch", "missing", "incomplete", "mixed"):  # mixed: rank 0's state, rank 1's path
+        state = {"w": torch.zeros(5 if (RANK == 1 and case == "mismatch") or (RANK == 0 and case == "mixed") else 4)}
+        odd = RANK == 1 and case != "mismatch"
+        path = Path(root, {"missing": "nowhere", "mixed": "nowhere"}.get(case, "uncommitted") if odd else "ck")
         try:
             stashpoint.load(state, path)
             out[case] = "loaded"

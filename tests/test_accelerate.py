@@ -294,11 +294,16 @@ def test_automatic_naming_never_replaces_an_earlier_runs_checkpoint_nor_deletes_
     assert sorted(p.name for p in folder.iterdir()) == ["checkpoint_1", "checkpoint_2"]
     assert (folder / "checkpoint_1" / "manifest.json").read_bytes() != first["checkpoint_1"]
 
-    # Accelerate's own save_state's files where the next automatic checkpoint goes: refused
-    (folder / "checkpoint_3").mkdir()
-    (folder / "checkpoint_3" / "model.safetensors").write_bytes(b"x")
+    # what a save cut short leaves (ranks' files in group directories at scale): not refused
+    (folder / "checkpoint_3" / "g00000").mkdir(parents=True)
+    (folder / "checkpoint_3" / "g00000" / "shard-r00000-0000-0123456789abcdef.safetensors").write_bytes(b"\0")
     acc.project_configuration.iteration = 3
-    with pytest.raises(stashpoint.CheckpointError, match=r"checkpoint_3 already holds files of another kind"):
+    save_state(acc).wait()
+    assert (folder / "checkpoint_3" / "manifest.json").is_file()
+    # Accelerate's own save_state's files where the next automatic checkpoint goes: refused
+    (folder / "checkpoint_4").mkdir()
+    (folder / "checkpoint_4" / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(stashpoint.CheckpointError, match=r"checkpoint_4 already holds files of another kind"):
         save_state(acc)
 
     # Accelerate's own keyword names, and a URL that automatic naming cannot list

@@ -172,3 +172,12 @@ def test_an_index_written_as_text_is_what_json_dumps_writes(chunks, tree):
         }
     )
     assert RankIndex(3, "ab", files, made, tree).to_json() == want
+
+
+def test_a_state_without_tensors_writes_no_shard_file(tmp_path):
+    """A rank given nothing to write writes no file (plan_files of nothing plans one empty file,
+    which the staging plan holds: it is not taken for the files)."""
+    for name in ("a", "b"):  # the second save reuses the structure's plan
+        stashpoint.save({"step": 3, "name": "run"}, tmp_path / name)
+        assert not list((tmp_path / name).glob("shard-*")), sorted(p.name for p in (tmp_path / name).iterdir())
+        assert stashpoint.read(tmp_path / name) == {"step": 3, "name": "run"}

@@ -146,9 +146,10 @@ def _agreed(kind: type[CheckpointError], message: str) -> CheckpointError:
     return e
 
 
-def own_or_agreed(own: CheckpointError | None, agreed: CheckpointError) -> CheckpointError:
+def own_or_agreed(own: CheckpointError | None, agreed: CheckpointError, *, same_class: bool = False) -> CheckpointError:
     """What a rank raises once :func:`agree` raised ``agreed``: its own error where that is of
-    the same kind (a damaged copy or not), so that every rank takes the same path."""
-    if own is not None and says_damage(own) == says_damage(agreed):
+    the same kind (a damaged copy or not), so that every rank takes the same path; with
+    ``same_class``, only where it is of the agreed class too (every rank raises one class)."""
+    if own is not None and says_damage(own) == says_damage(agreed) and (not same_class or type(own) is type(agreed)):
         return own
     return agreed

@@ -271,7 +271,7 @@ def _load_together(
     try:
         alike = agree(ctx, "load plans", kinded_failure(plan_error) if plan_error else digest, CorruptCheckpointError)
     except CheckpointError as agreed:
-        raise own_or_agreed(plan_error, agreed) from None
+        raise own_or_agreed(plan_error, agreed, same_class=True) from None
     assert plan is not None  # every rank planned: agree() raised otherwise
     readers: dict[Item, int] = {}
     if share and alike and wanted:
@@ -282,7 +282,7 @@ def _load_together(
     try:
         agree(ctx, "load reads", kinded_failure(error) if error else 0, CorruptCheckpointError)
     except CheckpointError as agreed:
-        raise own_or_agreed(error, agreed) from None
+        raise own_or_agreed(error, agreed, same_class=True) from None
     if fetched is not None:  # every rank read and verified its part: now the state changes
         fetched.land()
     if readers:

@@ -317,7 +317,8 @@ class PersistJob:
         mine = [c for c in self.layout.chunks if c.ident in given]
         staged = self.staged
         if (
-            staged is not None
+            mine  # a rank given nothing writes no file (plan_files of nothing is one empty file)
+            and staged is not None
             and len(mine) == len(staged.specs)
             and all(c.key == s.key for c, s in zip(mine, staged.specs))
         ):  # the staging plan's tensors (a world of one, or as copied): its files, not a second plan

@@ -44,7 +44,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "stashpoint.integrations.accelerate needs Hugging Face Accelerate: pip install 'stashpoint[accelerate]'"
     ) from e
 
-from stashpoint._core.naming import MANIFEST_NAME, looks_like_shard
+from stashpoint._core.naming import MANIFEST_NAME, is_group_dir, written_by_a_save
 from stashpoint._load.loader import load
 from stashpoint._save.engine import async_save
 from stashpoint._save.handle import SaveHandle
@@ -251,11 +251,19 @@ def _held(step: Path) -> str | None:
     if (step / MANIFEST_NAME).is_file():
         return "a committed checkpoint"
     try:
-        foreign = [p.name for p in step.iterdir() if not looks_like_shard(p.name) and not p.name.startswith(".")]
+        foreign = [p.name for p in step.iterdir() if not _a_saves(p)]
     except OSError:
         return None
     shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
     return f"files of another kind ({shown})" if foreign else None
+
+
+def _a_saves(entry: Path) -> bool:
+    """Whether ``entry`` of a step directory is what a stashpoint save writes there (a group
+    directory of ranks' files included), or what one cut short leaves."""
+    if is_group_dir(entry.name) and entry.is_dir() and not entry.is_symlink():
+        return all(written_by_a_save(f"{entry.name}/{f.name}") for f in entry.iterdir())
+    return written_by_a_save(entry.name)
 
 
 def _keep_newest(folder: Path, limit: int, saved: int) -> None:
