@@ -24,13 +24,11 @@ models' weights; the optimizers, schedulers, samplers and RNG states would still
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import math
 import os
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,14 +42,13 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "stashpoint.integrations.accelerate needs Hugging Face Accelerate: pip install 'stashpoint[accelerate]'"
     ) from e
 
-from stashpoint._core.naming import MANIFEST_NAME, is_group_dir, written_by_a_save
 from stashpoint._load.loader import load
 from stashpoint._save.engine import async_save
 from stashpoint._save.handle import SaveHandle
 from stashpoint._state.dtypes import dtype_name, torch_dtype
 from stashpoint._state.rng import RNGState
-from stashpoint._storage import storage_for, user_path
 from stashpoint.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError
+from stashpoint.integrations._accelerate_folder import checkpoints, committed, held, then
 
 __all__ = ["accelerator_state", "load_state", "save_state"]
 
@@ -139,14 +136,14 @@ def save_state(
     path = _accelerates_name(path, options, "output_dir")
     metadata = {"framework": "accelerate", **dict(options.pop("metadata", None) or {})}
     config = accelerator.project_configuration
-    folder = _checkpoints(accelerator) if path is None else None
+    folder = checkpoints(accelerator) if path is None else None
     target = folder / f"checkpoint_{config.iteration}" if folder is not None else path
     assert target is not None
     if overwrite is None:
         overwrite = folder is None
-    if folder is not None and not overwrite and (held := _held(folder / f"checkpoint_{config.iteration}")):
+    if folder is not None and not overwrite and (there := held(folder / f"checkpoint_{config.iteration}")):
         raise CheckpointError(
-            f"{target} already holds {held}: this run's automatic checkpoint naming is at iteration "
+            f"{target} already holds {there}: this run's automatic checkpoint naming is at iteration "
             f"{config.iteration}, where an earlier run saved. Call load_state(accelerator) first to continue that "
             "run (it sets the iteration), give this run its own project_dir, or pass overwrite=True to replace it"
         )
@@ -158,25 +155,8 @@ def save_state(
         raise
     if folder is not None and config.total_limit is not None and accelerator.is_main_process:
         saved = config.iteration - 1
-        handle._future = _then(handle._future, folder, config.total_limit, saved)  # wait() waits for it too
+        handle._future = then(handle._future, folder, config.total_limit, saved)  # wait() waits for it too
     return handle
-
-
-def _then(saved: cf.Future[Any], folder: Path, limit: int, number: int) -> cf.Future[Any]:
-    """``saved``'s outcome, once the oldest checkpoints beyond ``limit`` went after its commit
-    (``checkpoint_<number>``, the one saved, stays)."""
-    done: cf.Future[Any] = cf.Future()
-
-    def finish(f: cf.Future[Any]) -> None:
-        error = f.exception()
-        if error is not None:
-            done.set_exception(error)
-            return
-        _keep_newest(folder, limit, number)
-        done.set_result(f.result())
-
-    saved.add_done_callback(finish)
-    return done
 
 
 def load_state(accelerator: Accelerator, path: str | os.PathLike[str] | None = None, **options: Any) -> None:
@@ -201,8 +181,8 @@ def load_state(accelerator: Accelerator, path: str | os.PathLike[str] | None = N
     _warn_hooks(accelerator._load_model_state_pre_hook, "register_load_state_pre_hook", "load")
     path = _accelerates_name(path, options, "input_dir")
     if path is None:
-        folder = _checkpoints(accelerator)
-        found = _committed(folder)
+        folder = checkpoints(accelerator)
+        found = committed(folder)
         if not found:
             raise CheckpointNotFoundError(f"{folder} holds no committed checkpoint_<n> to load")
         path = folder / f"checkpoint_{found[-1]}"
@@ -215,68 +195,6 @@ def _accelerates_name(path: Any, options: dict[str, Any], name: str) -> Any:
     if given is not None and path is not None:
         raise TypeError(f"give the checkpoint's path once: path={path!r} and {name}={given!r}")
     return given if path is None else path
-
-
-def _checkpoints(accelerator: Accelerator) -> Path:
-    """Where Accelerate's automatic checkpoint naming puts them; a clear error without it."""
-    config = accelerator.project_configuration
-    if not config.automatic_checkpoint_naming or not config.project_dir:
-        raise ValueError(
-            "give the checkpoint's path, or set ProjectConfiguration(project_dir=..., "
-            "automatic_checkpoint_naming=True) for checkpoints named project_dir/checkpoints/checkpoint_<n>"
-        )
-    if "://" in str(config.project_dir):  # pathlib would fold s3://b/k into a local directory "s3:"
-        raise ValueError(
-            f"automatic checkpoint naming keeps checkpoints in a local project_dir, not {config.project_dir!r}: "
-            "give save_state and load_state the checkpoint's URL (path=...), or a CheckpointManager with "
-            "remote_root=... for a remote tier"
-        )
-    return Path(user_path(config.project_dir)) / "checkpoints"
-
-
-def _committed(folder: Path) -> list[int]:
-    """The numbers of the committed ``checkpoint_<n>`` in ``folder``, oldest first."""
-    found = []
-    for entry in folder.glob("checkpoint_*") if folder.is_dir() else ():
-        number = entry.name.removeprefix("checkpoint_")
-        if number.isdigit() and (entry / MANIFEST_NAME).is_file():
-            found.append(int(number))
-    return sorted(found)
-
-
-def _held(step: Path) -> str | None:
-    """What a ``checkpoint_<n>`` directory holds that a save there would replace: a committed
-    checkpoint, or files that are no save's of stashpoint (Accelerate's own save_state's);
-    None for nothing, or what a stashpoint save cut short left."""
-    if (step / MANIFEST_NAME).is_file():
-        return "a committed checkpoint"
-    try:
-        foreign = [p.name for p in step.iterdir() if not _a_saves(p)]
-    except OSError:
-        return None
-    shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
-    return f"files of another kind ({shown})" if foreign else None
-
-
-def _a_saves(entry: Path) -> bool:
-    """Whether ``entry`` of a step directory is what a stashpoint save writes there (a group
-    directory of ranks' files included), or what one cut short leaves."""
-    if is_group_dir(entry.name) and entry.is_dir() and not entry.is_symlink():
-        return all(written_by_a_save(f"{entry.name}/{f.name}") for f in entry.iterdir())
-    return written_by_a_save(entry.name)
-
-
-def _keep_newest(folder: Path, limit: int, saved: int) -> None:
-    """Delete the oldest committed checkpoints beyond ``limit`` after ``checkpoint_<saved>``
-    committed, among those numbered below it: never that one, nor an earlier run's numbered
-    above it (which a later save of this run is refused over, on every process alike)."""
-    found = _committed(folder)
-    older = [n for n in found if n < saved]
-    for n in older[: max(0, len(found) - limit)]:
-        try:
-            storage_for(folder / f"checkpoint_{n}").remove_tree()
-        except OSError as e:  # best effort, as a retention
-            log.warning("stashpoint: could not delete %s: %s", folder / f"checkpoint_{n}", e)
 
 
 def _warn_hooks(hooks: Mapping[Any, Any], register: str, what: str) -> None:
