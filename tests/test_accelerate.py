@@ -163,8 +163,9 @@ def test_a_position_within_the_epoch_needs_a_stateful_dataloader(tmp_path):
     save_state(acc, tmp_path / "ckpt").wait()
     AcceleratorState._reset_state(reset_partial_state=True)
     acc2, *_ = build(stateful=False)
-    with pytest.raises(stashpoint.CheckpointError, match="use_stateful_dataloader=True"):
+    with pytest.raises(stashpoint.CheckpointError, match="use_stateful_dataloader=True") as info:
         load_state(acc2, tmp_path / "ckpt")
+    assert "does not fit this dataloader's position" in str(info.value), info.value
 
 
 def test_a_dataloader_position_from_a_hostile_file_or_another_number_of_processes_is_refused(tmp_path):

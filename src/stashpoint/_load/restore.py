@@ -358,7 +358,7 @@ class Planner(OptimizerPlanning):
             problem = check(built) if callable(check) else structure_problem(built, live_sd)
         if problem is not None:
             self.plan.problems.append(
-                f"{self._name(where)}: the saved state does not fit this {type(live).__name__}: {problem} "
+                f"{self._name(where)}: the saved state does not fit this {_shown(live)}: {problem} "
                 "(with strict=False it is not loaded: it keeps the state it was built with"
                 + (", its schedule starting over)" if trial.is_torch_scheduler(live) else ")")
             )
@@ -412,3 +412,9 @@ def _objects_in(node: Node) -> int:
         elif "list" in n or "tuple" in n:
             stack.extend(n.get("list") or n.get("tuple") or ())
     return count
+
+
+def _shown(live: Any) -> str:
+    """What a live object is called in a message: its class, or what stashpoint's own objects
+    (private classes) say they are (``_stashpoint_what``)."""
+    return str(getattr(type(live), "_stashpoint_what", type(live).__name__))

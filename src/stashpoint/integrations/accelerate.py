@@ -212,6 +212,8 @@ def _warn_hooks(hooks: Mapping[Any, Any], register: str, what: str) -> None:
 class _Counters:
     """The accelerator's ``step`` (gradient accumulation) and checkpoint ``iteration``."""
 
+    _stashpoint_what = "accelerator's counters"
+
     def __init__(self, accelerator: Accelerator) -> None:
         self._acc = accelerator
 
@@ -232,6 +234,8 @@ class _LoaderPosition:
     """A prepared dataloader's position: its epoch (``iteration``), the seedable sampler's seed
     and, with ``DataLoaderConfiguration(use_stateful_dataloader=True)``, the batch within the
     epoch. Kept as plain values, so each process saves and restores its own."""
+
+    _stashpoint_what = "dataloader's position"
 
     def __init__(self, loader: Any, processes: int) -> None:
         self._loader = loader
