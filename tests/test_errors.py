@@ -157,6 +157,29 @@ def test_state_mismatch_lists_every_problem_at_once(tmp_path):
     assert any("4 mismatch" in str(w.message) for w in caught)
 
 
+def test_every_error_survives_pickling_with_its_message_and_attributes(tmp_path):
+    """A process pool or a spawned worker hands an error back pickled. Before: a
+    StateMismatchError came back as a TypeError about __init__'s missing argument."""
+    import pickle
+
+    import stashpoint.errors
+    from stashpoint._dist.arrival import CollectiveError
+
+    stashpoint.save({"a": torch.ones(2)}, tmp_path / "ck")
+    with pytest.raises(stashpoint.StateMismatchError) as info:
+        stashpoint.load({"a": torch.zeros(5)}, tmp_path / "ck")
+    mismatch = stashpoint.StateMismatchError("/p", ["x", "y"], hint="a prefix")
+    errors = [info.value, mismatch, CollectiveError("waited")]
+    simple = [name for name in stashpoint.errors.__all__ if name != "StateMismatchError"]
+    errors += [getattr(stashpoint.errors, name)(f"{name} message") for name in simple]
+    for error in errors:
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is type(error) and str(back) == str(error), (error, back)
+    back = pickle.loads(pickle.dumps(mismatch))
+    assert (back.path, back.problems, back.hint) == ("/p", ["x", "y"], "a prefix")
+    assert "Likely cause: a prefix." in str(back)
+
+
 def test_a_lenient_load_reports_its_mismatches_once_on_stderr(tmp_path):
     """Before: a warning and a log line with the same text, both on stderr when the program
     sets up no logging (logging's last-resort handler)."""

@@ -59,6 +59,7 @@ class StateMismatchError(CheckpointError):
     def __init__(self, path: str, problems: Sequence[str], *, hint: str | None = None) -> None:
         self.path = path
         self.problems = list(problems)
+        self.hint = hint
         shown = "\n  - ".join(self.problems[:50])
         more = f"\n  ... and {len(self.problems) - 50} more" if len(self.problems) > 50 else ""
         super().__init__(
@@ -67,3 +68,14 @@ class StateMismatchError(CheckpointError):
             + (f"Likely cause: {hint}.\n" if hint else "")
             + "Fix the state to match, or pass strict=False to load what matches and skip the rest."
         )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # pickle would call the class with the message alone: a process pool or a spawned
+        # worker handing the error back would fail with a TypeError in its place
+        return (_mismatch, (type(self), self.path, self.problems, self.hint), self.__dict__)
+
+
+def _mismatch(
+    cls: type[StateMismatchError], path: str, problems: Sequence[str], hint: str | None
+) -> StateMismatchError:
+    return cls(path, problems, hint=hint)
