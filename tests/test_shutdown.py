@@ -64,10 +64,12 @@ def test_a_forked_child_starts_without_the_parents_state_and_can_save(tmp_path):
 @pytest.mark.slow  # ~50 s of two ranks; the single-process shutdown tests stay in the default tier
 def test_two_ranks_end_normally_after_shutdown_without_os_exit(tmp_path):
     """shutdown() waits for the save still persisting, then destroys stashpoint's gloo group once
-    both ranks reach it; the worker returns from main (no os._exit) and exits 0, three runs in a row."""
+    both ranks reach it; the worker returns from main (no os._exit) and exits 0, three runs in a row.
+    Saves and loads after a shutdown work (before: refused, torch naming a new group over the
+    same ranks as the destroyed one)."""
     for i in range(3):
         results = run_world(2, str(tmp_path / str(i)), worker=WORKER, timeout=120)
         assert [r["rank"] for r in results] == [0, 1]
         assert all(r["last_done"] for r in results)
-        assert all("cannot create another over the same ranks" in r["again"] for r in results)
+        assert all(r["again"] == [[1.0] * 4, [2.0] * 4] for r in results), results
         assert (tmp_path / str(i) / "c" / "manifest.json").exists()

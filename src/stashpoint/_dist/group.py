@@ -289,11 +289,9 @@ def _torn_down(dist: Any, wait_s: float = 1.0) -> bool:
     return True
 
 
-# Rank sets whose group shutdown() destroyed. torch names a locally synchronized group by its
-# ranks alone, so a second group over them would meet the first one's stale rendezvous keys: a
-# fact about torch's registry that outlives our slots, kept to refuse that with a clear error.
-_destroyed: set[tuple[int, ...]] = set()
-_made: dict[tuple[tuple[int, ...], str], int] = {}  # groups created over these ranks, for this purpose
+# Groups created over these ranks for this purpose: the next one's name (each group's own, so a
+# group made after shutdown() destroyed one never meets the old one's rendezvous keys).
+_made: dict[tuple[tuple[int, ...], str], int] = {}
 
 
 def _destroy(contexts: dict[tuple[tuple[int, ...], str], DistContext]) -> None:
@@ -313,7 +311,6 @@ def _destroy(contexts: dict[tuple[tuple[int, ...], str], DistContext]) -> None:
             ctx.timeout_s = min(ctx.timeout_s, SHUTDOWN_TIMEOUT_S)
             ctx.collective("shutdown", dist.barrier)
             dist.destroy_process_group(ctx.group)
-            _destroyed.add(ctx.ranks)
         except Exception as e:
             log.warning("stashpoint: left a checkpoint group of ranks %s in place at shutdown: %s", list(ctx.ranks), e)
     contexts.clear()
@@ -376,12 +373,6 @@ def context(process_group: Any = None, timeout_s: float | None = None, purpose: 
         ctx = contexts.get((ranks, purpose))
         if ctx is not None:
             ctx.timeout_s = timeout  # applied by the thread that runs the next collective
-        elif ranks in _destroyed:
-            raise CheckpointError(
-                f"stashpoint.shutdown() destroyed stashpoint's process group over ranks {list(ranks)}, and torch "
-                "cannot create another over the same ranks in this job: call shutdown() once, at the end of the "
-                "program (saves and loads before it)"
-            )
         else:
             me = ranks.index(dist.get_rank())
             made = _made.get((ranks, purpose), 0) + 1  # counted once created: alike on every rank
