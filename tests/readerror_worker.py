@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import pickle
 import shutil
 import sys
 import time
@@ -295,6 +296,9 @@ def scenario_load_kinds(root: str) -> None:
             out[case] = "loaded"
         except stashpoint.CheckpointError as e:
             out[case] = type(e).__name__
+            if case == "mismatch":  # rank 0's, agreed, names the checkpoint and pickles as rank 1's does
+                out["mismatch_path"] = Path(getattr(e, "path", "")).name
+                out["mismatch_pickles"] = str(pickle.loads(pickle.dumps(e))) == str(e)
     result(**out)
 
 

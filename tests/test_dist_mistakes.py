@@ -64,6 +64,7 @@ def test_a_load_failing_on_one_rank_raises_the_same_class_on_every_rank(tmp_path
     for r in run_world(2, "load_kinds", str(tmp_path), worker=WORKER_OF):
         expected = {"mismatch": "StateMismatchError", "missing": "CheckpointNotFoundError"}
         assert r == {**r, **expected, "incomplete": "IncompleteCheckpointError", "mixed": "CheckpointError"}, r
+        assert r["mismatch_path"] == "ck" and r["mismatch_pickles"] is True, r
 
 
 def test_a_save_on_rank_0_alone_names_the_ranks_it_waits_for_before_it_times_out(tmp_path):

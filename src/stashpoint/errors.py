@@ -72,10 +72,8 @@ class StateMismatchError(CheckpointError):
     def __reduce__(self) -> tuple[object, ...]:
         # pickle would call the class with the message alone: a process pool or a spawned
         # worker handing the error back would fail with a TypeError in its place
-        return (_mismatch, (type(self), self.path, self.problems, self.hint), self.__dict__)
+        return (_rebuilt, (type(self), self.args), self.__dict__)
 
 
-def _mismatch(
-    cls: type[StateMismatchError], path: str, problems: Sequence[str], hint: str | None
-) -> StateMismatchError:
-    return cls(path, problems, hint=hint)
+def _rebuilt(cls: type[StateMismatchError], args: tuple[object, ...]) -> StateMismatchError:
+    return BaseException.__new__(cls, *args)  # sets args; the attributes come from the pickled state

@@ -107,14 +107,17 @@ def kinded_failure(e: CheckpointError) -> tuple[str, bool, str]:
     return str(e), says_damage(e), type(e).__name__
 
 
-def agree(ctx: DistContext, what: str, status: Any, error: type[CheckpointError] = CheckpointError) -> bool:
+def agree(
+    ctx: DistContext, what: str, status: Any, error: type[CheckpointError] = CheckpointError, *, path: str = ""
+) -> bool:
     """Tell rank 0 one status per rank; raise on every rank if any rank failed, so that all
     ranks take the same path (e.g. all fall back to an older checkpoint, or none does). A
     failed status is a :func:`failure`; any other is a success. Raises ``error`` when
     every failure says the copy is damaged, else a plain :class:`CheckpointError` (a rank that
     raises its own error instead checks the kind with :func:`own_or_agreed`). Returns whether
     every rank's status was the same. Each rank sends one status and receives one small
-    answer (rank 0 alone sees all R)."""
+    answer (rank 0 alone sees all R). ``path``: the checkpoint's, for an agreed
+    :class:`StateMismatchError`."""
     statuses = ctx.gather(what, status)
     verdict: tuple[str, Any, bool, str] | None = None
     if statuses is not None:
@@ -131,18 +134,18 @@ def agree(ctx: DistContext, what: str, status: Any, error: type[CheckpointError]
     verdict = ctx.broadcast(f"{what} (verdict)", verdict)
     assert verdict is not None
     if verdict[0] == "failed":
-        raise _agreed(_KINDS.get(verdict[3]) or (error if verdict[2] else CheckpointError), verdict[1])
+        raise _agreed(_KINDS.get(verdict[3]) or (error if verdict[2] else CheckpointError), verdict[1], path)
     return bool(verdict[1])
 
 
-def _agreed(kind: type[CheckpointError], message: str) -> CheckpointError:
+def _agreed(kind: type[CheckpointError], message: str, path: str) -> CheckpointError:
     """``kind(message)``; a :class:`StateMismatchError` (made from a path and problems) holds
     the other ranks' message as its one problem."""
     if not issubclass(kind, errors.StateMismatchError):
         return kind(message)
     e = kind.__new__(kind)
     Exception.__init__(e, message)
-    e.path, e.problems = "", [message]
+    e.path, e.problems, e.hint = path, [message], None
     return e
 
 

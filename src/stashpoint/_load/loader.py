@@ -269,7 +269,8 @@ def _load_together(
     floor = int(env_number("STASHPOINT_READ_SHARE_FLOOR", READ_SHARE_FLOOR, 0, 1 << 50))  # agreed with the items
     digest = xxhash.xxh3_128_intdigest(repr((floor, items)).encode())  # not a str: a str status is an error
     try:
-        alike = agree(ctx, "load plans", kinded_failure(plan_error) if plan_error else digest, CorruptCheckpointError)
+        status = kinded_failure(plan_error) if plan_error else digest
+        alike = agree(ctx, "load plans", status, CorruptCheckpointError, path=str(storage.location))
     except CheckpointError as agreed:
         raise own_or_agreed(plan_error, agreed, same_class=True) from None
     assert plan is not None  # every rank planned: agree() raised otherwise
@@ -280,7 +281,9 @@ def _load_together(
     _warn_skipped(plan, storage.location, 4)
     fetched, error = _read(storage, manifest, plan, reads, verify=verify, atomic=atomic, shared_host=not share)
     try:
-        agree(ctx, "load reads", kinded_failure(error) if error else 0, CorruptCheckpointError)
+        agree(
+            ctx, "load reads", kinded_failure(error) if error else 0, CorruptCheckpointError, path=str(storage.location)
+        )
     except CheckpointError as agreed:
         raise own_or_agreed(error, agreed, same_class=True) from None
     if fetched is not None:  # every rank read and verified its part: now the state changes
