@@ -170,6 +170,35 @@ def scenario_node_replica_unreadable(root: str) -> None:
     result(**out)
 
 
+def scenario_node_planning_out_of_memory(root: str) -> None:
+    """Node 1 is lost; rank 1 runs out of memory planning what its load reads (injected: the
+    planning raises MemoryError once): every rank raises, none waits out its timeout, and the
+    next restore loads the newest step."""
+    from stashpoint._manager import noderestore
+
+    _two_steps_then_node_1_lost(root)
+    planned = noderestore.writers_needed
+
+    def short(*args: object, **kw: object) -> object:
+        noderestore.writers_needed = planned  # once
+        raise MemoryError
+
+    if RANK == 1:
+        noderestore.writers_needed = short
+    out: dict = {}
+    for attempt in ("short", "again"):
+        t0 = time.monotonic()
+        state = _state(0.0)
+        try:
+            with _node_manager(root) as mgr:
+                out[attempt] = [mgr.restore(state), float(state["w"].to_local()[0, 0])]
+        except Exception as e:
+            out[attempt] = [type(e).__name__, isinstance(e, MemoryError), str(e)[:2000]]
+        out[f"{attempt}_s"] = time.monotonic() - t0
+        dist.barrier()
+    result(**out)
+
+
 def scenario_node_manifest_unreadable(root: str) -> None:
     """One node whose newest manifest it may not read: an error, not an older step."""
     with _node_manager(root) as mgr:

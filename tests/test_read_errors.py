@@ -81,6 +81,16 @@ def test_a_replica_its_holder_cannot_read_leaves_no_copy_taken_for_whole(tmp_pat
         assert not [n for n in r["set_aside"] if n.startswith("step-00000002")], r
 
 
+def test_a_rank_out_of_memory_planning_a_node_local_restore_fails_every_rank_at_once(tmp_path):
+    other, short = run_world(2, "node_planning_out_of_memory", str(tmp_path), worker=NO_DAC)
+    assert short["short"][:2] == ["ShortOfMemoryError", True], short
+    assert "planning the load of" in short["short"][2] and "on rank 1 ran out of memory" in short["short"][2], short
+    assert other["short"][0] == "CheckpointError" and "rank 1" in other["short"][2], other
+    for r in (short, other):
+        assert r["short_s"] < 60, r  # not the group's timeout
+        assert r["again"] == [2, 2.0], r
+
+
 def test_retention_keeps_a_step_whose_manifest_it_cannot_read(tmp_path, monkeypatch):
     """Before: the unreadable metrics counted as none, so keep_best let the best step go."""
     monkeypatch.setenv("NO_DAC_RANK", "0")
