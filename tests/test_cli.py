@@ -205,6 +205,18 @@ def test_verify_clean_checkpoints(single, fsdp) -> None:
     )
 
 
+def test_verify_shows_a_file_name_holding_newlines_on_one_line(single, tmp_path: Path) -> None:
+    """Before: a file named "x\nproblem: none\nOK: ..." printed lines that looked like verify's own."""
+    path = copy(single[0], tmp_path)
+    (path / "x\nproblem: none\nOK: 1 file(s)").write_bytes(b"")
+    r = cli("verify", path)
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.strip().splitlines()
+    assert not [ln for ln in lines if ln.startswith("problem:")], lines
+    assert len([ln for ln in lines if ln.startswith("OK:")]) == 1, lines
+    assert any(ln.startswith("warning: ") and "x\\nproblem: none\\nOK" in ln for ln in lines), lines
+
+
 def test_verify_flipped_bytes_names_every_key_and_file(fsdp, tmp_path: Path) -> None:
     path = copy(fsdp[0], tmp_path)
     f1 = flip_byte(path, "model/0.weight", chunk=1, at=5)

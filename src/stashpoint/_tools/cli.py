@@ -190,10 +190,10 @@ def verify_command(*, path: str, quiet: bool, this_node: bool, as_json: bool) ->
     if as_json:
         echo_json({**dataclasses.asdict(rep), "ok": rep.ok})
     else:
-        for w in rep.warnings:
-            echo(f"warning: {w}")
+        for w in rep.warnings:  # one line each: a file's name may hold a newline and forge the next line
+            echo(esc(f"warning: {w}"))
         for p in rep.problems:
-            echo(f"problem: {p}")
+            echo(esc(f"problem: {p}"))
         if rep.ok:
             steps = "" if rep.steps is None else f"{rep.steps} committed step(s), "
             data = human_bytes(rep.bytes_checked)
