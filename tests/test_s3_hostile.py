@@ -86,6 +86,15 @@ class _Hostile(BaseHTTPRequestHandler):
                 )
             )
         n = type(self).requests
+        if self.mode in ("long_key", "many_names"):  # names of 2,000 bytes, or pages of 1,000 fresh 1,000-byte ones
+            size, count = (2000, 1) if self.mode == "long_key" else (1000 - len(prefix), 1000)
+            return self._xml(
+                f"<Prefix>{prefix}</Prefix><KeyCount>{count}</KeyCount><IsTruncated>true</IsTruncated>"
+                f"<NextContinuationToken>t{n}</NextContinuationToken>"
+                + "".join(
+                    f"<Contents><Key>{prefix}{n}-{i}-{'k' * size}</Key><Size>1</Size></Contents>" for i in range(count)
+                )
+            )
         token = "same" if self.mode == "same_token" else f"t{n}"
         key = "obj" if self.mode == "same_token" else "repeated"
         self._xml(
@@ -151,6 +160,21 @@ def test_a_listing_that_never_ends_fails_in_bounded_time(hostile, mode):
     with pytest.raises(CheckpointError, match="would not end"):
         stashpoint.CheckpointManager("s3://bucket/run").restore({"w": torch.zeros(2)})
     assert time.monotonic() - t0 < 30 and hostile.requests < 50
+
+
+def test_a_listing_holds_at_most_s3s_names_and_a_bounded_total(hostile, monkeypatch):
+    """Before: a server sending fresh pages of long names grew the listing by 13 MB/s until
+    ten million entries (about 10 GB of names at S3's 1 KiB each, unbounded past it)."""
+    from stashpoint._storage import s3list
+
+    hostile.mode = "long_key"
+    with pytest.raises(CheckpointError, match=r"s3://bucket/run/: the server listed a name of 2,0\d\d bytes"):
+        S3Storage("s3://bucket/run").children()
+    monkeypatch.setattr(s3list, "MAX_LISTED_BYTES", 8 << 20)  # 512 MiB by default: seconds of pages here
+    hostile.mode, hostile.requests = "many_names", 0
+    with pytest.raises(CheckpointError, match=r"more than 8 MiB of names"):
+        S3Storage("s3://bucket/run").children()
+    assert 8 <= hostile.requests <= 10, hostile.requests
 
 
 def test_a_foreign_key_obstore_cannot_address_leaves_the_run_usable(s3_env, s3_url):

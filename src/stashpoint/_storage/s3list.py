@@ -5,8 +5,9 @@ segment: legal in S3, and written there by another tool), and follows continuati
 no end: a server whose pages never end hung ``ls``, ``verify`` and the manager. Here every key
 comes back as the server sent it, and a token or an entry seen twice, an entry outside the prefix,
 more entries than any checkpoint run holds, or a long run of empty pages that say more follow,
-ends the listing with an :class:`S3Error` naming the prefix. The open multipart uploads under a
-prefix are listed with the same bounds.
+ends the listing with an :class:`S3Error` naming the prefix; so do names longer than S3 allows
+or more bytes of names than memory should hold. The open multipart uploads under a prefix are
+listed with the same bounds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from typing import Any
 from stashpoint.errors import S3Error
 
 MAX_ENTRIES = 10_000_000  # a run of 16,384 ranks holds about 33k files a step
+# S3 keys are at most 1,024 bytes of UTF-8; a listing holds its names in memory, so a server
+# sending longer ones, or more of them than this in all, is refused instead of filling it
+MAX_KEY_BYTES = 1024
+MAX_LISTED_BYTES = 512 << 20
 # S3 may send a page with fewer keys than asked, even none, and more to follow; a server whose
 # empty pages never end (each with a fresh token) sent 28,000 requests a minute
 MAX_EMPTY_PAGES = 1000
@@ -34,6 +39,7 @@ def list_prefix(
     prefixes: list[str] = []
     seen: set[str] = set()
     pages = Pages(f"s3://{bucket}/{prefix}", "ListObjectsV2")
+    held = _Held(pages)
     request: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
     if delimiter:
         request["Delimiter"] = "/"
@@ -49,6 +55,7 @@ def list_prefix(
                 )
             if name in seen:
                 raise S3Error(pages.endless(f"listed {name[:200]!r} twice"))
+            held.add(name)
             seen.add(name)
             if size < 0:
                 prefixes.append(name)
@@ -60,6 +67,7 @@ def list_prefix(
             return keys, prefixes
         token = page.get("NextContinuationToken")
         pages.next(token, len(entries))
+        held.add(str(token), token=True)  # each token is kept, to see one again
         request["ContinuationToken"] = token
 
 
@@ -68,10 +76,13 @@ def list_uploads(control: Any, bucket: str, prefix: str, *, retry_seconds: float
     within the bounds of :func:`list_prefix`."""
     found: list[tuple[str, str]] = []
     pages = Pages(f"s3://{bucket}/{prefix}", "ListMultipartUploads")
+    held = _Held(pages)
     request: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
     while True:
         page = retrying(lambda: control.list_multipart_uploads(**request), retry_seconds)
         uploads = [(str(u.get("Key", "")), str(u.get("UploadId", ""))) for u in page.get("Uploads") or ()]
+        for key, upload in uploads:
+            held.add(key, upload)
         found += uploads
         if len(found) > MAX_ENTRIES:
             raise S3Error(pages.endless(f"listed more than {MAX_ENTRIES:,} open uploads"))
@@ -79,6 +90,7 @@ def list_uploads(control: Any, bucket: str, prefix: str, *, retry_seconds: float
             return found
         marker = (page.get("NextKeyMarker"), page.get("NextUploadIdMarker"))
         pages.next(marker if marker[0] else None, len(uploads))
+        held.add(str(marker), token=True)
         for field, value in zip(("KeyMarker", "UploadIdMarker"), marker):
             if value:
                 request[field] = value
@@ -108,6 +120,29 @@ class Pages:
             f"listing {self.where}: the server {what}, so its listing would not end; "
             f"it does not paginate {self.call} as S3 does (check the server, or its proxy)"
         )
+
+
+class _Held:
+    """The bytes of names a listing holds, refused past :data:`MAX_KEY_BYTES` a name and
+    :data:`MAX_LISTED_BYTES` in all."""
+
+    def __init__(self, pages: Pages) -> None:
+        self.pages, self.total = pages, 0
+
+    def add(self, *names: str, token: bool = False) -> None:
+        for name in names:
+            n = len(name.encode("utf-8", "surrogatepass"))
+            self.total += n
+            if n > MAX_KEY_BYTES and not token:
+                raise S3Error(
+                    f"listing {self.pages.where}: the server listed a name of {n:,} bytes ({name[:100]!r}...); S3 "
+                    f"allows {MAX_KEY_BYTES:,}: it is not an S3 listing (check the server, or its proxy)"
+                )
+            if self.total > MAX_LISTED_BYTES:
+                raise S3Error(
+                    f"listing {self.pages.where}: the server listed more than {MAX_LISTED_BYTES >> 20} MiB of names, "
+                    "more than any checkpoint run holds (check the server, or its proxy)"
+                )
 
 
 class Backoff:
