@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import threading
@@ -238,6 +239,51 @@ def test_plain_values_come_back_into_placeholders(tmp_path):
     stashpoint.load(target, tmp_path / "ck")
     assert target == {"meta": state["meta"], "step": 7, "w": target["w"]}
     assert torch.equal(target["w"], torch.ones(2))
+
+
+def test_mappings_of_the_state_keep_their_type_and_default(tmp_path):
+    """Before: a defaultdict and a Counter came back as plain dicts, and the training's next
+    ``counts[new] += 1`` raised KeyError."""
+    counts, tally = collections.defaultdict(int, wiki=3), collections.Counter(a=2)
+    order = collections.OrderedDict([("b", 1), ("a", 2)])
+    stashpoint.save(
+        {"counts": counts, "tally": tally, "order": order, "mixed": collections.defaultdict(list, w=[torch.ones(2)])},
+        tmp_path / "ck",
+    )
+    state = {
+        "counts": collections.defaultdict(int, old=1),
+        "tally": collections.Counter(),
+        "order": collections.OrderedDict(),
+        "mixed": collections.defaultdict(list, w=[torch.zeros(2)]),
+    }
+    live = dict(state)
+    stashpoint.load(state, tmp_path / "ck")
+    assert all(state[k] is live[k] for k in state)  # filled in place
+    assert state["counts"] == {"wiki": 3} and state["tally"] == {"a": 2} and list(state["order"]) == ["b", "a"]
+    state["counts"]["books"] += 1
+    state["tally"].update("b")
+    assert state["counts"]["books"] == 1 and state["tally"]["b"] == 1
+    assert torch.equal(state["mixed"]["w"][0], torch.ones(2)) and state["mixed"]["new"] == []
+
+
+def test_a_lazy_module_not_run_yet_loads_as_torch_loads_it_and_refuses_to_save(tmp_path):
+    """Before: torch's ValueError ("Attempted to use an uninitialized parameter"), naming no key,
+    from the load and from the save."""
+
+    def lazy() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.ReLU(), torch.nn.LazyLinear(2))
+
+    torch.manual_seed(0)
+    model = lazy()
+    x = torch.randn(3, 5)
+    model(x)
+    stashpoint.save({"model": model}, tmp_path / "ck")
+    fresh = lazy()
+    stashpoint.load({"model": fresh}, tmp_path / "ck")
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    assert torch.equal(fresh(x), model(x)) and type(fresh[0]) is torch.nn.Linear
+    with pytest.raises(stashpoint.UnsupportedStateError, match=r"'model/0.weight' belongs to a lazy module.*forward"):
+        stashpoint.save({"model": lazy()}, tmp_path / "lazy")
 
 
 def test_empty_containers_in_the_state_take_the_saved_tensors_grown_by_training(tmp_path):

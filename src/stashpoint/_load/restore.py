@@ -165,7 +165,7 @@ class Planner(OptimizerPlanning):
                     f"{self._name(where)}: the checkpoint holds a plain value, the state holds {type(live).__name__}"
                 )
             else:
-                self._set(setter, self.build(saved, where), where)
+                self._plain(self.build(saved, where), live, where, setter)
         elif "stateful" in saved:
             self._stateful(saved, live, where, setter)
         elif "dict" in saved:
@@ -197,8 +197,18 @@ class Planner(OptimizerPlanning):
                     f"holds {type(live).__name__}" + (f" of {n} items" if n is not None else "")
                 )
 
+    def _plain(self, value: Any, live: Any, where: str, setter: Setter) -> None:
+        if isinstance(value, dict) and isinstance(live, MutableMapping) and type(live) is not dict:
+            # a defaultdict or Counter keeps its type and default: a dict in its place broke the
+            # training's next `counts[new] += 1`
+            self.plan.setters.append(lambda: (live.clear(), live.update(value)))
+        else:
+            self._set(setter, value, where)
+
     def _tensor(self, key: str, live: Any, where: str, setter: Setter, materialize: bool) -> None:
         entry = self._entry(key)
+        if torch.nn.parameter.is_lazy(live):  # a lazy module not run yet: its load_state_dict takes the shape
+            live = None
         if isinstance(live, torch.Tensor):
             if live.device.type == "meta":
                 self.plan.problems.append(

@@ -60,6 +60,11 @@ def check_tensor(key: str, t: torch.Tensor) -> None:
     """Raise :class:`UnsupportedStateError` for tensors whose bytes cannot be saved as-is."""
     where = f"at key {key!r}"
     kind = type(t)
+    if torch.nn.parameter.is_lazy(t):  # any use of it raises torch's ValueError, naming no key
+        raise UnsupportedStateError(
+            f"the parameter {where} belongs to a lazy module (torch.nn.LazyLinear, ...) that has not run yet, so "
+            "it has no shape or data; run a forward pass on a sample batch before saving."
+        )
     if t.is_nested:  # strided (layout torch.strided, but no one shape) or jagged (a subclass)
         raise UnsupportedStateError(
             f"nested tensor {where} is not supported; save its components (t.unbind(), a list of tensors) instead."
