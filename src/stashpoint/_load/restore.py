@@ -201,7 +201,7 @@ class Planner(OptimizerPlanning):
         if isinstance(value, dict) and isinstance(live, MutableMapping) and type(live) is not dict:
             # a defaultdict or Counter keeps its type and default: a dict in its place broke the
             # training's next `counts[new] += 1`
-            self.plan.setters.append(lambda: (live.clear(), live.update(value)))
+            self.plan.setters.append(lambda: _refill(live, value))
         else:
             self._set(setter, value, where)
 
@@ -400,6 +400,11 @@ def _without_inner_wrappers(state: Node) -> Node:
 
 def _mismatch(entry: TensorEntry, t: torch.Tensor) -> bool:
     return entry.dtype != dtype_name(t.dtype) or tuple(entry.shape) != tuple(t.shape)
+
+
+def _refill(live: MutableMapping[Any, Any], value: dict[Any, Any]) -> None:
+    live.clear()
+    live.update(value)
 
 
 def _bind(fn: Callable[[Any, Any], None] | None, key: Any) -> Setter:
