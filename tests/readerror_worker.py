@@ -199,6 +199,69 @@ def scenario_node_planning_out_of_memory(root: str) -> None:
     result(**out)
 
 
+def scenario_node_replicas_differ(root: str) -> None:
+    """Node 0's manager keeps no replicas, node 1's one: refused at once on both (before: step 1
+    committed, then node 1 waited for ever to send its copy and node 0 in the next save)."""
+    os.environ["STASHPOINT_NODE"], os.environ["STASHPOINT_LOCAL_RANK"] = str(RANK), "0"
+    t0 = time.monotonic()
+    try:
+        with stashpoint.CheckpointManager(Path(root, f"node-{RANK}"), node_local=True, replicas=RANK) as mgr:
+            for step in (1, 2):
+                mgr.save(step, _state(float(step))).wait()
+        got = "saved"
+    except stashpoint.CheckpointError as e:
+        got = str(e)
+    result(got=got, seconds=time.monotonic() - t0)
+
+
+def scenario_preempted_while_opening(root: str) -> None:
+    """Rank 1 ends (preempted) while the managers create their preemption group: rank 0 fails
+    after stashpoint's timeout (8 s here), naming the cause; before, it waited 30 minutes."""
+    from stashpoint._dist import group
+    from stashpoint._manager import preempt
+
+    group.DEFAULT_TIMEOUT_S = 8.0
+    if RANK == 1:
+        preempt.gloo_group = lambda **kw: os._exit(0)
+    t0 = time.monotonic()
+    try:
+        stashpoint.CheckpointManager(Path(root, "run"), preemption_deadline=5).close()
+        got = "opened"
+    except stashpoint.CheckpointError as e:
+        got = f"{type(e).__name__}: {e}"
+    result(got=got, seconds=time.monotonic() - t0)
+
+
+def scenario_node_copy_damaged(root: str) -> None:
+    """Two nodes without replicas; node 1's copy of step 2 is damaged (``SPOIL``: a byte of its
+    manifest, or its shard deleted): both nodes restore step 1 and set step 2 aside as damaged,
+    not as incomplete (which blamed a lost node and said to rename it back)."""
+    os.environ["STASHPOINT_NODE"], os.environ["STASHPOINT_LOCAL_RANK"] = str(RANK), "0"
+
+    def manager() -> stashpoint.CheckpointManager:
+        return stashpoint.CheckpointManager(Path(root, f"node-{RANK}"), node_local=True, keep_last=None)
+
+    with manager() as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(float(step))).wait()
+    dist.barrier()
+    if RANK == 1:
+        at = Path(root, "node-1", step_dir(2))
+        if os.environ["SPOIL"] == "manifest":
+            data = bytearray((at / "manifest.json").read_bytes())
+            data[len(data) // 2] ^= 1
+            (at / "manifest.json").write_bytes(bytes(data))
+        else:
+            for shard in at.rglob("shard-r00001*"):
+                shard.unlink()
+    dist.barrier()
+    state = _state(0.0)
+    with manager() as mgr:
+        got = [mgr.restore(state), float(state["w"].to_local()[0, 0])]
+    dist.barrier()
+    result(got=got, set_aside=_set_aside(root))
+
+
 def scenario_node_manifest_unreadable(root: str) -> None:
     """One node whose newest manifest it may not read: an error, not an older step."""
     with _node_manager(root) as mgr:

@@ -91,6 +91,29 @@ def test_a_rank_out_of_memory_planning_a_node_local_restore_fails_every_rank_at_
         assert r["again"] == [2, 2.0], r
 
 
+def test_nodes_given_different_replicas_are_refused_at_once(tmp_path):
+    for r in run_world(2, "node_replicas_differ", str(tmp_path), worker=NO_DAC, timeout=40):
+        assert "replicas=0 on rank(s) 0; replicas=1 on rank(s) 1" in r["got"], r
+        assert r["seconds"] < 30, r
+
+
+def test_a_rank_gone_while_the_managers_open_with_preemption_fails_the_others_after_the_timeout(tmp_path):
+    first, _ = run_world(2, "preempted_while_opening", str(tmp_path), worker=NO_DAC, timeout=60, allow_fail=True)
+    assert first["got"].startswith("CollectiveError: could not create the preemption group"), first
+    assert first["seconds"] < 40, first
+
+
+@pytest.mark.parametrize("spoil", ["manifest", "shard"])
+def test_a_nodes_damaged_copy_that_no_other_node_holds_is_set_aside_as_damaged(tmp_path, monkeypatch, spoil):
+    monkeypatch.setenv("SPOIL", spoil)
+    for r in run_world(2, "node_copy_damaged", str(tmp_path), worker=NO_DAC):
+        assert r["got"] == [1, 1.0], r
+        assert (
+            sorted(n.split(".")[0] + "." + n.split(".")[1].split("-")[0] for n in r["set_aside"])
+            == ["step-00000002.damaged"] * 2
+        ), r
+
+
 def test_retention_keeps_a_step_whose_manifest_it_cannot_read(tmp_path, monkeypatch):
     """Before: the unreadable metrics counted as none, so keep_best let the best step go."""
     monkeypatch.setenv("NO_DAC_RANK", "0")

@@ -91,23 +91,29 @@ def _spans(ranks: list[int]) -> tuple[tuple[int, int], ...]:
     return tuple((a, b) for a, b in out)
 
 
-def agree_nodes(ctx: DistContext, me: Node) -> NodeMap:
-    """Every rank's node, checked on rank 0 (each node exactly one leader); the leaders and
+def agree_nodes(ctx: DistContext, me: Node, replicas: int = 0) -> NodeMap:
+    """Every rank's node, checked on rank 0 (each node exactly one leader, one ``replicas`` for
+    the job: a node sending copies its peer does not wait for waited for ever); the leaders and
     each node's ranks (per node, not per rank) sent to every rank."""
-    seen = ctx.gather("node-local: each rank's node", (me.node, me.leader))
+    seen = ctx.gather("node-local: each rank's node", (me.node, me.leader, replicas))
     answer: tuple[Any, ...] | None = None
     of_rank: tuple[int, ...] = ()
     if seen is not None:
-        of_rank = tuple(n for n, _ in seen)
+        of_rank = tuple(n for n, _, _ in seen)
         leaders: dict[int, list[int]] = {}
         members: dict[int, list[int]] = {}
-        for rank, (node, leader) in enumerate(seen):
+        counts: dict[int, list[int]] = {}
+        for rank, (node, leader, k) in enumerate(seen):
+            counts.setdefault(k, []).append(rank)
             leaders.setdefault(node, [])
             members.setdefault(node, []).append(rank)
             if leader:
                 leaders[node].append(rank)
         bad = {n: rs for n, rs in leaders.items() if len(rs) != 1}
-        if bad:
+        if len(counts) > 1:
+            shown = "; ".join(f"replicas={k} on rank(s) {_ranks(rs)}" for k, rs in sorted(counts.items()))
+            answer = ("error", f"the ranks' node-local managers differ: {shown}; give every rank the same replicas")
+        elif bad:
             node, ranks = next(iter(sorted(bad.items())))
             answer = (
                 "error",
@@ -122,6 +128,10 @@ def agree_nodes(ctx: DistContext, me: Node) -> NodeMap:
     if answer[0] == "error":
         raise CheckpointError(answer[1])
     return NodeMap(answer[1], answer[2], of_rank)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:16])) + (f" ... ({len(ranks)} in all)" if len(ranks) > 16 else "")
 
 
 # -- between two ranks (not collectives: only the two take part) ----------------------------------

@@ -45,8 +45,9 @@ def mark_damaged(root: Storage, step: int, error: str = "") -> None:
             mark_partial(at.root, r)
 
 
-def inventory(root: Storage) -> tuple[Held, ...]:
-    """Every committed step under this node's ``root`` and the saving ranks it holds whole."""
+def inventory(root: Storage, damaged: dict[int, str] | None = None) -> tuple[Held, ...]:
+    """Every committed step under this node's ``root`` and the saving ranks it holds whole;
+    the steps whose manifest here is damaged, with why, into ``damaged``."""
     found = []
     steps = committed_steps(root)
     for step in steps:
@@ -55,8 +56,14 @@ def inventory(root: Storage) -> tuple[Held, ...]:
             # two fields of each: only the newest step's (the one a restore takes, mostly) is kept
             # parsed for the restore's passes, not every step's
             head = read_head(where, remember=step == steps[-1])
-        except (CorruptCheckpointError, IncompleteCheckpointError):
-            continue  # a damaged manifest: nothing of the step here is usable (unreadable: listing fails)
+        except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+            # nothing of the step here is usable (unreadable: listing fails); said, as the step may
+            # now lack this node's ranks on every node
+            log.warning("stashpoint: this node's manifest of step %d is damaged (%s); its files here are not used",
+                        step, e)  # fmt: skip
+            if damaged is not None:
+                damaged[step] = f"this node's manifest of it is damaged: {e}"
+            continue
         whole, copies = held_ranks(where, head.save_id)
         found.append(Held(step, head.save_id, head.world_size, ranges(whole), ranges(copies & whole)))
     return tuple(found)

@@ -88,7 +88,7 @@ class NodeLocal:
         else:
             ctx = _dist.context(None, timeout)
             assert ctx is not None
-            self.map = agree_nodes(ctx, self.me)
+            self.map = agree_nodes(ctx, self.me, replicas)
         self.leaders = dict(self.map.leaders)
         if replicas and not 0 < replicas < len(self.leaders):
             raise ValueError(
@@ -243,10 +243,12 @@ class NodeLocal:
         directory alone); the last copies of lost nodes' files adopted, and the steps no
         restore can take set aside."""
         mine: Any = None
+        damaged = dict(checked)  # the steps this node found damaged, and why; then any node's that no restore can take
         if self.me.leader:
             try:
                 remote_steps = reachable(lambda: committed_steps(remote)) if ctx.rank == 0 and remote else []
-                mine = (self.me.node, inventory(root), remote_steps, mem is not None)
+                held = inventory(root, damaged)
+                mine = (self.me.node, held, remote_steps, mem is not None, {k: v[:300] for k, v in damaged.items()})
             except Exception as e:
                 mine = f"rank {ctx.rank}: listing {root.location} failed: {type(e).__name__}: {e}"
         seen = ctx.gather("node-local: what each node holds", mine)
@@ -261,11 +263,21 @@ class NodeLocal:
                 on_disk = sorted(s[0] for s in seen if s is not None and not s[3])  # leaders without an area
                 unseen = seen[0][2] is None  # the remote tier could not be listed: nothing is torn for sure
                 order, torn = node_order(by_node, seen[0][2] or [], step)
-                answer = ("ok", order, [] if unseen else torn, on_disk, orphan_replicas(by_node), unseen)
+                torn = [] if unseen else torn
+                harmed = {k: f"node {n[0]}: {why}" for n in reversed(seen) if n is not None for k, why in n[4].items()}
+                answer = (
+                    "ok",
+                    order,
+                    torn,
+                    on_disk,
+                    orphan_replicas(by_node),
+                    unseen,
+                    {k: harmed[k] for k in torn if k in harmed},
+                )
         answer = ctx.broadcast("node-local: the steps to try", answer)
         if answer[0] == "error":
             raise CheckpointError("listing the node-local checkpoints failed: " + answer[1])
-        order, torn = answer[1], answer[2]
+        order, torn, damaged = answer[1], answer[2], answer[6]
         if self.me.node in answer[3]:  # the node's ranks read through its area only where its leader holds it
             mem = None
         if self.me.leader and isinstance(root, LocalStorage):
@@ -274,7 +286,13 @@ class NodeLocal:
                 adopt_replicas(root.root / step_dir(s), expand(rs))
         if self.me.leader:  # no restore can take them (some rank's files are on no node): set aside
             for s in torn:
-                if (step is None or s != step) and root.child(step_dir(s)).exists():
+                if (step is None or s != step) and s in damaged and root.child(step_dir(s)).exists():
+                    log.warning(
+                        "stashpoint: step %d cannot be restored (%s) and no other node holds what that copy lacks; "
+                        "it is moved aside as step-N.damaged-<time>", s, damaged[s],
+                    )  # fmt: skip
+                    move_aside(root, s, "damaged")
+                elif (step is None or s != step) and root.child(step_dir(s)).exists():
                     log.warning(
                         "stashpoint: step %d lacks some saving rank's files on every node of this job (a node that "
                         "saved it lost its directory, or is not in this job); it is moved aside as "

@@ -22,12 +22,34 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any, NoReturn
 
+from stashpoint._dist import group as _dist
+from stashpoint._dist.arrival import CollectiveError
 from stashpoint._dist.gloo import gloo_group, tree_max
 from stashpoint.errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
 
 _GRACE_S = 1.0  # past the deadline, for stop() to report before the watchdog ends the process
+
+
+def _signal_group() -> Any:
+    """The group the ranks tell each other of a signal on: created under stashpoint's timeout (a
+    rank preempted while the managers open is waited for that long, not half an hour), then
+    given torch's default of 30 minutes, as ranks may reach maybe_save minutes apart."""
+    try:
+        group = gloo_group(timeout=timedelta(seconds=_dist.DEFAULT_TIMEOUT_S))
+    except Exception as e:
+        raise CollectiveError(
+            f"could not create the preemption group over every rank within {_dist.DEFAULT_TIMEOUT_S:.0f} s (every "
+            f"rank creates its CheckpointManager at the same point; is one gone?): {type(e).__name__}: {str(e)[:300]}"
+        ) from e
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timedelta(minutes=30), group)
+    except Exception as e:  # a torch without it: a signal check waits the creation's timeout
+        log.debug("stashpoint: the preemption group keeps its %.0f s timeout (%s)", _dist.DEFAULT_TIMEOUT_S, e)
+    return group
 
 
 class Preemption:
@@ -56,10 +78,8 @@ class Preemption:
         self.handled = False  # stop() ran: the signal was answered at a safe point
         self.stopping = False  # stop() is saving at the safe point: it reports its own outcome
         self._group: Any = None
-        if world > 1:
-            # every rank creates its manager at the same point, so every rank creates this group;
-            # ranks may reach maybe_save minutes apart (one rank evaluating): torch's own default
-            self._group = gloo_group(timeout=timedelta(minutes=30))
+        if world > 1:  # every rank creates its manager at the same point, so every rank creates this group
+            self._group = _signal_group()
         self._signals = tuple(signals)
         self._previous: dict[int, Any] = {}
         self._wakeup: tuple[int, int] | None = None  # the pipe the signals' bytes come through
