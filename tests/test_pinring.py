@@ -12,7 +12,7 @@ from stashpoint._core.reshard import Box
 from stashpoint._load.manifest import read_manifest
 from stashpoint._load.pinring import FLAT, ROWS, SLOT_BYTES, SLOTS, SYNC, Backend, PinnedRing, Segment, segments
 from stashpoint._load.reads import execute_reads, fetch
-from stashpoint._load.restore import Read
+from stashpoint._load.restoreplan import Read
 from stashpoint._storage import LocalStorage
 
 

@@ -10,7 +10,7 @@ import stashpoint
 from stashpoint._core.reshard import Box
 from stashpoint._load.manifest import read_manifest
 from stashpoint._load.reads import _execute_pipelined, plan_pieces
-from stashpoint._load.restore import Read
+from stashpoint._load.restoreplan import Read
 from stashpoint._storage import LocalStorage
 
 CHECKSUM_BLOCK = 4 * 1024 * 1024

@@ -82,7 +82,7 @@ def test_partial_reads_from_a_real_checkpoint(tmp_path):
     from stashpoint._core.format import CHECKSUM_BLOCK_BYTES
     from stashpoint._load.manifest import read_manifest
     from stashpoint._load.reads import execute_reads
-    from stashpoint._load.restore import Read
+    from stashpoint._load.restoreplan import Read
     from stashpoint._storage import LocalStorage
 
     w = torch.arange(3 * CHECKSUM_BLOCK_BYTES // 4, dtype=torch.float32).reshape(-1, 1024)  # 3 blocks

@@ -24,8 +24,9 @@ from stashpoint._dist.group import DistContext, rank_of
 from stashpoint._load.exchange import agree, broadcast_shares, kinded_failure, own_or_agreed
 from stashpoint._load.manifest import forget, read_head, read_view, remembered, unlisted_shards, writers_of
 from stashpoint._load.reads import Fetched, fetch, prepare_reads, run_reads
-from stashpoint._load.restore import Planner, Read
-from stashpoint._load.restore import RestorePlan as Plan
+from stashpoint._load.restore import Planner
+from stashpoint._load.restoreplan import Read
+from stashpoint._load.restoreplan import RestorePlan as Plan
 from stashpoint._runtime import gc_paused
 from stashpoint._storage import Storage, env_number, storage_for
 from stashpoint.errors import (

@@ -19,7 +19,7 @@ from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 if TYPE_CHECKING:
     from stashpoint._core.format import TensorEntry
-    from stashpoint._load.restore import RestorePlan
+    from stashpoint._load.restoreplan import RestorePlan
 
 
 class OptimizerPlanning:

@@ -11,7 +11,7 @@ import torch
 from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, Chunk, checksum, running_checksum
 from stashpoint._core.reshard import Box, block_spans, intersect, local, runs
 from stashpoint._load.pinring import PinnedRing
-from stashpoint._load.restore import Read
+from stashpoint._load.restoreplan import Read
 from stashpoint._state.dtypes import as_memoryview
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError, CorruptCheckpointError

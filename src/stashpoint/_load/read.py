@@ -13,7 +13,7 @@ from stashpoint._core.nodes import Node, PickleRefused, decode_plain, escape, jo
 from stashpoint._core.reshard import Box
 from stashpoint._load.manifest import open_checkpoint
 from stashpoint._load.reads import execute_reads
-from stashpoint._load.restore import Read
+from stashpoint._load.restoreplan import Read
 from stashpoint._state.dtypes import empty_for
 from stashpoint._storage import Storage, storage_for
 from stashpoint.errors import CheckpointError

@@ -26,7 +26,7 @@ from stashpoint._load.arena import Arena
 from stashpoint._load.manifest import shard_problem
 from stashpoint._load.pieces import Piece, read_jobs
 from stashpoint._load.pinring import PinnedRing, ring
-from stashpoint._load.restore import Read
+from stashpoint._load.restoreplan import Read
 from stashpoint._load.slotreads import SlotReads
 from stashpoint._storage import Storage
 from stashpoint._storage.oserror import read_failed

@@ -15,63 +15,33 @@ object lacks are allocated. Modules and the top-level containers are matched key
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
 
-from stashpoint._core.format import Manifest, TensorEntry
+from stashpoint._core.format import Manifest
 from stashpoint._core.nodes import Node, decode_plain, is_plain, join, tensor_keys
-from stashpoint._core.reshard import Box
 from stashpoint._load import trial
 from stashpoint._load.optimplan import OptimizerPlanning, names_params
+from stashpoint._load.restoreplan import (
+    Read,
+    RestorePlan,
+    Setter,
+    bind,
+    holds_tensors,
+    mismatch,
+    objects_in,
+    refill,
+    shown,
+    without_inner_wrappers,
+)
 from stashpoint._state import stateful as _stateful
-from stashpoint._state.dtensor import local_part, local_tensor
+from stashpoint._state.dtensor import local_tensor
 from stashpoint._state.dtypes import dtype_name, empty_for
 from stashpoint._state.scaler import scaler_load_state
 from stashpoint._state.validate import structure_problem
 from stashpoint.errors import CorruptCheckpointError
-
-Setter = Callable[[Any], None] | None
-
-
-@dataclass
-class Read:
-    """Read the ``region`` (global coordinates) of stored tensor ``key`` (never an alias) into
-    ``dest``, a tensor of the region's shape (a rank's local shard, or the whole tensor)."""
-
-    key: str
-    dest: torch.Tensor
-    region: Box
-
-    @classmethod
-    def into(cls, key: str, live: torch.Tensor) -> Read:
-        dest, region, _ = local_part(live)
-        return cls(key, dest, region)
-
-
-@dataclass
-class RestorePlan:
-    reads: list[Read] = field(default_factory=list)
-    setters: list[Callable[[], None]] = field(default_factory=list)
-    finalizers: list[tuple[str, Callable[[], None]]] = field(default_factory=list)  # (where, call)
-    # calls that raise where a finalizer would, changing nothing: an atomic load runs them first
-    checks: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)  # key paths of "missing key" problems
-    unexpected: list[str] = field(default_factory=list)  # and of "unexpected key" ones
-    casts: set[tuple[str, str]] = field(default_factory=set)  # (saved, live) dtypes of same-shape mismatches
-
-
-def _holds_tensors(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor) or _stateful.kind_of(obj) is not None:
-        return True
-    if isinstance(obj, MutableMapping):
-        return any(_holds_tensors(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_holds_tensors(v) for v in obj)
-    return False
 
 
 class Planner(OptimizerPlanning):
@@ -134,7 +104,7 @@ class Planner(OptimizerPlanning):
         if "tensor" in node:
             entry = self._entry(node["tensor"])
             reusable = isinstance(like, torch.Tensor) and torch._debug_has_internal_overlap(local_tensor(like)) != 1
-            if reusable and not _mismatch(entry, like):
+            if reusable and not mismatch(entry, like):
                 self.plan.reads.append(Read.into(self.m.resolve(entry.key).key, like))
                 return like
             return self._materialize(node["tensor"])
@@ -160,7 +130,7 @@ class Planner(OptimizerPlanning):
                 # a state dict without tensors (a scheduler's, an optimizer's before its first
                 # step) saved as a value loads into the live object like any raw state dict
                 self._raw_state(saved, live, where, setter)
-            elif _holds_tensors(live):
+            elif holds_tensors(live):
                 self.plan.problems.append(
                     f"{self._name(where)}: the checkpoint holds a plain value, the state holds {type(live).__name__}"
                 )
@@ -176,7 +146,7 @@ class Planner(OptimizerPlanning):
                 # a tuple is rebuilt from a list copy once its items are back, then set in its parent
                 seq = live if isinstance(live, list) else list(live)
                 for i, child in enumerate(items):
-                    self.restore(child, seq[i], join(where, i), _bind(seq.__setitem__, i), materialize=materialize)
+                    self.restore(child, seq[i], join(where, i), bind(seq.__setitem__, i), materialize=materialize)
                 if isinstance(live, tuple) and setter is not None:
                     self.plan.setters.append(lambda: setter(type(live)(seq)))
                 elif isinstance(live, tuple) and any(is_plain(c) for c in items):
@@ -201,7 +171,7 @@ class Planner(OptimizerPlanning):
         if isinstance(value, dict) and isinstance(live, MutableMapping) and type(live) is not dict:
             # a defaultdict or Counter keeps its type and default: a dict in its place broke the
             # training's next `counts[new] += 1`
-            self.plan.setters.append(lambda: _refill(live, value))
+            self.plan.setters.append(lambda: refill(live, value))
         else:
             self._set(setter, value, where)
 
@@ -223,7 +193,7 @@ class Planner(OptimizerPlanning):
                     "load cannot write into it; give the state a tensor with its own memory (t.clone())"
                 )
                 return
-            if _mismatch(entry, live):
+            if mismatch(entry, live):
                 if tuple(entry.shape) == tuple(live.shape):
                     self.plan.casts.add((entry.dtype, dtype_name(live.dtype)))
                 self.plan.problems.append(
@@ -262,11 +232,11 @@ class Planner(OptimizerPlanning):
             seen.add(k)
             cw = join(where, k)
             if k in live:
-                self.restore(child, live[k], cw, _bind(live.__setitem__, k), materialize=materialize)
+                self.restore(child, live[k], cw, bind(live.__setitem__, k), materialize=materialize)
             elif self.partial and not materialize:
                 continue
             elif materialize or is_plain(child):
-                self._set(_bind(live.__setitem__, k), self.build(child, cw))
+                self._set(bind(live.__setitem__, k), self.build(child, cw))
             else:
                 keys = tensor_keys(child)
                 self.plan.unexpected.append(cw)
@@ -288,7 +258,7 @@ class Planner(OptimizerPlanning):
         objects' states (a model's, an optimizer's, a registered object's): built as plain
         dicts they would stand for no object, and the objects missing from the state would
         go unnoticed. A problem says so."""
-        n = _objects_in(saved)
+        n = objects_in(saved)
         if n:
             self.plan.problems.append(
                 f"{self._name(where)}: the checkpoint holds {n} object(s) with load_state_dict here (a model, an "
@@ -349,8 +319,8 @@ class Planner(OptimizerPlanning):
         sd = live.state_dict()
         keys = _stateful.module_keys(sd) or {}  # the live keys as they are saved, and back
         box = [{saved_key: sd[k] for saved_key, k in keys.items()} if keys else sd]
-        state = _without_inner_wrappers(saved["state"])
-        self.restore(state, box[0], where, _bind(box.__setitem__, 0), materialize=False)
+        state = without_inner_wrappers(saved["state"])
+        self.restore(state, box[0], where, bind(box.__setitem__, 0), materialize=False)
         self.plan.finalizers.append(
             (where, lambda: live.load_state_dict({keys.get(k, k): v for k, v in box[0].items()}, strict=False))
         )
@@ -368,7 +338,7 @@ class Planner(OptimizerPlanning):
             problem = check(built) if callable(check) else structure_problem(built, live_sd)
         if problem is not None:
             self.plan.problems.append(
-                f"{self._name(where)}: the saved state does not fit this {_shown(live)}: {problem} "
+                f"{self._name(where)}: the saved state does not fit this {shown(live)}: {problem} "
                 "(with strict=False it is not loaded: it keeps the state it was built with"
                 + (", its schedule starting over)" if trial.is_torch_scheduler(live) else ")")
             )
@@ -381,55 +351,3 @@ class Planner(OptimizerPlanning):
         self.plan.finalizers.append((where, lambda: live.load_state_dict(built)))
         if trial.is_torch_scheduler(live):
             self.plan.checks.append((where, lambda: trial.scheduler(live, built)))
-
-
-def _without_inner_wrappers(state: Node) -> Node:
-    """A module's saved state dict with its keys as saved now: a checkpoint written before
-    modules' keys were saved without inner wrappers' parts holds them."""
-    items = state.get("dict") if isinstance(state, dict) else None
-    if not isinstance(items, list) or not all(isinstance(kv, list) and len(kv) == 2 for kv in items):
-        return state
-    if not all(isinstance(k, str) for k, _ in items):
-        return state
-    keys = _stateful.module_keys(k for k, _ in items)
-    if keys is None:
-        return state
-    back = {k: saved for saved, k in keys.items()}
-    return {**state, "dict": [[back[k], v] for k, v in items]}
-
-
-def _mismatch(entry: TensorEntry, t: torch.Tensor) -> bool:
-    return entry.dtype != dtype_name(t.dtype) or tuple(entry.shape) != tuple(t.shape)
-
-
-def _refill(live: MutableMapping[Any, Any], value: dict[Any, Any]) -> None:
-    live.clear()
-    live.update(value)
-
-
-def _bind(fn: Callable[[Any, Any], None] | None, key: Any) -> Setter:
-    if fn is None:
-        return None
-    return lambda value: fn(key, value)
-
-
-def _objects_in(node: Node) -> int:
-    """How many objects' states (``stateful`` nodes, not within one another) ``node`` holds."""
-    count, stack = 0, [node]
-    while stack:
-        n = stack.pop()
-        if not isinstance(n, dict):
-            continue
-        if "stateful" in n:
-            count += 1
-        elif "dict" in n:
-            stack.extend(child for _, child in n["dict"])
-        elif "list" in n or "tuple" in n:
-            stack.extend(n.get("list") or n.get("tuple") or ())
-    return count
-
-
-def _shown(live: Any) -> str:
-    """What a live object is called in a message: its class, or what stashpoint's own objects
-    (private classes) say they are (``_stashpoint_what``)."""
-    return str(getattr(type(live), "_stashpoint_what", type(live).__name__))

@@ -9,7 +9,7 @@ import torch
 from stashpoint._core.format import Manifest
 from stashpoint._core.reshard import Box
 from stashpoint._load.reads import execute_reads
-from stashpoint._load.restore import Read
+from stashpoint._load.restoreplan import Read
 from stashpoint._state.dtypes import empty_for
 from stashpoint._storage import Storage
 from stashpoint._tools.inspect import nbytes

@@ -1,0 +1,109 @@
+"""The records of a load's plan (what to read where, what to set, what to call) and the pure
+helpers the planner (``restore``) matches the saved tree against the live state with."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stashpoint._core.format import TensorEntry
+from stashpoint._core.nodes import Node
+from stashpoint._core.reshard import Box
+from stashpoint._state import stateful as _stateful
+from stashpoint._state.dtensor import local_part
+from stashpoint._state.dtypes import dtype_name
+
+Setter = Callable[[Any], None] | None
+
+
+@dataclass
+class Read:
+    """Read the ``region`` (global coordinates) of stored tensor ``key`` (never an alias) into
+    ``dest``, a tensor of the region's shape (a rank's local shard, or the whole tensor)."""
+
+    key: str
+    dest: torch.Tensor
+    region: Box
+
+    @classmethod
+    def into(cls, key: str, live: torch.Tensor) -> Read:
+        dest, region, _ = local_part(live)
+        return cls(key, dest, region)
+
+
+@dataclass
+class RestorePlan:
+    reads: list[Read] = field(default_factory=list)
+    setters: list[Callable[[], None]] = field(default_factory=list)
+    finalizers: list[tuple[str, Callable[[], None]]] = field(default_factory=list)  # (where, call)
+    # calls that raise where a finalizer would, changing nothing: an atomic load runs them first
+    checks: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # key paths of "missing key" problems
+    unexpected: list[str] = field(default_factory=list)  # and of "unexpected key" ones
+    casts: set[tuple[str, str]] = field(default_factory=set)  # (saved, live) dtypes of same-shape mismatches
+
+
+def holds_tensors(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor) or _stateful.kind_of(obj) is not None:
+        return True
+    if isinstance(obj, MutableMapping):
+        return any(holds_tensors(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(holds_tensors(v) for v in obj)
+    return False
+
+
+def without_inner_wrappers(state: Node) -> Node:
+    """A module's saved state dict with its keys as saved now: a checkpoint written before
+    modules' keys were saved without inner wrappers' parts holds them."""
+    items = state.get("dict") if isinstance(state, dict) else None
+    if not isinstance(items, list) or not all(isinstance(kv, list) and len(kv) == 2 for kv in items):
+        return state
+    if not all(isinstance(k, str) for k, _ in items):
+        return state
+    keys = _stateful.module_keys(k for k, _ in items)
+    if keys is None:
+        return state
+    back = {k: saved for saved, k in keys.items()}
+    return {**state, "dict": [[back[k], v] for k, v in items]}
+
+
+def mismatch(entry: TensorEntry, t: torch.Tensor) -> bool:
+    return entry.dtype != dtype_name(t.dtype) or tuple(entry.shape) != tuple(t.shape)
+
+
+def refill(live: MutableMapping[Any, Any], value: dict[Any, Any]) -> None:
+    live.clear()
+    live.update(value)
+
+
+def bind(fn: Callable[[Any, Any], None] | None, key: Any) -> Setter:
+    if fn is None:
+        return None
+    return lambda value: fn(key, value)
+
+
+def objects_in(node: Node) -> int:
+    """How many objects' states (``stateful`` nodes, not within one another) ``node`` holds."""
+    count, stack = 0, [node]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, dict):
+            continue
+        if "stateful" in n:
+            count += 1
+        elif "dict" in n:
+            stack.extend(child for _, child in n["dict"])
+        elif "list" in n or "tuple" in n:
+            stack.extend(n.get("list") or n.get("tuple") or ())
+    return count
+
+
+def shown(live: Any) -> str:
+    """What a live object is called in a message: its class, or what stashpoint's own objects
+    (private classes) say they are (``_stashpoint_what``)."""
+    return str(getattr(type(live), "_stashpoint_what", type(live).__name__))
