@@ -174,17 +174,17 @@ def scenario_node_planning_out_of_memory(root: str) -> None:
     """Node 1 is lost; rank 1 runs out of memory planning what its load reads (injected: the
     planning raises MemoryError once): every rank raises, none waits out its timeout, and the
     next restore loads the newest step."""
-    from stashpoint._manager import noderestore
+    from stashpoint._manager import nodefetch
 
     _two_steps_then_node_1_lost(root)
-    planned = noderestore.writers_needed
+    planned = nodefetch.writers_needed
 
     def short(*args: object, **kw: object) -> object:
-        noderestore.writers_needed = planned  # once
+        nodefetch.writers_needed = planned  # once
         raise MemoryError
 
     if RANK == 1:
-        noderestore.writers_needed = short
+        nodefetch.writers_needed = short
     out: dict = {}
     for attempt in ("short", "again"):
         t0 = time.monotonic()

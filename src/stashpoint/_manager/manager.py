@@ -23,7 +23,8 @@ from stashpoint._load.loader import load
 from stashpoint._load.manifest import remembering
 from stashpoint._manager.lock import acquire_root_lock, release_root_lock
 from stashpoint._manager.noderestore import NodeLocal
-from stashpoint._manager.preempt import Preemption, signal_name, stop
+from stashpoint._manager.preempt import Preemption, signal_name
+from stashpoint._manager.preemptstop import stop
 from stashpoint._manager.restoring import RestoreReport, restore_run
 from stashpoint._manager.saving import apply_retention, check_options, plain_metrics, start_save, wait_for
 from stashpoint._manager.steps import (
