@@ -26,7 +26,7 @@ from stashpoint._state.dtypes import torch_dtype
 from stashpoint._storage import storage_for, user_path
 from stashpoint._tools import progress as _progress
 from stashpoint._tools.dcpread import load_dcp
-from stashpoint._tools.importcheck import check_tensors, check_torch_file
+from stashpoint._tools.importcheck import check_tensors, check_torch_file, open_regular, opened_path
 from stashpoint._tools.tensors import read_tensors
 from stashpoint.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
@@ -190,16 +190,24 @@ class ImportResult:
 
 
 def _load_torch_file(p: Path) -> Any:
-    if not p.is_file():  # a FIFO would block torch.load forever, a device read without end
-        raise CheckpointError(f"{p} is not a regular file: give the file torch.save wrote")
-    check_torch_file(p, str(p))
+    try:  # a FIFO would block torch.load forever, a device read without end: checked once opened
+        f = open_regular(p, follow=True)
+    except ValueError as e:
+        raise CheckpointError(f"{e}; give the file torch.save wrote") from None
+    with f:
+        return _load_opened(opened_path(f, p), p)
+
+
+def _load_opened(at: Path, p: Path) -> Any:
+    """The torch.save file ``p``, read through ``at`` (the file opened and checked)."""
+    check_torch_file(at, str(p))
     try:
         try:
-            return torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(at, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as e:
             if "mmap" not in str(e):
                 raise
-            return torch.load(p, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
+            return torch.load(at, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
     except pickle.UnpicklingError as e:
         text = " ".join(str(e).split())
         why = text.split("WeightsUnpickler error:", 1)[-1].split(" Check the documentation", 1)[0].strip()
@@ -235,9 +243,9 @@ def import_checkpoint(
         odd = [c.name for c in p.iterdir() if not c.is_file()]
         if odd:  # DCP's reader would block on a FIFO
             raise CheckpointError(f"{p} holds {odd[0]!r}, not a regular file: a DCP checkpoint holds only files")
-        kind, read = "dcp", sum(c.lstat().st_size for c in p.iterdir())
+        kind = "dcp"
         try:
-            state = load_dcp(p)
+            state, read = load_dcp(p)  # read: the bytes DCP read, not all the directory holds
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise

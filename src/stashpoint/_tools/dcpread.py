@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
-from stashpoint._tools.importcheck import check_pickle, check_torch_file
+from stashpoint._tools.importcheck import check_pickle, check_torch_file, open_regular
 from stashpoint.errors import CheckpointError
 
 MAX_METADATA_BYTES = 256 << 20  # or 1/16 of the data, for checkpoints of very many chunks
@@ -87,12 +87,15 @@ def _enum_member(cls: Any, name: Any = None, *more: Any) -> Any:
     )
 
 
-def load_dcp(p: Path) -> dict[str, Any]:
-    """The whole DCP checkpoint at ``p`` as a nested state dict (one process, no process group)."""
+def load_dcp(p: Path) -> tuple[dict[str, Any], int]:
+    """The whole DCP checkpoint at ``p`` as a nested state dict (one process, no process group),
+    and the bytes read for it: its ``.metadata`` and the items DCP read (not other files of the
+    directory, nor items no tensor or value uses: the import's write limit is a multiple of it)."""
     try:
         from torch.distributed.checkpoint._traverse import set_element
         from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
+        from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
+        from torch.distributed.checkpoint.planner import LoadItemType
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     except ImportError as e:  # torch moved its private loader: refuse rather than unpickle unchecked
         raise CheckpointError(
@@ -101,6 +104,19 @@ def load_dcp(p: Path) -> dict[str, Any]:
         ) from None
 
     refused: list[Exception] = []  # DCP wraps what its reader raises in a traceback's text: ours, whole
+    read = [0]
+
+    class Files(FileSystem):  # DCP's reads open each file checked, as the checks above do
+        @contextmanager
+        def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+            if mode != "rb":
+                raise ValueError(f"import only reads: DCP asked to open {path} with mode {mode!r}")
+            try:
+                with open_regular(Path(path)) as f:
+                    yield f
+            except ValueError as e:
+                refused.append(e)
+                raise
 
     class Reader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -114,8 +130,12 @@ def load_dcp(p: Path) -> dict[str, Any]:
             from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
             root = Path(self.path)
-            with open(_regular(root, ".metadata", _metadata_cap(root)), "rb") as f:
-                raw = f.read()
+            cap = _metadata_cap(root)
+            with open_regular(_regular(root, ".metadata", cap)) as f:
+                raw = f.read(cap + 1)  # the file checked by name may have grown since
+            if len(raw) > cap:
+                raise ValueError(f"{root / '.metadata'} holds more than {cap} bytes, more than any DCP metadata")
+            read[0] += len(raw)
             check_pickle(raw, f"{root / '.metadata'}")
             metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
             if not isinstance(metadata, Metadata):
@@ -127,6 +147,30 @@ def load_dcp(p: Path) -> dict[str, Any]:
             meta.load_id = self.load_id
             metadata.storage_meta = meta
             return metadata
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            try:
+                self._check_items(plan.items)
+            except (ValueError, CheckpointError) as e:
+                refused.append(e)
+                raise
+            self.fs = Files()
+            return super().read_data(plan, planner)
+
+        def _check_items(self, items: list[Any]) -> None:
+            """Count the bytes of each item DCP reads, and scan each tensor item's pickles before
+            torch.load unpickles them there (a value's: :func:`_plain_value`)."""
+            tensors: dict[str, list[tuple[str, Any]]] = {}
+            for item in items:
+                info = self.storage_data[item.storage_index]
+                read[0] += info.length
+                if item.type != LoadItemType.BYTE_IO:
+                    tensors.setdefault(info.relative_path, []).append((item.dest_index.fqn, info))
+            for name, infos in tensors.items():
+                with open_regular(_regular(Path(self.path), name)) as f:
+                    for fqn, info in infos:
+                        window = io.BufferedReader(_Window(f, info.offset, info.length))
+                        check_torch_file(window, f"the DCP tensor {fqn!r}")
 
     class Planner(_EmptyStateDictLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:  # torch's: weights_only=False
@@ -150,7 +194,7 @@ def load_dcp(p: Path) -> dict[str, Any]:
             if refused:
                 raise refused[0] from None
             raise
-    return state
+    return state, read[0]
 
 
 def _regular(root: Path, name: object, cap: int | None = None) -> Path:
@@ -177,8 +221,13 @@ def _regular(root: Path, name: object, cap: int | None = None) -> Path:
 
 def _metadata_cap(root: Path) -> int:
     """The most bytes a .metadata may hold: a record per chunk, so it grows with the chunks (about
-    150 bytes each); bounded by the data it describes, at least 256 MiB."""
-    data = sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(root) if e.is_file(follow_symlinks=False))
+    150 bytes each); bounded by the data it describes as held on disk (a sparse file of a
+    terabyte beside it uses none), at least 256 MiB."""
+    data = 0
+    for e in os.scandir(root):
+        if e.is_file(follow_symlinks=False):
+            st = e.stat(follow_symlinks=False)
+            data += min(st.st_size, getattr(st, "st_blocks", st.st_size >> 9) << 9)
     return max(MAX_METADATA_BYTES, data // 16)
 
 
@@ -256,6 +305,37 @@ def _plain_value(value: io.BytesIO, key: str) -> Any:
             f"the DCP value {key!r} holds objects torch.load(weights_only=True) refuses ({why}); stashpoint never "
             "runs code from a file: load the checkpoint with torch yourself if you trust it"
         ) from None
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``offset`` to ``offset + length`` of the open file ``f`` as a stream of their own, for
+    zipfile (which seeks from the end: torch's view of a slice gets that wrong)."""
+
+    def __init__(self, f: io.BufferedReader, offset: int, length: int) -> None:
+        self.f, self.offset, self.length, self.pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence]
+        if base + pos < 0:
+            raise OSError(f"seek to {base + pos}, before the start")
+        self.pos = base + pos
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        self.f.seek(self.offset + self.pos)
+        got = self.f.readinto(memoryview(buffer)[:n])
+        self.pos += got
+        return got
 
 
 class _DropDcpRecords(logging.Filter):

@@ -4,21 +4,18 @@ all hash alike) or write gigabytes (a tensor expanded from one element)."""
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import io
-import pickletools
+import os
+import stat
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from stashpoint.errors import CheckpointError
+from stashpoint._tools import picklescan
+from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
-#: Python hashes an int modulo 2**61 - 1: past that, keys can be chosen to share one hash, and
-#: building a dict of N of them takes N**2 steps. Distinct ints share one by chance alone.
-MAX_HUGE_INTS = 1_000
-_HASH_MODULUS = (1 << 61) - 1
-_INT_OPS = frozenset({"INT", "LONG", "LONG1", "LONG4"})
 #: An import writes each tensor whole: views of one storage are written once each (tied weights
 #: twice), and more than this many times the input's bytes means views made to multiply it.
 WRITE_FACTOR = 8
@@ -26,60 +23,94 @@ _WRITE_SLACK = 256 << 20
 _READ_WHOLE = 256 << 20
 
 
+def open_regular(path: Path, *, follow: bool = False) -> io.BufferedReader:
+    """``path`` opened for reading, checked on the open file to be a regular file: one swapped
+    for a FIFO or a device after a check by its name would block the read or never end it.
+    A link is followed only with ``follow`` (the file a user names, not one a directory holds).
+    A ValueError names what is there instead."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:  # ELOOP: a link put in its place
+        raise ValueError(f"{path} cannot be opened as a regular file ({e.strerror}): was it changed?") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file (a FIFO, a device?): give the files a checkpoint holds")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def opened_path(f: IO[bytes], path: Path) -> Path:
+    """A name for the open file ``f`` that reopens the same file whatever is at ``path`` now
+    (``/proc/self/fd/N`` on Linux), for readers that take a name (``torch.load(mmap=True)``)."""
+    proc = Path(f"/proc/self/fd/{f.fileno()}")
+    return proc if proc.exists() else path
+
+
 def check_pickle(source: bytes | IO[bytes], where: str) -> None:
-    """Refuse the pickle ``source`` (at a stream's position) if more than :data:`MAX_HUGE_INTS`
-    distinct integers in it share one hash, before anything unpickles it. A malformed pickle is
-    left to the unpickler's own error (this scan stops where it would)."""
-    if isinstance(source, bytes):
-        if sum(source.count(op) for op in (b"\x8a", b"\x8b", b"I", b"L")) <= MAX_HUGE_INTS:
-            return  # too few opcodes that could make such an int: no walk through the opcodes
-        source = io.BytesIO(source)
-    seen: set[bytes] = set()  # each distinct value once (bytes hash with a random seed)
-    per_hash: collections.Counter[int] = collections.Counter()
+    """Refuse the pickle ``source`` (at a stream's position) before anything unpickles it if it
+    asks for unbounded work: more than :data:`~picklescan.MAX_SAME_HASH` distinct dict keys or
+    set items of one hash, and the like (:mod:`._tools.picklescan`). A malformed pickle is left
+    to the unpickler's own error (the scan stops where it would)."""
     try:
-        for op, arg, _ in pickletools.genops(source):
-            if op.name in _INT_OPS and type(arg) is int and abs(arg) >= _HASH_MODULUS:
-                raw = arg.to_bytes(arg.bit_length() // 8 + 1, "little", signed=True)
-                if raw in seen:
-                    continue
-                seen.add(raw)
-                per_hash[hash(arg)] += 1
-                if per_hash[hash(arg)] > MAX_HUGE_INTS:
-                    raise CheckpointError(
-                        f"{where} holds more than {MAX_HUGE_INTS} integers of one hash, as a dict crafted to take "
-                        "hours to unpickle does; import refuses it. Load it yourself if you trust it and save its "
-                        "state with stashpoint.save"
-                    )
-    except CheckpointError:
-        raise
-    except Exception:  # a malformed pickle: the unpickler says what is wrong with it
-        return
+        picklescan.scan(source)
+    except picklescan.Flood as e:
+        raise CheckpointError(
+            f"{where} holds {e}, as only a file crafted to make unpickling take hours (or crash) does; import "
+            "refuses it. Load it yourself if you trust it and save its state with stashpoint.save"
+        ) from None
 
 
-def check_torch_file(source: Path | io.BytesIO, where: str) -> None:
-    """:func:`check_pickle` on the pickles of a ``torch.save`` file: the zip format's ``data.pkl``,
-    or the legacy format's four pickles ahead of its data."""
+def check_torch_file(source: Path | IO[bytes], where: str) -> None:
+    """:func:`check_pickle` on the pickles of a ``torch.save`` file (or a seekable stream of one,
+    left at its start): the zip format's ``data.pkl``, or the legacy format's five pickles around
+    the state. The format is told as torch.load tells it, by the zip signature at the start:
+    zipfile finds a zip anywhere, and a legacy file with one appended went unchecked."""
     try:
-        if zipfile.is_zipfile(source):
-            with zipfile.ZipFile(source) as z:
-                for info in z.infolist():
-                    if info.filename.endswith(".pkl"):
-                        with z.open(info) as f:
-                            check_pickle(f.read() if info.file_size <= _READ_WHOLE else f, f"{where} ({info.filename})")
-        elif isinstance(source, Path):
-            with open(source, "rb") as f:
-                for _ in range(4):  # magic number, protocol, system info, the state
+        with contextlib.ExitStack() as ctx:
+            f = ctx.enter_context(open(source, "rb")) if isinstance(source, Path) else source
+            is_zip = f.read(4) == b"PK\x03\x04"
+            f.seek(0)
+            if is_zip:
+                _check_zip(f, where)
+            else:
+                for _ in range(5):  # magic number, protocol, system info, the state, its storages' keys
                     check_pickle(f, where)
-        else:
-            for _ in range(4):
-                check_pickle(source, where)
     except CheckpointError:
         raise
-    except Exception:  # a damaged zip (zipfile raises what it meets): torch.load says what is wrong
+    except Exception:  # a file that cannot be read: torch.load says what is wrong
         return
     finally:
-        if isinstance(source, io.BytesIO):
+        if not isinstance(source, Path):
             source.seek(0)
+
+
+def _check_zip(f: IO[bytes], where: str) -> None:
+    """Scan each ``.pkl`` of the zip ``f``; one that zipfile cannot read whole is refused: torch
+    reads past what zipfile refuses (a wrong CRC), so its pickle would go unchecked."""
+    try:
+        with zipfile.ZipFile(f) as z:
+            for info in z.infolist():
+                if info.filename.endswith(".pkl"):
+                    name, small = f"{where} ({info.filename})", info.file_size <= _READ_WHOLE
+                    if not small:  # its CRC first: the scan of a stream stops where a read fails
+                        with z.open(info) as whole:
+                            while whole.read(1 << 24):
+                                pass
+                    with z.open(info) as entry:
+                        check_pickle(entry.read() if small else entry, name)
+    except CheckpointError:
+        raise
+    except Exception as e:  # zipfile raises what it meets (BadZipFile, EOFError, UnicodeDecodeError...)
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        raise CorruptCheckpointError(
+            f"{where} is not a zip file that Python's zipfile reads whole ({why}): import checks the pickles of a "
+            "torch.save file before torch unpickles them and refuses one it cannot check. Load it yourself if you "
+            "trust it and save its state with stashpoint.save"
+        ) from None
 
 
 def check_tensors(state: Any, input_bytes: int, where: str) -> None:
