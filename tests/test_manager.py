@@ -294,6 +294,28 @@ def test_on_busy_skip_skips_and_counts(tmp_path):
         assert sorted((s.step, s.skipped) for s in seen) == [(1, False), (2, True)]
 
 
+def test_an_on_save_callback_may_save_and_runs_in_order_off_the_writer_thread(tmp_path):
+    """An export of each committed step. Before: the callback ran on the writer thread, so its
+    save queued behind itself and the program hung in close()."""
+    model = torch.nn.Linear(8, 8)
+    threads, exported = [], []
+
+    def export(stats):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        stashpoint.save({"model": model}, tmp_path / "exports" / f"step-{stats.step}")
+        exported.append(stats.step)
+
+    with stashpoint.CheckpointManager(tmp_path / "r", on_save=export) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"model": model})
+        mgr.wait()
+        assert exported == [1, 2, 3]  # wait() waited for the callbacks, which ran in order
+    assert not any("writer" in t for t in threads), threads
+    back = {"model": torch.nn.Linear(8, 8)}
+    stashpoint.load(back, tmp_path / "exports" / "step-3")
+    assert torch.equal(back["model"].weight, model.weight)
+
+
 def test_on_busy_wait_applies_backpressure(tmp_path):
     with stashpoint.CheckpointManager(tmp_path / "r", on_busy="wait") as mgr:
         gate = _block_writer()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import stashpoint
+from conftest import run_python
 from dist_util import run_world
 from stashpoint import _runtime
 from stashpoint._save import writerproc
@@ -44,6 +45,25 @@ def test_shutdown_waits_for_saves_stops_the_writer_process_and_stashpoint_starts
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.parametrize("then", ["ends", "raises"])
+def test_a_program_ending_right_after_async_save_commits_it_written_in_several_files(tmp_path, then):
+    """Before: with more than one shard file, the save's writes started after the interpreter
+    had closed its thread pools ("cannot schedule new futures after interpreter shutdown"):
+    nothing was committed and the only trace was a log line."""
+    code = f"""
+import torch, stashpoint
+state = {{"a": torch.arange(1 << 20, dtype=torch.float32), "b": torch.ones(1 << 20)}}
+stashpoint.async_save(state, {str(tmp_path / "ck")!r}, max_shard_bytes=4 << 20)
+if {then == "raises"}:
+    raise RuntimeError("the training failed")
+"""
+    run_python(code)
+    back = stashpoint.read(tmp_path / "ck")
+    assert torch.equal(back["a"], torch.arange(1 << 20, dtype=torch.float32))
+    assert torch.equal(back["b"], torch.ones(1 << 20))
+    assert len(list((tmp_path / "ck").glob("shard-*"))) == 2
+
+
 def test_a_forked_child_starts_without_the_parents_state_and_can_save(tmp_path):
     stashpoint.save({"w": torch.ones(8)}, tmp_path / "parent", writer="process")
     parent_writer = writerproc.current_pid()

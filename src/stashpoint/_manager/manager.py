@@ -63,7 +63,9 @@ class CheckpointManager:
         on_busy: when ``max_inflight`` saves are in flight, ``"wait"`` blocks until one commits
             (backpressure) and ``"skip"`` skips the new save (logged and counted).
         every_steps, every_seconds: when :meth:`maybe_save` saves.
-        on_save: called with the :class:`SaveStats` of every save once it commits or is skipped.
+        on_save: called with the :class:`SaveStats` of every save once it commits or is skipped,
+            in order, on a thread of the manager's (not the training's, nor the writer's: it may
+            save, e.g. export each step); :meth:`wait` and :meth:`close` wait for it.
         remote_root: a second, durable tier (e.g. ``"s3://bucket/run"`` or a shared filesystem).
             Each step commits to ``root`` first (fast, local), then is copied there in the
             background; steps a crash left un-copied are copied when a manager opens the root
@@ -149,7 +151,7 @@ class CheckpointManager:
         self._metrics: dict[int, dict[str, float]] = {}
         self._last_save_time: float | None = None
         self._lock = threading.Lock()
-        self._deleter = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-retention")
+        self._deleter = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-manager")
         self._deletions: list[cf.Future[None]] = []
         self._refused: list[cf.Future[Any]] = []  # saves this rank refused, still failing them with the others
         self._closed = False

@@ -137,6 +137,7 @@ def after_save(  # noqa: PLR0917
     rules applied in the background, or a failed save's directory removed (and the restore of
     ``resumed`` it followed still the last thing done, for the next save); ``after`` is set
     done in every case."""
+    handed = False  # ``after`` is the callback's to set
     try:
         error = future.exception()
         if error is not None and not isinstance(error, ReplicaError):
@@ -163,12 +164,32 @@ def after_save(  # noqa: PLR0917
                 if mgr._owner:
                     mgr._retain_later()
         if mgr.on_save is not None:
-            try:
-                mgr.on_save(stats)
-            except Exception:
-                log.exception("stashpoint: the on_save callback raised")
+            handed = _call_on_save(mgr, mgr.on_save, stats, after)
     finally:
-        after.set_result(None)
+        if not handed:
+            after.set_result(None)
+
+
+def _call_on_save(
+    mgr: CheckpointManager, on_save: Callable[[SaveStats], None], stats: SaveStats, after: cf.Future[None]
+) -> bool:
+    """``on_save(stats)`` on the manager's own thread, then ``after`` set: not on the writer
+    thread, where a callback that saves (an export of each step) queued its save behind itself
+    and waited for ever. At interpreter exit (no new thread) it runs here."""
+
+    def call() -> None:
+        try:
+            on_save(stats)
+        except Exception:
+            log.exception("stashpoint: the on_save callback raised")
+        finally:
+            after.set_result(None)
+
+    try:
+        mgr._deleter.submit(call)
+    except RuntimeError:
+        call()
+    return True
 
 
 def set_aside_newer(mgr: CheckpointManager, step: int) -> tuple[bool, str | None]:

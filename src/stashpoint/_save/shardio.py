@@ -17,7 +17,7 @@ import base64
 import concurrent.futures as cf
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -118,6 +118,19 @@ def _write_file(
     return sums
 
 
+T = TypeVar("T")
+
+
+def _here(fn: Callable[..., T], *args: Any) -> cf.Future[T]:
+    """``fn(*args)`` run now, as a future holding its result or its error."""
+    done: cf.Future[T] = cf.Future()
+    try:
+        done.set_result(fn(*args))
+    except Exception as e:
+        done.set_exception(e)
+    return done
+
+
 def write_files(
     storage: Storage,
     writes: Sequence[ShardWrite],
@@ -151,8 +164,13 @@ def write_files(
         for w in writes:
             sums.update(_write_file(storage, w, memory, block, progress))
         return sums
+    futures: list[cf.Future[dict[str, tuple[str, ...]]]] = []
     with cf.ThreadPoolExecutor(max_workers=n, thread_name_prefix="stashpoint-write") as pool:
-        futures = [pool.submit(_write_file, storage, w, memory, block, progress) for w in writes]
+        for w in writes:
+            try:
+                futures.append(pool.submit(_write_file, storage, w, memory, block, progress))
+            except RuntimeError:  # the interpreter is exiting and starts no thread: the rest here
+                futures.append(_here(_write_file, storage, w, memory, block, progress))
         cf.wait(futures)
     for f in futures:
         sums.update(f.result())
