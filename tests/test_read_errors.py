@@ -97,7 +97,11 @@ def test_nodes_given_different_replicas_are_refused_at_once(tmp_path):
         assert r["seconds"] < 30, r
 
 
-def test_a_rank_gone_while_the_managers_open_with_preemption_fails_the_others_after_the_timeout(tmp_path):
+@pytest.mark.parametrize("lazy", ["", "1"])
+def test_a_rank_gone_while_the_managers_open_with_preemption_fails_the_others_after_the_timeout(
+    tmp_path, monkeypatch, lazy
+):
+    monkeypatch.setenv("LAZY", lazy)
     first, _ = run_world(2, "preempted_while_opening", str(tmp_path), worker=NO_DAC, timeout=60, allow_fail=True)
     assert first["got"].startswith("CollectiveError: could not create the preemption group"), first
     assert first["seconds"] < 40, first

@@ -36,8 +36,11 @@ def _signal_group() -> Any:
     """The group the ranks tell each other of a signal on: created under stashpoint's timeout (a
     rank preempted while the managers open is waited for that long, not half an hour), then
     given torch's default of 30 minutes, as ranks may reach maybe_save minutes apart."""
+    import torch.distributed as dist
+
     try:
         group = gloo_group(timeout=timedelta(seconds=_dist.DEFAULT_TIMEOUT_S))
+        dist.barrier(group=group)  # a lazy group (at scale) waits for no rank until its first collective
     except Exception as e:
         raise CollectiveError(
             f"could not create the preemption group over every rank within {_dist.DEFAULT_TIMEOUT_S:.0f} s (every "
