@@ -82,7 +82,8 @@ def list_uploads(control: Any, bucket: str, prefix: str, *, retry_seconds: float
         page = retrying(lambda: control.list_multipart_uploads(**request), retry_seconds)
         uploads = [(str(u.get("Key", "")), str(u.get("UploadId", ""))) for u in page.get("Uploads") or ()]
         for key, upload in uploads:
-            held.add(key, upload)
+            held.add(key)
+            held.add(upload, token=True)  # an id: counted, not a name S3 bounds
         found += uploads
         if len(found) > MAX_ENTRIES:
             raise S3Error(pages.endless(f"listed more than {MAX_ENTRIES:,} open uploads"))
