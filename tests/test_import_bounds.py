@@ -9,6 +9,7 @@ import collections
 import io
 import pickle
 import pickletools
+import struct
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import stashpoint
-from stashpoint._tools import importcheck
+from stashpoint._tools import importcheck, picklescan
 from stashpoint._tools.convert import import_checkpoint
 from stashpoint.errors import CheckpointError
 
@@ -122,7 +123,7 @@ def test_a_torch_save_file_is_scanned_whatever_zipfile_makes_of_it(tmp_path: Pat
     assert raw.count(crc) == 2
     (tmp_path / "crc.pt").write_bytes(raw.replace(crc, b"\0\0\0\0"))  # in its local header and directory
     assert torch.load(tmp_path / "crc.pt", weights_only=True)["d"]  # torch reads it all the same
-    _refused(tmp_path / "crc.pt", tmp_path / "o", "zipfile reads whole", "Bad CRC-32")
+    _refused(tmp_path / "crc.pt", tmp_path / "o", "more than 1000 integers of one hash")  # scanned as torch reads it
 
     plain = io.BytesIO()
     torch.save({"w": torch.zeros(2)}, plain, _use_new_zipfile_serialization=False)
@@ -134,6 +135,18 @@ def test_a_torch_save_file_is_scanned_whatever_zipfile_makes_of_it(tmp_path: Pat
     fifth = pickle.dumps(_AsSet(_complexes(20_000)), protocol=2)  # where the storages' keys belong
     (tmp_path / "fifth.pt").write_bytes(data[: stops[3]] + fifth + data[stops[4] :])
     _refused(tmp_path / "fifth.pt", tmp_path / "o", "more than 1000 complex numbers of one hash")
+
+
+def test_a_torch_save_file_written_without_crcs_imports(tmp_path: Path) -> None:
+    """torch.serialization.set_crc32_options(False) writes each CRC as 0, which zipfile refuses:
+    a scan through zipfile refused such files (a review found the regression)."""
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"w": torch.arange(5.0)}, tmp_path / "nocrc.pt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    import_checkpoint(tmp_path / "nocrc.pt", tmp_path / "sp")
+    assert torch.equal(stashpoint.read(tmp_path / "sp")["w"], torch.arange(5.0))
 
 
 def test_memo_indexes_of_one_hash_are_refused() -> None:
@@ -290,17 +303,92 @@ def test_a_file_swapped_for_a_fifo_after_its_check_is_read_as_checked_or_refused
     monkeypatch.setattr(convert, "open_regular", open_then_swap)
     import_checkpoint(tmp_path / "ck.pt", tmp_path / "sp")
     assert torch.equal(stashpoint.read(tmp_path / "sp")["w"], torch.arange(4.0))
-    # a DCP checkpoint's data file, swapped once checked: DCP's own read refuses it
+    # a DCP checkpoint's data file, swapped once the metadata's places are checked: DCP's own
+    # read refuses it (its items' pickles are scanned in the file DCP reads them from)
     dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    checked = dcpread.check_torch_file
+    checked = dcpread._check_places
 
-    def check_then_swap(source, where):  # type: ignore[no-untyped-def]
-        checked(source, where)
+    def check_then_swap(metadata, root):  # type: ignore[no-untyped-def]
+        checked(metadata, root)
         for data in (tmp_path / "dcp").glob("*.distcp"):
             swap(data)
 
-    monkeypatch.setattr(dcpread, "check_torch_file", check_then_swap)
+    monkeypatch.setattr(dcpread, "_check_places", check_then_swap)
     t0 = time.monotonic()
     with pytest.raises(CheckpointError, match=r"\.distcp is not a regular file \(a FIFO"):
         import_checkpoint(tmp_path / "dcp", tmp_path / "sp-dcp")
     assert time.monotonic() - t0 < 30
+
+
+# -- a second review: tables put in again, MetadataIndex keys, opcodes the scan could not follow ----
+
+
+def _complex_keys_dict(n: int = 1000) -> bytes:
+    """Protocol 2: memo 0 holds a dict of ``n`` complex keys of one hash (as many as allowed)."""
+    out = [b"\x80\x02]}q\x00("]
+    for k, v in enumerate(_complexes(n)):
+        call = b"cbuiltins\ncomplex\nq\x01" if k == 0 else b"h\x01"
+        out.append(call + b"G" + struct.pack(">d", v.real) + b"G" + struct.pack(">d", v.imag) + b"\x86RN")
+    return b"".join(out) + b"ua"
+
+
+def test_a_dict_of_one_hash_put_in_again_through_the_memo_is_refused() -> None:
+    """Each BUILD or copy of a dict of 1000 keys of one hash makes the unpickler compare them all
+    again (half a million steps): the scan charged 1000 each, and 148 KB took 18 s to import."""
+    table = _complex_keys_dict()
+    od, build = b"ccollections\nOrderedDict\n)Rq\x02a", b"h\x02h\x00ba"  # GET od, GET dict, BUILD
+    as_state = od + build * 200
+    copied = b"ccollections\nOrderedDict\nq\x02" + b"h\x02h\x00\x85Ra" * 200  # OrderedDict(dict)
+    for tail in (as_state, copied):
+        with pytest.raises(CheckpointError, match="steps to unpickle"):
+            importcheck.check_pickle(table + tail + b".", "reused.pkl")
+    importcheck.check_pickle(table + od + build * 3 + b".", "thrice.pkl")  # a few uses: fine
+
+
+class _AsIndex(tuple):
+    """Pickles as ``MetadataIndex(fqn, offset)`` called, as a crafted pickle may build one."""
+
+    def __reduce__(self):
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        return (MetadataIndex, tuple(self))
+
+
+def test_dcp_metadata_index_keys_of_one_hash_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``storage_data`` is keyed by MetadataIndex, hashed as ``(fqn, offset)``: offsets of one
+    tuple hash made 3000 keys take 6 s to unpickle, unseen by the scan (an opaque object)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    keys = [MetadataIndex("w", torch.Size(p)) for p in _pairs(1500)]
+    assert len({hash(k) for k in keys}) == 1
+
+    def flood(metadata, _root) -> None:  # built by NEWOBJ and BUILD, as DCP's own are
+        metadata.storage_data = _AsDict([*metadata.storage_data.items(), *((k, None) for k in keys)])
+
+    _refused(_dcp_edited(tmp_path / "dcp", {"w": torch.zeros(4)}, flood), tmp_path / "o", ".metadata", "MetadataIndex")
+    called = _AsDict((_AsIndex(("w", torch.Size(p))), 0) for p in _pairs(1500))
+    with pytest.raises(CheckpointError, match="more than 1000 MetadataIndex keys of one hash"):
+        importcheck.check_pickle(pickle.dumps(called), "called.pkl")
+    importcheck.check_pickle(pickle.dumps({MetadataIndex("w", (i, 0)): i for i in range(3000)}), "plain.pkl")
+
+    if picklescan._slice_hash is None:  # slices hash from Python 3.12: as tuples here, to count them
+        monkeypatch.setattr(picklescan, "_slice_hash", hash)
+    p = (1 << 61) - 1
+    slices = _AsSet(slice(k * p, None) for k in range(1, 1500))  # starts all of hash 0
+    with pytest.raises(CheckpointError, match="more than 1000 slices of one hash"):
+        importcheck.check_pickle(pickle.dumps(slices), "slices.pkl")
+
+
+def test_a_pickle_the_scan_cannot_follow_to_its_stop_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pickletools reads protocol 0's memo index ``01`` as True and refuses INT's ``0x10``, which
+    the unpickler reads as 1 and 16: the scan stopped there and passed all that followed."""
+    body = pickle.dumps(_AsSet(_complexes(2000)), protocol=2)
+    for prefix in (b"Np01\n0", b"I0x10\n0", b"L0x10L\n0", b"Np1\n0g01\n0"):
+        with pytest.raises(CheckpointError, match="more than 1000 complex numbers of one hash"):
+            importcheck.check_pickle(prefix + body, "prefixed.pkl")
+    picklescan._scan_small.cache_clear()
+    monkeypatch.delitem(picklescan._OPS, "DUP")  # an opcode the shadow does not know
+    with pytest.raises(CheckpointError, match="an opcode sequence stashpoint's check cannot follow"):
+        importcheck.check_pickle(b"\x80\x02N2.", "dup.pkl")
+    importcheck.check_pickle(b"\x80\x02N(G\0\0", "cut.pkl")  # cut short before it: the unpickler refuses it
+    picklescan._scan_small.cache_clear()

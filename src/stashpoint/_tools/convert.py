@@ -191,9 +191,9 @@ class ImportResult:
 
 def _load_torch_file(p: Path) -> Any:
     try:  # a FIFO would block torch.load forever, a device read without end: checked once opened
-        f = open_regular(p, follow=True)
+        f = open_regular(p, follow=True, fix="give the file torch.save wrote")
     except ValueError as e:
-        raise CheckpointError(f"{e}; give the file torch.save wrote") from None
+        raise CheckpointError(str(e)) from None
     with f:
         return _load_opened(opened_path(f, p), p)
 

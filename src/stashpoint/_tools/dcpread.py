@@ -106,15 +106,27 @@ def load_dcp(p: Path) -> tuple[dict[str, Any], int]:
     refused: list[Exception] = []  # DCP wraps what its reader raises in a traceback's text: ours, whole
     read = [0]
 
-    class Files(FileSystem):  # DCP's reads open each file checked, as the checks above do
+    class Files(FileSystem):
+        """DCP's reads: each file opened checked, as the checks above do, and its tensor items'
+        pickles scanned in the very file DCP then reads them from (not one opened before)."""
+
+        def __init__(self, tensors: dict[str, list[tuple[str, Any]]]) -> None:
+            super().__init__()
+            self.tensors = tensors
+
         @contextmanager
         def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
             if mode != "rb":
                 raise ValueError(f"import only reads: DCP asked to open {path} with mode {mode!r}")
             try:
                 with open_regular(Path(path)) as f:
+                    for fqn, info in self.tensors.get(Path(path).name, ()):
+                        check_torch_file(
+                            io.BufferedReader(_Window(f, info.offset, info.length)), f"the DCP tensor {fqn!r}"
+                        )
+                    f.seek(0)
                     yield f
-            except ValueError as e:
+            except (ValueError, CheckpointError) as e:
                 refused.append(e)
                 raise
 
@@ -149,28 +161,16 @@ def load_dcp(p: Path) -> tuple[dict[str, Any], int]:
             return metadata
 
         def read_data(self, plan: Any, planner: Any) -> Any:
-            try:
-                self._check_items(plan.items)
-            except (ValueError, CheckpointError) as e:
-                refused.append(e)
-                raise
-            self.fs = Files()
-            return super().read_data(plan, planner)
-
-        def _check_items(self, items: list[Any]) -> None:
-            """Count the bytes of each item DCP reads, and scan each tensor item's pickles before
-            torch.load unpickles them there (a value's: :func:`_plain_value`)."""
+            """Count the bytes of each item DCP reads; its tensor items' pickles are scanned as
+            their files open (:class:`Files`), a value's in :func:`_plain_value`."""
             tensors: dict[str, list[tuple[str, Any]]] = {}
-            for item in items:
+            for item in plan.items:
                 info = self.storage_data[item.storage_index]
                 read[0] += info.length
                 if item.type != LoadItemType.BYTE_IO:
                     tensors.setdefault(info.relative_path, []).append((item.dest_index.fqn, info))
-            for name, infos in tensors.items():
-                with open_regular(_regular(Path(self.path), name)) as f:
-                    for fqn, info in infos:
-                        window = io.BufferedReader(_Window(f, info.offset, info.length))
-                        check_torch_file(window, f"the DCP tensor {fqn!r}")
+            self.fs = Files(tensors)
+            return super().read_data(plan, planner)
 
     class Planner(_EmptyStateDictLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:  # torch's: weights_only=False

@@ -8,7 +8,6 @@ import contextlib
 import io
 import os
 import stat
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -20,14 +19,15 @@ from stashpoint.errors import CheckpointError, CorruptCheckpointError
 #: twice), and more than this many times the input's bytes means views made to multiply it.
 WRITE_FACTOR = 8
 _WRITE_SLACK = 256 << 20
-_READ_WHOLE = 256 << 20
 
 
-def open_regular(path: Path, *, follow: bool = False) -> io.BufferedReader:
+def open_regular(
+    path: Path, *, follow: bool = False, fix: str = "a DCP checkpoint holds only files"
+) -> io.BufferedReader:
     """``path`` opened for reading, checked on the open file to be a regular file: one swapped
     for a FIFO or a device after a check by its name would block the read or never end it.
     A link is followed only with ``follow`` (the file a user names, not one a directory holds).
-    A ValueError names what is there instead."""
+    A ValueError names what is there instead, and ``fix``."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
     try:
         fd = os.open(path, flags)
@@ -35,7 +35,7 @@ def open_regular(path: Path, *, follow: bool = False) -> io.BufferedReader:
         raise ValueError(f"{path} cannot be opened as a regular file ({e.strerror}): was it changed?") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path} is not a regular file (a FIFO, a device?): give the files a checkpoint holds")
+            raise ValueError(f"{path} is not a regular file (a FIFO, a device?): {fix}")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
@@ -89,28 +89,19 @@ def check_torch_file(source: Path | IO[bytes], where: str) -> None:
 
 
 def _check_zip(f: IO[bytes], where: str) -> None:
-    """Scan each ``.pkl`` of the zip ``f``; one that zipfile cannot read whole is refused: torch
-    reads past what zipfile refuses (a wrong CRC), so its pickle would go unchecked."""
+    """Scan each ``.pkl`` record of the zip ``f`` as torch's own reader gives it to torch.load:
+    Python's zipfile reads some archives otherwise (it refuses a CRC torch wrote as 0 with
+    ``set_crc32_options(False)``; torch reads past a wrong one)."""
+    import torch
+
     try:
-        with zipfile.ZipFile(f) as z:
-            for info in z.infolist():
-                if info.filename.endswith(".pkl"):
-                    name, small = f"{where} ({info.filename})", info.file_size <= _READ_WHOLE
-                    if not small:  # its CRC first: the scan of a stream stops where a read fails
-                        with z.open(info) as whole:
-                            while whole.read(1 << 24):
-                                pass
-                    with z.open(info) as entry:
-                        check_pickle(entry.read() if small else entry, name)
-    except CheckpointError:
-        raise
-    except Exception as e:  # zipfile raises what it meets (BadZipFile, EOFError, UnicodeDecodeError...)
+        reader = torch._C.PyTorchFileReader(f)
+        names = [n for n in reader.get_all_records() if n.endswith(".pkl")]
+    except Exception as e:  # torch.load would fail on it too: nothing is unpickled unchecked
         why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-        raise CorruptCheckpointError(
-            f"{where} is not a zip file that Python's zipfile reads whole ({why}): import checks the pickles of a "
-            "torch.save file before torch unpickles them and refuses one it cannot check. Load it yourself if you "
-            "trust it and save its state with stashpoint.save"
-        ) from None
+        raise CorruptCheckpointError(f"{where} is not a torch.save archive torch can read ({why})") from None
+    for name in names:
+        check_pickle(reader.get_record(name), f"{where} ({name})")
 
 
 def check_tensors(state: Any, input_bytes: int, where: str) -> None:

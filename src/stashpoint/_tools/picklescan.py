@@ -5,9 +5,12 @@ steps: ints past 2**61 - 1, floats, complex numbers, tuples of them (tuple hashi
 The scan keeps a light shadow of the unpickler's stack and memo (constants, tuples, lists, calls
 of the builtins that fill tables), counts the distinct values of each hash put into any table,
 and estimates the unpickler's hashing and copying work: one big key or list reached through the
-memo again and again costs the unpickler its size at each use. It reads each opcode once and
-never recurses; whatever it does not follow is opaque, and a pickle it cannot follow (malformed,
-or beyond its shadow) is left to the unpickler, which fails on it or does no worse.
+memo again and again costs the unpickler its size at each use, and a table reached again (an
+object's state, a copy) costs the comparisons its keys took once more. DCP's ``MetadataIndex``
+keys (and slices, hashable from Python 3.12) are counted with the hash Python gives them. It
+reads each opcode once and never recurses; whatever it does not follow is opaque. A pickle cut
+short is left to the unpickler, which fails where the scan stopped; but one the shadow stops
+following before its STOP is refused: the unpickler would go on reading what nobody scanned.
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ import functools
 import io
 import pickletools
 import struct
+import sys
 from collections.abc import Callable
 from typing import IO, Any
+
+from stashpoint._tools.picklevalues import _H, _OPAQUE, _Global, _global, _List, _Record, _Table, _Tuple
 
 #: Distinct keys of one hash allowed: chance gives a handful, a flood needs thousands.
 MAX_SAME_HASH = 1_000
@@ -31,6 +37,12 @@ _SMALL = (1 << 61) - 1  # an int of smaller size hashes to itself: distinct ones
 _FILLS = {"builtins set", "builtins frozenset", "builtins dict", "collections OrderedDict", "collections Counter"}
 _PAIRS = {"builtins dict", "collections OrderedDict"}  # filled from (key, value) pairs
 _NAMES = {float: "floats", complex: "complex numbers"}
+_MDINDEX = "torch.distributed.checkpoint.metadata MetadataIndex"  # a frozen dataclass: hash((fqn, offset))
+_FIELDS = frozenset(("fqn", "offset"))  # the attributes of a MetadataIndex its hash reads
+#: A slice's hash from its items' (None before Python 3.12, where slices are unhashable).
+_slice_hash: Callable[[tuple[Any, ...]], int] | None = (
+    (lambda hs: hash(slice(*hs))) if sys.version_info >= (3, 12) else None
+)
 
 
 class Flood(Exception):
@@ -38,62 +50,11 @@ class Flood(Exception):
 
 
 class _Stop(Exception):
-    """The shadow cannot follow the pickle further."""
+    """The pickle is malformed where the unpickler fails too (a stack underflow)."""
 
 
-class _Global(str):
-    """A global the pickle names, as ``"module name"``."""
-
-    __slots__ = ()
-
-
-class _List:
-    __slots__ = ("items",)
-
-    def __init__(self, items: list[Any]) -> None:
-        self.items = items
-
-
-class _Table:
-    """A dict or set: its keys are counted as they are put in; ``n`` for copies of it."""
-
-    __slots__ = ("n",)
-
-    def __init__(self, n: int = 0) -> None:
-        self.n = n
-
-
-class _Tuple:
-    """A tuple (or frozenset, ``items`` then empty): its hash and identity are found once, when
-    first needed; its cost (steps to hash it) and depth when built."""
-
-    __slots__ = ("cost", "depth", "h", "ident", "items", "what")
-
-    def __init__(self, items: tuple[Any, ...], cost: int, depth: int, what: str = "tuples") -> None:
-        self.items, self.cost, self.depth, self.what = items, cost, depth, what
-        self.h = 0
-        self.ident: int | None = -1  # -1: not found yet; None: unhashable
-
-
-class _H:
-    """Hashes as a value of hash ``h`` does: a tuple or frozenset of these hashes as the real one."""
-
-    __slots__ = ("h",)
-
-    def __init__(self, h: int) -> None:
-        self.h = h
-
-    def __hash__(self) -> int:
-        return self.h
-
-
-def _global(arg: str) -> _Global:
-    """GLOBAL's ``"module name"``, with Python 2's name of builtins as unpicklers map it."""
-    module, _, attr = arg.partition(" ")
-    return _Global(f"{'builtins' if module == '__builtin__' else module} {attr}")
-
-
-_OPAQUE = object()  # a value the shadow does not follow: never counted, unhashable for it
+class _Beyond(Exception):
+    """The pickle goes on where the shadow cannot follow it."""
 
 
 def scan(source: bytes | IO[bytes]) -> None:
@@ -118,16 +79,60 @@ def _scan_small(raw: bytes) -> str | None:
 
 
 def _scan(source: bytes | IO[bytes]) -> None:
-    shadow = _Shadow()
+    shadow, stream = _Shadow(), io.BytesIO(source) if isinstance(source, bytes) else source
     try:
-        for shadow.ops, (op, arg, _) in enumerate(
-            pickletools.genops(io.BytesIO(source) if isinstance(source, bytes) else source), 1
-        ):
-            _OPS[op.name](shadow, op.name, arg)  # an opcode newer than the table: KeyError, stop
+        while True:
+            code = stream.read(1)
+            op = _CODES.get(code)
+            if op is None:
+                return  # cut short, or an opcode unknown to this Python: the unpickler fails here too
+            arg = None if op.arg is None else _READERS.get(op.name, op.arg.reader)(stream)
+            shadow.ops += 1
+            handler = _OPS.get(op.name)
+            if handler is None:
+                raise _Beyond(op.name)  # an opcode newer than the shadow
+            try:
+                handler(shadow, op.name, arg)
+            except (IndexError, KeyError, _Stop):
+                return  # the stack or a mark runs out, or a memo index is unset: the unpickler fails here too
+            if op.name == "STOP":
+                return
     except Flood:
         raise
-    except Exception:  # malformed, or past the shadow (RecursionError included): the unpickler's
-        return
+    except Exception as e:  # past the shadow (RecursionError included), or an argument cut short
+        if not isinstance(e, ValueError) or stream.read(1):
+            raise Flood(
+                f"an opcode sequence stashpoint's check cannot follow ({type(e).__name__} after {shadow.ops} "
+                "opcodes), which the unpickler would go on reading unchecked"
+            ) from None
+
+
+def _readline(stream: IO[bytes]) -> bytes:
+    line = stream.readline()
+    if not line.endswith(b"\n"):
+        raise ValueError("no newline")  # cut short
+    return line[:-1]
+
+
+def _read_int(stream: IO[bytes]) -> int:
+    """INT's argument as the unpickler reads it: ``00`` and ``01`` False and True, else any base."""
+    line = _readline(stream)
+    return line == b"01" if line in (b"00", b"01") else int(line, 0)
+
+
+def _read_long(stream: IO[bytes]) -> int:
+    line = _readline(stream)
+    return int(line[:-1] if line.endswith(b"L") else line, 0)
+
+
+#: The opcodes by code, and readers of the arguments pickletools reads unlike the unpickler
+#: (genops makes PUT and GET's ``01`` True and refuses INT and LONG's ``0x10``).
+_CODES = {op.code.encode("latin-1"): op for op in pickletools.opcodes}
+_READERS: dict[str, Callable[[IO[bytes]], Any]] = {
+    "INT": _read_int,
+    "LONG": _read_long,
+    **dict.fromkeys(("PUT", "GET"), lambda stream: int(_readline(stream))),
+}
 
 
 class _Shadow:
@@ -147,8 +152,7 @@ class _Shadow:
 
     # what the unpickler does with each opcode (the table _OPS below): (self, opcode name, argument)
     def _memo(self, name: str, index: Any) -> None:
-        if type(index) is not int:
-            raise _Stop
+        index = int(index)  # BINPUT's and the like, or PUT's read as the unpickler does
         if not -_SMALL < index < _SMALL:
             self._put(index)  # a memo index is a dict key of the unpickler (protocol 0 takes any int)
         if name.endswith("PUT"):
@@ -170,21 +174,22 @@ class _Shadow:
 
     def _setitems(self, name: str, arg: None) -> None:
         items = [self.stack.pop(), self.stack.pop()][::-1] if name == "SETITEM" else self._pop_mark()
-        for k in items[::2]:
-            self._put(k)
+        cost = sum(self._put(k) for k in items[::2])
+        table = _Table() if name == "DICT" else self.stack[-1]
         if name == "DICT":
-            self._push(_Table(len(items) // 2))
-        elif type(self.stack[-1]) is _Table:
-            self.stack[-1].n += len(items) // 2
+            self._push(table)
+        if type(table) is _Table:
+            table.n, table.cost = table.n + len(items) // 2, table.cost + cost
+            table.attrs.update((k, v) for k, v in zip(items[::2], items[1::2]) if type(k) is str and k in _FIELDS)
 
     def _additems(self, name: str, arg: None) -> None:
         items = self._pop_mark()
-        for k in items:
-            self._put(k)
+        cost = sum(self._put(k) for k in items)
         if name == "FROZENSET":
             self._push(self._frozen(items))
         elif type(self.stack[-1]) is _Table:
             self.stack[-1].n += len(items)
+            self.stack[-1].cost += cost
 
     def _append(self, name: str, arg: None) -> None:
         items = [self.stack.pop()] if name == "APPEND" else self._pop_mark()
@@ -203,8 +208,8 @@ class _Shadow:
     def _newobj(self, name: str, arg: None) -> None:
         if name == "NEWOBJ_EX":
             self.stack.pop()  # keyword arguments: none of the calls followed takes them
-        args = self.stack.pop()
-        self._push(self._call(self.stack.pop(), args))
+        args, cls = self.stack.pop(), self.stack.pop()
+        self._push(_Record({}) if type(cls) is _Global and cls == _MDINDEX else self._call(cls, args))
 
     def _obj(self, name: str, arg: str | None) -> None:
         items = self._pop_mark()
@@ -215,10 +220,14 @@ class _Shadow:
 
     def _build(self, name: str, arg: None) -> None:
         state = self.stack.pop()
-        if type(state) is _Table:  # an object's attributes set from a dict: copied once more
-            self._charge(state.n)
         if not self.stack:
             raise _Stop  # BUILD needs an object below its state
+        if type(state) is _Tuple and len(state.items) == 2:  # (attributes, slots)
+            state = state.items[0]
+        if type(state) is _Table:  # an object's attributes set from a dict: put in once more
+            self._charge(state.n + state.cost)
+            if type(self.stack[-1]) is _Record:
+                self.stack[-1].attrs.update(state.attrs)
 
     def _pop(self, name: str, arg: None) -> None:
         if name == "POP" and self.stack:
@@ -234,7 +243,7 @@ class _Shadow:
         self.stack = self.marks.pop()
         return items
 
-    def _tuple(self, items: list[Any]) -> _Tuple:
+    def _tuple(self, items: list[Any], what: str = "tuples") -> _Tuple:
         cost, depth = 1 + len(items), 1  # a step per item, more for tuples and long ints in it
         for x in items:
             t = type(x)
@@ -243,7 +252,7 @@ class _Shadow:
                 depth = max(depth, x.depth + 1)
             elif t is int and not -_SMALL < x < _SMALL:
                 cost += x.bit_length() >> 6  # hashing an int reads all its digits
-        return _Tuple(tuple(items), min(cost, 1 << 62), depth)
+        return _Tuple(tuple(items), min(cost, 1 << 62), depth, what)
 
     def _frozen(self, items: list[Any]) -> _Tuple:
         """A frozenset: hashed once when built (its items were counted as put in), by identity."""
@@ -273,29 +282,46 @@ class _Shadow:
                     return complex(*items)
                 except (TypeError, ValueError, OverflowError):
                     return _OPAQUE
-        elif func == "torch Size" and len(items) == 1 and type(items[0]) in (_List, _Tuple):
-            return self._tuple(list(items[0].items))
+        elif func == "torch Size" and len(items) == 1:
+            return self._size(items[0])
+        elif func == _MDINDEX and 1 <= len(items) <= 3:
+            offset = items[1] if len(items) > 1 else None
+            return _Record({"fqn": items[0], "offset": None if offset is None else self._size(offset)})
+        elif func == "builtins slice" and 1 <= len(items) <= 3 and _slice_hash is not None:
+            return self._tuple([None, items[0], None] if len(items) == 1 else [*items, None][:3], "slices")
         elif func in _FILLS:
             src = items[0] if items else _List([])
-            if type(src) is _Table:
-                self._charge(src.n)
-                return _Table(src.n)
+            if type(src) is _Table:  # its keys put in again: as many steps as they took
+                self._charge(src.n + src.cost)
+                return _Table(src.n, src.cost)
             elements = src.items if type(src) in (_List, _Tuple) else []
             if func in _PAIRS:
                 keys = [p.items[0] for p in elements if type(p) in (_List, _Tuple) and len(p.items) == 2]
             else:
                 keys = list(elements)
-            for k in keys:
-                self._put(k)
-            return self._frozen(keys) if func == "builtins frozenset" else _Table(len(keys))
+            cost = sum(self._put(k) for k in keys)
+            return self._frozen(keys) if func == "builtins frozenset" else _Table(len(keys), cost)
         return _OPAQUE
 
-    def _put(self, value: Any) -> None:
-        """``value`` put into a dict or set: count it among the distinct values of its hash."""
+    def _size(self, items: Any) -> Any:
+        """``torch.Size(items)``: a tuple."""
+        return self._tuple(list(items.items)) if type(items) in (_List, _Tuple) else _OPAQUE
+
+    def _record_key(self, record: _Record) -> _Tuple | None:
+        """The tuple a ``MetadataIndex`` hashes as; None if it lacks its ``fqn``."""
+        if "fqn" not in record.attrs:
+            return None
+        return self._tuple([record.attrs["fqn"], record.attrs.get("offset")], "MetadataIndex keys")
+
+    def _put(self, value: Any) -> int:
+        """``value`` put into a dict or set: count it among the distinct values of its hash; the
+        steps that takes (charged)."""
+        if type(value) is _Record:
+            value = self._record_key(value)
         t = type(value)
         if t is int:
             if -_SMALL < value < _SMALL:
-                return  # its own hash: distinct small ints never collide
+                return 0  # its own hash: distinct small ints never collide
             what = "integers"
         elif t is _Tuple:
             if value.depth > MAX_KEY_DEPTH:
@@ -304,11 +330,12 @@ class _Shadow:
         elif t in (float, complex):
             what = _NAMES[t]
         else:
-            return  # str and bytes hash with a random seed; None, bool: one value; others opaque
-        self._charge(value.cost if t is _Tuple else 1 + (value.bit_length() // 64 if t is int else 0))
+            return 0  # str and bytes hash with a random seed; None, bool: one value; others opaque
+        steps = value.cost if t is _Tuple else 1 + (value.bit_length() // 64 if t is int else 0)
+        self._charge(steps)
         key = self._key(value)
         if key is None:
-            return
+            return steps
         h, ident = key
         n = self.per_hash.get(h, 0)
         if ident not in self.seen:
@@ -320,6 +347,7 @@ class _Shadow:
                     "takes N**2 steps to build)"
                 )
         self._charge(n)  # each put compares with the values of its hash already there
+        return steps + n
 
     def _charge(self, steps: int) -> None:
         self.work += steps
@@ -343,6 +371,9 @@ class _Shadow:
             raw = b"c" + struct.pack("<dd", value.real, value.imag)
         elif value is None:
             raw = b"n"
+        elif t is _Record:
+            value = self._record_key(value)
+            return None if value is None else self._key(value)
         elif t is _Tuple:
             self._resolve(value)
             return None if value.ident is None else (value.h, value.ident)
@@ -368,8 +399,10 @@ class _Shadow:
             if any(k is None for k in keys):
                 cur.ident = None
                 continue
-            cur.h = hash(tuple(_H(k[0]) for k in keys))  # type: ignore[index]
-            cur.ident = self._intern(self.ids, "t" + ",".join(str(k[1]) for k in keys))  # type: ignore[index]
+            hashes = tuple(_H(k[0]) for k in keys)  # type: ignore[index]
+            cur.h = _slice_hash(hashes) if cur.what == "slices" and _slice_hash else hash(hashes)
+            # tuples, slices and MetadataIndex keys of equal items differ
+            cur.ident = self._intern(self.ids, cur.what[0] + ",".join(str(k[1]) for k in keys))  # type: ignore[index]
 
     def _intern(self, table: dict[Any, int], key: Any) -> int:
         found = table.get(key)
