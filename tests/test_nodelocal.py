@@ -271,6 +271,7 @@ def test_a_step_saved_by_four_ranks_resumes_on_two_and_back_on_four_through_the_
     assert digests(outs, "restored") == saved, "2 -> 4 ranks: the gathered state differs from the saved one"
 
 
+@pytest.mark.slow  # ~50 s of four node processes: the default tier stays under 15 minutes
 def test_what_every_node_reads_of_one_rank_is_passed_on_by_the_nodes_that_got_it(tmp_path):
     """Four nodes, FSDP2: every rank reads the optimizer's step counters, which rank 0 wrote
     once. A restart fetches rank 0's index and those bytes onto nodes 1-3 through a doubling
@@ -344,6 +345,7 @@ def test_a_node_lost_with_its_disk_is_restored_from_the_replica_on_the_other_nod
         assert [got[s] for s in range(7, 9)] == [want[s] for s in range(7, 9)]
 
 
+@pytest.mark.slow  # ~60 s of node processes: the default tier stays under 15 minutes
 def test_nodes_lost_without_replicas_restore_from_the_remote_tier(tmp_path, ddp_reference):
     """node_local with a remote tier (a shared directory here) and no replicas. Node 1 lost with
     its disk: the job resumes from the newest step, each node fetching from its peer what a node
@@ -509,6 +511,7 @@ def _node_failures(base: Path, reference: Path, kills: int, seed: int) -> None:
         assert losses(base, rank) == {s: losses(reference, rank)[s] for s in range(1, total + 1)}
 
 
+@pytest.mark.slow  # torture (~70 s): with the many-cycle one, in the slow tier
 def test_random_node_failures_with_replicas_resume_from_the_newest_step_a_node_holds(tmp_path, ddp_reference):
     """Torture (a short run; the slow tier has more): the job is killed (kill -9, every process)
     at a random moment, one random node's directory is deleted, and the job restarts with a
