@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import stashpoint
-from stashpoint._tools import importcheck, picklescan
+from stashpoint._tools import importcheck, picklescan, picklevalues
 from stashpoint._tools.convert import import_checkpoint
 from stashpoint.errors import CheckpointError
 
@@ -371,8 +371,8 @@ def test_dcp_metadata_index_keys_of_one_hash_are_refused(tmp_path: Path, monkeyp
         importcheck.check_pickle(pickle.dumps(called), "called.pkl")
     importcheck.check_pickle(pickle.dumps({MetadataIndex("w", (i, 0)): i for i in range(3000)}), "plain.pkl")
 
-    if picklescan._slice_hash is None:  # slices hash from Python 3.12: as tuples here, to count them
-        monkeypatch.setattr(picklescan, "_slice_hash", hash)
+    if picklevalues._slice_hash is None:  # slices hash from Python 3.12: as tuples here, to count them
+        monkeypatch.setattr(picklevalues, "_slice_hash", hash)
     p = (1 << 61) - 1
     slices = _AsSet(slice(k * p, None) for k in range(1, 1500))  # starts all of hash 0
     with pytest.raises(CheckpointError, match="more than 1000 slices of one hash"):

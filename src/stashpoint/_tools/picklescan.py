@@ -18,12 +18,11 @@ from __future__ import annotations
 import functools
 import io
 import pickletools
-import struct
-import sys
 from collections.abc import Callable
 from typing import IO, Any
 
-from stashpoint._tools.picklevalues import _H, _OPAQUE, _Global, _global, _List, _Record, _Table, _Tuple
+from stashpoint._tools import picklevalues
+from stashpoint._tools.picklevalues import _OPAQUE, _Global, _global, _Identities, _List, _Record, _Table, _Tuple
 
 #: Distinct keys of one hash allowed: chance gives a handful, a flood needs thousands.
 MAX_SAME_HASH = 1_000
@@ -39,10 +38,6 @@ _PAIRS = {"builtins dict", "collections OrderedDict"}  # filled from (key, value
 _NAMES = {float: "floats", complex: "complex numbers"}
 _MDINDEX = "torch.distributed.checkpoint.metadata MetadataIndex"  # a frozen dataclass: hash((fqn, offset))
 _FIELDS = frozenset(("fqn", "offset"))  # the attributes of a MetadataIndex its hash reads
-#: A slice's hash from its items' (None before Python 3.12, where slices are unhashable).
-_slice_hash: Callable[[tuple[Any, ...]], int] | None = (
-    (lambda hs: hash(slice(*hs))) if sys.version_info >= (3, 12) else None
-)
 
 
 class Flood(Exception):
@@ -135,16 +130,12 @@ _READERS: dict[str, Callable[[IO[bytes]], Any]] = {
 }
 
 
-class _Shadow:
+class _Shadow(_Identities):
     def __init__(self) -> None:
+        super().__init__()
         self.stack: list[Any] = []
         self.marks: list[list[Any]] = []
         self.memo: dict[Any, Any] = {}
-        # identities, one table per kind, keyed by str or bytes only (their hashes are seeded)
-        self.strs: dict[str, int] = {}
-        self.blobs: dict[bytes, int] = {}  # bytes values
-        self.nums: dict[bytes, int] = {}  # numbers and None, by their bytes
-        self.ids: dict[str, int] = {}  # tuples and frozensets, by their items' identities
         self.seen: set[int] = set()
         self.per_hash: dict[int, int] = {}
         self.work = self.ops = 0
@@ -254,18 +245,6 @@ class _Shadow:
                 cost += x.bit_length() >> 6  # hashing an int reads all its digits
         return _Tuple(tuple(items), min(cost, 1 << 62), depth, what)
 
-    def _frozen(self, items: list[Any]) -> _Tuple:
-        """A frozenset: hashed once when built (its items were counted as put in), by identity."""
-        frozen = _Tuple((), 1, 1 + max((x.depth for x in items if type(x) is _Tuple), default=0), "frozensets")
-        keys = [self._key(x) for x in items]
-        if any(k is None for k in keys):
-            frozen.ident = None
-            return frozen
-        unique = dict((i, h) for h, i in keys)  # type: ignore[misc]
-        frozen.h = hash(frozenset(_H(h) for h in unique.values()))
-        frozen.ident = self._intern(self.ids, "f" + ",".join(map(str, sorted(unique))))
-        return frozen
-
     def _call(self, func: Any, args: Any) -> Any:
         """What calling the global ``func`` on ``args`` gives: a table of the keys put in it, a
         complex number, a frozenset; anything else opaque."""
@@ -287,7 +266,7 @@ class _Shadow:
         elif func == _MDINDEX and 1 <= len(items) <= 3:
             offset = items[1] if len(items) > 1 else None
             return _Record({"fqn": items[0], "offset": None if offset is None else self._size(offset)})
-        elif func == "builtins slice" and 1 <= len(items) <= 3 and _slice_hash is not None:
+        elif func == "builtins slice" and 1 <= len(items) <= 3 and picklevalues._slice_hash is not None:
             return self._tuple([None, items[0], None] if len(items) == 1 else [*items, None][:3], "slices")
         elif func in _FILLS:
             src = items[0] if items else _List([])
@@ -356,59 +335,6 @@ class _Shadow:
                 f"dict keys or set items that take more than {self.work} steps to unpickle from {self.ops} opcodes "
                 "(keys long to hash, of one hash, or copied again and again through the memo)"
             )
-
-    def _key(self, value: Any) -> tuple[int, int] | None:
-        """``(hash, identity)`` of a hashable value; None for one the shadow cannot hash. The
-        identity is a small int, equal for equal values, found from keys whose hashes are seeded."""
-        t = type(value)
-        if t is str or t is bytes:
-            return hash(value), self._intern(self.strs if t is str else self.blobs, value)
-        if t is int or t is bool:
-            raw = b"i" + int(value).to_bytes(value.bit_length() // 8 + 1, "little", signed=True)
-        elif t is float:
-            raw = b"f" + struct.pack("<d", value)
-        elif t is complex:
-            raw = b"c" + struct.pack("<dd", value.real, value.imag)
-        elif value is None:
-            raw = b"n"
-        elif t is _Record:
-            value = self._record_key(value)
-            return None if value is None else self._key(value)
-        elif t is _Tuple:
-            self._resolve(value)
-            return None if value.ident is None else (value.h, value.ident)
-        else:
-            return None
-        return hash(value), self._intern(self.nums, raw)
-
-    def _resolve(self, top: _Tuple) -> None:
-        """Find the hash and identity of ``top`` and of the tuples in it not found yet, innermost
-        first, without recursion; each tuple once."""
-        todo = [top]
-        while todo:
-            cur = todo[-1]
-            if cur.ident != -1:
-                todo.pop()
-                continue
-            inner = [x for x in cur.items if type(x) is _Tuple and x.ident == -1]
-            if inner:
-                todo.extend(inner)
-                continue
-            todo.pop()
-            keys = [self._key(x) for x in cur.items]
-            if any(k is None for k in keys):
-                cur.ident = None
-                continue
-            hashes = tuple(_H(k[0]) for k in keys)  # type: ignore[index]
-            cur.h = _slice_hash(hashes) if cur.what == "slices" and _slice_hash else hash(hashes)
-            # tuples, slices and MetadataIndex keys of equal items differ
-            cur.ident = self._intern(self.ids, cur.what[0] + ",".join(str(k[1]) for k in keys))  # type: ignore[index]
-
-    def _intern(self, table: dict[Any, int], key: Any) -> int:
-        found = table.get(key)
-        if found is None:
-            found = table[key] = len(self.strs) + len(self.blobs) + len(self.nums) + len(self.ids)
-        return found
 
 
 _CONSTANTS = (
