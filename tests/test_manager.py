@@ -316,6 +316,71 @@ def test_an_on_save_callback_may_save_and_runs_in_order_off_the_writer_thread(tm
     assert torch.equal(back["model"].weight, model.weight)
 
 
+def test_close_beside_a_wait_on_another_thread_still_waits_for_the_save_in_flight(tmp_path):
+    """Before: the first wait() took the list of saves in flight, so a close() on the other
+    thread found nothing to wait for and released the root under the save; a second manager
+    then removed its directory as a crash's leftover."""
+    mgr = stashpoint.CheckpointManager(tmp_path / "r")
+    gate = _block_writer()
+    try:
+        handle = mgr.save(1, _state(1))
+        waiter = threading.Thread(target=mgr.wait)
+        waiter.start()
+        time.sleep(0.2)
+        closer = threading.Thread(target=mgr.close)
+        closer.start()
+        closer.join(0.5)
+        assert closer.is_alive(), "close() returned while the save was still in flight"
+    finally:
+        gate.set()
+    closer.join(30)
+    waiter.join(30)
+    assert handle.done() and handle.wait().step == 1
+    with stashpoint.CheckpointManager(tmp_path / "r") as again:
+        assert again.steps() == [1]
+
+
+def test_wait_or_close_from_the_managers_own_on_save_callback_is_refused_not_hung(tmp_path, caplog):
+    """The callback runs on the manager's thread, which wait() and close() wait for. Before:
+    a wait() there hung for ever, and a close() there left the root locked."""
+    calls: list[str] = []
+    with stashpoint.CheckpointManager(tmp_path / "r") as mgr:
+        for what in ("wait", "close"):
+
+            def callback(stats, what=what):  # type: ignore[no-untyped-def]
+                try:
+                    getattr(mgr, what)()
+                except CheckpointError as e:
+                    calls.append(str(e))
+
+            mgr.on_save = callback
+            mgr.save(len(calls) + 1, _state(1))
+            mgr.wait()
+    assert len(calls) == 2 and all("on_save callback" in c and "training loop" in c for c in calls), calls
+    with stashpoint.CheckpointManager(tmp_path / "r") as again:  # the root was released
+        assert again.steps() == [1, 2]
+
+
+def test_a_skipped_save_does_not_restart_the_every_seconds_clock(tmp_path):
+    """A skip is no save: the next maybe_save tries again. Before: the skip set the clock, so
+    saves came twice as far apart as every_seconds while the writer was busy."""
+    with stashpoint.CheckpointManager(tmp_path / "r", every_seconds=3600, on_busy="skip") as mgr:
+        gate = _block_writer()
+        try:
+            first = mgr.maybe_save(1, _state(1))  # no save yet: due
+            assert first is not None and not first.done()
+            mgr._last_save_time = None  # as if an hour had passed
+            skipped = mgr.maybe_save(2, _state(2))
+            assert skipped is not None and skipped.wait().skipped
+            assert mgr.should_save(3), "the skip restarted the clock"
+        finally:
+            gate.set()
+        first.wait()
+        assert mgr.maybe_save(3, _state(3)) is not None
+        mgr.wait()
+        assert mgr.steps() == [1, 3]
+
+
 def test_on_busy_wait_applies_backpressure(tmp_path):
     with stashpoint.CheckpointManager(tmp_path / "r", on_busy="wait") as mgr:
         gate = _block_writer()

@@ -501,3 +501,35 @@ def test_a_rewind_mark_a_crash_left_half_written_is_removed_when_a_manager_opens
     with stashpoint.CheckpointManager(tmp_path) as mgr:
         mgr.save(1, {"w": torch.ones(2)}).wait()
     assert not torn.exists() and other.exists()
+
+
+class _SlowUploads(LocalStorage):
+    """A remote tier whose uploads (off the training thread) take a while."""
+
+    def open_writer(self, name, size):  # type: ignore[no-untyped-def]
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.3)
+        return super().open_writer(name, size)
+
+    def child(self, name):  # type: ignore[no-untyped-def]
+        return _SlowUploads(self.root / name)
+
+
+def test_a_rewind_while_uploads_run_leaves_none_of_the_abandoned_steps_in_the_remote_tier(tmp_path):
+    """Steps 4-6 were saved without their uploads (a crash before them): the next manager
+    uploads them as it opens, and a rewind to step 2 comes while they run. Before: the remote
+    tier was listed before those uploads ended, so the steps they landed stayed above the new
+    run's, and a fresh node resumed the abandoned run."""
+    nvme, remote = tmp_path / "nvme", tmp_path / "remote"
+    with stashpoint.CheckpointManager(nvme, keep_last=None, remote_root=remote) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, _state(s))
+    with stashpoint.CheckpointManager(nvme, keep_last=None) as mgr:  # no remote: their uploads never ran
+        for s in (4, 5, 6):
+            mgr.save(s, _state(s))
+    with stashpoint.CheckpointManager(nvme, keep_last=None, remote_root=_SlowUploads(remote)) as mgr:
+        assert mgr.restore(_state(0), step=2) == 2
+        mgr.save(3, _state(3.5)).wait()
+        mgr.wait()
+        assert mgr.steps() == [1, 2, 3] and mgr.remote_steps() == [1, 2, 3]
+    assert _resume(tmp_path / "fresh", remote_root=remote) == (3, 3.5)

@@ -458,3 +458,19 @@ def test_a_save_asks_for_no_more_manifests_as_the_kept_steps_grow(tmp_path, monk
             per_save[step] = asked[0]
         assert len(mgr.steps()) == 40 and len(mgr.remote_steps()) == 40
     assert per_save[40] <= per_save[5], per_save
+
+
+def test_steps_only_the_remote_tier_holds_are_not_called_unreadable_when_a_manager_opens(tmp_path, caplog):
+    """Their metrics are read from the remote tier. Before: from the local root, where they
+    are not, and the retention logged their manifests as unreadable."""
+    nvme, remote = tmp_path / "nvme", tmp_path / "remote"
+    with stashpoint.CheckpointManager(nvme, keep_last=1, remote_root=remote, remote_keep_last=2) as mgr:
+        for s in range(1, 6):
+            mgr.save(s, {"w": torch.full((8,), float(s))}, metrics={"loss": 1.0 / s})
+    with stashpoint.CheckpointManager(nvme, keep_last=None) as mgr:  # a crash before step 6's upload
+        mgr.save(6, {"w": torch.full((8,), 6.0)})
+    caplog.set_level(logging.WARNING, logger="stashpoint")
+    with stashpoint.CheckpointManager(nvme, keep_last=1, remote_root=remote, remote_keep_last=2) as mgr:
+        mgr.wait()
+        assert mgr.remote_steps() == [5, 6]
+    assert "could not be read" not in caplog.text, caplog.text

@@ -21,18 +21,13 @@ from stashpoint._core.policy import Retention, Schedule
 from stashpoint._dist.group import rank_of
 from stashpoint._load.loader import load
 from stashpoint._load.manifest import remembering
+from stashpoint._manager import saving
 from stashpoint._manager.lock import acquire_root_lock, release_root_lock
 from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, signal_name
 from stashpoint._manager.preemptstop import stop
 from stashpoint._manager.restoring import RestoreReport, restore_run
-from stashpoint._manager.saving import apply_retention, check_options, plain_metrics, start_save, wait_for
-from stashpoint._manager.steps import (
-    committed_steps,
-    read_metrics,
-    remove_leftovers,
-    step_number,
-)
+from stashpoint._manager.steps import committed_steps, read_metrics, remove_leftovers, step_number
 from stashpoint._manager.tiers import RemoteTier
 from stashpoint._save.handle import SaveHandle, SaveStats
 from stashpoint._storage import LocalStorage, Storage, storage_for
@@ -157,7 +152,7 @@ class CheckpointManager:
         self._closed = False
         self._shared_checked = False  # every rank sees the root (checked at the first save)
         self.rank, self.world = rank_of()
-        check_options(
+        saving.check_options(
             self.storage,
             self.world,
             writer=writer,
@@ -280,7 +275,7 @@ class CheckpointManager:
         to the remote tier in the background.
         """
         self._check_open()
-        return start_save(self, step_number(step), state, plain_metrics(metrics), options)
+        return saving.start_save(self, step_number(step), state, saving.plain_metrics(metrics), options)
 
     # -- retention -----------------------------------------------------------------------------
 
@@ -305,9 +300,9 @@ class CheckpointManager:
         (the interpreter stops its pools first): the rules are applied here and now."""
         try:
             self._deletions = [f for f in self._deletions if not f.done()]  # they never fail: nothing to keep
-            self._deletions.append(self._deleter.submit(apply_retention, self))
+            self._deletions.append(self._deleter.submit(saving.apply_retention, self))
         except RuntimeError:
-            apply_retention(self)
+            saving.apply_retention(self)
 
     # -- restoring -----------------------------------------------------------------------------
 
@@ -366,13 +361,14 @@ class CheckpointManager:
         """Wait for this manager's saves, uploads and deletions; raise the first failure, if any
         (a save's first, then an upload's). A save's failure that its handle's ``wait()`` already
         raised (or ``exception()`` returned) is not raised again."""
-        wait_for(self)
+        saving.wait_for(self)
 
     def close(self) -> None:
         """Wait for pending saves and deletions, then release the root. A preemption signal that
         came after the last :meth:`maybe_save` is raised again once the manager is closed."""
         if self._closed:
             return
+        saving.refuse_on_own_thread(self, "close")
         pending = None
         try:
             self.wait()
@@ -394,10 +390,12 @@ class CheckpointManager:
                 signal.raise_signal(pending)
 
     def _release(self) -> None:
-        self._deleter.shutdown(wait=True)
-        if self._lock_fd >= 0:
-            release_root_lock(self._lock_fd)
-            self._lock_fd = -1
+        try:
+            self._deleter.shutdown(wait=True)
+        finally:  # the root is released even where the thread could not be joined
+            if self._lock_fd >= 0:
+                release_root_lock(self._lock_fd)
+                self._lock_fd = -1
 
     def _check_open(self) -> None:
         if self._closed:

@@ -8,6 +8,7 @@ import concurrent.futures as cf
 import json
 import logging
 import numbers
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -178,11 +179,13 @@ def _call_on_save(
     and waited for ever. At interpreter exit (no new thread) it runs here."""
 
     def call() -> None:
+        _calling.manager = mgr
         try:
             on_save(stats)
         except Exception:
             log.exception("stashpoint: the on_save callback raised")
         finally:
+            _calling.manager = None
             after.set_result(None)
 
     try:
@@ -263,7 +266,7 @@ def start_save(
     mgr._remote_rewind = None
     # one root: its owner alone refuses, and every rank learns of it alike, from its handle
     opts = save_options(mgr, step, metrics, {**options, "refused": refused, "refusal_raised": mgr._nodes is not None})
-    mgr._last_save_time = time.monotonic()
+    last, mgr._last_save_time = mgr._last_save_time, time.monotonic()
     try:
         handle = get_engine().submit(state, target, opts)
     except BaseException as e:
@@ -279,6 +282,8 @@ def start_save(
             failed.set_exception(e)
             mgr._tier.submit(step, failed)
         raise
+    if handle.stats is not None and handle.stats.skipped:  # no save: every_seconds counts from the last one made
+        mgr._last_save_time = last
     after: cf.Future[None] = cf.Future()  # done once the bookkeeping below has run too
     with mgr._lock:
         # keep saves in flight, and failed ones until wait() or their own handle has reported them
@@ -327,25 +332,28 @@ def newest_recoverable(root: Storage, steps: list[int]) -> set[int]:
 
 
 def wait_for(mgr: CheckpointManager) -> None:
-    """``CheckpointManager.wait``: every save, upload and deletion of ``mgr`` ended; the first
-    failure raised (a save's first, then an upload's), except a save's that its own handle
-    already raised or returned."""
+    """``CheckpointManager.wait``: every save, upload and deletion of ``mgr`` ended, those that
+    others start meanwhile too (a save an ``on_save`` callback starts); the first failure
+    raised (a save's first, then an upload's), except a save's that its own handle already
+    raised or returned. Callers on other threads each wait for all of it (a ``close()`` beside
+    a ``wait()`` must not release the root under a save); a failure is raised to one of them."""
+    refuse_on_own_thread(mgr, "wait")
     if mgr._nodes is not None:
         mgr._nodes.settled()
-    with mgr._lock:
-        pairs, mgr._handles = mgr._handles, []
-        refused, mgr._refused = mgr._refused, []
-    cf.wait([a for _, a in pairs] + refused)  # the refused ones' errors were raised at their save
-    handles = [h for h, _ in pairs]
-    uploads = mgr._tier.take_futures() if mgr._tier is not None else []
-    cf.wait(uploads)
     while True:
         with mgr._lock:
-            pending, mgr._deletions = mgr._deletions, []
+            pending = [a for _, a in mgr._handles] + mgr._refused + mgr._deletions
+        pending += mgr._tier.pending_futures() if mgr._tier is not None else []
+        pending = [f for f in pending if not f.done()]
         if not pending:
             break
         cf.wait(pending)
-    for h in handles:
+    with mgr._lock:
+        ended = [(h, a) for h, a in mgr._handles if a.done()]
+        mgr._handles = [(h, a) for h, a in mgr._handles if not a.done()]
+        mgr._refused = [f for f in mgr._refused if not f.done()]  # their errors were raised at their save
+    uploads = mgr._tier.take_ended() if mgr._tier is not None else []
+    for h, _ in ended:
         exc = h._failure()
         if exc is not None and not h._reported:  # one the caller caught from h.wait() is not raised again
             raise exc
@@ -353,3 +361,18 @@ def wait_for(mgr: CheckpointManager) -> None:
         err = u.exception()
         if err is not None:
             raise err
+
+
+#: The manager whose ``on_save`` callback this thread runs, if any.
+_calling = threading.local()
+
+
+def refuse_on_own_thread(mgr: CheckpointManager, what: str) -> None:
+    """Refuse ``mgr.wait()`` / ``mgr.close()`` from ``mgr``'s own ``on_save`` callback: they
+    wait for the manager's thread, which runs the callback, and would wait for ever."""
+    if getattr(_calling, "manager", None) is mgr:
+        raise CheckpointError(
+            f"CheckpointManager.{what}() was called from the manager's own on_save callback, which runs on the "
+            f"manager's thread that {what}() waits for; call it from the training loop instead (e.g. set a flag "
+            "in the callback and check it there)"
+        )

@@ -60,14 +60,16 @@ def set_aside_newer(mgr: CheckpointManager, step: int) -> tuple[bool, str | None
     if step > top:  # the step numbers go on: nothing to set aside, even after looking at an old step
         return after_restore, None
     above = resumed if resumed is not None and after_restore else step
+    if remote and mgr._tier is not None:
+        # uploads end first: one ending after the listing below would leave its step, of the
+        # run abandoned, in the remote tier for a fresh node to resume
+        mgr._tier.settle()
     listed = {root: _steps(mgr, root) for root in roots}
     doomed = {root: [s for s in steps if s > above] for root, steps in listed.items() if steps is not None}
     if local and mgr._at(step).exists(MANIFEST_NAME) and step not in doomed[mgr.storage]:
         return after_restore, None  # a save of a step already there: refused by the caller, nothing moved
-    if remote and mgr._tier is not None:
-        mgr._tier.settle()  # uploads of the steps about to move end first
-        if any(steps is None for steps in listed.values()):
-            mgr._remote_rewind = above  # moved by this step's own upload, before it copies anything
+    if remote and any(steps is None for steps in listed.values()):
+        mgr._remote_rewind = above  # moved by this step's own upload, before it copies anything
     for root, newer in doomed.items():
         if newer:
             log.warning(

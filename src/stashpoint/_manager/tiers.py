@@ -127,7 +127,8 @@ class RemoteTier:
         if self.retention is None or not missing:
             return missing
         everything = sorted(set(local) | set(remote))
-        keep = retained(everything, lambda s: self.metrics(s, self.local), self.retention)
+        held = set(local)  # a step only the remote tier holds has its metrics there
+        keep = retained(everything, lambda s: self.metrics(s, self.local if s in held else self.remote), self.retention)
         return [s for s in missing if s in keep]
 
     def submit(self, step: int, after: cf.Future[Any]) -> None:
@@ -192,9 +193,12 @@ class RemoteTier:
         with self._lock:
             return [f for f in self.futures if not f.done()]
 
-    def take_futures(self) -> list[cf.Future[Any]]:
+    def take_ended(self) -> list[cf.Future[Any]]:
+        """The uploads ended since the last call, taken (each reported once); the ones still
+        running stay, for whoever waits for them."""
         with self._lock:
-            out, self.futures = self.futures, []
+            out = [f for f in self.futures if f.done()]
+            self.futures = [f for f in self.futures if not f.done()]
         return out
 
     def close(self) -> None:
