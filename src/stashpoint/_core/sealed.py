@@ -136,6 +136,19 @@ def _sized(shape: tuple[int, ...], item: int, where: str, key: str) -> None:
             _fail(where, f"the shape of {key!r} holds more bytes than a tensor can ({list(shape)[:8]})")
 
 
+def shape_problem(shape: tuple[int, ...], item: int) -> str | None:
+    """What a load would refuse in a tensor of ``shape`` and ``item`` bytes an element (None:
+    nothing): for a save to refuse it first, not write a checkpoint its load calls damaged."""
+    if len(shape) > MAX_DIMS:
+        return f"has {len(shape)} dimensions, more than the format's {MAX_DIMS}"
+    n = item
+    for d in shape:
+        n *= d or 1
+        if d >= _DIM_CAP or n >= _DIM_CAP:
+            return f"of shape {list(shape)[:8]} holds more bytes than the format's 2**62"
+    return None
+
+
 def _named(what: str, key: str | None) -> str:
     return what if key is None else f"{what} of {key!r}"
 

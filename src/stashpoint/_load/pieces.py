@@ -10,7 +10,7 @@ import torch
 
 from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, Chunk, checksum, running_checksum
 from stashpoint._core.reshard import Box, block_spans, intersect, local, runs
-from stashpoint._load.pinring import PinnedRing
+from stashpoint._load.pinring import PinnedRing, writing
 from stashpoint._load.restoreplan import Read
 from stashpoint._state.dtypes import as_memoryview
 from stashpoint._storage import Storage
@@ -104,7 +104,7 @@ class Piece:
         if pinned is not None and self.target.device.type == "cuda":
             pinned.copy(self.target, self.buf)
             return
-        with torch.no_grad():  # the destination may be a view of a parameter
+        with writing(self.target):
             self.target.copy_(self.buf)
 
     def bounce(self) -> None:

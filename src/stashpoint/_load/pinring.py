@@ -34,6 +34,12 @@ ROWS = "rows"  # rows [start, stop) along dim 0: contiguous in the buffer, a vie
 SYNC = "sync"  # the whole piece, copied synchronously from the host buffer (start 0, stop: bytes)
 
 
+def writing(target: torch.Tensor) -> AbstractContextManager[Any]:
+    """Where a load may copy into ``target``: without autograd (it may be a view of a
+    parameter), and in inference mode for a tensor made in it (torch refuses the copy outside)."""
+    return torch.inference_mode() if target.is_inference() else torch.no_grad()
+
+
 class Segment(NamedTuple):
     kind: str
     start: int
@@ -181,7 +187,7 @@ class PinnedRing:
         raw = src.reshape(-1).view(torch.uint8)
         row = src[0].numel() * src.element_size() if src.dim() else 0
         device = target.device
-        with torch.no_grad(), self.backend.on(device):  # the target may be a view of a parameter
+        with writing(target), self.backend.on(device):
             dst = target.reshape(-1).view(torch.uint8) if flat else target
             for kind, a, b in plan:
                 if kind == SYNC:

@@ -80,7 +80,8 @@ def _select(tree: Node, select: str | None, where: str) -> Node:
     if not select:
         return tree
     node, done = tree, ""
-    for part in select.strip("/").split("/"):
+    parts = select.strip("/").split("/")
+    for i, part in enumerate(parts):
         while "stateful" in node:  # an object adds no key path component
             node = node["state"]
         children: list[tuple[str, Node]] = []
@@ -91,9 +92,11 @@ def _select(tree: Node, select: str | None, where: str) -> Node:
         found = [v for k, v in children if k == part]
         if not found:
             shown = ", ".join(repr(k) for k, _ in children[:20]) + (", ..." if len(children) > 20 else "")
+            escaped = " (a key holding '/' or '%' is selected escaped: '%2F', '%25')" if "%" in select else ""
             raise CheckpointError(
-                f"select={select!r}: {where} has no key {join(done, part)!r}"
+                f"select={select!r}: {where} has no key {'/'.join(parts[: i + 1])!r}"
                 + (f"; the keys under {done or 'the root'!r} are {shown}" if children else f"; {done!r} is a leaf")
+                + escaped
             )
         node, done = found[0], join(done, part)
     return node

@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
+import torch
+
 from stashpoint._core.format import (
     Manifest,
 )
@@ -158,7 +160,12 @@ def prepare_reads(
 
 def run_reads(storage: Storage, pieces: list[Piece], *, verify: bool) -> None:
     """Read, verify and place the pieces :func:`prepare_reads` gave."""
-    _execute_pipelined(storage, pieces, verify, place=True)
+    try:
+        _execute_pipelined(storage, pieces, verify, place=True)
+    finally:
+        # bytes read straight into a tensor's memory bypass autograd's count of in-place
+        # changes: a graph still holding the tensor must fail at backward(), as after copy_()
+        torch.autograd.graph.increment_version([p.target for p in pieces if p.buf is p.target])
 
 
 @dataclass

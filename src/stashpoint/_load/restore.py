@@ -40,6 +40,7 @@ from stashpoint._state import stateful as _stateful
 from stashpoint._state.dtensor import local_tensor
 from stashpoint._state.dtypes import dtype_name, empty_for
 from stashpoint._state.scaler import scaler_load_state
+from stashpoint._state.tree import template_problem
 from stashpoint._state.validate import structure_problem
 from stashpoint.errors import CorruptCheckpointError
 
@@ -74,8 +75,9 @@ class Planner(OptimizerPlanning):
             self.plan.setters.append(lambda: setter(value))
         else:
             self.plan.problems.append(
-                f"{self._name(where)}: a plain value cannot be put back into a tuple at the root of the state; "
-                "make the root a dict or a list"
+                f"{self._name(where)}: the checkpoint holds a plain value here, and the state has no place to put "
+                "it back (a tuple, or a plain value at its root, is not changed in place); make the root a dict "
+                "or a list"
             )
 
     def _entry(self, key: str) -> Any:
@@ -180,6 +182,9 @@ class Planner(OptimizerPlanning):
         if torch.nn.parameter.is_lazy(live):  # a lazy module not run yet: its load_state_dict takes the shape
             live = None
         if isinstance(live, torch.Tensor):
+            if (problem := template_problem(live)) is not None:
+                self.plan.problems.append(f"{self._name(key)}: the state's tensor is {problem}")
+                return
             if live.device.type == "meta":
                 self.plan.problems.append(
                     f"{self._name(key)}: the state's tensor is on the meta device and has no memory to load into; "

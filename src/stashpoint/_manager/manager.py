@@ -60,7 +60,8 @@ class CheckpointManager:
         every_steps, every_seconds: when :meth:`maybe_save` saves.
         on_save: called with the :class:`SaveStats` of every save once it commits or is skipped,
             in order, on a thread of the manager's (not the training's, nor the writer's: it may
-            save, e.g. export each step); :meth:`wait` and :meth:`close` wait for it.
+            save, e.g. export each step); :meth:`wait` and :meth:`close` wait for it (and are
+            refused inside it, where they would wait for ever).
         remote_root: a second, durable tier (e.g. ``"s3://bucket/run"`` or a shared filesystem).
             Each step commits to ``root`` first (fast, local), then is copied there in the
             background; steps a crash left un-copied are copied when a manager opens the root

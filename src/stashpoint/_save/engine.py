@@ -270,8 +270,14 @@ class SaveOptions:
     refusal_raised: bool = True
 
     def __post_init__(self) -> None:
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.metadata.items()):
-            raise TypeError("metadata must map str to str; convert the values with str() or json.dumps()")
+        if not isinstance(self.metadata, Mapping):
+            raise TypeError(f"metadata must be a dict of str to str, not {type(self.metadata).__name__}")
+        for k, v in self.metadata.items():
+            if not (isinstance(k, str) and isinstance(v, str)):
+                raise TypeError(
+                    f"metadata must map str to str: metadata[{k!r}] is a {type(v).__name__}; convert the values "
+                    "with str() or json.dumps()"
+                )
         if self.on_busy not in ("wait", "skip"):
             raise ValueError(f"on_busy must be 'wait' or 'skip', got {self.on_busy!r}")
         if self.max_inflight < 1:
@@ -340,7 +346,7 @@ def async_save(
     opts = SaveOptions(
         overwrite,
         allow_pickle,
-        dict(metadata or {}),
+        dict(metadata) if isinstance(metadata, Mapping) else (metadata or {}),  # a copy; others refused below
         max_shard_bytes,
         process_group=process_group,
         timeout_s=timeout,

@@ -14,6 +14,7 @@ import torch
 
 from stashpoint import _runtime
 from stashpoint._core.nodes import MAX_SAME_HASH, MAX_TREE_DEPTH, Node, join, same_hash_keys
+from stashpoint._core.sealed import shape_problem
 from stashpoint._state import stateful as _stateful
 from stashpoint._state.dtensor import is_dtensor, is_strided
 from stashpoint._state.dtypes import STORABLE
@@ -70,7 +71,9 @@ def check_tensor(key: str, t: torch.Tensor) -> None:
             f"nested tensor {where} is not supported; save its components (t.unbind(), a list of tensors) instead."
         )
     dtensor = kind not in _PLAIN_TYPES and is_dtensor(t)
-    if kind not in _PLAIN_TYPES and not dtensor and not isinstance(t, torch.nn.Parameter):
+    if kind not in _PLAIN_TYPES and not dtensor and not _plain_parameter(kind):
+        # a wrapper subclass (in a Parameter too: its type stays the subclass's) holds its
+        # data in inner tensors, not at data_ptr(): saved as it was, its bytes were wrong
         raise UnsupportedStateError(
             f"tensor subclass {kind.__name__} {where} is not supported; convert it to a plain tensor "
             "(DTensor is supported)."
@@ -96,12 +99,51 @@ def check_tensor(key: str, t: torch.Tensor) -> None:
                 "Shard and Replicate are saved as they are. "
                 "Redistribute it first (t.redistribute(placements=[Replicate()]) for a Partial sum)."
             )
+    if (problem := shape_problem(tuple(t.shape), t.element_size())) is not None:  # refused by a load
+        raise UnsupportedStateError(f"the tensor {where} {problem}; reshape it or save it in parts.")
     if t.dtype in _SUB_BYTE:
         raise UnsupportedStateError(f"tensor of sub-byte dtype {t.dtype} {where} holds no addressable bytes.")
     if t.dtype not in STORABLE:
         raise UnsupportedStateError(
             f"tensor of dtype {t.dtype} {where} is not in the format's dtype table; convert it (t.to(...)) "
             "or upgrade stashpoint"
+        )
+
+
+def _plain_parameter(kind: type) -> bool:
+    """A Parameter subclass whose data is its own memory (no ``__torch_dispatch__`` of its own)."""
+    return issubclass(kind, torch.nn.Parameter) and getattr(kind, "__torch_dispatch__", None) is getattr(
+        torch.Tensor, "__torch_dispatch__", None
+    )
+
+
+def template_problem(t: torch.Tensor) -> str | None:
+    """Why a load cannot write into ``t`` as the state's tensor (None: it can), for the plan's
+    list of mismatches."""
+    if t.is_nested:
+        return "a nested tensor; give the state a list of plain tensors"
+    if t.layout != torch.strided:
+        return f"of layout {t.layout}; give the state a dense tensor, load, then convert it (t.to_sparse())"
+    kind = type(t)
+    if kind not in _PLAIN_TYPES and not is_dtensor(t) and not _plain_parameter(kind):
+        return (
+            f"a {kind.__name__}, a tensor subclass whose data a load cannot write; give the state a plain "
+            "tensor or Parameter, load, then convert it"
+        )
+    return None
+
+
+#: Python's default int_max_str_digits: an int longer than this is refused by the JSON of a
+#: default process (ValueError), whatever the saving process allowed.
+_INT_DIGITS = 4300
+_BIG_INT = 10**_INT_DIGITS
+
+
+def _check_int(value: int, key: str, what: str) -> None:
+    if not -_BIG_INT < value < _BIG_INT:
+        raise UnsupportedStateError(
+            f"the {what} {key or '<root>'!r} is an int of more than {_INT_DIGITS} digits, which Python "
+            "refuses to read back from text by default; save it as a string (str(x)) or as bytes."
         )
 
 
@@ -157,13 +199,18 @@ class Flattener:
         if isinstance(obj, torch.Tensor):
             return self._leaf(obj, key)
         if obj is None or isinstance(obj, (bool, int, str)):
+            if isinstance(obj, int) and not isinstance(obj, bool):
+                _check_int(obj, key, "value at key")
             return {"value": obj}
         if isinstance(obj, float):
             # repr(float(...)): a NumPy float's repr is "np.float64(nan)", which no load takes
             return {"value": obj} if math.isfinite(obj) else {"float": repr(float(obj))}
         if isinstance(obj, bytes):
             return {"bytes": base64.b64encode(obj).decode("ascii")}
-        kind = None if type(obj) in _PLAIN_MAPPINGS else _stateful.kind_of(obj)
+        try:
+            kind = None if type(obj) in _PLAIN_MAPPINGS else _stateful.kind_of(obj)
+        except UnsupportedStateError as e:  # a class given for its object, ZeroRedundancyOptimizer
+            raise UnsupportedStateError(f"at key {key or '<root>'!r}: {e}") from None
         if kind == "optimizer":
             keyed_by, sd = _stateful.optimizer_to_tree(obj, self._param_names())
             node: dict[str, Any] = {"stateful": kind, "keyed_by": keyed_by, "class": _stateful.class_name(obj)}
@@ -198,6 +245,8 @@ class Flattener:
                         f"dict key {k!r} of type {type(k).__name__} under {key or '<root>'!r}: only "
                         "str and int keys can be saved; convert the key to a string."
                     )
+                if not isinstance(k, str):
+                    _check_int(k, key, "dict key under")
                 # a tensor value without the depth count's frames (most of a state's nodes)
                 sub = join(key, k)
                 items.append([k, self._leaf(v, sub) if isinstance(v, torch.Tensor) else self._node(v, sub)])

@@ -53,7 +53,12 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor, step: int = 1 << 22) -> float
     if a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
         return False
     worst = 0.0
+    mixed = a.dtype != b.dtype and torch.uint64 in (a.dtype, b.dtype)
+    integers = _integer(a.dtype) and _integer(b.dtype) and not mixed
     for i in range(0, a.numel(), step):
+        if integers:  # float64 rounds 64-bit ints: 2**62 + 1 and 2**62 differed by 0
+            worst = max(worst, _int_diff(a[i : i + step], b[i : i + step]))
+            continue
         x, y = _numeric(a[i : i + step]), _numeric(b[i : i + step])
         if x is None or y is None:
             return None
@@ -61,6 +66,24 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor, step: int = 1 << 22) -> float
         d[torch.isnan(x) & torch.isnan(y)] = 0
         worst = max(worst, float(d.max()), key=lambda v: math.inf if math.isnan(v) else v)
     return False if worst == 0 and a.dtype != b.dtype else worst  # equal values in another dtype
+
+
+def _integer(dtype: torch.dtype) -> bool:
+    import torch
+
+    return dtype in (torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64) or (
+        dtype == torch.uint64
+    )
+
+
+def _int_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| of integer tensors: exact below 2**52 (as int64, wrapping as unsigned ones'
+    bytes do, exact while |a - b| < 2**63), from float64 above, where float64 is close enough."""
+    import torch
+
+    rough = (a.to(torch.float64) - b.to(torch.float64)).abs()
+    exact = (a.to(torch.int64) - b.to(torch.int64)).abs().to(torch.float64)
+    return float(torch.where(rough < 2.0**52, exact, rough).max()) if a.numel() else 0.0
 
 
 def _same_bytes(ma: Manifest, mb: Manifest, key: str) -> bool:

@@ -1,0 +1,130 @@
+"""Tensors and values off the common path: subclasses, sparse and nested templates, inference
+tensors, shapes and ints the format cannot hold. Each is saved and loaded back exactly, or
+refused with its key named before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing._internal.two_tensor import TwoTensor
+
+import stashpoint
+from stashpoint._tools.diff import max_abs_diff
+from stashpoint.errors import CheckpointError, StateMismatchError, UnsupportedStateError
+
+
+def test_a_wrapper_subclass_in_a_parameter_is_refused_by_key_and_a_plain_parameter_subclass_saved(tmp_path):
+    """Before: a Parameter around a wrapper subclass (torchao-style weights) passed the check
+    and was saved with the bytes of one inner tensor; loading into one failed with EFAULT."""
+    wrapped = torch.nn.Parameter(TwoTensor(torch.arange(4.0), torch.arange(4.0) + 100))
+    for state in ({"w": wrapped}, {"w": TwoTensor(torch.zeros(4), torch.ones(4))}):
+        with pytest.raises(UnsupportedStateError, match="tensor subclass TwoTensor at key 'w'"):
+            stashpoint.save(state, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+    class Tagged(torch.nn.Parameter):  # a Parameter subclass of plain memory (as FSDP1's FlatParameter)
+        pass
+
+    stashpoint.save({"w": Tagged(torch.arange(4.0))}, tmp_path / "plain")
+    assert torch.equal(stashpoint.read(tmp_path / "plain")["w"], torch.arange(4.0))
+    for atomic in (False, True):
+        target = {"w": torch.nn.Parameter(TwoTensor(torch.zeros(4), torch.zeros(4)))}
+        with pytest.raises(StateMismatchError, match="'w': the state's tensor is a TwoTensor, a tensor subclass"):
+            stashpoint.load(target, tmp_path / "plain", atomic=atomic)
+
+
+@pytest.mark.parametrize(
+    ("template", "says"),
+    [
+        (torch.eye(3).to_sparse_csr(), "of layout torch.sparse_csr"),
+        (torch.eye(3).to_sparse(), "of layout torch.sparse_coo"),
+        (torch.nested.nested_tensor([torch.zeros(3), torch.zeros(3)]), "a nested tensor"),
+    ],
+    ids=["csr", "coo", "nested"],
+)
+def test_a_sparse_or_nested_template_is_a_mismatch_naming_its_layout(tmp_path, template, says):
+    """Before: torch's RuntimeError (no strides, no sizes) or a wrong reason (an expanded view)."""
+    stashpoint.save({"w": torch.eye(3)}, tmp_path / "ck")
+    with pytest.raises(StateMismatchError, match=f"'w': the state's tensor is {says}"):
+        stashpoint.load({"w": template}, tmp_path / "ck")
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_tensors_made_in_inference_mode_load_in_place(tmp_path, atomic):
+    """Before: atomic=True raised torch's RuntimeError part-way, half of the state loaded."""
+    stashpoint.save({"a": torch.ones(4), "b": torch.full((4,), 2.0), "step": 7}, tmp_path / "ck")
+    with torch.inference_mode():
+        b = torch.zeros(4)
+    state = {"a": torch.zeros(4), "b": b, "step": 0}
+    stashpoint.load(state, tmp_path / "ck", atomic=atomic)
+    assert torch.equal(state["a"], torch.ones(4)) and torch.equal(b, torch.full((4,), 2.0)) and state["step"] == 7
+
+
+def test_a_load_counts_as_an_in_place_change_for_autograd(tmp_path):
+    """A graph still holding a tensor a load wrote must fail at backward(), as after copy_().
+    Before: bytes read straight into the tensor left its version as it was, and backward()
+    computed gradients from the new values in silence."""
+    stashpoint.save({"w": torch.full((3,), 5.0)}, tmp_path / "ck")
+    for atomic in (False, True):
+        w, x = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+        y = (w * x).sum()
+        stashpoint.load({"w": w}, tmp_path / "ck", atomic=atomic)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+
+
+@pytest.mark.parametrize(
+    ("tensor", "says"),
+    [
+        (torch.zeros([1] * 65), "has 65 dimensions, more than the format's 64"),
+        (torch.empty(0, 2**62), r"of shape \[0, 4611686018427387904\] holds more bytes than the format's 2\*\*62"),
+        (torch.empty(0, 2**61), r"of shape \[0, 2305843009213693952\] holds more bytes"),  # 4-byte floats
+    ],
+    ids=["dims", "dim", "bytes"],
+)
+def test_a_tensor_a_load_would_call_damaged_is_refused_at_the_save(tmp_path, tensor, says):
+    """Before: saved, then read as a damaged checkpoint (a manager's restore set it aside)."""
+    with stashpoint.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"t": torch.zeros(2)}).wait()
+        with pytest.raises(UnsupportedStateError, match=f"the tensor at key 't' {says}"):
+            mgr.save(2, {"t": tensor})
+        mgr.wait()
+        assert mgr.steps() == [1]
+
+
+def test_an_int_longer_than_python_reads_back_is_refused_at_the_call_by_key(tmp_path):
+    """Before: a dict key raised a bare ValueError, and a value failed in the background."""
+    big = 10**5000
+    with pytest.raises(UnsupportedStateError, match="dict key under 'ids' is an int of more than 4300 digits"):
+        stashpoint.save({"ids": {big: torch.ones(1)}}, tmp_path / "a")
+    with pytest.raises(UnsupportedStateError, match="value at key 'cfg/seed' is an int of more than 4300 digits"):
+        stashpoint.async_save({"cfg": {"seed": -big}}, tmp_path / "b")
+    stashpoint.save({"v": 10**4299, "k": {-(10**4299): 1}}, tmp_path / "c")  # the longest that reads back
+    assert stashpoint.read(tmp_path / "c") == {"v": 10**4299, "k": {-(10**4299): 1}}
+
+
+def test_diff_of_64_bit_ints_is_exact():
+    """Before: both sides went through float64, and 2**62 + 1 against 2**62 differed by 0."""
+    assert max_abs_diff(torch.tensor([2**62 + 1, 3]), torch.tensor([2**62, 3])) == 1
+    assert (
+        max_abs_diff(torch.tensor([2**63 - 1], dtype=torch.uint64), torch.tensor([2**63 + 1], dtype=torch.uint64)) == 2
+    )
+    assert max_abs_diff(torch.tensor([1, 2], dtype=torch.int32), torch.tensor([1, 5])) == 3
+    assert max_abs_diff(torch.tensor([7]), torch.tensor([7])) is False
+
+
+def test_refusals_off_the_common_path_name_the_key(tmp_path):
+    with pytest.raises(UnsupportedStateError, match="at key 'cfg/cls': Linear is a class"):
+        stashpoint.save({"cfg": {"cls": torch.nn.Linear}}, tmp_path / "a")
+    with pytest.raises(TypeError, match=r"metadata\['epoch'\] is a int"):
+        stashpoint.save({"w": torch.ones(1)}, tmp_path / "b", metadata={"run": "x", "epoch": 3})
+    with pytest.raises(TypeError, match="metadata must be a dict of str to str, not list"):
+        stashpoint.save({"w": torch.ones(1)}, tmp_path / "b", metadata=[("run", "x")])  # type: ignore[arg-type]
+    stashpoint.save({"%": torch.ones(1)}, tmp_path / "c")
+    escaped = r"has no key '%'; the keys under 'the root' are '%25' \(a key holding '/' or '%' is selected escaped"
+    with pytest.raises(CheckpointError, match=escaped):
+        stashpoint.read(tmp_path / "c", select="%")
+    assert torch.equal(stashpoint.read(tmp_path / "c", select="%25"), torch.ones(1))
+    stashpoint.save(5, tmp_path / "d")
+    with pytest.raises(StateMismatchError, match="a plain value at its root, is not changed in place"):
+        stashpoint.load(0, tmp_path / "d")
