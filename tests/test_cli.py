@@ -492,6 +492,29 @@ def test_import_torch_save(tmp_path: Path) -> None:
     assert cli("import", tmp_path / "ck.pt", tmp_path / "sp", "--overwrite").exit_code == 0
 
 
+def test_import_strips_a_wrappers_prefix_so_the_state_dict_loads_into_the_module(tmp_path: Path) -> None:
+    """A torch.save file of a DDP model's state_dict: its keys carry DDP's ``module.``. Before:
+    the imported checkpoint loaded into no module, and the hint said to change how the
+    (existing) file was saved."""
+    model = small_model(seed=1)
+    ddp_keys = {f"module.{k}": v for k, v in model.state_dict().items()}  # what DDP's state_dict() gives
+    torch.save({"model": ddp_keys, "step": 5}, tmp_path / "ck.pt")
+    assert cli("import", tmp_path / "ck.pt", tmp_path / "as-is").exit_code == 0
+    with pytest.raises(stashpoint.StateMismatchError, match=r"import it again with --strip-prefix 'module\.'"):
+        stashpoint.load({"model": small_model(seed=2), "step": 0}, tmp_path / "as-is")
+
+    r = cli("import", tmp_path / "ck.pt", tmp_path / "sp", "--strip-prefix", "_orig_mod.", "--strip-prefix", "module.")
+    assert r.exit_code == 0, r.output
+    fresh = small_model(seed=2)
+    target = {"model": fresh, "step": 0}
+    stashpoint.load(target, tmp_path / "sp")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items()) and target["step"] == 5
+
+    torch.save({"module.w": torch.ones(1), "w": torch.zeros(1)}, tmp_path / "two.pt")
+    one_line_error(cli("import", tmp_path / "two.pt", tmp_path / "x", "--strip-prefix", "module."), "two keys", "'w'")
+    assert not (tmp_path / "x").exists()
+
+
 def test_import_dcp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict_loader

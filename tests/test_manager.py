@@ -365,9 +365,11 @@ def test_a_skipped_save_does_not_restart_the_every_seconds_clock(tmp_path):
     """A skip is no save: the next maybe_save tries again. Before: the skip set the clock, so
     saves came twice as far apart as every_seconds while the writer was busy."""
     with stashpoint.CheckpointManager(tmp_path / "r", every_seconds=3600, on_busy="skip") as mgr:
+        assert mgr.maybe_save(1, _state(1)) is None, "the clock starts at the manager's opening"
         gate = _block_writer()
         try:
-            first = mgr.maybe_save(1, _state(1))  # no save yet: due
+            mgr._last_save_time = None  # as if an hour had passed
+            first = mgr.maybe_save(1, _state(1))
             assert first is not None and not first.done()
             mgr._last_save_time = None  # as if an hour had passed
             skipped = mgr.maybe_save(2, _state(2))

@@ -4,6 +4,7 @@ membership test is a set's (quadratic otherwise: 1.4 s at 10k parameters with Ad
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import stashpoint
@@ -72,3 +73,23 @@ def test_a_load_pre_hook_is_handed_the_groups_lists_as_they_were(tmp_path):
     assert seen and set(seen) == {list}
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(optim.state[p]["exp_avg"], optim2.state[q]["exp_avg"])
+
+
+def test_a_fine_tune_with_groups_of_its_own_keeps_their_learning_rates(tmp_path):
+    """A pretrained checkpoint of one group loaded with strict=False into a backbone group at
+    a low lr and a new head at another: the moments of the parameters both hold load, and
+    each group keeps its own hyperparameters. Before: every group took the saved group's lr
+    (the backbone trained 100x faster than asked) while the warning said nothing of it."""
+    pre = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(pre.parameters(), lr=1e-3, weight_decay=0.1)
+    pre(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    stashpoint.save({"model": pre, "optim": opt}, tmp_path / "pre")
+    ft = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+    groups = [{"params": ft[0].parameters(), "lr": 1e-5}, {"params": ft[1].parameters(), "weight_decay": 0.0}]
+    opt2 = torch.optim.AdamW(groups, lr=1e-3)
+    with pytest.warns(UserWarning, match="its groups keep their own hyperparameters"):
+        stashpoint.load({"model": ft, "optim": opt2}, tmp_path / "pre", strict=False)
+    assert [(g["lr"], g["weight_decay"]) for g in opt2.param_groups] == [(1e-5, 0.01), (1e-3, 0.0)]
+    assert torch.equal(opt2.state[ft[0].weight]["exp_avg"], opt.state[pre[0].weight]["exp_avg"])
+    assert ft[1].weight not in opt2.state  # resized: starts fresh

@@ -63,7 +63,7 @@ def test_sigterm_saves_the_current_step_commits_it_and_exits_then_a_fresh_proces
     assert f"preempted by SIGTERM: step {at} committed" in err
     assert not (tmp_path / "done-0").exists()
     res = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path), str(at + 2)], env=ENV, capture_output=True, text=True, timeout=120
+        [sys.executable, str(WORKER), str(tmp_path), str(at + 2)], env=ENV, capture_output=True, text=True, timeout=60
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"RESUMED {at}" in res.stdout
@@ -196,6 +196,53 @@ def test_managers_with_preemption_opened_and_closed_leave_no_thread_fd_or_handle
     assert len(os.listdir("/proc/self/fd")) <= before_fds
     assert signal.getsignal(signal.SIGTERM) is handler
     assert signal.set_wakeup_fd(-1) == -1, "the wakeup fd is given back"
+
+
+def test_a_signal_no_program_can_catch_is_refused_leaving_the_signals_and_the_root_as_they_were(tmp_path):
+    """Before: SIGTERM was taken over, then SIGKILL failed with a bare OSError; SIGTERM's
+    handler was never given back (the process ignored it) and the root stayed locked."""
+    handler = signal.getsignal(signal.SIGTERM)
+    for bad, named in ((signal.SIGKILL, "SIGKILL"), (999, "signal 999")):
+        with pytest.raises(ValueError, match=f"preemption_signals holds {named}, which a program cannot catch"):
+            stashpoint.CheckpointManager(
+                tmp_path / "r", preemption_deadline=5, preemption_signals=(signal.SIGTERM, bad)
+            )
+        assert signal.getsignal(signal.SIGTERM) is handler
+    with stashpoint.CheckpointManager(tmp_path / "r") as mgr:  # not locked
+        assert mgr.steps() == []
+
+
+_SAVE_IN_HANDLER = """
+import os, signal, sys, torch, stashpoint
+from stashpoint.errors import CheckpointError
+class Interrupted:  # the signal lands while the save's call stages this object
+    def state_dict(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return {"x": torch.ones(4)}
+    def load_state_dict(self, sd):
+        pass
+def on_term(signum, frame):
+    stashpoint.save({"w": torch.ones(2)}, sys.argv[1] + "/on-term")
+signal.signal(signal.SIGTERM, on_term)
+try:
+    stashpoint.save({"obj": Interrupted()}, sys.argv[1] + "/periodic")
+except CheckpointError as e:
+    print("refused:", e)
+stashpoint.save({"w": torch.ones(2)}, sys.argv[1] + "/after")  # the lock was let go
+print("saved after")
+"""
+
+
+def test_a_save_from_a_signal_handler_inside_a_saves_call_is_refused_not_hung(tmp_path):
+    """Before: the handler's save waited for the lock the interrupted call held, on the same
+    thread: the process hung until SIGKILL and neither checkpoint was written."""
+    out = subprocess.run(
+        [sys.executable, "-c", _SAVE_IN_HANDLER, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "refused: a save was started while another save's call was running on the same thread" in out.stdout
+    assert "preemption_deadline" in out.stdout and "saved after" in out.stdout
+    assert stashpoint.read(tmp_path / "after")["w"].tolist() == [1.0, 1.0]
 
 
 def test_managers_closed_out_of_order_give_back_the_programs_handler(tmp_path):

@@ -257,7 +257,9 @@ def wrapper_hint(missing: list[str], unexpected: list[str]) -> str | None:
     return (
         f"the keys differ by a wrapper's prefix ({saved!r} in the checkpoint, {live!r} in the state): DDP, "
         "DataParallel, torch.compile and FSDP1 add one to state_dict(). Put the module itself in the state "
-        "(stashpoint saves and loads a wrapped module under its own names), not a wrapped module's state_dict()"
+        "(stashpoint saves and loads a wrapped module under its own names), not a wrapped module's state_dict(); "
+        "a checkpoint made by `stashpoint import` of such a torch.save file: import it again with --strip-prefix "
+        f"{next((p for p in saved.rsplit('/', 1)[-1].split('.') if p in _WRAPPER_PARTS), 'module') + '.'!r}"
     )
 
 

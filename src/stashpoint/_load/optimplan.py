@@ -89,7 +89,8 @@ class OptimizerPlanning:
             self.plan.problems.append(
                 f"missing optimizer parameter {n!r} at {self._name(where)}: not in the checkpoint"
             )
-        if len(built["param_groups"]) != len(optim.param_groups):
+        regroup = len(built["param_groups"]) != len(optim.param_groups)
+        if regroup:  # no pairing of groups to trust: a fine-tune's new groups keep their learning rates
             self.plan.problems.append(
                 f"{self._name(where)}: the checkpoint has {len(built['param_groups'])} parameter group(s), "
                 f"the optimizer {len(optim.param_groups)}"
@@ -114,9 +115,10 @@ class OptimizerPlanning:
         if len(self.plan.problems) != n_before:  # what strict=False does, said once: not a problem of its own
             self.plan.problems[-1] += (
                 f" (with strict=False the state of {self._name(where)} is loaded for the parameters the checkpoint "
-                "and the optimizer share; the others start fresh)"
+                "and the optimizer share; the others start fresh"
+                + ("; its groups keep their own hyperparameters: lr, weight decay, ...)" if regroup else ")")
             )
-        self._optimizer_finalizer(_stateful.optimizer_from_named(built, optim, names), optim, where)
+        self._optimizer_finalizer(_stateful.optimizer_from_named(built, optim, names, regroup), optim, where)
 
     def _optimizer_finalizer(self, sd: dict[str, Any], optim: torch.optim.Optimizer, where: str) -> None:
         problem = optimizer_problem(sd, optim, other_class=self._saved_class is not None)

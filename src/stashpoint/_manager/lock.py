@@ -44,8 +44,10 @@ def acquire_root_lock(root: Path) -> int:
         if unjoined_launch():
             raise CheckpointError(f"another CheckpointManager already owns {root}: {unjoined_hint()}") from None
         raise CheckpointError(
-            f"another CheckpointManager (in this or another process) already owns {root}; close it first, "
-            "or give each run its own directory."
+            f"another CheckpointManager (in this or another process) already owns {root}; close it first "
+            "(mgr.close(), or a `with` block; in a notebook, a manager left without close() holds it until the "
+            "kernel restarts), or give each run its own directory. To only read a step, stashpoint.load its "
+            "step directory."
         ) from None
     except OSError as e:  # ENOLCK (NFS without lockd), ENOSYS/EOPNOTSUPP (Lustre without flock, FUSE)
         os.close(fd)

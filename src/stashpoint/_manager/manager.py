@@ -45,7 +45,7 @@ class CheckpointManager:
             start = (mgr.restore(state) or 0) + 1          # None on a fresh run
             for step in range(start, total + 1):
                 train_one_step()
-                mgr.maybe_save(step, state, metrics={"loss": loss})
+                mgr.maybe_save(step, state, metrics={"loss": loss.item()})
 
     Args:
         root: the run directory (created if needed).
@@ -57,7 +57,8 @@ class CheckpointManager:
             of the state in host memory, so this bounds the host memory used for staging.
         on_busy: when ``max_inflight`` saves are in flight, ``"wait"`` blocks until one commits
             (backpressure) and ``"skip"`` skips the new save (logged and counted).
-        every_steps, every_seconds: when :meth:`maybe_save` saves.
+        every_steps, every_seconds: when :meth:`maybe_save` saves (``every_seconds`` counted from
+            the manager's creation, then from each save made: not at the first step of a run).
         on_save: called with the :class:`SaveStats` of every save once it commits or is skipped,
             in order, on a thread of the manager's (not the training's, nor the writer's: it may
             save, e.g. export each step); :meth:`wait` and :meth:`close` wait for it (and are
@@ -140,12 +141,14 @@ class CheckpointManager:
         self.root: Path | str = self.storage.root if isinstance(self.storage, LocalStorage) else self.storage.location
         self.max_inflight = max_inflight
         self.on_busy = on_busy
+        if on_save is not None and not callable(on_save):
+            raise TypeError(f"on_save must be a function taking SaveStats, not {type(on_save).__name__}")
         self.on_save = on_save
         self.history: collections.deque[SaveStats] = collections.deque(maxlen=1000)
         self.skipped = 0
         self._handles: list[tuple[SaveHandle, cf.Future[None]]] = []
         self._metrics: dict[int, dict[str, float]] = {}
-        self._last_save_time: float | None = None
+        self._last_save_time: float | None = time.monotonic()  # every_seconds counts from the opening
         self._lock = threading.Lock()
         self._deleter = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-manager")
         self._deletions: list[cf.Future[None]] = []
@@ -197,11 +200,11 @@ class CheckpointManager:
                     owner=self._owner,
                     node_local=self._nodes is not None,
                 )
+            if self._preemption is not None:
+                self._preemption.install()
         except BaseException:
             self._release()
             raise
-        if self._preemption is not None:
-            self._preemption.install()
 
     @property
     def remote(self) -> Storage | None:

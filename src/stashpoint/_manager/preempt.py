@@ -74,6 +74,12 @@ class Preemption:
                 "preemption handling installs signal handlers, which Python allows only in the main thread: "
                 "create this CheckpointManager there"
             )
+        for sig in signals:  # before anything is taken over: a handler refused half-way left SIGTERM ignored
+            if sig not in signal.valid_signals() or sig in (signal.SIGKILL, signal.SIGSTOP):
+                raise ValueError(
+                    f"preemption_signals holds {signal_name(sig)}, "
+                    "which a program cannot catch; give signals such as SIGTERM, SIGINT or SIGUSR1"
+                )
         self.deadline_s = float(deadline_s)
         self.signum: int | None = None
         self.since: float | None = None
@@ -102,8 +108,14 @@ class Preemption:
         must leave SIGTERM's default action alone), and start the watchdog."""
         for left in list(_left):  # managers closed from other threads: given back here first
             left._give_back()
-        for sig in self._signals:
-            self._previous[sig] = signal.signal(sig, self._note)
+        try:
+            for sig in self._signals:
+                self._previous[sig] = signal.signal(sig, self._note)
+        except BaseException:  # each taken so far is given back: the program's signals stay its own
+            for sig, previous in self._previous.items():
+                signal.signal(sig, _settable(previous))
+            self._previous.clear()
+            raise
         r, w = os.pipe()
         os.set_blocking(w, False)
         old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)

@@ -7,7 +7,6 @@ import difflib
 import inspect
 import logging
 import os
-import threading
 import time
 import warnings
 from collections.abc import Mapping
@@ -25,6 +24,7 @@ from stashpoint._runtime import gc_paused
 from stashpoint._save import overlap as _overlap
 from stashpoint._save import teardown
 from stashpoint._save import writerproc as _writerproc
+from stashpoint._save.calllock import CallLock
 from stashpoint._save.cudacopy import cuda_device, refuse_capture, stage
 from stashpoint._save.handle import SaveHandle, SaveStats
 from stashpoint._save.job import PersistJob
@@ -50,7 +50,7 @@ class _Engine:
         self.pool = StagingPool(max_free=1)
         self.pool.on_drop = _writerproc.forget_freed  # dropped buffers: the writer process unmaps them
         self.inflight: list[SaveHandle] = []
-        self.lock = threading.Lock()
+        self.lock = CallLock()
         self._plans: dict[tuple[Any, ...], SavePlan] = {}
         self.layouts = LayoutCache()
         # one process saving alone: one context, as a group's, so that a save of the same

@@ -216,7 +216,7 @@ def optimizer_current_names(optim: torch.optim.Optimizer, names: Mapping[int, st
 
 
 def optimizer_from_named(
-    sd: Mapping[str, Any], optim: torch.optim.Optimizer, names: Mapping[int, str]
+    sd: Mapping[str, Any], optim: torch.optim.Optimizer, names: Mapping[int, str], keep_groups: bool = False
 ) -> dict[str, Any]:
     """Turn a name-keyed optimizer state dict into the integer-keyed form ``optim`` loads.
 
@@ -225,7 +225,8 @@ def optimizer_from_named(
     correctly after the parameters were reordered within their groups (groups formed otherwise
     are refused beforehand: ``validate.regroup_problem``). An empty group (a no-decay group of a model
     without biases) takes the saved group in its place when the counts agree; a group matched to
-    none keeps its own. The caller checks beforehand that the saved and current names agree.
+    none keeps its own; with ``keep_groups`` (the counts of groups differ: no pairing holds)
+    every group keeps its own. The caller checks beforehand that the saved and current names agree.
     """
     saved_groups = sd["param_groups"]
     saved_group_of = {n: gi for gi, g in enumerate(saved_groups) for n in g["params"]}
@@ -238,7 +239,9 @@ def optimizer_from_named(
             index_of[names[id(p)]] = len(index_of)
             ids.append(index_of[names[id(p)]])
         first = names[id(group["params"][0])] if group["params"] else None
-        if first in saved_group_of:
+        if keep_groups:
+            saved = group
+        elif first in saved_group_of:
             saved = saved_groups[saved_group_of[first]]
         elif first is None and same_count and not saved_groups[gi]["params"]:
             saved = saved_groups[gi]

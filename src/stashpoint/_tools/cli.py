@@ -326,8 +326,15 @@ def export_command(*, path: str, out: str, select: str, max_shard_size: int | No
 @click.argument("src", type=PATH_ARG)
 @click.argument("path", type=PATH_ARG)
 @click.option("--overwrite", is_flag=True, help="Replace a committed checkpoint at PATH.")
+@click.option(
+    "--strip-prefix",
+    multiple=True,
+    metavar="PREFIX",
+    help="Take PREFIX off every dict key starting with it (repeatable): 'module.' of DDP, '_orig_mod.' of "
+    "torch.compile, so that a wrapped module's state dict loads into the module.",
+)
 @fails_cleanly
-def import_command(*, src: Path, path: str, overwrite: bool) -> None:
+def import_command(*, src: Path, path: str, overwrite: bool, strip_prefix: tuple[str, ...]) -> None:
     """Convert a torch.save file or a DCP checkpoint directory into a stashpoint checkpoint.
 
     A torch.save file is read with torch.load(weights_only=True); a DCP checkpoint's pickled
@@ -337,7 +344,7 @@ def import_command(*, src: Path, path: str, overwrite: bool) -> None:
     from stashpoint._core.units import human_bytes
     from stashpoint._tools.convert import import_checkpoint
 
-    res = import_checkpoint(src, path, overwrite=overwrite)
+    res = import_checkpoint(src, path, overwrite=overwrite, strip_prefix=strip_prefix)
     echo(f"imported {res.kind} {src}: {res.tensors} tensor(s), {human_bytes(res.bytes)}, to {res.path}")
 
 

@@ -12,7 +12,7 @@ import math
 import os
 import pickle
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -222,13 +222,19 @@ def _load_opened(at: Path, p: Path) -> Any:
 
 
 def import_checkpoint(
-    src: str | os.PathLike[str], path: str | os.PathLike[str], *, overwrite: bool = False
+    src: str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    strip_prefix: Sequence[str] = (),
 ) -> ImportResult:
     """Convert a ``torch.save`` file or a DCP checkpoint directory into a stashpoint checkpoint.
 
     A ``torch.save`` file is read with ``weights_only=True``; a DCP checkpoint's pickled metadata
     and values through unpicklers that know only what DCP and ``weights_only=True`` allow
-    (``_tools.dcpread``). Nothing in the file can run code.
+    (``_tools.dcpread``). Nothing in the file can run code. Each of ``strip_prefix`` (e.g.
+    ``"module."`` of DDP, ``"_orig_mod."`` of ``torch.compile``) is taken off the start of every
+    dict key holding it, so that the state dict of a wrapped module loads into the module.
     """
     p = _local(src, "import reads")
     if not p.exists():
@@ -256,6 +262,8 @@ def import_checkpoint(
     else:
         kind, state, read = "torch.save", _load_torch_file(p), p.stat().st_size
     check_tensors(state, read, str(p))
+    if strip_prefix:
+        state = stripped(state, tuple(strip_prefix))
     if not isinstance(state, (dict, list, tuple)):  # e.g. a lone tensor: give it a name
         state = {"state": state}
     stats = save(state, path, overwrite=overwrite)
@@ -268,3 +276,46 @@ def _local(path: str | os.PathLike[str], what: str) -> Path:
     if "://" in str(path):
         raise ValueError(f"{what} local files; {str(path)!r} is a URL: give a local path (and copy it yourself)")
     return Path(user_path(path))
+
+
+def stripped(state: Any, prefixes: tuple[str, ...]) -> Any:
+    """``state`` with ``prefixes`` taken off the start of its dicts' string keys (each in turn,
+    again while one applies: ``module._orig_mod.``); its dicts and lists copied, without
+    recursion (a file's nesting), each once (shared ones stay shared, a cycle ends); raises
+    ``CheckpointError`` where two keys become one."""
+    if not all(prefixes):
+        raise ValueError("--strip-prefix needs a non-empty prefix, e.g. 'module.'")
+
+    def bare(key: Any) -> Any:
+        while isinstance(key, str) and (hit := next((p for p in prefixes if key.startswith(p)), None)):
+            key = key[len(hit) :]
+        return key
+
+    copies: dict[int, Any] = {}
+    todo: list[tuple[Any, str]] = []
+
+    def copy(node: Any, where: str) -> Any:
+        if not isinstance(node, (dict, list)):
+            return node
+        if id(node) in copies:
+            return copies[id(node)]
+        if isinstance(node, list):
+            out: Any = list(node)
+        else:
+            out = {}
+            for k, v in node.items():
+                if (nk := bare(k)) in out:
+                    raise CheckpointError(
+                        f"--strip-prefix makes two keys under {where or '<root>'!r} one: {nk!r}; import without it"
+                    )
+                out[nk] = v
+        copies[id(node)] = out
+        todo.append((out, where))
+        return out
+
+    top = copy(state, "")
+    while todo:
+        node, where = todo.pop()
+        for k in list(node) if isinstance(node, dict) else range(len(node)):
+            node[k] = copy(node[k], f"{where}/{k}" if where else str(k))
+    return top

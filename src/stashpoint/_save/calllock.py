@@ -1,0 +1,34 @@
+"""The lock around a save's call that a signal handler's save cannot wait on for ever."""
+
+from __future__ import annotations
+
+import threading
+from types import TracebackType
+
+from stashpoint.errors import CheckpointError
+
+
+class CallLock:
+    """A lock refusing the thread that holds it, instead of waiting for itself: a save started
+    from a signal handler runs on the thread whose save the signal interrupted, inside its
+    call (a SIGTERM handler saving while the training loop's save stages)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holder: int | None = None
+
+    def __enter__(self) -> None:
+        me = threading.get_ident()
+        if self._holder == me:
+            raise CheckpointError(
+                "a save was started while another save's call was running on the same thread (from a signal "
+                "handler, which runs inside the call it interrupts), where it would wait for that call for ever; "
+                "set a flag in the handler and save from the training loop, or use "
+                "CheckpointManager(preemption_deadline=...), which saves at the next maybe_save"
+            )
+        self._lock.acquire()
+        self._holder = me
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self._holder = None
+        self._lock.release()
