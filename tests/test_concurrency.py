@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -71,6 +72,11 @@ def test_two_processes_overwriting_one_path_leave_a_checkpoint_that_loads(tmp_pa
         assert report.ok, (trial, outs, report.problems)
         got = stashpoint.read(path)
         assert got["who"] in (1.0, 2.0) and torch.equal(got["w"], torch.full((512, 1024), got["who"]))
+        # the files of the save whose commit was replaced, where they are left, are ignored and named
+        committed = json.loads((path / "manifest.json").read_text())["save_id"]
+        others = [p.name for p in path.iterdir() if p.name != "manifest.json" and committed not in p.name]
+        assert all(any(name in w for w in report.warnings) for name in others), (others, report.warnings)
+        assert not any(committed in w for w in report.warnings), report.warnings
 
 
 def test_a_load_waits_for_a_save_of_the_same_checkpoint_still_in_flight(tmp_path):

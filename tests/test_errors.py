@@ -464,21 +464,27 @@ def test_the_manifest_is_published_only_after_every_shard_and_the_directory_are_
         real_replace(src, dst)
 
     def link(src, dst):  # without overwrite the manifest is published by a hard link: exclusive
-        events.append(f"rename {os_module.path.basename(dst)}")
+        events.append(f"link {os_module.path.basename(dst)}")
         real_link(src, dst)
 
     monkeypatch.setattr(_storage.os, "fsync", fsync)
     monkeypatch.setattr(_storage.os, "replace", replace)
     monkeypatch.setattr(_storage.os, "link", link)
-    stashpoint.save({"a": torch.ones(300_000), "b": torch.ones(10)}, tmp_path / "ck", max_shard_bytes=600_000)
-    shards = [e for e in events if e.startswith("fsync shard-")]
-    assert len(shards) == 2
-    rename = events.index("rename manifest.json")
-    last_shard = max(events.index(e) for e in shards)
-    assert events[0] == "fsync dir", "the new checkpoint directory's name in its parent, first"
-    assert last_shard < events.index("fsync dir", last_shard) < rename, events
-    assert events[rename - 1].startswith("fsync .manifest.json."), "the manifest's own bytes are durable first"
-    assert events[rename + 1] == "fsync dir", "and its name is made durable right after the rename"
+    state = {"a": torch.ones(300_000), "b": torch.ones(10)}
+    for overwrite, publish in ((False, "link manifest.json"), (True, "rename manifest.json")):
+        events.clear()
+        stashpoint.save(state, tmp_path / "ck", max_shard_bytes=600_000, overwrite=overwrite)
+        shards = [e for e in events if e.startswith("fsync shard-")]
+        assert len(shards) == 2
+        assert [e for e in events if e.endswith(" manifest.json")] == [publish], events
+        at = events.index(publish)
+        last_shard = max(events.index(e) for e in shards)
+        if not overwrite:
+            assert events[0] == "fsync dir", "the new checkpoint directory's name in its parent, first"
+        assert last_shard < events.index("fsync dir", last_shard) < at, events
+        assert any(e.startswith("fsync index-") for e in events[:at]), "the rank's index is durable first too"
+        assert events[at - 1].startswith("fsync .manifest.json."), "the manifest's own bytes are durable first"
+        assert events[at + 1] == "fsync dir", "and its name is made durable right after it is published"
 
 
 def test_an_extra_file_is_reported_by_verify_and_does_not_affect_loading(tmp_path):

@@ -438,26 +438,37 @@ def test_a_remote_tier_that_cannot_be_reached_does_not_stop_a_restart_with_a_loc
 
 def test_a_save_asks_for_no_more_manifests_as_the_kept_steps_grow(tmp_path, monkeypatch):
     """With keep_every=1 every step is kept, locally and remotely: each save's retention passes
-    must not ask every step for its manifest again (a HEAD each on object storage)."""
+    must not ask every step for its manifest again (a HEAD each on object storage), nor read
+    every step's manifest for its metrics (keep_best)."""
     asked = [0]
-    real = LocalStorage.exists
+    real_exists, real_read = LocalStorage.exists, LocalStorage.read
 
-    def counting(self, name=None):  # type: ignore[no-untyped-def]
+    def exists(self, name=None):  # type: ignore[no-untyped-def]
         asked[0] += 1
-        return real(self, name)
+        return real_exists(self, name)
 
-    monkeypatch.setattr(LocalStorage, "exists", counting)
+    def read(self, name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        asked[0] += name == "manifest.json"
+        return real_read(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStorage, "exists", exists)
+    monkeypatch.setattr(LocalStorage, "read", read)
     per_save = {}
     with stashpoint.CheckpointManager(
-        tmp_path / "r", keep_last=2, keep_every=1, remote_root=tmp_path / "remote", remote_keep_last=2
+        tmp_path / "r",
+        keep_last=2,
+        keep_every=1,
+        keep_best=(2, "loss"),
+        remote_root=tmp_path / "remote",
+        remote_keep_last=2,
     ) as mgr:
         for step in range(1, 41):
             asked[0] = 0
-            mgr.save(step, _state(step)).wait()
+            mgr.save(step, _state(step), metrics={"loss": 1.0 / step}).wait()
             mgr.wait()
             per_save[step] = asked[0]
         assert len(mgr.steps()) == 40 and len(mgr.remote_steps()) == 40
-    assert per_save[40] <= per_save[5], per_save
+    assert per_save[1] <= 10 and max(per_save.values()) <= per_save[1], per_save  # as many at step 40 as at 1
 
 
 def test_steps_only_the_remote_tier_holds_are_not_called_unreadable_when_a_manager_opens(tmp_path, caplog):

@@ -186,7 +186,7 @@ class Flattener:
         if key in self._keys:
             raise UnsupportedStateError(
                 f"two entries map to the key path {key!r} (e.g. a string key '0' beside an "
-                "integer key 0); rename one of them."
+                "integer key 0, or a dict under an empty key '' beside its parent's own); rename one of them."
             )
         self._keys.add(key)
         # not detached here: the state's own tensor objects (whose id() the layout cache and
