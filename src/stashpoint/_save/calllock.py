@@ -14,21 +14,23 @@ class CallLock:
     call (a SIGTERM handler saving while the training loop's save stages)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._holder: int | None = None
+        self._lock = threading.RLock()  # knows its owner at C level: a Ctrl-C cannot leave it unknown
+        self._inside = False  # the owner is inside a call (set once it holds the lock)
 
     def __enter__(self) -> None:
-        me = threading.get_ident()
-        if self._holder == me:
-            raise CheckpointError(
-                "a save was started while another save's call was running on the same thread (from a signal "
-                "handler, which runs inside the call it interrupts), where it would wait for that call for ever; "
-                "set a flag in the handler and save from the training loop, or use "
-                "CheckpointManager(preemption_deadline=...), which saves at the next maybe_save"
-            )
-        self._lock.acquire()
-        self._holder = me
+        if self._lock._is_owned():  # type: ignore[attr-defined]
+            if self._inside:
+                raise CheckpointError(
+                    "a save was started while another save's call was running on the same thread (from a signal "
+                    "handler, which runs inside the call it interrupts), where it would wait for that call for "
+                    "ever; set a flag in the handler and save from the training loop, or use "
+                    "CheckpointManager(preemption_deadline=...), which saves at the next maybe_save"
+                )
+            # held since a KeyboardInterrupt came between an acquire and the line below: ours again
+        else:
+            self._lock.acquire()
+        self._inside = True
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        self._holder = None
+        self._inside = False
         self._lock.release()

@@ -38,7 +38,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,12 +46,9 @@ import torch
 
 from stashpoint import _runtime
 from stashpoint._save.cudacopy import Pair, launch_cuda, mark_now, stage
-from stashpoint._save.layout import Layout, signature
-from stashpoint._state.dtensor import local_part
-from stashpoint._state.stateful import find_all
+from stashpoint._save.layout import Layout
+from stashpoint._save.overlapsplit import Triple, hookable, optimizers_in, split
 from stashpoint.errors import CheckpointError
-
-Triple = tuple[str, torch.Tensor, torch.Tensor]  # (key, live source, staging view)
 
 
 @dataclass
@@ -62,89 +59,18 @@ class _Registry:
 
 
 def _reg() -> _Registry:
-    return _runtime.slot("save.overlap", _Registry, close=lambda _: wait_pending(), order=5)
+    return _runtime.slot("save.overlap", _Registry, close=lambda _: wait_pending(), order=5, after_fork=_forked)
 
 
-def optimizers_in(state: Any) -> list[torch.optim.Optimizer]:
-    """Every optimizer reachable through the containers of ``state`` (dicts, lists, tuples)."""
-    return find_all(state, torch.optim.Optimizer)
-
-
-def _updated_by_step(optimizers: Iterable[torch.optim.Optimizer], layout: Layout | None) -> set[Any]:
-    """Signatures of the tensors only ``step()`` changes: the optimizers' parameters and state.
-
-    Those that are tensors of the saved state (the usual case) take their signature from its
-    ``layout``; any other is worked out.
-    """
-    tensors: list[torch.Tensor] = []
-    for optim in optimizers:
-        for group in optim.param_groups:
-            tensors.extend(p for p in group["params"] if isinstance(p, torch.Tensor))
-        for per_param in optim.state.values():
-            if isinstance(per_param, Mapping):
-                tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
-    key_of = layout.key_of if layout is not None else {}
-    sigs = layout.signatures if layout is not None else {}
-    out = set()
-    for t in tensors:
-        key = key_of.get(id(t))
-        out.add(sigs[key] if key is not None and key in sigs else signature(local_part(t)[0]))
-    out.discard(None)
-    return out
-
-
-def split(
-    triples: Sequence[Triple], optimizers: Sequence[torch.optim.Optimizer], layout: Layout | None = None
-) -> tuple[list[Triple], list[Triple]]:
-    """``(eager, deferred)``: the copies a deferred copy would be unsafe for, and the others.
-
-    A copy is deferred only if its source is exactly (same memory, shape, strides, dtype) a
-    parameter or a state tensor of one of ``optimizers``, and lives on the CPU or a CUDA device.
-    ``layout``, the layout the triples come from, saves working signatures out again.
-    The tensors of an optimizer built with ``capturable=True`` are copied eagerly: its step may
-    be captured in a CUDA graph, whose replay runs no hook that could hold it back.
-    """
-    # Which keys are deferred depends only on the tensors (one layout: the same ones, found by
-    # the layout cache) and on what the optimizers hold: remembered per structure, the split of
-    # a later save is one pass (working signatures out again cost a few microseconds a tensor).
-    memo_key = (
-        "split",
-        tuple(id(o) for o in optimizers),
-        tuple(capturable(o) for o in optimizers),
-        tuple(len(o.state) for o in optimizers),
-        tuple(id(p) for o in optimizers for g in o.param_groups for p in g["params"]),
-    )
-
-    def make() -> frozenset[str]:
-        return _deferred_keys(triples, optimizers, layout)
-
-    late = layout.remember(memo_key, make) if layout is not None else make()
-    eager: list[Triple] = []
-    deferred: list[Triple] = []
-    for t in triples:
-        (deferred if t[0] in late else eager).append(t)
-    return eager, deferred
-
-
-def _deferred_keys(
-    triples: Sequence[Triple], optimizers: Sequence[torch.optim.Optimizer], layout: Layout | None
-) -> frozenset[str]:
-    captured = [o for o in optimizers if capturable(o)]
-    stepped = _updated_by_step([o for o in optimizers if not capturable(o)], layout)
-    if captured:
-        stepped -= _updated_by_step(captured, layout)
-    sigs = layout.signatures if layout is not None else {}
-    late = set()
-    for key, src, _ in triples:
-        sig = sigs[key] if key in sigs else signature(src)
-        if src.device.type in ("cpu", "cuda") and sig in stepped:
-            late.add(key)
-    return frozenset(late)
-
-
-def capturable(optim: torch.optim.Optimizer) -> bool:
-    """Whether ``optim`` was built for CUDA graph capture (``capturable=True`` in a group)."""
-    return any(bool(g.get("capturable")) for g in optim.param_groups)
+def _forked(reg: _Registry) -> None:
+    """In a forked child (DataLoader workers): the copy thread is the parent's, so the copies it
+    inherits never run there; its optimizers' hooks must not wait for them (the registry's lock
+    may be held by a parent's thread: not taken)."""
+    for pending in list(reg.active):
+        for guard in pending._guards:
+            guard.pending = None
+        pending._cpu_done.set()
+        pending._done.set()
 
 
 def copy_deferred(triples: Sequence[Triple]) -> None:
@@ -190,10 +116,32 @@ class PendingCopies:
         self._error: BaseException | None = None
         self._waiting: list[float] = []  # start times of steps waiting for the CPU copies
         self._guards: list[_StepGuard] = []
+        self._state = "made"  # then "running" (the copy thread's) or "abandoned" (the failed call's)
+
+    def _abandon(self, error: BaseException) -> bool:
+        """End these copies unrun, as the call that made them fails; False where the copy
+        thread has already taken them (they then end as they run)."""
+        with _reg().lock:
+            if self._state == "running":
+                return False
+            self._state = "abandoned"
+        self._error = error
+        for _, event in self._events:  # the call's own copies, launched: the buffers are in use until then
+            try:
+                event.synchronize()
+            except Exception:  # noqa: S112 - the call's error is the one to report
+                continue
+        self._cpu_done.set()
+        self._finish()
+        return True
 
     def run(self) -> None:
         """Launch the GPU copies, do the CPU ones, then wait for the GPU. Never raises; always
         ends the wait."""
+        with _reg().lock:
+            if self._state == "abandoned":
+                return
+            self._state = "running"
         try:
             if self._cuda:  # if this raises, no copy it launched is still running
                 events = launch_cuda(self._cuda, after=self._after, fences=self._fences)
@@ -349,8 +297,8 @@ def start(  # noqa: PLR0917
     Returns the pending copies, or None when nothing is left to copy. If this raises, no copy is
     running any more and no hook is registered, so the staging buffers may be reused.
     """
-    optimizers = optimizers_in(state)
-    eager, deferred = split(triples, optimizers, layout)
+    optimizers = [h for h in map(hookable, optimizers_in(state)) if h is not None]
+    eager, deferred = split(triples, list(dict.fromkeys(optimizers)), layout)
     if fences is None:
         fences = sorted(d.data_ptr() for _, _, d in triples if d.numel())
     events: list[tuple[torch.device, torch.cuda.Event]] = []
@@ -377,12 +325,18 @@ def start(  # noqa: PLR0917
         return None
     pending = PendingCopies(location, cpu_late, events, cuda_late, after, fences)
     reg = _reg()
-    with reg.lock:
-        reg.active.append(pending)
-        if deferred:
-            pending._guards = [_StepGuard(optim, pending) for optim in optimizers]
     try:
-        copier.submit(pending.run)
-    except RuntimeError:  # the copy thread is gone (interpreter shutdown): copy here
-        pending.run()
+        with reg.lock:
+            reg.active.append(pending)
+            if deferred:
+                for optim in dict.fromkeys(optimizers):
+                    pending._guards.append(_StepGuard(optim, pending))
+        try:
+            copier.submit(pending.run)
+        except RuntimeError:  # the copy thread is gone (interpreter shutdown): copy here
+            pending.run()
+    except BaseException as e:  # a hook refused, a Ctrl-C: no copy left to wait for, no hook holding a step
+        if not pending._abandon(e):
+            pending._done.wait()  # the copy thread took it: its buffers are in use until it ends
+        raise
     return pending

@@ -144,8 +144,14 @@ class WriterProcess:
         flags = ["-P"] if sys.version_info >= (3, 11) else []  # no script directory on sys.path
         argv = [sys.executable, *flags, "-c", BOOT, PACKAGE_DIR, str(child.fileno()), str(os.getpid()), str(nice)]
         try:
+            # a session of its own: a group's SIGTERM or Ctrl-C never reaches it, not even while it
+            # starts, before it ignores them (the parent decides; its socket closing ends this one)
             self.proc = subprocess.Popen(
-                argv, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+                argv,
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,
             )
         except BaseException:
             parent.close()
@@ -283,6 +289,14 @@ class WriterProcess:
 
 _SLOT = "save.writer_process"
 _start_lock = threading.Lock()
+
+
+def _new_start_lock() -> None:  # a child forked while a thread held it would wait for ever
+    global _start_lock
+    _start_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_start_lock)
 
 
 def _stop(w: WriterProcess) -> None:
