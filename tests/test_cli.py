@@ -425,6 +425,25 @@ def test_export_refusals(single, tmp_path: Path) -> None:
     assert cli("export", tmp_path / "cx", tmp_path / "x.safetensors", "--select", "x").exit_code == 0
 
 
+def test_an_export_that_fails_leaves_the_earlier_export_as_it_was(tmp_path: Path) -> None:
+    """Before: --overwrite deleted the earlier files first, so an export failing on a damaged
+    block left nothing."""
+    stashpoint.save({"model": {"w": torch.ones(64)}}, tmp_path / "good")
+    stashpoint.save({"model": {"w": torch.zeros(64)}}, tmp_path / "bad")
+    shard = next((tmp_path / "bad").glob("shard-*"))
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 1  # the last byte of the tensor's data
+    shard.write_bytes(bytes(raw))
+    for out in (tmp_path / "one" / "w.safetensors", tmp_path / "dir"):
+        assert cli("export", tmp_path / "good", out, "--select", "model").exit_code == 0
+        where = out.parent if out.suffix else out
+        before = {p.name: p.read_bytes() for p in where.iterdir()}
+        r = cli("export", tmp_path / "bad", out, "--select", "model", "--overwrite")
+        one_line_error(r, "checksum mismatch")
+        assert {p.name: p.read_bytes() for p in where.iterdir()} == before, "no file changed, none left over"
+        assert torch.equal(load_file(out if out.suffix else out / "model.safetensors")["w"], torch.ones(64))
+
+
 def test_export_multi_rank_consolidates_and_shards(fsdp, tmp_path: Path) -> None:
     path, ref = fsdp
     assert cli("export", path, tmp_path / "m.safetensors", "--select", "model").exit_code == 0
@@ -673,6 +692,64 @@ def test_progress_bar_counts_every_byte_and_prints_the_messages_above_it(tmp_pat
     sizes = sum(p.stat().st_size for p in ck.glob("shard-*"))
     assert progress.total == progress.done == sizes
     assert "verifying" in out.getvalue() and "[2/2]" in out.getvalue()
+
+
+def test_a_runs_verify_on_a_terminal_draws_one_bar_for_all_its_steps(tmp_path):
+    """Before: a bar per step, each redraw drawing them all: 500 steps took 494 s on a terminal."""
+    import io
+
+    from stashpoint._tools.checking import verify
+    from stashpoint._tools.progress import Reporter
+
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=None) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, {"w": torch.randn(1000)})
+    with Reporter("verifying", stream=io.StringIO(), bar=True) as progress:
+        assert verify(tmp_path / "run", progress=progress).ok
+        assert len(progress._progress.tasks) == 1
+        assert progress.total == progress.done > 0
+
+
+def test_one_step_that_cannot_be_read_is_a_row_and_a_problem_not_the_end_of_ls_or_verify(tmp_path, monkeypatch):
+    """Before: a step directory the user may not read ended `ls` and `verify` with a bare errno
+    (exit 2), the other steps unchecked."""
+    from stashpoint._storage import LocalStorage
+
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=None) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.randn(100)})
+    real_list, real_read = LocalStorage.list, LocalStorage.read
+
+    def refused(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.root.name == "step-00000002":
+            raise PermissionError(13, "Permission denied", str(self.root))
+        return (real_list if not args else real_read)(self, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStorage, "list", refused)
+    monkeypatch.setattr(LocalStorage, "read", refused)
+    r = cli("ls", "--json", tmp_path / "run")
+    assert r.exit_code == 0, r.output
+    rows = {row["step"]: row for row in json.loads(r.stdout)}
+    assert rows[2]["status"] == "unreadable" and "Permission denied" in rows[2]["error"], rows[2]
+    assert rows[1]["status"] == rows[3]["status"] == "committed"
+    r = cli("verify", "--json", tmp_path / "run")
+    assert r.exit_code == 1, r.output
+    report = json.loads(r.stdout)
+    assert report["steps"] == 2 and any(p.startswith("step 2: could not be checked") for p in report["problems"])
+
+
+def test_output_cut_short_by_a_pipe_exits_as_sigpipe_would_not_as_problems_found(tmp_path):
+    """`stashpoint ... | head`: before, exit 1, which for verify and diff says problems were found."""
+    stashpoint.save({f"t{i}": torch.ones(1) for i in range(3000)}, tmp_path / "ck")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stashpoint", "inspect", str(tmp_path / "ck")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert proc.stdout is not None and proc.stdout.read(10)
+    proc.stdout.close()  # as `head` does
+    assert proc.wait(timeout=60) == 141, proc.stderr.read() if proc.stderr else ""
 
 
 def test_control_characters_in_names_and_values_are_printed_escaped(tmp_path):

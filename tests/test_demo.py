@@ -103,6 +103,27 @@ def test_prepare_dir_clears_only_demo_leftovers(tmp_path: Path) -> None:
         prepare_dir(f)
 
 
+def test_a_training_runs_directory_is_never_taken_for_an_earlier_demo(tmp_path: Path) -> None:
+    """A CheckpointManager's run directory holds step-* and the lock, as a demo's does. Before:
+    `stashpoint demo --dir RUN` deleted its checkpoints, a live run's too."""
+    import torch
+
+    import stashpoint
+
+    run = tmp_path / "prod"
+    with stashpoint.CheckpointManager(run) as mgr:
+        for step in (1000, 2000):
+            mgr.save(step, {"w": torch.ones(4)})
+        with pytest.raises(ValueError, match="no log of an earlier demo"):  # live
+            prepare_dir(run)
+    with pytest.raises(ValueError, match="no log of an earlier demo"):
+        prepare_dir(run)
+    (run / LOG_KILLED).write_text("")  # as if a demo had run there: still in use while a manager holds it
+    with stashpoint.CheckpointManager(run), pytest.raises(ValueError, match="is in use"):
+        prepare_dir(run)
+    assert stashpoint.CheckpointManager(run).steps() == [1000, 2000]
+
+
 def test_latest_committed_ignores_checkpoints_without_manifest(tmp_path: Path) -> None:
     for step, committed in ((10, True), (20, True), (30, False)):
         p = tmp_path / f"step-{step:08d}"

@@ -126,19 +126,24 @@ def _verify_run(root: Storage, run: RunContents, progress: Progress | None, this
     rep = VerifyReport(root.location, steps=0)
     for name, step in run.steps:
         child = root.child(name)
-        if not child.exists(MANIFEST_NAME):
-            rep.warnings.append(
-                f"{child.location}: step {step} is partial (no {MANIFEST_NAME}: a save that never committed); "
-                "restore skips it and the manager removes it"
-            )
-            continue
-        where = str(child.root) if isinstance(child, LocalStorage) else child.location
         try:
+            if not child.exists(MANIFEST_NAME):
+                rep.warnings.append(
+                    f"{child.location}: step {step} is partial (no {MANIFEST_NAME}: a save that never committed); "
+                    "restore skips it and the manager removes it"
+                )
+                continue
+            where = str(child.root) if isinstance(child, LocalStorage) else child.location
             sub = verify(where, progress, this_node=this_node)
-        except CheckpointError:
+        except (OSError, CheckpointError) as e:
             sub = None
-            if child.exists(MANIFEST_NAME):
-                raise
+            try:
+                there = child.exists(MANIFEST_NAME)
+            except OSError:
+                there = True
+            if there:  # one step that cannot be checked is its problem, not the end of the run's check
+                rep.problems.append(f"step {step}: could not be checked: {type(e).__name__}: {e}")
+                continue
         if sub is None or (sub.problems and not child.exists(MANIFEST_NAME)):  # its manifest goes first
             rep.warnings.append(f"{child.location}: step {step} was removed while it was checked (retention)")
             continue

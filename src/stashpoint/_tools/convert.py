@@ -142,24 +142,37 @@ def export(
     if old and not overwrite:
         raise CheckpointError(f"{old[0]} already exists; pass --overwrite to replace the earlier export")
     base.mkdir(parents=True, exist_ok=True)
+    # every new file is written under a temporary name first: an export that fails (a damaged
+    # block, a full disk) leaves the earlier one as it was
+    written: list[tuple[Path, Path]] = []
+    try:
+        _progress.start(progress, sum(sizes.values()))
+        for i, (shard, f) in enumerate(zip(shards, files), 1):
+            loaded = read_tensors(storage, m, [names[n] for n in shard])
+            tmp = f.with_name(f".{f.name}.partial")
+            written.append((tmp, f))
+            st.save_file({n: loaded[names[n]] for n in shard}, str(tmp), metadata={"format": "pt"})
+            tmp.chmod(0o666 & ~_umask())  # safetensors writes 0600; an export is for others to read
+            say(f"[{i}/{len(files)}] {f.name}: {len(shard)} tensor(s)")
+            _progress.advance(progress, sum(sizes[n] for n in shard))
+        res.tensors, res.total_size = len(names), sum(sizes.values())
+        if index is not None:
+            weight_map = {n: f.name for shard, f in zip(shards, files) for n in shard}
+            doc = {"metadata": {"total_size": res.total_size}, "weight_map": dict(sorted(weight_map.items()))}
+            tmp = index.with_name(f".{index.name}.partial")
+            written.append((tmp, index))
+            tmp.write_text(json.dumps(doc, indent=2) + "\n")
+            res.index = str(index)
+    except BaseException:
+        for tmp, _ in written:
+            tmp.unlink(missing_ok=True)
+        raise
     for p in old:
-        p.unlink()
-    _progress.start(progress, sum(sizes.values()))
-    for i, (shard, f) in enumerate(zip(shards, files), 1):
-        loaded = read_tensors(storage, m, [names[n] for n in shard])
-        tmp = f.with_name(f".{f.name}.partial")
-        st.save_file({n: loaded[names[n]] for n in shard}, str(tmp), metadata={"format": "pt"})
-        tmp.chmod(0o666 & ~_umask())  # safetensors writes 0600; an export is for others to read
+        if p not in {f for _, f in written}:
+            p.unlink()
+    for tmp, f in written:
         tmp.replace(f)
-        res.files.append(str(f))
-        say(f"[{i}/{len(files)}] {f.name}: {len(shard)} tensor(s)")
-        _progress.advance(progress, sum(sizes[n] for n in shard))
-    res.tensors, res.total_size = len(names), sum(sizes.values())
-    if index is not None:
-        weight_map = {n: f.name for shard, f in zip(shards, files) for n in shard}
-        doc = {"metadata": {"total_size": res.total_size}, "weight_map": dict(sorted(weight_map.items()))}
-        index.write_text(json.dumps(doc, indent=2) + "\n")
-        res.index = str(index)
+    res.files = [str(f) for _, f in written if f != index]
     return res
 
 

@@ -20,13 +20,16 @@ from torch.utils.data import DataLoader, Dataset
 
 import stashpoint
 from stashpoint._core.naming import LOCK_NAME, parse_step_dir, step_dir
+from stashpoint._manager.lock import acquire_root_lock, release_root_lock
+from stashpoint.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 KEEP_LAST = 3
 LOG_KILLED = "phase1-killed.jsonl"
 LOG_RESUMED = "phase2-resumed.jsonl"
 BASELINE_FILE = ".torch-save-baseline.pt"
-_DEMO_FILES = {LOG_KILLED, LOG_RESUMED, BASELINE_FILE, LOCK_NAME}
+_DEMO_LOGS = {LOG_KILLED, LOG_RESUMED, BASELINE_FILE}  # written by the demo alone
+_DEMO_FILES = {*_DEMO_LOGS, LOCK_NAME}
 _EVENT = "@stashpoint-demo "  # prefix of the children's event lines on stdout
 THREADS = 1  # the same in every run: CPU results are bitwise reproducible for a fixed thread count
 SEED = 1234
@@ -174,12 +177,21 @@ def prepare_dir(directory: Path) -> None:
         entries = sorted(directory.iterdir())
         ours = {e.name for e in entries if e.name in _DEMO_FILES or (parse_step_dir(e.name) is not None and e.is_dir())}
         foreign = [e.name for e in entries if e.name not in ours]
+        # a run's own directory holds step-* and the lock too: only a demo's logs make it the demo's
+        if entries and not ours & _DEMO_LOGS:
+            foreign = foreign or [e.name for e in entries]
         if foreign:
             shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
             raise ValueError(
                 f"{directory} is not empty and does not look like a stashpoint demo directory (it holds "
-                f"{shown}); the demo clears its directory first, so pass a new or empty one with --dir"
+                f"{shown}, and no log of an earlier demo); the demo clears its directory first, so pass a new "
+                "or empty one with --dir"
             )
+        try:  # an earlier demo still running there keeps its manager's lock
+            if LOCK_NAME in ours:
+                release_root_lock(acquire_root_lock(directory))
+        except CheckpointError as busy:
+            raise ValueError(f"{directory} is in use: {busy}") from None
         for e in entries:
             if e.is_dir():
                 shutil.rmtree(e)

@@ -89,10 +89,11 @@ def list_steps(root: str | os.PathLike[str]) -> list[StepInfo]:
             info.age_s = now - max([d.stat().st_mtime] + [st.st_mtime for st in stats])
             if (d / MANIFEST_NAME).exists():
                 _describe_committed(info, LocalStorage(d), now)
-        except (OSError, CheckpointError):
+        except (OSError, CheckpointError) as e:
             if not d.exists():  # removed while listed (the manager's retention, as it runs)
                 continue
-            raise
+            # one step that cannot be read (permissions) is a row saying so, not the end of the listing
+            info = StepInfo(step, str(d), "unreadable", 0, None, None, error=f"{type(e).__name__}: {e}")
         out.append(info)
     return sorted(out, key=lambda s: s.step)
 
@@ -122,10 +123,11 @@ def _list_remote_steps(root: Storage) -> list[StepInfo]:
             info = StepInfo(step, d.location, "partial", sum(files.values()), None, None)
             if MANIFEST_NAME in files:
                 _describe_committed(info, d, now)
-        except (OSError, CheckpointError):
+        except (OSError, CheckpointError) as e:
             if not d.exists():  # removed while listed (the manager's retention, as it runs)
                 continue
-            raise
+            # one step that cannot be read (permissions) is a row saying so, not the end of the listing
+            info = StepInfo(step, str(d), "unreadable", 0, None, None, error=f"{type(e).__name__}: {e}")
         out.append(info)
     return sorted(out, key=lambda s: s.step)
 

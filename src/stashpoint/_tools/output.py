@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -25,8 +27,9 @@ def fails_cleanly(fn: F) -> F:
 
         try:
             return fn(*args, **kwargs)
-        except BrokenPipeError:  # the output went to `head` or the like
-            sys.exit(1)
+        except BrokenPipeError:  # the output went to `head` or the like: as a process SIGPIPE ended
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+            sys.exit(128 + signal.SIGPIPE)  # not 1, which says verify or diff found problems
         except (CheckpointError, ValueError, OSError, ImportError) as e:  # ImportError: an extra not installed
             msg = "; ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
             echo(f"stashpoint {click.get_current_context().info_name}: error: {msg}", err=True)

@@ -61,9 +61,15 @@ class Reporter:
             print(message, file=self.stream, flush=True)
 
     def start(self, total: int) -> None:
+        """Count ``total`` more bytes: one bar for the whole command (a run's verify starts once
+        a step; a bar each made every redraw draw them all, quadratic in the steps)."""
         self.total += total
-        if self._progress is not None:
-            self._task = self._progress.add_task(self.description, total=total)
+        if self._progress is None:
+            return
+        if self._task is None:
+            self._task = self._progress.add_task(self.description, total=self.total)
+        else:
+            self._progress.update(self._task, total=self.total)
 
     def advance(self, n: int) -> None:
         self.done += n
