@@ -521,6 +521,7 @@ def test_random_node_failures_with_replicas_resume_from_the_newest_step_a_node_h
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # ten kill-and-restart cycles of about 30 s each, past the 300 s default
 def test_random_node_failures_with_replicas_many(tmp_path, ddp_reference):
     _node_failures(tmp_path, ddp_reference, kills=10, seed=2)
 

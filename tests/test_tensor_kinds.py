@@ -118,8 +118,8 @@ def test_refusals_off_the_common_path_name_the_key(tmp_path):
         stashpoint.save({"cfg": {"cls": torch.nn.Linear}}, tmp_path / "a")
     with pytest.raises(TypeError, match=r"metadata\['epoch'\] is a int"):
         stashpoint.save({"w": torch.ones(1)}, tmp_path / "b", metadata={"run": "x", "epoch": 3})
-    with pytest.raises(TypeError, match="metadata must be a dict of str to str, not list"):
-        stashpoint.save({"w": torch.ones(1)}, tmp_path / "b", metadata=[("run", "x")])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="metadata must be a dict of str to str, not int"):
+        stashpoint.save({"w": torch.ones(1)}, tmp_path / "b", metadata=5)  # type: ignore[arg-type]
     stashpoint.save({"%": torch.ones(1)}, tmp_path / "c")
     escaped = r"has no key '%'; the keys under 'the root' are '%25' \(a key holding '/' or '%' is selected escaped"
     with pytest.raises(CheckpointError, match=escaped):
@@ -128,3 +128,41 @@ def test_refusals_off_the_common_path_name_the_key(tmp_path):
     stashpoint.save(5, tmp_path / "d")
     with pytest.raises(StateMismatchError, match="a plain value at its root, is not changed in place"):
         stashpoint.load(0, tmp_path / "d")
+
+
+def test_a_parameter_of_a_subclass_of_plain_memory_saves_and_loads(tmp_path):
+    """A subclass with no __torch_dispatch__ of its own (a tag, a __torch_function__ override)
+    holds its data at data_ptr(): in a Parameter it saves as before, and loads into one."""
+
+    class Tagged(torch.Tensor):
+        pass
+
+    stashpoint.save({"w": torch.nn.Parameter(torch.arange(3.0).as_subclass(Tagged))}, tmp_path / "ck")
+    back = {"w": torch.nn.Parameter(torch.zeros(3).as_subclass(Tagged))}
+    stashpoint.load(back, tmp_path / "ck")
+    assert type(back["w"]) is Tagged and torch.equal(back["w"], torch.arange(3.0))
+
+
+def test_import_strips_prefixes_inside_tuples_and_takes_one_prefix_as_a_string(tmp_path):
+    from stashpoint._core.nodes import wrapper_hint
+    from stashpoint._tools.convert import import_checkpoint, stripped
+
+    t = torch.ones(1)
+    assert stripped({"module.m": ({"module.w": t},)}, ("module.",)) == {"m": ({"w": t},)}
+    torch.save({"module.embed": t, "module.lm_head": t}, tmp_path / "f.pt")
+    import_checkpoint(tmp_path / "f.pt", tmp_path / "ck", strip_prefix="module.")
+    assert set(stashpoint.read(tmp_path / "ck")) == {"embed", "lm_head"}, "a string is one prefix, not its letters"
+    # the hint names the option only where the checkpoint's keys lead with the wrapper's parts
+    hint = wrapper_hint(["model/0.weight"], ["model/_orig_mod.module.0.weight"]) or ""
+    assert "--strip-prefix '_orig_mod.' --strip-prefix 'module.'" in hint
+    assert "--strip-prefix" not in (wrapper_hint(["model/module.0.weight"], ["model/0.weight"]) or "")
+
+
+def test_preemption_signals_may_be_any_iterable(tmp_path):
+    import signal
+
+    with stashpoint.CheckpointManager(
+        tmp_path / "r", preemption_deadline=5, preemption_signals=iter([signal.SIGUSR1])
+    ) as mgr:
+        assert mgr._preemption is not None and mgr._preemption._signals == (signal.SIGUSR1,)
+        assert signal.getsignal(signal.SIGUSR1) == mgr._preemption._note

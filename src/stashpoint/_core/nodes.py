@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import collections
 import functools
+import itertools
 import pickle
 import re
 from collections.abc import Container, Iterable, Iterator
@@ -254,12 +255,19 @@ def wrapper_hint(missing: list[str], unexpected: list[str]) -> str | None:
     if not pairs or 2 * len(pairs) < len(missing):
         return _prefix_hint(missing, unexpected)
     saved, live = pairs[0]
+    parts = saved.rsplit("/", 1)[-1].split(".")
+    leading = [p for p in itertools.takewhile(lambda p: p in _WRAPPER_PARTS, parts[:-1])]
+    imported = (
+        "; a checkpoint made by `stashpoint import` of such a torch.save file: import it again with "
+        + " ".join(f"--strip-prefix {p + '.'!r}" for p in leading)
+        if leading
+        else ""
+    )
     return (
         f"the keys differ by a wrapper's prefix ({saved!r} in the checkpoint, {live!r} in the state): DDP, "
         "DataParallel, torch.compile and FSDP1 add one to state_dict(). Put the module itself in the state "
-        "(stashpoint saves and loads a wrapped module under its own names), not a wrapped module's state_dict(); "
-        "a checkpoint made by `stashpoint import` of such a torch.save file: import it again with --strip-prefix "
-        f"{next((p for p in saved.rsplit('/', 1)[-1].split('.') if p in _WRAPPER_PARTS), 'module') + '.'!r}"
+        "(stashpoint saves and loads a wrapped module under its own names), not a wrapped module's state_dict()"
+        + imported
     )
 
 

@@ -74,6 +74,7 @@ class Preemption:
                 "preemption handling installs signal handlers, which Python allows only in the main thread: "
                 "create this CheckpointManager there"
             )
+        signals = tuple(signals)  # once: an iterator would be used up by the check
         for sig in signals:  # before anything is taken over: a handler refused half-way left SIGTERM ignored
             if sig not in signal.valid_signals() or sig in (signal.SIGKILL, signal.SIGSTOP):
                 raise ValueError(

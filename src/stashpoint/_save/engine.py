@@ -346,7 +346,7 @@ def async_save(
     opts = SaveOptions(
         overwrite,
         allow_pickle,
-        dict(metadata) if isinstance(metadata, Mapping) else (metadata or {}),  # a copy; others refused below
+        _metadata(metadata),
         max_shard_bytes,
         process_group=process_group,
         timeout_s=timeout,
@@ -406,3 +406,14 @@ def wait_all(location: str | None = None) -> None:
         cf.wait([h._future for h in list(engine.inflight) if location is None or h.path == location])
     if location is None:
         _overlap.wait_pending()
+
+
+def _metadata(metadata: Any) -> Any:
+    """A copy of ``metadata`` (a mapping, or pairs as ``dict()`` takes); anything else as it
+    is, for :class:`SaveOptions` to refuse naming its type."""
+    if not metadata:
+        return {}
+    try:
+        return dict(metadata)
+    except (TypeError, ValueError):
+        return metadata

@@ -69,8 +69,9 @@ def _forked(reg: _Registry) -> None:
     for pending in list(reg.active):
         for guard in pending._guards:
             guard.pending = None
-        pending._cpu_done.set()
-        pending._done.set()
+        for event in (pending._cpu_done, pending._done):
+            getattr(event, "_at_fork_reinit", lambda: None)()  # its lock may be held by a parent's thread
+            event.set()
 
 
 def copy_deferred(triples: Sequence[Triple]) -> None:

@@ -71,7 +71,7 @@ def check_tensor(key: str, t: torch.Tensor) -> None:
             f"nested tensor {where} is not supported; save its components (t.unbind(), a list of tensors) instead."
         )
     dtensor = kind not in _PLAIN_TYPES and is_dtensor(t)
-    if kind not in _PLAIN_TYPES and not dtensor and not _plain_parameter(kind):
+    if kind not in _PLAIN_TYPES and not dtensor and not (isinstance(t, torch.nn.Parameter) and _own_memory(kind)):
         # a wrapper subclass (in a Parameter too: its type stays the subclass's) holds its
         # data in inner tensors, not at data_ptr(): saved as it was, its bytes were wrong
         raise UnsupportedStateError(
@@ -110,11 +110,10 @@ def check_tensor(key: str, t: torch.Tensor) -> None:
         )
 
 
-def _plain_parameter(kind: type) -> bool:
-    """A Parameter subclass whose data is its own memory (no ``__torch_dispatch__`` of its own)."""
-    return issubclass(kind, torch.nn.Parameter) and getattr(kind, "__torch_dispatch__", None) is getattr(
-        torch.Tensor, "__torch_dispatch__", None
-    )
+def _own_memory(kind: type) -> bool:
+    """A tensor subclass whose data is its own memory (no ``__torch_dispatch__`` of its own, as
+    a wrapper subclass has, whose data lives in inner tensors)."""
+    return getattr(kind, "__torch_dispatch__", None) is getattr(torch.Tensor, "__torch_dispatch__", None)
 
 
 def template_problem(t: torch.Tensor) -> str | None:
@@ -125,7 +124,7 @@ def template_problem(t: torch.Tensor) -> str | None:
     if t.layout != torch.strided:
         return f"of layout {t.layout}; give the state a dense tensor, load, then convert it (t.to_sparse())"
     kind = type(t)
-    if kind not in _PLAIN_TYPES and not is_dtensor(t) and not _plain_parameter(kind):
+    if kind not in _PLAIN_TYPES and not is_dtensor(t) and not _own_memory(kind):
         return (
             f"a {kind.__name__}, a tensor subclass whose data a load cannot write; give the state a plain "
             "tensor or Parameter, load, then convert it"

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from stashpoint._core.naming import MANIFEST_NAME
+from stashpoint._core.nodes import MAX_TREE_DEPTH
 from stashpoint._load.manifest import open_checkpoint
 from stashpoint._save.engine import save
 from stashpoint._state.dtypes import torch_dtype
@@ -276,7 +277,7 @@ def import_checkpoint(
         kind, state, read = "torch.save", _load_torch_file(p), p.stat().st_size
     check_tensors(state, read, str(p))
     if strip_prefix:
-        state = stripped(state, tuple(strip_prefix))
+        state = stripped(state, (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix))
     if not isinstance(state, (dict, list, tuple)):  # e.g. a lone tensor: give it a name
         state = {"state": state}
     stats = save(state, path, overwrite=overwrite)
@@ -293,9 +294,9 @@ def _local(path: str | os.PathLike[str], what: str) -> Path:
 
 def stripped(state: Any, prefixes: tuple[str, ...]) -> Any:
     """``state`` with ``prefixes`` taken off the start of its dicts' string keys (each in turn,
-    again while one applies: ``module._orig_mod.``); its dicts and lists copied, without
-    recursion (a file's nesting), each once (shared ones stay shared, a cycle ends); raises
-    ``CheckpointError`` where two keys become one."""
+    again while one applies: ``module._orig_mod.``), its dicts, lists and tuples copied, each
+    once (shared ones stay shared); raises ``CheckpointError`` where two keys become one, or
+    for a nesting deeper than a save takes."""
     if not all(prefixes):
         raise ValueError("--strip-prefix needs a non-empty prefix, e.g. 'module.'")
 
@@ -305,30 +306,31 @@ def stripped(state: Any, prefixes: tuple[str, ...]) -> Any:
         return key
 
     copies: dict[int, Any] = {}
-    todo: list[tuple[Any, str]] = []
 
-    def copy(node: Any, where: str) -> Any:
-        if not isinstance(node, (dict, list)):
+    def copy(node: Any, where: str, depth: int) -> Any:
+        if not isinstance(node, (dict, list, tuple)):
             return node
         if id(node) in copies:
             return copies[id(node)]
-        if isinstance(node, list):
-            out: Any = list(node)
-        else:
-            out = {}
+        if depth > MAX_TREE_DEPTH:
+            raise CheckpointError(f"the state is nested deeper than {MAX_TREE_DEPTH} containers at {where!r}")
+        if isinstance(node, dict):
+            out: dict[Any, Any] = {}
+            copies[id(node)] = out  # before its items: a cycle comes back to it
             for k, v in node.items():
                 if (nk := bare(k)) in out:
                     raise CheckpointError(
                         f"--strip-prefix makes two keys under {where or '<root>'!r} one: {nk!r}; import without it"
                     )
-                out[nk] = v
-        copies[id(node)] = out
-        todo.append((out, where))
-        return out
+                out[nk] = copy(v, f"{where}/{nk}" if where else str(nk), depth + 1)
+            return out
+        if isinstance(node, list):
+            items: list[Any] = []
+            copies[id(node)] = items
+            items.extend(copy(v, f"{where}/{i}", depth + 1) for i, v in enumerate(node))
+            return items
+        made = tuple(copy(v, f"{where}/{i}", depth + 1) for i, v in enumerate(node)) if type(node) is tuple else node
+        copies[id(node)] = made
+        return made
 
-    top = copy(state, "")
-    while todo:
-        node, where = todo.pop()
-        for k in list(node) if isinstance(node, dict) else range(len(node)):
-            node[k] = copy(node[k], f"{where}/{k}" if where else str(k))
-    return top
+    return copy(state, "", 0)

@@ -127,7 +127,7 @@ def _list_remote_steps(root: Storage) -> list[StepInfo]:
             if not d.exists():  # removed while listed (the manager's retention, as it runs)
                 continue
             # one step that cannot be read (permissions) is a row saying so, not the end of the listing
-            info = StepInfo(step, str(d), "unreadable", 0, None, None, error=f"{type(e).__name__}: {e}")
+            info = StepInfo(step, d.location, "unreadable", 0, None, None, error=f"{type(e).__name__}: {e}")
         out.append(info)
     return sorted(out, key=lambda s: s.step)
 
