@@ -442,6 +442,8 @@ def test_an_export_that_fails_leaves_the_earlier_export_as_it_was(tmp_path: Path
         one_line_error(r, "checksum mismatch")
         assert {p.name: p.read_bytes() for p in where.iterdir()} == before, "no file changed, none left over"
         assert torch.equal(load_file(out if out.suffix else out / "model.safetensors")["w"], torch.ones(64))
+    (tmp_path / "a-file").write_text("")
+    one_line_error(cli("export", tmp_path / "good", tmp_path / "a-file" / "w.safetensors"), "a-file is a file")
 
 
 def test_export_multi_rank_consolidates_and_shards(fsdp, tmp_path: Path) -> None:
@@ -750,6 +752,61 @@ def test_output_cut_short_by_a_pipe_exits_as_sigpipe_would_not_as_problems_found
     assert proc.stdout is not None and proc.stdout.read(10)
     proc.stdout.close()  # as `head` does
     assert proc.wait(timeout=60) == 141, proc.stderr.read() if proc.stderr else ""
+
+
+def test_a_checkpoint_replaced_while_verified_is_said_to_be_so_not_damaged(tmp_path, monkeypatch):
+    """A save with overwrite=True committing while verify reads: before, a problem per tensor of
+    the shard it deleted ("No such file"), as if the checkpoint were damaged."""
+    from stashpoint._tools import checking
+
+    state = {f"w{i}": torch.randn(100) for i in range(50)}
+    stashpoint.save(state, tmp_path / "ck")
+    real = checking._verify_file
+    calls = []
+
+    def overwritten_first(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if not calls:
+            stashpoint.save(state, tmp_path / "ck", overwrite=True)  # a new save id, the old shard deleted
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checking, "_verify_file", overwritten_first)
+    report = checking.verify(tmp_path / "ck")
+    assert len(report.problems) == 1 and "replaced while it was checked" in report.problems[0], report.problems
+    monkeypatch.undo()
+    assert checking.verify(tmp_path / "ck").ok
+
+
+def test_ls_reads_each_steps_summary_not_its_catalog(tmp_path, monkeypatch):
+    """Before: ls parsed every step's whole catalog to show its age and metrics (0.35 s a step of
+    20,000 tensors). The seal is still checked: a damaged manifest is shown unreadable."""
+    import stashpoint._load.manifest as manifest_module
+
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=None) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {f"w{i}": torch.ones(2) for i in range(50)}, metrics={"loss": 1.0 / step})
+
+    def no_catalog(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("ls parsed a catalog")
+
+    monkeypatch.setattr(manifest_module, "parse_head", no_catalog)
+    raw = (tmp_path / "run" / "step-00000002" / "manifest.json").read_bytes()
+    (tmp_path / "run" / "step-00000002" / "manifest.json").write_bytes(raw.replace(b'"w1"', b'"w9"', 1))
+    r = cli("ls", "--json", tmp_path / "run")
+    assert r.exit_code == 0, r.output
+    rows = {row["step"]: row for row in json.loads(r.stdout)}
+    assert rows[1]["status"] == "committed" and rows[1]["metrics"] == {"loss": 1.0}
+    assert rows[2]["status"] == "unreadable" and "checksum does not match" in rows[2]["error"], rows[2]
+
+
+def test_a_linked_step_is_said_to_be_a_link_not_misnamed(tmp_path):
+    with stashpoint.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"w": torch.ones(2)})
+    (tmp_path / "run" / "step-00000009").symlink_to(tmp_path / "run" / "step-00000001")
+    (tmp_path / "run" / "notes").mkdir()
+    warnings = stashpoint.verify(tmp_path / "run").warnings
+    assert any("step-00000009 was not written by stashpoint's manager (a file or a link" in w for w in warnings)
+    assert any("notes was not written by stashpoint's manager (not a step-XXXXXXXX directory)" in w for w in warnings)
 
 
 def test_control_characters_in_names_and_values_are_printed_escaped(tmp_path):

@@ -14,6 +14,7 @@ from stashpoint._core.header import parse_header
 from stashpoint._core.index import Head, RankIndex, assemble, parse_head, parse_index
 from stashpoint._core.naming import MANIFEST_NAME, looks_like_shard, parse_save_file, parse_step_dir
 from stashpoint._core.reshard import Box
+from stashpoint._core.sealed import common_fields, open_sealed
 from stashpoint._storage import LocalStorage, Storage, storage_for
 from stashpoint._storage.oserror import is_damage, read_failed
 from stashpoint.errors import (
@@ -70,6 +71,23 @@ def read_head(storage: Storage, *, remember: bool = True) -> Manifest | Head:
     """Read and validate the manifest of the checkpoint at ``storage``: a version-1 manifest
     whole, a version-2 one as its head (the catalog and the list of indexes). ``remember=False``:
     parsed anew and not kept, even within :func:`remembering` (a look at every step's)."""
+    raw = _manifest_bytes(storage)
+    where = f"{storage.location}/{MANIFEST_NAME}"
+    if not remember:
+        return parse_head(raw, where)
+    return remembered(("head", raw), lambda: parse_head(raw, where))
+
+
+def read_summary(storage: Storage) -> dict[str, Any]:
+    """The fields of the manifest at ``storage`` every version has (its save id, when it was
+    made, its metadata), its seal checked, its catalog not parsed: a listing of many steps of
+    many tensors reads these alone."""
+    raw = _manifest_bytes(storage)
+    where = f"{storage.location}/{MANIFEST_NAME}"
+    return common_fields(open_sealed(raw, where)[0], where)
+
+
+def _manifest_bytes(storage: Storage) -> bytes:
     loc = storage.location
     try:
         if isinstance(storage, LocalStorage) and storage.root.is_file():
@@ -86,9 +104,7 @@ def read_head(storage: Storage, *, remember: bool = True) -> Manifest | Head:
         _no_manifest(storage)
     except OSError as e:
         raise read_failed(f"the manifest of {loc}", e) from None
-    if not remember:
-        return parse_head(raw, f"{loc}/{MANIFEST_NAME}")
-    return remembered(("head", raw), lambda: parse_head(raw, f"{loc}/{MANIFEST_NAME}"))
+    return raw
 
 
 def read_index(storage: Storage, head: Head, rank: int) -> RankIndex:

@@ -284,13 +284,14 @@ class CheckpointManager:
     # -- retention -----------------------------------------------------------------------------
 
     def _metrics_of(self, step: int, root: Storage | None = None) -> dict[str, Any] | None:
-        if step not in self._metrics:
+        got = self._metrics.get(step)  # one lookup: the retention of the other tier may pop it meanwhile
+        if got is None:
             where = self._at(step) if root is None else root.child(step_dir(step))
             got = read_metrics(where)
             if got is None:  # unreadable now: asked again next time
                 return None
             self._metrics[step] = got
-        return self._metrics[step]
+        return got
 
     def _upload_ended(self) -> None:
         """An upload ended: local steps it protected may go now."""

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, Chunk, FileEntry, Manifest, block_checksums
-from stashpoint._core.naming import MANIFEST_NAME, is_node_marker
+from stashpoint._core.naming import MANIFEST_NAME, is_node_marker, parse_step_dir
 from stashpoint._core.nodes import unreadable_values
 from stashpoint._core.units import human_bytes
 from stashpoint._dist.arrival import ranks_text
@@ -85,6 +85,14 @@ def verify(path: str | os.PathLike[str], progress: Progress | None = None, *, th
         status = "ok" if not found else f"{found} problem(s)"
         say(f"[{i}/{len(m.files)}] {fe.name} ({human_bytes(fe.size)}): {status}")
         _progress.advance(progress, fe.size)
+    if rep.problems and _replaced(path, m):  # a save with overwrite=True committed meanwhile: no damage
+        return VerifyReport(
+            storage.location,
+            problems=[
+                f"{storage.location}: the checkpoint was replaced while it was checked (a save with overwrite=True "
+                "committed meanwhile); check it again"
+            ],
+        )
     own = set(unlisted_shards(storage, m))
     for name in sorted(own):
         rep.problems.append(
@@ -99,6 +107,14 @@ def verify(path: str | os.PathLike[str], progress: Progress | None = None, *, th
                 "it is not part of the checkpoint and may be deleted"
             )
     return rep
+
+
+def _replaced(path: str | os.PathLike[str], m: Manifest) -> bool:
+    """Whether the checkpoint at ``path`` is now another save's than ``m``'s."""
+    try:
+        return open_checkpoint(path)[1].save_id != m.save_id
+    except (OSError, CheckpointError):
+        return False  # gone or damaged now: the problems found stand
 
 
 def _check_whole(where: str, m: Manifest, rep: VerifyReport, *, whole: bool = True) -> None:
@@ -160,9 +176,11 @@ def _verify_run(root: Storage, run: RunContents, progress: Progress | None, this
             what = "a step some of whose ranks' files no node of a later job held"
         rep.warnings.append(f"{root.location}/{name}: {what} the manager set aside, kept for inspection")
     for name in run.foreign:
+        why = (
+            "a file or a link, not a directory" if parse_step_dir(name) is not None else "not a step-XXXXXXXX directory"
+        )
         rep.warnings.append(
-            f"{root.location}/{name} was not written by stashpoint's manager (not a step-XXXXXXXX directory); "
-            "the manager ignores it"
+            f"{root.location}/{name} was not written by stashpoint's manager ({why}); the manager ignores it"
         )
     return rep
 
@@ -182,7 +200,7 @@ def _verify_file(
         return
     cut: list[str] = []
     buf = bytearray(min(_SPAN, max((c.end - c.start for _, c in chunks), default=0)))
-    for key, c in chunks:
+    for i, (key, c) in enumerate(chunks):
         bad: list[int] = []
         try:
             for lo in range(0, max(c.end - c.start, 1), _SPAN):
@@ -196,9 +214,11 @@ def _verify_file(
         except EOFError:
             cut.append(key)
             continue
-        except OSError as e:
-            rep.problems.append(f"reading {key!r} from shard {where} failed: {e}")
-            continue
+        except OSError as e:  # the file as a whole (gone, unreadable): one line, not one per key
+            rest = len(chunks) - i - 1
+            more = f"; the {rest} key(s) after it in this shard were not read" if rest else ""
+            rep.problems.append(f"reading {key!r} from shard {where} failed: {e}{more}")
+            break
         if bad:
             b0 = c.start + bad[0] * CHECKSUM_BLOCK_BYTES
             rep.problems.append(

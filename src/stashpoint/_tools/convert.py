@@ -142,6 +142,9 @@ def export(
     old = [p for p in base.iterdir() if ours.fullmatch(p.name)] if base.is_dir() else []
     if old and not overwrite:
         raise CheckpointError(f"{old[0]} already exists; pass --overwrite to replace the earlier export")
+    blocking = next((a for a in (base, *base.parents) if a.exists() and not a.is_dir()), None)
+    if blocking is not None:  # mkdir's "File exists" read as an overwrite refusal
+        raise CheckpointError(f"cannot export to {out_p}: {blocking} is a file, not a directory")
     base.mkdir(parents=True, exist_ok=True)
     # every new file is written under a temporary name first: an export that fails (a damaged
     # block, a full disk) leaves the earlier one as it was

@@ -25,7 +25,7 @@ from stashpoint._core.index import Head, assemble
 from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME
 from stashpoint._core.nodes import Node, decode_plain, join
 from stashpoint._core.policy import parse_metrics
-from stashpoint._load.manifest import IndexMissingError, open_checkpoint, read_head, read_index
+from stashpoint._load.manifest import IndexMissingError, open_checkpoint, read_head, read_index, read_summary
 from stashpoint._manager.runcheck import run_contents
 from stashpoint._manager.steps import METRICS_KEY
 from stashpoint._storage import LocalStorage, Storage, storage_for, user_path
@@ -140,14 +140,14 @@ def _steps_of(root: Storage) -> tuple[tuple[str, int], ...]:
 
 def _describe_committed(info: StepInfo, d: Storage, now: float) -> None:
     try:
-        m = read_head(d)  # a listing reads no index
+        head = read_summary(d)  # a listing reads no index, nor parses the catalog (steps x tensors)
     except CheckpointError as e:
         info.status, info.error = "unreadable", str(e)
         return
-    info.status, info.created = "committed", m.created
+    info.status, info.created = "committed", head["created"]
     try:
-        info.age_s = now - datetime.fromisoformat(m.created).timestamp()
-        info.metrics = parse_metrics(m.metadata.get(METRICS_KEY, "{}"))
+        info.age_s = now - datetime.fromisoformat(head["created"]).timestamp()
+        info.metrics = parse_metrics(head["metadata"].get(METRICS_KEY, "{}"))
     except ValueError:  # a foreign "created" or metrics string: shown without
         pass
 
