@@ -10,4 +10,4 @@ mypy
 lint-imports  # the package's layers (pyproject.toml, docs/ARCHITECTURE.md)
 # Two pytest workers by default (pytest-xdist): most tests wait on processes they start, so two
 # workers on two cores take about two thirds of the time of one. STASHPOINT_TEST_WORKERS=0: serial.
-python -m pytest -n "${STASHPOINT_TEST_WORKERS:-2}" --dist loadgroup "$@"
+python -m pytest -n "${STASHPOINT_TEST_WORKERS:-2}" --dist loadgroup --durations=15 "$@"  # the slowest, to keep the tier short

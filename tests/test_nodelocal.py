@@ -159,6 +159,7 @@ def ddp_reference(tmp_path_factory):
     return base
 
 
+@pytest.mark.slow  # about 70 s: two torchrun agents, saved and restarted twice
 def test_each_node_holds_its_ranks_files_and_restarts_fetch_what_they_read(tmp_path, ddp_reference):
     """DDP: each node's directory holds its own rank's files and the manifest. A restart with the
     nodes numbered the other way round fetches each rank's files (and, for the replicated weights
@@ -246,6 +247,7 @@ def digests(outs: list[str], kind: str) -> set[tuple[int, str]]:
     return {(int(step), h) for step, h in lines}
 
 
+@pytest.mark.slow  # about 40 s a case
 @pytest.mark.parametrize("back", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_step_saved_by_four_ranks_resumes_on_two_and_back_on_four_through_the_nodes(tmp_path, back):
     """FSDP2 resharded through node-local directories: saved by two nodes of two ranks, a
@@ -313,6 +315,7 @@ def test_a_node_whose_leader_cannot_hold_its_memory_area_reads_its_directory_alo
         memfetch.release(held, area)
 
 
+@pytest.mark.slow  # about 30 s; the default tier restores from a peer replica in test_replica_failures
 def test_a_node_lost_with_its_disk_is_restored_from_the_replica_on_the_other_node(tmp_path, ddp_reference):
     """replicas=1: each node also keeps the other node's files of the newest step (only the
     newest). Node 1 lost with its directory, the job restarts with a fresh node 1: it resumes

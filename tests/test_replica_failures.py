@@ -77,6 +77,7 @@ def restorable(base: Path, dirs: list[str]) -> list[int]:
     return [s for s, tier in order if tier == "local"]
 
 
+@pytest.mark.slow  # about 25 s
 def test_a_node_killed_while_the_replicas_cross_leaves_the_step_committed_on_the_others(tmp_path):
     """Step 4 commits on all three nodes; node 2 is killed as its replica of it starts out. The
     survivors' save reports that the copies failed, but keeps the step: the job, restarted with
@@ -94,6 +95,7 @@ def test_a_node_killed_while_the_replicas_cross_leaves_the_step_committed_on_the
     assert not list(tmp_path.glob("node-*/*damaged*")), "nothing set aside"
 
 
+@pytest.mark.slow  # about 30 s
 def test_a_step_whose_copies_failed_is_still_uploaded_to_the_remote_tier(tmp_path):
     """A replica that cannot be taken (node 1 killed as the copies of step 4 cross) leaves step 4
     committed on the nodes: the restarted job uploads it to the remote tier like any other step."""
