@@ -256,7 +256,7 @@ def wrapper_hint(missing: list[str], unexpected: list[str]) -> str | None:
         return _prefix_hint(missing, unexpected)
     saved, live = pairs[0]
     parts = saved.rsplit("/", 1)[-1].split(".")
-    leading = [p for p in itertools.takewhile(lambda p: p in _WRAPPER_PARTS, parts[:-1])]
+    leading = list(itertools.takewhile(lambda p: p in _WRAPPER_PARTS, parts[:-1]))
     imported = (
         "; a checkpoint made by `stashpoint import` of such a torch.save file: import it again with "
         + " ".join(f"--strip-prefix {p + '.'!r}" for p in leading)

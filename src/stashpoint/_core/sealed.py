@@ -129,11 +129,17 @@ def _ints(v: object, where: str, what: str, *, key: str | None = None) -> tuple[
 def _sized(shape: tuple[int, ...], item: int, where: str, key: str) -> None:
     """A tensor's bytes must fit torch's int64 sizes, counted over its non-zero dimensions as
     torch counts them (a shape of no elements with two 2**61 dimensions overflows there)."""
+    if _overflows(shape, item):
+        _fail(where, f"the shape of {key!r} holds more bytes than a tensor can ({list(shape)[:8]})")
+
+
+def _overflows(shape: tuple[int, ...], item: int) -> bool:
     n = item
     for d in shape:
         n *= d or 1
         if n >= _DIM_CAP:
-            _fail(where, f"the shape of {key!r} holds more bytes than a tensor can ({list(shape)[:8]})")
+            return True
+    return False
 
 
 def shape_problem(shape: tuple[int, ...], item: int) -> str | None:
@@ -141,11 +147,8 @@ def shape_problem(shape: tuple[int, ...], item: int) -> str | None:
     nothing): for a save to refuse it first, not write a checkpoint its load calls damaged."""
     if len(shape) > MAX_DIMS:
         return f"has {len(shape)} dimensions, more than the format's {MAX_DIMS}"
-    n = item
-    for d in shape:
-        n *= d or 1
-        if d >= _DIM_CAP or n >= _DIM_CAP:
-            return f"of shape {list(shape)[:8]} holds more bytes than the format's 2**62"
+    if any(d >= _DIM_CAP for d in shape) or _overflows(shape, item):  # the rules of _ints and _sized
+        return f"of shape {list(shape)[:8]} holds more bytes than the format's 2**62"
     return None
 
 

@@ -298,8 +298,8 @@ def start(  # noqa: PLR0917
     Returns the pending copies, or None when nothing is left to copy. If this raises, no copy is
     running any more and no hook is registered, so the staging buffers may be reused.
     """
-    optimizers = [h for h in map(hookable, optimizers_in(state)) if h is not None]
-    eager, deferred = split(triples, list(dict.fromkeys(optimizers)), layout)
+    optimizers = list(dict.fromkeys(h for h in map(hookable, optimizers_in(state)) if h is not None))
+    eager, deferred = split(triples, optimizers, layout)
     if fences is None:
         fences = sorted(d.data_ptr() for _, _, d in triples if d.numel())
     events: list[tuple[torch.device, torch.cuda.Event]] = []
@@ -330,7 +330,7 @@ def start(  # noqa: PLR0917
         with reg.lock:
             reg.active.append(pending)
             if deferred:
-                for optim in dict.fromkeys(optimizers):
+                for optim in optimizers:
                     pending._guards.append(_StepGuard(optim, pending))
         try:
             copier.submit(pending.run)

@@ -171,8 +171,9 @@ def export(
         for tmp, _ in written:
             tmp.unlink(missing_ok=True)
         raise
+    replaced = {f for _, f in written}
     for p in old:
-        if p not in {f for _, f in written}:
+        if p not in replaced:
             p.unlink()
     for tmp, f in written:
         tmp.replace(f)

@@ -71,9 +71,8 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor, step: int = 1 << 22) -> float
 def _integer(dtype: torch.dtype) -> bool:
     import torch
 
-    return dtype in (torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64) or (
-        dtype == torch.uint64
-    )
+    ints = (torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64, torch.uint64)
+    return dtype in ints
 
 
 def _int_diff(a: torch.Tensor, b: torch.Tensor) -> float:
