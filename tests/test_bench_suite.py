@@ -21,6 +21,7 @@ from click.testing import CliRunner
 
 from conftest import ROOT
 from stashpoint._tools import cli as _cli
+from stashpoint._tools import clibench
 
 REQUESTED = ["torch_save", "dcp_save", "dcp_async_thread", "torchsnapshot_async", "stashpoint_save", "stashpoint_async"]
 
@@ -140,7 +141,7 @@ def test_bench_help_lists_the_options():
 
 
 def test_bench_runs_the_suite_of_this_checkout():
-    assert _cli.bench_suite_root(_cli._bench_candidates()) == ROOT
+    assert clibench.bench_suite_root(clibench._bench_candidates()) == ROOT
     cmd = [sys.executable, "-m", "stashpoint", "bench", "--list"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr
@@ -149,12 +150,12 @@ def test_bench_runs_the_suite_of_this_checkout():
 
 
 def test_bench_without_the_suite_says_how_to_get_it(tmp_path, monkeypatch):
-    assert _cli.bench_suite_root([tmp_path]) is None
+    assert clibench.bench_suite_root([tmp_path]) is None
     (tmp_path / "benchmarks" / "suite").mkdir(parents=True)
-    assert _cli.bench_suite_root([tmp_path]) is None
+    assert clibench.bench_suite_root([tmp_path]) is None
     (tmp_path / "benchmarks" / "suite" / "cli.py").write_text("")
-    assert _cli.bench_suite_root([tmp_path / "nothing", tmp_path]) == tmp_path.resolve()
-    monkeypatch.setattr(_cli, "_bench_candidates", lambda: [tmp_path / "nothing"])  # as from a wheel
+    assert clibench.bench_suite_root([tmp_path / "nothing", tmp_path]) == tmp_path.resolve()
+    monkeypatch.setattr(clibench, "_bench_candidates", lambda: [tmp_path / "nothing"])  # as from a wheel
     r = CliRunner().invoke(_cli.main, ["bench", "--quick"])
     assert r.exit_code == 1
     assert "source repository" in r.output and "pip install -e '.[bench]'" in r.output

@@ -27,8 +27,9 @@ from stashpoint._manager.steps import (
     remove_leftover,
     retained,
 )
-from stashpoint._save.engine import SaveOptions, get_engine
+from stashpoint._save.engine import get_engine
 from stashpoint._save.handle import SaveHandle, SaveStats
+from stashpoint._save.options import SaveOptions
 from stashpoint._storage import LocalStorage, Storage
 from stashpoint.errors import CheckpointError, ReplicaError
 

@@ -10,7 +10,6 @@ import os
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,15 +28,13 @@ from stashpoint._save.cudacopy import cuda_device, refuse_capture, stage
 from stashpoint._save.handle import SaveHandle, SaveStats
 from stashpoint._save.job import PersistJob
 from stashpoint._save.layout import LayoutCache
+from stashpoint._save.options import DEFAULT_MAX_SHARD_BYTES, DEFAULT_WRITER, SaveOptions, copy_metadata
 from stashpoint._save.staging import StagingPool
 from stashpoint._state.tree import flatten_with_buffers
 from stashpoint._storage import LocalStorage, Storage, storage_for
 from stashpoint.errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
-
-DEFAULT_MAX_SHARD_BYTES = 256 << 20  # files small enough that a save has several to write at once
-DEFAULT_WRITER = "thread"  # the faster on the training loop here: see async_save's ``writer``
 
 
 class _Engine:
@@ -248,46 +245,6 @@ def _refuse_run_dir(storage: Storage) -> None:
         )
 
 
-@dataclass(frozen=True)
-class SaveOptions:
-    """Options of one save (the public ones are documented on :func:`async_save`)."""
-
-    overwrite: bool = False
-    allow_pickle: bool = False
-    metadata: Mapping[str, str] = field(default_factory=dict)
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
-    max_inflight: int = 1
-    on_busy: str = "wait"
-    step: int | None = None
-    process_group: Any = None
-    timeout_s: float | None = None
-    overlap: bool = False
-    writer: str = DEFAULT_WRITER
-    nodes: Any = None  # node-local directories: a ``_dist.nodes.NodeSave``
-    refused: str | None = None  # this rank refuses the save (why): every rank fails it together
-    # the refusal raised from the call on this rank (the others learn of it from their handles),
-    # or, False, from the handle alone, as on every other rank
-    refusal_raised: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.metadata, Mapping):
-            raise TypeError(f"metadata must be a dict of str to str, not {type(self.metadata).__name__}")
-        for k, v in self.metadata.items():
-            if not (isinstance(k, str) and isinstance(v, str)):
-                raise TypeError(
-                    f"metadata must map str to str: metadata[{k!r}] is a {type(v).__name__}; convert the values "
-                    "with str() or json.dumps()"
-                )
-        if self.on_busy not in ("wait", "skip"):
-            raise ValueError(f"on_busy must be 'wait' or 'skip', got {self.on_busy!r}")
-        if self.max_inflight < 1:
-            raise ValueError(f"max_inflight must be at least 1, got {self.max_inflight}")
-        if self.writer not in _writerproc.WRITERS:
-            raise ValueError(f"writer must be 'thread' or 'process', got {self.writer!r}")
-        if self.max_shard_bytes < 1:
-            raise ValueError(f"max_shard_bytes must be positive, got {self.max_shard_bytes}")
-
-
 def async_save(
     state: Any,
     path: str | os.PathLike[str] | Storage,
@@ -346,7 +303,7 @@ def async_save(
     opts = SaveOptions(
         overwrite,
         allow_pickle,
-        _metadata(metadata),
+        copy_metadata(metadata),
         max_shard_bytes,
         process_group=process_group,
         timeout_s=timeout,
@@ -406,14 +363,3 @@ def wait_all(location: str | None = None) -> None:
         cf.wait([h._future for h in list(engine.inflight) if location is None or h.path == location])
     if location is None:
         _overlap.wait_pending()
-
-
-def _metadata(metadata: Any) -> Any:
-    """A copy of ``metadata`` (a mapping, or pairs as ``dict()`` takes); anything else as it
-    is, for :class:`SaveOptions` to refuse naming its type."""
-    if not metadata:
-        return {}
-    try:
-        return dict(metadata)
-    except (TypeError, ValueError):
-        return metadata

@@ -42,7 +42,7 @@ from stashpoint._version import __version__
 from stashpoint.errors import CheckpointError, ReplicaError
 
 if TYPE_CHECKING:
-    from stashpoint._save.engine import SaveOptions
+    from stashpoint._save.options import SaveOptions
     from stashpoint._save.overlap import PendingCopies
 
 log = logging.getLogger("stashpoint")

@@ -43,8 +43,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from stashpoint._core.naming import MANIFEST_NAME, looks_like_shard
 from stashpoint._dist.group import LOCAL
 from stashpoint._load.read import read
-from stashpoint._save.engine import DEFAULT_MAX_SHARD_BYTES, SaveOptions, get_engine
+from stashpoint._save.engine import get_engine
 from stashpoint._save.handle import SaveHandle
+from stashpoint._save.options import DEFAULT_MAX_SHARD_BYTES, SaveOptions
 from stashpoint._storage import storage_for, user_path
 from stashpoint._storage.localwrite import make_root
 from stashpoint.errors import CheckpointError, UnsupportedStateError

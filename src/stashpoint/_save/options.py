@@ -1,0 +1,63 @@
+"""The options of one save, checked when they are made."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from stashpoint._save import writerproc as _writerproc
+
+DEFAULT_MAX_SHARD_BYTES = 256 << 20  # files small enough that a save has several to write at once
+DEFAULT_WRITER = "thread"  # the faster on the training loop here: see async_save's ``writer``
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """Options of one save (the public ones are documented on :func:`async_save`)."""
+
+    overwrite: bool = False
+    allow_pickle: bool = False
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    max_inflight: int = 1
+    on_busy: str = "wait"
+    step: int | None = None
+    process_group: Any = None
+    timeout_s: float | None = None
+    overlap: bool = False
+    writer: str = DEFAULT_WRITER
+    nodes: Any = None  # node-local directories: a ``_dist.nodes.NodeSave``
+    refused: str | None = None  # this rank refuses the save (why): every rank fails it together
+    # the refusal raised from the call on this rank (the others learn of it from their handles),
+    # or, False, from the handle alone, as on every other rank
+    refusal_raised: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metadata, Mapping):
+            raise TypeError(f"metadata must be a dict of str to str, not {type(self.metadata).__name__}")
+        for k, v in self.metadata.items():
+            if not (isinstance(k, str) and isinstance(v, str)):
+                raise TypeError(
+                    f"metadata must map str to str: metadata[{k!r}] is a {type(v).__name__}; convert the values "
+                    "with str() or json.dumps()"
+                )
+        if self.on_busy not in ("wait", "skip"):
+            raise ValueError(f"on_busy must be 'wait' or 'skip', got {self.on_busy!r}")
+        if self.max_inflight < 1:
+            raise ValueError(f"max_inflight must be at least 1, got {self.max_inflight}")
+        if self.writer not in _writerproc.WRITERS:
+            raise ValueError(f"writer must be 'thread' or 'process', got {self.writer!r}")
+        if self.max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes must be positive, got {self.max_shard_bytes}")
+
+
+def copy_metadata(metadata: Any) -> Any:
+    """A copy of ``metadata`` (a mapping, or pairs as ``dict()`` takes); anything else as it
+    is, for :class:`SaveOptions` to refuse naming its type."""
+    if not metadata:
+        return {}
+    try:
+        return dict(metadata)
+    except (TypeError, ValueError):
+        return metadata
