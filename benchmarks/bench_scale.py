@@ -39,12 +39,12 @@ from stashpoint._core.index import Head, RankIndex, assemble, parse_head, parse_
 from stashpoint._core.naming import shard_name
 from stashpoint._core.reshard import Box
 from stashpoint._dist.commit import LayoutMsg, Outcome, SaveHello, Start, Written, _Verdict
-from stashpoint._dist.group import GATHER_SLOT
+from stashpoint._dist.messages import GATHER_SLOT, SLOT_HEADER
 from stashpoint._save.job import Totals
 
 ROWS, COLS, TP = 8, 256, 8
 SAVE_ID = "0123456789abcdef"
-SLOT = GATHER_SLOT + 8
+SLOT = GATHER_SLOT + SLOT_HEADER
 
 
 def _boxes(rank: int, ranks: int, layout: str) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:

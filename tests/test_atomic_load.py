@@ -1,5 +1,5 @@
 """All-or-nothing loads: with atomic=True a load that raises leaves every live tensor, value and object
-as it was."""
+as it was (but for an object's own load_state_dict, which runs last: the error says so)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import stashpoint
+from stashpoint.errors import CheckpointError
 
 
 def _damage(path, key_bytes: bytes) -> None:
@@ -152,3 +153,28 @@ def test_a_scheduler_that_refuses_its_saved_state_fails_an_atomic_load_before_an
         stashpoint.load(fresh, tmp_path / "c", atomic=True)
     assert all(torch.equal(v, before[k]) for k, v in fresh["model"].state_dict().items())
     assert str(fresh["sched"].state_dict()) == sched_before and len(fresh["optim"].state) == 0
+
+
+class _RefusesTwo:
+    def __init__(self, v: int = 0) -> None:
+        self.v = v
+
+    def state_dict(self) -> dict:
+        return {"v": self.v}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd["v"] == 2:
+            raise RuntimeError("cannot take v=2")
+        self.v = sd["v"]
+
+
+def test_an_objects_own_load_that_raises_says_what_an_atomic_load_changed_already(tmp_path):
+    """An object's own load_state_dict cannot be tried on a copy: it runs last. Before, the error
+    named the object alone, and atomic=True's docstring promised a state left as it was."""
+    stashpoint.save({"w": torch.full((4,), 2.0), "n": 2, "obj": _RefusesTwo(2)}, tmp_path / "ck")
+    state = {"w": torch.zeros(4), "n": 0, "obj": _RefusesTwo()}
+    with pytest.raises(CheckpointError) as e:
+        stashpoint.load(state, tmp_path / "ck", atomic=True)
+    assert "cannot take v=2" in str(e.value) and "The objects' own loads run last" in str(e.value)
+    assert "tensors and plain values hold this checkpoint's values already" in str(e.value)
+    assert state["w"][0] == 2.0 and state["n"] == 2 and state["obj"].v == 0  # as the message says

@@ -23,12 +23,14 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import xxhash
 
 from stashpoint import _runtime
+from stashpoint._dist import messages as _messages
 from stashpoint._dist.arrival import (
     CollectiveError,
     Mark,
@@ -50,7 +52,7 @@ from stashpoint.errors import CheckpointError
 log = logging.getLogger("stashpoint")
 
 DEFAULT_TIMEOUT_S = 600.0
-GATHER_SLOT = 504  # a gathered message up to this long travels in one collective (slot + length: 512 B)
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -146,6 +148,7 @@ class DistContext:
         except Exception as e:
             import torch.distributed as dist
 
+            forget(self)  # out of step or broken (a timeout closes gloo's pairs): the next call makes a new one
             if arrived is not None:
                 arrived.now()
 
@@ -176,94 +179,27 @@ class DistContext:
                 timer.cancel()
 
     def all_gather(self, what: str, obj: Any) -> list[Any]:
-        import torch.distributed as dist
-
-        if self.world == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        self.collective(what, dist.all_gather_object, out, obj)
-        self.sent += _size(obj)
-        self.received += sum(_size(o) for o in out)
-        return out
+        return self._tagged(_messages.all_gather, what, obj)
 
     def gather(self, what: str, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj``, on the group's first rank only (None on the others): each
-        rank sends one message and only rank 0 receives R, where ``all_gather`` sends every
-        rank all R. Messages up to ``GATHER_SLOT`` bytes take one collective; longer ones two
-        more (the longest length, broadcast, then a gather padded to it). Rank 0's own message
-        never travels, nor sets the padding (it may carry a listing the others' do not)."""
-        import pickle
-
-        import torch
-        import torch.distributed as dist
-
-        if self.world == 1:
-            return [obj]
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        root = self.rank == 0
-        slot = torch.zeros(GATHER_SLOT + 8, dtype=torch.uint8)
-        slot[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-        if len(data) <= GATHER_SLOT and not root:
-            slot[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        slots = [torch.empty_like(slot) for _ in range(self.world)] if root else None
-        self.collective(what, dist.gather, slot, gather_list=slots, dst=self.ranks[0])
-        self.sent += len(slot)
-        self.received += 8 + (len(slot) * self.world if root else 0)  # and the length broadcast below
-        sizes = [int(s[:8].view(torch.int64)[0]) for s in slots] if slots is not None else []
-        longest = torch.tensor([max(sizes[1:]) if root else 0], dtype=torch.int64)
-        if self.world > 1:
-            self.collective(f"{what} (length)", dist.broadcast, longest, src=self.ranks[0])
-        big = int(longest[0])
-        if big > GATHER_SLOT:
-            pad = torch.zeros(big, dtype=torch.uint8)
-            if not root:
-                pad[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            bigs = [torch.empty_like(pad) for _ in range(self.world)] if root else None
-            self.collective(f"{what} (long)", dist.gather, pad, gather_list=bigs, dst=self.ranks[0])
-            self.sent += big
-            self.received += big * self.world if root else 0
-            if bigs is not None:
-                slots = [torch.cat([s[:8], b]) for s, b in zip(slots or [], bigs)]
-        if slots is None:
-            return None
-        # messages of this job's own ranks, as all_gather_object unpickles them; never file contents
-        others = [pickle.loads(s[8 : 8 + n].numpy().tobytes()) for s, n in zip(slots[1:], sizes[1:])]  # noqa: S301
-        return [pickle.loads(data), *others]  # noqa: S301  # rank 0's: a copy, as the others' are
+        """Every rank's ``obj`` on the group's first rank only, None on the others (see
+        :func:`stashpoint._dist.messages.gather`)."""
+        return self._tagged(_messages.gather, what, obj)
 
     def scatter(self, what: str, objs: list[Any] | None) -> Any:
         """Rank ``r``'s item of ``objs`` (given on rank 0 only), sent to it alone."""
-        import torch.distributed as dist
-
-        if self.world == 1:
-            assert objs is not None
-            return objs[0]
-        out: list[Any] = [None]
-        self.collective(what, dist.scatter_object_list, out, objs, src=self.ranks[0])
-        if objs is not None:
-            self.sent += sum(_size(o) for o in objs)
-        self.received += 8 + _size(out[0])
-        return out[0]
+        return self._tagged(_messages.scatter, what, objs)
 
     def broadcast(self, what: str, obj: Any, src: int = 0) -> Any:
         """``obj`` of the group's rank ``src``, on every rank."""
-        import torch.distributed as dist
+        return self._tagged(_messages.broadcast, what, obj, src)
 
-        if self.world == 1:
-            return obj
-        box = [obj]
-        self.collective(what, dist.broadcast_object_list, box, src=self.ranks[src])
-        if self.rank == src:
-            self.sent += 8 + _size(obj)
-        else:
-            self.received += 8 + _size(box[0])
-        return box[0]
-
-
-def _size(obj: Any) -> int:
-    """The pickled size of a message (what the object collectives send), for the byte counts."""
-    import pickle
-
-    return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    def _tagged(self, fn: Callable[..., _T], *args: Any) -> _T:
+        try:
+            return fn(self, *args)
+        except _messages.OutOfStep as e:
+            forget(self)  # its collectives no longer pair: the next call makes a fresh group
+            raise CollectiveError(str(e)) from None
 
 
 _lock = threading.Lock()

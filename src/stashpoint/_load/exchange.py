@@ -14,6 +14,7 @@ import torch
 
 from stashpoint import errors
 from stashpoint._core.assign import Item
+from stashpoint._dist.arrival import ranks_text
 from stashpoint._dist.group import DistContext
 from stashpoint._storage.oserror import says_damage
 from stashpoint.errors import CheckpointError
@@ -129,6 +130,8 @@ def agree(
             kind = kinds.pop() if len(kinds) == 1 else ""
             damaged = all(s[1] for _, s in failed)
             verdict = ("failed", f"loading failed on rank(s) {ranks}: {shown}", damaged, kind)
+        elif odd := _other_checkpoint(statuses, path):
+            verdict = ("failed", odd, False, "")
         else:
             verdict = ("ok", all(s == statuses[0] for s in statuses), True, "")
     verdict = ctx.broadcast(f"{what} (verdict)", verdict)
@@ -136,6 +139,20 @@ def agree(
     if verdict[0] == "failed":
         raise _agreed(_KINDS.get(verdict[3]) or (error if verdict[2] else CheckpointError), verdict[1], path)
     return bool(verdict[1])
+
+
+def _other_checkpoint(statuses: list[Any], path: str) -> str | None:
+    """Where statuses are ``[checkpoint's save id, ...]``: the error of ranks that opened
+    different checkpoints (each picked its own newest, or was given its own path)."""
+    ids = [s[0] if isinstance(s, list) and s else None for s in statuses]
+    odd = [r for r, i in enumerate(ids) if i != ids[0]]
+    if not odd or ids[0] is None:
+        return None
+    return (
+        f"the ranks opened different checkpoints: {ranks_text(odd)} opened another one than rank 0 ({path}, "
+        f"save {ids[0]}; rank {odd[0]}: save {ids[odd[0]]}). Every rank must load the same checkpoint: choose the "
+        "path on one rank and broadcast it, or restore through a CheckpointManager, which agrees on the step"
+    )
 
 
 def _agreed(kind: type[CheckpointError], message: str, path: str) -> CheckpointError:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ from stashpoint._core.reshard import Box, intersect
 from stashpoint._core.sealed import short_of_memory
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext, rank_of
+from stashpoint._load.applying import apply, apply_together, call
 from stashpoint._load.exchange import agree, broadcast_shares, kinded_failure, own_or_agreed
 from stashpoint._load.manifest import forget, read_head, read_view, remembered, unlisted_shards, writers_of
 from stashpoint._load.reads import Fetched, fetch, prepare_reads, run_reads
@@ -85,7 +85,10 @@ def load(
         timeout: seconds a collective step may wait for the other ranks (default 600).
         atomic: all or nothing: every byte is read and verified into buffers of the load's
             own, and only when that succeeded (on every rank) do the state's tensors, plain
-            values and objects change, so a load that raises leaves the state as it was. It
+            values and objects change, so a load that raises leaves the state as it was (torch's
+            optimizers and LR schedulers are loaded on a copy first; another object's own
+            ``load_state_dict`` cannot be tried: it runs last, and one that raises leaves the
+            tensors and plain values loaded, as the error says). It
             holds the bytes read once more in host memory until they land and costs 1.5-2.1x
             the load time on CPU tensors (benchmarks/RESULTS.md), hence not the default. Without
             it (the default) plain values and objects change only after every read succeeded,
@@ -153,7 +156,9 @@ def load(
             plan = _load_together(
                 ctx, storage, manifest, plan, plan_error, verify=verify, atomic=atomic, exchange=exchange
             )
-        _apply(plan, storage.location)
+            apply_together(ctx, plan, storage.location)
+            return
+        apply(plan, storage.location)
 
 
 def _head(storage: Storage) -> Manifest | Head:
@@ -230,7 +235,7 @@ def _read(
         if atomic:
             fetched = fetch(storage, manifest, reads, verify=verify, ranks_share_host=shared_host)
             for where, check in plan.checks:
-                _call(check, where, storage.location)
+                call(check, where, storage.location)
             return fetched, None
         pieces = prepare_reads(storage, manifest, reads, ranks_share_host=shared_host)
     except CheckpointError as e:  # nothing read into the state yet
@@ -257,7 +262,8 @@ def _load_together(
 ) -> Plan:
     """The N-rank load: every rank takes the same path (all load, or all raise). With
     ``exchange``, regions every rank needs are read once in total and broadcast."""
-    share = exchange if exchange is not None else ctx.multi_host()
+    multi_host = ctx.multi_host()  # on every rank, whatever its ``exchange``: a collective the first time
+    share = exchange if exchange is not None else multi_host
     reads: list[Read] = [] if plan is None or plan_error else plan.reads
     # Only whole tensors can be wanted by every rank (a part is one rank's shard). Each rank
     # sends a hash of those; when all ranks want the same, each works out alone who reads what.
@@ -270,7 +276,8 @@ def _load_together(
     floor = int(env_number("STASHPOINT_READ_SHARE_FLOOR", READ_SHARE_FLOOR, 0, 1 << 50))  # agreed with the items
     digest = xxhash.xxh3_128_intdigest(repr((floor, items)).encode())  # not a str: a str status is an error
     try:
-        status = kinded_failure(plan_error) if plan_error else digest
+        # the checkpoint's identity first: ranks that picked different checkpoints fail together
+        status = kinded_failure(plan_error) if plan_error else [manifest.save_id, digest]
         alike = agree(ctx, "load plans", status, CorruptCheckpointError, path=str(storage.location))
     except CheckpointError as agreed:
         raise own_or_agreed(plan_error, agreed, same_class=True) from None
@@ -300,25 +307,6 @@ def _load_together(
                 if (r.key, r.region) in readers and r.dest is not first:
                     r.dest.copy_(first)
     return plan
-
-
-def _apply(plan: Plan, location: str) -> None:
-    """Give plain values and objects their state, once every tensor is in place."""
-    for s in plan.setters:
-        s()
-    for where, fin in plan.finalizers:
-        _call(fin, where, location)
-
-
-def _call(fn: Callable[[], None], where: str, location: str) -> None:
-    try:
-        fn()
-    except CheckpointError:
-        raise
-    except Exception as e:  # an object's own load_state_dict refused what passed our checks
-        raise CheckpointError(
-            f"loading the state at {where or '<root>'!r} of {location} into its object failed: {type(e).__name__}: {e}"
-        ) from e
 
 
 def _own_plan(

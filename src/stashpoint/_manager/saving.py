@@ -27,7 +27,7 @@ from stashpoint._manager.steps import (
     remove_leftover,
     retained,
 )
-from stashpoint._save.engine import get_engine
+from stashpoint._save.engine import get_engine, refuse_together
 from stashpoint._save.handle import SaveHandle, SaveStats
 from stashpoint._save.options import SaveOptions
 from stashpoint._storage import LocalStorage, Storage
@@ -266,7 +266,13 @@ def start_save(
         mgr._tier.uploader.note_rewind(mark)  # moved by this step's upload, or a later one
     mgr._remote_rewind = None
     # one root: its owner alone refuses, and every rank learns of it alike, from its handle
-    opts = save_options(mgr, step, metrics, {**options, "refused": refused, "refusal_raised": mgr._nodes is not None})
+    try:
+        opts = save_options(
+            mgr, step, metrics, {**options, "refused": refused, "refusal_raised": mgr._nodes is not None}
+        )
+    except (TypeError, ValueError) as e:
+        refuse_together(target, options.get("process_group"), options.get("timeout"), e)
+        raise
     last, mgr._last_save_time = mgr._last_save_time, time.monotonic()
     try:
         handle = get_engine().submit(state, target, opts)

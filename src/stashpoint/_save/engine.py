@@ -300,17 +300,38 @@ def async_save(
     Returns:
         a :class:`SaveHandle`; ``wait()`` returns :class:`SaveStats` or raises the failure.
     """
-    opts = SaveOptions(
-        overwrite,
-        allow_pickle,
-        copy_metadata(metadata),
-        max_shard_bytes,
-        process_group=process_group,
-        timeout_s=timeout,
-        overlap=overlap,
-        writer=writer,
-    )
-    return get_engine().submit(state, storage_for(path), opts)
+    storage = storage_for(path)
+    try:
+        opts = SaveOptions(
+            overwrite,
+            allow_pickle,
+            copy_metadata(metadata),
+            max_shard_bytes,
+            process_group=process_group,
+            timeout_s=timeout,
+            overlap=overlap,
+            writer=writer,
+        )
+    except (TypeError, ValueError) as e:
+        refuse_together(storage, process_group, timeout, e)
+        raise
+    return get_engine().submit(state, storage, opts)
+
+
+def refuse_together(storage: Storage, process_group: Any, timeout: float | None, error: Exception) -> None:
+    """A distributed save this rank refuses for its arguments still runs its collectives, with
+    the refusal: every rank fails it at once (the others learn why from their handles) instead
+    of waiting out the timeout, and the ranks' next saves stay in step. The caller raises
+    ``error`` on this rank."""
+    try:
+        if not _distributed(process_group):
+            return
+        rank = _dist.rank_of(process_group)[0]
+        why = f"rank {rank} refused the save: {type(error).__name__}: {error}"
+        opts = SaveOptions(process_group=process_group, timeout_s=timeout, refused=why, refusal_raised=False)
+        get_engine().submit(None, storage, opts)
+    except Exception as e:  # a group that cannot be made either: the caller's error says enough
+        log.debug("stashpoint: could not fail the save on the other ranks too: %s", e)
 
 
 def save(state: Any, path: str | os.PathLike[str] | Storage, **options: Any) -> SaveStats:
