@@ -88,8 +88,10 @@ class Placement:
             return False
         cell = tuple(o // k for o, k in zip(box.offsets, b))
         want = tuple(min(k, n - o) for k, n, o in zip(b, self.shape, box.offsets))
-        return want == box.shape and all(i < c for i, c in zip(cell, self.grid.counts(self.shape))) and (
-            self.grid.writer(cell) == rank
+        return (
+            want == box.shape
+            and all(i < c for i, c in zip(cell, self.grid.counts(self.shape)))
+            and (self.grid.writer(cell) == rank)
         )
 
 
@@ -142,8 +144,14 @@ def catalog_of(
         cells.setdefault(key, []).append((off, shp, rank))
     out = {}
     for key, (dtype, shape) in info.items():
-        if key in cells:
-            out[key] = placement(key, dtype, shape, cells[key])
+        own = cells.get(key)
+        if own is not None and key in alias:  # no manifest could say where its bytes are: none is committed
+            raise ValueError(
+                f"{key!r} is a tensor of its own on some ranks and holds the bytes of {alias[key]!r} on others: "
+                "give every rank the same tensors under the same keys (tied on all of them, or on none)"
+            )
+        if own is not None:
+            out[key] = placement(key, dtype, shape, own)
         else:
             out[key] = Placement(key, dtype, shape, alias_of=alias[key])
     return out

@@ -100,24 +100,23 @@ def agree(
     layouts: list[LayoutMsg] | None = ctx.gather("layouts", layout.message(staged))
     parts: list[Assignment] | None = None
     writers: dict[Any, int] | None = None
+    catalog = None
     if layouts is not None:
         copied = [None if m.copied is None else set(m.copied) for m in layouts]
         try:
             writers = assign_writers([m.chunks for m in layouts], copied)
+            keyinfo = (kv for m in layouts for kv in m.keyinfo.items())
+            catalog = catalog_of(keyinfo, (kv for m in layouts for kv in m.aliases.items()), writers)
             given_to: list[set[Any]] = [set() for _ in layouts]
             for ident, rank in writers.items():
                 given_to[rank].add(ident)
             constrained = any(c is not None for c in copied)
             parts = [Assignment(frozenset(g), constrained) for g in given_to]
-        except CheckpointError as e:
+        except (CheckpointError, ValueError) as e:
             parts = [Assignment(frozenset(), error=str(e))] * ctx.world
     part: Assignment = ctx.scatter("assignments", parts)
     if part.error is not None:
         _failed(ctx, layout, part.error)
-    catalog = None
-    if layouts is not None and writers is not None:
-        keyinfo = (kv for m in layouts for kv in m.keyinfo.items())
-        catalog = catalog_of(keyinfo, (kv for m in layouts for kv in m.aliases.items()), writers)
     _planned(ctx, Plan(layout.hash, part.mine, hashes, catalog), part.constrained)
     return Agreed(start.save_id, part.mine, start.ranks_per_dir)
 

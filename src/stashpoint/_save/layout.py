@@ -39,6 +39,14 @@ def signature(t: torch.Tensor) -> tuple[Any, ...] | None:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t.is_conj(), t.is_neg())
 
 
+def _tie(sig: tuple[Any, ...] | None, t: torch.Tensor, box: Any) -> tuple[Any, ...] | None:
+    """What ties two keys of a rank: the same bytes (``sig``) at the same place of the same
+    global shape; for a shard empty here, the same tensor object (None: empty everywhere)."""
+    if sig is not None:
+        return (sig, box, tuple(t.shape))
+    return None if t.numel() == 0 else (("empty", id(t)), box, tuple(t.shape))
+
+
 def token(t: torch.Tensor) -> tuple[Any, ...]:
     """Everything about ``t`` that its place in a :class:`Layout` depends on (see the module doc),
     and that :func:`check_tensor` checks (its type and dtype: a tensor is only remembered once
@@ -116,7 +124,11 @@ class Layout:
         """``lowest``: keys written by the lowest rank that holds them (module buffers)."""
         parts = [(k, *local_part(t)) for k, t in tensors]
         sigs = [signature(loc) for _, loc, _, _ in parts]
-        firsts = group_aliases(sigs)
+        # stored once where the bytes and their place in the global tensor are the same (a
+        # DTensor's local shard saved beside it under a key of its own is a tensor of its own);
+        # an empty shard holds no bytes to compare: one tensor under two keys is tied by itself,
+        # as the ranks that hold its bytes tie it
+        firsts = group_aliases([_tie(s, t, box) for s, (_, _, box, _), (_, t) in zip(sigs, parts, tensors)])
         chunks, sources, aliases, keyinfo = [], {}, {}, {}
         described: list[KeyDesc | None] = []
         for (key, loc, box, gshape), first, (_, t) in zip(parts, firsts, tensors):

@@ -31,8 +31,10 @@ def local_tensor(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch
         local = inner if isinstance(inner, torch.Tensor) else t.to_local()  # type: ignore[attr-defined]
     if local.requires_grad:
         local = local.detach()
-    if shape is not None and local.shape != shape:  # e.g. FSDP2 padding: keep the unpadded part
-        local = local[tuple(slice(0, n) for n in shape)]
+    if shape is not None and local.shape != shape:
+        if local.numel() == 0 and math.prod(shape) == 0:  # FSDP2 holds a (2, 0) box's empty shard as (0, 0)
+            return local.new_empty(shape)
+        local = local[tuple(slice(0, n) for n in shape)]  # e.g. FSDP2 padding: keep the unpadded part
     return local
 
 

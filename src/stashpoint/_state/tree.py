@@ -129,6 +129,11 @@ def template_problem(t: torch.Tensor) -> str | None:
             f"a {kind.__name__}, a tensor subclass whose data a load cannot write; give the state a plain "
             "tensor or Parameter, load, then convert it"
         )
+    if is_dtensor(t) and (odd := _odd_placements(t)):  # a Partial's ranks would each get the whole value
+        return (
+            f"a DTensor of placement(s) {odd}, whose local parts are no part of the tensor; load into one "
+            "of Shard or Replicate placements, then redistribute it"
+        )
     return None
 
 
