@@ -84,6 +84,51 @@ def test_failed_saves_a_manager_keeps_for_wait_do_not_keep_their_states_alive(sm
         filler.unlink()
 
 
+def test_a_managers_save_to_a_read_only_root_fails_through_its_handle_and_training_goes_on(small_fs: Path):
+    """Before: the clean-up of the step's missing directory (an unlink, which a read-only file
+    system answers with EROFS, not ENOENT) raised from maybe_save, into the training loop,
+    saying it could not tell what the step held."""
+    view = small_fs / "view"
+    (small_fs / "empty" / "run").mkdir(parents=True)
+    with stashpoint.CheckpointManager(view / "run", every_steps=1) as manager:
+        manager.maybe_save(1, _state(1, 1.0)).wait()
+        # the run's directory turns read-only (an empty read-only mount over it: the manager's
+        # open lock file stays on the file system below, which could not be remounted)
+        subprocess.run(["mount", "--bind", str(small_fs / "empty"), str(view)], check=True)
+        try:
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
+            handle = manager.maybe_save(2, _state(1, 2.0))  # returns: training goes on
+            with pytest.raises(stashpoint.CheckpointError, match=r"cannot create .* Read-only file system"):
+                handle.wait()
+        finally:
+            subprocess.run(["umount", "-l", str(view)], check=True)
+        manager.maybe_save(3, _state(1, 3.0)).wait()
+        assert manager.steps() == [1, 3]
+
+
+def test_a_failed_saves_handle_keeps_no_staging_memory_past_shutdown(small_fs: Path):
+    """A handle (or its error) kept for a report held the save's job through its error's
+    frames, and with it the engine's staging pool: after shutdown() the next save allocated a
+    second one (staging memory doubled)."""
+    import gc
+    import weakref
+
+    from stashpoint._save.engine import current_engine
+
+    (small_fs / "filler").write_bytes(b"\0" * (11 << 20))  # about 1 MiB left: a 4 MiB save fails
+    handle = stashpoint.async_save(_state(4, 1.0), small_fs / "ck")
+    with pytest.raises(stashpoint.CheckpointError, match="No space left"):
+        handle.wait()
+    engine = current_engine()
+    assert engine is not None
+    pool = weakref.ref(engine.pool)
+    del engine
+    stashpoint.shutdown()
+    gc.collect()
+    assert pool() is None, "the failed save's handle keeps the staging pool alive"
+    assert handle.exception() is not None  # the handle and its error are still held here
+
+
 def test_a_failure_its_handle_raised_is_not_raised_again_by_the_managers_wait(small_fs: Path):
     """A training loop that caught a save's failure from ``handle.wait()`` and went on must not get
     it again from ``close()`` at the end of training; a failure nobody looked at still is."""
@@ -103,3 +148,21 @@ def test_a_failure_its_handle_raised_is_not_raised_again_by_the_managers_wait(sm
     manager.save(3, _state(4, 3.0)).wait()
     manager.close()
     assert stashpoint.CheckpointManager(small_fs / "run").steps() == [3]
+
+
+def test_a_file_size_limit_names_the_shard_and_the_bytes_it_refused(tmp_path: Path):
+    """Before: "OSError: [Errno 27] File too large", naming no file and no size (the space is
+    reserved with posix_fallocate, whose error names nothing)."""
+    import resource
+
+    stashpoint.save(_state(4, 0.0), tmp_path / "first")  # its staging memory (a memory file) made under no limit
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))  # Python ignores SIGXFSZ: writes fail with EFBIG
+    try:
+        with pytest.raises(stashpoint.CheckpointError) as e:
+            stashpoint.save(_state(4, 1.0), tmp_path / "ck")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    msg = str(e.value)
+    assert "File too large (reserving 4,1" in msg and str(tmp_path / "ck") in msg and "shard-" in msg, msg
+    stashpoint.save(_state(4, 1.0), tmp_path / "ck")  # the limit gone, the same path saves

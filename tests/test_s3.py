@@ -272,6 +272,30 @@ def test_server_killed_mid_upload_fails_clearly_commits_nothing_and_cleans_up(s3
     assert _same(earlier, back), "the earlier checkpoint is intact"
 
 
+def test_a_managers_save_on_a_stopped_server_returns_within_seconds_and_fails_through_its_handle(
+    s3_own_server, monkeypatch, caplog
+):
+    """Before: maybe_save asked whether the step held a checkpoint with the whole retry budget
+    (90 s here, STASHPOINT_S3_RETRY_SECONDS) and then raised from the call, into the training
+    loop: the quick limits were used only for the checks after it."""
+    monkeypatch.setenv("STASHPOINT_S3_RETRY_SECONDS", "40")
+    manager = stashpoint.CheckpointManager(f"s3://{S3_BUCKET}/down", every_steps=1)
+    state = {"w": torch.ones(1024), "step": 1}
+    manager.maybe_save(1, state).wait()
+    s3_own_server.kill()
+    t0 = time.monotonic()
+    handle = manager.maybe_save(2, state)  # returns: training goes on
+    took = time.monotonic() - t0
+    assert took < 15, f"maybe_save blocked {took:.1f} s on a stopped server"
+    with pytest.raises(CheckpointError):
+        handle.wait(timeout=120)
+    assert "exception calling callback" not in caplog.text  # the failed step's clean-up could not ask either
+    s3_own_server.start()
+    manager.maybe_save(3, state).wait()
+    assert manager.steps() == [1, 3]
+    manager.close()
+
+
 def test_an_outage_shorter_than_the_retry_budget_is_ridden_out(s3_own_server, monkeypatch):
     server = s3_own_server
     url = f"s3://{S3_BUCKET}/outage"

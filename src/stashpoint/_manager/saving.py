@@ -127,6 +127,16 @@ def save_options(mgr: CheckpointManager, step: int, metrics: dict[str, float], o
     return SaveOptions(metadata=meta, max_inflight=mgr.max_inflight, step=step, **options)
 
 
+def _holds_manifest(at: Storage) -> bool:
+    """Whether a failed save's step holds a manifest; where the storage cannot say (a server
+    down), True: its files are kept for the next manager's clean-up, not guessed away."""
+    try:
+        return holds_manifest(at)
+    except (OSError, CheckpointError) as e:
+        log.warning("stashpoint: left %s as it is: could not tell whether it holds a checkpoint (%s)", at.location, e)
+        return True
+
+
 def after_save(  # noqa: PLR0917
     mgr: CheckpointManager,
     step: int,
@@ -147,7 +157,7 @@ def after_save(  # noqa: PLR0917
                 if mgr._resumed_at is None:
                     mgr._resumed_at = resumed
             # node-local: a failed save is no step of the job even where its manifest landed
-            if mgr._owner and (mgr._nodes is not None or not holds_manifest(mgr._at(step))):
+            if mgr._owner and (mgr._nodes is not None or not _holds_manifest(mgr._at(step))):
                 remove_leftover(mgr._at(step))
             return
         if error is not None:  # committed, not copied to other nodes: kept, and raised by wait()
@@ -234,10 +244,12 @@ def start_save(
     # one root: its owner asks (one request a save, not one a rank, and no rank whose answer
     # lags submits a save the others refused); node-local roots: each rank its node's own
     ask = mgr._owner or mgr._nodes is not None
-    try:
-        committed = ask and refused is None and not going_back and target.exists(MANIFEST_NAME)
+    storage_failed = False
+    try:  # within the storage's short limits (object storage: seconds, not its minute and a half)
+        committed = ask and refused is None and not going_back and target.best_effort().exists(MANIFEST_NAME)
     except OSError as e:  # this rank's alone: failed through the engine with the others
         committed, refused = False, f"could not tell whether {target.location} holds a checkpoint: {e}"
+        storage_failed = True
     if committed:
         refused = there
     # a refusal of one rank (an owner that could not move a step aside; a node-local step one
@@ -257,6 +269,7 @@ def start_save(
                 refused = f"step {step} at {target.location} holds a committed checkpoint that could not be moved aside"
         except OSError as e:
             refused = f"could not tell what {target.location} holds before saving step {step} there: {e}"
+            storage_failed = True
     # any refusal saves nothing: the next save decides anew, as set_aside_newer's refusals (now,
     # not when the refusal arrives by the handle)
     if refused is not None:
@@ -266,10 +279,10 @@ def start_save(
         mgr._tier.uploader.note_rewind(mark)  # moved by this step's upload, or a later one
     mgr._remote_rewind = None
     # one root: its owner alone refuses, and every rank learns of it alike, from its handle
+    # a storage that failed a check fails the save through its handle: training goes on
+    refusal = "handle" if storage_failed else "call" if mgr._nodes is not None else "alone"
     try:
-        opts = save_options(
-            mgr, step, metrics, {**options, "refused": refused, "refusal_raised": mgr._nodes is not None}
-        )
+        opts = save_options(mgr, step, metrics, {**options, "refused": refused, "refusal": refusal})
     except (TypeError, ValueError) as e:
         refuse_together(target, options.get("process_group"), options.get("timeout"), e)
         raise

@@ -121,7 +121,7 @@ class _Engine:
                 try:
                     job, staging_s = self._stage(state, storage, opts, ctx)
                 except BaseException as e:
-                    if ctx.world == 1:
+                    if ctx.world == 1 and not (opts.refused is not None and opts.refusal == "handle"):
                         raise
                     job, staging_s = PersistJob.failed(storage, self.pool, opts, ctx, e), 0.0
             job.seq = ctx.saves
@@ -130,7 +130,8 @@ class _Engine:
             future = self.executor.submit(job.run, t_start, staging_s)
             handle = SaveHandle(storage.location, future, job.blocking_s, staging_s, opts.step, copies=copies)
             self.inflight.append(handle)
-            if job.early_error is not None and (opts.refused is None or opts.refusal_raised or ctx.world == 1):
+            raised = opts.refusal == "call" or (opts.refusal == "alone" and ctx.world == 1)
+            if job.early_error is not None and (opts.refused is None or raised):
                 raise job.early_error  # this rank's own error, raised here as in one process
         return handle
 
@@ -328,7 +329,7 @@ def refuse_together(storage: Storage, process_group: Any, timeout: float | None,
             return
         rank = _dist.rank_of(process_group)[0]
         why = f"rank {rank} refused the save: {type(error).__name__}: {error}"
-        opts = SaveOptions(process_group=process_group, timeout_s=timeout, refused=why, refusal_raised=False)
+        opts = SaveOptions(process_group=process_group, timeout_s=timeout, refused=why, refusal="handle")
         get_engine().submit(None, storage, opts)
     except Exception as e:  # a group that cannot be made either: the caller's error says enough
         log.debug("stashpoint: could not fail the save on the other ranks too: %s", e)

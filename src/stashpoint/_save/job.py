@@ -65,7 +65,7 @@ class Totals:
 class PersistJob:
     storage: Storage
     staged: StagingBuffers | None
-    pool: StagingPool
+    pool: StagingPool | None  # None once the save ended: its error's frames must not hold the buffers
     tree: dict[str, Any]
     layout: Layout
     opts: SaveOptions
@@ -103,7 +103,7 @@ class PersistJob:
             # A failed save's handle is kept until wait() reports it (by a manager, over many
             # failed saves maybe): neither it nor its error may keep the state's tree, its
             # tensors (the layout's sources) or the staging buffers alive meanwhile.
-            self.tree, self.staged, self.pending = {}, None, None
+            self.tree, self.staged, self.pending, self.pool = {}, None, None, None
             self.layout = Layout([], {}, {}, {}, self.layout.hash)
 
     def _run(self, t_start: float, staging_s: float) -> SaveStats:
@@ -170,7 +170,7 @@ class PersistJob:
         finally:
             if self.pending is not None:
                 self.pending.wait()  # no copy may still write into buffers another save reuses
-            if self.staged is not None:
+            if self.staged is not None and self.pool is not None:
                 self.pool.release(self.staged)
         nodes, room = self.opts.nodes, None
         if nodes is not None:  # node-local directories: every node's leader commits too

@@ -29,9 +29,10 @@ class SaveOptions:
     writer: str = DEFAULT_WRITER
     nodes: Any = None  # node-local directories: a ``_dist.nodes.NodeSave``
     refused: str | None = None  # this rank refuses the save (why): every rank fails it together
-    # the refusal raised from the call on this rank (the others learn of it from their handles),
-    # or, False, from the handle alone, as on every other rank
-    refusal_raised: bool = True
+    # where this rank's refusal is raised (the other ranks learn of it from their handles):
+    # "call" (from the call), "alone" (from the call of a one-rank save, else from the handle),
+    # "handle" (from the handle only: a storage that failed a check must not stop training)
+    refusal: str = "call"
 
     def __post_init__(self) -> None:
         if not isinstance(self.metadata, Mapping):

@@ -400,6 +400,8 @@ class LocalStorage(Storage):
         """Remove this directory and what it holds; a file or symbolic link in its place is
         removed itself (never followed)."""
         try:
+            if not os.path.lexists(self.root):  # nothing to remove (a read-only file system says EROFS, not ENOENT)
+                return
             if self.root.is_symlink() or not self.root.is_dir():
                 self.root.unlink()
             else:

@@ -75,8 +75,8 @@ class LocalWriter(FileWriter):
                 try:  # reserve the space up front: a full disk fails now, not half-way through
                     os.posix_fallocate(self._fd, 0, size)
                 except OSError as e:
-                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                        raise
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):  # named: fallocate names nothing
+                        raise OSError(e.errno, f"{e.strerror} (reserving {size:,} bytes)", str(path)) from None
             if direct and hasattr(os, "O_DIRECT"):
                 try:
                     nofollow = getattr(os, "O_NOFOLLOW", 0)
@@ -170,6 +170,15 @@ def sync_parent(path: Path) -> None:
             raise
 
 
+_MKDIR_FIXES = {
+    errno.EROFS: "its file system is mounted read-only: choose a path on a writable one",
+    errno.ENOSPC: "its file system is full: free space there (older checkpoints?) or choose another path",
+    errno.EDQUOT: "the disk quota is used up: free space there or choose another path",
+    errno.EMFILE: "this process has too many files open: raise its limit (ulimit -n) or close files",
+    errno.ENFILE: "the system has too many files open: close files, or raise fs.file-max",
+}
+
+
 def make_root(root: Path) -> None:
     """Create ``root`` (and its parents, durably), or say what is in the way and how to fix it."""
     made = list(itertools.takewhile(lambda p: not os.path.lexists(p), (root, *root.parents)))
@@ -191,10 +200,10 @@ def make_root(root: Path) -> None:
             + "; a checkpoint is a directory: remove the file or choose another path"
         ) from None
     except OSError as e:  # permissions, a read-only file system, no space
-        raise CheckpointError(
-            f"cannot create the checkpoint directory {root}: {e.strerror or e}; choose a path this "
-            "process can write to, or fix the permissions of its parent"
-        ) from None
+        fix = _MKDIR_FIXES.get(
+            e.errno or 0, "choose a path this process can write to, or fix the permissions of its parent"
+        )
+        raise CheckpointError(f"cannot create the checkpoint directory {root}: {e.strerror or e}; {fix}") from None
     if root.is_symlink() or not root.is_dir():
         what = (
             "a symbolic link, which is not followed inside a checkpoint or run directory"
