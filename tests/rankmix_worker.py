@@ -140,6 +140,28 @@ def scenario_late_to_a_load(root: str) -> None:
     result(**out)
 
 
+def scenario_manager_refused_on_one_rank(root: str) -> None:
+    """Rank 1's CheckpointManager refuses its arguments (caught: the rank goes on) while rank 0's
+    opens with preemption handling, whose group every rank creates."""
+    import logging
+
+    from stashpoint._dist import group
+
+    group.DEFAULT_TIMEOUT_S = 8.0
+    warned: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("stashpoint").addHandler(handler)
+    out = attempt(
+        lambda: stashpoint.CheckpointManager(
+            Path(root, "run"), keep_last=-1 if RANK == 1 else 2, preemption_deadline=5
+        ).close()
+    )
+    if RANK == 1:
+        time.sleep(10)  # alive, past rank 0's wait
+    result(**out, warned=[w for w in warned if "has waited" in w])
+
+
 def main() -> None:
     scenario, root = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")

@@ -72,3 +72,15 @@ def test_the_save_after_a_load_that_timed_out_works(tmp_path):
     for r in run_world(2, "late_to_a_load", str(tmp_path), worker=WORKER_OF):
         assert r["late"]["ok"] is False and r["late"]["error"] == "CollectiveError", r
         assert r["next"]["ok"], r
+
+
+def test_a_manager_refused_on_one_rank_is_named_by_the_others_preemption_group(tmp_path):
+    """Before: rank 0 waited in the preemption group's creation for stashpoint's whole timeout
+    (600 s by default), logging nothing, then named no rank."""
+    first, second = run_world(2, "manager_refused_on_one_rank", str(tmp_path), worker=WORKER_OF, timeout=90)
+    assert second["error"] == "ValueError", second
+    assert first["error"] == "CollectiveError", first
+    assert "rank(s) 1 did not come to create the preemption group of their CheckpointManagers" in first["message"]
+    assert "did the constructor raise on those ranks" in first["message"], first
+    assert 7 < first["seconds"] < 20, first
+    assert first["warned"] and "rank(s) 1" in first["warned"][0], first  # named while it still waits

@@ -194,7 +194,16 @@ def watch(
     return timer
 
 
-def all_came(marks: Any, mark: str, me: int, world: int, timeout_s: float) -> None:
+_GROUP = "create stashpoint's checkpoint group"
+_GROUP_HINT = (
+    "every rank of the group must call save and load, in the same order, not only rank 0 (is every rank alive "
+    "and saving?)"
+)
+
+
+def all_came(  # noqa: PLR0917
+    marks: Any, mark: str, me: int, world: int, timeout_s: float, what: str = _GROUP, hint: str = _GROUP_HINT
+) -> None:
     """Before the checkpoint group is created: each rank marks its arrival in the job's store,
     and the first waits for all (polling, warning as :func:`watch` does) so that a rank that
     never comes is named. torch's group creation waits holding the interpreter, where no
@@ -214,11 +223,9 @@ def all_came(marks: Any, mark: str, me: int, world: int, timeout_s: float) -> No
                 missing = absent(marks, mark, world)
                 if waited >= timeout_s:
                     raise CollectiveError(
-                        f"rank 0: {ranks_text(missing)} did not come to create stashpoint's checkpoint group within "
-                        f"{timeout_s:.0f} s: every rank of the group must call save and load, in the same order, "
-                        "not only rank 0 (is every rank alive and saving?)"
+                        f"rank 0: {ranks_text(missing)} did not come to {what} within {timeout_s:.0f} s: {hint}"
                     )
-                _wait_warning(waited, missing, "create the checkpoint group", timeout_s)
+                _wait_warning(waited, missing, what, timeout_s)
                 warned = True
             time.sleep(pause)
             pause = min(pause * 2, 0.05)

@@ -23,7 +23,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from stashpoint._dist import group as _dist
-from stashpoint._dist.arrival import CollectiveError
+from stashpoint._dist.arrival import CollectiveError, all_came, came, store
 from stashpoint._dist.gloo import gloo_group, tree_max
 from stashpoint.errors import CheckpointError
 
@@ -32,15 +32,29 @@ log = logging.getLogger("stashpoint")
 _GRACE_S = 1.0  # past the deadline, for stop() to report before the watchdog ends the process
 
 
+_groups_made = 0
+_WHAT = "create the preemption group of their CheckpointManagers"
+_HINT = (
+    "every rank creates its CheckpointManager with preemption_deadline at the same point: did the constructor "
+    "raise on those ranks, or are they gone?"
+)
+
+
 def _signal_group() -> Any:
     """The group the ranks tell each other of a signal on: created under stashpoint's timeout (a
     rank preempted while the managers open is waited for that long, not half an hour), then
     given torch's default of 30 minutes, as ranks may reach maybe_save minutes apart."""
     import torch.distributed as dist
 
+    global _groups_made
+    _groups_made += 1  # alike on every rank: each creates its managers in the same order
+    mark = f"stashpoint/preemption/{_groups_made}"
+    # rank 0 names the ranks that never come (a constructor that raised on them) after 30 s
+    all_came(store(), mark, dist.get_rank(), dist.get_world_size(), _dist.DEFAULT_TIMEOUT_S, _WHAT, _HINT)
     try:
         group = gloo_group(timeout=timedelta(seconds=_dist.DEFAULT_TIMEOUT_S))
         dist.barrier(group=group)  # a lazy group (at scale) waits for no rank until its first collective
+        came(store(), mark, dist.get_rank())
     except Exception as e:
         raise CollectiveError(
             f"could not create the preemption group over every rank within {_dist.DEFAULT_TIMEOUT_S:.0f} s (every "
