@@ -16,8 +16,8 @@ from stashpoint._dist.arrival import CollectiveError, ranks_text
 if TYPE_CHECKING:
     from stashpoint._dist.group import DistContext
 
-GATHER_SLOT = 504  # a gathered message up to this long travels in one collective
-SLOT_HEADER = 16  # before it: its length and its collective's tag (a slot is 520 B)
+GATHER_SLOT = 496  # a gathered message up to this long travels in one collective
+SLOT_HEADER = 16  # before it: its length and its collective's tag (a slot is 512 B)
 _ODD = -1  # the length rank 0 sends when some rank's tag differs: every rank raises
 
 
