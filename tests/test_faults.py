@@ -166,3 +166,26 @@ def test_a_file_size_limit_names_the_shard_and_the_bytes_it_refused(tmp_path: Pa
     msg = str(e.value)
     assert "File too large (reserving 4,1" in msg and str(tmp_path / "ck") in msg and "shard-" in msg, msg
     stashpoint.save(_state(4, 1.0), tmp_path / "ck")  # the limit gone, the same path saves
+
+
+def test_a_sync_failing_after_the_commit_says_the_checkpoint_loads_but_may_not_be_durable(tmp_path, monkeypatch):
+    """Before, in one process: "rank 0: ... confirming it across the ranks failed ...; it is
+    complete and loadable" (no ranks confirm anything there, and nothing said durability failed)."""
+    from stashpoint._storage import local
+
+    real = local.fsync_dir
+
+    def failing(path):  # the run directory's sync after the manifest's link fails
+        if (Path(path) / "manifest.json").exists():
+            raise OSError(5, "Input/output error")
+        real(path)
+
+    monkeypatch.setattr(local, "fsync_dir", failing)
+    with pytest.raises(stashpoint.CheckpointError) as e:
+        stashpoint.save(_state(1, 1.0), tmp_path / "ck")
+    msg = str(e.value)
+    assert "was committed" in msg and "may not survive a power loss" in msg and "rank" not in msg, msg
+    monkeypatch.setattr(local, "fsync_dir", real)
+    out = _state(1, 0.0)
+    stashpoint.load(out, tmp_path / "ck")
+    assert out["w"][0] == 1.0

@@ -222,7 +222,13 @@ class PersistJob:
         ask = save_id and not decided and (rank != 0 or self.commit_tried)
         committed = self._committed(save_id) if ask else False
         if committed:
-            # rank 0 wrote the manifest but the confirmation did not arrive: the checkpoint is whole
+            # rank 0 wrote the manifest but what came after failed: the checkpoint is whole
+            if self.ctx.world == 1:  # its directory's sync, say: loadable, durable maybe not
+                cause = e.failed[0][1] if isinstance(e, RankFailure) and e.failed else f"{type(e).__name__}: {e}"
+                raise CheckpointError(
+                    f"the checkpoint at {loc} was committed (its manifest is in place and it loads), but what follows "
+                    f"the commit failed ({cause}): it may not survive a power loss; save again to be sure"
+                ) from e
             raise CheckpointError(
                 f"rank {rank}: the checkpoint at {loc} was committed, but confirming it across the ranks failed "
                 f"({type(e).__name__}: {e}); it is complete and loadable"
