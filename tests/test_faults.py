@@ -189,3 +189,15 @@ def test_a_sync_failing_after_the_commit_says_the_checkpoint_loads_but_may_not_b
     out = _state(1, 0.0)
     stashpoint.load(out, tmp_path / "ck")
     assert out["w"][0] == 1.0
+
+
+def test_a_run_that_finds_no_room_for_the_next_step_says_how_much_it_needs(small_fs: Path, caplog):
+    """Before: "No space left on device ... fix the cause and save again", with nothing on why a
+    disk that holds keep_last steps cannot take the next (it is written before the oldest goes)."""
+    with stashpoint.CheckpointManager(small_fs / "run", keep_last=2) as manager:
+        for step in (1, 2):
+            manager.save(step, _state(4, float(step))).wait()
+        with pytest.raises(stashpoint.CheckpointError, match="No space left"):
+            manager.save(3, _state(4, 3.0)).wait()
+    assert "this run keeps 2 step(s) and writes the next beside them" in caplog.text, caplog.text
+    assert "needs room for 3 steps of about 0.0042 GB" in caplog.text, caplog.text

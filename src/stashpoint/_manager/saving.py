@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from stashpoint._core.format import utc_stamp
 from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME, step_dir
+from stashpoint._manager.aftersave import holds_manifest_or_unknown, out_of_space, say_room
 from stashpoint._manager.lock import check_shared_root
 from stashpoint._manager.rewindmark import Rewind
 from stashpoint._manager.setaside import set_aside_newer
@@ -127,16 +128,6 @@ def save_options(mgr: CheckpointManager, step: int, metrics: dict[str, float], o
     return SaveOptions(metadata=meta, max_inflight=mgr.max_inflight, step=step, **options)
 
 
-def _holds_manifest(at: Storage) -> bool:
-    """Whether a failed save's step holds a manifest; where the storage cannot say (a server
-    down), True: its files are kept for the next manager's clean-up, not guessed away."""
-    try:
-        return holds_manifest(at)
-    except (OSError, CheckpointError) as e:
-        log.warning("stashpoint: left %s as it is: could not tell whether it holds a checkpoint (%s)", at.location, e)
-        return True
-
-
 def after_save(  # noqa: PLR0917
     mgr: CheckpointManager,
     step: int,
@@ -157,8 +148,10 @@ def after_save(  # noqa: PLR0917
                 if mgr._resumed_at is None:
                     mgr._resumed_at = resumed
             # node-local: a failed save is no step of the job even where its manifest landed
-            if mgr._owner and (mgr._nodes is not None or not _holds_manifest(mgr._at(step))):
+            if mgr._owner and (mgr._nodes is not None or not holds_manifest_or_unknown(mgr._at(step))):
                 remove_leftover(mgr._at(step))
+            if mgr._owner and out_of_space(error):
+                say_room(mgr, step)
             return
         if error is not None:  # committed, not copied to other nodes: kept, and raised by wait()
             with mgr._lock:
