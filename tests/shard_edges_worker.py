@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
 import stashpoint
 
-RANK = int(os.environ["RANK"])
+RANK = int(os.environ.get("RANK", "0"))  # 0 where a test imports it
 
 
 def result(**kw: object) -> None:
@@ -87,6 +87,22 @@ def scenario_load_into_a_partial_dtensor(root: str) -> None:
         result(error=None)
     except stashpoint.CheckpointError as e:
         result(error=type(e).__name__, message=str(e)[:1000], untouched=bool(state["a"].to_local().eq(0).all()))
+
+
+def stage_model(rank: int | None) -> torch.nn.Module:
+    """A four-layer model (seeded), or pipeline stage ``rank`` of it: its two layers under their
+    own names, the others left out (as torchtitan's pipeline split does)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 4) for _ in range(4)]
+    if rank is not None:
+        layers = [m if i // 2 == rank else torch.nn.Identity() for i, m in enumerate(layers)]
+    return torch.nn.Sequential(*layers)
+
+
+def scenario_pipeline_stages(root: str) -> None:
+    """Each rank saves its own stage: different keys on each rank."""
+    stashpoint.save({"model": stage_model(RANK), "step": 7}, f"{root}/ck")
+    result(saved=True)
 
 
 def main() -> None:

@@ -38,3 +38,24 @@ def test_a_load_into_a_partial_dtensor_is_refused_by_key(tmp_path):
     for r in run_world(2, "load_into_a_partial_dtensor", str(tmp_path), worker=WORKER_OF):
         assert r["error"] == "StateMismatchError" and "'a'" in r["message"] and "Partial" in r["message"], r
         assert r["untouched"], r
+
+
+def test_pipeline_stages_saved_by_their_ranks_load_into_the_whole_model_in_one_process(tmp_path):
+    """Each rank saved its own stage (different keys); one process (an evaluation, an export)
+    loads the whole model. Before: each of the other stages' tensors was a missing key, though
+    the checkpoint holds them (this rank's tree holds its saved rank's structure alone)."""
+    import torch
+
+    import stashpoint
+    from shard_edges_worker import stage_model
+
+    run_world(2, "pipeline_stages", str(tmp_path), worker=WORKER_OF)
+    whole = stage_model(None)
+    for p in whole.parameters():
+        torch.nn.init.zeros_(p)
+    state = {"model": whole, "step": 0}
+    stashpoint.load(state, tmp_path / "ck")
+    assert state["step"] == 7
+    want = stage_model(None).state_dict()
+    got = whole.state_dict()
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)

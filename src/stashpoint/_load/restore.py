@@ -250,13 +250,21 @@ class Planner(OptimizerPlanning):
                     + (f" ({len(keys)} tensor(s))" if len(keys) > 1 else "")
                 )
         for k in live:
-            if k not in seen:  # plain values too: a silently kept value (a step counter) is a wrong resume
+            if k not in seen and self._saved_by_another_rank(join(where, k), live[k]):
+                # ranks that held different parts (pipeline stages), loaded by fewer: from the catalog
+                self._tensor(join(where, k), live[k], join(where, k), bind(live.__setitem__, k), materialize)
+            elif k not in seen:  # plain values too: a silently kept value (a step counter) is a wrong resume
                 self.plan.missing.append(join(where, k))
                 self.plan.problems.append(
                     f"missing key {self._name(join(where, k))}: in the state, not in the checkpoint"
                 )
         if not self.partial:
             self._keys_of_another_type([k for k in seen if k not in live], [k for k in live if k not in seen], where)
+
+    def _saved_by_another_rank(self, key: str, live: Any) -> bool:
+        """Whether ``key``, which this rank's saved tree lacks, is a tensor another saving rank
+        stored (the catalog holds every rank's tensors, the tree one rank's structure)."""
+        return isinstance(live, torch.Tensor) and key in self.m.tensors
 
     def _objects_for_nothing(self, saved: Node, where: str) -> bool:
         """Whether the saved container, which an empty one in the state would take, holds
