@@ -8,6 +8,7 @@ Prints one ``RESULT {json}`` line.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
@@ -127,6 +128,39 @@ def scenario_bad_argument_on_one_rank(root: str) -> None:
         bad = {"on_busy": "later"} if RANK == 1 else {}
         out["manager"] = attempt(lambda: mgr.save(1, state, timeout=TIMEOUT, **bad).wait())
         out["manager_next"] = attempt(lambda: mgr.save(2, state, timeout=TIMEOUT).wait())
+    result(**out)
+
+
+class _Frozen(collections.UserDict):
+    """A container of the state's own that refuses new values on rank 1."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if RANK == 1 and getattr(self, "frozen", False):
+            raise TypeError("config is frozen")
+        super().__setitem__(key, value)
+
+
+def scenario_plain_value_refused_on_one_rank(root: str) -> None:
+    """Rank 1's state holds a container that refuses the plain value the load puts back."""
+    stashpoint.save({"w": torch.ones(4), "cfg": {"lr": 1}}, f"{root}/ck", timeout=TIMEOUT)
+    cfg = _Frozen(lr=0)
+    cfg.frozen = True  # type: ignore[attr-defined]
+    out = {"load": attempt(lambda: stashpoint.load({"w": torch.zeros(4), "cfg": cfg}, f"{root}/ck", timeout=TIMEOUT))}
+    out["next"] = attempt(lambda: stashpoint.save({"w": torch.ones(4)}, f"{root}/next", timeout=TIMEOUT))
+    result(**out)
+
+
+def scenario_bad_argument_with_a_remote_tier(root: str) -> None:
+    """Rank 1 refuses a manager's save for its arguments; the manager uploads to a remote tier."""
+    state = _state(1.0)
+    with stashpoint.CheckpointManager(Path(root, "run"), remote_root=Path(root, "remote")) as mgr:
+        mgr.save(1, state, timeout=TIMEOUT).wait()
+        bad = {"on_busy": "later"} if RANK == 1 else {}
+        out = {"refused": attempt(lambda: mgr.save(2, state, timeout=TIMEOUT, **bad).wait())}
+        for step in (3, 4):
+            mgr.save(step, state, timeout=TIMEOUT).wait()
+        out["wait"] = attempt(mgr.wait)
+        out["remote"] = mgr.remote_steps()
     result(**out)
 
 

@@ -35,15 +35,30 @@ def scenario_tied_with_an_empty_shard(root: str) -> None:
     """A tensor under two keys (tied weights) whose shard is empty on rank 1 (one row, two ranks)."""
     full = torch.arange(6.0).reshape(1, 6)
     w = distribute_tensor(full.clone(), _mesh(), [Shard(0)])
-    stashpoint.save({"emb": w, "head": w}, f"{root}/ck")
-    fresh = distribute_tensor(torch.zeros(1, 6), _mesh(), [Shard(0)])
-    state = {"emb": fresh, "head": fresh}
+
+    def fresh() -> dict[str, torch.Tensor]:
+        return {k: distribute_tensor(torch.zeros(1, 6), _mesh(), [Shard(0)]) for k in ("emb", "head")}
+
+    # as a module's state_dict() gives them: a detach() per key, two objects viewing one storage
+    stashpoint.save({"emb": w.detach(), "head": w.detach()}, f"{root}/detached")
+    state = fresh()
+    stashpoint.load(state, f"{root}/detached")
+    out = {"detached": all(torch.equal(state[k].full_tensor(), full) for k in state)}
+    stashpoint.save({"emb": w, "head": w}, f"{root}/ck")  # one object under both keys
+    state = fresh()
     stashpoint.load(state, f"{root}/ck")
-    out = {"loaded": torch.equal(state["head"].full_tensor(), full)}
+    out["loaded"] = all(torch.equal(state[k].full_tensor(), full) for k in state)
     dist.barrier()
     if RANK == 0:
         got = stashpoint.read(f"{root}/ck")
         out["read"] = torch.equal(got["head"], full) and torch.equal(got["emb"], full)
+    # the same keys untied in later saves of the process: not the tied saves' layout again
+    other = distribute_tensor(torch.full((1, 6), 100.0), _mesh(), [Shard(0)])
+    for i in range(2):
+        stashpoint.save({"emb": w, "head": other}, f"{root}/untied{i}")
+    state = fresh()
+    stashpoint.load(state, f"{root}/untied1")
+    out["untied"] = [float(state[k].full_tensor()[0, 0]) for k in ("emb", "head")]
     result(**out)
 
 

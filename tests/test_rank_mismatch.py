@@ -84,3 +84,21 @@ def test_a_manager_refused_on_one_rank_is_named_by_the_others_preemption_group(t
     assert "did the constructor raise on those ranks" in first["message"], first
     assert 7 < first["seconds"] < 20, first
     assert first["warned"] and "rank(s) 1" in first["warned"][0], first  # named while it still waits
+
+
+def test_a_plain_value_refused_on_one_rank_fails_the_load_on_every_rank(tmp_path):
+    """The diff review of the agreement after the objects' loads: a container's own error
+    (not a CheckpointError) skipped it on rank 1, and rank 0 waited out the timeout."""
+    for r in run_world(2, "plain_value_refused_on_one_rank", str(tmp_path), worker=WORKER_OF):
+        assert r["load"]["ok"] is False and r["load"]["error"] == "CheckpointError", r
+        assert "config is frozen" in r["load"]["message"] and r["load"]["seconds"] < 10, r
+        assert r["next"]["ok"], r
+
+
+def test_a_managers_save_refused_for_its_arguments_keeps_the_remote_tiers_uploads_in_step(tmp_path):
+    """The diff review: the refusing rank queued no upload of the refused step, the others did;
+    every later upload failed as out of step."""
+    for r in run_world(2, "bad_argument_with_a_remote_tier", str(tmp_path), worker=WORKER_OF):
+        assert r["refused"]["ok"] is False, r
+        assert r["wait"]["ok"] or "step 2" in r["wait"]["message"], r
+        assert r["remote"] == [1, 3, 4], r

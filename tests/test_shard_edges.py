@@ -14,7 +14,7 @@ def test_a_tied_tensor_whose_shard_is_empty_on_a_rank_loads_back(tmp_path):
     others as the first key's bytes; the committed manifest gave it no chunks, and no load (nor
     a manager's restore) could read the checkpoint."""
     results = run_world(2, "tied_with_an_empty_shard", str(tmp_path), worker=WORKER_OF)
-    assert all(r["loaded"] for r in results), results
+    assert all(r["loaded"] and r["detached"] and r["untied"] == [0.0, 100.0] for r in results), results
     assert results[0]["read"], results
 
 

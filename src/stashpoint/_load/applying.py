@@ -22,7 +22,13 @@ OBJECT_FAILED = (
 def apply(plan: Plan, location: str) -> None:
     """Give plain values and objects their state, once every tensor is in place."""
     for s in plan.setters:
-        s()
+        try:
+            s()
+        except Exception as e:  # a container of the state's own refused the value (a frozen mapping)
+            raise CheckpointError(
+                f"putting a plain value of {location} back into the state failed: {type(e).__name__}: {e}; the "
+                "state's tensors hold this checkpoint's values already"
+            ) from e
     for where, fin in plan.finalizers:
         try:
             call(fin, where, location)
@@ -40,6 +46,8 @@ def apply_together(ctx: DistContext, plan: Plan, location: str) -> None:
         apply(plan, location)
     except CheckpointError as e:
         error = e
+    except Exception as e:  # whatever it was, the other ranks must not wait for this one
+        error = CheckpointError(f"loading {location} failed on its last part: {type(e).__name__}: {e}")
     try:
         agree(ctx, "load applied", kinded_failure(error) if error else 0, path=str(location))
     except CheckpointError as agreed:

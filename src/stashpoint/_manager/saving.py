@@ -274,13 +274,13 @@ def start_save(
     # one root: its owner alone refuses, and every rank learns of it alike, from its handle
     # a storage that failed a check fails the save through its handle: training goes on
     refusal = "handle" if storage_failed else "call" if mgr._nodes is not None else "alone"
-    try:
-        opts = save_options(mgr, step, metrics, {**options, "refused": refused, "refusal": refusal})
-    except (TypeError, ValueError) as e:
-        refuse_together(target, options.get("process_group"), options.get("timeout"), e)
-        raise
     last, mgr._last_save_time = mgr._last_save_time, time.monotonic()
     try:
+        try:
+            opts = save_options(mgr, step, metrics, {**options, "refused": refused, "refusal": refusal})
+        except (TypeError, ValueError) as e:  # the others' save fails at once too, and is tracked below
+            refuse_together(target, options.get("process_group"), options.get("timeout"), e)
+            raise
         handle = get_engine().submit(state, target, opts)
     except BaseException as e:
         if mgr._resumed_at is None:  # no step was saved: the next save is the first after the restore still

@@ -39,12 +39,23 @@ def signature(t: torch.Tensor) -> tuple[Any, ...] | None:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t.is_conj(), t.is_neg())
 
 
-def _tie(sig: tuple[Any, ...] | None, t: torch.Tensor, box: Any) -> tuple[Any, ...] | None:
+def _tie(sig: tuple[Any, ...] | None, loc: torch.Tensor, t: torch.Tensor, box: Any) -> tuple[Any, ...] | None:
     """What ties two keys of a rank: the same bytes (``sig``) at the same place of the same
-    global shape; for a shard empty here, the same tensor object (None: empty everywhere)."""
+    global shape. A shard empty here holds no bytes, yet the ranks that hold some tie it: it is
+    tied by the storage it views (one parameter's, which each ``detach()`` a ``state_dict()``
+    gives shares) and its place there (None: empty everywhere)."""
     if sig is not None:
         return (sig, box, tuple(t.shape))
-    return None if t.numel() == 0 else (("empty", id(t)), box, tuple(t.shape))
+    if t.numel() == 0:
+        return None
+    where = ("empty", _storage_of(loc), loc.storage_offset(), tuple(loc.shape), loc.stride(), loc.dtype, loc.device)
+    return (where, box, tuple(t.shape))
+
+
+def _storage_of(loc: torch.Tensor) -> int:
+    """Which storage ``loc`` views (an empty one too: views of one share it, where their
+    ``data_ptr()`` is 0 and says nothing)."""
+    return int(loc.untyped_storage()._cdata)
 
 
 def token(t: torch.Tensor) -> tuple[Any, ...]:
@@ -67,6 +78,7 @@ def token(t: torch.Tensor) -> tuple[Any, ...]:
         t.shape,
         id(t.device_mesh),  # type: ignore[attr-defined]
         tuple(t.placements),  # type: ignore[attr-defined]
+        None if loc.numel() else _storage_of(loc),  # an empty shard ties by its storage (see _tie)
     )
 
 
@@ -128,7 +140,7 @@ class Layout:
         # DTensor's local shard saved beside it under a key of its own is a tensor of its own);
         # an empty shard holds no bytes to compare: one tensor under two keys is tied by itself,
         # as the ranks that hold its bytes tie it
-        firsts = group_aliases([_tie(s, t, box) for s, (_, _, box, _), (_, t) in zip(sigs, parts, tensors)])
+        firsts = group_aliases([_tie(s, loc, t, box) for s, (_, loc, box, _), (_, t) in zip(sigs, parts, tensors)])
         chunks, sources, aliases, keyinfo = [], {}, {}, {}
         described: list[KeyDesc | None] = []
         for (key, loc, box, gshape), first, (_, t) in zip(parts, firsts, tensors):
