@@ -120,6 +120,17 @@ def scenario_pipeline_stages(root: str) -> None:
     result(saved=True)
 
 
+def scenario_sharded_and_whole(root: str) -> None:
+    """One state saved sharded over the ranks, and whole by rank 0 alone."""
+    from stashpoint._dist.group import LOCAL
+
+    full = torch.arange(24.0).reshape(4, 6)
+    stashpoint.save({"w": distribute_tensor(full, _mesh(), [Shard(0)]), "s": torch.tensor(3.0)}, f"{root}/sharded")
+    if RANK == 0:
+        stashpoint.save({"w": full, "s": torch.tensor(3.0)}, f"{root}/whole", process_group=LOCAL)
+    result(saved=True)
+
+
 def main() -> None:
     scenario, root = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")

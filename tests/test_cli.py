@@ -1063,3 +1063,38 @@ def test_import_takes_what_real_files_hold_shared_layers_large_ints_and_damage_n
             pass  # before: zipfile's UnicodeDecodeError or EOFError escaped the scan for 21 of 150 such files
     torch.save({"w": torch.eye(3).to_sparse_csr()}, tmp_path / "csr.pt")
     one_line_error(cli("import", tmp_path / "csr.pt", tmp_path / "o"), "'w'")
+
+
+def test_export_writes_the_mx_scale_and_float4_dtypes_safetensors_stores(tmp_path: Path) -> None:
+    """Before: refused as dtypes safetensors cannot store (its loader's table lacks them; its
+    writer and reader handle them), so no MXFP8/MXFP4 checkpoint could be exported."""
+    scale = torch.tensor([1.0, 2.0, 0.5, 8.0]).to(torch.float8_e8m0fnu)
+    packed = torch.randint(0, 255, (4, 2), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    stashpoint.save({"model": {"w_scale": scale, "w": packed}}, tmp_path / "ck")
+    r = cli("export", tmp_path / "ck", tmp_path / "out.safetensors", "--select", "model")
+    assert r.exit_code == 0, r.output
+    got = load_file(str(tmp_path / "out.safetensors"))
+    assert got["w_scale"].dtype == torch.float8_e8m0fnu and torch.equal(
+        got["w_scale"].view(torch.uint8), scale.view(torch.uint8)
+    )
+    assert got["w"].dtype == torch.float4_e2m1fn_x2 and torch.equal(
+        got["w"].view(torch.uint8), packed.view(torch.uint8)
+    )
+
+
+def test_import_of_one_ranks_torch_save_of_dtensors_says_what_it_is(tmp_path: Path) -> None:
+    """Before: "not a readable torch.save file", a CorruptCheckpointError, passing on torch's advice
+    to load with weights_only=False."""
+    code = (
+        "import sys, torch, torch.distributed as dist\n"
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from torch.distributed.tensor import Shard, distribute_tensor\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+        "w = distribute_tensor(torch.ones(4, 4), init_device_mesh('cpu', (1,)), [Shard(0)])\n"
+        "torch.save({'w': w}, sys.argv[1])\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "rank0.pt")], check=True, timeout=120)
+    r = cli("import", tmp_path / "rank0.pt", tmp_path / "ck")
+    assert r.exit_code == 2, r.output
+    assert "holds DTensors: one rank's shards" in r.output and "full_state_dict=True" in r.output, r.output
+    assert "weights_only=False will likely succeed" not in r.output, r.output

@@ -59,3 +59,16 @@ def test_pipeline_stages_saved_by_their_ranks_load_into_the_whole_model_in_one_p
     want = stage_model(None).state_dict()
     got = whole.state_dict()
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_diff_of_one_state_saved_sharded_and_whole_says_how_each_tensor_was_compared(tmp_path):
+    """Before: "2 tensor(s) compared (by the checksums recorded ...)" where only the scalar was:
+    the sharded tensor's chunks differ between the two, so its data was read and compared."""
+    from click.testing import CliRunner
+
+    from stashpoint._tools.cli import main
+
+    run_world(2, "sharded_and_whole", str(tmp_path), worker=WORKER_OF)
+    r = CliRunner().invoke(main, ["diff", str(tmp_path / "sharded"), str(tmp_path / "whole")])
+    assert r.exit_code == 0, r.output
+    assert "2 tensor(s) compared (1 by the checksums recorded, 1 by their data;" in r.output, r.output

@@ -47,14 +47,15 @@ def _signal_group() -> Any:
     import torch.distributed as dist
 
     global _groups_made
-    _groups_made += 1  # alike on every rank: each creates its managers in the same order
-    mark = f"stashpoint/preemption/{_groups_made}"
+    made = _groups_made + 1  # alike on every rank: each creates its managers in the same order (counted once made)
+    mark = f"stashpoint/preemption/{made}"
     # rank 0 names the ranks that never come (a constructor that raised on them) after 30 s
     all_came(store(), mark, dist.get_rank(), dist.get_world_size(), _dist.DEFAULT_TIMEOUT_S, _WHAT, _HINT)
     try:
         group = gloo_group(timeout=timedelta(seconds=_dist.DEFAULT_TIMEOUT_S))
         dist.barrier(group=group)  # a lazy group (at scale) waits for no rank until its first collective
         came(store(), mark, dist.get_rank())
+        _groups_made = made
     except Exception as e:
         raise CollectiveError(
             f"could not create the preemption group over every rank within {_dist.DEFAULT_TIMEOUT_S:.0f} s (every "

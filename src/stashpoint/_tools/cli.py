@@ -260,7 +260,15 @@ def diff_command(*, a: str, b: str, check: bool, as_json: bool) -> None:
             echo(f"value:     {esc(k)}: {esc(short(x, 40))} -> {esc(short(y, 40))}")
         n = len(rep.only_a) + len(rep.only_b) + len(set(rep.dtype) | set(rep.shape) | set(rep.values))
         if rep.identical:
-            how = " (by the checksums recorded; --verify checks the files)" if rep.by_checksum and not check else ""
+            by_sum = rep.by_checksum if not check else 0
+            how = (
+                ""
+                if not by_sum
+                else " (by the checksums recorded; --verify checks the files)"
+                if by_sum == rep.compared
+                else f" ({by_sum} by the checksums recorded, {rep.compared - by_sum} by their data; --verify checks "
+                "the files)"
+            )
             echo(f"{rep.compared} tensor(s) compared{how}: identical")
         else:
             by_data = rep.compared - (0 if check else rep.by_checksum)

@@ -99,7 +99,9 @@ def export(
         import safetensors.torch as st
     except ImportError:
         raise CheckpointError("stashpoint export needs the safetensors package: pip install safetensors") from None
-    storable = set(getattr(st, "_TYPES", {}).values())  # empty if that private table moves: save_file then says
+    # the dtypes save_file writes (its loader's table lacks float8_e8m0fnu, the MX scales, though
+    # it reads them back); empty if those private tables move: save_file then says
+    storable = set(getattr(st, "_SIZE", None) or getattr(st, "_TYPES", {}).values())
     if tied not in ("drop", "clone"):
         raise ValueError(f"tied must be 'drop' or 'clone', got {tied!r}")
     say = progress or (lambda _: None)
@@ -229,6 +231,13 @@ def _load_opened(at: Path, p: Path) -> Any:
     except pickle.UnpicklingError as e:
         text = " ".join(str(e).split())
         why = text.split("WeightsUnpickler error:", 1)[-1].split(" Check the documentation", 1)[0].strip()
+        if "DTensor" in text:  # one rank's torch.save of a sharded model's state_dict
+            raise CheckpointError(
+                f"{p} holds DTensors: one rank's shards of a sharded model (FSDP2 or TP), not a whole state. Import "
+                "a whole one (torch.save of get_model_state_dict(model, options=StateDictOptions("
+                "full_state_dict=True, cpu_offload=True))), or the job's DCP checkpoint; stashpoint never unpickles "
+                "with weights_only=False"
+            ) from None
         if "Unsupported global" not in why:  # not a pickle of allowed types at all: damaged or not torch.save
             raise CorruptCheckpointError(f"{p} is not a readable torch.save file ({why})") from None
         raise CheckpointError(
