@@ -138,8 +138,7 @@ class Layout:
         sigs = [signature(loc) for _, loc, _, _ in parts]
         # stored once where the bytes and their place in the global tensor are the same (a
         # DTensor's local shard saved beside it under a key of its own is a tensor of its own);
-        # an empty shard holds no bytes to compare: one tensor under two keys is tied by itself,
-        # as the ranks that hold its bytes tie it
+        # an empty shard holds no bytes to compare: it is tied by the storage it views (_tie)
         firsts = group_aliases([_tie(s, loc, t, box) for s, (_, loc, box, _), (_, t) in zip(sigs, parts, tensors)])
         chunks, sources, aliases, keyinfo = [], {}, {}, {}
         described: list[KeyDesc | None] = []
