@@ -1094,7 +1094,20 @@ def test_import_of_one_ranks_torch_save_of_dtensors_says_what_it_is(tmp_path: Pa
         "torch.save({'w': w}, sys.argv[1])\n"
     )
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "rank0.pt")], check=True, timeout=120)
+    # a fresh process, which has not imported torch.distributed.tensor: torch.load refuses the DTensors
+    fresh = subprocess.run(
+        [sys.executable, "-m", "stashpoint", "import", str(tmp_path / "rank0.pt"), str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    # and one that has (a training program's): torch.load reads them
+    import torch.distributed.tensor  # noqa: F401
+
     r = cli("import", tmp_path / "rank0.pt", tmp_path / "ck")
-    assert r.exit_code == 2, r.output
-    assert "holds DTensors: one rank's shards" in r.output and "full_state_dict=True" in r.output, r.output
-    assert "weights_only=False will likely succeed" not in r.output, r.output
+    for code_, out in ((fresh.returncode, fresh.stderr), (r.exit_code, r.output)):
+        assert code_ == 2, out
+        assert "holds DTensors: one rank's shards" in out and "full_state_dict=True" in out, out
+        assert "weights_only=False will likely succeed" not in out, out
+    assert not (tmp_path / "ck").exists()

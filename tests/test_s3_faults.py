@@ -165,9 +165,10 @@ def test_a_managers_save_asks_a_stalled_server_within_short_limits(proxy, s3_url
     mgr.save(1, _state(1)).wait()
     proxy.set([{"match": r"prefix=.*step-00000002", "action": "stall"}])  # listings of the new step's prefix
     t = time.monotonic()
-    with pytest.raises(CheckpointError, match="could not tell what"):
-        mgr.save(2, _state(2))
+    handle = mgr.save(2, _state(2))  # returns: the storage's failure comes through the handle, training goes on
     assert time.monotonic() - t < 30  # the short limits (10 s a request), not the 60 s timeout
+    with pytest.raises(CheckpointError, match="could not tell what"):
+        handle.wait()
     proxy.set([])
     mgr.save(3, _state(3)).wait()
     mgr.close()

@@ -194,7 +194,7 @@ def watch(
     return timer
 
 
-_GROUP = "create stashpoint's checkpoint group"
+_GROUP = "create the checkpoint group"
 _GROUP_HINT = (
     "every rank of the group must call save and load, in the same order, not only rank 0 (is every rank alive "
     "and saving?)"
@@ -222,8 +222,9 @@ def all_came(  # noqa: PLR0917
             if waited >= timeout_s or (not warned and waited >= min(WAIT_WARN_S, timeout_s / 2)):
                 missing = absent(marks, mark, world)
                 if waited >= timeout_s:
+                    said = "create stashpoint's checkpoint group" if what == _GROUP else what
                     raise CollectiveError(
-                        f"rank 0: {ranks_text(missing)} did not come to {what} within {timeout_s:.0f} s: {hint}"
+                        f"rank 0: {ranks_text(missing)} did not come to {said} within {timeout_s:.0f} s: {hint}"
                     )
                 _wait_warning(waited, missing, what, timeout_s)
                 warned = True

@@ -27,7 +27,7 @@ from stashpoint._state.dtypes import torch_dtype
 from stashpoint._storage import storage_for, user_path
 from stashpoint._tools import progress as _progress
 from stashpoint._tools.dcpread import load_dcp
-from stashpoint._tools.importcheck import check_tensors, check_torch_file, open_regular, opened_path
+from stashpoint._tools.importcheck import check_tensors, check_torch_file, dtensors_held, open_regular, opened_path
 from stashpoint._tools.tensors import read_tensors
 from stashpoint.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
@@ -232,12 +232,7 @@ def _load_opened(at: Path, p: Path) -> Any:
         text = " ".join(str(e).split())
         why = text.split("WeightsUnpickler error:", 1)[-1].split(" Check the documentation", 1)[0].strip()
         if "DTensor" in text:  # one rank's torch.save of a sharded model's state_dict
-            raise CheckpointError(
-                f"{p} holds DTensors: one rank's shards of a sharded model (FSDP2 or TP), not a whole state. Import "
-                "a whole one (torch.save of get_model_state_dict(model, options=StateDictOptions("
-                "full_state_dict=True, cpu_offload=True))), or the job's DCP checkpoint; stashpoint never unpickles "
-                "with weights_only=False"
-            ) from None
+            raise dtensors_held(p) from None
         if "Unsupported global" not in why:  # not a pickle of allowed types at all: damaged or not torch.save
             raise CorruptCheckpointError(f"{p} is not a readable torch.save file ({why})") from None
         raise CheckpointError(

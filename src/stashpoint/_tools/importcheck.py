@@ -104,6 +104,15 @@ def _check_zip(f: IO[bytes], where: str) -> None:
         check_pickle(reader.get_record(name), f"{where} ({name})")
 
 
+def dtensors_held(where: str | os.PathLike[str]) -> CheckpointError:
+    """The refusal of one rank's ``torch.save`` of a sharded model's state dict."""
+    return CheckpointError(
+        f"{where} holds DTensors: one rank's shards of a sharded model (FSDP2 or TP), not a whole state. Import a "
+        "whole one (torch.save of get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
+        "cpu_offload=True))), or the job's DCP checkpoint; stashpoint never unpickles with weights_only=False"
+    )
+
+
 def check_tensors(state: Any, input_bytes: int, where: str) -> None:
     """Refuse a state whose tensors would make the import write far more than it read: a view
     expanded past its storage (a stride of 0), or views of one storage, each written whole."""
@@ -111,6 +120,8 @@ def check_tensors(state: Any, input_bytes: int, where: str) -> None:
 
     total, written = 0, set()
     for key, t in _tensors(state):
+        if type(t).__name__ == "DTensor":  # read as such where torch.distributed.tensor was imported
+            raise dtensors_held(where)
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_quantized:
             continue  # the save refuses these, naming the fix
         n = t.numel() * t.element_size()
