@@ -13,7 +13,7 @@ from stashpoint._core.naming import MANIFEST_NAME, is_node_marker, parse_step_di
 from stashpoint._core.nodes import unreadable_values
 from stashpoint._core.units import human_bytes
 from stashpoint._dist.arrival import ranks_text
-from stashpoint._load.manifest import open_checkpoint, shard_problem, unlisted_shards
+from stashpoint._load.manifest import open_checkpoint, read_summary, shard_problem, unlisted_shards
 from stashpoint._manager.runcheck import RunContents, run_contents
 from stashpoint._storage import LocalStorage, Storage, storage_for
 from stashpoint._tools import progress as _progress
@@ -85,7 +85,7 @@ def verify(path: str | os.PathLike[str], progress: Progress | None = None, *, th
         status = "ok" if not found else f"{found} problem(s)"
         say(f"[{i}/{len(m.files)}] {fe.name} ({human_bytes(fe.size)}): {status}")
         _progress.advance(progress, fe.size)
-    if rep.problems and _replaced(path, m):  # a save with overwrite=True committed meanwhile: no damage
+    if rep.problems and _replaced(storage, m):  # a save with overwrite=True committed meanwhile: no damage
         return VerifyReport(
             storage.location,
             problems=[
@@ -109,10 +109,11 @@ def verify(path: str | os.PathLike[str], progress: Progress | None = None, *, th
     return rep
 
 
-def _replaced(path: str | os.PathLike[str], m: Manifest) -> bool:
-    """Whether the checkpoint at ``path`` is now another save's than ``m``'s."""
+def _replaced(storage: Storage, m: Manifest) -> bool:
+    """Whether the checkpoint at ``storage`` is now another save's than ``m``'s (its manifest
+    alone: the indexes need not be read again to tell)."""
     try:
-        return open_checkpoint(path)[1].save_id != m.save_id
+        return bool(read_summary(storage)["save_id"] != m.save_id)
     except (OSError, CheckpointError):
         return False  # gone or damaged now: the problems found stand
 

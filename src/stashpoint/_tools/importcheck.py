@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from stashpoint._state.dtensor import is_dtensor
 from stashpoint._tools import picklescan
 from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
@@ -120,7 +121,7 @@ def check_tensors(state: Any, input_bytes: int, where: str) -> None:
 
     total, written = 0, set()
     for key, t in _tensors(state):
-        if type(t).__name__ == "DTensor":  # read as such where torch.distributed.tensor was imported
+        if is_dtensor(t):  # read as such where torch.distributed.tensor was imported
             raise dtensors_held(where)
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_quantized:
             continue  # the save refuses these, naming the fix
