@@ -258,6 +258,20 @@ def test_inspect_shows_the_part_one_nodes_directory_holds(fsdp, tmp_path: Path) 
     assert r.exit_code == 1 and "checksum" in r.stdout, r.stdout
 
 
+def test_a_missing_index_beside_its_shards_is_damage_not_a_nodes_part(fsdp, tmp_path: Path) -> None:
+    """Before: inspect called it one node's directory (verify found the shards nothing lists)."""
+    path = copy(fsdp[0], tmp_path)
+    (index,) = path.glob("index-r00001-*")
+    index.unlink()  # rank 1's shards stay: no node-local directory looks like this
+    for args in (("inspect", path), ("verify", "--this-node", path)):
+        r = cli(*args)
+        assert r.exit_code != 0, r.output
+        assert "the index of rank(s) 1 is missing while its shard files are here" in r.output, r.output
+    (path / "partial-r00001").touch()  # a copy from another node landing in part: not damage
+    r = cli("inspect", path)
+    assert r.exit_code == 0 and "holds the files of 1 of its 2 ranks" in r.output, r.output
+
+
 def test_verify_truncated_and_deleted_shards(fsdp, tmp_path: Path) -> None:
     path = copy(fsdp[0], tmp_path)
     files = [{"name": f.name, "size": f.size} for f in whole(path).files]

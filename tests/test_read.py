@@ -66,3 +66,13 @@ def test_read_verifies_checksums_and_never_unpickles_unless_allowed(tmp_path):
         stashpoint.read(tmp_path / "c", select="w")
     with pytest.raises(stashpoint.CheckpointNotFoundError):
         stashpoint.read(tmp_path / "missing")
+
+
+def test_a_rank_the_checkpoint_has_not_is_refused_by_number(tmp_path):
+    stashpoint.save({"step": 1}, tmp_path / "c")
+    assert stashpoint.read(tmp_path / "c", rank=0) == {"step": 1}
+    for rank in (1, 9, -1):
+        with pytest.raises(ValueError, match=rf"rank {rank} is out of range: .* saved by 1 rank"):
+            stashpoint.read(tmp_path / "c", rank=rank)
+    with pytest.raises(TypeError, match="rank must be an int, not str"):
+        stashpoint.read(tmp_path / "c", rank="0")

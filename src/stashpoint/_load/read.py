@@ -47,7 +47,7 @@ def read(
         allow_pickle: unpickle values saved with ``allow_pickle=True`` (runs code from the file:
             only for files you trust).
         rank: whose per-rank plain values (RNG states, ...) to return, for a checkpoint saved by
-            several ranks; tensors are the same for every rank.
+            several ranks (0 to its world size - 1); tensors are the same for every rank.
 
     A save to ``path`` still in flight in this process (``async_save``) is waited for first.
 
@@ -55,7 +55,8 @@ def read(
         CheckpointNotFoundError: nothing at ``path``.
         CheckpointError: ``select`` names no key of the checkpoint (the message lists those there).
         CorruptCheckpointError: a checksum or the structure does not match.
-        ValueError: ``device`` is a CUDA device and this process has none.
+        ValueError: ``device`` is a CUDA device and this process has none, or ``rank`` is not a
+            rank of the checkpoint.
     """
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():  # before anything is read, not at the first tensor
@@ -64,7 +65,11 @@ def read(
         from stashpoint._save.engine import wait_all
 
         wait_all(storage_for(path).location)
+    if type(rank) is not int:
+        raise TypeError(f"rank must be an int, not {type(rank).__name__}")
     storage, manifest = open_checkpoint(path)
+    if not 0 <= rank < manifest.world_size:  # a load's rank r of a larger world reads r mod N; a read names one
+        raise ValueError(f"rank {rank} is out of range: {path} was saved by {manifest.world_size} rank(s)")
     node = _select(manifest.tree_for(rank), select, str(path))
     builder = _Builder(manifest, dev, allow_pickle, storage.location)
     try:

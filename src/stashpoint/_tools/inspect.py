@@ -22,9 +22,11 @@ from typing import Any
 from stashpoint._core.dtypes import itemsize
 from stashpoint._core.format import Manifest
 from stashpoint._core.index import Head, assemble
-from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME
+from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME, parse_shard_name
 from stashpoint._core.nodes import Node, decode_plain, join
 from stashpoint._core.policy import parse_metrics
+from stashpoint._dist.arrival import ranks_text
+from stashpoint._dist.landing import PARTIAL_RE
 from stashpoint._load.manifest import IndexMissingError, open_checkpoint, read_head, read_index, read_summary
 from stashpoint._manager.runcheck import run_contents
 from stashpoint._manager.steps import METRICS_KEY
@@ -247,7 +249,12 @@ def describe(path: str | os.PathLike[str], rank: int = 0) -> dict[str, Any]:
 def open_here(path: str | os.PathLike[str], rank: int = 0) -> tuple[Storage, Manifest, tuple[int, ...]]:
     """The checkpoint at ``path``; where some ranks' indexes are not here (one node's directory
     of a node-local run), what this directory holds, and the ranks whose files are elsewhere.
-    The values shown are ``rank``'s if its index is here, else the first rank's here."""
+    The values shown are ``rank``'s if its index is here, else the first rank's here.
+
+    Raises:
+        IndexMissingError: a rank's index is missing while its shard files are here: the
+            checkpoint is damaged, not one node's part of it.
+    """
     try:
         storage, m = open_checkpoint(path)
         return storage, m, ()
@@ -263,7 +270,23 @@ def open_here(path: str | os.PathLike[str], rank: int = 0) -> tuple[Storage, Man
         raise CheckpointError(f"{storage.location} holds none of its ranks' indexes: not a checkpoint to inspect here")
     shown = rank if rank in have else min(have)
     missing = tuple(r for r in range(head.world_size) if r not in have)
+    lost = _shards_without_index(storage, head.save_id, missing)
+    if lost:
+        raise IndexMissingError(
+            f"{storage.location}: the index of {ranks_text(list(lost))} is missing while its shard files are "
+            "here: the checkpoint is damaged (a node's part of a node-local run holds neither); "
+            "`stashpoint verify` checks the rest"
+        )
     return storage, assemble(head, have, tree_rank=shown), missing
+
+
+def _shards_without_index(storage: Storage, save_id: str, missing: Sequence[int]) -> tuple[int, ...]:
+    """The ranks of ``missing`` whose shard files of this save are here all the same (and not
+    marked as a copy from another node still in part: ``partial-rNNNNN``)."""
+    leaves = [n.rpartition("/")[2] for n in storage.tree() or []]  # None: cannot list: not told apart
+    ranks = {p[0] for n in leaves if (p := parse_shard_name(n)) is not None and p[2] == save_id}
+    ranks -= {int(m[1]) for n in leaves if (m := PARTIAL_RE.fullmatch(n)) is not None}
+    return tuple(r for r in missing if r in ranks)
 
 
 def _recoverable(storage: Storage) -> dict[str, int] | None:
