@@ -384,6 +384,22 @@ def test_diff_identical_and_different(tmp_path: Path) -> None:
     assert d["plain"] == [{"key": "step", "a": 3, "b": 4}]
 
 
+def test_diff_and_inspect_tell_apart_keys_that_print_alike_and_see_empty_dicts(tmp_path: Path) -> None:
+    """Before: diff said "identical" for these pairs, and inspect showed one of the two values."""
+    pairs = [
+        ({1: "lr=0.1", "1": "same"}, {1: "lr=9.9", "1": "same"}, "1 (int key): 'lr=0.1' -> 'lr=9.9'"),
+        ({"step": 1, "extra": {}}, {"step": 1}, "extra: {} -> <absent>"),
+        ({"": {"a": 1}, "a": 2}, {"": {"a": 2}, "a": 1}, "a (2): 2 -> 1"),
+    ]
+    for i, (a, b, line) in enumerate(pairs):
+        stashpoint.save(a, tmp_path / f"a{i}")
+        stashpoint.save(b, tmp_path / f"b{i}")
+        r = cli("diff", tmp_path / f"a{i}", tmp_path / f"b{i}")
+        assert r.exit_code == 1 and line in r.stdout, r.stdout
+    shown = json.loads(cli("inspect", tmp_path / "a0", "--json").stdout)["values"]
+    assert shown == {"1 (int key)": "lr=0.1", "1": "same"}
+
+
 def test_diff_multi_rank_against_its_import(fsdp, tmp_path: Path) -> None:
     """A 2-rank sharded checkpoint and a one-process copy of its model: the tensors are equal."""
     path, ref = fsdp
@@ -458,6 +474,16 @@ def test_an_export_that_fails_leaves_the_earlier_export_as_it_was(tmp_path: Path
         assert torch.equal(load_file(out if out.suffix else out / "model.safetensors")["w"], torch.ones(64))
     (tmp_path / "a-file").write_text("")
     one_line_error(cli("export", tmp_path / "good", tmp_path / "a-file" / "w.safetensors"), "a-file is a file")
+
+
+def test_an_export_to_a_name_as_long_as_the_file_system_allows_is_written(tmp_path: Path) -> None:
+    """Before: its temporary name (".<name>.partial") was too long, and the error named it."""
+    stashpoint.save({"model": {"w": torch.ones(8)}}, tmp_path / "c")
+    out = tmp_path / ("e" * (255 - len(".safetensors")) + ".safetensors")
+    r = cli("export", tmp_path / "c", out, "--select", "model")
+    assert r.exit_code == 0, r.output
+    assert torch.equal(load_file(out)["w"], torch.ones(8))
+    assert [p.name for p in tmp_path.iterdir() if p.is_file()] == [out.name]
 
 
 def test_export_multi_rank_consolidates_and_shards(fsdp, tmp_path: Path) -> None:

@@ -33,8 +33,13 @@ def test_of_two_processes_saving_to_one_new_path_exactly_one_commits_and_the_oth
         path = tmp_path / f"ckpt{trial}"
         start = time.time() + 4  # both processes imported torch and wait at the same instant
         procs = [
-            subprocess.Popen([sys.executable, "-c", _RACER, str(path), str(v), str(start)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                [sys.executable, "-c", _RACER, str(path), str(v), str(start)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             for v in (1, 2)
         ]
         outs = [p.communicate(timeout=120)[0].strip() for p in procs]
@@ -108,3 +113,32 @@ def test_a_load_in_a_process_that_never_saved_does_not_import_the_save_engine(tm
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "False"
+
+
+def test_a_load_and_a_read_wait_for_a_save_in_flight_to_the_same_directory_spelled_otherwise(tmp_path, monkeypatch):
+    """Before: a link or ``..`` in the path read the previous checkpoint while the save replaced it."""
+    from stashpoint._storage import LocalStorage
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    stashpoint.save({"w": torch.zeros(1000), "step": 0}, real / "ck")
+    commit = LocalStorage.commit
+
+    def slow_commit(self, *args, **kwargs):  # the save stays in flight while the load starts
+        time.sleep(0.5)
+        return commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStorage, "commit", slow_commit)
+    spellings = [tmp_path / "link" / "ck", real / ".." / "real" / "ck"]
+    for step, spelled in enumerate(spellings * 2, start=1):
+        handle = stashpoint.async_save(
+            {"w": torch.full((1000,), float(step)), "step": step}, real / "ck", overwrite=True
+        )
+        assert not handle.done()
+        if step <= len(spellings):
+            out = {"w": torch.zeros(1000), "step": 0}
+            stashpoint.load(out, spelled)
+        else:
+            out = stashpoint.read(spelled)
+        assert handle.done() and out["step"] == step and torch.equal(out["w"], torch.full((1000,), float(step)))

@@ -700,6 +700,29 @@ def test_keys_that_print_alike_but_differ_in_type_are_named_as_such(tmp_path):
         stashpoint.load({"emb": {0: torch.zeros(2), 1: torch.zeros(2)}}, tmp_path / "ck")
 
 
+def test_a_key_of_another_type_is_skipped_by_a_lenient_load_not_loaded(tmp_path):
+    """Before: strict=False said it skipped the tensor under 1 and loaded it into "1" all the same
+    (the catalog's path of the int key prints as the str key's); partial=True did it silently."""
+    stashpoint.save({1: torch.ones(2), "nested": {"": {"b": torch.ones(2)}}}, tmp_path / "ck")
+    live = {"1": torch.zeros(2), "nested": {"b": torch.zeros(2)}}
+    with pytest.warns(UserWarning, match=r"(?s)skipped .*are of type int in the checkpoint and str in the state"):
+        stashpoint.load(live, tmp_path / "ck", strict=False)
+    assert torch.equal(live["1"], torch.zeros(2)) and torch.equal(live["nested"]["b"], torch.zeros(2))
+    with pytest.raises(stashpoint.StateMismatchError, match=r"missing key '1'(.|\n)*of type int in the checkpoint"):
+        stashpoint.load(live, tmp_path / "ck", partial=True)
+    assert torch.equal(live["1"], torch.zeros(2))
+
+
+def test_two_spellings_of_one_visible_name_are_told_apart_in_the_mismatch(tmp_path):
+    """Before: "unexpected key 'café'" and "missing key 'café'" side by side (NFC and NFD)."""
+    composed, decomposed = "caf\u00e9", "cafe\u0301"
+    stashpoint.save({composed: torch.ones(2)}, tmp_path / "ck")
+    with pytest.raises(stashpoint.StateMismatchError) as e:
+        stashpoint.load({decomposed: torch.zeros(2)}, tmp_path / "ck")
+    assert f"unexpected key {composed!r}: in the checkpoint" in str(e.value)
+    assert "missing key 'cafe\u0301' (written 'cafe\\u0301', not in Unicode's composed form)" in str(e.value)
+
+
 def test_objects_saved_in_a_container_the_state_holds_empty_are_missing_not_rebuilt(tmp_path):
     """Before: an empty list or dict took the saved one, objects' states as plain dicts: a
     scheduler left out of the state (or an object registered after the load) went unnoticed."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,19 @@ def test_the_lightning_plugin_takes_a_tilde_path(home):
     io.wait()
     assert not (home / "ck" / "epoch=0.ckpt").exists()
     assert not Path("~").exists()
+
+
+def test_a_name_longer_than_the_file_system_allows_is_a_checkpoint_error_naming_the_fix(tmp_path):
+    """Before: a bare OSError (ENAMETOOLONG) from every call."""
+    path = tmp_path / ("x" * 256)
+    calls = {
+        "save": lambda: stashpoint.save({"w": torch.ones(2)}, path),
+        "load": lambda: stashpoint.load({"w": torch.ones(2)}, path),
+        "read": lambda: stashpoint.read(path),
+        "verify": lambda: stashpoint.verify(path),
+        "manager": lambda: stashpoint.CheckpointManager(path),
+    }
+    for name, call in calls.items():
+        with pytest.raises(stashpoint.CheckpointError, match="longer than the file system allows; choose a shorter"):
+            call()
+        assert not os.path.exists(path), name  # (Path.exists raises ENAMETOOLONG)

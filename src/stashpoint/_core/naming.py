@@ -14,6 +14,8 @@ REWIND_NAME = ".stashpoint-rewind.json"  # in a run's root: a rewind the remote 
 RECOVERABLE_NAME = "recoverable.json"
 
 _NODE_MARKER_RE = re.compile(r"(partial|replica)-r[0-9]{5,}|recoverable\.json")
+PARTIAL_RE = re.compile(r"partial-r([0-9]{5,})")  # a node-local step: a rank's files here are not whole
+REPLICA_RE = re.compile(r"replica-r([0-9]{5,})")  # a node-local step: a rank's files here are another node's
 
 _SHARD_RE = re.compile(r"shard-r([0-9]{5,})-([0-9]{4,})-([0-9a-f]+)\.safetensors")
 _INDEX_RE = re.compile(r"index-r([0-9]{5,})-([0-9a-f]+)\.json")

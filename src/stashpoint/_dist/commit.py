@@ -138,7 +138,8 @@ def start_save(
             )
         elif len({h.seq for h in hellos}) == 1:  # the same save, to places of their own
             why = (
-                f"the ranks passed different paths to one save ({seen}); pass the same path on every rank: "
+                f"the ranks passed different paths to one save ({seen}); pass the same path on every rank, "
+                "spelled alike (a link or '..' spelling one directory otherwise counts as another): "
                 "stashpoint writes each rank's files there itself, and a load on any number of ranks reads "
                 "what each one needs"
             )

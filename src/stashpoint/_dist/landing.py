@@ -6,7 +6,6 @@ failure part-way leaves copies known as partial, never taken for whole ones."""
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,9 +16,6 @@ from stashpoint._dist.stream import Stream
 from stashpoint._storage import LocalStorage, Storage
 from stashpoint._storage.localwrite import LocalWriter, fsync_dir
 from stashpoint.errors import CheckpointError
-
-PARTIAL_RE = re.compile(r"partial-r([0-9]{5,})")
-REPLICA_RE = re.compile(r"replica-r([0-9]{5,})")
 
 
 def partial_name(rank: int) -> str:

@@ -28,8 +28,8 @@ import threading
 import time
 from pathlib import Path
 
-from stashpoint._core.naming import MANIFEST_NAME, index_name, parse_save_file
-from stashpoint._dist.landing import PARTIAL_RE, Landing, partial_name
+from stashpoint._core.naming import MANIFEST_NAME, PARTIAL_RE, index_name, parse_save_file
+from stashpoint._dist.landing import Landing, partial_name
 from stashpoint._storage import LocalStorage, Storage
 from stashpoint._storage.overlay import Overlay
 from stashpoint.errors import CheckpointError

@@ -22,6 +22,7 @@ from typing import Any
 from stashpoint._core.naming import (
     MANIFEST_NAME,
     RECOVERABLE_NAME,
+    REPLICA_RE,
     index_name,
     parse_save_file,
     parse_step_dir,
@@ -30,7 +31,7 @@ from stashpoint._core.nodeplan import REMOTE, Room, Transfer, expand, peak_bytes
 from stashpoint._core.sealed import MAX_MANIFEST_BYTES
 from stashpoint._core.units import human_bytes
 from stashpoint._dist.group import DistContext
-from stashpoint._dist.landing import REPLICA_RE, land, needed, replica_name
+from stashpoint._dist.landing import land, needed, replica_name
 from stashpoint._dist.memfetch import disk_of, landing_target
 from stashpoint._dist.nodes import NodeSave, recv_blob, send_blob
 from stashpoint._dist.stream import Stream

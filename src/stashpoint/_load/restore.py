@@ -15,6 +15,7 @@ object lacks are allocated. Modules and the top-level containers are matched key
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -57,6 +58,7 @@ class Planner(OptimizerPlanning):
         self.where = where
         self.plan = RestorePlan()
         self._materialized: dict[str, torch.Tensor] = {}
+        self._own: frozenset[str] | None = None  # the tensor keys of this rank's saved tree, once asked
 
     def run(self) -> RestorePlan:
         if "dict" in self.tree and isinstance(self.root, MutableMapping):
@@ -68,7 +70,12 @@ class Planner(OptimizerPlanning):
     # -- helpers -------------------------------------------------------------------------------
 
     def _name(self, key: str) -> str:
-        return repr(key) if key else "<root>"
+        if not key:
+            return "<root>"
+        if unicodedata.is_normalized("NFC", key):
+            return repr(key)
+        # a combining accent ('cafe\u0301') prints as the composed name ('café'): shown escaped
+        return f"{key!r} (written {key!a}, not in Unicode's composed form)"
 
     def _set(self, setter: Setter, value: Any, where: str = "") -> None:
         if setter is not None:
@@ -258,13 +265,19 @@ class Planner(OptimizerPlanning):
                 self.plan.problems.append(
                     f"missing key {self._name(join(where, k))}: in the state, not in the checkpoint"
                 )
-        if not self.partial:
+        if not self.partial or any(k not in seen for k in live):  # (partial: only where a key is missing)
             self._keys_of_another_type([k for k in seen if k not in live], [k for k in live if k not in seen], where)
 
     def _saved_by_another_rank(self, key: str, live: Any) -> bool:
         """Whether ``key``, which this rank's saved tree lacks, is a tensor another saving rank
-        stored (the catalog holds every rank's tensors, the tree one rank's structure)."""
-        return isinstance(live, torch.Tensor) and key in self.m.tensors
+        stored (the catalog holds every rank's tensors, the tree one rank's structure): not one
+        of this rank's own under another spelling (an int key saved, a str key live, whose
+        paths print alike)."""
+        if not (isinstance(live, torch.Tensor) and key in self.m.tensors):
+            return False
+        if self._own is None:
+            self._own = frozenset(tensor_keys(self.tree))
+        return key not in self._own
 
     def _objects_for_nothing(self, saved: Node, where: str) -> bool:
         """Whether the saved container, which an empty one in the state would take, holds

@@ -9,9 +9,9 @@ import re
 from typing import Any
 
 from stashpoint._core.format import Manifest
-from stashpoint._core.naming import MANIFEST_NAME, index_name, parse_save_file, step_dir
+from stashpoint._core.naming import MANIFEST_NAME, PARTIAL_RE, REPLICA_RE, index_name, parse_save_file, step_dir
 from stashpoint._core.nodeplan import Held, Transfer, coverable, expand, ranges
-from stashpoint._dist.landing import PARTIAL_RE, REPLICA_RE, mark_partial
+from stashpoint._dist.landing import mark_partial
 from stashpoint._dist.transfer import RemoteCopy
 from stashpoint._load.manifest import read_head, read_index
 from stashpoint._manager.steps import committed_steps

@@ -31,7 +31,7 @@ from stashpoint._save.layout import LayoutCache
 from stashpoint._save.options import DEFAULT_MAX_SHARD_BYTES, DEFAULT_WRITER, SaveOptions, copy_metadata
 from stashpoint._save.staging import StagingPool
 from stashpoint._state.tree import flatten_with_buffers
-from stashpoint._storage import LocalStorage, Storage, storage_for
+from stashpoint._storage import LocalStorage, Storage, path_problem, same_place, storage_for
 from stashpoint.errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
@@ -230,7 +230,11 @@ def _refuse_run_dir(storage: Storage) -> None:
     manager's steps, and ``ls`` and ``verify`` then see neither as they are."""
     if not isinstance(storage, LocalStorage):
         return
-    if storage.root.is_file():  # refused before anything is staged or written
+    try:
+        is_file = storage.root.is_file()
+    except OSError as e:  # a name longer than the file system allows, made absolute from a deep directory
+        raise CheckpointError(f"{storage.location} cannot be a checkpoint path: {path_problem(e)}") from e
+    if is_file:  # refused before anything is staged or written
         raise CheckpointError(
             f"{storage.root} exists and is not a directory; a checkpoint is a directory: remove the file or "
             "choose another path"
@@ -382,6 +386,6 @@ def wait_all(location: str | None = None) -> None:
     with ``location``, only for a save to that checkpoint."""
     engine = current_engine()
     if engine is not None:
-        cf.wait([h._future for h in list(engine.inflight) if location is None or h.path == location])
+        cf.wait([h._future for h in list(engine.inflight) if location is None or same_place(h.path, location)])
     if location is None:
         _overlap.wait_pending()

@@ -7,6 +7,7 @@ file or a DCP checkpoint directory into a stashpoint checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -155,7 +156,7 @@ def export(
         _progress.start(progress, sum(sizes.values()))
         for i, (shard, f) in enumerate(zip(shards, files), 1):
             loaded = read_tensors(storage, m, [names[n] for n in shard])
-            tmp = f.with_name(f".{f.name}.partial")
+            tmp = _partial(f)
             written.append((tmp, f))
             st.save_file({n: loaded[names[n]] for n in shard}, str(tmp), metadata={"format": "pt"})
             tmp.chmod(0o666 & ~_umask())  # safetensors writes 0600; an export is for others to read
@@ -165,7 +166,7 @@ def export(
         if index is not None:
             weight_map = {n: f.name for shard, f in zip(shards, files) for n in shard}
             doc = {"metadata": {"total_size": res.total_size}, "weight_map": dict(sorted(weight_map.items()))}
-            tmp = index.with_name(f".{index.name}.partial")
+            tmp = _partial(index)
             written.append((tmp, index))
             tmp.write_text(json.dumps(doc, indent=2) + "\n")
             res.index = str(index)
@@ -181,6 +182,15 @@ def export(
         tmp.replace(f)
     res.files = [str(f) for _, f in written if f != index]
     return res
+
+
+def _partial(f: Path) -> Path:
+    """Where the export's file ``f`` is written first: beside it, under a name the file system
+    takes even where ``f``'s own name is as long as it allows."""
+    name = f".{f.name}.partial"
+    if len(os.fsencode(name)) > 255:
+        name = f".stashpoint-export-{hashlib.sha256(os.fsencode(f.name)).hexdigest()[:16]}.partial"
+    return f.with_name(name)
 
 
 def _umask() -> int:

@@ -22,11 +22,10 @@ from typing import Any
 from stashpoint._core.dtypes import itemsize
 from stashpoint._core.format import Manifest
 from stashpoint._core.index import Head, assemble
-from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME, parse_shard_name
+from stashpoint._core.naming import MANIFEST_NAME, PARTIAL_RE, RECOVERABLE_NAME, parse_shard_name
 from stashpoint._core.nodes import Node, decode_plain, join
 from stashpoint._core.policy import parse_metrics
 from stashpoint._dist.arrival import ranks_text
-from stashpoint._dist.landing import PARTIAL_RE
 from stashpoint._load.manifest import IndexMissingError, open_checkpoint, read_head, read_index, read_summary
 from stashpoint._manager.runcheck import run_contents
 from stashpoint._manager.steps import METRICS_KEY
@@ -167,22 +166,32 @@ def _leafy(node: Node) -> bool:
 
 
 def plain_values(tree: Node) -> dict[str, Node]:
-    """Every non-tensor value of a tree, by key path, as its raw node."""
+    """Every non-tensor value of a tree, by key path, as its raw node. Paths that print alike
+    (the keys ``1`` and ``"1"`` of one dict, ``{"": {"a": 1}}`` beside ``{"a": 2}``) are told
+    apart by a suffix, and an empty dict is a value of its own: two trees that differ differ here."""
     out: dict[str, Node] = {}
+
+    def put(where: str, node: Node) -> None:
+        key, n = where or "<root>", 2
+        while key in out:
+            key, n = f"{where or '<root>'} ({n})", n + 1
+        out[key] = node
 
     def walk(node: Node, where: str) -> None:
         if "tensor" in node:
             return
         if "stateful" in node:
             walk(node["state"], where)
-        elif "dict" in node:
+        elif node.get("dict"):
+            texts = {k for k, _ in node["dict"] if isinstance(k, str)}
             for k, v in node["dict"]:
-                walk(v, join(where, k))
-        elif not _leafy(node):
+                kind = f" ({type(k).__name__} key)" if not isinstance(k, str) and str(k) in texts else ""
+                walk(v, join(where, k) + kind)
+        elif "dict" not in node and not _leafy(node):
             for i, v in enumerate(node["list"] if "list" in node else node["tuple"]):
                 walk(v, join(where, i))
         else:
-            out[where or "<root>"] = node
+            put(where, node)
 
     walk(tree, "")
     return out
