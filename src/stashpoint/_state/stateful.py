@@ -12,6 +12,7 @@ Three kinds of stateful objects are told apart:
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
@@ -173,10 +174,49 @@ def names_as_saved(modules: list[torch.nn.Module], saved: Iterable[object]) -> d
     or the legacy naming where that matches more of them (a model with a child called ``module``)."""
     names = param_names(modules)
     legacy = param_names(modules, legacy=True)
-    if legacy == names:
-        return names
     wanted = {n for n in saved if isinstance(n, str)}
-    return legacy if len(wanted & set(legacy.values())) > len(wanted & set(names.values())) else names
+    if legacy != names and len(wanted & set(legacy.values())) > len(wanted & set(names.values())):
+        names = legacy
+    if len(modules) < 2:  # a parameter has one name
+        return names
+    # a parameter held by several modules of the state is named by the first; a state listing
+    # them in another order than at the save (the head before the model holding it) named it
+    # otherwise then: each parameter takes the one name of it that the checkpoint holds
+    found = dict(names)
+    open_ = {pid: spelled & wanted for pid, spelled in _every_name(modules).items() if pid in names}
+    while settled := {pid: next(iter(hits)) for pid, hits in open_.items() if len(hits) == 1}:
+        found.update(settled)  # and no other parameter can take its name
+        gone = set(settled.values())
+        open_ = {pid: hits - gone for pid, hits in open_.items() if pid not in settled}
+    _say_ambiguous({pid: hits for pid, hits in open_.items() if len(hits) > 1}, names)
+    taken = [n for n in found.values() if n in wanted]
+    better = len(set(taken)) == len(taken) and len(taken) >= len(wanted & set(names.values()))
+    return found if better else names
+
+
+def _say_ambiguous(left: dict[int, set[str]], names: Mapping[int, str]) -> None:
+    """Warn where a parameter could take either of two names the checkpoint holds: the state's
+    order of its modules decides, and an order other than the save's swaps optimizer states
+    of equal shapes without an error."""
+    if left:
+        took = sorted(names[pid] for pid in left)[0]
+        other = sorted(next(h for pid, h in left.items() if names[pid] == took) - {took})[0]
+        warnings.warn(
+            f"stashpoint: a parameter is {took!r} in the first module of the state that holds it and {other!r} in "
+            f"another, and the checkpoint holds both names ({len(left)} such parameter(s)): its optimizer state is "
+            f"read from {took!r}; if the state listed its modules in another order when saved, list them as then",
+            stacklevel=3,
+        )
+
+
+def _every_name(modules: Iterable[torch.nn.Module]) -> dict[int, set[str]]:
+    """Each parameter's names in every module of ``modules`` that holds it, both namings."""
+    out: dict[int, set[str]] = {}
+    for module in modules:
+        for legacy in (False, True):
+            for pid, name in param_names([module], legacy=legacy).items():
+                out.setdefault(pid, set()).add(name)
+    return out
 
 
 def _reshard_fsdp2(module: torch.nn.Module) -> None:
