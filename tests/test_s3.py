@@ -174,6 +174,8 @@ def test_storage_url_round_trips_and_pickles(s3_url):
     assert st.child("sub").location == f"{s3_url}/step-1/sub"
     with pytest.raises(ValueError, match="valid bucket name"):
         storage_for("s3://B/x")
+    with pytest.raises(ValueError, match=r"backslash, which S3-compatible servers read differently"):
+        storage_for(f"{s3_url}/back\\slash")  # before: a manager's steps there were never listed again
     with pytest.raises(ValueError, match="STASHPOINT_S3_PART_MB"):
         import os
 

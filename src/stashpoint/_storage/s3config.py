@@ -267,6 +267,11 @@ def parse_url(url: str) -> tuple[str, str]:
     odd = next((p for p in parts if not addressable(p)), None)
     if odd is not None:
         raise ValueError(f"{url!r}: the prefix segment {odd!r} is '.', '..' or holds a control character; rename it")
+    if "\\" in rest:  # a run's steps written under it were listed under another prefix, as none
+        raise ValueError(
+            f"{url!r}: the prefix holds a backslash, which S3-compatible servers read differently (SeaweedFS "
+            "takes it for '/', AWS advises against it); rename it"
+        )
     return bucket, "/".join(parts)
 
 
