@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import dataclasses
 import functools
 import logging
 import os
@@ -19,14 +18,12 @@ from typing import Any
 from stashpoint._core.naming import step_dir
 from stashpoint._core.policy import Retention, Schedule
 from stashpoint._dist.group import rank_of
-from stashpoint._load.loader import load
-from stashpoint._load.manifest import remembering
 from stashpoint._manager import saving
 from stashpoint._manager.lock import acquire_root_lock, release_root_lock
 from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, signal_name
 from stashpoint._manager.preemptstop import stop
-from stashpoint._manager.restoring import RestoreReport, restore_run
+from stashpoint._manager.restoring import RestoreReport, restore_reported
 from stashpoint._manager.steps import committed_steps, read_metrics, remove_leftovers, step_number
 from stashpoint._manager.tiers import RemoteTier
 from stashpoint._save.handle import SaveHandle, SaveStats
@@ -330,14 +327,7 @@ class CheckpointManager:
         """
         self._check_open()
         step = None if step is None else step_number(step)
-        load_one = functools.partial(_load_into, state, strict, options)
-        t0 = time.perf_counter()
-        with remembering():  # the passes of a restore parse and plan once
-            r = restore_run(self, state, load_one, step, options)
-        fetched = dict(self._nodes.fetched) if self._nodes is not None else {}
-        into = self._nodes.fetched_into if self._nodes is not None else ""
-        took = time.perf_counter() - t0
-        self._last_restore = dataclasses.replace(r, fetched=fetched, fetched_into=into, seconds=took)
+        self._last_restore = r = restore_reported(self, state, step, strict, options)
         self._resumed_at = r.step
         return r.step
 
@@ -421,7 +411,3 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"<CheckpointManager {self.root} steps={self.steps()}>"
-
-
-def _load_into(state: Any, strict: bool, options: dict[str, Any], at: Storage) -> None:
-    load(state, at, strict=strict, **options)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from stashpoint import _runtime
-from stashpoint._load.loader import PARTLY_LOADED
+from stashpoint._load.loader import PARTLY_LOADED, load
+from stashpoint._load.manifest import remembering
 from stashpoint._manager.rewindmark import live, pending_rewind
 from stashpoint._manager.tiers import restore_order
 from stashpoint._storage import LocalStorage, Storage
@@ -165,6 +169,23 @@ def _load_remote_twice(load_one: Callable[[Any], None], where: Callable[[int, st
             raise
         log.warning("stashpoint: step %d at %s failed to load (%s); reading it once more", step, at.location, _told(e))
         load_one(at)
+
+
+def restore_reported(mgr: Any, state: Any, step: int | None, strict: bool, options: dict[str, Any]) -> RestoreReport:
+    """``CheckpointManager.restore``: :func:`restore_run`, with what was fetched from other
+    nodes and the seconds it took."""
+    load_one = functools.partial(_load_into, state, strict, options)
+    t0 = time.perf_counter()
+    with remembering():  # the passes of a restore parse and plan once
+        r = restore_run(mgr, state, load_one, step, options)
+    nodes = mgr._nodes
+    fetched = dict(nodes.fetched) if nodes is not None else {}
+    into = nodes.fetched_into if nodes is not None else ""
+    return dataclasses.replace(r, fetched=fetched, fetched_into=into, seconds=time.perf_counter() - t0)
+
+
+def _load_into(state: Any, strict: bool, options: dict[str, Any], at: Storage) -> None:
+    load(state, at, strict=strict, **options)
 
 
 def restore_run(
