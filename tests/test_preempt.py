@@ -245,17 +245,26 @@ def test_a_save_from_a_signal_handler_inside_a_saves_call_is_refused_not_hung(tm
     assert stashpoint.read(tmp_path / "after")["w"].tolist() == [1.0, 1.0]
 
 
-def test_managers_closed_out_of_order_give_back_the_programs_handler(tmp_path):
+def test_a_second_manager_handling_preemption_in_one_process_is_refused(tmp_path):
+    """Before: the one opened last alone saw the signal; a GAN's two managers resumed at
+    different steps (the generator's at its last scheduled save, the discriminator's at the
+    step it stopped at)."""
+
     def mine(signum, frame):
         pass
 
     before = signal.signal(signal.SIGTERM, mine)
     try:
         a = stashpoint.CheckpointManager(tmp_path / "a", preemption_deadline=5)
-        b = stashpoint.CheckpointManager(tmp_path / "b", preemption_deadline=5)
+        with pytest.raises(ValueError, match=rf"another CheckpointManager of this process \(on {tmp_path / 'a'}\) "):
+            stashpoint.CheckpointManager(tmp_path / "b", preemption_deadline=5)
+        assert signal.getsignal(signal.SIGTERM) == a._preemption._note, "the open manager's handler stays"
+        with stashpoint.CheckpointManager(tmp_path / "b"):  # without preemption handling: fine
+            pass
         a.close()
-        assert signal.getsignal(signal.SIGTERM) == b._preemption._note, "the open manager's handler stays"
-        b.close()
+        assert signal.getsignal(signal.SIGTERM) is mine
+        with stashpoint.CheckpointManager(tmp_path / "b", preemption_deadline=5):  # once the first is closed
+            pass
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, before)

@@ -86,6 +86,7 @@ class DistContext:
     spans_hosts: bool | None = None
     purpose: str = "save"  # contexts of other purposes (tier uploads) have their own group
     applied_timeout_s: float | None = None  # the group's timeout, set by the thread that uses it
+    closed: bool = False  # shutdown() destroyed its group: a holder takes a fresh context (``context``)
 
     def _apply_timeout(self) -> None:
         if self.applied_timeout_s is None:
@@ -249,6 +250,8 @@ def _destroy(contexts: dict[tuple[tuple[int, ...], str], DistContext]) -> None:
             dist.destroy_process_group(ctx.group)
         except Exception as e:
             log.warning("stashpoint: left a checkpoint group of ranks %s in place at shutdown: %s", list(ctx.ranks), e)
+    for ctx in contexts.values():
+        ctx.closed = True
     contexts.clear()
 
 
@@ -330,6 +333,27 @@ def context(process_group: Any = None, timeout_s: float | None = None, purpose: 
             came(store(), mark, me)
             ctx = DistContext(group, ranks, dist.get_rank(group), len(ranks), timeout, purpose=purpose, made=made)
             contexts[(ranks, purpose)] = ctx
+    return ctx
+
+
+def world_context(purpose: str, make: Callable[[], Any], timeout_s: float) -> DistContext:
+    """stashpoint's group over the whole world for ``purpose``, made by ``make()`` (on every
+    rank at the same point) where there is none yet, and kept for the next holder: one group
+    per purpose for the process, not one per object that needs it, destroyed by ``shutdown()``
+    (or dropped by :func:`forget` after a failure)."""
+    import torch.distributed as dist
+
+    ranks = tuple(range(dist.get_world_size()))
+    with _lock:
+        ctx = _contexts().get((ranks, purpose))
+    if ctx is not None:
+        return ctx
+    made = _made.get((ranks, purpose), 0) + 1
+    group = make()  # not under the lock: a writer thread's save may make its own group meanwhile
+    ctx = DistContext(group, ranks, dist.get_rank(), len(ranks), timeout_s, purpose=purpose, made=made)
+    with _lock:
+        _made[(ranks, purpose)] = made
+        _contexts()[(ranks, purpose)] = ctx
     return ctx
 
 

@@ -168,7 +168,7 @@ class CheckpointManager:
         # who looks after the root: rank 0, or with node-local roots each node's leader
         self._owner = self._nodes.owner if self._nodes is not None else self.rank == 0
         self._preemption = None if preemption_deadline is None else Preemption(
-            preemption_deadline, preemption_signals, self.world
+            preemption_deadline, preemption_signals, self.world, owner=f"on {self.root}"
         )  # fmt: skip
         self._tier: RemoteTier | None = None
         self._last_restore: RestoreReport | None = None

@@ -40,6 +40,15 @@ _HINT = (
 )
 
 
+_GROUP_TIMEOUT_S = 1800.0  # ranks may reach maybe_save minutes apart (torch's default timeout)
+
+
+def _signal_context() -> _dist.DistContext:
+    """The process's preemption group, kept for every manager that handles preemption (one at a
+    time) and destroyed by ``shutdown()``."""
+    return _dist.world_context("preemption", _signal_group, _GROUP_TIMEOUT_S)
+
+
 def _signal_group() -> Any:
     """The group the ranks tell each other of a signal on: created under stashpoint's timeout (a
     rank preempted while the managers open is waited for that long, not half an hour), then
@@ -64,7 +73,7 @@ def _signal_group() -> Any:
     try:
         from torch.distributed.distributed_c10d import _set_pg_timeout
 
-        _set_pg_timeout(timedelta(minutes=30), group)
+        _set_pg_timeout(timedelta(seconds=_GROUP_TIMEOUT_S), group)
     except Exception as e:  # a torch without it: a signal check waits the creation's timeout
         log.debug("stashpoint: the preemption group keeps its %.0f s timeout (%s)", _dist.DEFAULT_TIMEOUT_S, e)
     return group
@@ -81,13 +90,23 @@ class Preemption:
     would have (exit status 128 + signal). A child forked meanwhile gets the signals' previous
     handlers back and no wakeup pipe: its signals are its own, never the parent's."""
 
-    def __init__(self, deadline_s: float, signals: Sequence[int], world: int) -> None:
+    def __init__(self, deadline_s: float, signals: Sequence[int], world: int, owner: str = "") -> None:
         if not deadline_s > 0:
             raise ValueError(f"preemption_deadline must be a positive number of seconds, got {deadline_s!r}")
         if threading.current_thread() is not threading.main_thread():
             raise ValueError(
                 "preemption handling installs signal handlers, which Python allows only in the main thread: "
                 "create this CheckpointManager there"
+            )
+        open_ = _handling()
+        if open_ is not None:
+            # each would save its own step at its own maybe_save and exit: the second never saves
+            # the step the first stopped at, and the two resume at different steps
+            raise ValueError(
+                f"another CheckpointManager of this process ({open_.owner}) handles preemption already: one manager "
+                "per process may take preemption_deadline. Keep the models of one job in one manager's state "
+                "({'gen': G, 'disc': D, ...}), or give preemption_deadline to one manager and check its "
+                "`preempted` to save the other"
             )
         signals = tuple(signals)  # once: an iterator would be used up by the check
         for sig in signals:  # before anything is taken over: a handler refused half-way left SIGTERM ignored
@@ -96,15 +115,16 @@ class Preemption:
                     f"preemption_signals holds {signal_name(sig)}, "
                     "which a program cannot catch; give signals such as SIGTERM, SIGINT or SIGUSR1"
                 )
+        self.owner: str = owner  # what a second manager's refusal names
         self.deadline_s = float(deadline_s)
         self.signum: int | None = None
         self.since: float | None = None
         self.mine = False  # this rank got the signal (not only learnt of another's)
         self.handled = False  # stop() ran: the signal was answered at a safe point
         self.stopping = False  # stop() is saving at the safe point: it reports its own outcome
-        self._group: Any = None
-        if world > 1:  # every rank creates its manager at the same point, so every rank creates this group
-            self._group = _signal_group()
+        self._ctx: _dist.DistContext | None = None
+        if world > 1:  # every rank creates its manager at the same point, so every rank asks for this group
+            self._ctx = _signal_context()
         self._signals = tuple(signals)
         self._previous: dict[int, Any] = {}
         self._wakeup: tuple[int, int] | None = None  # the pipe the signals' bytes come through
@@ -229,14 +249,17 @@ class Preemption:
         """The signal any rank got (this rank's, or SIGTERM for another's), or None: a collective
         over every rank of the manager when there are several. Ranks at different steps (some
         skipped a maybe_save) are refused on every rank, rather than paired up."""
-        if self._group is None:
+        if self._ctx is None:
             return self.signum
         import torch
 
+        if self._ctx.closed:  # shutdown() destroyed it meanwhile: every rank makes a fresh one here
+            self._ctx = _signal_context()
         flag = torch.tensor([self.signum or 0, step, -step], dtype=torch.int64)
         try:
-            tree_max(flag, self._group)
+            tree_max(flag, self._ctx.group)
         except Exception as e:  # gloo's own error says only that a connection closed
+            _dist.forget(self._ctx)  # the next manager's makes a fresh one
             raise CheckpointError(
                 f"the ranks' check for a preemption signal at step {step} failed: another rank left the job (it "
                 "crashed, or was preempted and ended at its deadline before reaching this step) "
@@ -339,6 +362,11 @@ def _past_closed(sig: int, handler: Any) -> Any:
 
 _live: weakref.WeakSet[Preemption] = weakref.WeakSet()
 _left: set[Preemption] = set()  # closed from other threads, not yet given back (held: their fds are open)
+
+
+def _handling() -> Preemption | None:
+    """The manager's preemption handling open in this process, if any."""
+    return next((p for p in _live if p._pid == os.getpid() and not p._closed.is_set()), None)
 
 
 _unhooked: list[int] = []  # the wakeup fd taken away for a fork of the main thread

@@ -35,7 +35,17 @@ log = logging.getLogger("stashpoint")
 
 #: Collectives of an upload wait for the slowest rank's copy: far longer than a save's steps.
 UPLOAD_TIMEOUT_S = 3600.0
-_uploader_ids = itertools.count()
+_slots: set[int] = set()  # the upload groups' numbers held by open managers
+_slots_lock = threading.Lock()
+
+
+def _take_slot() -> int:
+    """The lowest upload-group number no open manager holds: alike on every rank, which open and
+    close their managers in the same order; a closed manager's group serves the next one."""
+    with _slots_lock:
+        n = next(i for i in itertools.count() if i not in _slots)
+        _slots.add(n)
+        return n
 
 
 def _decide(starts: Sequence[UploadStart]) -> tuple[str, Any]:
@@ -79,8 +89,9 @@ class Uploader:
         self.node_local = node_local  # ``local`` is this node's own root: each rank copies what its node holds
         self.on_result = on_result
         self.on_committed = on_committed
-        purpose = f"upload-{next(_uploader_ids)}"  # every rank creates its managers in the same order
-        self.ctx = _dist.context(None, UPLOAD_TIMEOUT_S, purpose=purpose) or DistContext.solo()
+        self._slot = _take_slot()
+        self._purpose = f"upload-{self._slot}"  # a group of its own: two managers' uploads never interleave
+        self._ctx = _dist.context(None, UPLOAD_TIMEOUT_S, purpose=self._purpose) or DistContext.solo()
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-upload")
         self._broken: CollectiveError | None = None
         self._seq = 0
@@ -127,8 +138,20 @@ class Uploader:
         self._seq += 1
         return self._executor.submit(self._catch_up, todo, self._seq)
 
+    @property
+    def ctx(self) -> DistContext:
+        """The upload group's context; after ``stashpoint.shutdown()`` destroyed the group, a
+        fresh one, made by every rank at its next upload (they upload in step)."""
+        if self._ctx.closed:
+            self._ctx = _dist.context(None, UPLOAD_TIMEOUT_S, purpose=self._purpose) or DistContext.solo()
+        return self._ctx
+
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=True)
+        try:
+            self._executor.shutdown(wait=True)
+        finally:
+            with _slots_lock:
+                _slots.discard(self._slot)
 
     def _catch_up(self, todo: list[int], seq: int) -> list[int]:
         done = []
@@ -289,7 +312,7 @@ class Uploader:
             return fn(what, obj)
         except CollectiveError as e:
             self._broken = e
-            _dist.forget(self.ctx)
+            _dist.forget(self._ctx)
             raise
 
 
