@@ -663,3 +663,21 @@ def test_a_retention_killed_mid_deletion_leaves_an_uncommitted_leftover_not_a_to
         out = {"w": torch.zeros(1000)}
         assert mgr.restore(out) == 2 and out["w"][0] == 2.0
     assert not doomed.exists(), "the leftover was removed when the manager opened"
+
+
+def test_a_manager_collected_without_close_releases_its_root(tmp_path):
+    """Before: its lock stayed open for the life of the process (a notebook's cell run again
+    was refused: "another CheckpointManager already owns"), and the save's handle kept the
+    manager itself alive."""
+    import gc
+    import weakref
+
+    mgr = stashpoint.CheckpointManager(tmp_path / "run")
+    mgr.save(1, {"w": torch.ones(4)}).wait()
+    mgr.wait()
+    gone = weakref.ref(mgr)
+    del mgr
+    gc.collect()
+    assert gone() is None
+    with stashpoint.CheckpointManager(tmp_path / "run") as again:
+        assert again.steps() == [1]

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -181,8 +182,11 @@ class CheckpointManager:
         # In a distributed run rank 0 owns the root: the lock, the cleanup and the retention.
         # (Object stores offer no lock: there, one manager per root is the user's to ensure.)
         self._lock_fd = -1
+        self._unlock: weakref.finalize[Any, Any] | None = None
         if self._owner and isinstance(self.storage, LocalStorage):
             self._lock_fd = acquire_root_lock(self.storage.root)
+            # a manager collected without close() (a notebook's cell run again) releases the root
+            self._unlock = weakref.finalize(self, release_root_lock, self._lock_fd)
         try:
             if self._owner:
                 remove_leftovers(self.storage)
@@ -388,6 +392,8 @@ class CheckpointManager:
         try:
             self._deleter.shutdown(wait=True)
         finally:  # the root is released even where the thread could not be joined
+            if self._unlock is not None:
+                self._unlock.detach()  # never later: its number may be another manager's lock by then
             if self._lock_fd >= 0:
                 release_root_lock(self._lock_fd)
                 self._lock_fd = -1

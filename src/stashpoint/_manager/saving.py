@@ -306,7 +306,8 @@ def start_save(
         mgr._handles.append((handle, after))
     # a refused save's bookkeeping was reset above: a later save may have started when it arrives
     restore_at = None if refused is not None else resumed
-    handle._future.add_done_callback(lambda f: after_save(mgr, step, metrics, f, after, restore_at))
+    held = [mgr]  # let go once called: the engine keeps the handle, and a future its callbacks
+    handle._future.add_done_callback(lambda f: after_save(held.pop(), step, metrics, f, after, restore_at))
     if mgr._tier is not None:
         mgr._tier.submit(step, handle._future)
     return handle
