@@ -681,3 +681,19 @@ def test_a_manager_collected_without_close_releases_its_root(tmp_path):
     assert gone() is None
     with stashpoint.CheckpointManager(tmp_path / "run") as again:
         assert again.steps() == [1]
+
+
+def test_a_closed_managers_staging_buffers_beyond_one_are_given_back(tmp_path):
+    """Before: max_inflight=3 left the pool keeping three idle copies of the state for the
+    life of the process, after the manager closed and for every later save."""
+    from stashpoint._save.engine import get_engine
+
+    state = {"w": torch.ones(1 << 16)}
+    with stashpoint.CheckpointManager(tmp_path / "run", max_inflight=3) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state)
+        mgr.wait()
+        assert get_engine().pool.max_free == 3
+    assert get_engine().pool.max_free == 1 and len(get_engine().pool._free) <= 1
+    stashpoint.save(state, tmp_path / "plain")
+    assert get_engine().pool.max_free == 1 and len(get_engine().pool._free) <= 1

@@ -127,3 +127,26 @@ def test_buffers_are_shared_memory_whose_descriptors_go_when_the_pool_drops_them
     assert drops and token in _staging.freed, "the dropped buffer is reported, for the writer process to unmap"
     assert _memfds(token) == [], "its descriptors are closed"
     assert b.region is not None and b.region.token != token
+
+
+def test_a_pool_that_keeps_two_buffers_keeps_each_structure_its_own():
+    """Two managers' states (a GAN's generator and discriminator): before, the small save took
+    the large one's idle buffer and trimmed it, and the large one's next save touched all its
+    memory anew on the training's thread."""
+    big = tuple(TensorSpec(f"g{i}", "float32", (100_000,), 4) for i in range(4))
+    small = tuple(TensorSpec(f"d{i}", "float32", (1000,), 4) for i in range(4))
+    plan_big, plan_small = plan_files(big, max_file_bytes=1 << 30), plan_files(small, max_file_bytes=1 << 30)
+    pool = StagingPool(max_free=2)
+    a = pool.acquire(plan_big, big, pin_device=None)
+    ptr = a.buffer.data_ptr()
+    pool.release(a)
+    for _ in range(3):
+        b = pool.acquire(plan_small, small, pin_device=None)
+        assert b.buffer.data_ptr() != ptr and b.trim_to is None
+        pool.release(b)
+        a = pool.acquire(plan_big, big, pin_device=None)
+        assert a.buffer.data_ptr() == ptr and a.trim_to is None, "the large state's own touched buffer"
+        pool.release(a)
+    assert pool.allocations == 2 and len(pool._free) == 2
+    pool.keep_at_most(1)  # a manager closed: one idle buffer is kept, the older goes
+    assert len(pool._free) == 1 and pool._free[0].buffer.data_ptr() == ptr

@@ -9,6 +9,7 @@ import os
 import secrets
 import stat
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,35 @@ def acquire_root_lock(root: Path) -> int:
     with _held_lock:
         _held.add(fd)
     return fd
+
+
+class Holding:
+    """What an open manager holds in the process: its root's lock (``root``, where it owns a
+    local root), released too if the manager is collected without ``close()`` (a notebook's
+    cell run again), and the idle staging buffers its saves keep between saves."""
+
+    def __init__(self, owner: object, root: Path | None, saves: int) -> None:
+        from stashpoint._save import staging
+
+        self._owner = weakref.ref(owner)
+        self.fd = -1 if root is None else acquire_root_lock(root)
+        self._unlock = None if root is None else weakref.finalize(owner, release_root_lock, self.fd)
+        staging.reserve(owner, saves)
+
+    def release(self) -> None:
+        from stashpoint._save import staging
+        from stashpoint._save.engine import current_engine
+
+        owner = self._owner()
+        keep = staging.unreserve(owner) if owner is not None else staging.reserved()
+        engine = current_engine()
+        if engine is not None:  # the idle staging buffers beyond what the managers left keep go now
+            engine.pool.keep_at_most(keep)
+        if self._unlock is not None:
+            self._unlock.detach()  # never later: its number may be another manager's lock by then
+        if self.fd >= 0:
+            release_root_lock(self.fd)
+            self.fd = -1
 
 
 def release_root_lock(fd: int) -> None:

@@ -10,7 +10,6 @@ import os
 import signal
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -20,7 +19,7 @@ from stashpoint._core.naming import step_dir
 from stashpoint._core.policy import Retention, Schedule
 from stashpoint._dist.group import rank_of
 from stashpoint._manager import saving
-from stashpoint._manager.lock import acquire_root_lock, release_root_lock
+from stashpoint._manager.lock import Holding
 from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, signal_name
 from stashpoint._manager.preemptstop import stop
@@ -181,12 +180,8 @@ class CheckpointManager:
         self.storage.prepare()
         # In a distributed run rank 0 owns the root: the lock, the cleanup and the retention.
         # (Object stores offer no lock: there, one manager per root is the user's to ensure.)
-        self._lock_fd = -1
-        self._unlock: weakref.finalize[Any, Any] | None = None
-        if self._owner and isinstance(self.storage, LocalStorage):
-            self._lock_fd = acquire_root_lock(self.storage.root)
-            # a manager collected without close() (a notebook's cell run again) releases the root
-            self._unlock = weakref.finalize(self, release_root_lock, self._lock_fd)
+        owned = self.storage.root if self._owner and isinstance(self.storage, LocalStorage) else None
+        self._hold = Holding(self, owned, max_inflight)
         try:
             if self._owner:
                 remove_leftovers(self.storage)
@@ -392,11 +387,7 @@ class CheckpointManager:
         try:
             self._deleter.shutdown(wait=True)
         finally:  # the root is released even where the thread could not be joined
-            if self._unlock is not None:
-                self._unlock.detach()  # never later: its number may be another manager's lock by then
-            if self._lock_fd >= 0:
-                release_root_lock(self._lock_fd)
-                self._lock_fd = -1
+            self._hold.release()
 
     def _check_open(self) -> None:
         if self._closed:

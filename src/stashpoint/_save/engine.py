@@ -29,7 +29,7 @@ from stashpoint._save.handle import SaveHandle, SaveStats
 from stashpoint._save.job import PersistJob
 from stashpoint._save.layout import LayoutCache
 from stashpoint._save.options import DEFAULT_MAX_SHARD_BYTES, DEFAULT_WRITER, SaveOptions, copy_metadata
-from stashpoint._save.staging import StagingPool
+from stashpoint._save.staging import StagingPool, reserved
 from stashpoint._state.tree import flatten_with_buffers
 from stashpoint._storage import LocalStorage, Storage, path_problem, same_place, storage_for
 from stashpoint.errors import CheckpointError
@@ -161,7 +161,7 @@ class _Engine:
         pin_device = layout.remember("pin_device", lambda: cuda_device(layout.sources.values()))
         if pin_device is not None:  # before anything touches CUDA: a pin or a wait breaks a capture
             refuse_capture([torch.device("cuda", pin_device)])
-        self.pool.max_free = max(self.pool.max_free, opts.max_inflight)
+        self.pool.max_free = max(reserved(), opts.max_inflight)  # lowered again once a manager closes
         staged = self.pool.acquire(plan, specs, pin_device)
         t_stage = time.perf_counter()
         pending = None

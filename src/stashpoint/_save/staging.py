@@ -246,6 +246,26 @@ class StagingBuffers:
         return cls(plan, specs, pin_device, buffer, views, region, offsets)
 
 
+_reserved: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()  # open managers' max_inflight
+
+
+def reserve(owner: object, saves: int) -> None:
+    """An open manager's saves keep a buffer each idle between saves (its ``max_inflight``): two
+    managers of different states (a GAN's) each reuse their own instead of taking and trimming
+    the other's, which the next save of the other then touches anew on the training's thread."""
+    _reserved[owner] = saves
+
+
+def unreserve(owner: object) -> int:
+    """The manager closed: the idle buffers still to keep, those of the managers left (at least one)."""
+    _reserved.pop(owner, None)
+    return reserved()
+
+
+def reserved() -> int:
+    return max(1, sum(_reserved.values()))
+
+
 class StagingPool:
     """Keeps idle staging memory for reuse (at most ``max_free`` buffers).
 
@@ -258,7 +278,9 @@ class StagingPool:
     replaced by one of the right size when it is released, off the training's path (a DDP
     run's first save copies every replicated tensor, later ones only what the rank writes).
     Only when none fits is fresh memory allocated, and idle buffers are dropped first so memory
-    never grows. A buffer to be pinned whose pinning failed is pinned again when reused.
+    never grows past ``max_free`` idle buffers and those in use. Where the pool may keep several
+    (several managers open), a buffer of another structure that would be trimmed is kept for
+    it, not taken. A buffer to be pinned whose pinning failed is pinned again when reused.
 
     ``on_drop`` is called (outside the pool's lock) after idle buffers were dropped: the engine
     uses it to have the writer process unmap them at once, so that their memory is returned.
@@ -292,10 +314,13 @@ class StagingPool:
             for i, b in enumerate(self._free):
                 if b.plan == plan and b.specs == specs and (b.pin_device is not None) == want_pin:
                     return self._free.pop(i)
+            room = len(self._free) < self.max_free  # the pool may keep one more idle buffer
             for i, b in enumerate(self._free):
                 if (b.pin_device is not None) != want_pin or need > b.nbytes:
                     continue
                 too_big = b.resident > _alloc_bytes(plan) + need // 4
+                if too_big and room and b.specs != specs:  # another structure's (another manager's): kept for it
+                    continue
                 old = self._free.pop(i)
                 if old.region is not None:
                     old.region.resident = max(old.region.resident, need)
@@ -304,12 +329,23 @@ class StagingPool:
                 new.trim_to = _alloc_bytes(plan) if too_big and trimmable else None
                 new.shrink = too_big and not trimmable
                 return new
-            dropped = bool(self._free)
-            self._free.clear()
+            # memory never grows past what the pool keeps: the oldest idle buffers go first
+            drop = max(0, len(self._free) - (self.max_free - 1))
+            dropped = drop > 0
+            del self._free[:drop]
             self.allocations += 1
         if dropped:
             self._dropped()
         return None
+
+    def keep_at_most(self, n: int) -> None:
+        """Keep at most ``n`` idle buffers from now on; the others go at once."""
+        with self._lock:
+            self.max_free = max(1, n)
+            extra = max(0, len(self._free) - self.max_free)
+            del self._free[:extra]
+        if extra:
+            self._dropped()
 
     def release(self, buffers: StagingBuffers) -> None:
         if buffers.shrink:  # replaced by a buffer of the right size here, not in the next save's call
