@@ -434,3 +434,16 @@ def test_a_cachestat_no_is_asked_again_of_mincore(tmp_path, monkeypatch):
         assert pagecache.resident_at(fd, 4096) and pagecache.resident_sampled(fd, 0, 1 << 20)
     finally:
         os.close(fd)
+
+
+def test_checkpoints_each_in_a_directory_of_its_own_are_kept_a_few_at_a_time(tmp_path):
+    """Before: one entry per parent directory for the life of the process (300 saves to
+    run{i}/ckpt: 300 entries), and none of their files ever let go."""
+    kept = pagecache._kept()
+    kept.files.clear()
+    for i in range(12):
+        ckpt = tmp_path / f"run{i}" / "ckpt"
+        ckpt.mkdir(parents=True)
+        (ckpt / "shard").write_bytes(b"x" * 4096)
+        assert pagecache.keep_cached(ckpt, [ckpt / "shard"])
+    assert list(kept.files) == [tmp_path / f"run{i}" for i in range(4, 12)]

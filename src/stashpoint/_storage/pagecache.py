@@ -42,6 +42,11 @@ class _Kept:
         self.files: dict[Path, list[Path]] = {}
 
 
+#: Directories whose newest checkpoint is kept (runs, or checkpoints saved each into a directory
+#: of its own): beyond them the least recently saved one's files are dropped and forgotten.
+_MAX_RUNS = 8
+
+
 def _kept() -> _Kept:
     from stashpoint import _runtime
 
@@ -117,9 +122,11 @@ def keep_cached(checkpoint: Path, paths: Sequence[Path], *, beside: int | None =
         return False
     run, kept = checkpoint.parent, _kept()
     with kept.lock:
-        held = kept.files.get(run, [])
+        held = kept.files.pop(run, [])
         older = [p for p in held if checkpoint not in p.parents]
         kept.files[run] = list(dict.fromkeys([p for p in held if checkpoint in p.parents] + list(paths)))
+        while len(kept.files) > _MAX_RUNS:  # checkpoints saved each into a directory of its own
+            older += kept.files.pop(next(iter(kept.files)))  # the least recently saved beside
 
     def work() -> None:  # on a thread: WILLNEED submits reads and may wait for the disk's queue
         _advise(older, os.POSIX_FADV_DONTNEED)
