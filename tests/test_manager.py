@@ -697,3 +697,26 @@ def test_a_closed_managers_staging_buffers_beyond_one_are_given_back(tmp_path):
     assert get_engine().pool.max_free == 1 and len(get_engine().pool._free) <= 1
     stashpoint.save(state, tmp_path / "plain")
     assert get_engine().pool.max_free == 1 and len(get_engine().pool._free) <= 1
+
+
+_EXPORT_AT_EXIT = """
+import sys, torch, stashpoint
+base = sys.argv[1]
+model = torch.nn.Linear(256, 256)
+def export(stats):  # the documented use of on_save: it saves
+    stashpoint.save({"model": model}, f"{base}/export-{stats.step}")
+mgr = stashpoint.CheckpointManager(f"{base}/run", on_save=export)
+for step in (1, 2, 3):
+    mgr.save(step, {"model": model})
+"""  # and the program ends without close(): the interpreter's exit runs what is left
+
+
+def test_an_on_save_that_saves_still_saves_at_interpreter_exit(tmp_path):
+    """Before: the saves of the callbacks that ran at exit failed ("cannot schedule new futures
+    after interpreter shutdown", logged), and the process exited 0 without those exports."""
+    res = subprocess.run(
+        [sys.executable, "-c", _EXPORT_AT_EXIT, str(tmp_path)], capture_output=True, text=True, timeout=120, env=_env()
+    )
+    assert res.returncode == 0 and "raised" not in res.stderr, res.stderr[-3000:]
+    for step in (1, 2, 3):
+        assert stashpoint.verify(tmp_path / f"export-{step}").ok

@@ -127,7 +127,10 @@ class _Engine:
             job.seq = ctx.saves
             job.blocking_s = time.perf_counter() - t_start
             copies = job.pending  # before the job runs: it lets go of them when it ends
-            future = self.executor.submit(job.run, t_start, staging_s)
+            try:
+                future = self.executor.submit(job.run, t_start, staging_s)
+            except RuntimeError:  # at interpreter exit (a manager's on_save that saves): persisted now, here
+                future = _run_here(job, t_start, staging_s)
             handle = SaveHandle(storage.location, future, job.blocking_s, staging_s, opts.step, copies=copies)
             self.inflight.append(handle)
             raised = opts.refusal == "call" or (opts.refusal == "alone" and ctx.world == 1)
@@ -196,6 +199,15 @@ def _distributed(process_group: Any) -> bool:
         return False
     group = process_group if process_group is not None else dist.group.WORLD
     return len(dist.get_process_group_ranks(group)) > 1
+
+
+def _run_here(job: PersistJob, t_start: float, staging_s: float) -> cf.Future[Any]:
+    future: cf.Future[Any] = cf.Future()
+    try:
+        future.set_result(job.run(t_start, staging_s))
+    except BaseException as e:
+        future.set_exception(e)
+    return future
 
 
 def get_engine() -> _Engine:
