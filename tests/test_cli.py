@@ -267,9 +267,11 @@ def test_a_missing_index_beside_its_shards_is_damage_not_a_nodes_part(fsdp, tmp_
         r = cli(*args)
         assert r.exit_code != 0, r.output
         assert "the index of rank(s) 1 is missing while its shard files are here" in r.output, r.output
-    (path / "partial-r00001").touch()  # a copy from another node landing in part: not damage
-    r = cli("inspect", path)
-    assert r.exit_code == 0 and "holds the files of 1 of its 2 ranks" in r.output, r.output
+    for marker in ("partial-r00001", "replica-r00001"):  # another node's copy landing, or being dropped
+        (path / marker).touch()
+        r = cli("inspect", path)
+        assert r.exit_code == 0 and "holds the files of 1 of its 2 ranks" in r.output, r.output
+        (path / marker).unlink()
 
 
 def test_verify_truncated_and_deleted_shards(fsdp, tmp_path: Path) -> None:
@@ -389,7 +391,8 @@ def test_diff_and_inspect_tell_apart_keys_that_print_alike_and_see_empty_dicts(t
     pairs = [
         ({1: "lr=0.1", "1": "same"}, {1: "lr=9.9", "1": "same"}, "1 (int key): 'lr=0.1' -> 'lr=9.9'"),
         ({"step": 1, "extra": {}}, {"step": 1}, "extra: {} -> <absent>"),
-        ({"": {"a": 1}, "a": 2}, {"": {"a": 2}, "a": 1}, "a (2): 2 -> 1"),
+        ({"": {"a": 1}, "a": 2}, {"": {"a": 2}, "a": 1}, "''/a: 1 -> 2"),
+        ({1: "x"}, {"1": "x"}, "1 (int key): 'x' -> <absent>"),
     ]
     for i, (a, b, line) in enumerate(pairs):
         stashpoint.save(a, tmp_path / f"a{i}")
@@ -398,6 +401,8 @@ def test_diff_and_inspect_tell_apart_keys_that_print_alike_and_see_empty_dicts(t
         assert r.exit_code == 1 and line in r.stdout, r.stdout
     shown = json.loads(cli("inspect", tmp_path / "a0", "--json").stdout)["values"]
     assert shown == {"1 (int key)": "lr=0.1", "1": "same"}
+    stashpoint.save({"a": 2, "": {"a": 1}}, tmp_path / "c2")  # the same tree, its keys in another order
+    assert cli("diff", tmp_path / "a2", tmp_path / "c2").exit_code == 0
 
 
 def test_diff_multi_rank_against_its_import(fsdp, tmp_path: Path) -> None:
@@ -484,6 +489,8 @@ def test_an_export_to_a_name_as_long_as_the_file_system_allows_is_written(tmp_pa
     assert r.exit_code == 0, r.output
     assert torch.equal(load_file(out)["w"], torch.ones(8))
     assert [p.name for p in tmp_path.iterdir() if p.is_file()] == [out.name]
+    too_long = tmp_path / ("e" * 256 + ".safetensors")
+    one_line_error(cli("export", tmp_path / "c", too_long), "longer than the file system allows")
 
 
 def test_export_multi_rank_consolidates_and_shards(fsdp, tmp_path: Path) -> None:

@@ -270,6 +270,28 @@ def test_a_second_manager_handling_preemption_in_one_process_is_refused(tmp_path
         signal.signal(signal.SIGTERM, before)
 
 
+def test_a_manager_handling_preemption_collected_without_close_gives_the_signals_back(tmp_path):
+    """A notebook's manager left open, its cell run again: its handler and watchdog go with it,
+    and the next manager may handle preemption (else it was refused for ever, naming it)."""
+    import gc
+
+    def mine(signum, frame):
+        pass
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        mgr = stashpoint.CheckpointManager(tmp_path / "a", preemption_deadline=5)
+        mgr.save(1, {"w": torch.ones(2)})
+        mgr.wait()
+        del mgr
+        gc.collect()
+        assert signal.getsignal(signal.SIGTERM) is mine
+        with stashpoint.CheckpointManager(tmp_path / "b", preemption_deadline=5) as again:
+            assert signal.getsignal(signal.SIGTERM) == again._preemption._note
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 _FORK_CHILD = """
 import multiprocessing as mp, sys, time, torch, stashpoint
 with stashpoint.CheckpointManager(sys.argv[1], every_steps=1000, preemption_deadline=1) as mgr:

@@ -71,6 +71,7 @@ def test_read_verifies_checksums_and_never_unpickles_unless_allowed(tmp_path):
 def test_a_rank_the_checkpoint_has_not_is_refused_by_number(tmp_path):
     stashpoint.save({"step": 1}, tmp_path / "c")
     assert stashpoint.read(tmp_path / "c", rank=0) == {"step": 1}
+    assert stashpoint.read(tmp_path / "c", rank=torch.tensor(0)) == {"step": 1}  # any integer type
     for rank in (1, 9, -1):
         with pytest.raises(ValueError, match=rf"rank {rank} is out of range: .* saved by 1 rank"):
             stashpoint.read(tmp_path / "c", rank=rank)

@@ -148,5 +148,23 @@ def test_a_pool_that_keeps_two_buffers_keeps_each_structure_its_own():
         assert a.buffer.data_ptr() == ptr and a.trim_to is None, "the large state's own touched buffer"
         pool.release(a)
     assert pool.allocations == 2 and len(pool._free) == 2
-    pool.keep_at_most(1)  # a manager closed: one idle buffer is kept, the older goes
-    assert len(pool._free) == 1 and pool._free[0].buffer.data_ptr() == ptr
+    b = pool.acquire(plan_small, small, pin_device=None)
+    pool.release(b)  # the large state's manager saved before the small one's, which now closes:
+    pool.keep_at_most(1)  # the buffer to keep is the one the next save (the large state's) takes
+    a = pool.acquire(plan_big, big, pin_device=None)
+    assert a.buffer.data_ptr() == ptr and pool.allocations == 2
+    pool.release(a)
+    assert [f.buffer.data_ptr() for f in pool._free] == [ptr]
+
+
+def test_a_pool_that_keeps_two_buffers_still_trims_one_for_a_part_of_its_tensors():
+    """A DDP rank copies every replicated tensor at its first save and its own part from the
+    second on: the first buffer is taken and trimmed, with room in the pool or not."""
+    full = tuple(TensorSpec(f"t{i}", "float32", (100_000,), 4) for i in range(8))
+    part = full[:2]
+    pool = StagingPool(max_free=2)
+    a = pool.acquire(plan_files(full, max_file_bytes=1 << 30), full, pin_device=None)
+    ptr = a.buffer.data_ptr()
+    pool.release(a)
+    b = pool.acquire(plan_files(part, max_file_bytes=1 << 30), part, pin_device=None)
+    assert b.buffer.data_ptr() == ptr and b.trim_to is not None and pool.allocations == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any
 
@@ -57,6 +58,7 @@ def read(
         CorruptCheckpointError: a checksum or the structure does not match.
         ValueError: ``device`` is a CUDA device and this process has none, or ``rank`` is not a
             rank of the checkpoint.
+        TypeError: ``rank`` is not an integer.
     """
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():  # before anything is read, not at the first tensor
@@ -65,8 +67,9 @@ def read(
         from stashpoint._save.engine import wait_all
 
         wait_all(storage_for(path).location)
-    if type(rank) is not int:
+    if isinstance(rank, bool) or not hasattr(rank, "__index__"):  # NumPy's and torch's integers are ints here
         raise TypeError(f"rank must be an int, not {type(rank).__name__}")
+    rank = operator.index(rank)
     storage, manifest = open_checkpoint(path)
     if not 0 <= rank < manifest.world_size:  # a load's rank r of a larger world reads r mod N; a read names one
         raise ValueError(f"rank {rank} is out of range: {path} was saved by {manifest.world_size} rank(s)")

@@ -197,7 +197,7 @@ class CheckpointManager:
                     node_local=self._nodes is not None,
                 )
             if self._preemption is not None:
-                self._preemption.install()
+                self._preemption.install(self)
         except BaseException:
             self._release()
             raise

@@ -32,7 +32,7 @@ log = logging.getLogger("stashpoint")
 _GRACE_S = 1.0  # past the deadline, for stop() to report before the watchdog ends the process
 
 
-_groups_made = 0
+_opened = 0
 _WHAT = "create the preemption group of their CheckpointManagers"
 _HINT = (
     "every rank creates its CheckpointManager with preemption_deadline at the same point: did the constructor "
@@ -45,8 +45,18 @@ _GROUP_TIMEOUT_S = 1800.0  # ranks may reach maybe_save minutes apart (torch's d
 
 def _signal_context() -> _dist.DistContext:
     """The process's preemption group, kept for every manager that handles preemption (one at a
-    time) and destroyed by ``shutdown()``."""
-    return _dist.world_context("preemption", _signal_group, _GROUP_TIMEOUT_S)
+    time) and destroyed by ``shutdown()``. Every rank marks its arrival first, group made or
+    not: rank 0 names the ranks that never come (a constructor that raised on them) after 30 s."""
+    import torch.distributed as dist
+
+    global _opened
+    made = _opened + 1  # alike on every rank: each creates its managers in the same order (counted once made)
+    mark = f"stashpoint/preemption/{made}"
+    all_came(store(), mark, dist.get_rank(), dist.get_world_size(), _dist.DEFAULT_TIMEOUT_S, _WHAT, _HINT)
+    ctx = _dist.world_context("preemption", _signal_group, _GROUP_TIMEOUT_S)
+    came(store(), mark, dist.get_rank())
+    _opened = made
+    return ctx
 
 
 def _signal_group() -> Any:
@@ -55,16 +65,9 @@ def _signal_group() -> Any:
     given torch's default of 30 minutes, as ranks may reach maybe_save minutes apart."""
     import torch.distributed as dist
 
-    global _groups_made
-    made = _groups_made + 1  # alike on every rank: each creates its managers in the same order (counted once made)
-    mark = f"stashpoint/preemption/{made}"
-    # rank 0 names the ranks that never come (a constructor that raised on them) after 30 s
-    all_came(store(), mark, dist.get_rank(), dist.get_world_size(), _dist.DEFAULT_TIMEOUT_S, _WHAT, _HINT)
     try:
         group = gloo_group(timeout=timedelta(seconds=_dist.DEFAULT_TIMEOUT_S))
         dist.barrier(group=group)  # a lazy group (at scale) waits for no rank until its first collective
-        came(store(), mark, dist.get_rank())
-        _groups_made = made
     except Exception as e:
         raise CollectiveError(
             f"could not create the preemption group over every rank within {_dist.DEFAULT_TIMEOUT_S:.0f} s (every "
@@ -137,11 +140,14 @@ class Preemption:
         self._closed = threading.Event()
         self._abandoned = False  # closed from another thread: handlers and pipe left to _give_back
         self._watchdog: threading.Thread | None = None
+        self._orphan: weakref.finalize[Any, Any] | None = None
         self._pid = os.getpid()
 
-    def install(self) -> None:
+    def install(self, owner: object = None) -> None:
         """Take over the signals (last, once the manager is set up: a manager that failed to open
-        must leave SIGTERM's default action alone), and start the watchdog."""
+        must leave SIGTERM's default action alone), and start the watchdog. An ``owner``
+        collected without closing this (a notebook's manager left open, its cell run again)
+        closes it then: its handler and watchdog must not outlive it, nor refuse the next one."""
         for left in list(_left):  # managers closed from other threads: given back here first
             left._give_back()
         try:
@@ -162,8 +168,15 @@ class Preemption:
         else:
             self._wakeup, self._ends = (r, w), {"r": r, "w": w}
         _live.add(self)
+        if owner is not None:
+            self._orphan = weakref.finalize(owner, self._orphaned)
         self._watchdog = threading.Thread(target=self._watch, name="stashpoint-preemption", daemon=True)
         self._watchdog.start()
+
+    def _orphaned(self) -> None:
+        pending = self.close()
+        if pending is not None:  # noted and never answered: it takes its course now
+            signal.raise_signal(pending)
 
     def _forked(self) -> None:
         """In a child forked from this process (multiprocessing): the signals are the child's own
@@ -285,6 +298,8 @@ class Preemption:
         (it came after the last maybe_save), for the manager to raise again once it is closed,
         so that the process ends as the signal asked."""
         answered = self.handled
+        if self._orphan is not None:
+            self._orphan.detach()
         _live.discard(self)
         if threading.current_thread() is not threading.main_thread():
             # handlers and the wakeup fd can change only there: at this manager's next signal

@@ -319,8 +319,8 @@ class StagingPool:
                 if (b.pin_device is not None) != want_pin or need > b.nbytes:
                     continue
                 too_big = b.resident > _alloc_bytes(plan) + need // 4
-                if too_big and room and b.specs != specs:  # another structure's (another manager's): kept for it
-                    continue
+                if too_big and room and not _within(specs, b.specs):  # another structure's (another manager's)
+                    continue  # kept for it; a part of the same tensors (DDP's later plans) takes and trims it
                 old = self._free.pop(i)
                 if old.region is not None:
                     old.region.resident = max(old.region.resident, need)
@@ -339,13 +339,11 @@ class StagingPool:
         return None
 
     def keep_at_most(self, n: int) -> None:
-        """Keep at most ``n`` idle buffers from now on; the others go at once."""
+        """Keep at most ``n`` idle buffers from now on: those beyond go as the next save releases
+        its own (the least recently used first), not now, when the oldest may be the buffer of
+        the manager that saves next."""
         with self._lock:
             self.max_free = max(1, n)
-            extra = max(0, len(self._free) - self.max_free)
-            del self._free[:extra]
-        if extra:
-            self._dropped()
 
     def release(self, buffers: StagingBuffers) -> None:
         if buffers.shrink:  # replaced by a buffer of the right size here, not in the next save's call
@@ -361,6 +359,12 @@ class StagingPool:
             del self._free[:extra]
         if extra:
             self._dropped()
+
+
+def _within(specs: tuple[TensorSpec, ...], held: tuple[TensorSpec, ...]) -> bool:
+    """Whether every tensor of ``specs`` is one of ``held``'s (a plan of part of the same state)."""
+    keys = {s.key for s in held}
+    return all(s.key in keys for s in specs)
 
 
 def _streams() -> dict[torch.device, torch.cuda.Stream]:

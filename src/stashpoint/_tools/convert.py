@@ -25,7 +25,7 @@ from stashpoint._core.nodes import MAX_TREE_DEPTH
 from stashpoint._load.manifest import open_checkpoint
 from stashpoint._save.engine import save
 from stashpoint._state.dtypes import torch_dtype
-from stashpoint._storage import storage_for, user_path
+from stashpoint._storage import path_problem, storage_for, user_path
 from stashpoint._tools import progress as _progress
 from stashpoint._tools.dcpread import load_dcp
 from stashpoint._tools.importcheck import check_tensors, check_torch_file, dtensors_held, open_regular, opened_path
@@ -307,7 +307,12 @@ def _local(path: str | os.PathLike[str], what: str) -> Path:
     local directory named ``s3:``)."""
     if "://" in str(path):
         raise ValueError(f"{what} local files; {str(path)!r} is a URL: give a local path (and copy it yourself)")
-    return Path(user_path(path))
+    local = Path(user_path(path))
+    try:
+        local.exists()  # a name the file system refuses outright (ENAMETOOLONG) is said here, by name
+    except OSError as e:
+        raise CheckpointError(f"{local}: {path_problem(e)}") from e
+    return local
 
 
 def stripped(state: Any, prefixes: tuple[str, ...]) -> Any:

@@ -133,7 +133,7 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> DiffReport:
         if (id(ta_), id(tb_)) in seen:
             continue
         seen.add((id(ta_), id(tb_)))
-        va, vb = plain_values(ta_), plain_values(tb_)
+        va, vb = plain_values(ta_, typed=True), plain_values(tb_, typed=True)
         label = f"[rank {r}] " if r else ""
         for k in [*va, *(k for k in vb if k not in va)]:
             if json.dumps(va.get(k), sort_keys=True) != json.dumps(vb.get(k), sort_keys=True):

@@ -22,7 +22,7 @@ from typing import Any
 from stashpoint._core.dtypes import itemsize
 from stashpoint._core.format import Manifest
 from stashpoint._core.index import Head, assemble
-from stashpoint._core.naming import MANIFEST_NAME, PARTIAL_RE, RECOVERABLE_NAME, parse_shard_name
+from stashpoint._core.naming import MANIFEST_NAME, PARTIAL_RE, RECOVERABLE_NAME, REPLICA_RE, parse_shard_name
 from stashpoint._core.nodes import Node, decode_plain, join
 from stashpoint._core.policy import parse_metrics
 from stashpoint._dist.arrival import ranks_text
@@ -165,10 +165,11 @@ def _leafy(node: Node) -> bool:
     return not any(k in node for k in ("dict", "tensor", "stateful"))
 
 
-def plain_values(tree: Node) -> dict[str, Node]:
-    """Every non-tensor value of a tree, by key path, as its raw node. Paths that print alike
-    (the keys ``1`` and ``"1"`` of one dict, ``{"": {"a": 1}}`` beside ``{"a": 2}``) are told
-    apart by a suffix, and an empty dict is a value of its own: two trees that differ differ here."""
+def plain_values(tree: Node, *, typed: bool = False) -> dict[str, Node]:
+    """Every non-tensor value of a tree, by key path, as its raw node. An empty key shows as
+    ``''``, and a key that is not a string as ``1 (int key)`` where a string key of the same
+    dict prints alike (``typed``: always, for diff, whose two trees may differ in that alone);
+    paths that still print alike get a suffix, and an empty dict is a value of its own."""
     out: dict[str, Node] = {}
 
     def put(where: str, node: Node) -> None:
@@ -185,8 +186,11 @@ def plain_values(tree: Node) -> dict[str, Node]:
         elif node.get("dict"):
             texts = {k for k, _ in node["dict"] if isinstance(k, str)}
             for k, v in node["dict"]:
-                kind = f" ({type(k).__name__} key)" if not isinstance(k, str) and str(k) in texts else ""
-                walk(v, join(where, k) + kind)
+                shown = "''" if k == "" else k
+                if not isinstance(k, str) and (typed or str(k) in texts):
+                    walk(v, join(where, shown) + f" ({type(k).__name__} key)")
+                else:
+                    walk(v, join(where, shown))
         elif "dict" not in node and not _leafy(node):
             for i, v in enumerate(node["list"] if "list" in node else node["tuple"]):
                 walk(v, join(where, i))
@@ -291,10 +295,11 @@ def open_here(path: str | os.PathLike[str], rank: int = 0) -> tuple[Storage, Man
 
 def _shards_without_index(storage: Storage, save_id: str, missing: Sequence[int]) -> tuple[int, ...]:
     """The ranks of ``missing`` whose shard files of this save are here all the same (and not
-    marked as a copy from another node still in part: ``partial-rNNNNN``)."""
+    marked as another node's: a copy landing in part, ``partial-rNNNNN``, or a replica being
+    dropped, ``replica-rNNNNN``, whose index goes first)."""
     leaves = [n.rpartition("/")[2] for n in storage.tree() or []]  # None: cannot list: not told apart
     ranks = {p[0] for n in leaves if (p := parse_shard_name(n)) is not None and p[2] == save_id}
-    ranks -= {int(m[1]) for n in leaves if (m := PARTIAL_RE.fullmatch(n)) is not None}
+    ranks -= {int(m[1]) for n in leaves if (m := PARTIAL_RE.fullmatch(n) or REPLICA_RE.fullmatch(n)) is not None}
     return tuple(r for r in missing if r in ranks)
 
 
