@@ -57,6 +57,35 @@ def test_sampler_resumes_mid_epoch_and_across_epochs(tmp_path):
     assert sorted(x for b in rest[-6:] for x in b) == data, "epoch 1 is a full permutation"
 
 
+def test_the_distributed_samplers_loop_with_set_epoch_resumes_mid_epoch(tmp_path):
+    """``for epoch in range(sampler.epoch, E): sampler.set_epoch(epoch)`` after a restore: before,
+    set_epoch put the restored epoch back to its start, and the resume replayed its batches."""
+    data = list(range(10))
+
+    def batches(sampler, loader, start, stop, cut=None):
+        out = []
+        for epoch in range(start, stop):
+            sampler.set_epoch(epoch)
+            for b in loader:
+                out.append(b.tolist())
+                if cut is not None and len(out) == cut:
+                    return out
+        return out
+
+    def fresh():
+        sampler = stashpoint.StatefulSampler(data, seed=3)
+        return sampler, DataLoader(data, batch_size=2, sampler=sampler)
+
+    s, loader = fresh()
+    whole = batches(s, loader, 0, 3)
+    s, loader = fresh()
+    head = batches(s, loader, 0, 3, cut=7)  # two batches into epoch 1
+    stashpoint.save({"sampler": s}, tmp_path / "ck")
+    s2, loader2 = fresh()
+    stashpoint.load({"sampler": s2}, tmp_path / "ck")
+    assert head + batches(s2, loader2, s2.epoch, 3) == whole
+
+
 def test_sampler_refuses_another_dataset_size():
     s = stashpoint.StatefulSampler(10)
     with pytest.raises(ValueError, match="covered 10 samples, this one covers 11"):

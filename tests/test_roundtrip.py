@@ -7,6 +7,7 @@ import math
 import os
 import threading
 import uuid
+import warnings
 
 import pytest
 import torch
@@ -998,3 +999,118 @@ def test_groups_sharing_the_default_lr_tensor_each_get_their_own_saved_lr(tmp_pa
     assert optim2.param_groups[0]["lr"] is optim2.param_groups[1]["lr"]
     stashpoint.load({"model": fresh, "optim": optim2}, tmp_path / "ck")
     assert [float(g["lr"]) for g in optim2.param_groups] == [float(torch.tensor(0.1)), float(torch.tensor(0.001))]
+
+
+def _resumes_exactly(tmp_path, build, step, n=6, k=3) -> dict:
+    """Losses of ``n`` steps in one go against ``k`` steps, a save, fresh objects (``build()``)
+    loaded and the rest: equal, bit for bit (``step(state, i)`` trains step ``i``, gives its
+    loss). Returns the state loaded."""
+    one = build()
+    whole = [step(one, i) for i in range(1, n + 1)]
+    first = build()
+    for i in range(1, k + 1):
+        step(first, i)
+    stashpoint.save(first, tmp_path / "resume-ck")
+    again = build()
+    stashpoint.load(again, tmp_path / "resume-ck")
+    assert [step(again, i) for i in range(k + 1, n + 1)] == whole[k:]
+    return again
+
+
+def _train_step(state, i, features=6):
+    """One step of ``state``'s model and optimizer (and scheduler) on batch ``i``: its loss."""
+    loss = state["model"](torch.randn(8, features, generator=torch.Generator().manual_seed(i))).square().mean()
+    state["optim"].zero_grad()
+    loss.backward()
+    state["optim"].step()
+    if "sched" in state:
+        state["sched"].step()
+    return loss.item()
+
+
+def test_groups_that_shared_their_lr_tensor_when_saved_share_it_again_and_resume_exactly(tmp_path):
+    """Before: the load gave each group a copy; a scheduler's in-place update of one group's lr,
+    every group's in the run that saved, then reached one group only, and the losses parted."""
+
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        o = torch.optim.Adam([{"params": m[0].parameters()}, {"params": m[2].parameters()}], lr=torch.tensor(0.01))
+        s = torch.optim.lr_scheduler.LambdaLR(o, [lambda e: 0.9**e, lambda e: 0.5**e])
+        return {"model": m, "optim": o, "sched": s}
+
+    again = _resumes_exactly(tmp_path, build, _train_step, n=8, k=4)
+    groups = again["optim"].param_groups
+    assert groups[0]["lr"] is groups[1]["lr"]
+
+
+@pytest.mark.parametrize(("inner", "out"), [(16, 1), (1, 8)])
+def test_adafactor_on_a_weight_with_a_dimension_of_one_resumes_exactly(tmp_path, inner, out):
+    """Weights [1, 16], [1, 6] and [8, 1]. Before: a factor of the weight's own shape ([1, 16]'s
+    column) was taken for a whole moment and the other for a misshapen one: a strict load
+    refused, strict=False dropped the parameter's state."""
+
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(6, inner), torch.nn.Tanh(), torch.nn.Linear(inner, out))
+        return {"model": m, "optim": torch.optim.Adafactor(m.parameters(), lr=0.01)}
+
+    _resumes_exactly(tmp_path, build, _train_step)
+
+
+def test_quantization_aware_training_resumes_exactly_into_observers_not_yet_run(tmp_path):
+    """A fresh QAT model's observers hold [0]- and [1]-sized buffers until their first forward;
+    their own load_state_dict takes a checkpoint's of any size, as torch's load does. Before:
+    refused as mismatched shapes (strict=False skipped them: a resume that was not exact)."""
+    import torch.ao.quantization as tq
+
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(
+            tq.QuantStub(), torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1), tq.DeQuantStub()
+        )
+        m.train()
+        m.qconfig = tq.get_default_qat_qconfig("fbgemm")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's own deprecation notes on its default observers
+            tq.prepare_qat(m, inplace=True)
+        return {"model": m, "optim": torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)}
+
+    _resumes_exactly(tmp_path, build, _train_step)
+    wrong = build()  # a parameter of another shape is still a mismatch
+    wrong["model"][1] = torch.nn.Linear(6, 8)
+    with pytest.raises(stashpoint.StateMismatchError, match=r"1.weight': the checkpoint holds float32\[16, 6\]"):
+        stashpoint.load(wrong, tmp_path / "resume-ck")
+
+
+def test_an_optimizer_of_ones_own_keeping_flags_and_none_in_its_state_loads_them(tmp_path):
+    """Before: its save succeeded and every load refused it ("'warm' of parameter 0 is a bool,
+    not a tensor, a number or a list of them"), where torch's load takes it."""
+
+    class WarmSGD(torch.optim.Optimizer):
+        def __init__(self, params, lr=0.05):
+            super().__init__(params, {"lr": lr})
+
+        @torch.no_grad()
+        def step(self):
+            for g in self.param_groups:
+                for p in g["params"]:
+                    st = self.state[p]
+                    if not st:
+                        st["buf"], st["warm"], st["prev"] = torch.zeros_like(p), True, None
+                    st["buf"].mul_(0.9).add_(p.grad)
+                    p.add_(st["buf"], alpha=-g["lr"] * (0.1 if st["warm"] else 1.0))
+                    st["warm"] = False
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 1)
+    o = WarmSGD(m.parameters())
+    m(torch.randn(3, 4)).sum().backward()
+    o.step()
+    stashpoint.save({"model": m, "optim": o}, tmp_path / "ck")
+    m2 = torch.nn.Linear(4, 1)
+    o2 = WarmSGD(m2.parameters())
+    stashpoint.load({"model": m2, "optim": o2}, tmp_path / "ck")
+    got = o2.state[m2.weight]
+    assert (got["warm"], got["prev"]) == (False, None)
+    assert torch.equal(got["buf"], o.state[m.weight]["buf"])

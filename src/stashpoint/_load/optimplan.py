@@ -40,6 +40,24 @@ class OptimizerPlanning:
     def build(self, node: Node, where: str, like: Any = None) -> Any:
         raise NotImplementedError
 
+    def _saved_group_tensors(self, state: Node) -> list[dict[str, str]]:
+        """Each saved param group's tensors by the catalog entry holding their bytes: groups
+        that shared one tensor when saved name the same entry (the others' are aliases of it)."""
+        fields = dict(state.get("dict", ())) if isinstance(state, dict) else {}
+        groups = fields.get("param_groups")
+        if not (isinstance(groups, dict) and isinstance(groups.get("list"), list)):
+            return []
+        out = []
+        for group in groups["list"]:
+            held = {}
+            for pair in group.get("dict", ()) if isinstance(group, dict) else ():
+                k, v = pair
+                if isinstance(v, dict) and isinstance(v.get("tensor"), str):
+                    entry = self._entry(v["tensor"])
+                    held[k] = entry.alias_of or entry.key
+            out.append(held)
+        return out
+
     def _optimizer(self, saved: Node, optim: torch.optim.Optimizer, where: str) -> None:
         n_before = len(self.plan.problems)
         cls = saved.get("class")
@@ -52,7 +70,7 @@ class OptimizerPlanning:
         live = _stateful.optimizer_to_tree(optim, names)[1] if by_name else optim.state_dict()
         params = _optimizer_params(optim, names, by_name)
         live = {**live, "state": self._state_like_params(saved["state"], live.get("state", {}), params)}
-        live["param_groups"] = _unshared(live.get("param_groups"))
+        live["param_groups"] = _unshared(live.get("param_groups"), self._saved_group_tensors(saved["state"]))
         built = self.build(saved["state"], where, like=live)
         if not (isinstance(built, dict) and isinstance(built.get("param_groups"), list)):
             raise CorruptCheckpointError(f"the optimizer state at {self._name(where)} in {self.where} is malformed")
@@ -205,20 +223,32 @@ def _members_as_sets(sd: dict[str, Any]) -> dict[str, Any]:
     return {**sd, "param_groups": fast}
 
 
-def _unshared(groups: Any) -> Any:
+def _unshared(groups: Any, saved: list[dict[str, str]]) -> Any:
     """The live groups, a hyperparameter tensor that several hold (a tensor lr given as the
-    optimizer's default is one object in every group) copied for each after the first: read in
-    place, every group would get the last one's saved value."""
+    optimizer's default is one object in every group) copied for each after the first, unless
+    the checkpoint holds one tensor for them too (``saved``: each saved group's tensors, by the
+    catalog entry that holds their bytes). Read in place, groups saved apart would all get the
+    last one's value; groups saved as one must stay one (a scheduler's in-place update of one
+    group's lr is every group's, and a resume must go on so)."""
     if not isinstance(groups, list):
         return groups
-    seen: set[int] = set()
+    first: dict[int, tuple[int, str]] = {}
     out = []
-    for group in groups:
+    for gi, group in enumerate(groups):
         if not isinstance(group, dict):
             out.append(group)
             continue
-        own = {k: v.clone() if isinstance(v, torch.Tensor) and id(v) in seen else v for k, v in group.items()}
-        seen.update(id(v) for v in own.values() if isinstance(v, torch.Tensor))
+        own = {}
+        for k, v in group.items():
+            if isinstance(v, torch.Tensor) and id(v) in first:
+                g0, k0 = first[id(v)]
+                held = saved[gi].get(k) if gi < len(saved) else None
+                one = held is not None and held == (saved[g0].get(k0) if g0 < len(saved) else None)
+                own[k] = v if one else v.clone()
+                continue
+            if isinstance(v, torch.Tensor):
+                first[id(v)] = (gi, k)
+            own[k] = v
         out.append(own)
     return out
 
@@ -278,13 +308,15 @@ def _misshapen(state: Any, param: torch.Tensor | None) -> str | None:
     if param is None or not isinstance(state, Mapping):
         return None
     shape = tuple(param.shape)
-    odd = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
-    odd = {k: s for k, s in odd.items() if s != shape}
+    shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    odd = {k: s for k, s in shapes.items() if s != shape}
     if not odd:
         return None
-    kept = [_kept_dims(s, shape) for s in odd.values()]
+    # every tensor a factor, together covering each dimension: a factor may have the
+    # parameter's own shape where a dimension is 1 (Adafactor's [1, m] column of a [1, m] weight)
+    kept = [_kept_dims(s, shape) for s in shapes.values()]
     dims = [k for k in kept if k is not None]
-    if len(odd) > 1 and len(dims) == len(kept) and set().union(*dims) == set(range(len(shape))):
+    if len(shapes) > 1 and len(dims) == len(kept) and set().union(*dims) == set(range(len(shape))):
         return None
     key, s = next(iter(odd.items()))
     return f"the checkpoint's {key!r} is {list(s)}, the parameter {list(shape)}"

@@ -59,6 +59,7 @@ class Planner(OptimizerPlanning):
         self.plan = RestorePlan()
         self._materialized: dict[str, torch.Tensor] = {}
         self._own: frozenset[str] | None = None  # the tensor keys of this rank's saved tree, once asked
+        self._resized: set[str] = set()  # buffers their module's own load_state_dict resizes (quantization's)
 
     def run(self) -> RestorePlan:
         if "dict" in self.tree and isinstance(self.root, MutableMapping):
@@ -188,6 +189,8 @@ class Planner(OptimizerPlanning):
         entry = self._entry(key)
         if torch.nn.parameter.is_lazy(live):  # a lazy module not run yet: its load_state_dict takes the shape
             live = None
+        elif where in self._resized and mismatch(entry, live) and entry.dtype == dtype_name(live.dtype):
+            live = None  # an observer's buffer, sized at its first forward: its module's load resizes it
         if isinstance(live, torch.Tensor):
             if (problem := template_problem(live)) is not None:
                 self.plan.problems.append(f"{self._name(key)}: the state's tensor is {problem}")
@@ -344,6 +347,9 @@ class Planner(OptimizerPlanning):
         live = _stateful.unwrap(live)
         sd = live.state_dict()
         keys = _stateful.module_keys(sd) or {}  # the live keys as they are saved, and back
+        if resized := _stateful.resized_on_load(live):
+            saved_as = {k: s for s, k in keys.items()}
+            self._resized |= {join(where, saved_as.get(k, k)) for k in resized}
         box = [{saved_key: sd[k] for saved_key, k in keys.items()} if keys else sd]
         state = without_inner_wrappers(saved["state"])
         self.restore(state, box[0], where, bind(box.__setitem__, 0), materialize=False)

@@ -86,8 +86,11 @@ class StatefulSampler(Sampler[int]):
         return max(0, self._usable - self.index) // self.world_size
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning."""
-        self.epoch, self.index = epoch, 0
+        """Move to ``epoch``, from its beginning; the epoch the sampler stands in already keeps
+        its position, as a restored one must: DistributedSampler's loop,
+        ``for epoch in range(sampler.epoch, E): sampler.set_epoch(epoch)``, resumes mid-epoch."""
+        if epoch != self.epoch:
+            self.epoch, self.index = epoch, 0
 
     def seek(self, batches: int, batch_size: int, *, drop_last: bool = False) -> None:
         """Stand where a loop stands that has taken ``batches`` batches of ``batch_size`` (per

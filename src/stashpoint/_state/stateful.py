@@ -219,6 +219,23 @@ def _every_name(modules: Iterable[torch.nn.Module]) -> dict[int, set[str]]:
     return out
 
 
+def resized_on_load(module: torch.nn.Module) -> set[str]:
+    """The state-dict keys of the buffers of ``module`` that their own module's
+    ``load_state_dict`` resizes: quantization's observers and fake quantizers size theirs at the
+    first forward ([0] or [1] before), and take a checkpoint's of any size. Empty where
+    quantization was never imported."""
+    quant: Any = sys.modules.get("torch.ao.quantization")
+    kinds = tuple(k for k in (getattr(quant, "ObserverBase", None), getattr(quant, "FakeQuantizeBase", None)) if k)
+    if not kinds:
+        return set()
+    return {
+        f"{name}.{b}" if name else b
+        for name, m in module.named_modules()
+        if isinstance(m, kinds)
+        for b, _ in m.named_buffers(recurse=False)
+    }
+
+
 def _reshard_fsdp2(module: torch.nn.Module) -> None:
     """FSDP2 modules back in their sharded state (as their ``state_dict()`` does): after a forward
     that kept them unsharded (``reshard_after_forward=False``), their parameters are the full

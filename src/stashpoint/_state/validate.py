@@ -203,16 +203,16 @@ def optimizer_problem(sd: Any, optim: torch.optim.Optimizer, *, other_class: boo
             return f"the state of parameter {p} is not a dict keyed by strings"
         for k, v in entry.items():
             items = v if isinstance(v, (list, tuple)) else (v,)  # LBFGS keeps its history in lists
-            if not all(_state_value(x, none=x is not v) for x in items):
+            if not all(_state_value(x) for x in items):
                 return (
-                    f"the state {k!r} of parameter {p} is a {type(v).__name__}, not a tensor, a number or a list "
-                    "of them"
+                    f"the state {k!r} of parameter {p} is a {type(v).__name__}, not a tensor, a number, a flag, "
+                    "None or a list of them"
                 )
     return None
 
 
-def _state_value(v: Any, *, none: bool) -> bool:
-    """A per-parameter optimizer state value: a tensor or a number (``None`` in a list: LBFGS's)."""
-    if v is None:
-        return none
-    return isinstance(v, torch.Tensor) or (isinstance(v, numbers.Real) and not isinstance(v, bool))
+def _state_value(v: Any) -> bool:
+    """A per-parameter optimizer state value: a tensor, or a plain value an optimizer of its own
+    may keep there (a flag, None), which torch's load takes as it is (a string it turns into a
+    generator: refused)."""
+    return v is None or isinstance(v, (torch.Tensor, numbers.Real))
