@@ -93,3 +93,30 @@ def test_a_fine_tune_with_groups_of_its_own_keeps_their_learning_rates(tmp_path)
     assert [(g["lr"], g["weight_decay"]) for g in opt2.param_groups] == [(1e-5, 0.01), (1e-3, 0.0)]
     assert torch.equal(opt2.state[ft[0].weight]["exp_avg"], opt.state[pre[0].weight]["exp_avg"])
     assert ft[1].weight not in opt2.state  # resized: starts fresh
+
+
+def test_factored_state_is_told_from_a_resized_parameters_state():
+    """Factors each collapse one dimension and together two (a factor of the weight's own shape
+    collapsing a dimension of one); anything else of another shape is misshapen."""
+    from stashpoint._load.optimplan import _misshapen
+
+    def state(*shapes):
+        return {f"t{i}": torch.zeros(s) for i, s in enumerate(shapes)}
+
+    fits = [
+        ((4, 3), ((4, 1), (1, 3))),  # torch's Adafactor
+        ((1, 16), ((1, 1), (1, 16))),  # ... of a weight with a dimension of one
+        ((8, 1), ((8, 1), (1, 1))),
+        ((4, 3), ((4,), (3,))),  # transformers' Adafactor
+        ((4, 3), ((4, 3), (4, 3))),  # Adam
+    ]
+    for shape, shapes in fits:
+        assert _misshapen(state(*shapes), torch.zeros(shape)) is None, (shape, shapes)
+    misfits = [
+        ((4, 3), ((4, 3), (1, 1))),  # one tensor of the shape lets nothing else through
+        ((8,), ((1,), (8,))),  # transformers' Adafactor of a [1, 8] weight, now [8]
+        ((4, 8), ((1, 8), (1, 8))),  # Adam of a [1, 8] weight, now [4, 8]
+        ((4, 16), ((4, 8), (4, 8))),
+    ]
+    for shape, shapes in misfits:
+        assert _misshapen(state(*shapes), torch.zeros(shape)) is not None, (shape, shapes)

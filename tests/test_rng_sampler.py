@@ -84,6 +84,9 @@ def test_the_distributed_samplers_loop_with_set_epoch_resumes_mid_epoch(tmp_path
     s2, loader2 = fresh()
     stashpoint.load({"sampler": s2}, tmp_path / "ck")
     assert head + batches(s2, loader2, s2.epoch, 3) == whole
+    s3, loader3 = fresh()
+    next(iter(loader3))  # a batch peeked (shape inference) before the loop: not a restore
+    assert batches(s3, loader3, 0, 3) == whole, "set_epoch(0) starts epoch 0 afresh"
 
 
 def test_sampler_refuses_another_dataset_size():

@@ -1043,6 +1043,21 @@ def test_groups_that_shared_their_lr_tensor_when_saved_share_it_again_and_resume
     groups = again["optim"].param_groups
     assert groups[0]["lr"] is groups[1]["lr"]
 
+    def build3():  # three groups on one lr tensor
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, 1))
+        o = torch.optim.SGD([{"params": layer.parameters()} for layer in m], lr=torch.tensor(0.01))
+        s = torch.optim.lr_scheduler.LambdaLR(o, [lambda e: 1.0, lambda e: 0.9**e, lambda e: 0.5**e])
+        return {"model": m, "optim": o, "sched": s}
+
+    def step3(state, i):
+        if i == 1:  # the first group given an lr tensor of its own by the run: the other two still share
+            state["optim"].param_groups[0]["lr"] = torch.tensor(0.01)
+        return _train_step(state, i)
+
+    groups = _resumes_exactly(tmp_path / "three", build3, step3, n=8, k=4)["optim"].param_groups
+    assert groups[1]["lr"] is groups[2]["lr"] and groups[0]["lr"] is not groups[1]["lr"]
+
 
 @pytest.mark.parametrize(("inner", "out"), [(16, 1), (1, 8)])
 def test_adafactor_on_a_weight_with_a_dimension_of_one_resumes_exactly(tmp_path, inner, out):

@@ -225,14 +225,14 @@ def _members_as_sets(sd: dict[str, Any]) -> dict[str, Any]:
 
 def _unshared(groups: Any, saved: list[dict[str, str]]) -> Any:
     """The live groups, a hyperparameter tensor that several hold (a tensor lr given as the
-    optimizer's default is one object in every group) copied for each after the first, unless
-    the checkpoint holds one tensor for them too (``saved``: each saved group's tensors, by the
-    catalog entry that holds their bytes). Read in place, groups saved apart would all get the
-    last one's value; groups saved as one must stay one (a scheduler's in-place update of one
-    group's lr is every group's, and a resume must go on so)."""
+    optimizer's default is one object in every group) copied where the checkpoint holds apart
+    what they share (``saved``: each saved group's tensors, by the catalog entry holding their
+    bytes), and shared where it holds one tensor for them. Read in place, groups saved apart
+    would all get the last one's value; groups saved as one must stay one (a scheduler's
+    in-place update of one group's lr is every group's, and a resume must go on so)."""
     if not isinstance(groups, list):
         return groups
-    first: dict[int, tuple[int, str]] = {}
+    by_entry: dict[int, dict[str, torch.Tensor]] = {}  # per live tensor: its copy per saved entry
     out = []
     for gi, group in enumerate(groups):
         if not isinstance(group, dict):
@@ -240,15 +240,14 @@ def _unshared(groups: Any, saved: list[dict[str, str]]) -> Any:
             continue
         own = {}
         for k, v in group.items():
-            if isinstance(v, torch.Tensor) and id(v) in first:
-                g0, k0 = first[id(v)]
-                held = saved[gi].get(k) if gi < len(saved) else None
-                one = held is not None and held == (saved[g0].get(k0) if g0 < len(saved) else None)
-                own[k] = v if one else v.clone()
+            if not isinstance(v, torch.Tensor):
+                own[k] = v
                 continue
-            if isinstance(v, torch.Tensor):
-                first[id(v)] = (gi, k)
-            own[k] = v
+            held = (saved[gi].get(k) if gi < len(saved) else None) or f"#{gi}"  # (none: its own)
+            copies = by_entry.setdefault(id(v), {})
+            if held not in copies:  # the first holder keeps the live tensor, the others a copy each
+                copies[held] = v if not copies else v.clone()
+            own[k] = copies[held]
         out.append(own)
     return out
 
@@ -302,8 +301,9 @@ def _optimizer_params(optim: torch.optim.Optimizer, names: Mapping[int, str], by
 def _misshapen(state: Any, param: torch.Tensor | None) -> str | None:
     """Why a parameter's saved state does not fit it, or None: a state tensor (not a scalar) of
     another shape than the parameter's (moments saved for a resized parameter), unless the
-    tensors of other shapes are factors of it that together cover each of its dimensions:
-    torch's Adafactor keeps ``[n, 1]`` and ``[1, m]`` of an ``[n, m]`` weight, transformers'
+    tensors of other shapes are factors of it, each collapsing one of its dimensions, that
+    together factor two: torch's Adafactor keeps ``[n, 1]`` and ``[1, m]`` of an ``[n, m]``
+    weight (of a ``[1, m]`` weight, ``[1, 1]`` and the weight's own shape), transformers'
     ``[n]`` and ``[m]``."""
     if param is None or not isinstance(state, Mapping):
         return None
@@ -312,21 +312,23 @@ def _misshapen(state: Any, param: torch.Tensor | None) -> str | None:
     odd = {k: s for k, s in shapes.items() if s != shape}
     if not odd:
         return None
-    # every tensor a factor, together covering each dimension: a factor may have the
-    # parameter's own shape where a dimension is 1 (Adafactor's [1, m] column of a [1, m] weight)
-    kept = [_kept_dims(s, shape) for s in shapes.values()]
-    dims = [k for k in kept if k is not None]
-    if len(shapes) > 1 and len(dims) == len(kept) and set().union(*dims) == set(range(len(shape))):
-        return None
+    collapsed = [_collapsed(s, shape) for s in odd.values()]
+    # a factor of the weight's own shape collapses a dimension of one: it counts as one
+    ones = {d for d, n in enumerate(shape) if n == 1} if shape in shapes.values() else set()
+    if all(c is not None for c in collapsed):
+        dims = set().union(*(c for c in collapsed if c is not None)) | ones
+        if len(dims) >= 2 and (len(odd) > 1 or ones):
+            return None
     key, s = next(iter(odd.items()))
     return f"the checkpoint's {key!r} is {list(s)}, the parameter {list(shape)}"
 
 
-def _kept_dims(s: tuple[int, ...], shape: tuple[int, ...]) -> set[int] | None:
-    """The dimensions of ``shape`` a factor of shape ``s`` may keep: ``s`` is ``shape`` with some
-    sizes set to 1, or with one dimension left out. None: no factor of it."""
-    if len(s) == len(shape) and all(a in (b, 1) for a, b in zip(s, shape)):
-        return {i for i, (a, b) in enumerate(zip(s, shape)) if a == b}
-    # which one was left out may be ambiguous (a square weight's row and column factors): any
-    left_out = [i for i in range(len(shape) if len(s) == len(shape) - 1 else 0) if s == shape[:i] + shape[i + 1 :]]
-    return {d for i in left_out for d in range(len(shape)) if d != i} if left_out else None
+def _collapsed(s: tuple[int, ...], shape: tuple[int, ...]) -> set[int] | None:
+    """The dimension of ``shape`` a factor of shape ``s`` collapses: ``s`` is ``shape`` with one
+    size set to 1, or with one dimension left out (which one may be ambiguous: a square
+    weight's row and column factors, any). None: no such factor."""
+    if len(s) == len(shape):
+        differ = [d for d, (a, b) in enumerate(zip(s, shape)) if a != b]
+        return set(differ) if len(differ) == 1 and s[differ[0]] == 1 else None
+    left_out = {i for i in range(len(shape) if len(s) == len(shape) - 1 else 0) if s == shape[:i] + shape[i + 1 :]}
+    return left_out or None

@@ -61,6 +61,7 @@ class StatefulSampler(Sampler[int]):
         self.world_size = world_size
         self.epoch = 0
         self.index = 0  # samples of this epoch taken by all ranks together
+        self._restored = False  # a position restored, not iterated from yet (set_epoch keeps it)
 
     def _order(self) -> torch.Tensor:
         if not self.shuffle:
@@ -74,6 +75,7 @@ class StatefulSampler(Sampler[int]):
         return self.num_samples // self.world_size * self.world_size
 
     def __iter__(self) -> Iterator[int]:
+        self._restored = False  # the restored position is taken: a later set_epoch starts afresh
         order = self._order().tolist()
         while self.index + self.world_size <= self._usable:
             i = order[self.index + self.rank]
@@ -86,11 +88,12 @@ class StatefulSampler(Sampler[int]):
         return max(0, self._usable - self.index) // self.world_size
 
     def set_epoch(self, epoch: int) -> None:
-        """Move to ``epoch``, from its beginning; the epoch the sampler stands in already keeps
-        its position, as a restored one must: DistributedSampler's loop,
+        """Start ``epoch`` from its beginning; except right after a restore, the epoch restored,
+        which keeps its position: DistributedSampler's loop,
         ``for epoch in range(sampler.epoch, E): sampler.set_epoch(epoch)``, resumes mid-epoch."""
-        if epoch != self.epoch:
+        if not (self._restored and epoch == self.epoch):
             self.epoch, self.index = epoch, 0
+        self._restored = False
 
     def seek(self, batches: int, batch_size: int, *, drop_last: bool = False) -> None:
         """Stand where a loop stands that has taken ``batches`` batches of ``batch_size`` (per
@@ -110,6 +113,7 @@ class StatefulSampler(Sampler[int]):
             )
         self.epoch, done = divmod(batches, per_epoch)
         self.index = min(done * batch_size, per_rank) * self.world_size
+        self._restored = True  # a set_epoch of this epoch keeps the position, as after a restore
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -151,5 +155,6 @@ class StatefulSampler(Sampler[int]):
             )
         self.epoch = int(state_dict["epoch"])
         self.index = int(state_dict["index"])
+        self._restored = True
         self.seed = int(state_dict["seed"])
         self.shuffle = bool(state_dict["shuffle"])

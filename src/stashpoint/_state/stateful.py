@@ -221,9 +221,9 @@ def _every_name(modules: Iterable[torch.nn.Module]) -> dict[int, set[str]]:
 
 def resized_on_load(module: torch.nn.Module) -> set[str]:
     """The state-dict keys of the buffers of ``module`` that their own module's
-    ``load_state_dict`` resizes: quantization's observers and fake quantizers size theirs at the
-    first forward ([0] or [1] before), and take a checkpoint's of any size. Empty where
-    quantization was never imported."""
+    ``load_state_dict`` resizes: quantization's per-channel observers and fake quantizers size
+    their ranges and scales at the first forward ([0] or [1] before), and take a checkpoint's of
+    any size. Empty where quantization was never imported."""
     quant: Any = sys.modules.get("torch.ao.quantization")
     kinds = tuple(k for k in (getattr(quant, "ObserverBase", None), getattr(quant, "FakeQuantizeBase", None)) if k)
     if not kinds:
@@ -233,7 +233,12 @@ def resized_on_load(module: torch.nn.Module) -> set[str]:
         for name, m in module.named_modules()
         if isinstance(m, kinds)
         for b, _ in m.named_buffers(recurse=False)
+        if b in _SIZED_AT_FIRST_FORWARD
     }
+
+
+#: The observers' and fake quantizers' buffers their own load resizes (a histogram's is fixed)
+_SIZED_AT_FIRST_FORWARD = frozenset(("min_val", "max_val", "scale", "zero_point"))
 
 
 def _reshard_fsdp2(module: torch.nn.Module) -> None:
