@@ -189,8 +189,9 @@ class Planner(OptimizerPlanning):
         entry = self._entry(key)
         if torch.nn.parameter.is_lazy(live):  # a lazy module not run yet: its load_state_dict takes the shape
             live = None
-        elif where in self._resized and live.numel() <= 1 and entry.dtype == dtype_name(live.dtype):
-            live = None  # an observer's range or scale not sized yet (its first forward): its own load sizes it
+        elif where in self._resized and isinstance(live, torch.Tensor) and live.numel() <= 1:
+            # an observer's range or scale not sized yet (its first forward): its own load sizes it
+            live = None if entry.dtype == dtype_name(live.dtype) else live
         if isinstance(live, torch.Tensor):
             if (problem := template_problem(live)) is not None:
                 self.plan.problems.append(f"{self._name(key)}: the state's tensor is {problem}")
