@@ -241,8 +241,9 @@ def test_a_writer_process_that_writes_nothing_for_the_stall_limit_is_killed_and_
 
 
 def test_a_slow_writer_process_that_keeps_writing_is_not_a_stall(tmp_path, monkeypatch):
-    """Stopped for 1.2 s and let run for 0.05 s in turn: slower than the 3 s limit in all, but
-    never 3 s without progress, so the save succeeds."""
+    """Stopped for 1.2 s and let run for 0.1 s in turn: slower than the 3 s limit in all, but
+    never 3 s without progress, so the save succeeds (0.05 s runs were too short for a shard
+    under a loaded CI run, which then saw no progress for 3 s)."""
     ck = tmp_path / "ck"
     stashpoint.save({"w": torch.zeros(1)}, ck, writer="process")
     pid = _writerproc.current_pid()
@@ -256,7 +257,7 @@ def test_a_slow_writer_process_that_keeps_writing_is_not_a_stall(tmp_path, monke
             os.kill(pid, signal.SIGSTOP)
             time.sleep(1.2)
             os.kill(pid, signal.SIGCONT)
-            time.sleep(0.05)
+            time.sleep(0.1)
     finally:
         os.kill(pid, signal.SIGCONT)
     handle.wait(timeout=60)
