@@ -15,4 +15,7 @@ if ! python -c "import torch" >/dev/null 2>&1; then
 fi
 # EXTRAS: "test" (default) for the test tools; empty for the library alone (the demo).
 EXTRAS=${EXTRAS-test}
-python -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
+# the torch installed above, pinned: a resolver that backtracks (a flaky index) must not reach
+# for another torch (a fresh clone's run once downloaded an 865 MB CUDA wheel of torch 2.7 here)
+TORCH=$(python -c "import torch; print(torch.__version__.split('+')[0])")
+python -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}" "torch==$TORCH"
