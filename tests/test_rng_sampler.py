@@ -108,10 +108,21 @@ def test_sampler_splits_over_ranks_and_resumes_on_another_world_size():
     three = [stashpoint.StatefulSampler(n, seed=0, rank=r, world_size=3) for r in range(3)]
     for s in three:
         s.load_state_dict(saved)
-    assert len(three[0]) == 9, "(39 usable - 10 taken) // 3 ranks"
+    assert len(three[0]) == 10, "(40 - 10 taken) // 3 ranks"
     rest = [i for s in three for i in s]
-    assert len(rest) == 27 and set(rest) <= set(full[10:]), "nothing skipped twice or repeated"
-    assert sorted(rest) == sorted(full[10:37]), "the tail that does not split over 3 ranks is dropped"
+    assert sorted(rest) == sorted(full[10:]), "the 30 left split over 3 ranks: none skipped or repeated"
+    # 11 left over 3 ranks: the 2 at the end that do not split evenly are the only ones dropped
+    # (they were counted from the epoch's start, which dropped 3 of the 6 left in 10 samples)
+    for n, taken, ws, kept in ((41, 30, 3, 9), (10, 4, 3, 6), (10, 3, 2, 6), (7, 6, 2, 0)):
+        src = stashpoint.StatefulSampler(n, seed=1, rank=0, world_size=1)
+        src.index = taken
+        ranks = [stashpoint.StatefulSampler(n, seed=1, rank=r, world_size=ws) for r in range(ws)]
+        for s in ranks:
+            s.load_state_dict({**src.state_dict(), "world_size": 1})
+        assert [len(s) for s in ranks] == [kept // ws] * ws, (n, taken, ws)
+        got = [i for s in ranks for i in s]
+        whole = list(stashpoint.StatefulSampler(n, seed=1))
+        assert sorted(got) == sorted(whole[taken : taken + kept]), (n, taken, ws)
     with pytest.raises(ValueError, match="rank must be in"):
         stashpoint.StatefulSampler(4, rank=2, world_size=2)
 

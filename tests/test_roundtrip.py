@@ -347,6 +347,14 @@ def test_a_read_to_cuda_in_a_process_without_it_says_so_before_reading(tmp_path)
         stashpoint.read(tmp_path / "ck", device="cuda")
 
 
+class _MakesDir:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
 def test_pickle_is_opt_in_on_both_sides(tmp_path):
     from fractions import Fraction
 
@@ -363,6 +371,24 @@ def test_pickle_is_opt_in_on_both_sides(tmp_path):
     target: dict = {}
     stashpoint.load(target, tmp_path / "ck", allow_pickle=True)
     assert target["cfg"] == Fraction(1, 3)
+    # Refused before anything is unpickled, not after: unpickling this value makes a directory.
+    trap = tmp_path / "UNPICKLED"
+    stashpoint.save({"w": torch.ones(2), "obj": _MakesDir(str(trap))}, tmp_path / "trap", allow_pickle=True)
+    loads = [
+        lambda: stashpoint.load({"w": torch.zeros(2), "obj": None}, tmp_path / "trap"),
+        lambda: stashpoint.load({"w": torch.zeros(2)}, tmp_path / "trap", strict=False),
+        lambda: stashpoint.load({}, tmp_path / "trap", atomic=True),
+        lambda: stashpoint.read(tmp_path / "trap"),
+        lambda: stashpoint.read(tmp_path / "trap", select="obj"),
+    ]
+    for call in loads:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                call()
+            except stashpoint.CheckpointError as e:
+                assert "pickled value" in str(e)
+        assert not trap.exists(), "a value was unpickled without allow_pickle=True"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA path (pinned staging, side stream): needs a GPU")

@@ -19,8 +19,9 @@ class StatefulSampler(Sampler[int]):
     (starting at its rank), like ``DistributedSampler``; the tail that does not split evenly is
     dropped, so every rank yields the same number of samples. The position is kept as the number
     of samples all ranks together have taken (``index``), so a checkpoint restored on a different
-    number of ranks continues the same permutation from the same point: no sample of the epoch
-    is skipped or repeated, they are only dealt out over the new ranks.
+    number of ranks continues the same permutation from the same point: the samples left are
+    dealt out over the new ranks, none repeated, and only the fewer than ``world_size`` at the
+    end that do not split evenly over them are dropped.
 
     ``rank`` and ``world_size`` default to the ``torch.distributed`` world when it is initialized.
     Put the sampler in the saved state beside the model::
@@ -77,7 +78,9 @@ class StatefulSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         self._restored = False  # the restored position is taken: a later set_epoch starts afresh
         order = self._order().tolist()
-        while self.index + self.world_size <= self._usable:
+        # Bounded by the epoch's end, not by _usable: a position restored from another world
+        # size is no multiple of this one, so the tail that does not split moves with it.
+        while self.index + self.world_size <= self.num_samples:
             i = order[self.index + self.rank]
             self.index += self.world_size
             yield i
@@ -85,7 +88,7 @@ class StatefulSampler(Sampler[int]):
         self.index = 0
 
     def __len__(self) -> int:
-        return max(0, self._usable - self.index) // self.world_size
+        return max(0, self.num_samples - self.index) // self.world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning; except right after a restore, the epoch restored,
