@@ -1155,3 +1155,68 @@ def test_an_optimizer_of_ones_own_keeping_flags_and_none_in_its_state_loads_them
     got = o2.state[m2.weight]
     assert (got["warm"], got["prev"]) == (False, None)
     assert torch.equal(got["buf"], o.state[m.weight]["buf"])
+
+
+@pytest.mark.parametrize("kind", ["step", "exponential", "multistep", "plateau"])
+def test_progressive_unfreezing_with_a_scheduler_resumes_exactly(tmp_path, kind):
+    """A group added mid-run (a layer unfrozen) after the scheduler was built: its per-group
+    lists then hold fewer values than the optimizer has groups. Before, the load refused them
+    against a fresh scheduler's, and strict=False started the schedule over."""
+
+    def build(unfrozen: bool):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        m[0].requires_grad_(False)
+        o = torch.optim.AdamW(m[2].parameters(), lr=1e-2)
+        s = {
+            "step": lambda: torch.optim.lr_scheduler.StepLR(o, 2, 0.5),
+            "exponential": lambda: torch.optim.lr_scheduler.ExponentialLR(o, 0.9),
+            "multistep": lambda: torch.optim.lr_scheduler.MultiStepLR(o, [2, 5], 0.3),
+            "plateau": lambda: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0, min_lr=1e-4),
+        }[kind]()
+        state = {"model": m, "optim": o, "sched": s}
+        if unfrozen:
+            unfreeze(state)
+        return state
+
+    def unfreeze(state):
+        m, o = state["model"], state["optim"]
+        m[0].requires_grad_(True)
+        o.add_param_group({"params": list(m[0].parameters()), "lr": 1e-3, "initial_lr": 1e-3})
+
+    def step(state, i):
+        if i == 2 and len(state["optim"].param_groups) == 1:
+            unfreeze(state)
+        loss = state["model"](torch.randn(8, 6, generator=torch.Generator().manual_seed(i))).square().mean()
+        state["optim"].zero_grad()
+        loss.backward()
+        state["optim"].step()
+        state["sched"].step(1.0) if kind == "plateau" else state["sched"].step()
+        return loss.item()
+
+    one = build(False)
+    whole = [step(one, i) for i in range(1, 9)]
+    first = build(False)
+    for i in range(1, 5):
+        step(first, i)
+    stashpoint.save(first, tmp_path / "ck")
+    again = build(True)  # the resume builds as at the start and unfreezes where the run had
+    stashpoint.load(again, tmp_path / "ck")
+    assert [g["lr"] for g in again["optim"].param_groups] == [g["lr"] for g in first["optim"].param_groups]
+    assert [step(again, i) for i in range(5, 9)] == whole[4:]
+
+
+def test_a_scheduler_of_another_number_of_inner_schedulers_is_still_refused(tmp_path):
+    """Only lists of numbers (values per group) may differ in length: SequentialLR's inner
+    schedulers' states must still match the live ones, one for one."""
+
+    def sequential(n):
+        o = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        inner = [torch.optim.lr_scheduler.ConstantLR(o, 0.5, total_iters=2) for _ in range(n)]
+        return torch.optim.lr_scheduler.SequentialLR(o, inner, milestones=list(range(2, 2 * n, 2)))
+
+    stashpoint.save({"sched": sequential(3)}, tmp_path / "ck")
+    with pytest.raises(
+        stashpoint.StateMismatchError, match=r"'sched'.*_schedulers holds 3 items where the object has 2"
+    ):
+        stashpoint.load({"sched": sequential(2)}, tmp_path / "ck")

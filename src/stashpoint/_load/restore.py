@@ -368,7 +368,11 @@ class Planner(OptimizerPlanning):
         if built is None and live_sd is not None:  # None matches anything inside a state, not as all of it
             problem: str | None = "the checkpoint holds None for its whole state"
         else:
-            problem = check(built) if callable(check) else structure_problem(built, live_sd)
+            problem = (
+                check(built)
+                if callable(check)
+                else structure_problem(built, live_sd, per_group=trial.is_torch_scheduler(live))
+            )
         if problem is not None:
             self.plan.problems.append(
                 f"{self._name(where)}: the saved state does not fit this {shown(live)}: {problem} "

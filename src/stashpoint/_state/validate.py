@@ -30,12 +30,18 @@ def _kind(v: Any) -> str:
     return type(v).__qualname__
 
 
-def structure_problem(saved: Any, live: Any, where: str = "") -> str | None:
+def _scalars(seq: Sequence[Any]) -> bool:
+    return all(x is None or _kind(x) == "number" or (_kind(x) == "tensor" and x.dim() == 0) for x in seq)
+
+
+def structure_problem(saved: Any, live: Any, where: str = "", *, per_group: bool = False) -> str | None:
     """Why ``saved`` cannot stand in for ``live`` (None when it can): the same keys, the same
     sequence lengths, and leaves of the same kind (numbers for numbers, tensors of the same dtype
     and shape for tensors); None on either side matches anything (a value not set yet), and an
     empty dict or list on the object's side any dict or list (a fresh object's history, its
-    best scores so far: what grows as it runs)."""
+    best scores so far: what grows as it runs). ``per_group``: lists of numbers on both sides
+    may differ in length (an LR scheduler's values per parameter group, of which a run may add
+    some after the scheduler was built, as torch's own load takes them)."""
     stack = [(saved, live, where)]
     while stack:
         s, v, at = stack.pop()
@@ -56,6 +62,8 @@ def structure_problem(saved: Any, live: Any, where: str = "") -> str | None:
                 return text[:_MAX_PROBLEM]
             stack.extend((s[k], v[k], f"{at}/{k}") for k in v)
         elif ks == "sequence":
+            if per_group and _scalars(s) and _scalars(v):
+                continue
             if len(s) != len(v):
                 return f"{here} holds {len(s)} items where the object has {len(v)}"
             stack.extend((x, y, f"{at}/{i}") for i, (x, y) in enumerate(zip(s, v)))
