@@ -380,13 +380,17 @@ def scenario_train_loop(root: str, steps: str) -> None:
             t = torch.tensor([float(step)])
             dist.all_reduce(t)  # the training's own collective, every step
             assert t.item() == step * WORLD
-            mgr.maybe_save(step, {"model": m, "optim": optim, "step": step})
+            mgr.maybe_save(step, {"model": m, "optim": optim, "step": step}, metrics={"loss": 1.0 / step})
+        mgr.wait()
+        metrics_kept = len(mgr._metrics)
     steps_seen = mgr.steps()
     # every rank holds identical parameters (DDP) after training
     flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
     gathered = [torch.zeros_like(flat) for _ in range(WORLD)]
     dist.all_gather(gathered, flat)
-    result(replicas_equal=all(torch.equal(g, gathered[0]) for g in gathered), steps=steps_seen)
+    result(
+        replicas_equal=all(torch.equal(g, gathered[0]) for g in gathered), steps=steps_seen, metrics_kept=metrics_kept
+    )
 
 
 class _KillOnWrite(LocalStorage):

@@ -131,6 +131,8 @@ def test_training_all_reduces_while_background_saves_coordinate(tmp_path):
         assert r["replicas_equal"]
         assert r["steps"][-2:] == [27, 30]
     assert results[0]["steps"] == [27, 30], "rank 0 applied the retention (keep_last=2) before closing"
+    # each save's metrics were kept on rank 1 for good (only the owner's retention forgets them)
+    assert [r["metrics_kept"] for r in results] == [2, 0]
 
 
 @pytest.mark.parametrize("how", ["kill", pytest.param("stall", marks=pytest.mark.slow)])

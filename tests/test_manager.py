@@ -615,6 +615,18 @@ def test_a_metric_too_large_for_a_float_does_not_stop_the_retention(tmp_path):
         assert mgr.steps() == [3, 4]
 
 
+def test_a_remote_tiers_retention_forgets_the_metrics_of_the_steps_it_deletes(tmp_path):
+    """Before: the remote retention read each step's metrics again after the local retention had
+    dropped them, and kept them for good: one entry per save, over a long run."""
+    kw = {"keep_last": 2, "remote_root": tmp_path / "remote", "remote_keep_last": 2, "every_steps": 1}
+    with stashpoint.CheckpointManager(tmp_path / "run", **kw) as mgr:
+        for step in range(1, 31):
+            mgr.maybe_save(step, {"w": torch.ones(4)}, metrics={"loss": 1.0 / step})
+        mgr.wait()
+        assert mgr.steps() == [29, 30] and mgr.remote_steps() == [29, 30]
+        assert sorted(mgr._metrics) == [29, 30]
+
+
 def test_an_option_a_managers_save_does_not_take_is_named(tmp_path):
     with stashpoint.CheckpointManager(tmp_path / "run") as mgr:
         for option in ("overwrite", "refused", "nodes", "overlapp"):

@@ -195,6 +195,7 @@ class CheckpointManager:
                     self._upload_ended,
                     owner=self._owner,
                     node_local=self._nodes is not None,
+                    forget=self._forget_metrics,
                 )
             if self._preemption is not None:
                 self._preemption.install(self)
@@ -288,6 +289,10 @@ class CheckpointManager:
                 return None
             self._metrics[step] = got
         return got
+
+    def _forget_metrics(self, step: int) -> None:
+        if step not in self._known:  # deleted from the remote tier, and the local one has it not
+            self._metrics.pop(step, None)
 
     def _upload_ended(self) -> None:
         """An upload ended: local steps it protected may go now."""

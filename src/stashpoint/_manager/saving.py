@@ -155,8 +155,8 @@ def after_save(  # noqa: PLR0917
             return
         if error is not None:  # committed, not copied to other nodes: kept, and raised by wait()
             with mgr._lock:
-                mgr._metrics[step] = metrics
-                if mgr._owner:
+                if mgr._owner:  # only the owner's retention reads (and forgets) them
+                    mgr._metrics[step] = metrics
                     mgr._retain_later()
             return
         stats = future.result()
@@ -164,10 +164,9 @@ def after_save(  # noqa: PLR0917
             mgr.history.append(stats)
             if stats.skipped:
                 mgr.skipped += 1
-            else:
+            elif mgr._owner:
                 mgr._metrics[step] = metrics
-                if mgr._owner:
-                    mgr._retain_later()
+                mgr._retain_later()
         if mgr.on_save is not None:
             handed = _call_on_save(mgr, mgr.on_save, stats, after)
     finally:

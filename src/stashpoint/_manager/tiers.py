@@ -68,6 +68,7 @@ class RemoteTier:
         *,
         owner: bool = False,
         node_local: bool = False,
+        forget: Callable[[int], None] | None = None,
     ) -> None:
         self.local = local
         self.remote = storage_for(remote_root)
@@ -78,6 +79,7 @@ class RemoteTier:
             )
         self.retention = retention  # None: keep every remote step
         self.metrics = metrics
+        self.forget = forget  # a remote step deleted: the metrics read of it may go
         self.rank = rank
         self.on_ended = on_ended  # after every upload (or catch-up): local steps it protected may go
         self.futures: list[cf.Future[Any]] = []
@@ -182,6 +184,8 @@ class RemoteTier:
             if s not in keep:
                 self._known.discard(s)
                 delete_step(self.remote, s)
+                if self.forget is not None:
+                    self.forget(s)
 
     def _track(self, future: cf.Future[Any]) -> None:
         with self._lock:
