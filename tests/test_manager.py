@@ -627,6 +627,26 @@ def test_a_remote_tiers_retention_forgets_the_metrics_of_the_steps_it_deletes(tm
         assert sorted(mgr._metrics) == [29, 30]
 
 
+def test_an_upload_backlog_is_warned_of_as_it_grows_not_at_every_save(tmp_path, caplog):
+    """Before: every save past the third waiting for its upload logged the warning again."""
+    import concurrent.futures as cf
+
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=2, remote_root=tmp_path / "remote") as mgr:
+        uploader, held = mgr._tier.uploader, []
+        real = uploader.submit
+        uploader.submit = lambda step, after: held.append(cf.Future()) or held[-1]  # uploads that never end
+        try:
+            with caplog.at_level(logging.WARNING, logger="stashpoint"):
+                for step in range(1, 21):
+                    mgr.save(step, {"w": torch.ones(4)}).wait()
+        finally:
+            uploader.submit = real
+            for f in held:  # else closing waits for them
+                f.set_result(None)
+        said = [r.getMessage() for r in caplog.records if "wait for their upload" in r.getMessage()]
+        assert [int(m.split()[1]) for m in said] == [4, 9, 19]
+
+
 def test_an_option_a_managers_save_does_not_take_is_named(tmp_path):
     with stashpoint.CheckpointManager(tmp_path / "run") as mgr:
         for option in ("overwrite", "refused", "nodes", "overlapp"):

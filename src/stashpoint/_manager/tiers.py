@@ -87,6 +87,7 @@ class RemoteTier:
         teardown.watch(self)  # a program's destroy_process_group() waits for its uploads
         self._unuploaded: collections.Counter[int] = collections.Counter()  # pending or failed uploads
         self._known: set[int] = set()  # remote steps found committed (their manifests not asked again)
+        self._said_backlog = BACKLOG_WARNING  # the upload backlog that warns next
         todo: list[int] = []
         problem = None
         # a rewind the remote tier has not seen (none is written down in a node-local root)
@@ -137,7 +138,13 @@ class RemoteTier:
         with self._lock:
             self._unuploaded[step] += 1
             backlog = len(self._unuploaded)
-        if backlog > BACKLOG_WARNING:
+            # said once as it passes the mark, again each time it doubles (not at every save)
+            if backlog <= BACKLOG_WARNING:
+                self._said_backlog = BACKLOG_WARNING
+            louder = backlog > self._said_backlog
+            if louder:
+                self._said_backlog = 2 * backlog
+        if louder:
             log.warning(
                 "stashpoint: %d local steps wait for their upload to %s: uploads are slower than saves (each "
                 "waiting step stays on the local tier)",
