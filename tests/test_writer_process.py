@@ -283,6 +283,9 @@ def test_the_stall_limit_comes_from_the_environment_and_a_bad_value_is_named(mon
 
 
 def test_an_error_in_the_writer_process_comes_back_with_its_traceback_and_the_child_lives_on(tmp_path):
+    """A storage's error comes back as its one line, as from the writer thread (before, with the
+    child's traceback, a screenful in the log at every save a full disk failed); any other error
+    with the traceback."""
     specs = (TensorSpec("x", "float32", (1000,), 4),)
     plan = plan_files(specs, max_file_bytes=1 << 30)
     staged = StagingBuffers.allocate(plan, specs, pin_device=None)
@@ -294,6 +297,11 @@ def test_an_error_in_the_writer_process_comes_back_with_its_traceback_and_the_ch
         writer.write(desc, str(missing), writes, staged, block=CHECKSUM_BLOCK_BYTES)
     msg = str(info.value)
     assert f"writing the shards of {missing} in the writer process (pid {writer.pid}) failed: FileNotFoundError" in msg
+    assert "\n" not in msg, "a storage's error is one line"
+    with pytest.raises(stashpoint.CheckpointError) as info:
+        writer.write({**desc, "root": str(tmp_path)}, str(tmp_path), writes, staged, block=0)
+    msg = str(info.value)
+    assert "failed: ValueError" in msg
     assert "The writer process's traceback:\nTraceback (most recent call last)" in msg and "shardio.py" in msg
     assert _writerproc.current_pid() == writer.pid, "an error is not a crash: the same writer goes on"
     assert stashpoint.save({"x": torch.ones(3)}, tmp_path / "ok", writer="process").writer == "process"

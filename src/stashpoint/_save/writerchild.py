@@ -185,7 +185,10 @@ def _write(msg: Mapping[str, Any], regions: Mapping[int, mmap.mmap], sock: socke
             )
         return {"ok": True, "sums": {k: list(v) for k, v in sums.items()}}
     except Exception as e:
-        return {"ok": False, "type": type(e).__name__, "error": str(e), "traceback": traceback.format_exc()}
+        # a storage's error (a full disk) says all in its message, as on the writer thread: the
+        # traceback, a screenful in the log at every failed save, only for what is not one
+        trace = "" if isinstance(e, OSError) else traceback.format_exc()
+        return {"ok": False, "type": type(e).__name__, "error": str(e), "traceback": trace}
 
 
 def _watch_parent(ppid: int) -> None:

@@ -230,10 +230,11 @@ class WriterProcess:
                 with self._send:  # send the descriptor again next time, in case mapping it failed
                     self._mapped.discard(region.token)
         if not reply.get("ok"):
+            trace = str(reply.get("traceback") or "").rstrip()
             raise CheckpointError(
                 f"writing the shards of {location} in the writer process (pid {self.pid}) failed: "
-                f"{reply.get('type')}: {reply.get('error')}\n\nThe writer process's traceback:\n"
-                f"{str(reply.get('traceback', '')).rstrip()}"
+                f"{reply.get('type')}: {reply.get('error')}"
+                + (f"\n\nThe writer process's traceback:\n{trace}" if trace else "")
             )
         return {str(k): tuple(str(s) for s in v) for k, v in reply["sums"].items()}
 
