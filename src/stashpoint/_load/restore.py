@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from stashpoint._core.format import Manifest, TensorEntry
+from stashpoint._core.format import Manifest
 from stashpoint._core.nodes import Node, decode_plain, is_plain, join, tensor_keys
 from stashpoint._load import trial
 from stashpoint._load.optimplan import OptimizerPlanning, names_params
@@ -35,6 +35,7 @@ from stashpoint._load.restoreplan import (
     objects_in,
     refill,
     shown,
+    tied_apart,
     without_inner_wrappers,
 )
 from stashpoint._state import stateful as _stateful
@@ -60,13 +61,13 @@ class Planner(OptimizerPlanning):
         self._materialized: dict[str, torch.Tensor] = {}
         self._own: frozenset[str] | None = None  # the tensor keys of this rank's saved tree, once asked
         self._resized: set[str] = set()  # buffers their module's own load_state_dict resizes (quantization's)
-        self._into: dict[int, tuple[torch.Tensor, TensorEntry, str]] = {}  # where a live tensor starts: what it takes
 
     def run(self) -> RestorePlan:
         if "dict" in self.tree and isinstance(self.root, MutableMapping):
             self._dict(self.tree, self.root, "", None, materialize=False)  # the root is updated in place
         else:
             self.restore(self.tree, self.root, "", None, materialize=False)
+        self._tied_apart()
         return self.plan
 
     # -- helpers -------------------------------------------------------------------------------
@@ -218,9 +219,6 @@ class Planner(OptimizerPlanning):
                     f"the state holds {dtype_name(live.dtype)}{list(live.shape)}"
                 )
                 return
-            if (problem := self._tied_apart(live, self.m.resolve(key), key)) is not None:
-                self.plan.problems.append(problem)
-                return
             self.plan.reads.append(Read.into(self.m.resolve(key).key, live))
         elif materialize or live is None:
             self._set(setter, self._materialize(key))
@@ -229,28 +227,17 @@ class Planner(OptimizerPlanning):
                 f"{self._name(key)}: the checkpoint holds a tensor, the state holds {type(live).__name__}"
             )
 
-    def _tied_apart(self, live: torch.Tensor, entry: TensorEntry, key: str) -> str | None:
-        """Why ``live`` cannot take ``entry``: the state's one tensor under two keys (tied
-        weights) that the checkpoint holds as two tensors of other values (saved untied)."""
-        t = local_tensor(live)
-        if not t.numel():
-            return None
-        # keyed by the address alone (asking a tensor for its storage costs several us, at 100k tensors)
-        ptr = t.data_ptr()
-        if ptr not in self._into:
-            self._into[ptr] = (t, entry, key)
-            return None
-        seen, first, first_key = self._into[ptr]
-        if (seen.device, seen.dtype, seen.shape, seen.stride()) != (t.device, t.dtype, t.shape, t.stride()):
-            return None
-        if first.key == entry.key or [c.checksums for c in first.chunks] == [c.checksums for c in entry.chunks]:
-            return None  # saved tied (one entry), or untied with the same values
-        return (
-            f"{self._name(key)} and {self._name(first_key)}: the state holds one tensor for both (tied weights, "
-            "an embedding and an output layer, say), and the checkpoint holds two of different values (saved "
-            f"untied); untie them in this model as they were at the save, or load with strict=False to take "
-            f"{first_key!r} for both"
-        )
+    def _tied_apart(self) -> None:
+        """One live tensor under two keys (tied weights) that the checkpoint holds as two
+        tensors of different values (saved untied): a problem, and only the first is read."""
+        self.plan.reads, clashes = tied_apart(self.plan.reads, self.m.tensors)
+        for first, other in clashes:
+            self.plan.problems.append(
+                f"{self._name(other)} and {self._name(first)}: the state holds one tensor for both (tied weights, "
+                "an embedding and an output layer, say), and the checkpoint holds two of different values (saved "
+                f"untied); untie them in this model as they were at the save, or load with strict=False to take "
+                f"{first!r} for both"
+            )
 
     def _dict(self, saved: Node, live: Any, where: str, setter: Setter, materialize: bool) -> None:
         if _stateful.kind_of(live) is not None and not isinstance(live, MutableMapping):

@@ -3,7 +3,7 @@ helpers the planner (``restore``) matches the saved tree against the live state 
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,3 +107,29 @@ def shown(live: Any) -> str:
     """What a live object is called in a message: its class, or what stashpoint's own objects
     (private classes) say they are (``_stashpoint_what``)."""
     return str(getattr(type(live), "_stashpoint_what", type(live).__name__))
+
+
+def _layout(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.dtype, t.shape, t.stride())
+
+
+def tied_apart(reads: list[Read], tensors: Mapping[str, TensorEntry]) -> tuple[list[Read], list[tuple[str, str]]]:
+    """``reads`` less those into a tensor an earlier read fills too from another entry of other
+    values (a state tied where the checkpoint was saved untied), and those pairs of keys, the
+    kept one first. Entries of equal checksums are the same values. Pure."""
+    ptrs = [r.dest.data_ptr() for r in reads]
+    if len(set(ptrs)) == len(ptrs):
+        return reads, []  # as a rule: one pass over addresses alone (~1 us a tensor, where 100k count)
+    at: dict[int, int] = {}
+    clashes: list[tuple[str, str]] = []
+    dropped = set()
+    for i, ptr in enumerate(ptrs):
+        first = at.setdefault(ptr, i)
+        a, b = reads[first], reads[i]
+        if first == i or not b.dest.numel() or _layout(a.dest) != _layout(b.dest):
+            continue
+        ea, eb = tensors[a.key], tensors[b.key]
+        if ea.key != eb.key and [c.checksums for c in ea.chunks] != [c.checksums for c in eb.chunks]:
+            dropped.add(i)
+            clashes.append((a.key, b.key))
+    return [r for i, r in enumerate(reads) if i not in dropped], clashes
