@@ -240,6 +240,24 @@ def test_a_last_link_to_a_checkpoint_that_never_committed_loads_the_newest_commi
         io.load_checkpoint(d / "last.ckpt")
 
 
+def test_the_newest_committed_checkpoint_beside_last_is_the_newest_saved_after_a_copy_too(tmp_path):
+    """Before: ranked by the manifests' file times, which a copy (cp -r, a download) sets to the
+    copy's: the older checkpoint, copied last, was taken for the newest."""
+    import torch
+
+    d = tmp_path / "ckpts"
+    io = StashpointCheckpointIO()
+    for step in (10, 20):
+        io.save_checkpoint({"global_step": step, "w": torch.ones(3)}, d / f"epoch={step // 10}-step={step}.ckpt")
+        io.wait()
+    (d / "last.ckpt").mkdir()  # killed while writing it
+    (d / "last.ckpt" / "shard-r00000-0000-0123456789abcdef.safetensors").write_bytes(b"\0" * 64)
+    os.utime(d / "epoch=1-step=10.ckpt" / "manifest.json", (2e9, 2e9))  # as a copy in that order leaves them
+    assert StashpointCheckpointIO().load_checkpoint(d / "last.ckpt")["global_step"] == 20
+    (d / "epoch=2-step=20.ckpt" / "manifest.json").write_text("{}")  # unreadable: passed over
+    assert StashpointCheckpointIO().load_checkpoint(d / "last.ckpt")["global_step"] == 10
+
+
 def test_a_top_k_and_a_last_checkpoint_saved_back_to_back_are_both_in_flight(tmp_path):
     """save_last=True makes ModelCheckpoint save twice at every checkpoint; the second save waited
     for the first one's whole write (0.8 s of blocking in a review's run). Two may be in flight."""

@@ -42,6 +42,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from stashpoint._core.naming import MANIFEST_NAME, looks_like_shard
 from stashpoint._dist.group import LOCAL
+from stashpoint._load.manifest import read_summary
 from stashpoint._load.read import read
 from stashpoint._save.engine import get_engine
 from stashpoint._save.handle import SaveHandle
@@ -281,13 +282,14 @@ def _through_link(target: str) -> str:
     except OSError:
         return target
     try:
-        beside = [
-            (p.joinpath(MANIFEST_NAME).stat().st_mtime, p)
+        found = [
+            p
             for p in pointed.parent.iterdir()
             if p.suffix == pointed.suffix and p != pointed and not p.is_symlink() and (p / MANIFEST_NAME).is_file()
         ]
     except OSError:
         return target
+    beside = [(when, p) for p in found if (when := _created(p)) is not None]
     if not beside:
         return target
     newest = max(beside)[1]
@@ -299,6 +301,15 @@ def _through_link(target: str) -> str:
         newest,
     )
     return str(newest)
+
+
+def _created(ckpt: Path) -> str | None:
+    """When ``ckpt`` was saved, as its sealed manifest says (a copy or a download keeps it, not
+    the files' times; UTC, so later sorts later); None where it cannot be read."""
+    try:
+        return str(read_summary(storage_for(ckpt))["created"])
+    except (OSError, CheckpointError):
+        return None
 
 
 def _put_back(target: str, aside: Path | None) -> None:
