@@ -697,6 +697,18 @@ def test_a_retention_killed_mid_deletion_leaves_an_uncommitted_leftover_not_a_to
     assert not doomed.exists(), "the leftover was removed when the manager opened"
 
 
+def test_a_hard_linked_copy_of_a_root_in_use_names_its_lock_file_as_a_link(tmp_path):
+    """Before: a `cp -al` snapshot of a run in use was refused as owned by another manager."""
+    with stashpoint.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"w": torch.ones(2)}).wait()
+        subprocess.run(["cp", "-al", str(tmp_path / "run"), str(tmp_path / "snap")], check=True)
+        with pytest.raises(CheckpointError, match=r"is a hard link to another directory's.*remove this copy's lock"):
+            stashpoint.CheckpointManager(tmp_path / "snap")
+        (tmp_path / "snap" / ".stashpoint-manager.lock").unlink()
+        with stashpoint.CheckpointManager(tmp_path / "snap") as snap:
+            assert snap.restore({"w": torch.zeros(2)}) == 1
+
+
 def test_a_manager_collected_without_close_releases_its_root(tmp_path):
     """Before: its lock stayed open for the life of the process (a notebook's cell run again
     was refused: "another CheckpointManager already owns"), and the save's handle kept the

@@ -39,8 +39,16 @@ def acquire_root_lock(root: Path) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        linked = os.fstat(fd).st_nlink > 1
         os.close(fd)
         from stashpoint._save.engine import unjoined_hint, unjoined_launch
+
+        if linked:  # one inode, two roots: the lock is held through the other name
+            raise CheckpointError(
+                f"the manager's lock file {root / LOCK_NAME} is a hard link to another directory's (a copy made "
+                "with `cp -al`, say), whose manager holds it; remove this copy's lock file, which a manager opening "
+                f"{root} creates anew"
+            ) from None
 
         if unjoined_launch():
             raise CheckpointError(f"another CheckpointManager already owns {root}: {unjoined_hint()}") from None
