@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -741,6 +742,46 @@ def scenario_replica_cached(root: str) -> None:
         cached = wait_resident(theirs, 0.99) if theirs else 0.0
         result(files=len(theirs), size=sum(p.stat().st_size for p in theirs), cached=cached)
         dist.barrier()  # the other node still serves nothing, but leaves with this one
+
+
+class _Untied(torch.nn.Module):
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.other = torch.nn.Parameter(torch.zeros(rows, 64))  # large first: the writers balance emb and head
+        self.emb = torch.nn.Embedding(1000, 64)
+        self.head = torch.nn.Linear(64, 1000, bias=False)
+
+
+def scenario_tied_untied(root: str) -> None:
+    """Untied models saved by 2 ranks (replicated), loaded into tied ones: each rank's own index
+    lacks the chunks the other rank wrote, so the check needs the writers' indexes."""
+    out = {}
+    for rows in (1, 2000):
+        for values in ("equal", "differ"):
+            torch.manual_seed(0)
+            m = _Untied(rows)
+            if values == "equal":
+                with torch.no_grad():
+                    m.head.weight.copy_(m.emb.weight)
+            path = f"{root}/{rows}-{values}"
+            stashpoint.save({"model": m}, path)
+            for strict in (True, False):
+                t = _Untied(rows)
+                t.head.weight = t.emb.weight
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        stashpoint.load({"model": t}, path, strict=strict)
+                except stashpoint.StateMismatchError as e:
+                    out[f"{rows}-{values}-{strict}"] = "refused" if "tied weights" in str(e) else str(e)
+                    continue
+                w = t.emb.weight.detach()
+                same = [torch.zeros_like(w) for _ in range(WORLD)]
+                dist.all_gather(same, w)
+                took = "emb" if torch.equal(w, m.emb.weight) else "head" if torch.equal(w, m.head.weight) else "?"
+                alike = all(torch.equal(x, same[0]) for x in same)
+                out[f"{rows}-{values}-{strict}"] = took if alike else f"{took} apart"
+    result(**out)
 
 
 if __name__ == "__main__":

@@ -382,3 +382,14 @@ def test_rank_0s_own_long_message_does_not_pad_a_gather(tmp_path):
     results = run_world(3, "gather_root_long", str(tmp_path))
     assert all(r["ok"] for r in results), results
     assert results[0]["received"] < 10_000, results[0]
+
+
+def test_a_tied_model_loading_an_untied_checkpoint_of_two_ranks_decides_alike_on_every_rank(tmp_path):
+    """Before the check read the writers' indexes: equal values were refused (each rank saw one
+    tensor's chunks), differing ones loaded silently, and strict=False left the replicas apart."""
+    results = run_world(2, "tied_untied", str(tmp_path))
+    for r in results:
+        for rows in (1, 2000):
+            assert r[f"{rows}-equal-True"] == r[f"{rows}-equal-False"] == "emb", (rows, r)
+            assert r[f"{rows}-differ-True"] == "refused", (rows, r)
+            assert r[f"{rows}-differ-False"] == "emb", (rows, r)

@@ -455,6 +455,15 @@ def test_conjugate_views_are_not_aliased_and_load_right(tmp_path):
     dest = torch.zeros(4, dtype=torch.complex64)
     stashpoint.load({"a": dest.conj(), "b": torch.zeros(4, dtype=torch.complex64)}, tmp_path / "ck")
     assert torch.equal(dest.conj().resolve_conj(), x)
+    # loaded in the form it was saved: a tensor and its conjugate view are not one tensor twice
+    dest = torch.zeros(4, dtype=torch.complex64)
+    stashpoint.load({"a": dest, "b": dest.conj()}, tmp_path / "ck")
+    assert torch.equal(dest, x)
+    y = torch.randn(4)
+    stashpoint.save({"a": y, "b": y._neg_view()}, tmp_path / "neg")
+    dest = torch.zeros(4)
+    stashpoint.load({"a": dest, "b": dest._neg_view()}, tmp_path / "neg")
+    assert torch.equal(dest, y)
 
 
 def test_odd_destinations_get_clear_answers(tmp_path):

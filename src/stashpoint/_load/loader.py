@@ -25,7 +25,7 @@ from stashpoint._load.exchange import agree, broadcast_shares, kinded_failure, o
 from stashpoint._load.manifest import forget, read_head, read_view, remembered, unlisted_shards, writers_of
 from stashpoint._load.reads import Fetched, fetch, prepare_reads, run_reads
 from stashpoint._load.restore import Planner
-from stashpoint._load.restoreplan import Read
+from stashpoint._load.restoreplan import Read, with_tied_apart
 from stashpoint._load.restoreplan import RestorePlan as Plan
 from stashpoint._runtime import gc_paused
 from stashpoint._storage import Storage, env_number, storage_for
@@ -182,10 +182,11 @@ def _plan(
     reads its own rank's index (its tree), plans, then the indexes of the chunks it needs."""
     if isinstance(head, Manifest):
         plan = Planner(head, state, allow_pickle=allow_pickle, where=storage.location, rank=rank, partial=partial).run()
-        return head, plan
+        return head, with_tied_apart(plan, head.tensors)
     plan, have = _own_plan(storage, head, state, rank, partial=partial, allow_pickle=allow_pickle)
     needed = writers_of(head, ((r.key, r.region) for r in plan.reads))
-    return read_view(storage, head, needed, rank % head.world_size, have), plan
+    view = read_view(storage, head, needed, rank % head.world_size, have)
+    return view, with_tied_apart(plan, view.tensors)
 
 
 def _cast_hint(casts: set[tuple[str, str]]) -> str | None:

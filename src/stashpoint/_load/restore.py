@@ -15,7 +15,6 @@ object lacks are allocated. Modules and the top-level containers are matched key
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -31,11 +30,11 @@ from stashpoint._load.restoreplan import (
     Setter,
     bind,
     holds_tensors,
+    key_named,
     mismatch,
     objects_in,
     refill,
     shown,
-    tied_apart,
     without_inner_wrappers,
 )
 from stashpoint._state import stateful as _stateful
@@ -67,18 +66,12 @@ class Planner(OptimizerPlanning):
             self._dict(self.tree, self.root, "", None, materialize=False)  # the root is updated in place
         else:
             self.restore(self.tree, self.root, "", None, materialize=False)
-        self._tied_apart()
         return self.plan
 
     # -- helpers -------------------------------------------------------------------------------
 
     def _name(self, key: str) -> str:
-        if not key:
-            return "<root>"
-        if unicodedata.is_normalized("NFC", key):
-            return repr(key)
-        # a combining accent ('cafe\u0301') prints as the composed name ('café'): shown escaped
-        return f"{key!r} (written {key!a}, not in Unicode's composed form)"
+        return key_named(key)
 
     def _set(self, setter: Setter, value: Any, where: str = "") -> None:
         if setter is not None:
@@ -225,18 +218,6 @@ class Planner(OptimizerPlanning):
         else:
             self.plan.problems.append(
                 f"{self._name(key)}: the checkpoint holds a tensor, the state holds {type(live).__name__}"
-            )
-
-    def _tied_apart(self) -> None:
-        """One live tensor under two keys (tied weights) that the checkpoint holds as two
-        tensors of different values (saved untied): a problem, and only the first is read."""
-        self.plan.reads, clashes = tied_apart(self.plan.reads, self.m.tensors)
-        for first, other in clashes:
-            self.plan.problems.append(
-                f"{self._name(other)} and {self._name(first)}: the state holds one tensor for both (tied weights, "
-                "an embedding and an output layer, say), and the checkpoint holds two of different values (saved "
-                f"untied); untie them in this model as they were at the save, or load with strict=False to take "
-                f"{first!r} for both"
             )
 
     def _dict(self, saved: Node, live: Any, where: str, setter: Setter, materialize: bool) -> None:

@@ -3,6 +3,8 @@ helpers the planner (``restore``) matches the saved tree against the live state 
 
 from __future__ import annotations
 
+import dataclasses
+import unicodedata
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +13,7 @@ import torch
 
 from stashpoint._core.format import TensorEntry
 from stashpoint._core.nodes import Node
-from stashpoint._core.reshard import Box
+from stashpoint._core.reshard import Box, intersect
 from stashpoint._state import stateful as _stateful
 from stashpoint._state.dtensor import local_part
 from stashpoint._state.dtypes import dtype_name
@@ -110,13 +112,23 @@ def shown(live: Any) -> str:
 
 
 def _layout(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.dtype, t.shape, t.stride())
+    return (t.dtype, t.shape, t.stride(), t.device, t.is_conj(), t.is_neg())  # as a save tells aliases
+
+
+def _stored(entry: TensorEntry, region: Box) -> list[tuple[Any, ...]]:
+    """The chunks of ``entry`` that ``region`` takes: their places and checksums."""
+    return [
+        (c.offsets, c.shape, c.checksums)
+        for c in entry.chunks
+        if intersect(Box(c.offsets, c.shape), region) is not None
+    ]
 
 
 def tied_apart(reads: list[Read], tensors: Mapping[str, TensorEntry]) -> tuple[list[Read], list[tuple[str, str]]]:
-    """``reads`` less those into a tensor an earlier read fills too from another entry of other
-    values (a state tied where the checkpoint was saved untied), and those pairs of keys, the
-    kept one first. Entries of equal checksums are the same values. Pure."""
+    """``reads`` less those into a tensor an earlier read fills too from another entry (a state
+    tied where the checkpoint was saved untied: decided by the state alone, so every rank keeps
+    the same), and the pairs of keys whose stored values are not shown alike (same chunks, same
+    checksums), the kept one first. ``reads`` itself where none is dropped. Pure."""
     ptrs = [r.dest.data_ptr() for r in reads]
     if len(set(ptrs)) == len(ptrs):
         return reads, []  # as a rule: one pass over addresses alone (~1 us a tensor, where 100k count)
@@ -126,10 +138,40 @@ def tied_apart(reads: list[Read], tensors: Mapping[str, TensorEntry]) -> tuple[l
     for i, ptr in enumerate(ptrs):
         first = at.setdefault(ptr, i)
         a, b = reads[first], reads[i]
-        if first == i or not b.dest.numel() or _layout(a.dest) != _layout(b.dest):
+        if first == i or a.key == b.key or not b.dest.numel() or _layout(a.dest) != _layout(b.dest):
             continue
-        ea, eb = tensors[a.key], tensors[b.key]
-        if ea.key != eb.key and [c.checksums for c in ea.chunks] != [c.checksums for c in eb.chunks]:
-            dropped.add(i)
+        dropped.add(i)
+        stored = _stored(tensors[a.key], a.region)
+        if not stored or stored != _stored(tensors[b.key], b.region):
             clashes.append((a.key, b.key))
+    if not dropped:
+        return reads, []
     return [r for i, r in enumerate(reads) if i not in dropped], clashes
+
+
+def key_named(key: str) -> str:
+    if not key:
+        return "<root>"
+    if unicodedata.is_normalized("NFC", key):
+        return repr(key)
+    # a combining accent ('cafe\u0301') prints as the composed name ('café'): shown escaped
+    return f"{key!r} (written {key!a}, not in Unicode's composed form)"
+
+
+def with_tied_apart(plan: RestorePlan, tensors: Mapping[str, TensorEntry]) -> RestorePlan:
+    """``plan`` where the state holds one tensor under two keys (tied weights) that the
+    checkpoint holds as two tensors (saved untied): the first key's read alone, on every rank
+    alike, and a problem where their values differ or cannot be shown alike. ``tensors``: the
+    entries with every chunk the reads need (a version-2 rank's own index lacks the chunks
+    other ranks wrote). A new plan: the one given may be remembered."""
+    reads, clashes = tied_apart(plan.reads, tensors)
+    if reads is plan.reads:
+        return plan
+    problems = [
+        f"{key_named(other)} and {key_named(first)}: the state holds one tensor for both (tied weights, an "
+        "embedding and an output layer, say), and the checkpoint holds two tensors of values not alike (saved "
+        f"untied); untie them in this model as they were at the save, or load with strict=False to take {first!r} "
+        "for both"
+        for first, other in clashes
+    ]
+    return dataclasses.replace(plan, reads=reads, problems=[*plan.problems, *problems])
