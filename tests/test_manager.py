@@ -631,20 +631,40 @@ def test_an_upload_backlog_is_warned_of_as_it_grows_not_at_every_save(tmp_path, 
     """Before: every save past the third waiting for its upload logged the warning again."""
     import concurrent.futures as cf
 
+    def said() -> list[int]:
+        msgs = [r.getMessage() for r in caplog.records if "wait for their upload" in r.getMessage()]
+        return [int(m.split()[1]) for m in msgs]
+
     with stashpoint.CheckpointManager(tmp_path / "run", keep_last=2, remote_root=tmp_path / "remote") as mgr:
         uploader, held = mgr._tier.uploader, []
         real = uploader.submit
-        uploader.submit = lambda step, after: held.append(cf.Future()) or held[-1]  # uploads that never end
+        uploader.submit = lambda step, after: held.append((step, cf.Future())) or held[-1][1]  # never end alone
+
+        def end(n: int) -> None:  # the oldest n uploads end
+            for _ in range(n):
+                step, f = held.pop(0)
+                mgr._tier._result(step, True)
+                f.set_result(None)
+
         try:
             with caplog.at_level(logging.WARNING, logger="stashpoint"):
                 for step in range(1, 21):
                     mgr.save(step, {"w": torch.ones(4)}).wait()
+                assert said() == [4, 9, 19]
+                end(len(held) - 2)
+                for step in range(21, 41):  # uploads keep pace, 2-4 behind: nothing more to say
+                    mgr.save(step, {"w": torch.ones(4)}).wait()
+                    if step % 2 == 0:
+                        end(2)
+                assert said() == [4, 9, 19]
+                end(len(held))  # caught up: a backlog growing again is said again
+                for step in range(41, 46):
+                    mgr.save(step, {"w": torch.ones(4)}).wait()
+                assert said() == [4, 9, 19, 4]
         finally:
             uploader.submit = real
-            for f in held:  # else closing waits for them
+            for _, f in held:  # else closing waits for them
                 f.set_result(None)
-        said = [r.getMessage() for r in caplog.records if "wait for their upload" in r.getMessage()]
-        assert [int(m.split()[1]) for m in said] == [4, 9, 19]
 
 
 def test_an_option_a_managers_save_does_not_take_is_named(tmp_path):

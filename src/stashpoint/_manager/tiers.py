@@ -138,8 +138,9 @@ class RemoteTier:
         with self._lock:
             self._unuploaded[step] += 1
             backlog = len(self._unuploaded)
-            # said once as it passes the mark, again each time it doubles (not at every save)
-            if backlog <= BACKLOG_WARNING:
+            # said once as it passes the mark, again each time it doubles, and afresh only once the
+            # uploads have caught up (a backlog about the mark would say it at every other save)
+            if backlog <= 1:
                 self._said_backlog = BACKLOG_WARNING
             louder = backlog > self._said_backlog
             if louder:
