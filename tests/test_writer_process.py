@@ -303,6 +303,11 @@ def test_an_error_in_the_writer_process_comes_back_with_its_traceback_and_the_ch
     msg = str(info.value)
     assert "failed: ValueError" in msg
     assert "The writer process's traceback:\nTraceback (most recent call last)" in msg and "shardio.py" in msg
+    from stashpoint._save import writerchild
+
+    lost = writerchild._write({"storage": desc, "token": 7}, {}, None)  # type: ignore[arg-type]
+    assert lost["type"] == "ProtocolError" and "never sent" in lost["error"], lost
+    assert "Traceback" in lost["traceback"], "the protocol's own error is no storage's: it keeps its traceback"
     assert _writerproc.current_pid() == writer.pid, "an error is not a crash: the same writer goes on"
     assert stashpoint.save({"x": torch.ones(3)}, tmp_path / "ok", writer="process").writer == "process"
 

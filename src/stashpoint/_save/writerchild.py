@@ -187,7 +187,7 @@ def _write(msg: Mapping[str, Any], regions: Mapping[int, mmap.mmap], sock: socke
     except Exception as e:
         # a storage's error (a full disk) says all in its message, as on the writer thread: the
         # traceback, a screenful in the log at every failed save, only for what is not one
-        trace = "" if isinstance(e, OSError) else traceback.format_exc()
+        trace = "" if isinstance(e, OSError) and not isinstance(e, ProtocolError) else traceback.format_exc()
         return {"ok": False, "type": type(e).__name__, "error": str(e), "traceback": trace}
 
 
