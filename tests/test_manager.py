@@ -429,6 +429,7 @@ def test_restore_falls_back_when_the_newest_is_damaged(tmp_path, caplog):
         assert "Load a good checkpoint" not in caplog.text, caplog.text
         assert mgr.steps() == [1], "the damaged step is moved aside"
         assert len(list(mgr.root.glob("step-00000002.damaged-*"))) == 1, "and kept for inspection"
+        assert "loads again once the file is back and the directory renamed step-00000002" in caplog.text
         mgr.save(2, _state(2)).wait()  # training can save that step again
 
 

@@ -173,7 +173,16 @@ def move_aside(root: Storage, step: int, why: str = "damaged") -> bool:
         if name is None:
             raise FileExistsError(f"every name for step {step} set aside at {stamp} is taken")
         moved = root.child(step_dir(step)).move(name)
-        log.warning("stashpoint: moved the %s step %d aside to %s", why, step, moved.location)
+        log.warning(
+            "stashpoint: moved the %s step %d aside to %s%s",
+            why,
+            step,
+            moved.location,
+            f" (the error above says why; a step that lacks a file, of a partial copy say, loads again once the "
+            f"file is back and the directory renamed {step_dir(step)})"
+            if why == "damaged"
+            else "",
+        )
         return True
     except OSError as e:
         log.warning("stashpoint: could not move the %s step %d aside: %s", why, step, e)
