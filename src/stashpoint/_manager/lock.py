@@ -25,9 +25,9 @@ def acquire_root_lock(root: Path) -> int:
     except OSError as e:
         if e.errno in (errno.EROFS, errno.EACCES):
             raise CheckpointError(
-                f"cannot create the manager's lock file in {root} ({e.strerror}): a CheckpointManager saves, so "
-                "its root must be writable. To read checkpoints there, use stashpoint.load or stashpoint.read on a "
-                "step directory, or `stashpoint ls` / `stashpoint verify`"
+                f"cannot open or create the manager's lock file in {root} ({e.strerror}): a CheckpointManager "
+                "saves, so its root must be writable. To read checkpoints there, use stashpoint.load or "
+                "stashpoint.read on a step directory, or `stashpoint ls` / `stashpoint verify`"
             ) from None
         raise CheckpointError(
             f"cannot open the manager's lock file {root / LOCK_NAME} ({e.strerror or e}); it must be a regular file "
