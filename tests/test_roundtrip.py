@@ -440,6 +440,11 @@ def test_a_tied_model_refuses_an_untied_checkpoint_of_other_values_and_a_lenient
         stashpoint.load({"model": tied}, tmp_path / "ck", strict=False)  # one memory: no concurrent reads into it
     assert tied.head.weight is tied.emb.weight
     assert torch.equal(tied.emb.weight, src.emb.weight), "the first key's values, the one the message names"
+    # a flat buffer at the same address first (another layout) does not hide the two tied views
+    stashpoint.save({"flat": torch.arange(4.0), "a": torch.ones(2, 2), "b": torch.full((2, 2), 2.0)}, tmp_path / "f")
+    flat = torch.zeros(4)
+    with pytest.raises(stashpoint.StateMismatchError, match="'b' and 'a'"):
+        stashpoint.load({"flat": flat, "a": flat.view(2, 2), "b": flat.view(2, 2)}, tmp_path / "f")
     same = Untied()
     same.head.weight.data.copy_(same.emb.weight)  # saved untied, but of one value: loads quietly
     stashpoint.save({"model": same}, tmp_path / "same")

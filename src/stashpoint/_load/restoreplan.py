@@ -132,13 +132,13 @@ def tied_apart(reads: list[Read], tensors: Mapping[str, TensorEntry]) -> tuple[l
     ptrs = [r.dest.data_ptr() for r in reads]
     if len(set(ptrs)) == len(ptrs):
         return reads, []  # as a rule: one pass over addresses alone (~1 us a tensor, where 100k count)
-    at: dict[int, int] = {}
+    at: dict[tuple[Any, ...], int] = {}  # by address and layout: a flat buffer first must not hide two views
     clashes: list[tuple[str, str]] = []
     dropped = set()
     for i, ptr in enumerate(ptrs):
-        first = at.setdefault(ptr, i)
+        first = at.setdefault((ptr, *_layout(reads[i].dest)), i)
         a, b = reads[first], reads[i]
-        if first == i or a.key == b.key or not b.dest.numel() or _layout(a.dest) != _layout(b.dest):
+        if first == i or a.key == b.key or not b.dest.numel():
             continue
         dropped.add(i)
         stored = _stored(tensors[a.key], a.region)
