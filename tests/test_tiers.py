@@ -373,6 +373,27 @@ def test_a_local_step_damaged_before_its_upload_fails_it_and_the_good_remote_ste
     assert _steps(remote) == ["step-00000001"]
 
 
+def test_a_step_saved_anew_after_its_damaged_copy_was_set_aside_is_not_kept_for_that_failure(tmp_path):
+    """The catch-up at open refuses a damaged step 2 (kept locally for a later manager to
+    upload), the restore sets it aside and training saves step 2 anew: that failure protected
+    the copy set aside, not the new step, which the local retention deletes once it is uploaded
+    and newer steps committed. It was kept for the rest of the manager's life."""
+    local, remote = tmp_path / "nvme", tmp_path / "remote"
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+    with stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote, remote_keep_last=1) as mgr:
+        mgr.save(1, state).wait()
+    with stashpoint.CheckpointManager(local, keep_last=1) as mgr:  # no remote tier: no upload
+        mgr.save(2, state).wait()
+    _damage(max((local / "step-00000002").rglob("shard-*"), key=lambda p: p.stat().st_size), "data")
+    with stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote, remote_keep_last=1) as mgr:
+        assert mgr.restore({"w": torch.zeros(1 << 16)}) == 1
+        for step in range(2, 6):
+            mgr.save(step, state)
+        mgr.wait()
+        assert mgr.steps() == [5], "step 2 of this run was uploaded: nothing keeps it"
+        assert mgr.remote_steps() == [5]
+
+
 def test_an_upload_checks_every_block_and_copies_the_bytes_unchanged(tmp_path):
     """The checked copy is the file, byte for byte, for a state of many tensors (tied ones,
     an empty one, one past a checksum block) saved by two-file shards."""

@@ -85,7 +85,8 @@ class RemoteTier:
         self.futures: list[cf.Future[Any]] = []
         self._lock = threading.Lock()
         teardown.watch(self)  # a program's destroy_process_group() waits for its uploads
-        self._unuploaded: collections.Counter[int] = collections.Counter()  # pending or failed uploads
+        self._pending: collections.Counter[int] = collections.Counter()  # uploads queued, per step
+        self._failed: set[int] = set()  # steps whose upload failed: kept for a later manager to upload
         self._known: set[int] = set()  # remote steps found committed (their manifests not asked again)
         self._said_backlog = BACKLOG_WARNING  # the upload backlog that warns next
         todo: list[int] = []
@@ -118,7 +119,9 @@ class RemoteTier:
             )
             todo = []
         with self._lock:
-            self._unuploaded.update(committed_steps(local) if problem is not None and owner else todo)
+            if problem is not None and owner:
+                self._failed.update(committed_steps(local))
+            self._pending.update(todo)
         self._track(self.uploader.catch_up(todo))
 
     def _missing(self, rewound: Rewind | None) -> list[int]:
@@ -136,8 +139,11 @@ class RemoteTier:
 
     def submit(self, step: int, after: cf.Future[Any]) -> None:
         with self._lock:
-            self._unuploaded[step] += 1
-            backlog = len(self._unuploaded)
+            # a new save of a step replaces the local copy an earlier failure kept (that one was
+            # moved aside: damaged, or gone back from), so that failure protects nothing now
+            self._failed.discard(step)
+            self._pending[step] += 1
+            backlog = len(self._pending.keys() | self._failed)
             # said once as it passes the mark, again each time it doubles, and afresh only once the
             # uploads have caught up (a backlog about the mark would say it at every other save)
             if backlog <= 1:
@@ -163,7 +169,7 @@ class RemoteTier:
     def protected(self) -> set[int]:
         """Local steps retention must keep: their upload is pending, or failed."""
         with self._lock:
-            return set(self._unuploaded)
+            return set(self._pending) | self._failed
 
     def steps(self) -> list[int]:
         return committed_steps(self.remote, self._known)
@@ -174,11 +180,14 @@ class RemoteTier:
     def _result(self, step: int, uploaded: bool | None) -> None:
         """On the uploader thread, after each step (before its future completes, so that the
         manager's ``wait()`` also waits for the retention scheduled here)."""
-        if uploaded is not None:  # failed: the local copy stays until a later manager uploads it
-            with self._lock:
-                self._unuploaded[step] -= 1
-                if self._unuploaded[step] <= 0:
-                    del self._unuploaded[step]
+        with self._lock:
+            self._pending[step] -= 1
+            if self._pending[step] <= 0:
+                del self._pending[step]
+            if uploaded is None:  # failed: the local copy stays until a later manager uploads it
+                self._failed.add(step)
+            else:
+                self._failed.discard(step)
         if self.on_ended is not None:
             self.on_ended()
 
