@@ -316,6 +316,32 @@ def test_an_on_save_callback_may_save_and_runs_in_order_off_the_writer_thread(tm
     assert torch.equal(back["model"].weight, model.weight)
 
 
+def test_a_slow_on_save_keeps_the_steps_it_has_yet_to_see_warns_and_the_retention_catches_up(tmp_path, caplog):
+    """Each step is kept until the callback has been called for it (here the callback reads
+    its step), however far behind it falls; a callback falling behind is warned of, and once it
+    has caught up the retention keeps keep_last again. Before, the steps piled up unexplained."""
+    gate, seen = threading.Event(), []
+
+    def read_back(stats):  # type: ignore[no-untyped-def]
+        if stats.step == 2:
+            assert gate.wait(60)
+        seen.append((stats.step, float(stashpoint.read(stats.path)["w"][0])))
+
+    with (
+        caplog.at_level(logging.WARNING, logger="stashpoint"),
+        stashpoint.CheckpointManager(tmp_path / "r", keep_last=1, on_save=read_back) as mgr,
+    ):
+        for step in range(1, 7):
+            mgr.save(step, _state(step)).wait()
+        time.sleep(0.2)  # the retention after step 6's commit has run
+        assert mgr.steps() == [2, 3, 4, 5, 6], "kept: the callback has not been called for them"
+        assert "steps in" in caplog.text and "wait for the on_save callback" in caplog.text
+        gate.set()
+        mgr.wait()
+        assert mgr.steps() == [6]
+    assert seen == [(s, float(s)) for s in range(1, 7)]
+
+
 def test_close_beside_a_wait_on_another_thread_still_waits_for_the_save_in_flight(tmp_path):
     """Before: the first wait() took the list of saves in flight, so a close() on the other
     thread found nothing to wait for and released the root under the save; a second manager

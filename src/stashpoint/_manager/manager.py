@@ -19,6 +19,7 @@ from stashpoint._core.naming import step_dir
 from stashpoint._core.policy import Retention, Schedule
 from stashpoint._dist.group import rank_of
 from stashpoint._manager import saving
+from stashpoint._manager.callbacks import Awaiting, refuse_on_own_thread
 from stashpoint._manager.lock import Holding
 from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, signal_name
@@ -148,6 +149,10 @@ class CheckpointManager:
         self._last_save_time: float | None = time.monotonic()  # every_seconds counts from the opening
         self._lock = threading.Lock()
         self._deleter = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-manager")
+        # on_save runs on a thread of its own, so that a slow callback never holds the retention
+        # back; the steps it has yet to be called for are kept for it meanwhile
+        self._callbacks = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-on-save")
+        self._awaiting = Awaiting()
         self._deletions: list[cf.Future[None]] = []
         self._refused: list[cf.Future[Any]] = []  # saves this rank refused, still failing them with the others
         self._closed = False
@@ -367,7 +372,7 @@ class CheckpointManager:
         came after the last :meth:`maybe_save` is raised again once the manager is closed."""
         if self._closed:
             return
-        saving.refuse_on_own_thread(self, "close")
+        refuse_on_own_thread(self, "close")
         pending = None
         try:
             self.wait()
@@ -390,8 +395,9 @@ class CheckpointManager:
 
     def _release(self) -> None:
         try:
+            self._callbacks.shutdown(wait=True)  # first: a callback's end applies the retention
             self._deleter.shutdown(wait=True)
-        finally:  # the root is released even where the thread could not be joined
+        finally:  # the root is released even where the threads could not be joined
             self._hold.release()
 
     def _check_open(self) -> None:

@@ -8,14 +8,14 @@ import concurrent.futures as cf
 import json
 import logging
 import numbers
-import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from stashpoint._core.format import utc_stamp
 from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME, step_dir
 from stashpoint._manager.aftersave import holds_manifest_or_unknown, out_of_space, say_room
+from stashpoint._manager.callbacks import call_on_save, refuse_on_own_thread
 from stashpoint._manager.lock import check_shared_root
 from stashpoint._manager.rewindmark import Rewind
 from stashpoint._manager.setaside import set_aside_newer
@@ -166,36 +166,14 @@ def after_save(  # noqa: PLR0917
                 mgr.skipped += 1
             elif mgr._owner:
                 mgr._metrics[step] = metrics
+                if mgr.on_save is not None:  # kept until the callback for it has run
+                    mgr._awaiting.add(step, mgr.storage.location)
                 mgr._retain_later()
         if mgr.on_save is not None:
-            handed = _call_on_save(mgr, mgr.on_save, stats, after)
+            handed = call_on_save(mgr, mgr.on_save, step, stats, after)
     finally:
         if not handed:
             after.set_result(None)
-
-
-def _call_on_save(
-    mgr: CheckpointManager, on_save: Callable[[SaveStats], None], stats: SaveStats, after: cf.Future[None]
-) -> bool:
-    """``on_save(stats)`` on the manager's own thread, then ``after`` set: not on the writer
-    thread, where a callback that saves (an export of each step) queued its save behind itself
-    and waited for ever. At interpreter exit (no new thread) it runs here."""
-
-    def call() -> None:
-        _calling.manager = mgr
-        try:
-            on_save(stats)
-        except Exception:
-            log.exception("stashpoint: the on_save callback raised")
-        finally:
-            _calling.manager = None
-            after.set_result(None)
-
-    try:
-        mgr._deleter.submit(call)
-    except RuntimeError:
-        call()
-    return True
 
 
 #: What ``CheckpointManager.save`` passes on to the engine: ``async_save``'s options but
@@ -317,7 +295,7 @@ def apply_retention(mgr: CheckpointManager) -> None:
     deletion thread); a failure is logged, never raised."""
     try:
         steps = mgr.steps()
-        keep = retained(steps, mgr._metrics_of, mgr.retention)
+        keep = retained(steps, mgr._metrics_of, mgr.retention) | mgr._awaiting.steps()
         if mgr._tier is not None:
             keep |= mgr._tier.protected()  # not uploaded yet (pending, or failed: uploaded at next open)
         if mgr._nodes is not None and mgr._replicas > 0:
@@ -374,18 +352,3 @@ def wait_for(mgr: CheckpointManager) -> None:
         err = u.exception()
         if err is not None:
             raise err
-
-
-#: The manager whose ``on_save`` callback this thread runs, if any.
-_calling = threading.local()
-
-
-def refuse_on_own_thread(mgr: CheckpointManager, what: str) -> None:
-    """Refuse ``mgr.wait()`` / ``mgr.close()`` from ``mgr``'s own ``on_save`` callback: they
-    wait for the manager's thread, which runs the callback, and would wait for ever."""
-    if getattr(_calling, "manager", None) is mgr:
-        raise CheckpointError(
-            f"CheckpointManager.{what}() was called from the manager's own on_save callback, which runs on the "
-            f"manager's thread that {what}() waits for; call it from the training loop instead (e.g. set a flag "
-            "in the callback and check it there)"
-        )

@@ -1,0 +1,113 @@
+"""A manager's ``on_save`` callback: called on a thread of its own, in the order the saves
+ended, with the steps it has yet to be called for kept from the retention meanwhile."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from stashpoint.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from stashpoint._manager.manager import CheckpointManager
+    from stashpoint._save.handle import SaveStats
+
+log = logging.getLogger("stashpoint")
+
+
+def call_on_save(
+    mgr: CheckpointManager, on_save: Callable[[SaveStats], None], step: int, stats: SaveStats, after: cf.Future[None]
+) -> bool:
+    """``on_save(stats)`` on the manager's callback thread, then ``after`` set: not on the
+    writer thread, where a callback that saves (an export of each step) queued its save behind
+    itself and waited for ever, nor on the retention's, which a slow callback held back (the
+    disk kept every step saved meanwhile). At interpreter exit (no new thread) it runs here."""
+
+    def call() -> None:
+        _calling.manager = mgr
+        try:
+            on_save(stats)
+        except Exception:
+            log.exception("stashpoint: the on_save callback raised")
+        finally:
+            _calling.manager = None
+            try:
+                if not stats.skipped and mgr._owner and mgr._awaiting.done(step):
+                    with mgr._lock:  # the step it kept may go now
+                        if not mgr._closed:
+                            mgr._retain_later()
+            finally:
+                after.set_result(None)
+
+    try:
+        mgr._callbacks.submit(call)
+    except RuntimeError:
+        call()
+    return True
+
+
+#: Steps waiting for their ``on_save`` call past which the manager warns (again at each doubling).
+CALLBACK_BACKLOG_WARNING = 3
+
+
+class Awaiting:
+    """The committed steps whose ``on_save`` call has not ended: the retention keeps them (an
+    export in the callback reads its step). A callback slower than the saves keeps more and
+    more of them: said as the count passes the mark and each time it doubles."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # its own: the retention reads it with the manager's lock held
+        self._steps: collections.Counter[int] = collections.Counter()
+        self._said = CALLBACK_BACKLOG_WARNING
+
+    def add(self, step: int, where: str) -> None:
+        with self._lock:
+            self._steps[step] += 1
+            count = len(self._steps)
+            if count <= 1:
+                self._said = CALLBACK_BACKLOG_WARNING
+            louder = count >= self._said
+            if louder:
+                self._said = 2 * count
+        if louder:
+            log.warning(
+                "stashpoint: %d steps in %s wait for the on_save callback, which takes longer than the time "
+                "between saves; each is kept on disk until it has been called for it (make the callback "
+                "faster, or save less often)",
+                count,
+                where,
+            )
+
+    def done(self, step: int) -> bool:
+        """The call for ``step`` ended; whether it kept a step (the retention may act now)."""
+        with self._lock:
+            if self._steps[step] <= 0:
+                self._steps.pop(step, None)
+                return False
+            self._steps[step] -= 1
+            if self._steps[step] <= 0:
+                del self._steps[step]
+            return True
+
+    def steps(self) -> set[int]:
+        with self._lock:
+            return set(self._steps)
+
+
+#: The manager whose ``on_save`` callback this thread runs, if any.
+_calling = threading.local()
+
+
+def refuse_on_own_thread(mgr: CheckpointManager, what: str) -> None:
+    """Refuse ``mgr.wait()`` / ``mgr.close()`` from ``mgr``'s own ``on_save`` callback: they
+    wait for the manager's thread, which runs the callback, and would wait for ever."""
+    if getattr(_calling, "manager", None) is mgr:
+        raise CheckpointError(
+            f"CheckpointManager.{what}() was called from the manager's own on_save callback, which runs on the "
+            f"manager's thread that {what}() waits for; call it from the training loop instead (e.g. set a flag "
+            "in the callback and check it there)"
+        )
