@@ -469,6 +469,58 @@ def test_save_schedule(tmp_path):
         mgr.should_save(1)
 
 
+def test_a_resumed_loop_neither_saves_the_restored_step_again_nor_at_once_by_the_clock(tmp_path, monkeypatch):
+    """A loop resuming with range(start, ...) passes the restored step to maybe_save again: it
+    is committed, so no save is due (before: should_save said yes, then the save raised that the
+    step already has a checkpoint). every_seconds counts from the end of the restore, which may
+    take minutes (before: from the manager's opening, so the first step saved again at once)."""
+    with stashpoint.CheckpointManager(tmp_path / "r", every_steps=10) as mgr:
+        mgr.save(20, _state(20)).wait()
+    with stashpoint.CheckpointManager(tmp_path / "r", every_steps=10) as mgr:
+        assert mgr.restore(_state()) == 20
+        assert not mgr.should_save(20) and mgr.maybe_save(20, _state(20)) is None
+        assert mgr.maybe_save(30, _state(30)) is not None and mgr.should_save(20) is True, "after a save: as ever"
+    import types
+
+    import stashpoint._manager.manager as manager_module
+
+    clock = [1000.0]  # the manager's own clock only: the rest of the library keeps real time
+    monkeypatch.setattr(manager_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    real_restore = manager_module.restore_reported
+
+    def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real_restore(*args, **kwargs)
+        clock[0] += 90  # a restore of a minute and a half
+        return out
+
+    monkeypatch.setattr(manager_module, "restore_reported", slow)
+    with stashpoint.CheckpointManager(tmp_path / "r", every_seconds=60) as mgr:
+        assert mgr.restore(_state()) == 30
+        assert not mgr.should_save(31), "every_seconds counts from the restore's end"
+        clock[0] += 61
+        assert mgr.should_save(31)
+
+
+def test_keep_best_warns_once_of_metrics_that_cannot_compete_and_takes_decimals(tmp_path, caplog):
+    """A misspelt metric, or NaN, made the best steps go with no word (they never competed)."""
+    import decimal
+
+    with (
+        caplog.at_level(logging.WARNING, logger="stashpoint"),
+        stashpoint.CheckpointManager(tmp_path / "r", keep_last=1, keep_best=(1, "val_loss")) as mgr,
+    ):
+        for step, metrics in enumerate(({"valloss": 0.1}, {"valloss": 0.2}, {"val_loss": float("nan")}), 1):
+            mgr.save(step, _state(step), metrics=metrics).wait()
+        mgr.save(4, _state(4), metrics={"val_loss": decimal.Decimal("0.25")}).wait()
+        mgr.save(5, _state(5)).wait()  # no metrics at all: documented not to compete, no word
+        mgr.wait()
+        assert mgr.steps() == [4, 5]
+    said = [r.getMessage() for r in caplog.records if "keep_best" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "step 1 will not count for keep_best" in said[0] and "'valloss'" in said[0]
+    assert "step 3" in said[1] and "nan" in said[1]
+
+
 def test_a_failed_save_raises_from_wait_leaves_nothing_and_training_goes_on(tmp_path):
     from test_errors import FailingStorage
 

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stashpoint._core.naming import parse_step_dir, step_dir
-from stashpoint._core.policy import Retention, Schedule, steps_to_keep
+from stashpoint._core.policy import Retention, Schedule, metric_problem, steps_to_keep
 
 steps_st = st.lists(st.integers(0, 500), max_size=30, unique=True)
 opt = st.none() | st.integers(1, 6)
@@ -93,3 +93,33 @@ def test_metric_values_that_are_no_finite_number_do_not_compete():
     for mode, best in (("min", 6), ("max", 7)):
         policy = Retention(keep_last=1, keep_best=1, metric="loss", mode=mode)
         assert steps_to_keep(list(range(1, 9)), metrics, policy) == {8, best}
+
+
+def test_options_that_are_no_count_or_no_finite_time_are_refused_by_name():
+    """Before: every_steps=2.5 and True, keep_last=True and every_seconds=inf were taken (as a
+    step count of 2.5, as 1, and a schedule that never saves); "10" raised a bare TypeError."""
+    for name, value in (("every_steps", 2.5), ("every_steps", True), ("every_steps", "10"), ("every_steps", 0)):
+        with pytest.raises(ValueError, match=f"{name} must be None or a positive integer, got {value!r}"):
+            Schedule(**{name: value})
+    for value in (float("inf"), float("nan"), True, "5", 0, -1.0):
+        with pytest.raises(ValueError, match="every_seconds must be None or a positive, finite number"):
+            Schedule(every_seconds=value)
+    for name in ("keep_last", "keep_every", "keep_best"):
+        with pytest.raises(ValueError, match=f"{name} must be None or a positive integer, got True"):
+            Retention(**{name: True})
+    import numpy as np
+
+    assert Schedule(every_steps=np.int64(3), every_seconds=0.5).due(6, 0.0, 0.0)
+    assert steps_to_keep([1, 2, 3], {}, Retention(keep_last=np.int64(2))) == {2, 3}
+
+
+def test_a_save_whose_metrics_cannot_compete_for_keep_best_is_told_apart_from_one_with_none():
+    best = Retention(keep_last=1, keep_best=2, metric="val_loss")
+    assert metric_problem({}, best) is None, "no metrics: documented not to compete"
+    assert metric_problem({"val_loss": 0.3, "acc": 1}, best) is None
+    kind, text = metric_problem({"valloss": 0.3}, best)  # type: ignore[misc]
+    assert kind == "missing" and "'val_loss'" in text and "'valloss'" in text
+    for bad in (float("nan"), float("-inf"), "0.1", True, None, 10**400):
+        kind, text = metric_problem({"val_loss": bad}, best)  # type: ignore[misc]
+        assert kind == "value" and "not a finite number" in text
+    assert metric_problem({"valloss": 0.3}, Retention(keep_last=1)) is None, "no keep_best: nothing to say"

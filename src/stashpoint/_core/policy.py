@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +26,19 @@ def parse_metrics(text: object) -> dict[str, Any]:
     if not isinstance(value, dict):
         return {}
     return {k: v for k, v in value.items() if v is None or isinstance(v, (int, float, str, bool))}
+
+
+def count_or_none(name: str, value: object) -> None:
+    """Refuse ``value`` for the option ``name`` unless it is None or a positive integer (a
+    NumPy integer too; never a bool or a float, which would be taken as 1 or cut short)."""
+    if value is None:
+        return
+    try:
+        ok = not isinstance(value, bool) and operator.index(value) >= 1  # type: ignore[arg-type]
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be None or a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -54,9 +69,7 @@ class Retention:
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_every", "keep_best"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be None or a positive integer, got {v!r}")
+            count_or_none(name, getattr(self, name))
         if self.mode not in ("min", "max"):
             raise ValueError(f"the keep_best mode must be 'min' or 'max', got {self.mode!r}")
 
@@ -94,6 +107,21 @@ def steps_to_keep(
     return frozenset(keep)
 
 
+def metric_problem(metrics: Mapping[str, Any], policy: Retention) -> tuple[str, str] | None:
+    """Why a save's ``metrics`` will not compete for ``keep_best`` although it passed some: the
+    metric is missing (a misspelt key?) or not a finite number; as (kind, what to say), or None.
+    A save with no metrics at all is no problem: it does not compete, as documented."""
+    if policy.keep_best is None or not metrics:
+        return None
+    if policy.metric not in metrics:
+        held = ", ".join(map(repr, sorted(metrics)))
+        return "missing", f"its metrics lack {policy.metric!r}, which keep_best ranks by (they hold {held})"
+    value = metrics[policy.metric]
+    if _score(value) is None:
+        return "value", f"metrics[{policy.metric!r}] is {value!r}, not a finite number, which keep_best can rank"
+    return None
+
+
 def _score(value: object) -> float | None:
     """A metric's value as a finite float; None for anything else (a string, a boolean, an
     integer too large for a float, NaN), which then does not compete."""
@@ -114,10 +142,12 @@ class Schedule:
     every_seconds: float | None = None
 
     def __post_init__(self) -> None:
-        if self.every_steps is not None and self.every_steps < 1:
-            raise ValueError(f"every_steps must be a positive integer, got {self.every_steps}")
-        if self.every_seconds is not None and not self.every_seconds > 0:
-            raise ValueError(f"every_seconds must be positive, got {self.every_seconds}")
+        count_or_none("every_steps", self.every_steps)
+        seconds = self.every_seconds
+        if seconds is not None and (
+            isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 < seconds < math.inf
+        ):
+            raise ValueError(f"every_seconds must be None or a positive, finite number of seconds, got {seconds!r}")
 
     @property
     def configured(self) -> bool:

@@ -16,7 +16,7 @@ from types import TracebackType
 from typing import Any
 
 from stashpoint._core.naming import step_dir
-from stashpoint._core.policy import Retention, Schedule
+from stashpoint._core.policy import Retention, Schedule, count_or_none
 from stashpoint._dist.group import rank_of
 from stashpoint._manager import saving
 from stashpoint._manager.callbacks import Awaiting, refuse_on_own_thread
@@ -47,16 +47,18 @@ class CheckpointManager:
 
     Args:
         root: the run directory (created if needed).
-        keep_last: keep the newest N committed steps (None: no limit from this rule).
+        keep_last: keep the newest N committed steps (None: this rule keeps none).
         keep_every: also keep every step that is a multiple of K, forever.
         keep_best: also keep the K best steps by a metric: ``(K, "metric")`` (lowest is best) or
-            ``(K, "metric", "max")``. Pass the metric in ``save(..., metrics=...)``.
+            ``(K, "metric", "max")``. Pass the metric in ``save(..., metrics=...)``, a finite
+            number (rank 0's in a distributed run); a save whose metrics lack it is warned of.
         max_inflight: saves that may be staged or persisting at once. Each holds one staged copy
             of the state in host memory, so this bounds the host memory used for staging.
         on_busy: when ``max_inflight`` saves are in flight, ``"wait"`` blocks until one commits
             (backpressure) and ``"skip"`` skips the new save (logged and counted).
         every_steps, every_seconds: when :meth:`maybe_save` saves (``every_seconds`` counted from
-            the manager's creation, then from each save made: not at the first step of a run).
+            the manager's creation or its restore, then from each save made: not at the first
+            step of a run).
         on_save: called with the :class:`SaveStats` of every save once it commits or is skipped,
             in order, on a thread of the manager's (not the training's, nor the writer's: it may
             save, e.g. export each step); :meth:`wait` and :meth:`close` wait for it (and are
@@ -129,6 +131,7 @@ class CheckpointManager:
         replicas: int = 0,
     ) -> None:
         self.retention = Retention.of(keep_last, keep_every, keep_best)
+        count_or_none("remote_keep_last", remote_keep_last)  # without remote_root: unused (configs pass both)
         # the remote tier keeps everything unless remote_keep_last is given
         remote = None if remote_keep_last is None else Retention.of(remote_keep_last, keep_every, keep_best)
         self.remote_retention = remote
@@ -146,6 +149,7 @@ class CheckpointManager:
         self.skipped = 0
         self._handles: list[tuple[SaveHandle, cf.Future[None]]] = []
         self._metrics: dict[int, dict[str, float]] = {}
+        self._said_metrics: set[str] = set()  # the kinds of keep_best metric problems warned of
         self._last_save_time: float | None = time.monotonic()  # every_seconds counts from the opening
         self._lock = threading.Lock()
         self._deleter = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-manager")
@@ -241,12 +245,15 @@ class CheckpointManager:
     # -- saving --------------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        """Whether a save is due at ``step`` by ``every_steps`` / ``every_seconds``."""
+        """Whether a save is due at ``step`` by ``every_steps`` / ``every_seconds``; never at the
+        step the last :meth:`restore` loaded, before a save (it is committed already)."""
         if not self.schedule.configured:
             raise ValueError(
                 "should_save and maybe_save need a schedule: pass every_steps and/or every_seconds to the "
                 "CheckpointManager, or call save() when a save is due"
             )
+        if step == self._resumed_at:  # a loop resuming with range(start, ...) passes it again
+            return False
         return self.schedule.due(step, time.monotonic(), self._last_save_time)
 
     def maybe_save(
@@ -281,7 +288,9 @@ class CheckpointManager:
         to the remote tier in the background.
         """
         self._check_open()
-        return saving.start_save(self, step_number(step), state, saving.plain_metrics(metrics), options)
+        step, plain = step_number(step), saving.plain_metrics(metrics)
+        saving.check_metrics(self, step, plain)
+        return saving.start_save(self, step, state, plain, options)
 
     # -- retention -----------------------------------------------------------------------------
 
@@ -338,6 +347,7 @@ class CheckpointManager:
         step = None if step is None else step_number(step)
         self._last_restore = r = restore_reported(self, state, step, strict, options)
         self._resumed_at = r.step
+        self._last_save_time = time.monotonic()  # every_seconds counts from here: a restore may take minutes
         return r.step
 
     def restored_from(self) -> str | None:

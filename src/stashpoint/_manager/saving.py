@@ -5,6 +5,7 @@ ready, the options a manager's save passes on, and its bookkeeping once the save
 from __future__ import annotations
 
 import concurrent.futures as cf
+import decimal
 import json
 import logging
 import numbers
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from stashpoint._core.format import utc_stamp
 from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME, step_dir
+from stashpoint._core.policy import metric_problem
 from stashpoint._manager.aftersave import holds_manifest_or_unknown, out_of_space, say_room
 from stashpoint._manager.callbacks import call_on_save, refuse_on_own_thread
 from stashpoint._manager.lock import check_shared_root
@@ -52,7 +54,7 @@ def plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
             out[key] = value
         elif type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
             out[key] = value.item()  # a NumPy scalar: the Python number, bool or string it holds
-        elif isinstance(value, numbers.Real):  # fractions, decimals
+        elif isinstance(value, (numbers.Real, decimal.Decimal)):  # fractions, decimals
             out[key] = float(value)
         else:
             hint = (
@@ -62,6 +64,15 @@ def plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
             )
             raise TypeError(f"metrics[{key!r}] is a {type(value).__name__}, not a JSON scalar: {hint}")
     return out
+
+
+def check_metrics(mgr: CheckpointManager, step: int, metrics: dict[str, Any]) -> None:
+    """Say once per kind (on rank 0, whose metrics the retention reads) when a save's metrics
+    will not compete for ``keep_best``: the best steps would be deleted with no word."""
+    found = metric_problem(metrics, mgr.retention) if mgr.rank == 0 else None
+    if found is not None and found[0] not in mgr._said_metrics:
+        mgr._said_metrics.add(found[0])
+        log.warning("stashpoint: step %d will not count for keep_best: %s (said once)", step, found[1])
 
 
 def check_options(
