@@ -243,13 +243,14 @@ def test_a_writer_process_that_writes_nothing_for_the_stall_limit_is_killed_and_
 def test_a_slow_writer_process_that_keeps_writing_is_not_a_stall(tmp_path, monkeypatch):
     """Stopped for 1.2 s and let run for 0.1 s in turn: slower than the 3 s limit in all, but
     never 3 s without progress, so the save succeeds (0.05 s runs were too short for a shard
-    under a loaded CI run, which then saw no progress for 3 s)."""
+    under a loaded CI run, which then saw no progress for 3 s; 100 MiB was written in two runs
+    of 0.1 s on a quiet one, too few to outlast the limit: 300 MiB takes at least three)."""
     ck = tmp_path / "ck"
     stashpoint.save({"w": torch.zeros(1)}, ck, writer="process")
     pid = _writerproc.current_pid()
     assert pid is not None
     monkeypatch.setenv(_writerproc.STALL_ENV, "3")
-    new = {f"t{i:03d}": torch.full((MiB // 16,), float(i)) for i in range(400)}
+    new = {f"t{i:04d}": torch.full((MiB // 16,), float(i)) for i in range(1200)}
     start = time.monotonic()
     handle = stashpoint.async_save(new, ck, overwrite=True, writer="process", max_shard_bytes=MiB // 4)
     try:
