@@ -784,5 +784,47 @@ def scenario_tied_untied(root: str) -> None:
     result(**out)
 
 
+class _LocalMomentum(torch.optim.Optimizer):
+    """An optimizer of one's own under FSDP2 keeping its momentum as a plain tensor the shape
+    of the rank's shard, not as a DTensor as torch's optimizers do."""
+
+    def __init__(self, params: object) -> None:
+        super().__init__(params, {"lr": 0.1})  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = p.grad.to_local()
+                m = self.state[p].setdefault("m", torch.zeros_like(grad))
+                m.mul_(0.9).add_(grad)
+                p.to_local().add_(m, alpha=-group["lr"])
+
+
+def scenario_shard_shaped_optimizer_state(root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    out = {}
+    for rows in (6, 7):  # shards of one size on both ranks, and of two
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, rows)
+        fully_shard(model, mesh=mesh)
+        optim = _LocalMomentum(model.parameters())
+        path = f"{root}/{rows}"
+        stashpoint.save({"model": model}, path)  # a checkpoint the refused save must leave alone
+        torch.manual_seed(RANK)
+        model(torch.randn(4, 8)).pow(2).sum().backward()
+        optim.step()
+        try:
+            stashpoint.save({"model": model, "optim": optim}, path, overwrite=True)
+            out[str(rows)] = "saved"
+        except stashpoint.CheckpointError as e:
+            out[str(rows)] = f"{type(e).__name__}: {e}"
+        out[f"{rows}-kept"] = sorted(stashpoint.read(path)) == ["model"]
+    result(**out)
+
+
 if __name__ == "__main__":
     main()

@@ -272,6 +272,34 @@ def optimizer_to_tree(optim: torch.optim.Optimizer, names: Mapping[int, str]) ->
     return "name", {"state": state, "param_groups": groups}
 
 
+def shard_shaped_state(optim: torch.optim.Optimizer, names: Mapping[int, str]) -> str | None:
+    """What is wrong, if anything, with an optimizer's plain-tensor state shaped like its
+    sharded DTensor parameter's local shard (an optimizer of one's own keeping ``zeros_like(
+    p.grad.to_local())``): each rank's is another part of the whole, but a plain tensor under
+    one key is one value on every rank, so all but one rank's would be lost (or, where the
+    shards differ in size, the ranks would disagree)."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None:  # no DTensor made in this process
+        return None
+    for param, entry in getattr(optim, "state", {}).items():
+        if not isinstance(param, dtensor) or not isinstance(entry, Mapping):
+            continue
+        local = param._local_tensor.shape  # FSDP2's unpadded shard; to_local() would go through autograd
+        if local == param.shape:
+            continue
+        for key, value in entry.items():
+            if type(value) is torch.Tensor and value.dim() > 0 and value.numel() > 1 and value.shape == local:
+                name = names.get(id(param), "<a parameter of no module in the state>")
+                return (
+                    f"the optimizer's state {key!r} of parameter {name!r} is a plain tensor shaped like this "
+                    f"rank's shard {list(local)} of the DTensor parameter {list(param.shape)}: every rank holds "
+                    "another part under one key, and all but one would be lost. Keep it as a DTensor placed like "
+                    "the parameter (torch.distributed.tensor.DTensor.from_local(t, p.device_mesh, p.placements)), "
+                    "as torch's optimizers do under FSDP2"
+                )
+    return None
+
+
 def optimizer_current_names(optim: torch.optim.Optimizer, names: Mapping[int, str]) -> list[str | None]:
     """Names of the optimizer's parameters in its own order (None where a parameter has none)."""
     return [names.get(id(p)) for group in optim.param_groups for p in group["params"]]
