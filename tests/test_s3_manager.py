@@ -159,3 +159,46 @@ def test_manager_save_on_s3_from_a_fresh_process(s3_url):
     out = {"w": torch.zeros(10)}
     stashpoint.load(out, f"{s3_url}/step-00000001")
     assert torch.equal(out["w"], torch.arange(10.0))
+
+
+def test_a_manager_opened_on_the_remote_tier_during_an_upload_fails_that_upload_not_commits_it_empty(
+    s3_url, tmp_path, monkeypatch
+):
+    """An evaluation job opens a manager on the training run's remote_root while a step is
+    being uploaded: its clean-up at open takes the copied objects (no manifest yet) for a crash's
+    leftover and deletes them. Before, the upload then committed a manifest over no files, and
+    the local retention deleted the only good copy. Now the upload fails saying why, the local
+    copy stays, and the next manager uploads it whole."""
+    from stashpoint._manager import uploader
+
+    commit = uploader._commit_copy
+    opened: list[int] = []
+
+    def another_manager_opens_first(src, dst, outcomes):  # type: ignore[no-untyped-def]
+        if not opened:
+            opened.append(1)
+            with stashpoint.CheckpointManager(tmp_path / "eval", remote_root=s3_url):
+                pass
+        return commit(src, dst, outcomes)
+
+    monkeypatch.setattr(uploader, "_commit_copy", another_manager_opens_first)
+    with stashpoint.CheckpointManager(tmp_path / "train", keep_last=1, remote_root=s3_url) as mgr:
+        mgr.save(1, _state(1))
+        try:
+            mgr.wait()
+            raised = ""
+        except stashpoint.CheckpointError as e:
+            raised = str(e)
+        assert "were deleted or changed before the copy committed" in raised, raised
+        assert "Open one manager per remote_root" in raised
+        assert mgr.remote_steps() == []
+        mgr.save(2, _state(2)).wait()
+        mgr.wait()
+        assert mgr.steps() == [1, 2], "step 1 is kept: its upload failed"
+    monkeypatch.setattr(uploader, "_commit_copy", commit)
+    with stashpoint.CheckpointManager(tmp_path / "train", keep_last=1, remote_root=s3_url) as mgr:
+        mgr.wait()  # the catch-up at open uploads step 1 again
+        assert mgr.remote_steps() == [1, 2]
+    back = _empty()
+    stashpoint.load(back, f"{s3_url}/step-00000001")
+    assert _same(back, _state(1))

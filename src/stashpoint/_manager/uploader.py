@@ -60,7 +60,20 @@ def _decide(starts: Sequence[UploadStart]) -> tuple[str, Any]:
 
 
 def _commit_copy(src: Storage, dst: Storage, outcomes: Sequence[Outcome]) -> int:
-    """Rank 0, once every rank copied its files: commit the remote copy (its manifest, last)."""
+    """Rank 0, once every rank copied its files: commit the remote copy (its manifest, last),
+    once one listing shows every file the ranks copied there, at its size. An object store has
+    no lock: a manager opened elsewhere on this remote tier takes an upload in flight for a
+    crash's leftover and deletes it, and the manifest would then commit a step of no files."""
+    copied = {name: size for o in outcomes for name, size in o.payload or ()}
+    there = dst.sizes() if copied else {}
+    if gone := sorted(name for name, size in copied.items() if there.get(name) != size):
+        shown = ", ".join(gone[:3]) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
+        raise CheckpointError(
+            f"{len(gone)} of the {len(copied)} file(s) copied to {dst.location} were deleted or changed before "
+            f"the copy committed ({shown}): did a CheckpointManager opened elsewhere on this remote_root (an "
+            "evaluation job, another run) remove them as a crash's leftover? Open one manager per remote_root; "
+            "read the remote tier with stashpoint.read or stashpoint.load instead"
+        )
     dst.commit(MANIFEST_NAME, src.read(MANIFEST_NAME))
     return sum(o.nbytes for o in outcomes)
 
@@ -223,12 +236,13 @@ class Uploader:
         outcome, local = Outcome(), None
         try:
             dst.prepare()
-            nbytes = 0
+            nbytes, copied = 0, []
             for up in own_files(src, ctx.rank, ctx.world, saved):
                 copy_file(src, dst, up)
                 nbytes += up.size
+                copied.append((up.name, up.size))
             dst.sync()
-            outcome = Outcome(nbytes=nbytes)
+            outcome = Outcome(payload=tuple(copied), nbytes=nbytes)
         except Exception as e:
             outcome, local = Outcome(error=f"{type(e).__name__}: {e}"), e
         try:
