@@ -142,3 +142,54 @@ def test_a_load_and_a_read_wait_for_a_save_in_flight_to_the_same_directory_spell
         else:
             out = stashpoint.read(spelled)
         assert handle.done() and out["step"] == step and torch.equal(out["w"], torch.full((1000,), float(step)))
+
+
+def test_a_checkpoint_deleted_or_replaced_while_it_is_read_is_said_to_be_so_not_damaged(tmp_path, monkeypatch):
+    """A reader racing a manager's retention, or a save with overwrite=True: the files its
+    manifest listed went. Before, that was a CorruptCheckpointError, damage to look for (and a
+    policy quarantining damaged checkpoints would act on it); a shard deleted alone still is."""
+    import shutil
+
+    from stashpoint._load import loader, read
+
+    state = {"w": torch.arange(50_000, dtype=torch.float32), "b": torch.ones(3)}
+    path = tmp_path / "ck"
+
+    def then(real, what):  # type: ignore[no-untyped-def]
+        def wrapped(*args, **kwargs):  # type: ignore[no-untyped-def]
+            out = real(*args, **kwargs)
+            what()
+            return out
+
+        return wrapped
+
+    deleted = lambda: shutil.rmtree(path)  # noqa: E731
+    replaced = lambda: stashpoint.save({"w": torch.zeros(50_000), "b": torch.zeros(3)}, path, overwrite=True)  # noqa: E731
+    cases = [
+        (read, "open_checkpoint", deleted, lambda: stashpoint.read(path)),
+        (loader, "_plan", deleted, lambda: stashpoint.load({"w": torch.zeros(50_000), "b": torch.zeros(3)}, path)),
+        (read, "open_checkpoint", replaced, lambda: stashpoint.read(path)),
+        (loader, "_plan", replaced, lambda: stashpoint.load({"w": torch.zeros(50_000), "b": torch.zeros(3)}, path)),
+    ]
+    for module, name, meanwhile, call in cases:
+        stashpoint.save(state, path, overwrite=True)
+        with monkeypatch.context() as m:
+            m.setattr(module, name, then(getattr(module, name), meanwhile))
+            try:
+                call()
+                raise AssertionError("read whole")
+            except stashpoint.CheckpointError as e:
+                said = str(e)
+                if meanwhile is deleted:
+                    assert isinstance(e, stashpoint.CheckpointNotFoundError), (name, said)
+                    assert "was deleted while it was read" in said, said
+                else:
+                    assert not isinstance(e, stashpoint.CorruptCheckpointError), (name, said)
+                    assert "was replaced by another save (overwrite=True) while it was read" in said, said
+    stashpoint.save(state, path, overwrite=True)
+    next(path.glob("shard-*")).unlink()
+    try:
+        stashpoint.read(path)
+        raise AssertionError("read whole")
+    except stashpoint.CorruptCheckpointError as e:
+        assert "missing" in str(e) and "while it was read" not in str(e)

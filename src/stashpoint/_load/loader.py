@@ -22,7 +22,7 @@ from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext, rank_of
 from stashpoint._load.applying import apply, apply_together, call
 from stashpoint._load.exchange import agree, broadcast_shares, kinded_failure, own_or_agreed
-from stashpoint._load.manifest import forget, read_head, read_view, remembered, unlisted_shards, writers_of
+from stashpoint._load.manifest import as_changed, forget, read_head, read_view, remembered, unlisted_shards, writers_of
 from stashpoint._load.reads import Fetched, fetch, prepare_reads, run_reads
 from stashpoint._load.restore import Planner
 from stashpoint._load.restoreplan import Read, with_tied_apart
@@ -116,8 +116,10 @@ def load(
         manifest = Manifest("", "", "", "", (), {}, ({},))
         plan: Plan | None = None
         plan_error: CheckpointError | None = None
+        save_id: str | None = None
         try:  # any rank's failure, from the manifest's read on, goes through the ranks' agreement
             head = _head(storage)
+            save_id = head.save_id
             if world != head.world_size:
                 # one process reading an N-rank checkpoint is an evaluation or an export, as a rule:
                 # said for the logs; ranks of another count resuming are told
@@ -137,7 +139,7 @@ def load(
                 hint = wrapper_hint(plan.missing, plan.unexpected) or _cast_hint(plan.casts)
                 plan_error = StateMismatchError(storage.location, plan.problems, hint=hint)
         except CheckpointError as e:
-            plan_error = e
+            plan_error = as_changed(e, storage, save_id)
         except MemoryError as e:  # through the ranks' agreement too: the others must not wait it out
             plan_error = short_of_memory(f"planning the load of {storage.location} on rank {rank}", e)
         if world == 1:
@@ -147,7 +149,7 @@ def load(
             _warn_skipped(plan, storage.location, 3)
             fetched, error = _read(storage, manifest, plan, plan.reads, verify=verify, atomic=atomic, shared_host=False)
             if error is not None:
-                raise error
+                raise as_changed(error, storage, save_id)
             if fetched is not None:
                 fetched.land()
         else:
@@ -289,6 +291,8 @@ def _load_together(
         reads = [r for r in reads if readers.get((r.key, r.region), ctx.rank) == ctx.rank]
     _warn_skipped(plan, storage.location, 4)
     fetched, error = _read(storage, manifest, plan, reads, verify=verify, atomic=atomic, shared_host=not share)
+    if error is not None:
+        error = as_changed(error, storage, manifest.save_id)
     try:
         agree(
             ctx, "load reads", kinded_failure(error) if error else 0, CorruptCheckpointError, path=str(storage.location)

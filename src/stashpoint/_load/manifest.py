@@ -175,6 +175,29 @@ def open_checkpoint(path: str | os.PathLike[str] | Storage) -> tuple[Storage, Ma
         raise CorruptCheckpointError(f"{e} (the checkpoint is damaged: use an earlier one or a copy)") from None
 
 
+def as_changed(error: CheckpointError, storage: Storage, save_id: str | None) -> CheckpointError:
+    """``error``, or where a file the checkpoint lists was missing or not its own because the
+    checkpoint was deleted (a manager's retention) or replaced (``overwrite=True``) while it was
+    read, an error that says so: it is no damage to look for (a load that raised may still have
+    changed the state, as its message says)."""
+    if not isinstance(error, CorruptCheckpointError):
+        return error
+    try:
+        if not storage.exists(MANIFEST_NAME):
+            return CheckpointNotFoundError(
+                f"{storage.location} was deleted while it was read (a CheckpointManager's retention deletes old "
+                f"steps): load a checkpoint that is still there. {error}"
+            )
+        if save_id is not None and read_summary(storage)["save_id"] != save_id:
+            return CheckpointError(
+                f"{storage.location} was replaced by another save (overwrite=True) while it was read: read it "
+                f"again. {error}"
+            )
+    except (OSError, CheckpointError):  # cannot tell now: the error found stands
+        pass
+    return error
+
+
 def _no_manifest(storage: Storage) -> NoReturn:
     loc = storage.location.rstrip("/")
     try:

@@ -12,12 +12,12 @@ from stashpoint import _runtime
 from stashpoint._core.format import Manifest
 from stashpoint._core.nodes import Node, PickleRefused, decode_plain, escape, join, pickled_values
 from stashpoint._core.reshard import Box
-from stashpoint._load.manifest import open_checkpoint
+from stashpoint._load.manifest import as_changed, open_checkpoint
 from stashpoint._load.reads import execute_reads
 from stashpoint._load.restoreplan import Read
 from stashpoint._state.dtypes import empty_for
 from stashpoint._storage import Storage, storage_for
-from stashpoint.errors import CheckpointError
+from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 
 def read(
@@ -53,7 +53,9 @@ def read(
     A save to ``path`` still in flight in this process (``async_save``) is waited for first.
 
     Raises:
-        CheckpointNotFoundError: nothing at ``path``.
+        CheckpointNotFoundError: nothing at ``path``, or it was deleted while it was read (a
+            manager's retention); one replaced meanwhile (``overwrite=True``) raises a
+            :class:`CheckpointError` that says so.
         CheckpointError: ``select`` names no key of the checkpoint (the message lists those there).
         CorruptCheckpointError: a checksum or the structure does not match.
         ValueError: ``device`` is a CUDA device and this process has none, or ``rank`` is not a
@@ -70,7 +72,10 @@ def read(
     if isinstance(rank, bool) or not hasattr(rank, "__index__"):  # NumPy's and torch's integers are ints here
         raise TypeError(f"rank must be an int, not {type(rank).__name__}")
     rank = operator.index(rank)
-    storage, manifest = open_checkpoint(path)
+    try:
+        storage, manifest = open_checkpoint(path)
+    except CorruptCheckpointError as e:  # an index gone with its step (retention)?
+        raise as_changed(e, storage_for(path), None) from None
     if not 0 <= rank < manifest.world_size:  # a load's rank r of a larger world reads r mod N; a read names one
         raise ValueError(f"rank {rank} is out of range: {path} was saved by {manifest.world_size} rank(s)")
     node = _select(manifest.tree_for(rank), select, str(path))
@@ -80,7 +85,10 @@ def read(
     except PickleRefused:  # the key is worked out only now: no path is made per value on every read
         found = pickled_values(node, select.strip("/") if select else "")
         raise PickleRefused(storage.location, found[0] if found else None) from None
-    builder.run(storage)
+    try:
+        builder.run(storage)
+    except CorruptCheckpointError as e:
+        raise as_changed(e, storage, manifest.save_id) from None
     return value
 
 

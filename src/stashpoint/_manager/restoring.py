@@ -136,7 +136,7 @@ def try_in_order(
     for candidate, tier in order:
         try:
             _load_remote_twice(load_one, where, candidate, tier)
-        except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+        except (CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError) as e:
             if step is not None and (candidate, tier) == order[-1] and not errors:
                 raise
             log.error("stashpoint: the %s copy of step %d is unusable (%s); trying another", tier, candidate, _told(e))
@@ -164,7 +164,7 @@ def _load_remote_twice(load_one: Callable[[Any], None], where: Callable[[int, st
     at = where(step, tier)
     try:
         load_one(at)
-    except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+    except (CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError) as e:
         if not isinstance(at, Storage) or isinstance(at, LocalStorage):
             raise
         log.warning("stashpoint: step %d at %s failed to load (%s); reading it once more", step, at.location, _told(e))
