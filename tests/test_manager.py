@@ -521,6 +521,30 @@ def test_keep_best_warns_once_of_metrics_that_cannot_compete_and_takes_decimals(
     assert "step 3" in said[1] and "nan" in said[1]
 
 
+def test_a_restore_that_finds_only_saves_that_never_committed_says_it_starts_afresh(tmp_path, caplog):
+    """A copy of a run taken while it saved (cp -r beside the retention, which removes a step's
+    manifest first) can hold steps none of which committed: the manager removes them as a
+    crash's leftovers, and the restore then started afresh with no word beyond one line per
+    directory. It now says that training starts afresh, and why."""
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=None) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step)).wait()
+    for manifest in (tmp_path / "run").glob("step-*/manifest.json"):
+        manifest.unlink()
+    with caplog.at_level(logging.WARNING, logger="stashpoint"), stashpoint.CheckpointManager(tmp_path / "run") as mgr:
+        assert mgr.restore(_state()) is None
+    said = [r.getMessage() for r in caplog.records if "starts afresh" in r.getMessage()]
+    assert len(said) == 1 and "the 3 step directories there held saves that never committed" in said[0], said
+    caplog.clear()
+    with stashpoint.CheckpointManager(tmp_path / "run") as mgr:  # a crash's leftover above a committed step
+        mgr.save(4, _state(4)).wait()
+    (tmp_path / "run" / "step-00000005").mkdir()
+    (tmp_path / "run" / "step-00000005" / (next((tmp_path / "run" / "step-00000004").glob("shard-*")).name)).touch()
+    with caplog.at_level(logging.WARNING, logger="stashpoint"), stashpoint.CheckpointManager(tmp_path / "run") as mgr:
+        assert mgr.restore(_state()) == 4
+    assert "starts afresh" not in caplog.text
+
+
 def test_a_failed_save_raises_from_wait_leaves_nothing_and_training_goes_on(tmp_path):
     from test_errors import FailingStorage
 

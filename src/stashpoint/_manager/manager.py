@@ -150,6 +150,7 @@ class CheckpointManager:
         self._handles: list[tuple[SaveHandle, cf.Future[None]]] = []
         self._metrics: dict[int, dict[str, float]] = {}
         self._said_metrics: set[str] = set()  # the kinds of keep_best metric problems warned of
+        self._swept = 0  # step directories of saves that never committed, removed at the opening
         self._last_save_time: float | None = time.monotonic()  # every_seconds counts from the opening
         self._lock = threading.Lock()
         self._deleter = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-manager")
@@ -192,8 +193,8 @@ class CheckpointManager:
         owned = self.storage.root if self._owner and isinstance(self.storage, LocalStorage) else None
         self._hold = Holding(self, owned, max_inflight)
         try:
-            if self._owner:
-                remove_leftovers(self.storage)
+            if self._owner:  # how many: a restore that then finds no step says so
+                self._swept = remove_leftovers(self.storage)
             if remote_root is not None:
                 self._tier = RemoteTier(
                     self.storage,

@@ -178,6 +178,17 @@ def restore_reported(mgr: Any, state: Any, step: int | None, strict: bool, optio
     t0 = time.perf_counter()
     with remembering():  # the passes of a restore parse and plan once
         r = restore_run(mgr, state, load_one, step, options)
+    if r.step is None and mgr._swept:  # a fresh start where the root held steps: never silently
+        log.warning(
+            "stashpoint: no committed step in %s to restore: the %d step director%s there held saves that never "
+            "committed and %s removed when the manager opened, so training starts afresh (a copy of a run taken "
+            "while it saved, with cp -r say, holds such steps: copy a run once it has stopped)",
+            mgr.root,
+            mgr._swept,
+            "y" if mgr._swept == 1 else "ies",
+            "was" if mgr._swept == 1 else "were",
+        )
+        mgr._swept = 0
     nodes = mgr._nodes
     fetched = dict(nodes.fetched) if nodes is not None else {}
     into = nodes.fetched_into if nodes is not None else ""

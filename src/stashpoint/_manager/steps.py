@@ -118,16 +118,20 @@ def delete_step(root: Storage, step: int) -> None:
         log.warning("stashpoint: could not remove %s: %s", target.location, e)
 
 
-def remove_leftovers(root: Storage) -> None:
-    """What crashes left in a run root (its owner's, under its lock): steps never committed."""
+def remove_leftovers(root: Storage) -> int:
+    """What crashes left in a run root (its owner's, under its lock): steps never committed.
+    Returns how many step directories there were of them."""
+    found = 0
     for name in root.children():
         target = root.child(name)
         if parse_step_dir(name) is not None and not holds_manifest(target):
+            found += 1
             remove_leftover(target)
     if isinstance(root, LocalStorage):  # a rewind mark a crash left half written (object stores write whole)
         for name in root.list():
             if is_partial_of(name, REWIND_NAME):
                 quietly(functools.partial(root.delete, name))
+    return found
 
 
 def remove_leftover(target: Storage) -> None:
