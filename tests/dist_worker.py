@@ -784,6 +784,43 @@ def scenario_tied_untied(root: str) -> None:
     result(**out)
 
 
+def scenario_refused_save_after_a_failed_upload(root: str) -> None:
+    """Step 1's upload fails; a second save of step 1 is refused (it is committed); steps 2
+    and 3 follow with keep_last=1: step 1, uploaded nowhere, must stay on the local tier."""
+    from stashpoint._manager import uploader
+
+    commit, failed = uploader._commit_copy, []
+
+    def fail_once(src, dst, outcomes):  # type: ignore[no-untyped-def]
+        if not failed:
+            failed.append(1)
+            raise stashpoint.CheckpointError("the remote tier is down (injected)")
+        return commit(src, dst, outcomes)
+
+    uploader._commit_copy = fail_once
+    state = {f"w{RANK}": torch.arange(1000.0)}
+    out = {}
+    with stashpoint.CheckpointManager(f"{root}/local", keep_last=1, remote_root=f"{root}/remote") as mgr:
+        mgr.save(1, state)
+        try:
+            mgr.wait()
+        except stashpoint.CheckpointError:
+            out["upload_failed"] = True
+        try:
+            mgr.save(1, state).wait()
+        except stashpoint.CheckpointError as e:
+            out["refused"] = "already has a committed checkpoint" in str(e)
+        try:
+            mgr.wait()
+        except stashpoint.CheckpointError:
+            pass
+        for step in (2, 3):
+            mgr.save(step, state).wait()
+        mgr.wait()
+        out["local"], out["remote"] = mgr.steps(), mgr.remote_steps()
+    result(**out)
+
+
 class _LocalMomentum(torch.optim.Optimizer):
     """An optimizer of one's own under FSDP2 keeping its momentum as a plain tensor the shape
     of the rank's shard, not as a DTensor as torch's optimizers do."""
@@ -807,15 +844,15 @@ def scenario_shard_shaped_optimizer_state(root: str) -> None:
 
     mesh = init_device_mesh("cpu", (WORLD,))
     out = {}
-    for rows in (6, 7):  # shards of one size on both ranks, and of two
+    for rows in (6, 7, 2):  # shards of one size on both ranks, of two, and of one element
         torch.manual_seed(0)
-        model = torch.nn.Linear(8, rows)
+        model = torch.nn.Linear(8, rows) if rows > 2 else torch.nn.Linear(1, rows, bias=False)
         fully_shard(model, mesh=mesh)
         optim = _LocalMomentum(model.parameters())
         path = f"{root}/{rows}"
         stashpoint.save({"model": model}, path)  # a checkpoint the refused save must leave alone
         torch.manual_seed(RANK)
-        model(torch.randn(4, 8)).pow(2).sum().backward()
+        model(torch.randn(4, model.in_features)).pow(2).sum().backward()
         optim.step()
         try:
             stashpoint.save({"model": model, "optim": optim}, path, overwrite=True)

@@ -174,10 +174,11 @@ def test_the_rank_that_skips_a_save_is_named_alone_though_the_others_wait_in_a_l
 def test_optimizer_state_shaped_like_the_ranks_shard_of_an_fsdp2_parameter_is_refused_by_name(tmp_path):
     """An optimizer of one's own keeping plain tensors of each rank's shard: with shards of
     one size they were taken for one replicated value and one rank's kept (the others' lost
-    with no word); with shards of two sizes the save failed on the ranks' disagreement. Both
-    are refused on every rank, naming the state and the fix, and the earlier checkpoint stays."""
+    with no word); with shards of two sizes the save failed on the ranks' disagreement; shards
+    of one element each were let through. All are refused on every rank, naming the state and
+    the fix, and the earlier checkpoint stays."""
     for r in run_world(2, "shard_shaped_optimizer_state", str(tmp_path)):
-        for rows in (6, 7):
+        for rows in (6, 7, 2):
             said = r[str(rows)]
             assert said.startswith("UnsupportedStateError: at key 'optim': the optimizer's state 'm' of parameter"), r
             assert "plain tensor shaped like this rank's shard" in said and "DTensor.from_local" in said, said

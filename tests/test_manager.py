@@ -531,10 +531,13 @@ def test_a_restore_that_finds_only_saves_that_never_committed_says_it_starts_afr
             mgr.save(step, _state(step)).wait()
     for manifest in (tmp_path / "run").glob("step-*/manifest.json"):
         manifest.unlink()
+    (tmp_path / "run" / "step-00000500").mkdir()  # a user's file where a step goes: kept, not counted
+    (tmp_path / "run" / "step-00000500" / "model.pt").write_bytes(b"x")
     with caplog.at_level(logging.WARNING, logger="stashpoint"), stashpoint.CheckpointManager(tmp_path / "run") as mgr:
         assert mgr.restore(_state()) is None
     said = [r.getMessage() for r in caplog.records if "starts afresh" in r.getMessage()]
     assert len(said) == 1 and "the 3 step directories there held saves that never committed" in said[0], said
+    assert (tmp_path / "run" / "step-00000500" / "model.pt").exists()
     caplog.clear()
     with stashpoint.CheckpointManager(tmp_path / "run") as mgr:  # a crash's leftover above a committed step
         mgr.save(4, _state(4)).wait()
@@ -868,22 +871,32 @@ def test_a_closed_managers_staging_buffers_beyond_one_are_given_back(tmp_path):
 
 _EXPORT_AT_EXIT = """
 import sys, torch, stashpoint
-base = sys.argv[1]
+base, inflight = sys.argv[1], int(sys.argv[2])
 model = torch.nn.Linear(256, 256)
 def export(stats):  # the documented use of on_save: it saves
     stashpoint.save({"model": model}, f"{base}/export-{stats.step}")
-mgr = stashpoint.CheckpointManager(f"{base}/run", on_save=export)
-for step in (1, 2, 3):
+    with open(f"{base}/order", "a") as f:
+        f.write(f"{stats.step} ")
+mgr = stashpoint.CheckpointManager(f"{base}/run", on_save=export, max_inflight=inflight)
+for step in (1, 2, 3, 4):
     mgr.save(step, {"model": model})
 """  # and the program ends without close(): the interpreter's exit runs what is left
 
 
-def test_an_on_save_that_saves_still_saves_at_interpreter_exit(tmp_path):
+@pytest.mark.parametrize("inflight", [1, 2])
+def test_an_on_save_that_saves_still_saves_at_interpreter_exit(tmp_path, inflight):
     """Before: the saves of the callbacks that ran at exit failed ("cannot schedule new futures
-    after interpreter shutdown", logged), and the process exited 0 without those exports."""
+    after interpreter shutdown", logged), and the process exited 0 without those exports; later,
+    with two saves in flight, a callback left to exit ran on the writer thread, out of order, and
+    its save waited there for that thread for ever."""
     res = subprocess.run(
-        [sys.executable, "-c", _EXPORT_AT_EXIT, str(tmp_path)], capture_output=True, text=True, timeout=120, env=_env()
+        [sys.executable, "-c", _EXPORT_AT_EXIT, str(tmp_path), str(inflight)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
     )
     assert res.returncode == 0 and "raised" not in res.stderr, res.stderr[-3000:]
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 4):
         assert stashpoint.verify(tmp_path / f"export-{step}").ok
+    assert (tmp_path / "order").read_text().split() == ["1", "2", "3", "4"]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import stashpoint
+from stashpoint._manager.restoring import try_in_order
 from stashpoint._manager.tiers import restore_order
 from stashpoint._manager.upload import rank_problem
 from stashpoint._storage import LocalStorage
@@ -49,6 +50,26 @@ def test_restore_order():
     assert restore_order([3], [3], 3) == [(3, "local"), (3, "remote")]
     assert restore_order([], [2], 3) == []
     assert restore_order([], [], None) == []
+
+
+def test_a_copy_gone_while_it_was_read_is_passed_by_and_not_set_aside_as_damaged():
+    """A copy found gone as it was read (deleted meanwhile, or an object store's lagging answer)
+    is passed by for the next, but is no damage: only damaged copies are set aside, and a step
+    set aside is hidden from every later restore."""
+
+    def load_one(at):  # type: ignore[no-untyped-def]
+        if at == (5, "remote"):
+            raise stashpoint.CheckpointNotFoundError("step 5 was deleted while it was read")
+        if at == (5, "local"):
+            raise stashpoint.CorruptCheckpointError("step 5's shard does not match its checksum")
+
+    found = try_in_order([(5, "local"), (5, "remote"), (4, "local")], None, lambda s, t: (s, t), load_one)
+    assert found is not None
+    step, tier, damaged = found
+    assert (step, tier) == (4, "local")
+    assert [(s, t) for s, t, _ in damaged] == [(5, "local")], "the copy gone as it was read is not set aside"
+    with pytest.raises(stashpoint.CorruptCheckpointError, match="every copy of step 5 is unusable"):
+        try_in_order([(5, "local"), (5, "remote")], 5, lambda s, t: (s, t), load_one)
 
 
 def test_each_tier_keeps_its_own_steps_and_a_fresh_node_restores_from_remote(tmp_path):
@@ -392,6 +413,17 @@ def test_a_step_saved_anew_after_its_damaged_copy_was_set_aside_is_not_kept_for_
         mgr.wait()
         assert mgr.steps() == [5], "step 2 of this run was uploaded: nothing keeps it"
         assert mgr.remote_steps() == [5]
+
+
+def test_a_refused_save_of_a_step_whose_upload_failed_leaves_that_step_kept(tmp_path):
+    """On two ranks a refused save still queues its upload, which has nothing to upload: that
+    must not take back the protection the failed upload of the committed step gave it (it did
+    for a while: keep_last=1 then deleted the only copy of step 1)."""
+    from dist_util import run_world
+
+    for r in run_world(2, "refused_save_after_a_failed_upload", str(tmp_path)):
+        assert r.get("upload_failed") and r.get("refused"), r
+        assert r["local"] == [1, 3] and r["remote"] == [2, 3], r
 
 
 def test_an_upload_checks_every_block_and_copies_the_bytes_unchanged(tmp_path):

@@ -1,12 +1,15 @@
 """A manager's ``on_save`` callback: called on a thread of its own, in the order the saves
-ended, with the steps it has yet to be called for kept from the retention meanwhile."""
+ended, with the steps it has yet to be called for kept from the retention meanwhile; and a
+manager never closed, whose saves and callbacks end before the interpreter's thread pools stop."""
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import concurrent.futures.thread  # noqa: F401  (its exit hook registered first: ours runs before it)
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -111,3 +114,28 @@ def refuse_on_own_thread(mgr: CheckpointManager, what: str) -> None:
             f"manager's thread that {what}() waits for; call it from the training loop instead (e.g. set a flag "
             "in the callback and check it there)"
         )
+
+
+_open: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+def track(mgr: CheckpointManager) -> None:
+    """Have ``mgr``'s saves and callbacks end at interpreter exit if it is never closed."""
+    _open.add(mgr)
+
+
+def _drain_at_exit() -> None:
+    """At interpreter exit, before ``concurrent.futures`` stops its pools taking work (its hook,
+    registered before this one, runs after it): the saves, uploads and ``on_save`` calls of
+    managers never closed end as they would have. Otherwise a callback left to run then ran on
+    the writer thread, out of order, and one that saves waited there for that thread for ever."""
+    for mgr in list(_open):
+        if mgr._closed:
+            continue
+        try:
+            mgr.wait()
+        except Exception as e:  # the program is ending: said, not raised
+            log.error("stashpoint: at exit, the manager on %s: %s", mgr.root, e)
+
+
+threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ from stashpoint._core.naming import step_dir
 from stashpoint._core.policy import Retention, Schedule, count_or_none
 from stashpoint._dist.group import rank_of
 from stashpoint._manager import saving
-from stashpoint._manager.callbacks import Awaiting, refuse_on_own_thread
+from stashpoint._manager.callbacks import Awaiting, refuse_on_own_thread, track
 from stashpoint._manager.lock import Holding
 from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, signal_name
@@ -212,6 +212,7 @@ class CheckpointManager:
         except BaseException:
             self._release()
             raise
+        track(self)
 
     @property
     def remote(self) -> Storage | None:

@@ -133,6 +133,7 @@ def try_in_order(
     are raised."""
     damaged: list[tuple[int, str, str]] = []
     errors: list[CheckpointError] = []
+    tiers: list[str] = []  # of each error's copy
     for candidate, tier in order:
         try:
             _load_remote_twice(load_one, where, candidate, tier)
@@ -144,11 +145,13 @@ def try_in_order(
             # optimizer's state), which the next copy's plan would make again beside them
             _runtime.drop_locals(e)
             errors.append(e)
-            damaged.append((candidate, tier, str(e)[:2000]))
+            tiers.append(tier)
+            if not isinstance(e, CheckpointNotFoundError):  # gone as it was read: passed by, not set aside
+                damaged.append((candidate, tier, str(e)[:2000]))
             continue
         return candidate, tier, damaged
     if len(errors) > 1 and step is not None:  # both copies of the step asked for
-        copies = "\n".join(f"- the {t} copy: {e}" for (_, t, _), e in zip(damaged, errors))
+        copies = "\n".join(f"- the {t} copy: {e}" for t, e in zip(tiers, errors, strict=True))
         raise CorruptCheckpointError(f"every copy of step {step} is unusable:\n{copies}")
     if errors:
         raise errors[0]

@@ -120,13 +120,12 @@ def delete_step(root: Storage, step: int) -> None:
 
 def remove_leftovers(root: Storage) -> int:
     """What crashes left in a run root (its owner's, under its lock): steps never committed.
-    Returns how many step directories there were of them."""
+    Returns how many step directories of them it removed."""
     found = 0
     for name in root.children():
         target = root.child(name)
         if parse_step_dir(name) is not None and not holds_manifest(target):
-            found += 1
-            remove_leftover(target)
+            found += remove_leftover(target)
     if isinstance(root, LocalStorage):  # a rewind mark a crash left half written (object stores write whole)
         for name in root.list():
             if is_partial_of(name, REWIND_NAME):
@@ -134,14 +133,16 @@ def remove_leftovers(root: Storage) -> int:
     return found
 
 
-def remove_leftover(target: Storage) -> None:
-    """:func:`clear_leftover`, logging why a leftover was kept or could not be removed."""
+def remove_leftover(target: Storage) -> bool:
+    """:func:`clear_leftover`, logging why a leftover was kept or could not be removed; whether
+    it was removed."""
     try:
         kept = clear_leftover(target)
     except OSError as e:
         kept = f"cleanup of {target.location} failed: {e}"
     if kept is not None:
         log.warning("stashpoint: %s", kept)
+    return kept is None
 
 
 def clear_leftover(target: Storage) -> str | None:

@@ -139,9 +139,6 @@ class RemoteTier:
 
     def submit(self, step: int, after: cf.Future[Any]) -> None:
         with self._lock:
-            # a new save of a step replaces the local copy an earlier failure kept (that one was
-            # moved aside: damaged, or gone back from), so that failure protects nothing now
-            self._failed.discard(step)
             self._pending[step] += 1
             backlog = len(self._pending.keys() | self._failed)
             # said once as it passes the mark, again each time it doubles, and afresh only once the
@@ -184,9 +181,12 @@ class RemoteTier:
             self._pending[step] -= 1
             if self._pending[step] <= 0:
                 del self._pending[step]
-            if uploaded is None:  # failed: the local copy stays until a later manager uploads it
+            # failed: the local copy stays until a later manager uploads it; uploaded: what a
+            # failure kept is there now (a new save of the step after the failed copy was set
+            # aside); nothing to upload (a save refused, skipped or failed) changes neither
+            if uploaded is None:
                 self._failed.add(step)
-            else:
+            elif uploaded:
                 self._failed.discard(step)
         if self.on_ended is not None:
             self.on_ended()

@@ -65,8 +65,11 @@ def _commit_copy(src: Storage, dst: Storage, outcomes: Sequence[Outcome]) -> int
     no lock: a manager opened elsewhere on this remote tier takes an upload in flight for a
     crash's leftover and deletes it, and the manifest would then commit a step of no files."""
     copied = {name: size for o in outcomes for name, size in o.payload or ()}
-    there = dst.sizes() if copied else {}
-    if gone := sorted(name for name, size in copied.items() if there.get(name) != size):
+    gone = _not_there(dst, copied)
+    if gone:  # asked once more: a store whose listing lags behind its writes
+        time.sleep(1.0)
+        gone = _not_there(dst, copied)
+    if gone:
         shown = ", ".join(gone[:3]) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
         raise CheckpointError(
             f"{len(gone)} of the {len(copied)} file(s) copied to {dst.location} were deleted or changed before "
@@ -76,6 +79,12 @@ def _commit_copy(src: Storage, dst: Storage, outcomes: Sequence[Outcome]) -> int
         )
     dst.commit(MANIFEST_NAME, src.read(MANIFEST_NAME))
     return sum(o.nbytes for o in outcomes)
+
+
+def _not_there(dst: Storage, copied: dict[str, int]) -> list[str]:
+    """The names of ``copied`` (name: size) one listing of ``dst`` lacks, or shows at another size."""
+    there = dst.sizes() if copied else {}
+    return sorted(name for name, size in copied.items() if there.get(name) != size)
 
 
 class Uploader:

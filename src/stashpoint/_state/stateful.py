@@ -286,7 +286,8 @@ def shard_shaped_state(optim: torch.optim.Optimizer, names: Mapping[int, str]) -
     for param, entry in getattr(optim, "state", {}).items():
         if not isinstance(entry, dict):
             continue
-        plain = [(k, v) for k, v in entry.items() if type(v) is torch.Tensor and v.dim() > 0 and v.numel() > 1]
+        # a step count of shape [1] is one number for the parameter, not a part of it
+        plain = [(k, v) for k, v in entry.items() if type(v) is torch.Tensor and v.dim() > 0 and k != "step"]
         if not plain or not isinstance(param, dtensor):
             continue
         local = param._local_tensor.shape  # FSDP2's unpadded shard; to_local() would go through autograd
