@@ -900,3 +900,57 @@ def test_an_on_save_that_saves_still_saves_at_interpreter_exit(tmp_path, infligh
     for step in (1, 2, 3, 4):
         assert stashpoint.verify(tmp_path / f"export-{step}").ok
     assert (tmp_path / "order").read_text().split() == ["1", "2", "3", "4"]
+
+
+_AT_EXIT_BESIDE = """
+import os, sys, threading, time, torch, stashpoint
+from stashpoint._storage import LocalStorage
+base, how = sys.argv[1], sys.argv[2]
+if how == "fork":  # a child forked while a callback runs has none of the parent's threads to wait for
+    mgr = stashpoint.CheckpointManager(f"{base}/run", on_save=lambda stats: time.sleep(3))
+    mgr.save(1, {"w": torch.zeros(1000)}).wait()
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)
+    t0 = time.monotonic()
+    os.waitpid(pid, 0)
+    print(f"child {time.monotonic() - t0:.1f}", flush=True)
+else:  # a thread still running keeps its own failure to close() with
+    class Full(LocalStorage):
+        def open_writer(self, name, size):
+            raise OSError(28, "No space left on device")
+
+    def train():
+        mgr = stashpoint.CheckpointManager(f"{base}/run")
+        mgr.storage_class = Full
+        mgr.save(1, {"w": torch.zeros(1000)})
+        time.sleep(2)
+        try:
+            mgr.close()
+            print("close raised nothing", flush=True)
+        except stashpoint.CheckpointError as e:
+            print("close raised", type(e).__name__, flush=True)
+
+    threading.Thread(target=train).start()
+    time.sleep(0.5)
+"""  # the main thread returns: the interpreter's exit begins while the manager is still used
+
+
+@pytest.mark.parametrize("how", ["fork", "thread"])
+def test_the_exit_hook_waits_neither_in_a_forked_child_nor_takes_a_running_threads_failure(tmp_path, how):
+    """A manager never closed has its saves and callbacks end at interpreter exit. Before the
+    fix of that hook, a child forked while a callback ran (a DataLoader worker) waited at its exit
+    for the parent's threads, which it has not (hung), and a thread still using the manager found
+    its save's failure taken by the hook, its close() raising nothing."""
+    res = subprocess.run(
+        [sys.executable, "-c", _AT_EXIT_BESIDE, str(tmp_path), how],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    if how == "fork":
+        assert float(res.stdout.split("child ")[1]) < 2.0, res.stdout
+    else:
+        assert "close raised CheckpointError" in res.stdout, (res.stdout, res.stderr[-2000:])

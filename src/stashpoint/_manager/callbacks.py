@@ -8,6 +8,7 @@ import collections
 import concurrent.futures as cf
 import concurrent.futures.thread  # noqa: F401  (its exit hook registered first: ours runs before it)
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -128,14 +129,18 @@ def _drain_at_exit() -> None:
     """At interpreter exit, before ``concurrent.futures`` stops its pools taking work (its hook,
     registered before this one, runs after it): the saves, uploads and ``on_save`` calls of
     managers never closed end as they would have. Otherwise a callback left to run then ran on
-    the writer thread, out of order, and one that saves waited there for that thread for ever."""
+    the writer thread, out of order, and one that saves waited there for that thread for ever.
+    Failures are not taken: a thread of the program still running may ``close()`` the manager."""
+    from stashpoint._manager.saving import settle
+
     for mgr in list(_open):
-        if mgr._closed:
-            continue
-        try:
-            mgr.wait()
-        except Exception as e:  # the program is ending: said, not raised
-            log.error("stashpoint: at exit, the manager on %s: %s", mgr.root, e)
+        if not mgr._closed:
+            try:
+                settle(mgr)
+            except Exception:  # the program is ending: said, not raised
+                log.exception("stashpoint: at exit, waiting for the manager on %s failed", mgr.root)
 
 
 threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]
+# a forked child (a DataLoader worker) has none of the parent's threads to wait for
+os.register_at_fork(after_in_child=_open.clear)

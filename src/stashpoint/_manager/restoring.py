@@ -152,7 +152,10 @@ def try_in_order(
         return candidate, tier, damaged
     if len(errors) > 1 and step is not None:  # both copies of the step asked for
         copies = "\n".join(f"- the {t} copy: {e}" for t, e in zip(tiers, errors, strict=True))
-        raise CorruptCheckpointError(f"every copy of step {step} is unusable:\n{copies}")
+        gone = all(isinstance(e, CheckpointNotFoundError) for e in errors)
+        raise (CheckpointNotFoundError if gone else CorruptCheckpointError)(
+            f"every copy of step {step} is unusable:\n{copies}"
+        )
     if errors:
         raise errors[0]
     return None

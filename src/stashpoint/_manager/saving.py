@@ -333,13 +333,10 @@ def newest_recoverable(root: Storage, steps: list[int]) -> set[int]:
     return set()
 
 
-def wait_for(mgr: CheckpointManager) -> None:
-    """``CheckpointManager.wait``: every save, upload and deletion of ``mgr`` ended, those that
-    others start meanwhile too (a save an ``on_save`` callback starts); the first failure
-    raised (a save's first, then an upload's), except a save's that its own handle already
-    raised or returned. Callers on other threads each wait for all of it (a ``close()`` beside
-    a ``wait()`` must not release the root under a save); a failure is raised to one of them."""
-    refuse_on_own_thread(mgr, "wait")
+def settle(mgr: CheckpointManager) -> None:
+    """Wait until ``mgr`` has no save, upload, deletion or callback pending, those started
+    meanwhile too; its failures stay for its ``wait()`` (the interpreter's exit settles a
+    manager never closed, while a thread of the program may still call it)."""
     if mgr._nodes is not None:
         mgr._nodes.settled()
     while True:
@@ -350,6 +347,16 @@ def wait_for(mgr: CheckpointManager) -> None:
         if not pending:
             break
         cf.wait(pending)
+
+
+def wait_for(mgr: CheckpointManager) -> None:
+    """``CheckpointManager.wait``: every save, upload and deletion of ``mgr`` ended, those that
+    others start meanwhile too (a save an ``on_save`` callback starts); the first failure
+    raised (a save's first, then an upload's), except a save's that its own handle already
+    raised or returned. Callers on other threads each wait for all of it (a ``close()`` beside
+    a ``wait()`` must not release the root under a save); a failure is raised to one of them."""
+    refuse_on_own_thread(mgr, "wait")
+    settle(mgr)
     with mgr._lock:
         ended = [(h, a) for h, a in mgr._handles if a.done()]
         mgr._handles = [(h, a) for h, a in mgr._handles if not a.done()]

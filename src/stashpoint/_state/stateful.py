@@ -11,6 +11,7 @@ Three kinds of stateful objects are told apart:
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
 import weakref
@@ -20,6 +21,8 @@ from typing import Any, TypeVar
 import torch
 
 from stashpoint.errors import UnsupportedStateError
+
+log = logging.getLogger("stashpoint")
 
 T = TypeVar("T")
 
@@ -298,12 +301,27 @@ def shard_shaped_state(optim: torch.optim.Optimizer, names: Mapping[int, str]) -
                 name = names.get(id(param), "<a parameter of no module in the state>")
                 return (
                     f"the optimizer's state {key!r} of parameter {name!r} is a plain tensor shaped like this "
-                    f"rank's shard {list(local)} of the DTensor parameter {list(param.shape)}: every rank holds "
-                    "another part under one key, and all but one would be lost. Keep it as a DTensor placed like "
-                    "the parameter (torch.distributed.tensor.DTensor.from_local(t, p.device_mesh, p.placements)), "
-                    "as torch's optimizers do under FSDP2"
+                    f"rank's shard {list(local)} of the DTensor parameter {list(param.shape)}: a plain tensor under "
+                    "one key is one value on every rank, so one rank's is saved. If each rank's is its part of "
+                    "the whole, the others' are lost: keep it as a DTensor placed like the parameter "
+                    "(torch.distributed.tensor.DTensor.from_local(t, p.device_mesh, p.placements)), as torch's "
+                    "optimizers do under FSDP2. If it is the same on every rank, nothing is lost"
                 )
     return None
+
+
+_said_shard_shaped: set[type] = set()
+
+
+def say_shard_shaped(optim: torch.optim.Optimizer, key: str, problem: str) -> None:
+    """Warn of :func:`shard_shaped_state`'s finding once per optimizer class, on rank 0 (a
+    warning, not a refusal: state the same on every rank may have a shard's shape too, and a
+    refused save would leave the run with no checkpoint at all)."""
+    dist = torch.distributed
+    if type(optim) in _said_shard_shaped or (dist.is_available() and dist.is_initialized() and dist.get_rank()):
+        return
+    _said_shard_shaped.add(type(optim))
+    log.warning("stashpoint: at key %r: %s (said once)", key or "<root>", problem)
 
 
 def optimizer_current_names(optim: torch.optim.Optimizer, names: Mapping[int, str]) -> list[str | None]:

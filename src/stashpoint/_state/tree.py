@@ -217,7 +217,7 @@ class Flattener:
             raise UnsupportedStateError(f"at key {key or '<root>'!r}: {e}") from None
         if kind == "optimizer":
             if (problem := _stateful.shard_shaped_state(obj, self._param_names())) is not None:
-                raise UnsupportedStateError(f"at key {key or '<root>'!r}: {problem}")
+                _stateful.say_shard_shaped(obj, key, problem)
             keyed_by, sd = _stateful.optimizer_to_tree(obj, self._param_names())
             node: dict[str, Any] = {"stateful": kind, "keyed_by": keyed_by, "class": _stateful.class_name(obj)}
             return {**node, "state": self._node(sd, key)}
