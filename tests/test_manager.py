@@ -954,3 +954,21 @@ def test_the_exit_hook_waits_neither_in_a_forked_child_nor_takes_a_running_threa
         assert float(res.stdout.split("child ")[1]) < 2.0, res.stdout
     else:
         assert "close raised CheckpointError" in res.stdout, (res.stdout, res.stderr[-2000:])
+
+
+def test_settling_a_manager_at_exit_says_what_it_waits_for_once_it_takes_long(tmp_path, caplog):
+    """A program that seemed to hang at its end printed nothing: the exit hook waits for the
+    saves and callbacks of a manager never closed, and now says so past its mark."""
+    from stashpoint._manager.saving import settle
+
+    gate = threading.Event()
+    with (
+        caplog.at_level(logging.WARNING, logger="stashpoint"),
+        stashpoint.CheckpointManager(tmp_path / "r", on_save=lambda stats: gate.wait(30)) as mgr,
+    ):
+        mgr.save(1, _state(1)).wait()
+        threading.Timer(1.0, gate.set).start()
+        settle(mgr, say_after=0.3)
+        said = [r.getMessage() for r in caplog.records if "the program is ending" in r.getMessage()]
+        assert len(said) == 1 and "on_save call(s) of the CheckpointManager on" in said[0], said
+        assert gate.is_set(), "it waited for the callback"

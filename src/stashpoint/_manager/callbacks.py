@@ -136,7 +136,9 @@ def _drain_at_exit() -> None:
     for mgr in list(_open):
         if not mgr._closed:
             try:
-                settle(mgr)
+                settle(mgr, say_after=30.0)
+            except KeyboardInterrupt:  # Ctrl-C: stop waiting, let the other exit hooks run
+                return
             except Exception:  # the program is ending: said, not raised
                 log.exception("stashpoint: at exit, waiting for the manager on %s failed", mgr.root)
 

@@ -333,12 +333,14 @@ def newest_recoverable(root: Storage, steps: list[int]) -> set[int]:
     return set()
 
 
-def settle(mgr: CheckpointManager) -> None:
+def settle(mgr: CheckpointManager, *, say_after: float | None = None) -> None:
     """Wait until ``mgr`` has no save, upload, deletion or callback pending, those started
     meanwhile too; its failures stay for its ``wait()`` (the interpreter's exit settles a
-    manager never closed, while a thread of the program may still call it)."""
+    manager never closed, while a thread of the program may still call it). ``say_after``: log
+    what it waits for once that many seconds have passed (a program that seems to hang at exit)."""
     if mgr._nodes is not None:
         mgr._nodes.settled()
+    start = time.monotonic()
     while True:
         with mgr._lock:
             pending = [a for _, a in mgr._handles] + mgr._refused + mgr._deletions
@@ -346,7 +348,17 @@ def settle(mgr: CheckpointManager) -> None:
         pending = [f for f in pending if not f.done()]
         if not pending:
             break
-        cf.wait(pending)
+        left = None if say_after is None else start + say_after - time.monotonic()
+        if left is None or left > 0:
+            cf.wait(pending, timeout=left)
+            continue
+        log.warning(
+            "stashpoint: the program is ending and waits for %d save(s), upload(s) or on_save call(s) of the "
+            "CheckpointManager on %s (close() it before the program ends to wait there instead)",
+            len(pending),
+            mgr.root,
+        )
+        say_after = None
 
 
 def wait_for(mgr: CheckpointManager) -> None:
