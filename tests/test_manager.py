@@ -959,7 +959,7 @@ def test_the_exit_hook_waits_neither_in_a_forked_child_nor_takes_a_running_threa
 def test_settling_a_manager_at_exit_says_what_it_waits_for_once_it_takes_long(tmp_path, caplog):
     """A program that seemed to hang at its end printed nothing: the exit hook waits for the
     saves and callbacks of a manager never closed, and now says so past its mark."""
-    from stashpoint._manager.saving import settle
+    from stashpoint._manager.callbacks import settle
 
     gate = threading.Event()
     with (

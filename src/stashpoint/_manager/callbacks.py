@@ -10,6 +10,7 @@ import concurrent.futures.thread  # noqa: F401  (its exit hook registered first:
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -117,6 +118,34 @@ def refuse_on_own_thread(mgr: CheckpointManager, what: str) -> None:
         )
 
 
+def settle(mgr: CheckpointManager, *, say_after: float | None = None) -> None:
+    """Wait until ``mgr`` has no save, upload, deletion or callback pending, those started
+    meanwhile too; its failures stay for its ``wait()`` (the interpreter's exit settles a
+    manager never closed, while a thread of the program may still call it). ``say_after``: log
+    what it waits for once that many seconds have passed (a program that seems to hang at exit)."""
+    if mgr._nodes is not None:
+        mgr._nodes.settled()
+    start = time.monotonic()
+    while True:
+        with mgr._lock:
+            pending = [a for _, a in mgr._handles] + mgr._refused + mgr._deletions
+        pending += mgr._tier.pending_futures() if mgr._tier is not None else []
+        pending = [f for f in pending if not f.done()]
+        if not pending:
+            break
+        left = None if say_after is None else start + say_after - time.monotonic()
+        if left is None or left > 0:
+            cf.wait(pending, timeout=left)
+            continue
+        log.warning(
+            "stashpoint: the program is ending and waits for %d save(s), upload(s) or on_save call(s) of the "
+            "CheckpointManager on %s (close() it before the program ends to wait there instead)",
+            len(pending),
+            mgr.root,
+        )
+        say_after = None
+
+
 _open: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 
 
@@ -131,8 +160,6 @@ def _drain_at_exit() -> None:
     managers never closed end as they would have. Otherwise a callback left to run then ran on
     the writer thread, out of order, and one that saves waited there for that thread for ever.
     Failures are not taken: a thread of the program still running may ``close()`` the manager."""
-    from stashpoint._manager.saving import settle
-
     for mgr in list(_open):
         if not mgr._closed:
             try:

@@ -17,7 +17,7 @@ from stashpoint._core.format import utc_stamp
 from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME, step_dir
 from stashpoint._core.policy import metric_problem
 from stashpoint._manager.aftersave import holds_manifest_or_unknown, out_of_space, say_room
-from stashpoint._manager.callbacks import call_on_save, refuse_on_own_thread
+from stashpoint._manager.callbacks import call_on_save, refuse_on_own_thread, settle
 from stashpoint._manager.lock import check_shared_root
 from stashpoint._manager.rewindmark import Rewind
 from stashpoint._manager.setaside import set_aside_newer
@@ -331,34 +331,6 @@ def newest_recoverable(root: Storage, steps: list[int]) -> set[int]:
         except OSError:
             continue
     return set()
-
-
-def settle(mgr: CheckpointManager, *, say_after: float | None = None) -> None:
-    """Wait until ``mgr`` has no save, upload, deletion or callback pending, those started
-    meanwhile too; its failures stay for its ``wait()`` (the interpreter's exit settles a
-    manager never closed, while a thread of the program may still call it). ``say_after``: log
-    what it waits for once that many seconds have passed (a program that seems to hang at exit)."""
-    if mgr._nodes is not None:
-        mgr._nodes.settled()
-    start = time.monotonic()
-    while True:
-        with mgr._lock:
-            pending = [a for _, a in mgr._handles] + mgr._refused + mgr._deletions
-        pending += mgr._tier.pending_futures() if mgr._tier is not None else []
-        pending = [f for f in pending if not f.done()]
-        if not pending:
-            break
-        left = None if say_after is None else start + say_after - time.monotonic()
-        if left is None or left > 0:
-            cf.wait(pending, timeout=left)
-            continue
-        log.warning(
-            "stashpoint: the program is ending and waits for %d save(s), upload(s) or on_save call(s) of the "
-            "CheckpointManager on %s (close() it before the program ends to wait there instead)",
-            len(pending),
-            mgr.root,
-        )
-        say_after = None
 
 
 def wait_for(mgr: CheckpointManager) -> None:
