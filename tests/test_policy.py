@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stashpoint._core.naming import parse_step_dir, step_dir
-from stashpoint._core.policy import Retention, Schedule, metric_problem, steps_to_keep
+from stashpoint._core.policy import Doubling, Retention, Schedule, metric_problem, steps_to_keep
 
 steps_st = st.lists(st.integers(0, 500), max_size=30, unique=True)
 opt = st.none() | st.integers(1, 6)
@@ -123,3 +123,9 @@ def test_a_save_whose_metrics_cannot_compete_for_keep_best_is_told_apart_from_on
         kind, text = metric_problem({"val_loss": bad}, best)  # type: ignore[misc]
         assert kind == "value" and "not a finite number" in text
     assert metric_problem({"valloss": 0.3}, Retention(keep_last=1)) is None, "no keep_best: nothing to say"
+
+
+def test_a_growing_count_is_said_past_its_mark_at_each_doubling_and_afresh_after_falling_back():
+    said = Doubling(3)
+    counts = [1, 2, 3, 4, 3, 4, 5, 8, 9, 4, 1, 2, 4]
+    assert [c for c in counts if said.louder(c)] == [4, 9, 4]

@@ -365,6 +365,16 @@ def _damage(shard, where: str) -> None:
             f.write(b"!")
 
 
+def _step_2_damaged_before_its_upload(local: Path, remote: Path, state: dict, where: str) -> None:
+    """Step 1 committed on both tiers; step 2 committed locally and never uploaded (as a crash
+    before its upload leaves it), then its largest shard damaged (its data, or its header)."""
+    with stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote, remote_keep_last=1) as mgr:
+        mgr.save(1, state).wait()
+    with stashpoint.CheckpointManager(local, keep_last=1) as mgr:  # no remote tier: no upload
+        mgr.save(2, state).wait()
+    _damage(max((local / "step-00000002").rglob("shard-*"), key=lambda p: p.stat().st_size), where)
+
+
 @pytest.mark.parametrize("where", ["data", "header"])
 def test_a_local_step_damaged_before_its_upload_fails_it_and_the_good_remote_step_stays(tmp_path, caplog, where):
     """Step 2 committed locally, not uploaded (as a crash before its upload leaves it), then
@@ -374,12 +384,7 @@ def test_a_local_step_damaged_before_its_upload_fails_it_and_the_good_remote_ste
     the same damage."""
     local, remote = tmp_path / "nvme", tmp_path / "remote"
     state = {"w": torch.arange(1 << 20, dtype=torch.float32)}
-    with stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote, remote_keep_last=1) as mgr:
-        mgr.save(1, state).wait()
-    with stashpoint.CheckpointManager(local, keep_last=1) as mgr:  # no remote tier: no upload
-        mgr.save(2, state).wait()
-    shard = max((local / "step-00000002").rglob("shard-*"), key=lambda p: p.stat().st_size)
-    _damage(shard, where)
+    _step_2_damaged_before_its_upload(local, remote, state, where)
     assert rank_problem(LocalStorage(local / "step-00000002"), 0) is not None
     with (
         caplog.at_level(logging.ERROR, logger="stashpoint"),
@@ -401,11 +406,7 @@ def test_a_step_saved_anew_after_its_damaged_copy_was_set_aside_is_not_kept_for_
     and newer steps committed. It was kept for the rest of the manager's life."""
     local, remote = tmp_path / "nvme", tmp_path / "remote"
     state = {"w": torch.arange(1 << 16, dtype=torch.float32)}
-    with stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote, remote_keep_last=1) as mgr:
-        mgr.save(1, state).wait()
-    with stashpoint.CheckpointManager(local, keep_last=1) as mgr:  # no remote tier: no upload
-        mgr.save(2, state).wait()
-    _damage(max((local / "step-00000002").rglob("shard-*"), key=lambda p: p.stat().st_size), "data")
+    _step_2_damaged_before_its_upload(local, remote, state, "data")
     with stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote, remote_keep_last=1) as mgr:
         assert mgr.restore({"w": torch.zeros(1 << 16)}) == 1
         for step in range(2, 6):

@@ -134,6 +134,23 @@ def _score(value: object) -> float | None:
     return score if math.isfinite(score) else None
 
 
+class Doubling:
+    """Whether a growing count (steps waiting for their upload, for a callback) is worth a
+    warning: as it passes ``mark``, again each time it doubles, and afresh only once it fell back
+    to one (a count about the mark would say it at every other step)."""
+
+    def __init__(self, mark: int) -> None:
+        self.mark = self._next = mark
+
+    def louder(self, count: int) -> bool:
+        if count <= 1:
+            self._next = self.mark
+        if count <= self._next:
+            return False
+        self._next = 2 * count
+        return True
+
+
 @dataclass(frozen=True)
 class Schedule:
     """When a save is due: every ``every_steps`` steps and/or every ``every_seconds`` seconds."""

@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from stashpoint._core.policy import Doubling
 from stashpoint.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ log = logging.getLogger("stashpoint")
 
 def call_on_save(
     mgr: CheckpointManager, on_save: Callable[[SaveStats], None], step: int, stats: SaveStats, after: cf.Future[None]
-) -> bool:
+) -> None:
     """``on_save(stats)`` on the manager's callback thread, then ``after`` set: not on the
     writer thread, where a callback that saves (an export of each step) queued its save behind
     itself and waited for ever, nor on the retention's, which a slow callback held back (the
@@ -52,11 +53,10 @@ def call_on_save(
         mgr._callbacks.submit(call)
     except RuntimeError:
         call()
-    return True
 
 
-#: Steps waiting for their ``on_save`` call past which the manager warns (again at each doubling).
-CALLBACK_BACKLOG_WARNING = 3
+#: Steps waiting for their ``on_save`` call above which the manager warns (again at each doubling).
+CALLBACK_BACKLOG_WARNING = 2
 
 
 class Awaiting:
@@ -67,17 +67,13 @@ class Awaiting:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # its own: the retention reads it with the manager's lock held
         self._steps: collections.Counter[int] = collections.Counter()
-        self._said = CALLBACK_BACKLOG_WARNING
+        self._backlog = Doubling(CALLBACK_BACKLOG_WARNING)
 
     def add(self, step: int, where: str) -> None:
         with self._lock:
             self._steps[step] += 1
             count = len(self._steps)
-            if count <= 1:
-                self._said = CALLBACK_BACKLOG_WARNING
-            louder = count >= self._said
-            if louder:
-                self._said = 2 * count
+            louder = self._backlog.louder(count)
         if louder:
             log.warning(
                 "stashpoint: %d steps in %s wait for the on_save callback, which takes longer than the time "

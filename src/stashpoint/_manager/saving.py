@@ -181,7 +181,8 @@ def after_save(  # noqa: PLR0917
                     mgr._awaiting.add(step, mgr.storage.location)
                 mgr._retain_later()
         if mgr.on_save is not None:
-            handed = call_on_save(mgr, mgr.on_save, step, stats, after)
+            call_on_save(mgr, mgr.on_save, step, stats, after)
+            handed = True
     finally:
         if not handed:
             after.set_result(None)

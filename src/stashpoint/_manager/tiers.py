@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from stashpoint._core.naming import step_dir
-from stashpoint._core.policy import Retention
+from stashpoint._core.policy import Doubling, Retention
 from stashpoint._manager.rewindmark import Rewind, live, pending_rewind
 from stashpoint._manager.steps import committed_steps, delete_step, remove_leftovers, retained
 from stashpoint._manager.uploader import Uploader
@@ -26,7 +26,7 @@ from stashpoint.errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
 
-#: Warn when this many local steps wait for their upload (uploads slower than saves).
+#: Warn when more than this many local steps wait for their upload (uploads slower than saves).
 BACKLOG_WARNING = 3
 
 
@@ -88,7 +88,7 @@ class RemoteTier:
         self._pending: collections.Counter[int] = collections.Counter()  # uploads queued, per step
         self._failed: set[int] = set()  # steps whose upload failed: kept for a later manager to upload
         self._known: set[int] = set()  # remote steps found committed (their manifests not asked again)
-        self._said_backlog = BACKLOG_WARNING  # the upload backlog that warns next
+        self._backlog = Doubling(BACKLOG_WARNING)  # when a growing upload backlog is said
         todo: list[int] = []
         problem = None
         # a rewind the remote tier has not seen (none is written down in a node-local root)
@@ -141,13 +141,7 @@ class RemoteTier:
         with self._lock:
             self._pending[step] += 1
             backlog = len(self._pending.keys() | self._failed)
-            # said once as it passes the mark, again each time it doubles, and afresh only once the
-            # uploads have caught up (a backlog about the mark would say it at every other save)
-            if backlog <= 1:
-                self._said_backlog = BACKLOG_WARNING
-            louder = backlog > self._said_backlog
-            if louder:
-                self._said_backlog = 2 * backlog
+            louder = self._backlog.louder(backlog)
         if louder:
             log.warning(
                 "stashpoint: %d local steps wait for their upload to %s: uploads are slower than saves (each "
