@@ -120,3 +120,58 @@ def test_factored_state_is_told_from_a_resized_parameters_state():
     ]
     for shape, shapes in misfits:
         assert _misshapen(state(*shapes), torch.zeros(shape)) is not None, (shape, shapes)
+
+
+class _TaggedSGD(torch.optim.SGD):
+    """An optimizer of a user's own keeping strings in its per-parameter state."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def,override]
+        super().step(closure)
+        for i, p in enumerate(self.param_groups[0]["params"]):
+            self.state[p].update(phase=f"warm-{i}", history=["a", "b", 3], n=2)
+
+
+def _tagged(fill: bool) -> tuple[torch.nn.Module, _TaggedSGD]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optim = _TaggedSGD(model.parameters(), lr=0.1, momentum=0.9)
+    if fill:
+        model(torch.randn(3, 4)).sum().backward()
+        optim.step()
+    return model, optim
+
+
+@pytest.mark.parametrize("with_model", [True, False], ids=["keyed-by-name", "keyed-by-index"])
+@pytest.mark.parametrize("atomic", [False, True])
+def test_strings_in_an_optimizers_state_come_back_as_saved(tmp_path, with_model, atomic):
+    """Torch's own load_state_dict rebuilds a string from a generator (it would come back as
+    "<generator object ...>"): the load sets strings apart around it and puts them back."""
+    model, optim = _tagged(fill=True)
+    state = {"model": model, "optim": optim} if with_model else {"optim": optim}
+    stashpoint.save(state, tmp_path / "ckpt")
+
+    model2, optim2 = _tagged(fill=False)  # a restart: a fresh model and optimizer
+    state2 = {"model": model2, "optim": optim2} if with_model else {"optim": optim2}
+    stashpoint.load(state2, tmp_path / "ckpt", atomic=atomic)
+
+    params, params2 = list(model.parameters()), list(model2.parameters())
+    for i, (p, q) in enumerate(zip(params, params2)):
+        assert optim2.state[q]["phase"] == f"warm-{i}"
+        assert optim2.state[q]["history"] == ["a", "b", 3] and optim2.state[q]["n"] == 2
+        assert torch.equal(optim.state[p]["momentum_buffer"], optim2.state[q]["momentum_buffer"])
+    assert optim2.state[params2[0]]["history"] is not optim2.state[params2[1]]["history"]
+
+
+def test_an_optimizer_loading_its_own_way_is_handed_its_strings(tmp_path):
+    seen: list[object] = []
+
+    class OwnLoad(_TaggedSGD):
+        def load_state_dict(self, state_dict):  # type: ignore[no-untyped-def,override]
+            seen.extend(v["phase"] for v in state_dict["state"].values())
+            super().load_state_dict(state_dict)
+
+    model, optim = _tagged(fill=True)
+    stashpoint.save({"model": model, "optim": optim}, tmp_path / "ckpt")
+    model2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    stashpoint.load({"model": model2, "optim": OwnLoad(model2.parameters(), lr=0.1)}, tmp_path / "ckpt")
+    assert seen == [f"warm-{i}" for i in range(4)]

@@ -148,9 +148,12 @@ class OptimizerPlanning:
         if problem is not None:
             self.plan.problems.append(f"{self._name(where)}: the saved optimizer state does not fit: {problem}")
         else:
-            if _torch_loads(optim):  # anyone else is handed the lists as they were (they may pickle them)
-                sd = _members_as_sets(sd)
-            self.plan.finalizers.append((where, lambda: optim.load_state_dict(sd)))
+            if not _torch_loads(optim):  # anyone else is handed the dict as it was (they may pickle it)
+                self.plan.finalizers.append((where, lambda: optim.load_state_dict(sd)))
+                self.plan.checks.append((where, lambda: trial.optimizer(optim, sd)))
+                return
+            sd, strings = strings_apart(_members_as_sets(sd))
+            self.plan.finalizers.append((where, lambda: _load_with_strings(optim, sd, strings)))
             self.plan.checks.append((where, lambda: trial.optimizer(optim, sd)))
 
     def _state_like_params(
@@ -209,6 +212,41 @@ def _torch_loads(optim: Any) -> bool:
     if not isinstance(inner, torch.optim.Optimizer) or type(inner).load_state_dict is not own:
         return False
     return not any(getattr(o, "_optimizer_load_state_dict_pre_hooks", None) for o in (optim, inner))
+
+
+def strings_apart(sd: dict[str, Any]) -> tuple[dict[str, Any], dict[tuple[Any, str], Any]]:
+    """``sd`` without the per-parameter state values that are strings or lists of plain values
+    holding one (a copy where any is taken; ``sd`` as it was), and those values by (parameter
+    id, key). Torch's ``load_state_dict`` rebuilds every iterable value by its type, a string
+    from a generator: ``"warm"`` would come back as ``"<generator object ...>"``."""
+    state = sd.get("state")
+    if not isinstance(state, Mapping):
+        return sd, {}
+    apart = {(p, k): v for p, entry in state.items() for k, v in entry.items() if _stringy(v)}
+    if not apart:
+        return sd, {}
+    kept = {p: {k: v for k, v in entry.items() if (p, k) not in apart} for p, entry in state.items()}
+    return {**sd, "state": kept}, apart
+
+
+def _stringy(v: Any) -> bool:
+    """A string, or a list or tuple of plain values holding one (no tensor: torch moves those)."""
+    if isinstance(v, (list, tuple)):
+        return any(isinstance(x, str) for x in v) and not any(isinstance(x, torch.Tensor) for x in v)
+    return isinstance(v, str)
+
+
+def _load_with_strings(optim: Any, sd: dict[str, Any], strings: Mapping[tuple[Any, str], Any]) -> None:
+    """``optim.load_state_dict(sd)``, then the strings set apart put in the state of the
+    parameters torch paired their ids with: by position in the groups, as torch pairs them."""
+    optim.load_state_dict(sd)
+    if not strings:
+        return
+    inner = optim if type(optim).load_state_dict is torch.optim.Optimizer.load_state_dict else optim.optimizer
+    saved_ids = [p for g in sd["param_groups"] for p in g["params"]]
+    params = dict(zip(saved_ids, (p for g in inner.param_groups for p in g["params"])))
+    for (pid, key), value in strings.items():
+        inner.state[params[pid]][key] = value if isinstance(value, str) else type(value)(value)
 
 
 def _members_as_sets(sd: dict[str, Any]) -> dict[str, Any]:

@@ -214,13 +214,13 @@ def optimizer_problem(sd: Any, optim: torch.optim.Optimizer, *, other_class: boo
             if not all(_state_value(x) for x in items):
                 return (
                     f"the state {k!r} of parameter {p} is a {type(v).__name__}, not a tensor, a number, a flag, "
-                    "None or a list of them"
+                    "a string, None or a list of them"
                 )
     return None
 
 
 def _state_value(v: Any) -> bool:
     """A per-parameter optimizer state value: a tensor, or a plain value an optimizer of its own
-    may keep there (a flag, None), which torch's load takes as it is (a string it turns into a
-    generator: refused)."""
-    return v is None or isinstance(v, (torch.Tensor, numbers.Real))
+    may keep there (a flag, a string, None). Torch's load turns a string into a generator's name:
+    the load sets strings apart around it (``optimplan.strings_apart``)."""
+    return v is None or isinstance(v, (torch.Tensor, numbers.Real, str))
