@@ -537,7 +537,7 @@ def test_an_expanded_tensor_saves_and_loading_into_one_names_it(tmp_path):
     out = {"t": torch.zeros(10)}
     stashpoint.load(out, tmp_path / "c")
     assert torch.equal(out["t"], torch.zeros(10))
-    with pytest.raises(stashpoint.StateMismatchError, match=r"'t': the state's tensor is an expanded view"):
+    with pytest.raises(stashpoint.StateMismatchError, match=r"'t': .* a view whose elements share memory"):
         stashpoint.load({"t": torch.ones(1).expand(10)}, tmp_path / "c")
 
 

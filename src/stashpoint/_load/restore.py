@@ -38,7 +38,6 @@ from stashpoint._load.restoreplan import (
     without_inner_wrappers,
 )
 from stashpoint._state import stateful as _stateful
-from stashpoint._state.dtensor import local_tensor
 from stashpoint._state.dtypes import dtype_name, empty_for
 from stashpoint._state.scaler import scaler_load_state
 from stashpoint._state.tree import template_problem
@@ -104,11 +103,12 @@ class Planner(OptimizerPlanning):
         """A fresh Python value for ``node``; containers are rebuilt.
 
         A tensor is read into the matching tensor of ``like`` (same place, dtype and shape) when
-        there is one, so live tensors are reused; otherwise it is allocated on the CPU.
+        there is one a load can write into, so live tensors are reused; otherwise it is
+        allocated on the CPU (an object's own ``load_state_dict`` then takes it as it would).
         """
         if "tensor" in node:
             entry = self._entry(node["tensor"])
-            reusable = isinstance(like, torch.Tensor) and torch._debug_has_internal_overlap(local_tensor(like)) != 1
+            reusable = isinstance(like, torch.Tensor) and template_problem(like) is None
             if reusable and not mismatch(entry, like):
                 self.plan.reads.append(Read.into(self.m.resolve(entry.key).key, like))
                 return like
@@ -190,19 +190,6 @@ class Planner(OptimizerPlanning):
         if isinstance(live, torch.Tensor):
             if (problem := template_problem(live)) is not None:
                 self.plan.problems.append(f"{self._name(key)}: the state's tensor is {problem}")
-                return
-            if live.device.type == "meta":
-                self.plan.problems.append(
-                    f"{self._name(key)}: the state's tensor is on the meta device and has no memory to load into; "
-                    "materialize it first (module.to_empty(device=...)), then initialize what the checkpoint "
-                    "does not hold (buffers registered with persistent=False, e.g. rotary inv_freq)"
-                )
-                return
-            if torch._debug_has_internal_overlap(local_tensor(live)) == 1:
-                self.plan.problems.append(
-                    f"{self._name(key)}: the state's tensor is an expanded view whose elements share memory, so a "
-                    "load cannot write into it; give the state a tensor with its own memory (t.clone())"
-                )
                 return
             if mismatch(entry, live):
                 if tuple(entry.shape) == tuple(live.shape):

@@ -16,7 +16,7 @@ from stashpoint import _runtime
 from stashpoint._core.nodes import MAX_SAME_HASH, MAX_TREE_DEPTH, Node, join, same_hash_keys
 from stashpoint._core.sealed import shape_problem
 from stashpoint._state import stateful as _stateful
-from stashpoint._state.dtensor import is_dtensor, is_strided
+from stashpoint._state.dtensor import is_dtensor, is_strided, local_tensor
 from stashpoint._state.dtypes import STORABLE
 from stashpoint._state.scaler import scaler_state
 from stashpoint.errors import UnsupportedStateError
@@ -134,7 +134,45 @@ def template_problem(t: torch.Tensor) -> str | None:
             f"a DTensor of placement(s) {odd}, whose local parts are no part of the tensor; load into one "
             "of Shard or Replicate placements, then redistribute it"
         )
+    if t.device.type == "meta":
+        return (
+            "on the meta device and has no memory to load into; materialize it first (module.to_empty(device=...)), "
+            "then initialize what the checkpoint does not hold (buffers registered with persistent=False, e.g. "
+            "rotary inv_freq)"
+        )
+    if _elements_overlap(local_tensor(t) if is_dtensor(t) else t):
+        return (
+            "a view whose elements share memory (an expand, unfold or as_strided window), so a load cannot write "
+            "into it; give the state a tensor with its own memory (t.clone())"
+        )
     return None
+
+
+_EXACT_OVERLAP_ELEMENTS = 1 << 22  # offsets listed one by one up to here (32 MiB of int64)
+
+
+def _elements_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` are one place in memory. Torch's own test answers "too
+    hard" for any view that is not dense (a step slice as for a sliding window): dimensions
+    sorted by stride that each step past the extent of the smaller ones cannot overlap; others
+    are told by their offsets, or, past a size where listing them costs too much, said to."""
+    flag = torch._debug_has_internal_overlap(t)
+    if flag != 2:
+        return flag == 1
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
+    extent = 1
+    for st, n in dims:
+        if st < extent:
+            break
+        extent += st * (n - 1)
+    else:
+        return False
+    if t.numel() > _EXACT_OVERLAP_ELEMENTS:
+        return True
+    offsets = torch.zeros((), dtype=torch.int64)
+    for st, n in dims:
+        offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st).flatten()
+    return bool(torch.unique(offsets).numel() != offsets.numel())
 
 
 #: Python's default int_max_str_digits: an int longer than this is refused by the JSON of a
