@@ -218,7 +218,7 @@ def scenario_preempted_while_opening(root: str) -> None:
     """Rank 1 ends (preempted) while the managers create their preemption group: rank 0 fails
     after stashpoint's timeout (8 s here), naming the cause; before, it waited 30 minutes."""
     from stashpoint._dist import group
-    from stashpoint._manager import preempt
+    from stashpoint._manager import preemptgroup
 
     group.DEFAULT_TIMEOUT_S = 8.0
     if os.environ.get("LAZY"):  # as from 256 ranks: the group's creation waits for no rank
@@ -226,7 +226,7 @@ def scenario_preempted_while_opening(root: str) -> None:
 
         gloo.LAZY_FROM_RANKS = 1
     if RANK == 1:
-        preempt.gloo_group = lambda **kw: os._exit(0)
+        preemptgroup.gloo_group = lambda **kw: os._exit(0)
     t0 = time.monotonic()
     try:
         stashpoint.CheckpointManager(Path(root, "run"), preemption_deadline=5).close()

@@ -660,7 +660,7 @@ def test_metrics_that_are_not_json_scalars_are_refused_by_key_before_anything_is
         mgr.save(1, state, metrics=metrics)  # NumPy scalars as numbers, the other JSON scalars as they are
         mgr.wait()
     with stashpoint.CheckpointManager(tmp_path / "run") as mgr:
-        assert mgr._metrics_of(1) == {"loss": 0.25, "seen": 7, "val": None, "best": True, "phase": "warmup"}
+        assert mgr._metrics.of(1) == {"loss": 0.25, "seen": 7, "val": None, "best": True, "phase": "warmup"}
 
 
 def test_restoring_a_step_the_run_lacks_names_the_steps_it_has(tmp_path):

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from stashpoint._core.policy import Doubling
+from stashpoint._manager import retention
 from stashpoint.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def call_on_save(
                 if not stats.skipped and mgr._owner and mgr._awaiting.done(step):
                     with mgr._lock:  # the step it kept may go now
                         if not mgr._closed:
-                            mgr._retain_later()
+                            retention.retain_later(mgr)
             finally:
                 after.set_result(None)
 

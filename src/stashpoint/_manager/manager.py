@@ -18,14 +18,14 @@ from typing import Any
 from stashpoint._core.naming import step_dir
 from stashpoint._core.policy import Retention, Schedule, count_or_none
 from stashpoint._dist.group import rank_of
-from stashpoint._manager import saving
+from stashpoint._manager import retention, saving
 from stashpoint._manager.callbacks import Awaiting, refuse_on_own_thread, track
 from stashpoint._manager.lock import Holding
 from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, signal_name
 from stashpoint._manager.preemptstop import stop
 from stashpoint._manager.restoring import RestoreReport, restore_reported
-from stashpoint._manager.steps import committed_steps, read_metrics, remove_leftovers, step_number
+from stashpoint._manager.steps import StepMetrics, committed_steps, remove_leftovers, step_number
 from stashpoint._manager.tiers import RemoteTier
 from stashpoint._save.handle import SaveHandle, SaveStats
 from stashpoint._storage import LocalStorage, Storage, storage_for
@@ -148,8 +148,6 @@ class CheckpointManager:
         self.history: collections.deque[SaveStats] = collections.deque(maxlen=1000)
         self.skipped = 0
         self._handles: list[tuple[SaveHandle, cf.Future[None]]] = []
-        self._metrics: dict[int, dict[str, float]] = {}
-        self._said_metrics: set[str] = set()  # the kinds of keep_best metric problems warned of
         self._swept = 0  # step directories of saves that never committed, removed at the opening
         self._last_save_time: float | None = time.monotonic()  # every_seconds counts from the opening
         self._lock = threading.Lock()
@@ -185,6 +183,7 @@ class CheckpointManager:
         self._resumed_at: int | None = None  # the step restored, until the next save (a rewind?)
         self._top: int | None = None  # the highest step this run holds, once a save looked
         self._known: set[int] = set()  # steps found committed in the root (steps() asks for the others alone)
+        self._metrics = StepMetrics(self._at, self._known)
         self._remote_rewind: int | None = None  # a rewind's remote steps above this, for its upload to move
         self._remote_unseen = False  # the last restore could not list the remote tier: no rewind reaches it
         self.storage.prepare()
@@ -200,12 +199,12 @@ class CheckpointManager:
                     self.storage,
                     remote_root,
                     self.remote_retention,
-                    self._metrics_of,
+                    self._metrics.of,
                     self.rank,
-                    self._upload_ended,
+                    functools.partial(retention.upload_ended, self),
                     owner=self._owner,
                     node_local=self._nodes is not None,
-                    forget=self._forget_metrics,
+                    forget=self._metrics.forget,
                 )
             if self._preemption is not None:
                 self._preemption.install(self)
@@ -295,36 +294,6 @@ class CheckpointManager:
         return saving.start_save(self, step, state, plain, options)
 
     # -- retention -----------------------------------------------------------------------------
-
-    def _metrics_of(self, step: int, root: Storage | None = None) -> dict[str, Any] | None:
-        got = self._metrics.get(step)  # one lookup: the retention of the other tier may pop it meanwhile
-        if got is None:
-            where = self._at(step) if root is None else root.child(step_dir(step))
-            got = read_metrics(where)
-            if got is None:  # unreadable now: asked again next time
-                return None
-            self._metrics[step] = got
-        return got
-
-    def _forget_metrics(self, step: int) -> None:
-        if step not in self._known:  # deleted from the remote tier, and the local one has it not
-            self._metrics.pop(step, None)
-
-    def _upload_ended(self) -> None:
-        """An upload ended: local steps it protected may go now."""
-        with self._lock:
-            if self._owner and not self._closed:
-                self._retain_later()
-
-    def _retain_later(self) -> None:
-        """Apply the retention rules on the manager's thread (called under ``_lock``). At
-        interpreter exit, a save still ending in a manager never closed finds that thread gone
-        (the interpreter stops its pools first): the rules are applied here and now."""
-        try:
-            self._deletions = [f for f in self._deletions if not f.done()]  # they never fail: nothing to keep
-            self._deletions.append(self._deleter.submit(saving.apply_retention, self))
-        except RuntimeError:
-            saving.apply_retention(self)
 
     # -- restoring -----------------------------------------------------------------------------
 

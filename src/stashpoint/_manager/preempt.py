@@ -18,68 +18,17 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from datetime import timedelta
 from types import FrameType
 from typing import Any, NoReturn
 
 from stashpoint._dist import group as _dist
-from stashpoint._dist.arrival import CollectiveError, all_came, came, store
-from stashpoint._dist.gloo import gloo_group, tree_max
+from stashpoint._dist.gloo import tree_max
+from stashpoint._manager.preemptgroup import signal_context
 from stashpoint.errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
 
 _GRACE_S = 1.0  # past the deadline, for stop() to report before the watchdog ends the process
-
-
-_opened = 0
-_WHAT = "create the preemption group of their CheckpointManagers"
-_HINT = (
-    "every rank creates its CheckpointManager with preemption_deadline at the same point: did the constructor "
-    "raise on those ranks, or are they gone?"
-)
-
-
-_GROUP_TIMEOUT_S = 1800.0  # ranks may reach maybe_save minutes apart (torch's default timeout)
-
-
-def _signal_context() -> _dist.DistContext:
-    """The process's preemption group, kept for every manager that handles preemption (one at a
-    time) and destroyed by ``shutdown()``. Every rank marks its arrival first, group made or
-    not: rank 0 names the ranks that never come (a constructor that raised on them) after 30 s."""
-    import torch.distributed as dist
-
-    global _opened
-    made = _opened + 1  # alike on every rank: each creates its managers in the same order (counted once made)
-    mark = f"stashpoint/preemption/{made}"
-    all_came(store(), mark, dist.get_rank(), dist.get_world_size(), _dist.DEFAULT_TIMEOUT_S, _WHAT, _HINT)
-    ctx = _dist.world_context("preemption", _signal_group, _GROUP_TIMEOUT_S)
-    came(store(), mark, dist.get_rank())
-    _opened = made
-    return ctx
-
-
-def _signal_group() -> Any:
-    """The group the ranks tell each other of a signal on: created under stashpoint's timeout (a
-    rank preempted while the managers open is waited for that long, not half an hour), then
-    given torch's default of 30 minutes, as ranks may reach maybe_save minutes apart."""
-    import torch.distributed as dist
-
-    try:
-        group = gloo_group(timeout=timedelta(seconds=_dist.DEFAULT_TIMEOUT_S))
-        dist.barrier(group=group)  # a lazy group (at scale) waits for no rank until its first collective
-    except Exception as e:
-        raise CollectiveError(
-            f"could not create the preemption group over every rank within {_dist.DEFAULT_TIMEOUT_S:.0f} s (every "
-            f"rank creates its CheckpointManager at the same point; is one gone?): {type(e).__name__}: {str(e)[:300]}"
-        ) from e
-    try:
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
-        _set_pg_timeout(timedelta(seconds=_GROUP_TIMEOUT_S), group)
-    except Exception as e:  # a torch without it: a signal check waits the creation's timeout
-        log.debug("stashpoint: the preemption group keeps its %.0f s timeout (%s)", _dist.DEFAULT_TIMEOUT_S, e)
-    return group
 
 
 class Preemption:
@@ -127,7 +76,7 @@ class Preemption:
         self.stopping = False  # stop() is saving at the safe point: it reports its own outcome
         self._ctx: _dist.DistContext | None = None
         if world > 1:  # every rank creates its manager at the same point, so every rank asks for this group
-            self._ctx = _signal_context()
+            self._ctx = signal_context()
         self._signals = tuple(signals)
         self._previous: dict[int, Any] = {}
         self._wakeup: tuple[int, int] | None = None  # the pipe the signals' bytes come through
@@ -267,7 +216,7 @@ class Preemption:
         import torch
 
         if self._ctx.closed:  # shutdown() destroyed it meanwhile: every rank makes a fresh one here
-            self._ctx = _signal_context()
+            self._ctx = signal_context()
         flag = torch.tensor([self.signum or 0, step, -step], dtype=torch.int64)
         try:
             tree_max(flag, self._ctx.group)

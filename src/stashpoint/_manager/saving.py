@@ -14,8 +14,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from stashpoint._core.format import utc_stamp
-from stashpoint._core.naming import MANIFEST_NAME, RECOVERABLE_NAME, step_dir
+from stashpoint._core.naming import MANIFEST_NAME
 from stashpoint._core.policy import metric_problem
+from stashpoint._manager import retention
 from stashpoint._manager.aftersave import holds_manifest_or_unknown, out_of_space, say_room
 from stashpoint._manager.callbacks import call_on_save, refuse_on_own_thread, settle
 from stashpoint._manager.lock import check_shared_root
@@ -24,11 +25,9 @@ from stashpoint._manager.setaside import set_aside_newer
 from stashpoint._manager.steps import (
     METRICS_KEY,
     clear_leftover,
-    delete_step,
     holds_manifest,
     move_aside,
     remove_leftover,
-    retained,
 )
 from stashpoint._save.engine import get_engine, refuse_together
 from stashpoint._save.handle import SaveHandle, SaveStats
@@ -70,8 +69,8 @@ def check_metrics(mgr: CheckpointManager, step: int, metrics: dict[str, Any]) ->
     """Say once per kind (on rank 0, whose metrics the retention reads) when a save's metrics
     will not compete for ``keep_best``: the best steps would be deleted with no word."""
     found = metric_problem(metrics, mgr.retention) if mgr.rank == 0 else None
-    if found is not None and found[0] not in mgr._said_metrics:
-        mgr._said_metrics.add(found[0])
+    if found is not None and found[0] not in mgr._metrics.said:
+        mgr._metrics.said.add(found[0])
         log.warning("stashpoint: step %d will not count for keep_best: %s (said once)", step, found[1])
 
 
@@ -167,8 +166,8 @@ def after_save(  # noqa: PLR0917
         if error is not None:  # committed, not copied to other nodes: kept, and raised by wait()
             with mgr._lock:
                 if mgr._owner:  # only the owner's retention reads (and forgets) them
-                    mgr._metrics[step] = metrics
-                    mgr._retain_later()
+                    mgr._metrics.put(step, metrics)
+                    retention.retain_later(mgr)
             return
         stats = future.result()
         with mgr._lock:
@@ -176,10 +175,10 @@ def after_save(  # noqa: PLR0917
             if stats.skipped:
                 mgr.skipped += 1
             elif mgr._owner:
-                mgr._metrics[step] = metrics
+                mgr._metrics.put(step, metrics)
                 if mgr.on_save is not None:  # kept until the callback for it has run
                     mgr._awaiting.add(step, mgr.storage.location)
-                mgr._retain_later()
+                retention.retain_later(mgr)
         if mgr.on_save is not None:
             call_on_save(mgr, mgr.on_save, step, stats, after)
             handed = True
@@ -300,38 +299,6 @@ def start_save(
     if mgr._tier is not None:
         mgr._tier.submit(step, handle._future)
     return handle
-
-
-def apply_retention(mgr: CheckpointManager) -> None:
-    """Delete the steps of ``mgr``'s root its retention rules do not keep (on the manager's
-    deletion thread); a failure is logged, never raised."""
-    try:
-        steps = mgr.steps()
-        keep = retained(steps, mgr._metrics_of, mgr.retention) | mgr._awaiting.steps()
-        if mgr._tier is not None:
-            keep |= mgr._tier.protected()  # not uploaded yet (pending, or failed: uploaded at next open)
-        if mgr._nodes is not None and mgr._replicas > 0:
-            keep |= newest_recoverable(mgr.storage, steps)
-        for step in steps:
-            if step not in keep:
-                mgr._known.discard(step)
-                delete_step(mgr.storage, step)
-                mgr._metrics.pop(step, None)
-    except Exception:
-        log.exception("stashpoint: applying the retention rules to %s failed", mgr.storage.location)
-
-
-def newest_recoverable(root: Storage, steps: list[int]) -> set[int]:
-    """The newest of ``steps`` that a node lost now could be restored from (its files copied to
-    other nodes, ``recoverable.json``), kept while the newer ones' copies failed: the retention
-    would otherwise delete the last step that survives a node loss."""
-    for step in reversed(steps):
-        try:
-            if root.child(step_dir(step)).exists(RECOVERABLE_NAME):
-                return {step}
-        except OSError:
-            continue
-    return set()
 
 
 def wait_for(mgr: CheckpointManager) -> None:

@@ -82,7 +82,7 @@ def set_aside_newer(mgr: CheckpointManager, step: int) -> tuple[bool, str | None
             )
         for s in newer:
             mgr._known.discard(s)
-            mgr._metrics.pop(s, None)  # the number may be saved again, with the new run's metrics
+            mgr._metrics.drop(s)  # the number may be saved again, with the new run's metrics
             if not move_aside(root, s, "rewound"):  # kept: it may be saved over, never deleted
                 mgr._top, mgr._resumed_at, mgr._remote_rewind = None, resumed, None  # the next save decides anew
                 return True, (

@@ -6,7 +6,7 @@ import functools
 import logging
 import operator
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Set
 from typing import Any
 
 from stashpoint._core.naming import (
@@ -84,6 +84,47 @@ def read_metrics(step: Storage) -> dict[str, Any] | None:
         return DAMAGED
     except (CheckpointError, OSError):  # IncompleteCheckpointError too: its manifest went meanwhile
         return None
+
+
+class StepMetrics:
+    """The metrics of a manager's steps, by step: those its saves were given, and those read from
+    a step's manifest when the retention first asks (``keep_best`` after a restart). ``at``: a
+    step's storage in the local root; ``known``: the steps the local root holds (the manager's
+    set, kept up to date by it)."""
+
+    def __init__(self, at: Callable[[int], Storage], known: Set[int]) -> None:
+        self._at, self._known = at, known
+        self._by_step: dict[int, dict[str, Any]] = {}
+        self.said: set[str] = set()  # the kinds of keep_best metric problems warned of
+
+    def of(self, step: int, root: Storage | None = None) -> dict[str, Any] | None:
+        """``step``'s metrics, read from its manifest in ``root`` (default: the local root) the
+        first time; None while unreadable (asked again next time)."""
+        got = self._by_step.get(step)  # one lookup: the retention of the other tier may drop it meanwhile
+        if got is None:
+            got = read_metrics(self._at(step) if root is None else root.child(step_dir(step)))
+            if got is None:
+                return None
+            self._by_step[step] = got
+        return got
+
+    def put(self, step: int, metrics: dict[str, Any]) -> None:
+        self._by_step[step] = metrics
+
+    def drop(self, step: int) -> None:
+        """``step`` deleted or moved aside in the local root (its number may be saved again)."""
+        self._by_step.pop(step, None)
+
+    def forget(self, step: int) -> None:
+        """``step`` deleted from the remote tier: its metrics go unless the local root holds it."""
+        if step not in self._known:
+            self._by_step.pop(step, None)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self._by_step))
+
+    def __len__(self) -> int:
+        return len(self._by_step)
 
 
 def retained(steps: list[int], metrics_of: Callable[[int], dict[str, Any] | None], retention: Retention) -> set[int]:
