@@ -217,3 +217,16 @@ def test_an_objects_own_tensors_a_load_cannot_write_are_handed_to_it_fresh(tmp_p
         holder = Holder(live)
         stashpoint.load({"o": holder}, tmp_path / "ck")
         assert holder.got is not live and holder.got.device.type == "cpu" and torch.equal(holder.got, src)
+
+
+def test_a_torch_size_in_the_state_comes_back_a_torch_size(tmp_path):
+    """Saved as a tuple; before, it came back a tuple even where the live state held a
+    torch.Size (code calling .numel() on it then failed)."""
+    saved = {"shape": torch.Size([2, 3]), "meta": {"shape": torch.Size([4]), "all": [torch.Size([5]), (1, 2)]}}
+    stashpoint.save({**saved, "w": torch.ones(2)}, tmp_path / "ck")
+    live = {"shape": torch.Size([0]), "meta": {"shape": torch.Size([1]), "all": [torch.Size([0]), (0, 0)]}}
+    state = {**live, "w": torch.zeros(2)}
+    stashpoint.load(state, tmp_path / "ck")
+    assert state["shape"] == torch.Size([2, 3]) and type(state["shape"]) is torch.Size
+    assert type(state["meta"]["shape"]) is torch.Size and type(state["meta"]["all"][0]) is torch.Size
+    assert state["meta"] == saved["meta"] and type(state["meta"]["all"][1]) is tuple

@@ -178,7 +178,7 @@ class Planner(OptimizerPlanning):
             # training's next `counts[new] += 1`
             self.plan.setters.append(lambda: refill(live, value))
         else:
-            self._set(setter, value, where)
+            self._set(setter, _typed_like(live, value), where)
 
     def _tensor(self, key: str, live: Any, where: str, setter: Setter, materialize: bool) -> None:
         entry = self._entry(key)
@@ -370,3 +370,20 @@ class Planner(OptimizerPlanning):
         self.plan.finalizers.append((where, lambda: live.load_state_dict(built)))
         if trial.is_torch_scheduler(live):
             self.plan.checks.append((where, lambda: trial.scheduler(live, built)))
+
+
+def _typed_like(live: Any, value: Any) -> Any:
+    """``value``, its tuples of the live value's own tuple type where it has one built from one
+    iterable (a ``torch.Size``; a named tuple, taking its items one by one, is left a tuple),
+    in dicts and lists too."""
+    if isinstance(value, dict) and isinstance(live, Mapping):
+        return {k: _typed_like(live.get(k), v) for k, v in value.items()} if live else value
+    if not isinstance(value, (list, tuple)) or not isinstance(live, (list, tuple)):
+        return value
+    items = [_typed_like(x, v) for x, v in zip(live, value)] if len(live) == len(value) else list(value)
+    if type(value) is tuple and type(live) is not tuple and isinstance(live, tuple):
+        try:
+            return type(live)(items)
+        except Exception:
+            return tuple(items)
+    return items if type(value) is list else tuple(items)
