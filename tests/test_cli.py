@@ -197,7 +197,11 @@ def test_verify_clean_checkpoints(single, fsdp) -> None:
         r = cli("verify", path)
         assert r.exit_code == 0, r.output
         n = len(whole(path).files)
-        assert f"[{n}/{n}]" in r.stdout and r.stdout.strip().splitlines()[-1].startswith("OK:")
+        assert (
+            f"[{n}/{n}]" in r.stderr
+            and f"[{n}/{n}]" not in r.stdout
+            and r.stdout.strip().splitlines()[-1].startswith("OK:")
+        )
     rep = json.loads(cli("verify", "--json", fsdp[0]).stdout)
     assert rep["ok"] and rep["problems"] == [] and rep["files"] == 2
     assert rep["bytes_checked"] == sum(

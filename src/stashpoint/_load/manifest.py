@@ -3,10 +3,13 @@ is there instead (nothing, a file, a run directory, a DCP checkpoint, an unfinis
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from stashpoint._core.format import MAX_MANIFEST_BYTES, FileEntry, Manifest, checksum
@@ -16,7 +19,7 @@ from stashpoint._core.naming import MANIFEST_NAME, looks_like_shard, parse_save_
 from stashpoint._core.reshard import Box
 from stashpoint._core.sealed import common_fields, open_sealed
 from stashpoint._storage import LocalStorage, Storage, storage_for
-from stashpoint._storage.oserror import is_damage, read_failed
+from stashpoint._storage.oserror import file_kind, is_damage, read_failed
 from stashpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -90,13 +93,15 @@ def read_summary(storage: Storage) -> dict[str, Any]:
 def _manifest_bytes(storage: Storage) -> bytes:
     loc = storage.location
     try:
-        if isinstance(storage, LocalStorage) and storage.root.is_file():
+        root = storage.root if isinstance(storage, LocalStorage) else None
+        what = _not_a_directory(root) if root is not None else None
+        if root is not None and what is not None:
             hint = (
                 "convert it with: stashpoint import SRC PATH"
-                if storage.root.suffix in _TORCH_FILES
+                if what == "a file" and root.suffix in _TORCH_FILES
                 else "give the checkpoint's directory"
             )
-            raise CheckpointError(f"{loc} is a file, not a stashpoint checkpoint directory; {hint}")
+            raise CheckpointError(f"{loc} is {what}, not a stashpoint checkpoint directory; {hint}")
         if storage.size(MANIFEST_NAME) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(f"the manifest of {loc} is larger than the {MAX_MANIFEST_BYTES} byte cap")
         raw = storage.read(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1)  # bounded: it may grow after the size
@@ -105,6 +110,18 @@ def _manifest_bytes(storage: Storage) -> bytes:
     except OSError as e:
         raise read_failed(f"the manifest of {loc}", e) from None
     return raw
+
+
+def _not_a_directory(path: Path) -> str | None:
+    """What ``path`` is where it is no directory (a file, a FIFO, a device, a link loop): the
+    path given was never a checkpoint, which says nothing of damage. None: a directory, or none."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        return "a loop of symbolic links" if e.errno == errno.ELOOP else None
+    if stat.S_ISDIR(mode):
+        return None
+    return "a file" if stat.S_ISREG(mode) else f"a {file_kind(mode)}"
 
 
 def read_index(storage: Storage, head: Head, rank: int) -> RankIndex:

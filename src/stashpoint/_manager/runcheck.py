@@ -3,11 +3,13 @@ partial, and the names the manager did not write (which it ignores, and ``verify
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
 
 from stashpoint._core.naming import LOCK_NAME, MANIFEST_NAME, REWIND_NAME, is_set_aside, parse_step_dir
 from stashpoint._storage import LocalStorage, Storage
+from stashpoint._storage.oserror import read_failed
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,10 @@ def run_contents(root: Storage) -> RunContents | None:
                 found = [(e.name, e.is_dir(follow_symlinks=False), e.is_file(follow_symlinks=False)) for e in it]
         except (FileNotFoundError, NotADirectoryError):
             return None
+        except OSError as e:  # a loop of links: the checkpoint's reading says so; unreadable: the fix named
+            if e.errno == errno.ELOOP:
+                return None
+            raise read_failed(f"the directory {root.location}", e) from None
     else:
         found = [(n, True, False) for n in root.children()] + [(n, False, True) for n in root.list()]
     steps, aside, foreign, lock = [], [], [], False

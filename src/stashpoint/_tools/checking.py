@@ -85,6 +85,11 @@ def verify(path: str | os.PathLike[str], progress: Progress | None = None, *, th
         status = "ok" if not found else f"{found} problem(s)"
         say(f"[{i}/{len(m.files)}] {fe.name} ({human_bytes(fe.size)}): {status}")
         _progress.advance(progress, fe.size)
+    if rep.problems and _removed(storage):  # a retention's delete meanwhile: no damage found, nothing to check
+        raise CheckpointNotFoundError(
+            f"{storage.location} was removed while it was checked (a CheckpointManager's retention, or a delete); "
+            "the files it lost meanwhile are no damage, and nothing is left to check"
+        )
     if rep.problems and _replaced(storage, m):  # a save with overwrite=True committed meanwhile: no damage
         return VerifyReport(
             storage.location,
@@ -107,6 +112,14 @@ def verify(path: str | os.PathLike[str], progress: Progress | None = None, *, th
                 "it is not part of the checkpoint and may be deleted"
             )
     return rep
+
+
+def _removed(storage: Storage) -> bool:
+    """Whether the checkpoint at ``storage`` has no manifest now (it had one when the check began)."""
+    try:
+        return not storage.exists(MANIFEST_NAME)
+    except OSError:
+        return False  # unreachable now: the problems found stand
 
 
 def _replaced(storage: Storage, m: Manifest) -> bool:

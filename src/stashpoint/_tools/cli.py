@@ -117,7 +117,7 @@ def inspect_command(*, path: str, rank: int, as_json: bool) -> None:
     if as_json:
         echo_json(d)
         return
-    echo(f"checkpoint  {d['path']}")
+    echo(esc(f"checkpoint  {d['path']}"))
     echo(  # the file's strings escaped: a newline in them must not forge a line of this report
         f"format      stashpoint v{d['format_version']} (save {d['save_id']}, stashpoint "
         f"{esc(d['library_version'])}, torch {esc(d['torch_version'])})"
@@ -185,7 +185,7 @@ def verify_command(*, path: str, quiet: bool, this_node: bool, as_json: bool) ->
     if quiet or as_json:
         rep = verify(path, this_node=this_node)
     else:
-        with Reporter("verifying", stream=sys.stdout) as progress:
+        with Reporter("verifying") as progress:
             rep = verify(path, progress=progress, this_node=this_node)
     if as_json:
         echo_json({**dataclasses.asdict(rep), "ok": rep.ok})
@@ -320,7 +320,7 @@ def export_command(*, path: str, out: str, select: str, max_shard_size: int | No
     from stashpoint._tools.convert import export
     from stashpoint._tools.progress import Reporter
 
-    with Reporter("exporting", stream=sys.stdout) as progress:
+    with Reporter("exporting") as progress:
         res = export(
             path, out, select=select, max_shard_size=max_shard_size, tied=tied, overwrite=overwrite, progress=progress
         )
@@ -352,7 +352,15 @@ def import_command(*, src: Path, path: str, overwrite: bool, strip_prefix: tuple
     from stashpoint._core.units import human_bytes
     from stashpoint._tools.convert import import_checkpoint
 
-    res = import_checkpoint(src, path, overwrite=overwrite, strip_prefix=strip_prefix)
+    try:
+        res = import_checkpoint(src, path, overwrite=overwrite, strip_prefix=strip_prefix)
+    except KeyboardInterrupt:
+        from stashpoint._core.naming import MANIFEST_NAME
+
+        done = Path(path, MANIFEST_NAME).is_file()
+        raise KeyboardInterrupt(
+            f"{path} was committed before it stopped" if done else f"nothing was committed at {path}"
+        ) from None
     echo(f"imported {res.kind} {src}: {res.tensors} tensor(s), {human_bytes(res.bytes)}, to {res.path}")
 
 

@@ -28,7 +28,14 @@ from stashpoint._state.dtypes import torch_dtype
 from stashpoint._storage import path_problem, storage_for, user_path
 from stashpoint._tools import progress as _progress
 from stashpoint._tools.dcpread import load_dcp
-from stashpoint._tools.importcheck import check_tensors, check_torch_file, dtensors_held, open_regular, opened_path
+from stashpoint._tools.importcheck import (
+    check_tensors,
+    check_torch_file,
+    dtensors_held,
+    open_regular,
+    opened_path,
+    weights_only_refusal,
+)
 from stashpoint._tools.tensors import read_tensors
 from stashpoint.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
@@ -239,11 +246,10 @@ def _load_opened(at: Path, p: Path) -> Any:
                 raise
             return torch.load(at, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
     except pickle.UnpicklingError as e:
-        text = " ".join(str(e).split())
-        why = text.split("WeightsUnpickler error:", 1)[-1].split(" Check the documentation", 1)[0].strip()
-        if "DTensor" in text:  # one rank's torch.save of a sharded model's state_dict
+        refused, why = weights_only_refusal(e)
+        if "DTensor" in str(e):  # one rank's torch.save of a sharded model's state_dict
             raise dtensors_held(p) from None
-        if "Unsupported global" not in why:  # not a pickle of allowed types at all: damaged or not torch.save
+        if not refused:  # not a pickle of allowed types at all: damaged or not torch.save
             raise CorruptCheckpointError(f"{p} is not a readable torch.save file ({why})") from None
         raise CheckpointError(
             f"{p} holds objects that torch.load(weights_only=True) refuses to unpickle ({why}); stashpoint "
@@ -287,6 +293,9 @@ def import_checkpoint(
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
+            own = _own_refusal(e)
+            if own is not None:  # a value refused (objects that would run code): not damage
+                raise CheckpointError(f"could not import the DCP checkpoint at {p}: {own}") from None
             lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
             why = (lines[-1] if lines else "")[:500]  # DCP wraps the cause's whole traceback: its last line
             what = f"{type(e).__name__}: {why}"
@@ -300,6 +309,17 @@ def import_checkpoint(
         state = {"state": state}
     stats = save(state, path, overwrite=overwrite)
     return ImportResult(kind, str(path), stats.num_tensors, stats.bytes_written)
+
+
+def _own_refusal(e: BaseException) -> CheckpointError | None:
+    """The error of stashpoint's own that DCP's reader wrapped in its ``CheckpointException``
+    (whose ``failures`` map each rank to its error and traceback), if one was not damage."""
+    failures = getattr(e, "failures", None)
+    for failure in failures.values() if isinstance(failures, dict) else ():
+        cause = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(cause, CheckpointError) and not isinstance(cause, CorruptCheckpointError):
+            return cause
+    return e if isinstance(e, CheckpointError) and not isinstance(e, CorruptCheckpointError) else None
 
 
 def _local(path: str | os.PathLike[str], what: str) -> Path:

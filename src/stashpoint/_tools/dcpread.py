@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
-from stashpoint._tools.importcheck import check_pickle, check_torch_file, open_regular
+from stashpoint._tools.importcheck import check_pickle, check_torch_file, open_regular, weights_only_refusal
 from stashpoint.errors import CheckpointError
 
 MAX_METADATA_BYTES = 256 << 20  # or 1/16 of the data, for checkpoints of very many chunks
@@ -300,7 +300,7 @@ def _plain_value(value: io.BytesIO, key: str) -> Any:
     try:
         return torch.load(value, weights_only=True)
     except pickle.UnpicklingError as e:
-        why = " ".join(str(e).split())[:300]
+        why = weights_only_refusal(e)[1][:300]
         raise CheckpointError(
             f"the DCP value {key!r} holds objects torch.load(weights_only=True) refuses ({why}); stashpoint never "
             "runs code from a file: load the checkpoint with torch yourself if you trust it"

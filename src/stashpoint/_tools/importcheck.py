@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,3 +157,21 @@ def _tensors(state: Any) -> Iterator[tuple[str, Any]]:
             stack.extend((f"{key}/{i}" if key else str(i), v) for i, v in enumerate(node))
         else:
             yield key, node
+
+
+# torch's advice in a weights_only refusal (load with weights_only=False), never passed on: it
+# runs whatever the file asks for
+_TORCH_ADVICE = re.compile(
+    r"Weights only load failed\.?|In PyTorch 2\.6, we changed.*?trusted source\.|Check the documentation.*$|"
+    r"WeightsUnpickler error:",
+    re.IGNORECASE,
+)
+
+
+def weights_only_refusal(e: BaseException) -> tuple[bool, str]:
+    """Whether torch.load(weights_only=True) refused ``e``'s file for what it asks to unpickle
+    (a global not allowed, a blocked module's: ``os.system``), rather than for bytes that are no
+    pickle at all; and torch's reason, without its advice to load with weights_only=False."""
+    text = " ".join(str(e).split())
+    why = " ".join(_TORCH_ADVICE.sub(" ", text).split())[:500] or type(e).__name__
+    return "unsupported global" in text.lower(), why

@@ -30,6 +30,7 @@ from stashpoint._load.manifest import IndexMissingError, open_checkpoint, read_h
 from stashpoint._manager.runcheck import run_contents
 from stashpoint._manager.steps import METRICS_KEY
 from stashpoint._storage import LocalStorage, Storage, storage_for, user_path
+from stashpoint._storage.oserror import read_failed
 from stashpoint.errors import CheckpointError, CheckpointNotFoundError
 
 
@@ -74,11 +75,14 @@ def list_steps(root: str | os.PathLike[str]) -> list[StepInfo]:
     if not isinstance(storage, LocalStorage):
         return _list_remote_steps(storage)
     r = Path(user_path(root))
-    if not r.is_dir():
-        what = "does not exist" if not r.exists() else "is a file"
-        raise CheckpointNotFoundError(f"no run directory at {r}: the path {what} (give a CheckpointManager root)")
-    if (r / MANIFEST_NAME).exists():
-        raise CheckpointError(f"{r} is a checkpoint, not a run directory; show it with: stashpoint inspect {r}")
+    try:
+        if not r.is_dir():
+            what = "does not exist" if not r.exists() else "is a file"
+            raise CheckpointNotFoundError(f"no run directory at {r}: the path {what} (give a CheckpointManager root)")
+        if (r / MANIFEST_NAME).exists():
+            raise CheckpointError(f"{r} is a checkpoint, not a run directory; show it with: stashpoint inspect {r}")
+    except OSError as e:  # the directory unreadable: the fix named, not errno's words alone
+        raise read_failed(f"the run directory {r}", e) from None
     now = time.time()
     out = []
     for name, step in _steps_of(LocalStorage(r)):

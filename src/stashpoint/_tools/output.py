@@ -3,6 +3,7 @@ anyone can write), tables, JSON, and one-line errors with exit code 2."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -10,7 +11,7 @@ import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 
@@ -28,19 +29,43 @@ def fails_cleanly(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except BrokenPipeError:  # the output went to `head` or the like: as a process SIGPIPE ended
-            try:
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
-            except (OSError, ValueError):  # a stdout of no file (a test's runner)
-                pass
+            _quiet_stdout()
             sys.exit(128 + signal.SIGPIPE)  # not 1, which says verify or diff found problems
+        except KeyboardInterrupt as e:  # 130 as the shell's own, not 1, which says verify or diff found problems
+            said = f"stashpoint {click.get_current_context().info_name}: interrupted" + (f"; {e}" if str(e) else "")
+            _say_and_end(said, 128 + signal.SIGINT)
         except (CheckpointError, ValueError, OSError, ImportError) as e:  # ImportError: an extra not installed
             msg = "; ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
             echo(f"stashpoint {click.get_current_context().info_name}: error: {msg}", err=True)
             if kwargs.get("as_json"):
-                echo_json({"error": msg, "kind": type(e).__name__})
+                try:
+                    echo_json({"error": msg, "kind": type(e).__name__})
+                except OSError:  # the error was stdout's own (a full disk under it): said on stderr above
+                    _quiet_stdout()
             sys.exit(2)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null: what is left in its buffer is not flushed again at exit (a
+    second traceback from a closed pipe or a full disk)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # a stdout of no file (a test's runner)
+        pass
+
+
+def _say_and_end(message: str, status: int) -> NoReturn:
+    """Say ``message`` on stderr and end the process now: a save in flight (``import``) stops
+    as a crash would stop it, uncommitted, rather than being finished by the exit hooks after
+    the command said it was interrupted."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    with contextlib.suppress(Exception):
+        echo(message, err=True)
+        sys.stderr.flush()
+    os._exit(status)
 
 
 def age(seconds: float | None) -> str:

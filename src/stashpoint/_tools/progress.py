@@ -11,6 +11,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TextIO
 
+from stashpoint._tools.output import esc
+
 
 class Reporter:
     """A ``progress`` callable for the CLI: a ``rich`` bar of bytes on a terminal (messages
@@ -55,6 +57,7 @@ class Reporter:
             self._progress = None
 
     def __call__(self, message: str) -> None:
+        message = esc(message)  # a path given may hold control characters, or a newline that forges a line
         if self._progress is not None:
             self._progress.console.print(message, markup=False, highlight=False)
         else:
