@@ -17,7 +17,7 @@ import torch
 
 import stashpoint
 import stashpoint._storage.local
-from stashpoint._core.naming import written_by_a_save
+from stashpoint._core.naming import step_dir, written_by_a_save
 from stashpoint._save.engine import get_engine
 from stashpoint.errors import CheckpointError
 
@@ -27,6 +27,13 @@ CHILD = Path(__file__).with_name("manager_child.py")
 
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+
+
+def _script(script: str, *args: object, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``script`` run by a fresh interpreter with ``args``, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=_env()
+    )
 
 
 def _state(v: float = 0.0) -> dict:
@@ -685,9 +692,7 @@ def test_a_manager_never_closed_finishes_its_saves_and_retention_at_exit(tmp_pat
         "    mgr.save(s, {'w': torch.full((256, 256), float(s))})\n"
     )
     run = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(run)], capture_output=True, text=True, timeout=120, env=_env()
-    )
+    done = _script(script, run)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("step-")) == ["step-00000003"]
 
@@ -733,6 +738,23 @@ def test_a_remote_tiers_retention_forgets_the_metrics_of_the_steps_it_deletes(tm
         assert sorted(mgr._metrics) == [29, 30]
 
 
+def test_an_on_save_calling_sys_exit_is_said_not_lost(tmp_path, caplog):
+    """Before: a SystemExit raised in the callback (on its own thread) stopped it in silence."""
+
+    def leave(stats) -> None:
+        sys.exit(3)
+
+    with (
+        caplog.at_level(logging.ERROR, logger="stashpoint"),
+        stashpoint.CheckpointManager(tmp_path / "run", on_save=leave) as mgr,
+    ):
+        mgr.save(1, {"w": torch.ones(4)})
+        mgr.save(2, {"w": torch.ones(4)})
+    said = [r.getMessage() for r in caplog.records if "on_save callback" in r.getMessage()]
+    assert said == [f"stashpoint: the on_save callback for step {s} raised SystemExit; it was stopped" for s in (1, 2)]
+    assert mgr.steps() == [1, 2]
+
+
 def test_an_upload_backlog_is_warned_of_as_it_grows_not_at_every_save(tmp_path, caplog):
     """Before: every save past the third waiting for its upload logged the warning again."""
     import concurrent.futures as cf
@@ -767,6 +789,16 @@ def test_an_upload_backlog_is_warned_of_as_it_grows_not_at_every_save(tmp_path, 
                 for step in range(41, 46):
                     mgr.save(step, {"w": torch.ones(4)}).wait()
                 assert said() == [4, 9, 19, 4]
+                assert "uploads are slower than saves" in caplog.records[-1].getMessage()
+                for step, f in held[:]:  # every upload fails: no slowness, a manager opened later uploads them
+                    mgr._tier._result(step, None)
+                    f.set_result(None)
+                held.clear()
+                for step in range(46, 51):
+                    mgr.save(step, {"w": torch.ones(4)}).wait()
+                assert said()[-1] == 9, said()
+                last = caplog.records[-1].getMessage()
+                assert "5 of them failed to upload and wait for a manager opened later" in last, last
         finally:
             uploader.submit = real
             for _, f in held:  # else closing waits for them
@@ -889,13 +921,7 @@ def test_an_on_save_that_saves_still_saves_at_interpreter_exit(tmp_path, infligh
     after interpreter shutdown", logged), and the process exited 0 without those exports; later,
     with two saves in flight, a callback left to exit ran on the writer thread, out of order, and
     its save waited there for that thread for ever."""
-    res = subprocess.run(
-        [sys.executable, "-c", _EXPORT_AT_EXIT, str(tmp_path), str(inflight)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=_env(),
-    )
+    res = _script(_EXPORT_AT_EXIT, tmp_path, inflight)
     assert res.returncode == 0 and "raised" not in res.stderr, res.stderr[-3000:]
     for step in (1, 2, 3, 4):
         assert stashpoint.verify(tmp_path / f"export-{step}").ok
@@ -942,18 +968,45 @@ def test_the_exit_hook_waits_neither_in_a_forked_child_nor_takes_a_running_threa
     fix of that hook, a child forked while a callback ran (a DataLoader worker) waited at its exit
     for the parent's threads, which it has not (hung), and a thread still using the manager found
     its save's failure taken by the hook, its close() raising nothing."""
-    res = subprocess.run(
-        [sys.executable, "-c", _AT_EXIT_BESIDE, str(tmp_path), how],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=_env(),
-    )
+    res = _script(_AT_EXIT_BESIDE, tmp_path, how, timeout=60)
     assert res.returncode == 0, res.stderr[-3000:]
     if how == "fork":
         assert float(res.stdout.split("child ")[1]) < 2.0, res.stdout
     else:
         assert "close raised CheckpointError" in res.stdout, (res.stdout, res.stderr[-2000:])
+
+
+_UPLOAD_AFTER_EXIT = """
+import atexit, sys, threading, time, torch, stashpoint
+base, how = sys.argv[1], sys.argv[2]
+state = {"w": torch.zeros(1 << 12), "step": 0}
+def run(steps):
+    mgr = stashpoint.CheckpointManager(f"{base}/run", keep_last=2, remote_root=f"{base}/remote")
+    for s in steps:
+        state["step"] = s
+        mgr.save(s, state)
+        time.sleep(0.3)
+    mgr.close()
+    print("closed", mgr.remote_steps(), flush=True)
+if how == "atexit":  # a last save from an atexit hook: the interpreter's pools are stopped by then
+    atexit.register(run, [7, 8])
+else:  # training on a thread the main thread leaves running: its saves come after the pools stopped
+    threading.Thread(target=run, args=([1, 2, 3, 4, 5],)).start()
+    time.sleep(0.5)
+"""
+
+
+@pytest.mark.parametrize("how", ["atexit", "thread"])
+def test_saves_with_a_remote_tier_after_the_interpreters_exit_began_upload_on_the_spot(tmp_path, how):
+    """Before: mgr.save raised "cannot schedule new futures after shutdown" from the upload's
+    queue (the step committed locally, the caller got the error, the loop died, and the step
+    stayed protected as pending for the rest of the run)."""
+    res = _script(_UPLOAD_AFTER_EXIT, tmp_path, how)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    steps = [7, 8] if how == "atexit" else [1, 2, 3, 4, 5]
+    assert f"closed {steps}" in res.stdout, (res.stdout, res.stderr[-2000:])
+    assert sorted(p.name for p in (tmp_path / "run").glob("step-*")) == [step_dir(s) for s in steps[-2:]]
+    assert all(stashpoint.verify(tmp_path / "remote" / step_dir(s)).ok for s in steps)
 
 
 def test_settling_a_manager_at_exit_says_what_it_waits_for_once_it_takes_long(tmp_path, caplog):

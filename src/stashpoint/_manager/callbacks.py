@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("stashpoint")
 
 
+ON_SAVE_THREAD = "stashpoint-on-save"  # the prefix of the callback thread's name
+
+
 def call_on_save(
     mgr: CheckpointManager, on_save: Callable[[SaveStats], None], step: int, stats: SaveStats, after: cf.Future[None]
 ) -> None:
@@ -40,6 +43,10 @@ def call_on_save(
             on_save(stats)
         except Exception:
             log.exception("stashpoint: the on_save callback raised")
+        except BaseException as e:  # sys.exit() in it ends no program from this thread: said, not lost
+            log.error("stashpoint: the on_save callback for step %d raised %s; it was stopped", step, type(e).__name__)
+            if not threading.current_thread().name.startswith(ON_SAVE_THREAD):  # called inline (at exit): it goes on
+                raise
         finally:
             _calling.manager = None
             try:
@@ -167,6 +174,9 @@ def _drain_at_exit() -> None:
                 log.exception("stashpoint: at exit, waiting for the manager on %s failed", mgr.root)
 
 
-threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]
+try:
+    threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]
+except RuntimeError:  # first imported from an atexit hook: the pools are stopped, the work runs inline
+    pass
 # a forked child (a DataLoader worker) has none of the parent's threads to wait for
 os.register_at_fork(after_in_child=_open.clear)

@@ -19,7 +19,7 @@ from stashpoint._core.naming import step_dir
 from stashpoint._core.policy import Retention, Schedule, count_or_none
 from stashpoint._dist.group import rank_of
 from stashpoint._manager import retention, saving
-from stashpoint._manager.callbacks import Awaiting, refuse_on_own_thread, track
+from stashpoint._manager.callbacks import ON_SAVE_THREAD, Awaiting, refuse_on_own_thread, track
 from stashpoint._manager.lock import Holding
 from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, signal_name
@@ -154,7 +154,7 @@ class CheckpointManager:
         self._deleter = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-manager")
         # on_save runs on a thread of its own, so that a slow callback never holds the retention
         # back; the steps it has yet to be called for are kept for it meanwhile
-        self._callbacks = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-on-save")
+        self._callbacks = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=ON_SAVE_THREAD)
         self._awaiting = Awaiting()
         self._deletions: list[cf.Future[None]] = []
         self._refused: list[cf.Future[Any]] = []  # saves this rank refused, still failing them with the others

@@ -141,13 +141,17 @@ class RemoteTier:
         with self._lock:
             self._pending[step] += 1
             backlog = len(self._pending.keys() | self._failed)
+            failed = len(self._failed - self._pending.keys())
             louder = self._backlog.louder(backlog)
         if louder:
             log.warning(
-                "stashpoint: %d local steps wait for their upload to %s: uploads are slower than saves (each "
-                "waiting step stays on the local tier)",
+                "stashpoint: %d local steps wait for their upload to %s: %s (each waiting step stays on the local "
+                "tier)",
                 backlog,
                 self.remote.location,
+                f"{failed} of them failed to upload and wait for a manager opened later"
+                if failed
+                else "uploads are slower than saves",
             )
         self._track(self.uploader.submit(step, after))
 
