@@ -786,8 +786,9 @@ def scenario_tied_untied(root: str) -> None:
 
 
 def scenario_refused_save_after_a_failed_upload(root: str) -> None:
-    """Step 1's upload fails; a second save of step 1 is refused (it is committed); steps 2
-    and 3 follow with keep_last=1: step 1, uploaded nowhere, must stay on the local tier."""
+    """Step 1's upload fails; a second save of step 1 is refused (it is committed): step 1,
+    uploaded nowhere, must stay on the local tier. Steps 2 and 3 follow with keep_last=1: step
+    2's upload commits, and step 1's goes up after it, on both ranks alike."""
     from stashpoint._manager import uploader
 
     commit, failed = uploader._commit_copy, []
@@ -815,6 +816,7 @@ def scenario_refused_save_after_a_failed_upload(root: str) -> None:
             mgr.wait()
         except stashpoint.CheckpointError:
             pass
+        out["after_refused"] = mgr.steps()
         for step in (2, 3):
             mgr.save(step, state).wait()
         mgr.wait()

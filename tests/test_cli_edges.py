@@ -4,6 +4,7 @@ signal or a file descriptor is what is tested."""
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import signal
@@ -157,3 +158,48 @@ def test_a_pickle_calling_os_system_is_refused_for_what_it_asks_without_torchs_a
     for out in (r.stderr, r2.stderr):
         assert "weights_only` set to `False`" not in out and "Re-running" not in out, out
     assert not marker.exists() and not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+_INTERRUPTED_IMPORT = """
+import sys, torch, stashpoint
+from pathlib import Path
+import stashpoint._tools.convert as convert
+d, where = Path(sys.argv[1]), sys.argv[2]
+torch.save({"w": torch.ones(4)}, d / "src.pt")
+real = convert.save
+def save(*args, **kwargs):  # Ctrl-C while the import's save runs: before its commit, or just after
+    if where == "after":
+        real(*args, **kwargs)
+    raise KeyboardInterrupt
+convert.save = save
+from stashpoint._tools.cli import main
+sys.argv = ["stashpoint", "import", str(d / "src.pt"), str(d / "out"), "--overwrite"]
+main()
+"""
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_an_interrupted_import_over_a_checkpoint_says_whether_it_committed(tmp_path: Path, where: str) -> None:
+    """Before: the old checkpoint's manifest, still there, was taken for the import's commit."""
+    stashpoint.save({"old": torch.zeros(2)}, tmp_path / "out")
+    r = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_IMPORT, str(tmp_path), where],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": SRC},
+    )
+    assert r.returncode == 130, r.stderr
+    held = set(stashpoint.read(tmp_path / "out"))
+    if where == "before":
+        assert f"nothing was committed at {tmp_path / 'out'}" in r.stderr and held == {"old"}, r.stderr
+    else:
+        assert f"{tmp_path / 'out'} was committed before it stopped" in r.stderr and held == {"w"}, r.stderr
+
+
+def test_a_class_torch_refuses_is_named_without_torchs_preamble(tmp_path: Path) -> None:
+    """torch 2.13 opens its refusal with how to load the file anyway, in terminal escapes."""
+    torch.save({"w": torch.ones(2), "q": collections.deque([1])}, tmp_path / "deque.pt")
+    r = cli("import", tmp_path / "deque.pt", tmp_path / "o")
+    one_line_error(r, "(Unsupported global: GLOBAL collections.deque was not an allowed global by default)")
+    assert "\\x1b" not in r.stderr and "can still be loaded" not in r.stderr, r.stderr

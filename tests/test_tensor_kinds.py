@@ -4,6 +4,8 @@ refused with its key named before anything is written."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from torch.testing._internal.two_tensor import TwoTensor
@@ -230,3 +232,8 @@ def test_a_torch_size_in_the_state_comes_back_a_torch_size(tmp_path):
     assert state["shape"] == torch.Size([2, 3]) and type(state["shape"]) is torch.Size
     assert type(state["meta"]["shape"]) is torch.Size and type(state["meta"]["all"][0]) is torch.Size
     assert state["meta"] == saved["meta"] and type(state["meta"]["all"][1]) is tuple
+    point = collections.namedtuple("point", "x y", defaults=(0,))
+    stashpoint.save({"p": (1, 2), "q": (7,), "w": torch.ones(2)}, tmp_path / "nt")
+    state = {"p": point(0, 0), "q": point(0), "w": torch.zeros(2)}
+    stashpoint.load(state, tmp_path / "nt")  # a named tuple would take a list whole as its first field
+    assert state["p"] == (1, 2) and state["q"] == (7,) and type(state["p"]) is tuple

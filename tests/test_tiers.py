@@ -424,7 +424,8 @@ def test_a_refused_save_of_a_step_whose_upload_failed_leaves_that_step_kept(tmp_
 
     for r in run_world(2, "refused_save_after_a_failed_upload", str(tmp_path)):
         assert r.get("upload_failed") and r.get("refused"), r
-        assert r["local"] == [1, 3] and r["remote"] == [2, 3], r
+        assert r["after_refused"] == [1], r
+        assert r["local"] == [3] and r["remote"] == [1, 2, 3], r  # step 1 went up once step 2's upload did
 
 
 def test_an_upload_checks_every_block_and_copies_the_bytes_unchanged(tmp_path):
@@ -539,3 +540,37 @@ def test_steps_only_the_remote_tier_holds_are_not_called_unreadable_when_a_manag
         mgr.wait()
         assert mgr.remote_steps() == [5, 6]
     assert "could not be read" not in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("remote_keep", [None, 2])
+def test_steps_whose_uploads_failed_go_up_once_the_remote_tier_answers_again(tmp_path, remote_keep, caplog):
+    """Before: kept on the local tier for the rest of the run (a long outage filled the disk)
+    until a manager opened later uploaded them. Now after the next upload that commits: all of
+    them, or with remote_keep_last those the remote retention keeps (the others are let go)."""
+    local, remote = tmp_path / "nvme", _Unreachable(tmp_path / "remote")
+    with (
+        stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote, remote_keep_last=remote_keep) as mgr,
+        caplog.at_level(logging.INFO, logger="stashpoint"),
+    ):
+        mgr.save(1, _state(1)).wait()
+        mgr.wait()
+        _Unreachable.down = True
+        try:
+            for step in (2, 3, 4):
+                mgr.save(step, _state(step)).wait()
+                with pytest.raises(stashpoint.CheckpointError, match=f"uploading step {step}"):
+                    mgr.wait()
+            assert mgr.steps() == [2, 3, 4], "kept for their uploads"
+        finally:
+            _Unreachable.down = False
+        mgr.save(5, _state(5)).wait()
+        mgr.wait()
+        if remote_keep is None:
+            assert mgr.remote_steps() == [1, 2, 3, 4, 5] and "answers again: uploading step(s) [2, 3, 4]" in caplog.text
+        else:
+            assert mgr.remote_steps() == [4, 5] and "uploading step(s) [4]" in caplog.text
+        assert mgr.steps() == [5] and not mgr._tier.protected()
+    for s in [4, 5] if remote_keep else [1, 2, 3, 4, 5]:
+        out = _state(0)
+        stashpoint.load(out, tmp_path / "remote" / f"step-{s:08d}")
+        assert torch.equal(out["w"], _state(s)["w"])

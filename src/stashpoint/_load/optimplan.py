@@ -148,11 +148,21 @@ class OptimizerPlanning:
         if problem is not None:
             self.plan.problems.append(f"{self._name(where)}: the saved optimizer state does not fit: {problem}")
         else:
+            plain, strings = strings_apart(sd)
+            if strings and not _torch_loads(optim, hooks_after=True):
+                (pid, key), _ = next(iter(strings.items()))
+                self.plan.problems.append(
+                    f"{self._name(where)}: the saved state {key!r} of parameter {pid} holds a string, which torch's "
+                    f"load_state_dict (called by the {_stateful.class_name(optim)}'s own, or with load hooks) turns "
+                    "into a generator's name; keep it as a number or a flag, or load with strict=False to start that "
+                    "optimizer afresh"
+                )
+                return
             if not _torch_loads(optim):  # anyone else is handed the dict as it was (they may pickle it)
                 self.plan.finalizers.append((where, lambda: optim.load_state_dict(sd)))
                 self.plan.checks.append((where, lambda: trial.optimizer(optim, sd)))
                 return
-            sd, strings = strings_apart(_members_as_sets(sd))
+            sd = _members_as_sets(plain)
             self.plan.finalizers.append((where, lambda: _load_with_strings(optim, sd, strings)))
             self.plan.checks.append((where, lambda: trial.optimizer(optim, sd)))
 
@@ -204,14 +214,18 @@ class _Members(list):  # type: ignore[type-arg]
             return list.__contains__(self, item)
 
 
-def _torch_loads(optim: Any) -> bool:
+def _torch_loads(optim: Any, *, hooks_after: bool = False) -> bool:
     """Whether ``optim.load_state_dict`` is torch's own, or a wrapper's (Accelerate's) handing
-    the dict to torch's own in its ``optimizer``, with no pre-hook that would see the dict."""
+    the dict to torch's own in its ``optimizer``, with no pre-hook that would see the dict (nor,
+    with ``hooks_after``, a post-hook that would see the state before the load's last touch)."""
     own = torch.optim.Optimizer.load_state_dict
     inner = optim if type(optim).load_state_dict is own else getattr(optim, "optimizer", None)
     if not isinstance(inner, torch.optim.Optimizer) or type(inner).load_state_dict is not own:
         return False
-    return not any(getattr(o, "_optimizer_load_state_dict_pre_hooks", None) for o in (optim, inner))
+    hooks = ("_optimizer_load_state_dict_pre_hooks",) + (
+        ("_optimizer_load_state_dict_post_hooks",) if hooks_after else ()
+    )
+    return not any(getattr(o, h, None) for o in (optim, inner) for h in hooks)
 
 
 def strings_apart(sd: dict[str, Any]) -> tuple[dict[str, Any], dict[tuple[Any, str], Any]]:
@@ -245,8 +259,8 @@ def _load_with_strings(optim: Any, sd: dict[str, Any], strings: Mapping[tuple[An
     inner = optim if type(optim).load_state_dict is torch.optim.Optimizer.load_state_dict else optim.optimizer
     saved_ids = [p for g in sd["param_groups"] for p in g["params"]]
     params = dict(zip(saved_ids, (p for g in inner.param_groups for p in g["params"])))
-    for (pid, key), value in strings.items():
-        inner.state[params[pid]][key] = value if isinstance(value, str) else type(value)(value)
+    for (pid, key), value in strings.items():  # each built anew from the checkpoint: no copy needed
+        inner.state[params[pid]][key] = value
 
 
 def _members_as_sets(sd: dict[str, Any]) -> dict[str, Any]:

@@ -373,17 +373,14 @@ class Planner(OptimizerPlanning):
 
 
 def _typed_like(live: Any, value: Any) -> Any:
-    """``value``, its tuples of the live value's own tuple type where it has one built from one
-    iterable (a ``torch.Size``; a named tuple, taking its items one by one, is left a tuple),
-    in dicts and lists too."""
+    """``value``, its tuples a ``torch.Size`` where the live value holds one there, in dicts and
+    lists too (other tuple subclasses are left tuples: a named tuple built from one list would
+    take it whole as its first field)."""
     if isinstance(value, dict) and isinstance(live, Mapping):
         return {k: _typed_like(live.get(k), v) for k, v in value.items()} if live else value
     if not isinstance(value, (list, tuple)) or not isinstance(live, (list, tuple)):
         return value
     items = [_typed_like(x, v) for x, v in zip(live, value)] if len(live) == len(value) else list(value)
-    if type(value) is tuple and type(live) is not tuple and isinstance(live, tuple):
-        try:
-            return type(live)(items)
-        except Exception:
-            return tuple(items)
+    if type(value) is tuple and isinstance(live, torch.Size):
+        return torch.Size(items) if all(type(x) is int for x in items) else tuple(items)
     return items if type(value) is list else tuple(items)

@@ -12,7 +12,7 @@ import concurrent.futures as cf
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from stashpoint._core.naming import step_dir
@@ -101,7 +101,13 @@ class RemoteTier:
         except (OSError, CheckpointError) as e:  # the remote tier is a second copy: training goes on
             problem = f"{type(e).__name__}: {e}"
         self.uploader = Uploader(
-            local, self.remote, on_result=self._result, on_committed=self._retain, node_local=node_local
+            local,
+            self.remote,
+            on_result=self._result,
+            on_committed=self._retain,
+            node_local=node_local,
+            retry=self._failed_to_retry if rank == 0 else None,
+            on_dropped=self._give_up,
         )
         if self.uploader.ctx.world > 1:  # the catch-up below starts before any save could install it
             teardown.install()
@@ -124,6 +130,32 @@ class RemoteTier:
             self._pending.update(todo)
         self._track(self.uploader.catch_up(todo))
 
+    def _failed_to_retry(self) -> tuple[list[int], list[int]]:
+        """(Rank 0, on the upload thread, as an upload is about to go up) the steps whose uploads
+        failed that are to go up after it, and those to give up on: gone from the local root, or
+        steps the remote retention would delete at once."""
+        with self._lock:
+            failed = sorted(self._failed - self._pending.keys())
+        if not failed:
+            return [], []
+        try:  # never raised: the ranks wait for the decision this goes with
+            local = set(committed_steps(self.local))
+            todo = [s for s in failed if s in local]
+            if self.retention is not None and todo:
+                keep = self._remote_keeps(self.retention, local, committed_steps(self.remote, self._known))
+                todo = [s for s in todo if s in keep]
+        except (OSError, CheckpointError) as e:  # the tiers cannot say now: asked again at the next upload
+            log.info("stashpoint: the failed uploads are not retried yet: %s", e)
+            return [], []
+        return todo, [s for s in failed if s not in todo]
+
+    def _give_up(self, steps: list[int]) -> None:
+        """Failed uploads no longer kept for (the remote retention would not keep them)."""
+        with self._lock:
+            self._failed.difference_update(steps)
+        if self.on_ended is not None:
+            self.on_ended()
+
     def _missing(self, rewound: Rewind | None) -> list[int]:
         """Local steps the remote tier lacks and would keep (rank 0, at open); its steps above a
         rewind it has not seen (``rewound``) are another run's, about to be moved aside."""
@@ -132,10 +164,14 @@ class RemoteTier:
         missing = [s for s in local if s not in remote]
         if self.retention is None or not missing:
             return missing
-        everything = sorted(set(local) | set(remote))
-        held = set(local)  # a step only the remote tier holds has its metrics there
-        keep = retained(everything, lambda s: self.metrics(s, self.local if s in held else self.remote), self.retention)
+        keep = self._remote_keeps(self.retention, set(local), remote)
         return [s for s in missing if s in keep]
+
+    def _remote_keeps(self, retention: Retention, local: set[int], remote: Iterable[int]) -> set[int]:
+        """The steps the remote ``retention`` keeps of those both tiers hold between them (a step
+        only the remote tier holds has its metrics there)."""
+        everything = sorted(local | set(remote))
+        return retained(everything, lambda s: self.metrics(s, self.local if s in local else self.remote), retention)
 
     def submit(self, step: int, after: cf.Future[Any]) -> None:
         with self._lock:

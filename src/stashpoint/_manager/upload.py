@@ -1,12 +1,14 @@
 """What a rank copies to the remote tier, and the copy itself, checked against the checkpoint's
 checksums as it goes: a local copy damaged since its save must fail its upload, not replace a
-good remote step under the remote retention."""
+good remote step under the remote retention. And what rank 0 decides from every rank's view
+before an upload."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from stashpoint._core.format import CHECKSUM_BLOCK_BYTES, Chunk, FileEntry, Manifest, checksum
 from stashpoint._load.manifest import read_head, read_index
@@ -134,3 +136,26 @@ def _read(src: Storage, name: str, lo: int, hi: int) -> bytes:
 def _unchecked(src: Storage, name: str, lo: int, hi: int) -> Iterator[bytes]:
     for at in range(lo, hi, COPY_BLOCK):
         yield _read(src, name, at, min(at + COPY_BLOCK, hi))
+
+
+@dataclass(frozen=True)
+class UploadStart:
+    """A rank's view before an upload: kind "skip" (detail: why), "done", "ok" or "error"
+    (detail: why)."""
+
+    seq: int
+    step: int
+    kind: str
+    detail: Any
+    held: tuple[tuple[int, int], ...] | None = None  # node-local: the saved ranks its node holds whole
+
+
+def decide(starts: Sequence[UploadStart]) -> tuple[str, Any]:
+    """Rank 0: what every rank does about an upload, from every rank's view of it."""
+    if len({(u.seq, u.step) for u in starts}) > 1:
+        odd = [(r, u) for r, u in enumerate(starts) if (u.seq, u.step) != (starts[0].seq, starts[0].step)]
+        seen = ", ".join(f"rank {r}: upload #{u.seq} of step {u.step}" for r, u in [(0, starts[0]), *odd[:8]])
+        return ("broken", f"the ranks' uploads are out of step ({seen})")
+    if any(u.kind == "skip" for u in starts):
+        return ("skip", None)
+    return (starts[0].kind, starts[0].detail)

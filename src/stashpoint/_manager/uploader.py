@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from stashpoint._core.naming import MANIFEST_NAME, step_dir
@@ -27,7 +26,7 @@ from stashpoint._load.manifest import read_head
 from stashpoint._manager.holdings import held_ranks
 from stashpoint._manager.rewindmark import Rewind, clear_rewind, mark_rewind
 from stashpoint._manager.steps import committed_steps, move_aside, quietly
-from stashpoint._manager.upload import copy_file, own_files
+from stashpoint._manager.upload import UploadStart, copy_file, decide, own_files
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError, ReplicaError
 
@@ -47,17 +46,6 @@ def _take_slot() -> int:
         n = next(i for i in itertools.count() if i not in _slots)
         _slots.add(n)
         return n
-
-
-def _decide(starts: Sequence[UploadStart]) -> tuple[str, Any]:
-    """Rank 0: what every rank does about an upload, from every rank's view of it."""
-    if len({(u.seq, u.step) for u in starts}) > 1:
-        odd = [(r, u) for r, u in enumerate(starts) if (u.seq, u.step) != (starts[0].seq, starts[0].step)]
-        seen = ", ".join(f"rank {r}: upload #{u.seq} of step {u.step}" for r, u in [(0, starts[0]), *odd[:8]])
-        return ("broken", f"the ranks' uploads are out of step ({seen})")
-    if any(u.kind == "skip" for u in starts):
-        return ("skip", None)
-    return (starts[0].kind, starts[0].detail)
 
 
 def _commit_copy(src: Storage, dst: Storage, outcomes: Sequence[Outcome]) -> int:
@@ -106,12 +94,20 @@ class Uploader:
         on_result: Callable[[int, bool | None], None] | None = None,
         on_committed: Callable[[int], None] | None = None,
         node_local: bool = False,
+        retry: Callable[[], tuple[list[int], list[int]]] | None = None,
+        on_dropped: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.local = local
         self.remote = remote
         self.node_local = node_local  # ``local`` is this node's own root: each rank copies what its node holds
         self.on_result = on_result
         self.on_committed = on_committed
+        # (rank 0) the failed steps to upload again once an upload commits, and those to give up
+        # on (the remote retention would not keep them); sent with that upload's decision
+        self.retry = retry
+        self.on_dropped = on_dropped
+        self._again: tuple[list[int], list[int]] = ([], [])
+        self._retrying = False
         self._slot = _take_slot()
         self._purpose = f"upload-{self._slot}"  # a group of its own: two managers' uploads never interleave
         self._ctx = _dist.context(None, UPLOAD_TIMEOUT_S, purpose=self._purpose) or DistContext.solo()
@@ -208,6 +204,8 @@ class Uploader:
         uploaded: bool | None = None
         try:
             uploaded = self._upload(step, after, seq)
+            if uploaded and not self._retrying:
+                self._upload_again(seq)
             return bool(uploaded)
         except BaseException:
             self._suspect = self.ctx.rank == 0
@@ -218,6 +216,32 @@ class Uploader:
                     self.on_result(step, uploaded)
                 except Exception:
                     log.exception("stashpoint: bookkeeping after the upload of step %d failed", step)
+
+    def _upload_again(self, seq: int) -> None:
+        """After an upload committed (the remote tier answers again): the steps whose uploads
+        failed before, as rank 0 listed them with its decision (every rank alike, in step)."""
+        (todo, dropped), self._again = self._again, ([], [])
+        if dropped and self.on_dropped is not None:  # the remote retention would delete them at once
+            self.on_dropped(dropped)
+        if not todo:
+            return
+        log.info("stashpoint: the remote tier %s answers again: uploading step(s) %s", self.remote.location, todo)
+        self._retrying = True
+        try:
+            self._catch_up(todo, seq)
+        finally:
+            self._retrying = False
+
+    def _to_retry(self) -> tuple[list[int], list[int]]:
+        """(Rank 0) the failed steps to upload after this upload, and those given up on; none
+        while retrying, or once a preempted job's last step goes first (it ends soon)."""
+        if self.retry is None or self._retrying or self.superseded_below is not None:
+            return [], []
+        try:  # never raised before the broadcast: the other ranks wait in it
+            return self.retry()
+        except Exception:
+            log.exception("stashpoint: listing the failed uploads to retry failed")
+            return [], []
 
     def _upload(self, step: int, after: cf.Future[Any] | None, seq: int) -> bool | None:
         """Whether ``step`` was uploaded (False: nothing to upload; None: left for later)."""
@@ -237,14 +261,16 @@ class Uploader:
         starts: list[UploadStart] | None = self._collective(
             self.ctx.gather, "upload start", UploadStart(seq, step, kind, detail, held)
         )
-        decision = _decide(starts) if starts is not None else None
+        decision = decide(starts) if starts is not None else None
         parts = None  # node-local: the saved ranks each rank copies, from what its node holds
         if starts is not None and decision is not None and decision[0] == "ok" and self.node_local:
             parts, missing = upload_parts(decision[1], [u.held or () for u in starts])
             if missing:
                 shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
                 decision = ("error", f"no node holds the files of saved rank(s) {shown} whole")
-        kind, detail = self._broadcast("upload decision", decision)
+        again = self._to_retry() if decision is not None and decision[0] == "ok" else ([], [])
+        told = self._broadcast("upload decision", None if decision is None else (*decision, again))
+        kind, detail, self._again = told
         if kind == "broken":
             self._broken = CollectiveError(detail)
             raise CheckpointError(f"uploading step {step} failed: {self._broken}")
@@ -356,18 +382,6 @@ class Uploader:
             self._broken = e
             _dist.forget(self._ctx)
             raise
-
-
-@dataclass(frozen=True)
-class UploadStart:
-    """A rank's view before an upload: kind "skip" (detail: why), "done", "ok" or "error"
-    (detail: why)."""
-
-    seq: int
-    step: int
-    kind: str
-    detail: Any
-    held: tuple[tuple[int, int], ...] | None = None  # node-local: the saved ranks its node holds whole
 
 
 def _held(src: Storage) -> tuple[tuple[int, int], ...]:

@@ -211,6 +211,11 @@ def optimizer_problem(sd: Any, optim: torch.optim.Optimizer, *, other_class: boo
             return f"the state of parameter {p} is not a dict keyed by strings"
         for k, v in entry.items():
             items = v if isinstance(v, (list, tuple)) else (v,)  # LBFGS keeps its history in lists
+            if any(isinstance(x, str) for x in items) and any(isinstance(x, torch.Tensor) for x in items):
+                return (
+                    f"the state {k!r} of parameter {p} mixes strings and tensors, which torch's load_state_dict "
+                    "turns into a generator's name; keep them apart"
+                )
             if not all(_state_value(x) for x in items):
                 return (
                     f"the state {k!r} of parameter {p} is a {type(v).__name__}, not a tensor, a number, a flag, "

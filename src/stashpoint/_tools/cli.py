@@ -352,16 +352,27 @@ def import_command(*, src: Path, path: str, overwrite: bool, strip_prefix: tuple
     from stashpoint._core.units import human_bytes
     from stashpoint._tools.convert import import_checkpoint
 
+    before = _save_id(path)  # --overwrite: the old checkpoint's manifest stays until the new one commits
     try:
         res = import_checkpoint(src, path, overwrite=overwrite, strip_prefix=strip_prefix)
     except KeyboardInterrupt:
-        from stashpoint._core.naming import MANIFEST_NAME
-
-        done = Path(path, MANIFEST_NAME).is_file()
+        done = _save_id(path) not in (None, before)
         raise KeyboardInterrupt(
             f"{path} was committed before it stopped" if done else f"nothing was committed at {path}"
         ) from None
     echo(f"imported {res.kind} {src}: {res.tensors} tensor(s), {human_bytes(res.bytes)}, to {res.path}")
+
+
+def _save_id(path: str) -> str | None:
+    """The save id of the checkpoint committed at ``path``, None where none is (or it is unreadable)."""
+    from stashpoint._load.manifest import read_summary
+    from stashpoint._storage import storage_for
+    from stashpoint.errors import CheckpointError
+
+    try:
+        return str(read_summary(storage_for(path))["save_id"])
+    except (CheckpointError, OSError, ValueError):
+        return None
 
 
 # ---------------------------------------------------------------------------------------------

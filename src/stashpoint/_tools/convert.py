@@ -313,10 +313,13 @@ def import_checkpoint(
 
 def _own_refusal(e: BaseException) -> CheckpointError | None:
     """The error of stashpoint's own that DCP's reader wrapped in its ``CheckpointException``
-    (whose ``failures`` map each rank to its error and traceback), if one was not damage."""
+    (whose ``failures`` map each rank to its error and traceback), if one was not damage; a
+    Ctrl-C it wrapped is raised again."""
     failures = getattr(e, "failures", None)
     for failure in failures.values() if isinstance(failures, dict) else ():
         cause = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(cause, KeyboardInterrupt):  # Ctrl-C while DCP read: wrapped by its reader like a failure
+            raise KeyboardInterrupt from None
         if isinstance(cause, CheckpointError) and not isinstance(cause, CorruptCheckpointError):
             return cause
     return e if isinstance(e, CheckpointError) and not isinstance(e, CorruptCheckpointError) else None

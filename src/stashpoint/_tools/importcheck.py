@@ -159,19 +159,31 @@ def _tensors(state: Any) -> Iterator[tuple[str, Any]]:
             yield key, node
 
 
-# torch's advice in a weights_only refusal (load with weights_only=False), never passed on: it
-# runs whatever the file asks for
+# what torch.load(weights_only=True) names when a file asks for a global it refuses: one not
+# allowed (a class of the user's), or one of a module it blocks (os.system)
+_GLOBAL = re.compile(
+    r"Unsupported global: GLOBAL \S+ was not an allowed global by default|unsupported GLOBAL \S+ whose module \S+ "
+    r"is blocked"
+)
+# the rest of its message: terminal escapes, and advice never passed on (weights_only=False
+# runs whatever the file asks for)
+_ESCAPES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _TORCH_ADVICE = re.compile(
     r"Weights only load failed\.?|In PyTorch 2\.6, we changed.*?trusted source\.|Check the documentation.*$|"
-    r"WeightsUnpickler error:",
+    r"Please file an issue with the following so that we can make `weights_only=True` compatible with your use "
+    r"case:",
     re.IGNORECASE,
 )
 
 
 def weights_only_refusal(e: BaseException) -> tuple[bool, str]:
-    """Whether torch.load(weights_only=True) refused ``e``'s file for what it asks to unpickle
-    (a global not allowed, a blocked module's: ``os.system``), rather than for bytes that are no
-    pickle at all; and torch's reason, without its advice to load with weights_only=False."""
-    text = " ".join(str(e).split())
-    why = " ".join(_TORCH_ADVICE.sub(" ", text).split())[:500] or type(e).__name__
-    return "unsupported global" in text.lower(), why
+    """Whether torch.load(weights_only=True) refused ``e``'s file for a global it asks for (a
+    class not allowed, a blocked module's function: ``os.system``), rather than for bytes that
+    are no pickle of allowed kinds at all; and torch's reason, without its advice to load with
+    weights_only=False."""
+    text = _ESCAPES.sub("", " ".join(str(e).split()))
+    found = _GLOBAL.search(text)
+    if found:
+        return True, found[0]
+    why = text.split("WeightsUnpickler error:", 1)[-1]
+    return False, " ".join(_TORCH_ADVICE.sub(" ", why).split())[:500] or type(e).__name__
