@@ -168,7 +168,7 @@ def test_a_manager_opened_on_the_remote_tier_during_an_upload_fails_that_upload_
     being uploaded: its clean-up at open takes the copied objects (no manifest yet) for a crash's
     leftover and deletes them. Before, the upload then committed a manifest over no files, and
     the local retention deleted the only good copy. Now the upload fails saying why, the local
-    copy stays, and the next manager uploads it whole."""
+    copy stays, and it goes up whole after the next upload that commits."""
     from stashpoint._manager import uploader
 
     commit = uploader._commit_copy
@@ -192,13 +192,10 @@ def test_a_manager_opened_on_the_remote_tier_during_an_upload_fails_that_upload_
         assert "were deleted or changed before the copy committed" in raised, raised
         assert "Open one manager per remote_root" in raised
         assert mgr.remote_steps() == []
+        assert mgr.steps() == [1], "step 1 is kept: its upload failed"
         mgr.save(2, _state(2)).wait()
-        mgr.wait()
-        assert mgr.steps() == [1, 2], "step 1 is kept: its upload failed"
-    monkeypatch.setattr(uploader, "_commit_copy", commit)
-    with stashpoint.CheckpointManager(tmp_path / "train", keep_last=1, remote_root=s3_url) as mgr:
-        mgr.wait()  # the catch-up at open uploads step 1 again
-        assert mgr.remote_steps() == [1, 2]
+        mgr.wait()  # step 2's upload commits, and step 1's goes up again after it, whole
+        assert mgr.steps() == [2] and mgr.remote_steps() == [1, 2]
     back = _empty()
     stashpoint.load(back, f"{s3_url}/step-00000001")
     assert _same(back, _state(1))
