@@ -1009,6 +1009,35 @@ def test_saves_with_a_remote_tier_after_the_interpreters_exit_began_upload_on_th
     assert all(stashpoint.verify(tmp_path / "remote" / step_dir(s)).ok for s in steps)
 
 
+_HUNG_AT_EXIT = """
+import sys, time, torch, stashpoint
+mgr = stashpoint.CheckpointManager(sys.argv[1], on_save=lambda stats: time.sleep(600))
+mgr.save(1, {"w": torch.zeros(8)})
+print("saved", flush=True)
+"""  # and the program ends, never closing the manager, its callback hung
+
+
+def test_ctrl_c_at_exit_with_a_hung_on_save_says_that_a_second_one_ends_the_program(tmp_path):
+    """Python's own exit then joins the callback's thread: one Ctrl-C stops stashpoint's wait,
+    not Python's. Before, nothing said so and the program seemed to ignore Ctrl-C."""
+    env = _env()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HUNG_AT_EXIT, str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "saved\n"
+    time.sleep(1.5)  # at exit, waiting for the callback
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.5)
+    assert proc.poll() is None, "Python itself still waits for the callback's thread"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert "press Ctrl-C again to end the program now" in err, err[-2000:]
+
+
 def test_settling_a_manager_at_exit_says_what_it_waits_for_once_it_takes_long(tmp_path, caplog):
     """A program that seemed to hang at its end printed nothing: the exit hook waits for the
     saves and callbacks of a manager never closed, and now says so past its mark."""

@@ -169,6 +169,12 @@ def _drain_at_exit() -> None:
             try:
                 settle(mgr, say_after=30.0)
             except KeyboardInterrupt:  # Ctrl-C: stop waiting, let the other exit hooks run
+                log.warning(
+                    "stashpoint: stopped waiting for the CheckpointManager on %s; Python still waits for the threads "
+                    "running its work (a save, an upload, an on_save call): press Ctrl-C again to end the program "
+                    "now (a save cut short is cleaned up at the next start)",
+                    mgr.root,
+                )
                 return
             except Exception:  # the program is ending: said, not raised
                 log.exception("stashpoint: at exit, waiting for the manager on %s failed", mgr.root)
