@@ -790,7 +790,7 @@ def test_an_upload_backlog_is_warned_of_as_it_grows_not_at_every_save(tmp_path, 
                     mgr.save(step, {"w": torch.ones(4)}).wait()
                 assert said() == [4, 9, 19, 4]
                 assert "uploads are slower than saves" in caplog.records[-1].getMessage()
-                for step, f in held[:]:  # every upload fails: no slowness, a manager opened later uploads them
+                for step, f in held[:]:  # every upload fails: no slowness, retried after one commits
                     mgr._tier._result(step, None)
                     f.set_result(None)
                 held.clear()
@@ -798,7 +798,7 @@ def test_an_upload_backlog_is_warned_of_as_it_grows_not_at_every_save(tmp_path, 
                     mgr.save(step, {"w": torch.ones(4)}).wait()
                 assert said()[-1] == 9, said()
                 last = caplog.records[-1].getMessage()
-                assert "5 of them failed to upload and wait for a manager opened later" in last, last
+                assert "5 of them failed to upload and are tried again after the next upload that commits" in last, last
         finally:
             uploader.submit = real
             for _, f in held:  # else closing waits for them

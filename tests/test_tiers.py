@@ -574,3 +574,31 @@ def test_steps_whose_uploads_failed_go_up_once_the_remote_tier_answers_again(tmp
         out = _state(0)
         stashpoint.load(out, tmp_path / "remote" / f"step-{s:08d}")
         assert torch.equal(out["w"], _state(s)["w"])
+
+
+def test_a_failed_upload_that_fails_again_whenever_the_remote_answers_is_retried_a_few_times(tmp_path, caplog):
+    """A local copy damaged since its save fails every upload (its checksums): before the cap it
+    was copied again, and removed, after every upload that committed, for the rest of the run."""
+    from stashpoint._manager.tiers import MAX_RETRIES
+
+    local, remote = tmp_path / "nvme", _Unreachable(tmp_path / "remote")
+    with stashpoint.CheckpointManager(local, keep_last=1, remote_root=remote) as mgr:
+        _Unreachable.down = True
+        try:
+            mgr.save(2, _state(2)).wait()
+            with pytest.raises(stashpoint.CheckpointError, match="uploading step 2"):
+                mgr.wait()
+        finally:
+            _Unreachable.down = False
+        shard = next((local / "step-00000002").glob("shard-*"))
+        data = bytearray(shard.read_bytes())
+        data[-100] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        with caplog.at_level(logging.INFO, logger="stashpoint"):
+            for step in range(3, 4 + MAX_RETRIES + 2):
+                mgr.save(step, _state(step)).wait()
+                mgr.wait()  # a retry's failure is logged, not raised: the step's own upload committed
+        tries = caplog.text.count("answers again: uploading step(s) [2]")
+        assert tries == MAX_RETRIES, caplog.text[-3000:]
+        assert caplog.text.count("tried no more by this run") == 1
+        assert 2 in mgr.steps() and 2 in mgr._tier.protected() and 2 not in mgr.remote_steps()

@@ -43,7 +43,7 @@ def apply_retention(mgr: CheckpointManager) -> None:
         steps = mgr.steps()
         keep = retained(steps, mgr._metrics.of, mgr.retention) | mgr._awaiting.steps()
         if mgr._tier is not None:
-            keep |= mgr._tier.protected()  # not uploaded yet (pending, or failed: uploaded at next open)
+            keep |= mgr._tier.protected()  # not uploaded yet (pending, or failed: tried again)
         if mgr._nodes is not None and mgr._replicas > 0:
             keep |= newest_recoverable(mgr.storage, steps)
         for step in steps:

@@ -26,6 +26,9 @@ from stashpoint.errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
 
+#: How many times a run uploads again a step whose upload failed, each after an upload that committed.
+MAX_RETRIES = 3
+
 #: Warn when more than this many local steps wait for their upload (uploads slower than saves).
 BACKLOG_WARNING = 3
 
@@ -86,7 +89,8 @@ class RemoteTier:
         self._lock = threading.Lock()
         teardown.watch(self)  # a program's destroy_process_group() waits for its uploads
         self._pending: collections.Counter[int] = collections.Counter()  # uploads queued, per step
-        self._failed: set[int] = set()  # steps whose upload failed: kept for a later manager to upload
+        self._failed: set[int] = set()  # steps whose upload failed: kept until one commits
+        self._retried: collections.Counter[int] = collections.Counter()  # (rank 0) retries sent, per step
         self._known: set[int] = set()  # remote steps found committed (their manifests not asked again)
         self._backlog = Doubling(BACKLOG_WARNING)  # when a growing upload backlog is said
         todo: list[int] = []
@@ -118,8 +122,8 @@ class RemoteTier:
         problem = problem or first
         if problem is not None:
             log.warning(
-                "stashpoint: the remote tier %s cannot be reached now (%s); the local steps are kept until a "
-                "manager opened later uploads them, and this run's uploads are tried as it saves",
+                "stashpoint: the remote tier %s cannot be reached now (%s); the local steps are kept until they "
+                "are uploaded (after this run's first upload that commits, or by a manager opened later)",
                 self.remote.location,
                 problem,
             )
@@ -147,7 +151,23 @@ class RemoteTier:
         except (OSError, CheckpointError) as e:  # the tiers cannot say now: asked again at the next upload
             log.info("stashpoint: the failed uploads are not retried yet: %s", e)
             return [], []
-        return todo, [s for s in failed if s not in todo]
+        dropped = [s for s in failed if s not in todo]
+        # a copy that fails whenever the remote tier answers (damaged, no node holds it whole) is
+        # not copied again after every upload: kept for a manager opened later
+        spent = [s for s in todo if self._retried[s] >= MAX_RETRIES]
+        todo = [s for s in todo if self._retried[s] < MAX_RETRIES]
+        self._retried.update(todo)
+        for s in spent:
+            if self._retried[s] == MAX_RETRIES:
+                self._retried[s] += 1  # said once
+                log.warning(
+                    "stashpoint: the upload of step %d to %s failed %d more time(s) after the remote tier answered "
+                    "again; it stays on the local tier, tried no more by this run (a manager opened later tries it)",
+                    s,
+                    self.remote.location,
+                    MAX_RETRIES,
+                )
+        return todo, dropped
 
     def _give_up(self, steps: list[int]) -> None:
         """Failed uploads no longer kept for (the remote retention would not keep them)."""
@@ -185,7 +205,7 @@ class RemoteTier:
                 "tier)",
                 backlog,
                 self.remote.location,
-                f"{failed} of them failed to upload and wait for a manager opened later"
+                f"{failed} of them failed to upload and are tried again after the next upload that commits"
                 if failed
                 else "uploads are slower than saves",
             )

@@ -83,7 +83,7 @@ class Uploader:
     submit the same steps on every rank in the same order. ``on_result(step, uploaded)`` is
     called on the uploader thread after each step: True once its remote copy committed, False
     when there was nothing to upload (the save failed or was skipped), None when the upload
-    failed (the step is uploaded again when a manager next opens the root).
+    failed (the step is uploaded again after a later upload commits, or by a manager opened later).
     """
 
     def __init__(
@@ -222,7 +222,10 @@ class Uploader:
         failed before, as rank 0 listed them with its decision (every rank alike, in step)."""
         (todo, dropped), self._again = self._again, ([], [])
         if dropped and self.on_dropped is not None:  # the remote retention would delete them at once
-            self.on_dropped(dropped)
+            try:
+                self.on_dropped(dropped)
+            except Exception:  # bookkeeping: the retries below go on alike on every rank
+                log.exception("stashpoint: letting go of the failed uploads of step(s) %s failed", dropped)
         if not todo:
             return
         log.info("stashpoint: the remote tier %s answers again: uploading step(s) %s", self.remote.location, todo)
@@ -310,7 +313,7 @@ class Uploader:
                 quietly(dst.best_effort().remove_tree)  # every rank is done with it
             raise CheckpointError(
                 f"uploading step {step} to {dst.location} failed: {e}. The local copy at {src.location} is "
-                "kept; the step is uploaded again when a manager opens this root next time."
+                "kept; the step is uploaded again after the next upload that commits, or by a manager opened later."
             ) from e.local
         log.info(
             "stashpoint: uploaded step %d to %s (%.1f MB in %.2f s)",
