@@ -11,6 +11,7 @@ Modules keep no mutable globals of their own; they ask for a slot::
 from __future__ import annotations
 
 import atexit
+import concurrent.futures as cf
 import gc
 import inspect
 import logging
@@ -102,6 +103,23 @@ def exiting_on_error() -> bool:
     if getattr(sys.excepthook, "__stashpoint__", False):
         return bool(_uncaught) and _uncaught[0] is last
     return True  # another hook was installed after ours (rich, IPython's)
+
+
+def submit_or_run(pool: cf.Executor, fn: Callable[..., T], *args: Any) -> cf.Future[T]:
+    """``fn(*args)`` on ``pool``, or here and now where the pool takes no more work: the
+    interpreter's exit stops every pool before its atexit hooks and the threads the program
+    left running end, and work started then (a save, its writes, its upload, its callback, its
+    retention) runs on the calling thread. The future holds the result or the error either way."""
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:
+        pass
+    done: cf.Future[T] = cf.Future()
+    try:
+        done.set_result(fn(*args))
+    except Exception as e:  # kept for whoever waits on it, as the pool keeps it
+        done.set_exception(e)
+    return done
 
 
 def shutdown() -> None:

@@ -218,14 +218,21 @@ def _torch_loads(optim: Any, *, hooks_after: bool = False) -> bool:
     """Whether ``optim.load_state_dict`` is torch's own, or a wrapper's (Accelerate's) handing
     the dict to torch's own in its ``optimizer``, with no pre-hook that would see the dict (nor,
     with ``hooks_after``, a post-hook that would see the state before the load's last touch)."""
-    own = torch.optim.Optimizer.load_state_dict
-    inner = optim if type(optim).load_state_dict is own else getattr(optim, "optimizer", None)
-    if not isinstance(inner, torch.optim.Optimizer) or type(inner).load_state_dict is not own:
+    inner = _torch_optimizer(optim)
+    if inner is None:
         return False
     hooks = ("_optimizer_load_state_dict_pre_hooks",) + (
         ("_optimizer_load_state_dict_post_hooks",) if hooks_after else ()
     )
     return not any(getattr(o, h, None) for o in (optim, inner) for h in hooks)
+
+
+def _torch_optimizer(optim: Any) -> torch.optim.Optimizer | None:
+    """The optimizer whose own ``load_state_dict`` is torch's: ``optim``, or the one a wrapper
+    (Accelerate's) hands the dict to in its ``optimizer``; None where neither is."""
+    own = torch.optim.Optimizer.load_state_dict
+    inner = optim if type(optim).load_state_dict is own else getattr(optim, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) and type(inner).load_state_dict is own else None
 
 
 def strings_apart(sd: dict[str, Any]) -> tuple[dict[str, Any], dict[tuple[Any, str], Any]]:
@@ -256,7 +263,7 @@ def _load_with_strings(optim: Any, sd: dict[str, Any], strings: Mapping[tuple[An
     optim.load_state_dict(sd)
     if not strings:
         return
-    inner = optim if type(optim).load_state_dict is torch.optim.Optimizer.load_state_dict else optim.optimizer
+    inner = _torch_optimizer(optim) or optim  # (always torch's: planned only where _torch_loads)
     saved_ids = [p for g in sd["param_groups"] for p in g["params"]]
     params = dict(zip(saved_ids, (p for g in inner.param_groups for p in g["params"])))
     for (pid, key), value in strings.items():  # each built anew from the checkpoint: no copy needed

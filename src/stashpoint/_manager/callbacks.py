@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from stashpoint import _runtime
 from stashpoint._core.policy import Doubling
 from stashpoint._manager import retention
 from stashpoint.errors import CheckpointError
@@ -57,10 +58,7 @@ def call_on_save(
             finally:
                 after.set_result(None)
 
-    try:
-        mgr._callbacks.submit(call)
-    except RuntimeError:
-        call()
+    _runtime.submit_or_run(mgr._callbacks, call)
 
 
 #: Steps waiting for their ``on_save`` call above which the manager warns (again at each doubling).

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from stashpoint import _runtime
 from stashpoint._core.naming import RECOVERABLE_NAME, step_dir
 from stashpoint._manager.steps import delete_step, retained
 from stashpoint._storage import Storage
@@ -29,11 +30,8 @@ def retain_later(mgr: CheckpointManager) -> None:
     """Apply the retention rules on the manager's thread (called under ``mgr._lock``). At
     interpreter exit, a save still ending in a manager never closed finds that thread gone
     (the interpreter stops its pools first): the rules are applied here and now."""
-    try:
-        mgr._deletions = [f for f in mgr._deletions if not f.done()]  # they never fail: nothing to keep
-        mgr._deletions.append(mgr._deleter.submit(apply_retention, mgr))
-    except RuntimeError:
-        apply_retention(mgr)
+    mgr._deletions = [f for f in mgr._deletions if not f.done()]  # they never fail: nothing to keep
+    mgr._deletions.append(_runtime.submit_or_run(mgr._deleter, apply_retention, mgr))
 
 
 def apply_retention(mgr: CheckpointManager) -> None:

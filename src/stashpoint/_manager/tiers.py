@@ -235,7 +235,7 @@ class RemoteTier:
             self._pending[step] -= 1
             if self._pending[step] <= 0:
                 del self._pending[step]
-            # failed: the local copy stays until a later manager uploads it; uploaded: what a
+            # failed: the local copy stays until an upload of it commits; uploaded: what a
             # failure kept is there now (a new save of the step after the failed copy was set
             # aside); nothing to upload (a save refused, skipped or failed) changes neither
             if uploaded is None:

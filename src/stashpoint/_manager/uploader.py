@@ -14,8 +14,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
+from stashpoint import _runtime
 from stashpoint._core.naming import MANIFEST_NAME, step_dir
 from stashpoint._core.nodeplan import expand, ranges, upload_parts
 from stashpoint._dist import group as _dist
@@ -31,7 +32,6 @@ from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError, ReplicaError
 
 log = logging.getLogger("stashpoint")
-T = TypeVar("T")
 
 #: Collectives of an upload wait for the slowest rank's copy: far longer than a save's steps.
 UPLOAD_TIMEOUT_S = 3600.0
@@ -112,7 +112,6 @@ class Uploader:
         self._purpose = f"upload-{self._slot}"  # a group of its own: two managers' uploads never interleave
         self._ctx = _dist.context(None, UPLOAD_TIMEOUT_S, purpose=self._purpose) or DistContext.solo()
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stashpoint-upload")
-        self._closed = False  # shut down by its manager (not by the interpreter's exit)
         self._broken: CollectiveError | None = None
         self._seq = 0
         # (rank 0) a rewind's remote steps, moved aside by the first upload from this sequence
@@ -132,7 +131,7 @@ class Uploader:
         """Upload ``step`` once ``after`` (its local save) has succeeded; the future tells whether
         a copy was made (False: the save failed or was skipped, so there was nothing to upload)."""
         self._seq += 1
-        return self._run(self._one, step, after, self._seq)
+        return _runtime.submit_or_run(self._executor, self._one, step, after, self._seq)
 
     def note_rewind(self, mark: Rewind, *, since: int | None = None, write: bool = True) -> None:
         """(Rank 0) a save went back to step ``mark.above`` without moving the remote tier's
@@ -156,23 +155,7 @@ class Uploader:
         """Upload the steps in ``todo``, the same list on every rank (rank 0's, sent at open):
         those a crash or a failed upload left behind."""
         self._seq += 1
-        return self._run(self._catch_up, todo, self._seq)
-
-    def _run(self, fn: Callable[..., T], *args: Any) -> cf.Future[T]:
-        """``fn(*args)`` on the upload thread; here and now where the interpreter's exit hooks
-        stopped the pool already (a save from an ``atexit`` hook, or from a thread the main
-        thread left running), as the other background work of a manager does then."""
-        try:
-            return self._executor.submit(fn, *args)
-        except RuntimeError:
-            if self._closed:
-                raise
-        done: cf.Future[T] = cf.Future()
-        try:
-            done.set_result(fn(*args))
-        except Exception as e:  # kept for wait(), as the pool keeps it
-            done.set_exception(e)
-        return done
+        return _runtime.submit_or_run(self._executor, self._catch_up, todo, self._seq)
 
     @property
     def ctx(self) -> DistContext:
@@ -183,7 +166,6 @@ class Uploader:
         return self._ctx
 
     def shutdown(self) -> None:
-        self._closed = True
         try:
             self._executor.shutdown(wait=True)
         finally:

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import xxhash
 
+from stashpoint import _runtime
 from stashpoint._storage import FileWriter, Storage
 
 WRITE_BLOCK = 64 * 1024 * 1024  # bytes per write() call of a coalesced run
@@ -121,16 +122,6 @@ def _write_file(
 T = TypeVar("T")
 
 
-def _here(fn: Callable[..., T], *args: Any) -> cf.Future[T]:
-    """``fn(*args)`` run now, as a future holding its result or its error."""
-    done: cf.Future[T] = cf.Future()
-    try:
-        done.set_result(fn(*args))
-    except Exception as e:
-        done.set_exception(e)
-    return done
-
-
 def write_files(
     storage: Storage,
     writes: Sequence[ShardWrite],
@@ -167,10 +158,7 @@ def write_files(
     futures: list[cf.Future[dict[str, tuple[str, ...]]]] = []
     with cf.ThreadPoolExecutor(max_workers=n, thread_name_prefix="stashpoint-write") as pool:
         for w in writes:
-            try:
-                futures.append(pool.submit(_write_file, storage, w, memory, block, progress))
-            except RuntimeError:  # the interpreter is exiting and starts no thread: the rest here
-                futures.append(_here(_write_file, storage, w, memory, block, progress))
+            futures.append(_runtime.submit_or_run(pool, _write_file, storage, w, memory, block, progress))
         cf.wait(futures)
     for f in futures:
         sums.update(f.result())
