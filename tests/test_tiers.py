@@ -602,3 +602,39 @@ def test_a_failed_upload_that_fails_again_whenever_the_remote_answers_is_retried
         assert tries == MAX_RETRIES, caplog.text[-3000:]
         assert caplog.text.count("tried no more by this run") == 1
         assert 2 in mgr.steps() and 2 in mgr._tier.protected() and 2 not in mgr.remote_steps()
+
+
+class _WritesFail(LocalStorage):
+    """A remote tier that lists but takes no writes while ``down`` (a full or read-only bucket)."""
+
+    down = False
+
+    def open_writer(self, name, size):  # type: ignore[no-untyped-def]
+        if _WritesFail.down:
+            raise OSError(28, "No space left on device")
+        return super().open_writer(name, size)
+
+    def child(self, name):  # type: ignore[no-untyped-def]
+        return _WritesFail(self.root / name)
+
+
+def test_retries_listed_with_uploads_that_fail_are_not_counted(tmp_path, caplog):
+    """A retry is counted as it starts. Before, each upload's decision counted the failed steps
+    it listed, and uploads that failed themselves never ran them: after a few, the first failed
+    step was "tried no more" without one try, and stayed on the local tier."""
+    from stashpoint._manager.tiers import MAX_RETRIES
+
+    with stashpoint.CheckpointManager(tmp_path / "nvme", keep_last=1, remote_root=_WritesFail(tmp_path / "r")) as mgr:
+        _WritesFail.down = True
+        try:
+            for step in range(2, 4 + MAX_RETRIES):
+                mgr.save(step, _state(step)).wait()
+                with pytest.raises(stashpoint.CheckpointError, match=f"uploading step {step}"):
+                    mgr.wait()
+        finally:
+            _WritesFail.down = False
+        with caplog.at_level(logging.INFO, logger="stashpoint"):
+            mgr.save(9, _state(9)).wait()
+            mgr.wait()
+        assert "tried no more" not in caplog.text
+        assert mgr.remote_steps() == [*range(2, 4 + MAX_RETRIES), 9] and mgr.steps() == [9]

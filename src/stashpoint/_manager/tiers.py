@@ -90,7 +90,9 @@ class RemoteTier:
         teardown.watch(self)  # a program's destroy_process_group() waits for its uploads
         self._pending: collections.Counter[int] = collections.Counter()  # uploads queued, per step
         self._failed: set[int] = set()  # steps whose upload failed: kept until one commits
-        self._retried: collections.Counter[int] = collections.Counter()  # (rank 0) retries sent, per step
+        # (rank 0) retries started, per step: counted as they start, not as they are listed (the
+        # upload they were listed with may fail, and they with it, untried)
+        self._retried: collections.Counter[int] = collections.Counter()
         self._known: set[int] = set()  # remote steps found committed (their manifests not asked again)
         self._backlog = Doubling(BACKLOG_WARNING)  # when a growing upload backlog is said
         todo: list[int] = []
@@ -112,6 +114,7 @@ class RemoteTier:
             node_local=node_local,
             retry=self._failed_to_retry if rank == 0 else None,
             on_dropped=self._give_up,
+            on_retrying=self._retried.update if rank == 0 else None,
         )
         if self.uploader.ctx.world > 1:  # the catch-up below starts before any save could install it
             teardown.install()
@@ -156,7 +159,6 @@ class RemoteTier:
         # not copied again after every upload: kept for a manager opened later
         spent = [s for s in todo if self._retried[s] >= MAX_RETRIES]
         todo = [s for s in todo if self._retried[s] < MAX_RETRIES]
-        self._retried.update(todo)
         for s in spent:
             if self._retried[s] == MAX_RETRIES:
                 self._retried[s] += 1  # said once

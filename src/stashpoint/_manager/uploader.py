@@ -96,6 +96,7 @@ class Uploader:
         node_local: bool = False,
         retry: Callable[[], tuple[list[int], list[int]]] | None = None,
         on_dropped: Callable[[list[int]], None] | None = None,
+        on_retrying: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.local = local
         self.remote = remote
@@ -106,6 +107,7 @@ class Uploader:
         # on (the remote retention would not keep them); sent with that upload's decision
         self.retry = retry
         self.on_dropped = on_dropped
+        self.on_retrying = on_retrying  # (rank 0) the retries ``retry`` listed are starting
         self._again: tuple[list[int], list[int]] = ([], [])
         self._retrying = False
         self._slot = _take_slot()
@@ -211,6 +213,11 @@ class Uploader:
         if not todo:
             return
         log.info("stashpoint: the remote tier %s answers again: uploading step(s) %s", self.remote.location, todo)
+        if self.on_retrying is not None:
+            try:
+                self.on_retrying(todo)
+            except Exception:  # bookkeeping: the retries below go on alike on every rank
+                log.exception("stashpoint: counting the retries of step(s) %s failed", todo)
         self._retrying = True
         try:
             self._catch_up(todo, seq)
