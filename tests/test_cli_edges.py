@@ -160,6 +160,59 @@ def test_a_pickle_calling_os_system_is_refused_for_what_it_asks_without_torchs_a
     assert not marker.exists() and not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
+def test_a_damaged_value_in_a_dcp_checkpoint_is_damage_as_in_a_torch_save_file(tmp_path: Path) -> None:
+    """Before, bytes no pickle at all in a DCP value were called objects torch refuses (with the
+    advice to load the checkpoint with torch), where the same bytes in a torch.save file are damage."""
+    import torch.distributed.checkpoint as dcp
+
+    from stashpoint._tools.convert import import_checkpoint
+
+    def damage(f: Path) -> None:
+        data = bytearray(f.read_bytes())
+        data[data.find(b"run-42") - 5] = 0xFF  # an opcode of the value's pickle
+        f.write_bytes(bytes(data))
+
+    state = {"w": torch.ones(3), "x": {"name": "run-42"}}
+    torch.save(state, tmp_path / "t.pt")
+    dcp.save(state, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    damage(tmp_path / "t.pt")
+    damage(next((tmp_path / "ck").glob("*.distcp")))
+    with pytest.raises(stashpoint.CorruptCheckpointError, match=r"not a readable torch\.save file"):
+        import_checkpoint(tmp_path / "t.pt", tmp_path / "o1")
+    with pytest.raises(stashpoint.CorruptCheckpointError, match=r"could not read the DCP .* 'x\.name' is not a"):
+        import_checkpoint(tmp_path / "ck", tmp_path / "o2")
+
+
+def test_dcp_metadata_of_a_torch_before_transform_descriptors_is_checked(tmp_path: Path, monkeypatch) -> None:
+    """torch 2.6's _StorageInfo has no transform_descriptors, and a newer torch pickles it only
+    when set: read back under 2.6 the attribute is missing (emulated: the class's default taken
+    away, each place's attributes its own), and before, every DCP import failed on it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from stashpoint._tools import dcpread
+
+    dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    metadata = dcp.FileSystemReader(str(tmp_path / "ck")).read_metadata()
+    monkeypatch.delattr(_StorageInfo, "transform_descriptors")
+    for index, info in metadata.storage_data.items():
+        old = object.__new__(_StorageInfo)
+        old.__dict__.update(relative_path=info.relative_path, offset=info.offset, length=info.length)
+        metadata.storage_data[index] = old
+    dcpread._check_places(metadata, tmp_path / "ck")  # before: AttributeError
+
+
+def test_the_writer_process_boot_takes_no_module_from_the_working_directory(tmp_path: Path) -> None:
+    """Python 3.10 has no -P: a python -c puts the working directory first on sys.path, where
+    a training directory's types.py would shadow the standard library's in the writer."""
+    from stashpoint._save.writerchild import BOOT
+
+    (tmp_path / "types.py").write_text("raise SystemExit('the working directory shadowed types')\n")
+    boot = BOOT.split("pkg = ")[0] + "print(types.__file__)\n"  # its lines before the writer starts
+    r = subprocess.run([sys.executable, "-c", boot], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and str(tmp_path) not in r.stdout, (r.stdout, r.stderr)
+
+
 _INTERRUPTED_IMPORT = """
 import sys, torch, stashpoint
 from pathlib import Path

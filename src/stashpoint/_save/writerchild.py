@@ -257,7 +257,10 @@ def main(fd: int, ppid: int, nice: int = 0) -> None:
 
 #: How ``_writerproc`` starts this module without importing torch (argv: package dir, fd, ppid, nice).
 BOOT = (
-    "import sys, types\n"
+    "import sys\n"
+    # Python 3.10 has no -P: the working directory, first on sys.path, must not shadow the stdlib
+    "if sys.path and sys.path[0] == '': del sys.path[0]\n"
+    "import types\n"
     "pkg = types.ModuleType('stashpoint')\n"
     "pkg.__path__ = [sys.argv[1]]\n"
     "sys.modules['stashpoint'] = pkg\n"

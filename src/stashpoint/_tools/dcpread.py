@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from stashpoint._tools.importcheck import check_pickle, check_torch_file, open_regular, weights_only_refusal
-from stashpoint.errors import CheckpointError
+from stashpoint.errors import CheckpointError, CorruptCheckpointError
 
 MAX_METADATA_BYTES = 256 << 20  # or 1/16 of the data, for checkpoints of very many chunks
 _MODULES = {  # module -> the names a DCP .metadata may name in it (None: any class of the module)
@@ -251,10 +251,9 @@ def _check_places(metadata: Any, root: Path) -> None:
         offset, length = info.offset, info.length
         if not (type(offset) is int and type(length) is int and offset >= 0 and 0 <= length <= sizes[name] - offset):
             raise ValueError(f"the DCP metadata places {index} at bytes {offset!r}+{length!r} of {name}, past its end")
-        if info.transform_descriptors:
-            raise ValueError(
-                f"{index} is stored transformed ({info.transform_descriptors!r}); stashpoint imports plain DCP"
-            )
+        transforms = getattr(info, "transform_descriptors", None)  # a field since torch 2.7
+        if transforms:
+            raise ValueError(f"{index} is stored transformed ({transforms!r}); stashpoint imports plain DCP")
     promised = 0
     for key, entry in metadata.state_dict_metadata.items():
         if isinstance(entry, TensorStorageMetadata):
@@ -300,7 +299,10 @@ def _plain_value(value: io.BytesIO, key: str) -> Any:
     try:
         return torch.load(value, weights_only=True)
     except pickle.UnpicklingError as e:
-        why = weights_only_refusal(e)[1][:300]
+        refused, why = weights_only_refusal(e)
+        why = why[:300]
+        if not refused:  # no pickle of allowed kinds at all: damaged bytes
+            raise CorruptCheckpointError(f"the DCP value {key!r} is not a readable pickle ({why})") from None
         raise CheckpointError(
             f"the DCP value {key!r} holds objects torch.load(weights_only=True) refuses ({why}); stashpoint never "
             "runs code from a file: load the checkpoint with torch yourself if you trust it"
