@@ -23,7 +23,7 @@ import torch
 from stashpoint._core.format import Manifest
 from stashpoint._core.nodes import Node, decode_plain, is_plain, join, tensor_keys
 from stashpoint._load import trial
-from stashpoint._load.optimplan import OptimizerPlanning, names_params
+from stashpoint._load.optimplan import OptimizerPlanning, names_params, wrapped_optimizer_load
 from stashpoint._load.restoreplan import (
     Read,
     RestorePlan,
@@ -367,7 +367,11 @@ class Planner(OptimizerPlanning):
             # numbers torch's state_dict() gives, which load_state_dict keeps as _init_scale
             self.plan.finalizers.append((where, lambda: live.load_state_dict(scaler_load_state(built))))
             return
-        self.plan.finalizers.append((where, lambda: live.load_state_dict(built)))
+        load, why = wrapped_optimizer_load(live, built)
+        if why is not None:
+            self.plan.problems.append(f"{self._name(where)}: {why}")
+            return
+        self.plan.finalizers.append((where, load or (lambda: live.load_state_dict(built))))
         if trial.is_torch_scheduler(live):
             self.plan.checks.append((where, lambda: trial.scheduler(live, built)))
 

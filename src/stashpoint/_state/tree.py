@@ -142,8 +142,9 @@ def template_problem(t: torch.Tensor) -> str | None:
         )
     if _elements_overlap(local_tensor(t) if is_dtensor(t) else t):
         return (
-            "a view whose elements share memory (an expand, unfold or as_strided window), so a load cannot write "
-            "into it; give the state a tensor with its own memory (t.clone())"
+            "a view whose elements share memory, or may (an expand, unfold or as_strided window; past "
+            f"{_EXACT_OVERLAP_ELEMENTS:,} elements an irregular one is not told apart), so a load cannot write into "
+            "it; give the state a tensor with its own memory (t.clone())"
         )
     return None
 
