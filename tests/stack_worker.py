@@ -220,6 +220,22 @@ def differences(a: dict, b: dict, where: str = "") -> list[str]:
     return out
 
 
+def strided_boxes_differ(cell: Cell) -> tuple[int, list[str]]:
+    """How many parameters are strided, and those whose box (torch's helper) differs from the
+    box of torch's public placement, the fall-back of a torch without the helper."""
+    from stashpoint._state import dtensor
+
+    strided, differ = 0, []
+    for name, p in cell.model.named_parameters():
+        placements = tuple(getattr(p, "placements", ()))
+        if any(dtensor.is_strided(x) for x in placements):
+            strided += 1
+            args = (tuple(p.shape), p.device_mesh, placements)
+            if dtensor._strided_box(*args) != dtensor._public_box(*args):
+                differ.append(name)
+    return strided, differ
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("phase", choices=["straight", "first", "resume"])
@@ -261,6 +277,7 @@ def main() -> None:
 
             ctxs = list(_group._contexts().values())
             result["planned"] = "described" if any(c.plans_described for c in ctxs) else "general"
+            result["strided"], result["boxes_differ"] = strided_boxes_differ(cell)
             if rank == 0:
                 torch.save({"model": msd, "optim": ostate}, d / "ref.pt")
                 saved = stashpoint.read(d / "ckpt")

@@ -18,3 +18,22 @@ def test_managers_one_after_another_share_their_groups_and_survive_a_shutdown(tm
         assert r["cycled"] == 3, r  # the saves', the preemption's and the uploads' groups, once each
         assert r["after_shutdown"] == 0, r
         assert r["local"] == [3] and r["remote"] == [1, 2, 3], r
+
+
+def test_a_torch_that_ignores_lazy_gloo_connection_is_said_once(monkeypatch, caplog):
+    """torch reads TORCH_GLOO_LAZY_INIT from 2.8 on; the range allows 2.6, where a large
+    stashpoint group would connect every pair of ranks without a word."""
+    import logging
+
+    import torch
+
+    from stashpoint._dist import gloo
+
+    monkeypatch.setattr(gloo, "_eager_said", False)
+    with caplog.at_level(logging.WARNING, logger="stashpoint"):
+        gloo._warn_if_eager()
+        assert not caplog.text, "this torch connects lazily"
+        monkeypatch.setattr(torch, "__version__", "2.7.1+cu126")
+        gloo._warn_if_eager()
+        gloo._warn_if_eager()
+    assert caplog.text.count("torch 2.7.1+cu126 connects every pair of ranks") == 1

@@ -104,6 +104,7 @@ def test_resume_in_fresh_processes_with_a_fresh_optimizer_continues_bit_for_bit(
     first = phase("first", tmp_path, model, par, n, "--dcp", *flags)
     if n > 1:  # the first plan from descriptions, except where FSDP2 strides over TP's shards
         assert {r["planned"] for r in first} == {"general" if par == "tp2d" else "described"}, first
+        assert all(r["boxes_differ"] == [] and (r["strided"] > 0) == (par == "tp2d") for r in first), first
     assert first[0]["read_vs_dcp_helpers"] == [], "stashpoint.read differs from DCP's get_*_state_dict"
     resumed = phase("resume", tmp_path, model, par, n, *flags)
     assert resumed[0]["vs_ref"] == [], "the loaded state differs from the saved one"

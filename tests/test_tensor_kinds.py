@@ -237,3 +237,31 @@ def test_a_torch_size_in_the_state_comes_back_a_torch_size(tmp_path):
     state = {"p": point(0, 0), "q": point(0), "w": torch.zeros(2)}
     stashpoint.load(state, tmp_path / "nt")  # a named tuple would take a list whole as its first field
     assert state["p"] == (1, 2) and state["q"] == (7,) and type(state["p"]) is tuple
+
+
+def test_a_dtype_this_torch_lacks_is_an_old_torch_not_damage(tmp_path, monkeypatch, caplog):
+    """A checkpoint saved under a newer torch holds a dtype an older one lacks (emulated: the
+    name taken out of this torch's table). Before, that was "unknown dtype": corruption, and
+    the manager's restore moved the sound steps aside as damaged."""
+    from stashpoint._state import dtypes
+
+    param = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    opt.state[param]["momentum_buffer"] = torch.ones(4, dtype=torch.float8_e8m0fnu)
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=None) as mgr:
+        mgr.save(1, {"opt": opt}).wait()
+    stashpoint.save({"x": torch.ones(2, dtype=torch.float8_e8m0fnu)}, tmp_path / "ck")
+    monkeypatch.delitem(dtypes._BY_NAME, "float8_e8m0fnu")
+    with pytest.raises(CheckpointError, match=r"dtype float8_e8m0fnu, which torch .* does not have") as e:
+        stashpoint.read(tmp_path / "ck")
+    assert not isinstance(e.value, stashpoint.CorruptCheckpointError)
+    fresh = torch.optim.SGD([torch.nn.Parameter(torch.ones(4))], lr=0.1, momentum=0.9)
+    with (
+        stashpoint.CheckpointManager(tmp_path / "run", keep_last=None) as mgr,
+        pytest.raises(CheckpointError, match="saved with a newer torch"),
+    ):
+        mgr.restore({"opt": fresh})
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("step-")) == ["step-00000001"]
+    monkeypatch.undo()
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=None) as mgr:
+        assert mgr.restore({"opt": fresh}) == 1  # the same step with the newer torch

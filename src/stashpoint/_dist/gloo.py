@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -39,6 +40,24 @@ LAZY_FROM_RANKS = 256
 
 
 _naming_lock = threading.Lock()
+_eager_said = False
+
+
+def _warn_if_eager() -> None:
+    """torch reads ``TORCH_GLOO_LAZY_INIT`` from 2.8 on: before, a large group connects every
+    pair of its ranks as it is made, and nothing says so. Said once per process."""
+    global _eager_said
+    import torch
+
+    if _eager_said or tuple(int(x) for x in torch.__version__.split(".")[:2] if x.isdigit()) >= (2, 8):
+        return
+    _eager_said = True
+    logging.getLogger("stashpoint").warning(
+        "stashpoint: torch %s connects every pair of ranks of a gloo group as it is made (lazy connection needs "
+        "torch 2.8 or newer): at thousands of ranks each stashpoint group opens a socket to every other rank and "
+        "may exhaust file descriptors or time out; upgrade torch for jobs this large",
+        torch.__version__,
+    )
 
 
 @contextmanager
@@ -88,6 +107,7 @@ def gloo_group(lazy: bool | None = None, name: str | None = None, **kwargs: Any)
             return gloo_group(lazy, **kwargs)
     if not lazy:
         return dist.new_group(backend="gloo", **kwargs)
+    _warn_if_eager()
     with _lazy_lock:  # the variable is read as the group is made: set around it alone
         before = os.environ.get("TORCH_GLOO_LAZY_INIT")
         if before is None:

@@ -98,8 +98,8 @@ def _strided_box(
 
     try:
         from torch.distributed.tensor._utils import _get_shard_size_and_offsets as shard_of
-    except ImportError:  # pragma: no cover - older torch: no way to place the shard
-        shard_of = None  # type: ignore[assignment]
+    except ImportError:  # pragma: no cover - a torch before the helper
+        return _public_box(global_shape, mesh, placements)
     shape = list(global_shape)
     indices: dict[int, torch.Tensor] = {}
     coords = mesh.get_coordinate()  # type: ignore[attr-defined]
@@ -107,7 +107,7 @@ def _strided_box(
         dim = getattr(p, "dim", None)
         if dim is None:  # Replicate
             continue
-        if shard_of is None or coords is None:
+        if coords is None:
             raise UnsupportedStateError(f"DTensor placements {list(placements)} cannot be placed with this torch")
         size, index = shard_of(
             shape[dim], mesh.size(mesh_dim), coords[mesh_dim], p, indices.get(dim), global_shape[dim], False  # type: ignore[attr-defined,arg-type]
@@ -125,6 +125,18 @@ def _strided_box(
                 "as a shard. Redistribute it (t.redistribute(placements=...)) to Shard/Replicate placements."
             )
         offsets[dim] = ids[0] if ids else global_shape[dim]  # an empty shard: where torch puts it
+    return tuple(shape), tuple(offsets)
+
+
+def _public_box(
+    global_shape: tuple[int, ...], mesh: object, placements: tuple[object, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box torch's public placement gives a ``_StridedShard`` DTensor: where a torch lacks
+    the helper :func:`_strided_box` asks, the box its own DCP saves. Right for FSDP2 over tensor
+    parallelism (what it was written for); there each rank's rows are one block, unchecked."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)  # type: ignore[arg-type]
     return tuple(shape), tuple(offsets)
 
 

@@ -25,10 +25,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def torch_dtype(name: object, where: str) -> torch.dtype:
-    """The torch dtype called ``name`` in a checkpoint; unknown names are corruption."""
-    if not isinstance(name, str) or name not in _BY_NAME:
-        raise CorruptCheckpointError(f"unknown dtype {name!r} in {where}")
-    return _BY_NAME[name]
+    """The torch dtype called ``name`` in a checkpoint. A name the format lists that this torch
+    lacks (saved under a newer torch) is not damage: the checkpoint is sound, the torch too old."""
+    if isinstance(name, str) and name in _BY_NAME:
+        return _BY_NAME[name]
+    if isinstance(name, str) and name in ITEMSIZE:
+        raise CheckpointError(
+            f"{where} holds dtype {name}, which torch {torch.__version__} does not have: the checkpoint was saved "
+            "with a newer torch; load it with that torch (or a newer one)"
+        )
+    raise CorruptCheckpointError(f"unknown dtype {name!r} in {where}")
 
 
 def empty_for(key: str, dtype: object, shape: tuple[int, ...], device: Any = None) -> torch.Tensor:

@@ -34,7 +34,8 @@ try:
     from torchtitan.config.override import derive, override
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "stashpoint.integrations.torchtitan needs torchtitan 0.3: pip install 'stashpoint[torchtitan]'"
+        f"stashpoint.integrations.torchtitan needs torchtitan 0.3 and a torch it runs on ({e}): "
+        "pip install 'stashpoint[torchtitan]', with the torch torchtitan's release names"
     ) from e
 
 from stashpoint._core.naming import MANIFEST_NAME, parse_step_dir, step_dir
