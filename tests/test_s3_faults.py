@@ -209,3 +209,44 @@ def test_open_uploads_are_listed_page_by_page_without_an_empty_marker():
     control = Pages()
     assert list_uploads(control, "b", "p/", retry_seconds=1) == [("p/a", "1"), ("p/b", "2")]
     assert control.asked[1] == {"Bucket": "b", "Prefix": "p/", "KeyMarker": "p/a"}
+
+
+def test_a_failed_upload_is_retried_after_an_outage_that_took_writes_only(proxy, s3_url, tmp_path):
+    """A full bucket: listings answer, every PUT fails, for four saves. Each failing upload
+    used up a retry of the steps failed before it (counted as listed, never run): step 2 was
+    said "tried no more" untried and stayed on the local tier for the run."""
+    with stashpoint.CheckpointManager(tmp_path / "nvme", keep_last=1, remote_root=s3_url) as mgr:
+        mgr.save(1, _state(1)).wait()
+        mgr.wait()
+        proxy.set([{"match": r"^PUT .*/shard-", "action": "status", "status": 500}])
+        for step in (2, 3, 4, 5):
+            mgr.save(step, _state(step)).wait()
+            with pytest.raises(CheckpointError, match=f"uploading step {step}"):
+                mgr.wait()
+        proxy.set([])
+        mgr.save(6, _state(6)).wait()
+        mgr.wait()
+        assert mgr.remote_steps() == [1, 2, 3, 4, 5, 6] and mgr.steps() == [6]
+
+
+def test_an_upload_that_fails_while_its_clean_up_fails_too_says_the_upload_failed(proxy, s3_url, tmp_path):
+    """Before, the check after a failed upload (is the manifest there?) raised its own S3 error,
+    which replaced the upload's: a manifest read failing, no step, no word of the local copy."""
+    with stashpoint.CheckpointManager(tmp_path / "nvme", keep_last=1, remote_root=s3_url) as mgr:
+        mgr.save(1, _state(1)).wait()
+        mgr.wait()
+        head = r"^HEAD .*step-00000002/manifest"
+        proxy.set(
+            [
+                {"match": head, "action": "pass", "times": 1},
+                {"match": head, "action": "status", "status": 503},
+                {"match": r"^PUT .*step-00000002/", "action": "status", "status": 500},
+            ]
+        )
+        mgr.save(2, _state(2)).wait()
+        with pytest.raises(CheckpointError, match=r"uploading step 2 .* failed: .*local copy .* is kept"):
+            mgr.wait()
+        proxy.set([])
+        mgr.save(3, _state(3)).wait()
+        mgr.wait()
+        assert mgr.remote_steps() == [1, 2, 3]

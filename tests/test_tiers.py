@@ -8,6 +8,7 @@ import logging
 import re
 import shutil
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -638,3 +639,45 @@ def test_retries_listed_with_uploads_that_fail_are_not_counted(tmp_path, caplog)
             mgr.wait()
         assert "tried no more" not in caplog.text
         assert mgr.remote_steps() == [*range(2, 4 + MAX_RETRIES), 9] and mgr.steps() == [9]
+
+
+class _StepFails(LocalStorage):
+    """A remote tier that refuses the files of the steps named in ``failing``."""
+
+    failing: ClassVar[set[str]] = set()
+
+    def open_writer(self, name, size):  # type: ignore[no-untyped-def]
+        if self.root.name in _StepFails.failing:
+            raise OSError(5, "Input/output error")
+        return super().open_writer(name, size)
+
+    def child(self, name):  # type: ignore[no-untyped-def]
+        return _StepFails(self.root / name)
+
+
+def test_a_step_saved_again_after_a_rewind_has_retries_of_its_own(tmp_path, caplog):
+    """The count of retries went by the step's number: a copy saved again after a rewind had
+    none left from the copy before it, and was never retried."""
+    remote = _StepFails(tmp_path / "r")
+    with stashpoint.CheckpointManager(tmp_path / "nvme", keep_last=1, remote_root=remote) as mgr:
+        try:
+            for step in range(1, 9):
+                _StepFails.failing = {"step-00000005"} if step == 5 else _StepFails.failing
+                mgr.save(step, _state(step)).wait()
+                if step == 5:
+                    with pytest.raises(stashpoint.CheckpointError, match="uploading step 5"):
+                        mgr.wait()
+            mgr.wait()
+            assert "tried no more" in caplog.text and 5 not in mgr.remote_steps()
+            mgr.restore(_state(0), step=4)
+            mgr.save(5, _state(50)).wait()
+            with pytest.raises(stashpoint.CheckpointError, match="uploading step 5"):
+                mgr.wait()
+        finally:
+            _StepFails.failing = set()
+        mgr.save(6, _state(60)).wait()
+        mgr.wait()
+        assert mgr.remote_steps() == [1, 2, 3, 4, 5, 6]
+    out = _state(0)
+    stashpoint.load(out, tmp_path / "r" / "step-00000005")
+    assert torch.equal(out["w"], _state(50)["w"])

@@ -157,18 +157,7 @@ class RemoteTier:
         dropped = [s for s in failed if s not in todo]
         # a copy that fails whenever the remote tier answers (damaged, no node holds it whole) is
         # not copied again after every upload: kept for a manager opened later
-        spent = [s for s in todo if self._retried[s] >= MAX_RETRIES]
         todo = [s for s in todo if self._retried[s] < MAX_RETRIES]
-        for s in spent:
-            if self._retried[s] == MAX_RETRIES:
-                self._retried[s] += 1  # said once
-                log.warning(
-                    "stashpoint: the upload of step %d to %s failed %d more time(s) after the remote tier answered "
-                    "again; it stays on the local tier, tried no more by this run (a manager opened later tries it)",
-                    s,
-                    self.remote.location,
-                    MAX_RETRIES,
-                )
         return todo, dropped
 
     def _give_up(self, steps: list[int]) -> None:
@@ -198,6 +187,7 @@ class RemoteTier:
     def submit(self, step: int, after: cf.Future[Any]) -> None:
         with self._lock:
             self._pending[step] += 1
+            self._retried.pop(step, None)  # a new copy of the step (after a rewind): its own retries
             backlog = len(self._pending.keys() | self._failed)
             failed = len(self._failed - self._pending.keys())
             louder = self._backlog.louder(backlog)
@@ -244,6 +234,15 @@ class RemoteTier:
                 self._failed.add(step)
             elif uploaded:
                 self._failed.discard(step)
+            spent = uploaded is None and self._retried[step] == MAX_RETRIES
+        if spent:  # (rank 0: its counts) as the last retry fails, not at a next upload the run may not have
+            log.warning(
+                "stashpoint: the upload of step %d to %s failed %d more time(s) after the remote tier answered "
+                "again; it stays on the local tier, tried no more by this run (a manager opened later tries it)",
+                step,
+                self.remote.location,
+                MAX_RETRIES,
+            )
         if self.on_ended is not None:
             self.on_ended()
 

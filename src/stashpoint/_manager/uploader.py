@@ -70,6 +70,13 @@ def _commit_copy(src: Storage, dst: Storage, outcomes: Sequence[Outcome]) -> int
     return sum(o.nbytes for o in outcomes)
 
 
+def _remove_uncommitted(dst: Storage) -> None:
+    """A remote copy whose upload failed: removed, unless its manifest made it (then it is whole)."""
+    plain = dst.best_effort()
+    if not plain.exists(MANIFEST_NAME):
+        plain.remove_tree()
+
+
 def _not_there(dst: Storage, copied: dict[str, int]) -> list[str]:
     """The names of ``copied`` (name: size) one listing of ``dst`` lacks, or shows at another size."""
     there = dst.sizes() if copied else {}
@@ -298,8 +305,8 @@ class Uploader:
                 outcome,
             )
         except RankFailure as e:
-            if ctx.rank == 0 and not dst.best_effort().exists(MANIFEST_NAME):
-                quietly(dst.best_effort().remove_tree)  # every rank is done with it
+            if ctx.rank == 0:
+                quietly(lambda: _remove_uncommitted(dst))  # every rank is done with it; a failing server said
             raise CheckpointError(
                 f"uploading step {step} to {dst.location} failed: {e}. The local copy at {src.location} is "
                 "kept; the step is uploaded again after the next upload that commits, or by a manager opened later."
