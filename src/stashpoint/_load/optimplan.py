@@ -5,7 +5,7 @@ tensors made like their parameters (DTensors read only this rank's slice), and t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -150,7 +150,13 @@ class OptimizerPlanning:
         else:
             plain, strings = strings_apart(sd)
             if strings and not _torch_loads(optim, hooks_after=True):
-                self.plan.problems.append(f"{self._name(where)}: {_garbled(optim, strings)}")
+                (pid, key), _ = next(iter(strings.items()))
+                self.plan.problems.append(
+                    f"{self._name(where)}: the saved state {key!r} of parameter {pid} holds a string, which torch's "
+                    f"load_state_dict (called by the {_stateful.class_name(optim)}'s own, or with load hooks) turns "
+                    "into a generator's name; keep it as a number or a flag, or load with strict=False to skip this "
+                    "optimizer's state (a fresh optimizer then starts afresh)"
+                )
                 return
             if not _torch_loads(optim):  # anyone else is handed the dict as it was (they may pickle it)
                 self.plan.finalizers.append((where, lambda: optim.load_state_dict(sd)))
@@ -206,31 +212,6 @@ class _Members(list):  # type: ignore[type-arg]
             return item in members
         except TypeError:
             return list.__contains__(self, item)
-
-
-def _garbled(optim: Any, strings: Mapping[tuple[Any, str], Any]) -> str:
-    (pid, key), _ = next(iter(strings.items()))
-    return (
-        f"the saved state {key!r} of parameter {pid} holds a string, which torch's load_state_dict (called by the "
-        f"{_stateful.class_name(optim)}'s own, or with load hooks) turns into a generator's name; keep it as a "
-        "number or a flag, or load with strict=False to skip this optimizer's state (a fresh optimizer starts afresh)"
-    )
-
-
-def wrapped_optimizer_load(live: Any, built: Any) -> tuple[Callable[[], None] | None, str | None]:
-    """For an object that is no torch optimizer but holds one in its ``optimizer`` (a user's
-    wrapper whose ``load_state_dict`` hands the dict on): how to load ``built`` with the strings
-    of its per-parameter state put back, or why it cannot be; (None, None) where no string is."""
-    if not (isinstance(built, dict) and isinstance(built.get("param_groups"), list)):
-        return None, None
-    if not isinstance(getattr(live, "optimizer", None), torch.optim.Optimizer):
-        return None, None
-    plain, strings = strings_apart(built)
-    if not strings:
-        return None, None
-    if not _torch_loads(live, hooks_after=True):
-        return None, _garbled(live, strings)
-    return (lambda: _load_with_strings(live, plain, strings)), None
 
 
 def _torch_loads(optim: Any, *, hooks_after: bool = False) -> bool:
