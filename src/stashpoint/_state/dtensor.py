@@ -131,11 +131,28 @@ def _strided_box(
 def _public_box(
     global_shape: tuple[int, ...], mesh: object, placements: tuple[object, ...]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The box torch's public placement gives a ``_StridedShard`` DTensor: where a torch lacks
-    the helper :func:`_strided_box` asks, the box its own DCP saves. Right for FSDP2 over tensor
-    parallelism (what it was written for); there each rank's rows are one block, unchecked."""
+    """The box torch's public placement gives a ``_StridedShard`` DTensor, where a torch lacks
+    the helper :func:`_strided_box` asks: the box its own DCP saves. Taken only for FSDP2 over
+    tensor parallelism, where each rank's rows are one block: each strided dim split by exactly
+    the plain shards of that dim on later mesh dims. Other layouts are refused, not guessed."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    from stashpoint.errors import UnsupportedStateError
+
+    sizes = [mesh.size(i) for i in range(len(placements))]  # type: ignore[attr-defined]
+    for i, p in enumerate(placements):
+        if not is_strided(p):
+            continue
+        dim = getattr(p, "dim", None)
+        later = math.prod(
+            sizes[j] for j in range(i + 1, len(placements)) if getattr(placements[j], "dim", None) == dim
+            and not is_strided(placements[j])
+        )
+        if mesh.get_coordinate() is None or getattr(p, "split_factor", None) != later:  # type: ignore[attr-defined]
+            raise UnsupportedStateError(
+                f"DTensor placements {list(placements)} cannot be placed with torch {torch.__version__}: only "
+                "FSDP2 over tensor parallelism can; upgrade torch or redistribute to Shard/Replicate placements"
+            )
     shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)  # type: ignore[arg-type]
     return tuple(shape), tuple(offsets)
 
