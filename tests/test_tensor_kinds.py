@@ -239,7 +239,8 @@ def test_a_torch_size_in_the_state_comes_back_a_torch_size(tmp_path):
     assert state["p"] == (1, 2) and state["q"] == (7,) and type(state["p"]) is tuple
 
 
-def test_a_dtype_this_torch_lacks_is_an_old_torch_not_damage(tmp_path, monkeypatch, caplog):
+@pytest.mark.skipif(not hasattr(torch, "float8_e8m0fnu"), reason="a torch before float8_e8m0fnu (2.7)")
+def test_a_dtype_this_torch_lacks_is_an_old_torch_not_damage(tmp_path, monkeypatch):
     """A checkpoint saved under a newer torch holds a dtype an older one lacks (emulated: the
     name taken out of this torch's table). Before, that was "unknown dtype": corruption, and
     the manager's restore moved the sound steps aside as damaged."""
@@ -265,3 +266,23 @@ def test_a_dtype_this_torch_lacks_is_an_old_torch_not_damage(tmp_path, monkeypat
     monkeypatch.undo()
     with stashpoint.CheckpointManager(tmp_path / "run", keep_last=None) as mgr:
         assert mgr.restore({"opt": fresh}) == 1  # the same step with the newer torch
+
+
+def test_a_counter_in_the_state_or_a_multisteplrs_milestones_comes_back_a_counter(tmp_path):
+    """Saved as a dict; before, it came back a dict: a MultiStepLR's closed form (step(epoch))
+    calls milestones.elements() and failed after a resume."""
+
+    def scheduler() -> torch.optim.lr_scheduler.MultiStepLR:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0)
+        return torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4, 4], gamma=0.5)
+
+    sched = scheduler()
+    for _ in range(3):
+        sched.optimizer.step()
+        sched.step()
+    stashpoint.save({"sched": sched, "counts": collections.Counter("abca")}, tmp_path / "ck")
+    state = {"sched": scheduler(), "counts": collections.Counter()}
+    stashpoint.load(state, tmp_path / "ck")
+    assert type(state["counts"]) is collections.Counter and state["counts"] == collections.Counter("abca")
+    assert type(state["sched"].milestones) is collections.Counter and state["sched"].milestones == sched.milestones
+    assert state["sched"]._get_closed_form_lr() == sched._get_closed_form_lr() == [0.5]

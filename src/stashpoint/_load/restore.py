@@ -15,6 +15,7 @@ object lacks are allocated. Modules and the top-level containers are matched key
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 from stashpoint._core.format import Manifest
 from stashpoint._core.nodes import Node, decode_plain, is_plain, join, tensor_keys
 from stashpoint._load import trial
-from stashpoint._load.optimplan import OptimizerPlanning, names_params, wrapped_optimizer_load
+from stashpoint._load.optimplan import OptimizerPlanning, names_params
 from stashpoint._load.restoreplan import (
     Read,
     RestorePlan,
@@ -367,21 +368,31 @@ class Planner(OptimizerPlanning):
             # numbers torch's state_dict() gives, which load_state_dict keeps as _init_scale
             self.plan.finalizers.append((where, lambda: live.load_state_dict(scaler_load_state(built))))
             return
-        load, why = wrapped_optimizer_load(live, built)
-        if why is not None:
-            self.plan.problems.append(f"{self._name(where)}: {why}")
-            return
-        self.plan.finalizers.append((where, load or (lambda: live.load_state_dict(built))))
+        built = _counters_like(live_sd, built)
+        self.plan.finalizers.append((where, lambda: live.load_state_dict(built)))
         if trial.is_torch_scheduler(live):
             self.plan.checks.append((where, lambda: trial.scheduler(live, built)))
 
 
+def _counters_like(live: Any, value: Any) -> Any:
+    """``value``, its dicts (in place) a ``Counter`` where the live state holds one there: a
+    MultiStepLR's milestones, whose closed form calls ``elements()``."""
+    if type(live) is collections.Counter and type(value) is dict:
+        return collections.Counter(value)
+    if isinstance(live, Mapping) and isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(v, dict) and k in live:
+                value[k] = _counters_like(live[k], v)
+    return value
+
+
 def _typed_like(live: Any, value: Any) -> Any:
-    """``value``, its tuples a ``torch.Size`` where the live value holds one there, in dicts and
-    lists too (other tuple subclasses are left tuples: a named tuple built from one list would
-    take it whole as its first field)."""
+    """``value``, its tuples a ``torch.Size`` and its dicts a ``Counter`` where the live value
+    holds one there, in dicts and lists too (other tuple subclasses are left tuples: a named
+    tuple built from one list would take it whole as its first field)."""
     if isinstance(value, dict) and isinstance(live, Mapping):
-        return {k: _typed_like(live.get(k), v) for k, v in value.items()} if live else value
+        out = {k: _typed_like(live.get(k), v) for k, v in value.items()} if live else value
+        return collections.Counter(out) if type(live) is collections.Counter else out
     if not isinstance(value, (list, tuple)) or not isinstance(live, (list, tuple)):
         return value
     items = [_typed_like(x, v) for x, v in zip(live, value)] if len(live) == len(value) else list(value)

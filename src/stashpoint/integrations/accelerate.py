@@ -47,7 +47,7 @@ from stashpoint._save.engine import async_save
 from stashpoint._save.handle import SaveHandle
 from stashpoint._state.dtypes import dtype_name, torch_dtype
 from stashpoint._state.rng import RNGState
-from stashpoint.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError
+from stashpoint.errors import CheckpointError, CheckpointNotFoundError, UnsupportedStateError
 from stashpoint.integrations._accelerate_folder import checkpoints, committed, held, then
 
 __all__ = ["accelerator_state", "load_state", "save_state"]
@@ -339,7 +339,7 @@ def _tensors(value: Any) -> Any:
         if _TENSOR in value:
             try:
                 dtype = torch_dtype(value[_TENSOR], "a dataloader's state")
-            except CorruptCheckpointError as e:
+            except CheckpointError as e:  # damaged, or a dtype of a newer torch
                 raise ValueError(str(e)) from None
             data, shape = value.get("data"), value.get("shape")
             if not (isinstance(data, bytes) and isinstance(shape, list) and all(_is_int(n) and n >= 0 for n in shape)):
