@@ -286,3 +286,23 @@ def test_a_counter_in_the_state_or_a_multisteplrs_milestones_comes_back_a_counte
     assert type(state["counts"]) is collections.Counter and state["counts"] == collections.Counter("abca")
     assert type(state["sched"].milestones) is collections.Counter and state["sched"].milestones == sched.milestones
     assert state["sched"]._get_closed_form_lr() == sched._get_closed_form_lr() == [0.5]
+
+    def sequential() -> torch.optim.lr_scheduler.SequentialLR:  # its schedulers' states in a list
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0)
+        first = torch.optim.lr_scheduler.ConstantLR(opt, factor=0.5, total_iters=2)
+        second = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4], gamma=0.5)
+        return torch.optim.lr_scheduler.SequentialLR(opt, [first, second], milestones=[3])
+
+    seq = sequential()
+    for _ in range(2):
+        seq.optimizer.step()
+        seq.step()
+    stashpoint.save({"sched": seq}, tmp_path / "seq")
+    state = {"sched": sequential()}
+    stashpoint.load(state, tmp_path / "seq")
+    for _ in range(3):  # past the switch, where SequentialLR takes the closed form
+        seq.optimizer.step()
+        seq.step()
+        state["sched"].optimizer.step()
+        state["sched"].step()
+    assert state["sched"].get_last_lr() == seq.get_last_lr()

@@ -375,14 +375,18 @@ class Planner(OptimizerPlanning):
 
 
 def _counters_like(live: Any, value: Any) -> Any:
-    """``value``, its dicts (in place) a ``Counter`` where the live state holds one there: a
-    MultiStepLR's milestones, whose closed form calls ``elements()``."""
+    """``value``, its dicts (in place, in dicts and lists) a ``Counter`` where the live state
+    holds one there: a MultiStepLR's milestones, whose closed form calls ``elements()``."""
     if type(live) is collections.Counter and type(value) is dict:
         return collections.Counter(value)
     if isinstance(live, Mapping) and isinstance(value, dict):
         for k, v in value.items():
-            if isinstance(v, dict) and k in live:
+            if isinstance(v, (dict, list)) and k in live:
                 value[k] = _counters_like(live[k], v)
+    elif isinstance(live, (list, tuple)) and isinstance(value, list) and len(live) == len(value):
+        for i, v in enumerate(value):  # a SequentialLR's schedulers' states
+            if isinstance(v, (dict, list)):
+                value[i] = _counters_like(live[i], v)
     return value
 
 
