@@ -233,14 +233,19 @@ def strided_boxes_differ(cell: Cell) -> tuple[int, list[str]]:
             args = (tuple(p.shape), p.device_mesh, placements)
             if dtensor._strided_box(*args) != dtensor._public_box(*args):
                 differ.append(name)
-            # a strided layout FSDP2 over TP does not make (rows 0,1,4,5 on one rank) is refused
+            # a strided layout FSDP2 over TP does not make (rows 0,1,4,5 on one rank), or an uneven one, is refused
+            from torch.distributed.tensor import Shard
             from torch.distributed.tensor.placement_types import _StridedShard
 
-            try:
-                dtensor._public_box((8,), p.device_mesh["dp"], (_StridedShard(0, split_factor=2),))
-                differ.append("a lone strided shard was placed")
-            except stashpoint.UnsupportedStateError:
-                pass
+            for shape, mesh, odd in (
+                ((8,), p.device_mesh["dp"], (_StridedShard(0, split_factor=2),)),
+                ((10,), p.device_mesh, (_StridedShard(0, split_factor=2), Shard(0))),  # uneven
+            ):
+                try:
+                    dtensor._public_box(shape, mesh, odd)
+                    differ.append(f"{odd} of {shape} was placed")
+                except stashpoint.UnsupportedStateError:
+                    pass
     return strided, differ
 
 

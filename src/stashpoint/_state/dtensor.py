@@ -134,7 +134,7 @@ def _public_box(
     """The box torch's public placement gives a ``_StridedShard`` DTensor, where a torch lacks
     the helper :func:`_strided_box` asks: the box its own DCP saves. Taken only for FSDP2 over
     tensor parallelism, where each rank's rows are one block: each strided dim split by exactly
-    the plain shards of that dim on later mesh dims. Other layouts are refused, not guessed."""
+    the plain shards of that dim on later mesh dims, and evenly. Other layouts are refused."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from stashpoint.errors import UnsupportedStateError
@@ -145,10 +145,13 @@ def _public_box(
             continue
         dim = getattr(p, "dim", None)
         later = math.prod(
-            sizes[j] for j in range(i + 1, len(placements)) if getattr(placements[j], "dim", None) == dim
-            and not is_strided(placements[j])
+            sizes[j]
+            for j in range(i + 1, len(placements))
+            if getattr(placements[j], "dim", None) == dim and not is_strided(placements[j])
         )
-        if mesh.get_coordinate() is None or getattr(p, "split_factor", None) != later:  # type: ignore[attr-defined]
+        # torch's public placement of an uneven split is wrong before the helper: even splits only
+        even = global_shape[dim] % (sizes[i] * later) == 0 if isinstance(dim, int) else False
+        if mesh.get_coordinate() is None or getattr(p, "split_factor", None) != later or not even:  # type: ignore[attr-defined]
             raise UnsupportedStateError(
                 f"DTensor placements {list(placements)} cannot be placed with torch {torch.__version__}: only "
                 "FSDP2 over tensor parallelism can; upgrade torch or redistribute to Shard/Replicate placements"
