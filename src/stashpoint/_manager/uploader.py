@@ -26,7 +26,7 @@ from stashpoint._dist.group import DistContext
 from stashpoint._load.manifest import read_head
 from stashpoint._manager.holdings import held_ranks
 from stashpoint._manager.rewindmark import Rewind, clear_rewind, mark_rewind
-from stashpoint._manager.steps import committed_steps, move_aside, quietly
+from stashpoint._manager.steps import committed_steps, move_aside
 from stashpoint._manager.upload import UploadStart, copy_file, decide, own_files
 from stashpoint._storage import Storage
 from stashpoint.errors import CheckpointError, ReplicaError
@@ -71,10 +71,14 @@ def _commit_copy(src: Storage, dst: Storage, outcomes: Sequence[Outcome]) -> int
 
 
 def _remove_uncommitted(dst: Storage) -> None:
-    """A remote copy whose upload failed: removed, unless its manifest made it (then it is whole)."""
-    plain = dst.best_effort()
-    if not plain.exists(MANIFEST_NAME):
-        plain.remove_tree()
+    """A remote copy whose upload failed: removed, unless its manifest made it (then it is whole).
+    A failure here is logged: the upload's own error is the one to raise."""
+    try:
+        plain = dst.best_effort()
+        if not plain.exists(MANIFEST_NAME):
+            plain.remove_tree()
+    except (OSError, CheckpointError) as e:
+        log.warning("stashpoint: removing the failed copy at %s failed: %s", dst.location, e)
 
 
 def _not_there(dst: Storage, copied: dict[str, int]) -> list[str]:
@@ -306,7 +310,7 @@ class Uploader:
             )
         except RankFailure as e:
             if ctx.rank == 0:
-                quietly(lambda: _remove_uncommitted(dst))  # every rank is done with it; a failing server said
+                _remove_uncommitted(dst)  # every rank is done with it
             raise CheckpointError(
                 f"uploading step {step} to {dst.location} failed: {e}. The local copy at {src.location} is "
                 "kept; the step is uploaded again after the next upload that commits, or by a manager opened later."

@@ -279,7 +279,7 @@ class _LoaderPosition:
         try:
             _tensors(sd["batches"])
         except ValueError as e:
-            return f"the position within the epoch is malformed: {e}"
+            return f"the position within the epoch cannot be read: {e}"
         return None
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
