@@ -168,6 +168,12 @@ def read_losses(d: Path, rank: int = 0) -> dict[int, float]:
     return out
 
 
+def first_step_from(path: Path, line: int) -> int:
+    """The step of line ``line`` of a losses log: the first a resumed run wrote, when ``line`` is
+    how many the killed run left. A run that started over (no checkpoint found) logs its first."""
+    return int(json.loads(path.read_text().splitlines()[line])["step"])
+
+
 def log_lines(path: Path) -> int:
     """How many lines ``path`` holds so far (0 before it exists)."""
     return len(path.read_text().splitlines()) if path.exists() else 0

@@ -16,7 +16,7 @@ import torch
 from accelerate.state import AcceleratorState
 
 import stashpoint
-from conftest import ROOT, log_lines, read_losses, sigkill_once
+from conftest import ROOT, first_step_from, log_lines, read_losses, sigkill_once
 from dist_util import free_port
 from stashpoint.integrations.accelerate import accelerator_state, load_state, save_state
 
@@ -55,7 +55,9 @@ def test_a_run_killed_mid_training_resumes_from_the_newest_step_and_trains_on_ex
     # kill -9 two steps after the save at step 6 was started (it crosses no epoch: 10 batches each)
     sigkill_once(proc, lambda: log_lines(killed / "losses-0.jsonl") >= 8)
     assert len(_losses(killed)) < 14
+    left = log_lines(killed / "losses-0.jsonl")
     _run([sys.executable, str(WORKER), str(killed), "14", "--manager", "--resume"])
+    assert first_step_from(killed / "losses-0.jsonl", left) > 1, "resumed from a step, not started over"
     assert _losses(killed) == _losses(straight), "the resumed run's losses differ from the uninterrupted run's"
     done = json.loads((killed / "done-0.json").read_text())
     assert done == json.loads((straight / "done-0.json").read_text())

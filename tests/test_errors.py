@@ -318,6 +318,25 @@ def test_a_write_failing_mid_save_commits_nothing_and_keeps_the_previous_checkpo
     assert torch.equal(out["w"], new["w"])
 
 
+class _CommitFails(LocalStorage):
+    def commit(self, name, data, *, exclusive=False):  # type: ignore[no-untyped-def]
+        raise OSError(28, "No space left on device")
+
+
+def test_an_overwrite_whose_commit_fails_leaves_the_checkpoint_it_would_replace_whole(tmp_path):
+    """The shards of the checkpoint an overwrite replaces go only once its manifest is in place:
+    a commit that fails (a full disk as the manifest is written) leaves the old one loadable."""
+    old = {"w": torch.arange(300_000, dtype=torch.float32)}
+    stashpoint.save(old, tmp_path / "ck", max_shard_bytes=600_000)
+    before = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    with pytest.raises(stashpoint.CheckpointError, match="No space left"):
+        stashpoint.save({"w": torch.zeros(300_000)}, _CommitFails(tmp_path / "ck"), overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before
+    out = {"w": torch.zeros(300_000)}
+    stashpoint.load(out, tmp_path / "ck")
+    assert torch.equal(out["w"], old["w"])
+
+
 class _RefusingStorage(LocalStorage):
     def commit(self, name, data, *, exclusive=False):
         raise stashpoint.CheckpointError("the test refuses this commit.")

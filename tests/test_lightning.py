@@ -16,7 +16,7 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import stashpoint
-from conftest import ROOT, log_lines, read_losses, sigkill_once
+from conftest import ROOT, first_step_from, log_lines, read_losses, sigkill_once
 from stashpoint.integrations.lightning import StashpointCheckpointIO
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
@@ -49,7 +49,9 @@ def test_a_run_killed_mid_fit_resumes_from_last_and_trains_on_exactly_as_an_unin
     sigkill_once(proc, lambda: log_lines(killed / "losses-0.jsonl") >= 8 * 3 + 3)
     assert (killed / "ckpts" / "last.ckpt" / "manifest.json").exists()
     assert len(_losses(killed)) < 48
+    left = log_lines(killed / "losses-0.jsonl")
     _run(killed, 6, "--resume")
+    assert first_step_from(killed / "losses-0.jsonl", left) >= 8 * 3, "resumed from epoch 3's checkpoint"
     assert _losses(killed) == _losses(straight), "the resumed run's losses differ from the uninterrupted run's"
     # ModelCheckpoint kept the best two and last (it removed the others through the plugin), each a
     # whole stashpoint checkpoint

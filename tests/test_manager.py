@@ -933,7 +933,7 @@ import os, sys, threading, time, torch, stashpoint
 from stashpoint._storage import LocalStorage
 base, how = sys.argv[1], sys.argv[2]
 if how == "fork":  # a child forked while a callback runs has none of the parent's threads to wait for
-    mgr = stashpoint.CheckpointManager(f"{base}/run", on_save=lambda stats: time.sleep(3))
+    mgr = stashpoint.CheckpointManager(f"{base}/run", on_save=lambda stats: time.sleep(6))
     mgr.save(1, {"w": torch.zeros(1000)}).wait()
     pid = os.fork()
     if pid == 0:
@@ -971,7 +971,7 @@ def test_the_exit_hook_waits_neither_in_a_forked_child_nor_takes_a_running_threa
     res = _script(_AT_EXIT_BESIDE, tmp_path, how, timeout=60)
     assert res.returncode == 0, res.stderr[-3000:]
     if how == "fork":
-        assert float(res.stdout.split("child ")[1]) < 2.0, res.stdout
+        assert float(res.stdout.split("child ")[1]) < 4.0, res.stdout  # waiting: 6 s; a loaded host's exit: 2
     else:
         assert "close raised CheckpointError" in res.stdout, (res.stdout, res.stderr[-2000:])
 

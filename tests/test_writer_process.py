@@ -469,3 +469,36 @@ def test_a_trimmed_staging_buffer_stays_trimmed_when_a_writer_process_maps_it(tm
     back = {"w": torch.zeros(4 * MiB)}
     stashpoint.load(back, tmp_path / "b")
     assert torch.equal(back["w"], small["w"])
+
+
+def _strace_works() -> bool:
+    import shutil
+    import subprocess
+
+    return shutil.which("strace") is not None and (
+        subprocess.run(["strace", "-o", os.devnull, "true"], capture_output=True, check=False).returncode == 0
+    )
+
+
+@pytest.mark.skipif(not _strace_works(), reason="needs strace, allowed to trace (ptrace)")
+def test_the_writer_process_syncs_every_shard_before_the_commit(tmp_path):
+    """save() returns once the checkpoint is durable with either writer: the ordering test
+    watches the thread writer's fsyncs in this process; the writer process's own are seen by
+    strace, following the child (-f)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = (
+        "import sys, torch, stashpoint\n"
+        "stashpoint.save({'w': torch.randn(300_000), 'b': torch.ones(3)}, sys.argv[1], writer='process',"
+        " max_shard_bytes=600_000)\n"
+    )
+    trace = tmp_path / "trace.txt"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = ["strace", "-f", "-qq", "-y", "-e", "trace=fsync,fdatasync", "-o", str(trace), sys.executable, "-c", code]
+    subprocess.run([*cmd, str(tmp_path / "ck")], env=env, check=True, timeout=120)
+    synced = trace.read_text()
+    shards = sorted(p.name for p in (tmp_path / "ck").glob("shard-*"))
+    assert len(shards) == 2 and all(f"/{name}>" in synced for name in shards), synced
