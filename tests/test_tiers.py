@@ -681,3 +681,29 @@ def test_a_step_saved_again_after_a_rewind_has_retries_of_its_own(tmp_path, capl
     out = _state(0)
     stashpoint.load(out, tmp_path / "r" / "step-00000005")
     assert torch.equal(out["w"], _state(50)["w"])
+
+
+def test_the_first_retry_that_fails_leaves_the_rest_for_the_next_upload(tmp_path, caplog):
+    """Retries ran back to back, each failing one waiting out the remote's timeout: with many
+    failed steps and the remote failing again, the upload (and close()) waited for every one."""
+    remote = _StepFails(tmp_path / "r")
+    with stashpoint.CheckpointManager(tmp_path / "nvme", keep_last=1, remote_root=remote) as mgr:
+        try:
+            _StepFails.failing = {f"step-{s:08d}" for s in (2, 3, 4)}
+            for step in (1, 2, 3, 4):
+                mgr.save(step, _state(step)).wait()
+                if step > 1:
+                    with pytest.raises(stashpoint.CheckpointError, match=f"uploading step {step}"):
+                        mgr.wait()
+            mgr.wait()
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="stashpoint"):
+                mgr.save(5, _state(5)).wait()
+                mgr.wait()  # step 5 commits; the retry of step 2 fails; 3 and 4 are not tried
+            assert "uploading step 2 to" in caplog.text and "uploading step 3 to" not in caplog.text
+            assert "the upload of step(s) [3, 4] waits for the next upload that commits" in caplog.text
+        finally:
+            _StepFails.failing = set()
+        mgr.save(6, _state(6)).wait()
+        mgr.wait()
+        assert mgr.remote_steps() == [1, 2, 3, 4, 5, 6] and mgr.steps() == [6]

@@ -185,14 +185,27 @@ class Uploader:
             with _slots_lock:
                 _slots.discard(self._slot)
 
-    def _catch_up(self, todo: list[int], seq: int) -> list[int]:
+    def _catch_up(self, todo: list[int], seq: int, *, retries: bool = False) -> list[int]:
+        """Upload ``todo`` in turn. ``retries`` (failed uploads tried again): each is counted as
+        it starts, and the first that fails leaves the rest for the next upload that commits (the
+        remote tier fails again: each would wait out its own timeout, and close() all of them)."""
         done = []
-        for s in todo:
+        for i, s in enumerate(todo):
+            if retries and self.on_retrying is not None:
+                try:
+                    self.on_retrying([s])
+                except Exception:  # bookkeeping: the retries go on alike on every rank
+                    log.exception("stashpoint: counting the retry of step %d failed", s)
             try:
                 if self._one(s, None, seq):
                     done.append(s)
-            except CheckpointError as e:
+            except CheckpointError as e:  # raised on every rank alike: the outcome is shared
                 log.error("stashpoint: %s", e)
+                if retries and todo[i + 1 :]:
+                    log.warning(
+                        "stashpoint: the upload of step(s) %s waits for the next upload that commits", todo[i + 1 :]
+                    )
+                    break
         return done
 
     def _one(self, step: int, after: cf.Future[Any] | None, seq: int) -> bool:
@@ -224,14 +237,9 @@ class Uploader:
         if not todo:
             return
         log.info("stashpoint: the remote tier %s answers again: uploading step(s) %s", self.remote.location, todo)
-        if self.on_retrying is not None:
-            try:
-                self.on_retrying(todo)
-            except Exception:  # bookkeeping: the retries below go on alike on every rank
-                log.exception("stashpoint: counting the retries of step(s) %s failed", todo)
         self._retrying = True
         try:
-            self._catch_up(todo, seq)
+            self._catch_up(todo, seq, retries=True)
         finally:
             self._retrying = False
 
