@@ -306,3 +306,25 @@ def test_a_counter_in_the_state_or_a_multisteplrs_milestones_comes_back_a_counte
         state["sched"].optimizer.step()
         state["sched"].step()
     assert state["sched"].get_last_lr() == seq.get_last_lr()
+
+
+class _Shapes:
+    """A stateful object whose own state holds shapes."""
+
+    def __init__(self, shape: list[int]) -> None:
+        self.sd = {"shape": torch.Size(shape), "all": [torch.Size([1]), (1, 2)], "t": torch.zeros(2)}
+
+    def state_dict(self):  # type: ignore[no-untyped-def]
+        return dict(self.sd)
+
+    def load_state_dict(self, sd):  # type: ignore[no-untyped-def]
+        self.sd = sd
+
+
+def test_a_torch_size_in_an_objects_state_comes_back_a_torch_size(tmp_path):
+    """Before, only plain values kept it: an object's state_dict got a tuple back."""
+    stashpoint.save({"o": _Shapes([2, 3])}, tmp_path / "ck")
+    obj = _Shapes([0, 0])
+    stashpoint.load({"o": obj}, tmp_path / "ck")
+    assert obj.sd["shape"] == torch.Size([2, 3]) and type(obj.sd["shape"]) is torch.Size
+    assert type(obj.sd["all"][0]) is torch.Size and type(obj.sd["all"][1]) is tuple

@@ -368,25 +368,28 @@ class Planner(OptimizerPlanning):
             # numbers torch's state_dict() gives, which load_state_dict keeps as _init_scale
             self.plan.finalizers.append((where, lambda: live.load_state_dict(scaler_load_state(built))))
             return
-        built = _counters_like(live_sd, built)
+        built = _kinds_like(live_sd, built)
         self.plan.finalizers.append((where, lambda: live.load_state_dict(built)))
         if trial.is_torch_scheduler(live):
             self.plan.checks.append((where, lambda: trial.scheduler(live, built)))
 
 
-def _counters_like(live: Any, value: Any) -> Any:
-    """``value``, its dicts (in place, in dicts and lists) a ``Counter`` where the live state
-    holds one there: a MultiStepLR's milestones, whose closed form calls ``elements()``."""
+def _kinds_like(live: Any, value: Any) -> Any:
+    """An object's built state, its dicts and lists changed in place: a dict a ``Counter`` and a
+    tuple of ints a ``torch.Size`` where the object's own state holds one there (a MultiStepLR's
+    milestones, whose closed form calls ``elements()``; a module-like object's shapes)."""
     if type(live) is collections.Counter and type(value) is dict:
         return collections.Counter(value)
+    if isinstance(live, torch.Size) and type(value) is tuple and all(type(x) is int for x in value):
+        return torch.Size(value)
     if isinstance(live, Mapping) and isinstance(value, dict):
         for k, v in value.items():
-            if isinstance(v, (dict, list)) and k in live:
-                value[k] = _counters_like(live[k], v)
+            if isinstance(v, (dict, list, tuple)) and k in live:
+                value[k] = _kinds_like(live[k], v)
     elif isinstance(live, (list, tuple)) and isinstance(value, list) and len(live) == len(value):
         for i, v in enumerate(value):  # a SequentialLR's schedulers' states
-            if isinstance(v, (dict, list)):
-                value[i] = _counters_like(live[i], v)
+            if isinstance(v, (dict, list, tuple)):
+                value[i] = _kinds_like(live[i], v)
     return value
 
 
