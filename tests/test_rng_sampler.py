@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -154,3 +155,45 @@ def test_seek_puts_a_loader_with_workers_where_the_loop_was_across_epochs():
         assert seen + rest == straight, done
     with pytest.raises(ValueError, match="no batch of 64"):
         stashpoint.StatefulSampler(n, world_size=2).seek(1, 64, drop_last=True)
+
+
+def test_each_rank_resumes_its_own_stateful_dataloader_in_fresh_processes(tmp_path):
+    """A torchdata StatefulDataLoader's state holds its sampler's generator as a tensor, under
+    one key on every rank: taken for a replica, one copy was saved, and every rank resumed with
+    rank 0's shuffle order. Kept per rank now; another number of ranks is refused."""
+    pytest.importorskip("torchdata")
+    from dist_util import run_world
+
+    worker = Path(__file__).with_name("loader_worker.py")
+    saved = run_world(2, "save", str(tmp_path / "ck"), worker=worker)
+    assert saved[0]["next"] != saved[1]["next"], "the ranks shuffle apart"
+    resumed = run_world(2, "resume", str(tmp_path / "ck"), worker=worker)
+    assert [r["next"] for r in resumed] == [s["next"] for s in saved], (saved, resumed)
+    for r in run_world(3, "resume", str(tmp_path / "ck"), worker=worker):
+        assert "saved on 2 rank(s) and is loaded on 3" in r["error"], r
+
+
+def test_a_stateful_dataloader_saved_with_its_tensors_as_tensors_still_loads(tmp_path, monkeypatch):
+    """Checkpoints saved before a loader's state was kept per rank hold its tensors as tensors."""
+    pytest.importorskip("torchdata")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from stashpoint._state import perrank
+
+    def loader() -> StatefulDataLoader:
+        shuffled = torch.Generator().manual_seed(7)
+        return StatefulDataLoader(list(range(20)), batch_size=2, shuffle=True, generator=shuffled)
+
+    dl = loader()
+    it = iter(dl)
+    next(it)
+    with monkeypatch.context() as m:
+        m.setattr(perrank, "is_loader", lambda obj: False)  # as the save before
+        stashpoint.save({"loader": dl}, tmp_path / "old")
+    stashpoint.save({"loader": dl}, tmp_path / "new")
+    want = [next(it).tolist() for _ in range(3)]
+    for name in ("old", "new"):
+        fresh = loader()
+        stashpoint.load({"loader": fresh}, tmp_path / name)
+        got = iter(fresh)
+        assert [next(got).tolist() for _ in range(3)] == want, name

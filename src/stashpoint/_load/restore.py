@@ -38,6 +38,7 @@ from stashpoint._load.restoreplan import (
     shown,
     without_inner_wrappers,
 )
+from stashpoint._state import perrank
 from stashpoint._state import stateful as _stateful
 from stashpoint._state.dtypes import dtype_name, empty_for
 from stashpoint._state.scaler import scaler_load_state
@@ -345,7 +346,10 @@ class Planner(OptimizerPlanning):
         """A stateful object gets back only a state of the structure its own ``state_dict()``
         has (same keys, lengths and kinds of values), checked before anything is changed; its
         tensors are read into the live state's tensors where they match."""
-        live_sd = live.state_dict()
+        # a data loader's position is kept per rank, its tensors as plain values (saved before
+        # that, with tensors: loaded as any object's state)
+        loader = perrank.is_loader(live) and not tensor_keys(saved["state"])
+        live_sd = perrank.loader_state(live) if loader else live.state_dict()
         built = self.build(saved["state"], where, like=live_sd)
         check = getattr(live, "_stashpoint_check", None)  # stashpoint's own objects check themselves
         if built is None and live_sd is not None:  # None matches anything inside a state, not as all of it
@@ -363,6 +367,11 @@ class Planner(OptimizerPlanning):
                 + (", its schedule starting over)" if trial.is_torch_scheduler(live) else ")")
             )
             return
+        if loader:
+            if (why := perrank.loader_problem(built)) is not None:
+                self.plan.problems.append(f"{self._name(where)}: {why}")
+                return
+            built = perrank.as_tensors(built["state"])
         if isinstance(live, torch.amp.GradScaler):
             # saved with its scale and growth tracker as tensors (read by then): back to the
             # numbers torch's state_dict() gives, which load_state_dict keeps as _init_scale

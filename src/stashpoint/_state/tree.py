@@ -15,6 +15,7 @@ import torch
 from stashpoint import _runtime
 from stashpoint._core.nodes import MAX_SAME_HASH, MAX_TREE_DEPTH, Node, join, same_hash_keys
 from stashpoint._core.sealed import shape_problem
+from stashpoint._state import perrank
 from stashpoint._state import stateful as _stateful
 from stashpoint._state.dtensor import is_dtensor, is_strided, local_tensor
 from stashpoint._state.dtypes import STORABLE
@@ -276,6 +277,8 @@ class Flattener:
                     if type(v) is torch.Tensor  # not a Parameter, not a DTensor
                 )
                 return node
+        if kind is not None and perrank.is_loader(obj):  # its tensors differ per rank: no replicas
+            return {"stateful": kind, "state": self._node(perrank.loader_state(obj), key)}
         if kind is not None:
             # a GradScaler's state with its scale and growth tracker as tensors: its own
             # state_dict() calls .item() on them, which waits for the whole GPU queue

@@ -25,13 +25,10 @@ models' weights; the optimizers, schedulers, samplers and RNG states would still
 from __future__ import annotations
 
 import logging
-import math
 import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
-
-import torch
 
 try:
     from accelerate import Accelerator
@@ -45,7 +42,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from stashpoint._load.loader import load
 from stashpoint._save.engine import async_save
 from stashpoint._save.handle import SaveHandle
-from stashpoint._state.dtypes import dtype_name, torch_dtype
+from stashpoint._state.perrank import as_plain, as_tensors
 from stashpoint._state.rng import RNGState
 from stashpoint.errors import CheckpointError, CheckpointNotFoundError, UnsupportedStateError
 from stashpoint.integrations._accelerate_folder import checkpoints, committed, held, then
@@ -251,7 +248,7 @@ class _LoaderPosition:
         if sampler is not None:
             sd["sampler"] = {"initial_seed": int(sampler.initial_seed), "epoch": int(sampler.epoch)}
         if getattr(dl, "use_stateful_dataloader", False) and not done:
-            sd["batches"] = _plain(dl.state_dict())
+            sd["batches"] = as_plain(dl.state_dict())
         return sd
 
     def _stashpoint_check(self, sd: Any) -> str | None:
@@ -277,7 +274,7 @@ class _LoaderPosition:
                 "or from a checkpoint taken at the end of an epoch"
             )
         try:
-            _tensors(sd["batches"])
+            as_tensors(sd["batches"])
         except ValueError as e:
             return f"the position within the epoch cannot be read: {e}"
         return None
@@ -295,7 +292,7 @@ class _LoaderPosition:
             sampler.initial_seed = int(saved["initial_seed"])
             sampler.epoch = int(saved["epoch"])
         if "batches" in sd:
-            dl.load_state_dict(_tensors(sd["batches"]))
+            dl.load_state_dict(as_tensors(sd["batches"]))
 
 
 def _at_last_batch(loader: Any) -> bool:
@@ -314,42 +311,3 @@ def _seedable(loader: Any) -> SeedableRandomSampler | None:
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-_TENSOR = "__stashpoint_tensor__"
-
-
-def _plain(value: Any) -> Any:
-    """``value`` with its tensors (a sampler's generator state) turned into plain values: plain
-    values are kept per process, tensors under one key would be taken for replicas."""
-    if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-        return {_TENSOR: dtype_name(t.dtype), "shape": list(t.shape), "data": data}
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
-    return value
-
-
-def _tensors(value: Any) -> Any:
-    """The inverse of :func:`_plain`; ValueError names what is malformed (a hostile file)."""
-    if isinstance(value, dict):
-        if _TENSOR in value:
-            try:
-                dtype = torch_dtype(value[_TENSOR], "a dataloader's state")
-            except CheckpointError as e:  # damaged, or a dtype of a newer torch
-                raise ValueError(str(e)) from None
-            data, shape = value.get("data"), value.get("shape")
-            if not (isinstance(data, bytes) and isinstance(shape, list) and all(_is_int(n) and n >= 0 for n in shape)):
-                raise ValueError("a tensor of it is not 'data' bytes and a 'shape' of non-negative integers")
-            if math.prod(shape) * dtype.itemsize != len(data):
-                raise ValueError(f"a tensor of shape {shape} and dtype {value[_TENSOR]} has {len(data)} bytes")
-            if not data:
-                return torch.empty(shape, dtype=dtype)
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
-        return {k: _tensors(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_tensors(v) for v in value)
-    return value

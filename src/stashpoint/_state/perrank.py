@@ -1,0 +1,91 @@
+"""A data loader's state kept per rank: its tensors (a sampler's generator state) as plain values.
+
+A tensor under one key on several ranks is taken to be a replica and written once; a data
+loader's tensors differ between ranks (each shuffles its own shard), and plain values are kept
+per rank. So a ``StatefulDataLoader`` (torchdata) in the state saves its tensors as plain bytes,
+with the number of ranks it was saved on: its position within an epoch is its rank's shard's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from stashpoint._state.dtypes import dtype_name, torch_dtype
+from stashpoint.errors import CheckpointError
+
+TENSOR = "__stashpoint_tensor__"
+
+
+def is_loader(obj: object) -> bool:
+    """A data loader with a state of its own (torchdata's ``StatefulDataLoader``)."""
+    return isinstance(obj, torch.utils.data.DataLoader) and callable(getattr(obj, "state_dict", None))
+
+
+def as_plain(value: Any) -> Any:
+    """``value`` with its tensors turned into plain values (their dtype, shape and bytes)."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return {TENSOR: dtype_name(t.dtype), "shape": list(t.shape), "data": data}
+    if isinstance(value, dict):
+        return {k: as_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(as_plain(v) for v in value)
+    return value
+
+
+def as_tensors(value: Any) -> Any:
+    """The inverse of :func:`as_plain`; ValueError names what is malformed (a hostile file)."""
+    if isinstance(value, dict):
+        if TENSOR in value:
+            try:
+                dtype = torch_dtype(value[TENSOR], "a data loader's state")
+            except CheckpointError as e:  # damaged, or a dtype of a newer torch
+                raise ValueError(str(e)) from None
+            data, shape = value.get("data"), value.get("shape")
+            if not (isinstance(data, bytes) and isinstance(shape, list) and all(_count(n) for n in shape)):
+                raise ValueError("a tensor of it is not 'data' bytes and a 'shape' of non-negative integers")
+            if math.prod(shape) * dtype.itemsize != len(data):
+                raise ValueError(f"a tensor of shape {shape} and dtype {value[TENSOR]} has {len(data)} bytes")
+            if not data:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+        return {k: as_tensors(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(as_tensors(v) for v in value)
+    return value
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def world_size() -> int:
+    """The ranks a loader's position belongs to: torch.distributed's world, or 1."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def loader_state(loader: Any) -> dict[str, Any]:
+    """What is saved of ``loader``: its state, tensors as plain values, and the ranks of the run."""
+    return {"ranks": world_size(), "state": as_plain(loader.state_dict())}
+
+
+def loader_problem(saved: Any) -> str | None:
+    """Why a loader's saved position cannot be loaded here (None where it can)."""
+    ranks = saved.get("ranks") if isinstance(saved, dict) else None
+    if ranks != world_size():
+        return (
+            f"a data loader's position was saved on {ranks} rank(s) and is loaded on {world_size()}: each rank's "
+            "position is within its own shard of the data, which another number of ranks splits otherwise; load on "
+            f"{ranks} rank(s), or with strict=False to start this loader's epoch afresh"
+        )
+    try:
+        as_tensors(saved["state"])
+    except ValueError as e:
+        return f"a data loader's saved position is malformed: {e}"
+    return None
