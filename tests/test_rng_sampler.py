@@ -197,3 +197,24 @@ def test_a_stateful_dataloader_saved_with_its_tensors_as_tensors_still_loads(tmp
         stashpoint.load({"loader": fresh}, tmp_path / name)
         got = iter(fresh)
         assert [next(got).tolist() for _ in range(3)] == want, name
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_loaders_length_holds_through_a_pass_and_finds_its_last_batch(workers):
+    """len() counted the samples not yet taken, so it shrank as the loader took them (by how far
+    the workers had run ahead): `i + 1 == len(loader)` fired mid-epoch. It is now a pass's length:
+    a whole epoch, or after a restore mid-epoch the rest of it."""
+    sampler = stashpoint.StatefulSampler(20, seed=1)
+    data = list(range(20))
+    loader = DataLoader(data, batch_size=2, sampler=sampler, num_workers=workers, generator=torch.Generator())
+    for _ in range(2):
+        seen = [(i, len(loader)) for i, _ in enumerate(loader)]
+        assert {n for _, n in seen} == {10} and [i for i, n in seen if i + 1 == n] == [9], seen
+    it = iter(sampler)
+    for _ in range(6):
+        next(it)
+    restored = stashpoint.StatefulSampler(20, seed=1)
+    restored.load_state_dict(sampler.state_dict())
+    loader = DataLoader(list(range(20)), batch_size=2, sampler=restored, generator=torch.Generator())
+    seen = [(i, len(loader)) for i, _ in enumerate(loader)]
+    assert {n for _, n in seen} == {7} and [i for i, n in seen if i + 1 == n] == [6], seen

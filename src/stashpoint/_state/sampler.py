@@ -63,6 +63,7 @@ class StatefulSampler(Sampler[int]):
         self.epoch = 0
         self.index = 0  # samples of this epoch taken by all ranks together
         self._restored = False  # a position restored, not iterated from yet (set_epoch keeps it)
+        self._pass: tuple[object, int] | None = None  # the pass running, and its length
 
     def _order(self) -> torch.Tensor:
         if not self.shuffle:
@@ -78,16 +79,26 @@ class StatefulSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         self._restored = False  # the restored position is taken: a later set_epoch starts afresh
         order = self._order().tolist()
-        # Bounded by the epoch's end, not by _usable: a position restored from another world
-        # size is no multiple of this one, so the tail that does not split moves with it.
-        while self.index + self.world_size <= self.num_samples:
-            i = order[self.index + self.rank]
-            self.index += self.world_size
-            yield i
-        self.epoch += 1
-        self.index = 0
+        this = self._pass = (object(), len(self))
+        try:
+            # Bounded by the epoch's end, not by _usable: a position restored from another world
+            # size is no multiple of this one, so the tail that does not split moves with it.
+            while self.index + self.world_size <= self.num_samples:
+                i = order[self.index + self.rank]
+                self.index += self.world_size
+                yield i
+            self.epoch += 1
+            self.index = 0
+        finally:  # (run when the pass ends, or is dropped: not another pass's, begun since)
+            if self._pass is this:
+                self._pass = None
 
     def __len__(self) -> int:
+        """The samples a pass yields on this rank: a whole epoch's, or after a restore mid-epoch
+        the rest of it; while a pass runs, that pass's (``i + 1 == len(loader)`` finds its last
+        batch, however far the loader's workers took indices ahead)."""
+        if self._pass is not None:
+            return self._pass[1]
         return max(0, self.num_samples - self.index) // self.world_size
 
     def set_epoch(self, epoch: int) -> None:
