@@ -218,3 +218,50 @@ def test_the_loaders_length_holds_through_a_pass_and_finds_its_last_batch(worker
     loader = DataLoader(list(range(20)), batch_size=2, sampler=restored, generator=torch.Generator())
     seen = [(i, len(loader)) for i, _ in enumerate(loader)]
     assert {n for _, n in seen} == {7} and [i for i, n in seen if i + 1 == n] == [6], seen
+
+
+@pytest.mark.parametrize("batch", [3, 5])
+def test_a_loop_counting_epochs_itself_resumes_from_a_save_at_an_epochs_last_batch(tmp_path, batch):
+    """With a short last batch the loader had asked the sampler for more, which moved it to the
+    next epoch's start: a loop that counts epochs itself called set_epoch(0) after the restore,
+    and epoch 0 was trained again whole. With a full last batch it was right."""
+
+    def run(cut: bool, resume: bool) -> list[tuple[int, list[int]]]:
+        sampler = stashpoint.StatefulSampler(10, seed=0)
+        loader = DataLoader(list(range(10)), batch_size=batch, sampler=sampler, generator=torch.Generator())
+        state: dict = {"sampler": sampler, "epoch": 0}
+        if resume:
+            stashpoint.load(state, tmp_path / "ck")
+        seen = []
+        for epoch in range(state["epoch"], 2):
+            state["epoch"] = epoch
+            sampler.set_epoch(epoch)
+            for i, b in enumerate(loader):
+                seen.append((epoch, b.tolist()))
+                if cut and epoch == 0 and i + 1 == len(loader):  # the save at epoch 0's last batch
+                    stashpoint.save(state, tmp_path / "ck", overwrite=True)
+                    return seen
+        return seen
+
+    straight = run(cut=False, resume=False)
+    first = run(cut=True, resume=False)
+    assert first + run(cut=False, resume=True) == straight
+
+
+def test_seek_after_restoring_a_position_of_another_world_size_is_refused():
+    """seek counts batches at this world size; before, after a restore from 2 ranks onto 1 it
+    moved the position back, and samples were trained again, silently."""
+    two = stashpoint.StatefulSampler(24, seed=0, rank=0, world_size=2)
+    it = iter(two)
+    for _ in range(6):
+        next(it)
+    one = stashpoint.StatefulSampler(24, seed=0, rank=0, world_size=1)
+    one.load_state_dict(two.state_dict())
+    with pytest.raises(ValueError, match="saved on 2 rank"):
+        one.seek(3, 2)
+    same = stashpoint.StatefulSampler(24, seed=0, rank=0, world_size=2)
+    same.load_state_dict(two.state_dict())
+    same.seek(3, 2)
+    assert (same.epoch, same.index) == (0, 12)
+    with pytest.raises(ValueError, match=r"makes no batch of 4$"):
+        stashpoint.StatefulSampler(1, world_size=2, rank=0).seek(1, 4)

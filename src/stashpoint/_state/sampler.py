@@ -64,6 +64,7 @@ class StatefulSampler(Sampler[int]):
         self.index = 0  # samples of this epoch taken by all ranks together
         self._restored = False  # a position restored, not iterated from yet (set_epoch keeps it)
         self._pass: tuple[object, int] | None = None  # the pass running, and its length
+        self._loaded_world: int | None = None  # the world size of the position restored
 
     def _order(self) -> torch.Tensor:
         if not self.shuffle:
@@ -104,8 +105,13 @@ class StatefulSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning; except right after a restore, the epoch restored,
         which keeps its position: DistributedSampler's loop,
-        ``for epoch in range(sampler.epoch, E): sampler.set_epoch(epoch)``, resumes mid-epoch."""
-        if not (self._restored and epoch == self.epoch):
+        ``for epoch in range(sampler.epoch, E): sampler.set_epoch(epoch)``, resumes mid-epoch.
+        Right after a restore at the start of the next epoch, ``epoch`` is the one just done: a
+        save at an epoch's last batch finds the sampler past it when that batch was short (the
+        loader asked for more), and a loop counting epochs itself names the epoch it was in."""
+        if self._restored and self.index == 0 and epoch == self.epoch - 1:
+            self.epoch, self.index = epoch, self.num_samples  # that epoch's pass yields nothing more
+        elif not (self._restored and epoch == self.epoch):
             self.epoch, self.index = epoch, 0
         self._restored = False
 
@@ -119,11 +125,17 @@ class StatefulSampler(Sampler[int]):
         position instead (exact with ``num_workers=0``)."""
         if batches < 0 or batch_size < 1:
             raise ValueError(f"seek needs batches >= 0 and batch_size >= 1, got {batches} and {batch_size}")
+        if self._loaded_world not in (None, self.world_size):
+            raise ValueError(
+                f"the position restored was saved on {self._loaded_world} rank(s) and seek counts batches on "
+                f"{self.world_size}: keep the restored position (exact with num_workers=0) instead of seeking"
+            )
         per_rank = self._usable // self.world_size
         per_epoch = per_rank // batch_size if drop_last else -(-per_rank // batch_size)
         if per_epoch == 0:
             raise ValueError(
-                f"an epoch of {per_rank} samples per rank makes no batch of {batch_size} with drop_last=True"
+                f"an epoch of {per_rank} samples per rank makes no batch of {batch_size}"
+                + (" with drop_last=True" if drop_last else "")
             )
         self.epoch, done = divmod(batches, per_epoch)
         self.index = min(done * batch_size, per_rank) * self.world_size
@@ -169,6 +181,7 @@ class StatefulSampler(Sampler[int]):
             )
         self.epoch = int(state_dict["epoch"])
         self.index = int(state_dict["index"])
+        self._loaded_world = int(state_dict["world_size"])
         self._restored = True
         self.seed = int(state_dict["seed"])
         self.shuffle = bool(state_dict["shuffle"])
