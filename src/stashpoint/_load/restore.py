@@ -349,7 +349,8 @@ class Planner(OptimizerPlanning):
         # a data loader's position is kept per rank, its tensors as plain values (saved before
         # that, with tensors: loaded as any object's state)
         loader = perrank.is_loader(live) and not tensor_keys(saved["state"])
-        live_sd = perrank.loader_state(live) if loader else live.state_dict()
+        own_sd = live.state_dict()
+        live_sd = perrank.as_plain(own_sd) if loader else own_sd
         built = self.build(saved["state"], where, like=live_sd)
         check = getattr(live, "_stashpoint_check", None)  # stashpoint's own objects check themselves
         if built is None and live_sd is not None:  # None matches anything inside a state, not as all of it
@@ -368,16 +369,17 @@ class Planner(OptimizerPlanning):
             )
             return
         if loader:
-            if (why := perrank.loader_problem(built)) is not None:
-                self.plan.problems.append(f"{self._name(where)}: {why}")
+            try:
+                built = perrank.as_tensors(built)
+            except ValueError as e:
+                self.plan.problems.append(f"{self._name(where)}: a data loader's saved position is malformed: {e}")
                 return
-            built = perrank.as_tensors(built["state"])
         if isinstance(live, torch.amp.GradScaler):
             # saved with its scale and growth tracker as tensors (read by then): back to the
             # numbers torch's state_dict() gives, which load_state_dict keeps as _init_scale
             self.plan.finalizers.append((where, lambda: live.load_state_dict(scaler_load_state(built))))
             return
-        built = _kinds_like(live_sd, built)
+        built = _kinds_like(own_sd, built)
         self.plan.finalizers.append((where, lambda: live.load_state_dict(built)))
         if trial.is_torch_scheduler(live):
             self.plan.checks.append((where, lambda: trial.scheduler(live, built)))

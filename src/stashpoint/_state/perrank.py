@@ -2,8 +2,7 @@
 
 A tensor under one key on several ranks is taken to be a replica and written once; a data
 loader's tensors differ between ranks (each shuffles its own shard), and plain values are kept
-per rank. So a ``StatefulDataLoader`` (torchdata) in the state saves its tensors as plain bytes,
-with the number of ranks it was saved on: its position within an epoch is its rank's shard's.
+per rank. So a ``StatefulDataLoader`` (torchdata) in the state saves its tensors as plain bytes.
 """
 
 from __future__ import annotations
@@ -61,31 +60,3 @@ def as_tensors(value: Any) -> Any:
 
 def _count(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def world_size() -> int:
-    """The ranks a loader's position belongs to: torch.distributed's world, or 1."""
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def loader_state(loader: Any) -> dict[str, Any]:
-    """What is saved of ``loader``: its state, tensors as plain values, and the ranks of the run."""
-    return {"ranks": world_size(), "state": as_plain(loader.state_dict())}
-
-
-def loader_problem(saved: Any) -> str | None:
-    """Why a loader's saved position cannot be loaded here (None where it can)."""
-    ranks = saved.get("ranks") if isinstance(saved, dict) else None
-    if ranks != world_size():
-        return (
-            f"a data loader's position was saved on {ranks} rank(s) and is loaded on {world_size()}: each rank's "
-            "position is within its own shard of the data, which another number of ranks splits otherwise; load on "
-            f"{ranks} rank(s), or with strict=False to start this loader's epoch afresh"
-        )
-    try:
-        as_tensors(saved["state"])
-    except ValueError as e:
-        return f"a data loader's saved position is malformed: {e}"
-    return None

@@ -80,7 +80,7 @@ class StatefulSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         self._restored = False  # the restored position is taken: a later set_epoch starts afresh
         order = self._order().tolist()
-        this = self._pass = (object(), len(self))
+        this = self._pass = (object(), self._left())
         try:
             # Bounded by the epoch's end, not by _usable: a position restored from another world
             # size is no multiple of this one, so the tail that does not split moves with it.
@@ -88,19 +88,23 @@ class StatefulSampler(Sampler[int]):
                 i = order[self.index + self.rank]
                 self.index += self.world_size
                 yield i
-            self.epoch += 1
-            self.index = 0
-        finally:  # (run when the pass ends, or is dropped: not another pass's, begun since)
+        except GeneratorExit:  # a pass given up: not another pass's length, begun since
             if self._pass is this:
                 self._pass = None
+            raise
+        self.epoch += 1
+        self.index = 0
+
+    def _left(self) -> int:
+        return max(0, self.num_samples - self.index) // self.world_size
 
     def __len__(self) -> int:
         """The samples a pass yields on this rank: a whole epoch's, or after a restore mid-epoch
-        the rest of it; while a pass runs, that pass's (``i + 1 == len(loader)`` finds its last
-        batch, however far the loader's workers took indices ahead)."""
-        if self._pass is not None:
-            return self._pass[1]
-        return max(0, self.num_samples - self.index) // self.world_size
+        the rest of it. The length of the last pass begun holds until the next begins (or the
+        position is set): the loader takes a pass's last indices before the loop has their
+        batches (a short last batch, workers ahead), and ``i + 1 == len(loader)`` must still
+        find the last batch."""
+        return self._pass[1] if self._pass is not None else self._left()
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning; except right after a restore, the epoch restored,
@@ -109,6 +113,7 @@ class StatefulSampler(Sampler[int]):
         Right after a restore at the start of the next epoch, ``epoch`` is the one just done: a
         save at an epoch's last batch finds the sampler past it when that batch was short (the
         loader asked for more), and a loop counting epochs itself names the epoch it was in."""
+        self._pass = None
         if self._restored and self.index == 0 and epoch == self.epoch - 1:
             self.epoch, self.index = epoch, self.num_samples  # that epoch's pass yields nothing more
         elif not (self._restored and epoch == self.epoch):
@@ -137,6 +142,7 @@ class StatefulSampler(Sampler[int]):
                 f"an epoch of {per_rank} samples per rank makes no batch of {batch_size}"
                 + (" with drop_last=True" if drop_last else "")
             )
+        self._pass = None
         self.epoch, done = divmod(batches, per_epoch)
         self.index = min(done * batch_size, per_rank) * self.world_size
         self._restored = True  # a set_epoch of this epoch keeps the position, as after a restore
@@ -182,6 +188,7 @@ class StatefulSampler(Sampler[int]):
         self.epoch = int(state_dict["epoch"])
         self.index = int(state_dict["index"])
         self._loaded_world = int(state_dict["world_size"])
+        self._pass = None
         self._restored = True
         self.seed = int(state_dict["seed"])
         self.shuffle = bool(state_dict["shuffle"])

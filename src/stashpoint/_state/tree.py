@@ -278,7 +278,7 @@ class Flattener:
                 )
                 return node
         if kind is not None and perrank.is_loader(obj):  # its tensors differ per rank: no replicas
-            return {"stateful": kind, "state": self._node(perrank.loader_state(obj), key)}
+            return {"stateful": kind, "state": self._node(perrank.as_plain(obj.state_dict()), key)}
         if kind is not None:
             # a GradScaler's state with its scale and growth tracker as tensors: its own
             # state_dict() calls .item() on them, which waits for the whole GPU queue
