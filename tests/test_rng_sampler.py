@@ -272,3 +272,51 @@ def test_seek_after_restoring_a_position_of_another_world_size_is_refused():
     assert (same.epoch, same.index) == (0, 12)
     with pytest.raises(ValueError, match=r"makes no batch of 4$"):
         stashpoint.StatefulSampler(1, world_size=2, rank=0).seek(1, 4)
+
+
+class _Buffered(torch.utils.data.IterableDataset):
+    """An iterable dataset whose state holds a buffer of 2 MiB (a shuffle buffer's size)."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.buf = torch.arange(1 << 19, dtype=torch.float32)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        while self.pos < 20:
+            self.pos += 1
+            yield self.pos
+
+    def state_dict(self):  # type: ignore[no-untyped-def]
+        return {"pos": self.pos, "buf": self.buf}
+
+    def load_state_dict(self, sd):  # type: ignore[no-untyped-def]
+        self.pos, self.buf = sd["pos"], sd["buf"]
+
+
+def test_a_loaders_large_tensors_stay_tensors_and_named_tuples_keep_their_fields(tmp_path):
+    """As JSON, a loader's large tensors bloated the index (past 190 MiB the save failed); and
+    a named tuple rebuilt from one generator failed with a TypeError."""
+    pytest.importorskip("torchdata")
+    from collections import namedtuple
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from stashpoint._state import perrank
+
+    pos = namedtuple("pos", "epoch offset")
+    small = {"p": pos(1, torch.ones(2)), "big": torch.zeros(1 << 19)}
+    plain = perrank.as_plain(small)
+    assert plain["big"] is small["big"] and type(plain["p"]) is pos
+    back = perrank.as_tensors(plain)
+    assert back["p"].epoch == 1 and torch.equal(back["p"].offset, torch.ones(2))
+
+    dl = StatefulDataLoader(_Buffered(), batch_size=2)
+    it = iter(dl)
+    next(it)
+    dl.dataset.buf.fill_(7)
+    stashpoint.save({"loader": dl}, tmp_path / "ck")
+    assert max(p.stat().st_size for p in (tmp_path / "ck").glob("index-*")) < 1 << 20
+    fresh = StatefulDataLoader(_Buffered(), batch_size=2)
+    stashpoint.load({"loader": fresh}, tmp_path / "ck")
+    assert next(iter(fresh)).tolist() == next(it).tolist()
+    assert torch.equal(fresh.dataset.buf, torch.full((1 << 19,), 7.0))

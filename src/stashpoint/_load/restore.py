@@ -346,9 +346,9 @@ class Planner(OptimizerPlanning):
         """A stateful object gets back only a state of the structure its own ``state_dict()``
         has (same keys, lengths and kinds of values), checked before anything is changed; its
         tensors are read into the live state's tensors where they match."""
-        # a data loader's position is kept per rank, its tensors as plain values (saved before
-        # that, with tensors: loaded as any object's state)
-        loader = perrank.is_loader(live) and not tensor_keys(saved["state"])
+        # a data loader's position is kept per rank, its small tensors as plain values (saved
+        # before that, with tensors alone: loaded as any object's state)
+        loader = perrank.is_loader(live) and (perrank.encoded(saved["state"]) or not tensor_keys(saved["state"]))
         own_sd = live.state_dict()
         live_sd = perrank.as_plain(own_sd) if loader else own_sd
         built = self.build(saved["state"], where, like=live_sd)

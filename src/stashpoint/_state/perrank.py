@@ -23,17 +23,41 @@ def is_loader(obj: object) -> bool:
     return isinstance(obj, torch.utils.data.DataLoader) and callable(getattr(obj, "state_dict", None))
 
 
+#: Tensors up to this size become plain values (a generator's state: 5 KiB); larger ones (an
+#: IterableDataset's shuffle buffer) stay tensors, in shards: as JSON they would bloat the index.
+MAX_PLAIN_BYTES = 1 << 20
+
+
 def as_plain(value: Any) -> Any:
-    """``value`` with its tensors turned into plain values (their dtype, shape and bytes)."""
+    """``value`` with its small tensors turned into plain values (their dtype, shape and bytes)."""
     if isinstance(value, torch.Tensor):
+        if value.numel() * value.element_size() > MAX_PLAIN_BYTES:
+            return value
         t = value.detach().cpu().contiguous()
         data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
         return {TENSOR: dtype_name(t.dtype), "shape": list(t.shape), "data": data}
     if isinstance(value, dict):
         return {k: as_plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(as_plain(v) for v in value)
+        return _like(value, [as_plain(v) for v in value])
     return value
+
+
+def _like(value: list[Any] | tuple[Any, ...], items: list[Any]) -> Any:
+    """``items`` in a sequence of ``value``'s type (a named tuple takes them as its fields)."""
+    return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+
+
+def encoded(node: Any) -> bool:
+    """Whether a saved state's node holds a tensor :func:`as_plain` turned into a plain value."""
+    if not isinstance(node, dict):
+        return False
+    if "stateful" in node:
+        return encoded(node["state"])
+    if "dict" in node:
+        return any(k == TENSOR or encoded(v) for k, v in node["dict"])
+    children = node.get("list") or node.get("tuple") or ()
+    return any(encoded(v) for v in children)
 
 
 def as_tensors(value: Any) -> Any:
@@ -54,7 +78,7 @@ def as_tensors(value: Any) -> Any:
             return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
         return {k: as_tensors(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(as_tensors(v) for v in value)
+        return _like(value, [as_tensors(v) for v in value])
     return value
 
 
