@@ -605,18 +605,18 @@ def test_a_failed_upload_that_fails_again_whenever_the_remote_answers_is_retried
         assert 2 in mgr.steps() and 2 in mgr._tier.protected() and 2 not in mgr.remote_steps()
 
 
-class _WritesFail(LocalStorage):
-    """A remote tier that lists but takes no writes while ``down`` (a full or read-only bucket)."""
+class _StepFails(LocalStorage):
+    """A remote tier that refuses the files of the steps named in ``failing`` ("*": of all)."""
 
-    down = False
+    failing: ClassVar[set[str]] = set()
 
     def open_writer(self, name, size):  # type: ignore[no-untyped-def]
-        if _WritesFail.down:
-            raise OSError(28, "No space left on device")
+        if self.root.name in _StepFails.failing or "*" in _StepFails.failing:
+            raise OSError(5, "Input/output error")
         return super().open_writer(name, size)
 
     def child(self, name):  # type: ignore[no-untyped-def]
-        return _WritesFail(self.root / name)
+        return _StepFails(self.root / name)
 
 
 def test_retries_listed_with_uploads_that_fail_are_not_counted(tmp_path, caplog):
@@ -625,34 +625,20 @@ def test_retries_listed_with_uploads_that_fail_are_not_counted(tmp_path, caplog)
     step was "tried no more" without one try, and stayed on the local tier."""
     from stashpoint._manager.tiers import MAX_RETRIES
 
-    with stashpoint.CheckpointManager(tmp_path / "nvme", keep_last=1, remote_root=_WritesFail(tmp_path / "r")) as mgr:
-        _WritesFail.down = True
+    with stashpoint.CheckpointManager(tmp_path / "nvme", keep_last=1, remote_root=_StepFails(tmp_path / "r")) as mgr:
+        _StepFails.failing = {"*"}  # a full or read-only bucket: it lists, takes no writes
         try:
             for step in range(2, 4 + MAX_RETRIES):
                 mgr.save(step, _state(step)).wait()
                 with pytest.raises(stashpoint.CheckpointError, match=f"uploading step {step}"):
                     mgr.wait()
         finally:
-            _WritesFail.down = False
+            _StepFails.failing = set()
         with caplog.at_level(logging.INFO, logger="stashpoint"):
             mgr.save(9, _state(9)).wait()
             mgr.wait()
         assert "tried no more" not in caplog.text
         assert mgr.remote_steps() == [*range(2, 4 + MAX_RETRIES), 9] and mgr.steps() == [9]
-
-
-class _StepFails(LocalStorage):
-    """A remote tier that refuses the files of the steps named in ``failing``."""
-
-    failing: ClassVar[set[str]] = set()
-
-    def open_writer(self, name, size):  # type: ignore[no-untyped-def]
-        if self.root.name in _StepFails.failing:
-            raise OSError(5, "Input/output error")
-        return super().open_writer(name, size)
-
-    def child(self, name):  # type: ignore[no-untyped-def]
-        return _StepFails(self.root / name)
 
 
 def test_a_step_saved_again_after_a_rewind_has_retries_of_its_own(tmp_path, caplog):

@@ -379,35 +379,17 @@ class Planner(OptimizerPlanning):
             # numbers torch's state_dict() gives, which load_state_dict keeps as _init_scale
             self.plan.finalizers.append((where, lambda: live.load_state_dict(scaler_load_state(built))))
             return
-        built = _kinds_like(own_sd, built)
+        built = _typed_like(own_sd, built)  # a Counter, a torch.Size where its own state holds one
         self.plan.finalizers.append((where, lambda: live.load_state_dict(built)))
         if trial.is_torch_scheduler(live):
             self.plan.checks.append((where, lambda: trial.scheduler(live, built)))
 
 
-def _kinds_like(live: Any, value: Any) -> Any:
-    """An object's built state, its dicts and lists changed in place: a dict a ``Counter`` and a
-    tuple of ints a ``torch.Size`` where the object's own state holds one there (a MultiStepLR's
-    milestones, whose closed form calls ``elements()``; a module-like object's shapes)."""
-    if type(live) is collections.Counter and type(value) is dict:
-        return collections.Counter(value)
-    if isinstance(live, torch.Size) and type(value) is tuple and all(type(x) is int for x in value):
-        return torch.Size(value)
-    if isinstance(live, Mapping) and isinstance(value, dict):
-        for k, v in value.items():
-            if isinstance(v, (dict, list, tuple)) and k in live:
-                value[k] = _kinds_like(live[k], v)
-    elif isinstance(live, (list, tuple)) and isinstance(value, list) and len(live) == len(value):
-        for i, v in enumerate(value):  # a SequentialLR's schedulers' states
-            if isinstance(v, (dict, list, tuple)):
-                value[i] = _kinds_like(live[i], v)
-    return value
-
-
 def _typed_like(live: Any, value: Any) -> Any:
-    """``value``, its tuples a ``torch.Size`` and its dicts a ``Counter`` where the live value
-    holds one there, in dicts and lists too (other tuple subclasses are left tuples: a named
-    tuple built from one list would take it whole as its first field)."""
+    """``value`` (a plain value, or an object's built state), its tuples a ``torch.Size`` and its
+    dicts a ``Counter`` where the live value holds one there, in dicts and lists too (a Counter
+    is what a MultiStepLR's closed form needs). Other tuple subclasses are left as they are: a
+    named tuple built from one list would take it whole as its first field."""
     if isinstance(value, dict) and isinstance(live, Mapping):
         out = {k: _typed_like(live.get(k), v) for k, v in value.items()} if live else value
         return collections.Counter(out) if type(live) is collections.Counter else out
@@ -416,4 +398,6 @@ def _typed_like(live: Any, value: Any) -> Any:
     items = [_typed_like(x, v) for x, v in zip(live, value)] if len(live) == len(value) else list(value)
     if type(value) is tuple and isinstance(live, torch.Size):
         return torch.Size(items) if all(type(x) is int for x in items) else tuple(items)
-    return items if type(value) is list else tuple(items)
+    if type(value) is list:
+        return items
+    return tuple(items) if type(value) is tuple else value  # a named tuple (a pickled value) as it was
