@@ -267,6 +267,35 @@ def test_mappings_of_the_state_keep_their_type_and_default(tmp_path):
     assert torch.equal(state["mixed"]["w"][0], torch.ones(2)) and state["mixed"]["new"] == []
 
 
+def test_mappings_nested_in_plain_values_or_an_objects_state_keep_their_type_and_default(tmp_path):
+    """Before: only a top-level defaultdict kept its type; one inside a dict, or in an object's
+    state_dict, came back a plain dict (and an OrderedDict a dict)."""
+
+    class Tally:
+        def __init__(self) -> None:
+            self.seen: collections.defaultdict[str, list[int]] = collections.defaultdict(list)
+
+        def state_dict(self) -> dict:
+            return {"seen": self.seen}
+
+        def load_state_dict(self, sd: dict) -> None:
+            self.seen = sd["seen"]
+
+    saved = Tally()
+    saved.seen["a"].append(1)
+    meta = {"counts": collections.defaultdict(int, a=1), "order": collections.OrderedDict(b=2, a=1)}
+    stashpoint.save({"meta": meta, "tally": saved}, tmp_path / "ck")
+    state = {"meta": {"counts": collections.defaultdict(int), "order": collections.OrderedDict()}, "tally": Tally()}
+    stashpoint.load(state, tmp_path / "ck")
+    counts, order, seen = state["meta"]["counts"], state["meta"]["order"], state["tally"].seen
+    assert type(counts) is collections.defaultdict and counts.default_factory is int and counts == {"a": 1}
+    assert type(order) is collections.OrderedDict and list(order) == ["b", "a"]
+    assert type(seen) is collections.defaultdict and seen == {"a": [1]}
+    counts["b"] += 1
+    seen["b"].append(2)
+    assert counts["b"] == 1 and seen["b"] == [2]
+
+
 def test_a_lazy_module_not_run_yet_loads_as_torch_loads_it_and_refuses_to_save(tmp_path):
     """Before: torch's ValueError ("Attempted to use an uninitialized parameter"), naming no key,
     from the load and from the save."""

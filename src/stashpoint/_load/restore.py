@@ -387,11 +387,17 @@ class Planner(OptimizerPlanning):
 
 def _typed_like(live: Any, value: Any) -> Any:
     """``value`` (a plain value, or an object's built state), its tuples a ``torch.Size`` and its
-    dicts a ``Counter`` where the live value holds one there, in dicts and lists too (a Counter
-    is what a MultiStepLR's closed form needs). Other tuple subclasses are left as they are: a
-    named tuple built from one list would take it whole as its first field."""
+    dicts a ``Counter``, ``OrderedDict`` or ``defaultdict`` (with the live one's default) where the
+    live value holds one there, in dicts and lists too: a Counter is what a MultiStepLR's closed
+    form needs, a plain dict in a defaultdict's place fails the next ``counts[new] += 1``. Other
+    tuple subclasses are left as they are: a named tuple built from one list would take it whole
+    as its first field."""
     if isinstance(value, dict) and isinstance(live, Mapping):
         out = {k: _typed_like(live.get(k), v) for k, v in value.items()} if live else value
+        if type(live) is collections.defaultdict:
+            return collections.defaultdict(live.default_factory, out)
+        if type(live) is collections.OrderedDict:
+            return collections.OrderedDict(out)
         return collections.Counter(out) if type(live) is collections.Counter else out
     if not isinstance(value, (list, tuple)) or not isinstance(live, (list, tuple)):
         return value
