@@ -295,6 +295,17 @@ def test_mappings_nested_in_plain_values_or_an_objects_state_keep_their_type_and
     seen["b"].append(2)
     assert counts["b"] == 1 and seen["b"] == [2]
 
+    # a defaultdict(Counter), top-level (filled in place) and nested: its Counters come back too
+    words = collections.defaultdict(collections.Counter, en=collections.Counter(the=2))
+    stashpoint.save({"words": words, "meta": {"words": words}}, tmp_path / "words")
+    state = {"words": collections.defaultdict(collections.Counter), "meta": {"words": collections.defaultdict(int)}}
+    top = state["words"]
+    stashpoint.load(state, tmp_path / "words")
+    assert state["words"] is top and type(top["en"]) is collections.Counter and top["en"] == {"the": 2}
+    assert type(state["meta"]["words"]["en"]) is dict  # a default that is not a Counter: as saved
+    top["en"].update(["a"])
+    assert top["en"]["a"] == 1
+
 
 def test_a_lazy_module_not_run_yet_loads_as_torch_loads_it_and_refuses_to_save(tmp_path):
     """Before: torch's ValueError ("Attempted to use an uninitialized parameter"), naming no key,

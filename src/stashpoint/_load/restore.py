@@ -178,7 +178,8 @@ class Planner(OptimizerPlanning):
         if isinstance(value, dict) and isinstance(live, MutableMapping) and type(live) is not dict:
             # a defaultdict or Counter keeps its type and default: a dict in its place broke the
             # training's next `counts[new] += 1`
-            self.plan.setters.append(lambda: refill(live, value))
+            typed = _typed_like(live, value)  # its values' Counters and defaultdicts too
+            self.plan.setters.append(lambda: refill(live, typed))
         else:
             self._set(setter, _typed_like(live, value), where)
 
@@ -391,9 +392,12 @@ def _typed_like(live: Any, value: Any) -> Any:
     live value holds one there, in dicts and lists too: a Counter is what a MultiStepLR's closed
     form needs, a plain dict in a defaultdict's place fails the next ``counts[new] += 1``. Other
     tuple subclasses are left as they are: a named tuple built from one list would take it whole
-    as its first field."""
+    as its first field. A ``defaultdict(Counter)``'s keys it does not hold yet are Counters too."""
     if isinstance(value, dict) and isinstance(live, Mapping):
-        out = {k: _typed_like(live.get(k), v) for k, v in value.items()} if live else value
+        factory = getattr(live, "default_factory", None)
+        # only a class that cannot count or log calls: a factory such as count().__next__ would advance
+        model = factory() if factory in (collections.Counter, collections.OrderedDict) else None
+        out = {k: _typed_like(live.get(k, model), v) for k, v in value.items()} if live or model is not None else value
         if type(live) is collections.defaultdict:
             return collections.defaultdict(live.default_factory, out)
         if type(live) is collections.OrderedDict:
