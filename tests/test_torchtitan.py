@@ -194,6 +194,31 @@ def test_the_manager_refuses_to_lose_work_rolls_back_on_request_and_reads_withou
     mgr, fresh, train = _manager(seed, interval=3)
     assert mgr.load() and train.step == 0 and torch.equal(fresh.weight, seed_model.weight)
     mgr.close()
+    # a seed is model only though the last save is not (llama3's debugmodel); load_step 0 takes
+    # it, the newer steps moved aside (before: a full step 0, which a job on another number of
+    # ranks refused for its dataloader's keys, and load_step 0 found no step 0)
+    seed = tmp_path / "full-seed"
+    mgr, seed_model, _ = _manager(seed, last_save_model_only=False)
+    assert mgr.save(0, last_step=True)
+    mgr.close()
+    assert set(stashpoint.read(seed / "checkpoint" / "model-step-00000000")) == {"model"}
+    mgr, model, train = _manager(seed, last_save_model_only=False)
+    assert mgr.load() and torch.equal(model.weight, seed_model.weight)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    train.step = 2
+    assert mgr.save(2)
+    mgr.close()
+    mgr, again, train = _manager(seed, last_save_model_only=False)
+    assert mgr.load(step=0) and train.step == 0 and torch.equal(again.weight, seed_model.weight)
+    assert [p.name.split(".")[0] for p in (seed / "checkpoint").iterdir() if "rolled-back" in p.name] == [
+        "step-00000002"
+    ]
+    mgr.close()
+    mgr, _, _ = _manager(tmp_path / "none")
+    with pytest.raises(stashpoint.CheckpointNotFoundError, match=r"load_step 0 loads the seed checkpoint.*holds none"):
+        mgr.load(step=0)
+    mgr.close()
     (tmp_path / "dcp" / "checkpoint" / "step-10").mkdir(parents=True)
     (tmp_path / "dcp" / "checkpoint" / "step-10" / ".metadata").write_bytes(b"")
     mgr, _, _ = _manager(tmp_path / "dcp")

@@ -162,14 +162,14 @@ class StashpointCheckpointManager(BaseCheckpointManager):
         if not self._should_save(curr_step, last_step):
             return False
         assert self.manager is not None
-        if last_step and self.config.last_save_model_only:
-            # the finished model, for evaluation or another job's initial_load_path; durable before training returns
+        if curr_step == 0 or (last_step and self.config.last_save_model_only):
+            # the finished model, for evaluation or another job's initial_load_path, or the seed
+            # (step 0: torchtitan loads it model only, whatever last_save_model_only says); durable
+            # before training returns
             self.manager.wait()
-            dtype = _DTYPES[self.config.export_dtype]
-            model = {
-                k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype else v
-                for k, v in self.states[MODEL].state_dict().items()
-            }
+            # a seed of a run that saves full states keeps its dtypes
+            dtype = _DTYPES[self.config.export_dtype] if self.config.last_save_model_only else None
+            model = {k: _cast(v, dtype) for k, v in self.states[MODEL].state_dict().items()}
             where = self.root.child(_model_dir(curr_step))
             meta = {"torchtitan": _MODEL_ONLY}
             save({MODEL: model}, where, overwrite=True, metadata=meta, timeout=self.config.timeout)
@@ -202,15 +202,30 @@ class StashpointCheckpointManager(BaseCheckpointManager):
         full = set(self.states) - set(self.config.exclude_from_loading)
         options: dict[str, Any] = {"partial": True, "timeout": self.config.timeout}
         t0 = time.monotonic()
+        seed = self.root.child(_model_dir(0))
+        steps = committed_steps(self.root) if self.manager is None else self.manager.steps()
+        if step == 0 and 0 not in steps:  # --checkpoint.load_step 0: the seed, as torchtitan loads step 0
+            if not seed.exists(MANIFEST_NAME):
+                raise CheckpointNotFoundError(
+                    f"--checkpoint.load_step 0 loads the seed checkpoint, and {seed.location} holds none "
+                    f"(--checkpoint.create_seed_checkpoint writes it); the committed steps there are "
+                    f"{', '.join(map(str, steps)) or 'none'}"
+                )
+            if self.manager is not None:
+                self._roll_back_past(0)
+            load(self._state({MODEL}), seed, **options)
+            self._loaded({MODEL}, seed.location, t0)
+            return True
+        if (steps[-1] if step == -1 and steps else step) == 0:
+            full = {MODEL}  # a full step 0 (an earlier seed save): torchtitan loads step 0 model only
         if self.manager is None:  # load_only: read what is committed, change nothing
-            steps = committed_steps(self.root)
             chosen = steps[-1] if step == -1 and steps else step
             if chosen != -1:
                 load(self._state(full), self.root.child(step_dir(chosen)), **options)
         else:
             if step != -1:
                 self._roll_back_past(step)
-            elif self.manager.steps():
+            elif steps:
                 self._refuse_a_finished_run()
             try:
                 restored = self.manager.restore(self._state(full), None if step == -1 else step, **options)
@@ -222,7 +237,6 @@ class StashpointCheckpointManager(BaseCheckpointManager):
         if chosen != -1:
             self._loaded(full, f"step {chosen} of {self.folder}", t0)
             return True
-        seed = self.root.child(_model_dir(0))
         if seed.exists(MANIFEST_NAME):  # a seed checkpoint (--checkpoint.create_seed_checkpoint)
             load(self._state({MODEL}), seed, **options)
             self._loaded({MODEL}, seed.location, t0)
@@ -244,7 +258,7 @@ class StashpointCheckpointManager(BaseCheckpointManager):
         overwrite them; rank 0 does it before the load, whose collectives order it first."""
         assert self.manager is not None
         newer = [s for s in self.manager.steps() if s > step]
-        if newer and step in self.manager.steps() and self.manager.rank == 0:
+        if newer and (step in self.manager.steps() or step == 0) and self.manager.rank == 0:  # 0: the seed
             stamp = time.strftime("%Y%m%d-%H%M%S")
             for s in newer:
                 moved = self.root.child(step_dir(s)).move(f"{step_dir(s)}.rolled-back-{stamp}")
@@ -270,6 +284,12 @@ class StashpointCheckpointManager(BaseCheckpointManager):
                     "read: keep torchtitan's own manager for this run, or give the stashpoint run a new "
                     "--checkpoint.folder"
                 )
+
+
+def _cast(value: Any, dtype: torch.dtype | None) -> Any:
+    if dtype and isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+        return value.to(dtype)
+    return value
 
 
 def _model_dir(step: int) -> str:
