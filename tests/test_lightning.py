@@ -4,6 +4,7 @@ DDP on two CPU processes (slow tier: ``bash scripts/test.sh -m slow tests/test_l
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -153,6 +154,33 @@ def test_a_torch_save_checkpoint_file_is_named_with_the_import_and_replaced_by_t
     io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 3}, d / "last.ckpt")
     io.wait()
     assert (d / "last.ckpt").is_dir() and io.load_checkpoint(d / "last.ckpt")["global_step"] == 3
+
+
+def test_a_multisteplrs_milestones_come_back_a_counter_and_files_given_as_checkpoints_are_named(tmp_path):
+    """Lightning applies the dict the plugin reads (no live object to take types from). Before:
+    a MultiStepLR's milestones came back a dict, and its step(epoch) failed; the manifest given
+    for its checkpoint was called a torch.save file, to convert."""
+    import torch
+
+    from stashpoint.integrations.lightning import load_from_checkpoint
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0)
+    multi = torch.optim.lr_scheduler.MultiStepLR(opt, [2, 6], 0.5)
+    chained = torch.optim.lr_scheduler.ChainedScheduler([torch.optim.lr_scheduler.MultiStepLR(opt, [3])])
+    io = StashpointCheckpointIO()
+    io.save_checkpoint({"lr_schedulers": [multi.state_dict(), chained.state_dict()]}, tmp_path / "a.ckpt")
+    got = io.load_checkpoint(tmp_path / "a.ckpt")["lr_schedulers"]
+    assert type(got[0]["milestones"]) is collections.Counter and got[0]["milestones"] == multi.milestones
+    assert type(got[1]["_schedulers"][0]["milestones"]) is collections.Counter
+    fresh = torch.optim.lr_scheduler.MultiStepLR(opt, [1], 0.5)
+    fresh.load_state_dict(got[0])
+    with pytest.warns(UserWarning):  # torch's deprecation of step(epoch); it worked
+        fresh.step(3)
+    with pytest.raises(stashpoint.CheckpointError, match=r"a file inside the stashpoint checkpoint .*a\.ckpt: give"):
+        io.load_checkpoint(tmp_path / "a.ckpt" / "manifest.json")
+    torch.save({"state_dict": {}}, tmp_path / "own.ckpt")
+    with pytest.raises(stashpoint.CheckpointError, match=r"python -m stashpoint import .*own\.ckpt"):
+        load_from_checkpoint(L.LightningModule, tmp_path / "own.ckpt")
 
 
 def test_a_torch_save_file_stays_when_the_save_replacing_it_fails(tmp_path):

@@ -23,6 +23,7 @@ saves on rank 0 alone, and the plugin saves without any collective; every rank l
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -179,18 +180,7 @@ class StashpointCheckpointIO(CheckpointIO):
         Accepts ``map_location`` positionally (older Lightning) or by keyword, and the newer
         keywords (``weights_only``, ``state``): the checkpoint is returned for Lightning to apply."""
         self.wait()
-        target = _through_link(user_path(path))
-        if "://" not in target and Path(target).is_file():
-            raise CheckpointError(
-                f"{target} is a file, as Lightning's own plugin writes them (torch.save), not a stashpoint checkpoint: "
-                f"convert it once with `python -m stashpoint import {target} {target}.stashpoint` and resume with "
-                f'ckpt_path="{target}.stashpoint"'
-            )
-        device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
-        out = read(target, device=device, allow_pickle=self.allow_pickle)
-        if not isinstance(out, dict):
-            raise CheckpointError(f"{os.fspath(path)} holds a {type(out).__name__}, not a Lightning checkpoint dict")
-        return out
+        return _read_checkpoint(_through_link(user_path(path)), map_location, self.allow_pickle)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path``: once the saves in flight have committed (Lightning
@@ -262,6 +252,39 @@ class StashpointCheckpointIO(CheckpointIO):
             first = first or failed
         if first is not None:
             raise first
+
+
+def _read_checkpoint(target: str, map_location: Any, allow_pickle: bool) -> dict[str, Any]:
+    """The Lightning checkpoint dict at ``target`` (a file given in its place named for what it is)."""
+    if "://" not in target and Path(target).is_file():
+        if (Path(target).parent / MANIFEST_NAME).is_file():
+            raise CheckpointError(
+                f"{target} is a file inside the stashpoint checkpoint {Path(target).parent}: give that directory"
+            )
+        raise CheckpointError(
+            f"{target} is a file, as Lightning's own plugin writes them (torch.save), not a stashpoint checkpoint: "
+            f"convert it once with `python -m stashpoint import {target} {target}.stashpoint` and resume with "
+            f'ckpt_path="{target}.stashpoint"'
+        )
+    device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
+    out = read(target, device=device, allow_pickle=allow_pickle)
+    if not isinstance(out, dict):
+        raise CheckpointError(f"{target} holds a {type(out).__name__}, not a Lightning checkpoint dict")
+    for state in out.get("lr_schedulers") or ():
+        _milestones_counted(state)
+    return out
+
+
+def _milestones_counted(state: Any) -> None:
+    """A scheduler's state as read (no live object to take types from): its ``milestones`` a
+    ``Counter`` again where it is a dict, as only a MultiStepLR's is (its ``step(epoch)`` calls
+    ``milestones.elements()``), in the schedulers a SequentialLR or ChainedScheduler holds too."""
+    if not isinstance(state, dict):
+        return
+    if isinstance(state.get("milestones"), dict):
+        state["milestones"] = collections.Counter(state["milestones"])
+    for inner in state.get("_schedulers") or ():
+        _milestones_counted(inner)
 
 
 def _through_link(target: str) -> str:
@@ -353,9 +376,7 @@ def load_from_checkpoint(
     from lightning.pytorch.core.saving import _load_state
 
     device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
-    checkpoint = read(os.fspath(path), device=device, allow_pickle=allow_pickle)
-    if not isinstance(checkpoint, dict):
-        raise CheckpointError(f"{os.fspath(path)} holds a {type(checkpoint).__name__}, not a Lightning checkpoint dict")
+    checkpoint = _read_checkpoint(os.fspath(path), device, allow_pickle)
     checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
     checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
     if not issubclass(cls, LightningModule):
