@@ -263,6 +263,35 @@ def test_automatic_checkpoint_naming_and_total_limit(tmp_path, monkeypatch, home
         save_state(Accelerator(cpu=True))
 
 
+def test_accelerates_own_checkpoints_are_named_not_written_beside_or_called_missing(tmp_path):
+    """Before: a save to a directory of Accelerator.save_state's own files wrote beside them, so
+    that accelerator.load_state later loaded the old weights in silence; a load of one said only
+    that it was no stashpoint checkpoint, and load_state() with automatic naming that there was
+    none, though Accelerate's were there."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    config = ProjectConfiguration(project_dir=str(tmp_path / "proj"), automatic_checkpoint_naming=True)
+    acc = Accelerator(cpu=True, project_config=config)
+    model = acc.prepare(torch.nn.Linear(2, 2))
+    acc.save_state()  # Accelerate's own: proj/checkpoints/checkpoint_0
+    first = tmp_path / "proj" / "checkpoints" / "checkpoint_0"
+    own = r"written by Accelerator.save_state \(.*random_states_0\.pkl"
+    with pytest.raises(stashpoint.CheckpointError, match=own + r".*another directory"):
+        save_state(acc, first)
+    acc.project_configuration.iteration = 0
+    with pytest.raises(stashpoint.CheckpointError, match=own + r".*another directory"):
+        save_state(acc)
+    assert not (first / "manifest.json").exists() and acc.project_configuration.iteration == 0
+    with pytest.raises(stashpoint.CheckpointNotFoundError, match=own + r".*accelerator\.load_state"):
+        load_state(acc, first)
+    with pytest.raises(stashpoint.CheckpointNotFoundError, match=r"checkpoint_0 hold Accelerator\.save_state's own"):
+        load_state(acc)
+    save_state(acc, tmp_path / "ours").wait()
+    load_state(acc, tmp_path / "ours")
+    assert model.weight.shape == (2, 2)
+
+
 def test_automatic_naming_never_replaces_an_earlier_runs_checkpoint_nor_deletes_the_one_it_saved(tmp_path):
     """Before: a second run in the same project_dir (no load_state) replaced the first run's
     checkpoint_1 and checkpoint_2 in silence, and total_limit deleted each checkpoint it had

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,35 @@ def held(step: Path) -> str | None:
         return None
     shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
     return f"files of another kind ({shown})" if foreign else None
+
+
+def accelerates_own(step: str | os.PathLike[str]) -> str | None:
+    """The files of ``Accelerator.save_state``'s own checkpoint in the local directory ``step``
+    (it always writes ``random_states_<process>.pkl``), shown; None where there are none."""
+    if "://" in str(step):
+        return None
+    try:
+        where = Path(user_path(step))
+        names = sorted(p.name for p in where.iterdir()) if where.is_dir() else []
+    except OSError:
+        return None
+    if not any(n.startswith("random_states_") and n.endswith(".pkl") for n in names):
+        return None
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def only_accelerates_own(path: str | os.PathLike[str]) -> str | None:
+    """:func:`accelerates_own`, where no stashpoint checkpoint is beside them (one is loaded)."""
+    own = accelerates_own(path)
+    return own if own and not (Path(user_path(path)) / MANIFEST_NAME).exists() else None
+
+
+def none_to_load(folder: Path) -> str:
+    """Why load_state found nothing to load in the automatic naming's ``folder``."""
+    names = sorted(p.name for p in folder.glob("checkpoint_*")) if folder.is_dir() else []
+    own = [name for name in names if accelerates_own(folder / name)]
+    why = f" ({', '.join(own[:3])} hold Accelerator.save_state's own: use accelerator.load_state)" if own else ""
+    return f"{folder} holds no committed checkpoint_<n> to load{why}"
 
 
 def _a_saves(entry: Path) -> bool:

@@ -45,7 +45,15 @@ from stashpoint._save.handle import SaveHandle
 from stashpoint._state.perrank import as_plain, as_tensors
 from stashpoint._state.rng import RNGState
 from stashpoint.errors import CheckpointError, CheckpointNotFoundError, UnsupportedStateError
-from stashpoint.integrations._accelerate_folder import checkpoints, committed, held, then
+from stashpoint.integrations._accelerate_folder import (
+    accelerates_own,
+    checkpoints,
+    committed,
+    held,
+    none_to_load,
+    only_accelerates_own,
+    then,
+)
 
 __all__ = ["accelerator_state", "load_state", "save_state"]
 
@@ -138,6 +146,12 @@ def save_state(
     assert target is not None
     if overwrite is None:
         overwrite = folder is None
+    if own := accelerates_own(target):
+        # beside them, Accelerator.load_state would silently load the old files, not this save
+        raise CheckpointError(
+            f"{target} holds a checkpoint written by Accelerator.save_state ({own}): give stashpoint's save_state "
+            "another directory, or remove that one first"
+        )
     if folder is not None and not overwrite and (there := held(folder / f"checkpoint_{config.iteration}")):
         raise CheckpointError(
             f"{target} already holds {there}: this run's automatic checkpoint naming is at iteration "
@@ -181,8 +195,13 @@ def load_state(accelerator: Accelerator, path: str | os.PathLike[str] | None = N
         folder = checkpoints(accelerator)
         found = committed(folder)
         if not found:
-            raise CheckpointNotFoundError(f"{folder} holds no committed checkpoint_<n> to load")
+            raise CheckpointNotFoundError(none_to_load(folder))
         path = folder / f"checkpoint_{found[-1]}"
+    elif own := only_accelerates_own(path):
+        raise CheckpointNotFoundError(
+            f"{path} holds a checkpoint written by Accelerator.save_state ({own}), not by stashpoint: load it with "
+            "accelerator.load_state"
+        )
     load(accelerator_state(accelerator), path, **options)
 
 
