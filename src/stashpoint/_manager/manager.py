@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -159,6 +160,7 @@ class CheckpointManager:
         self._deletions: list[cf.Future[None]] = []
         self._refused: list[cf.Future[Any]] = []  # saves this rank refused, still failing them with the others
         self._closed = False
+        self._pid = os.getpid()  # a process forked from this one has none of its threads
         self._shared_checked = False  # every rank sees the root (checked at the first save)
         self.rank, self.world = rank_of()
         saving.check_options(
@@ -183,7 +185,9 @@ class CheckpointManager:
         self._resumed_at: int | None = None  # the step restored, until the next save (a rewind?)
         self._top: int | None = None  # the highest step this run holds, once a save looked
         self._known: set[int] = set()  # steps found committed in the root (steps() asks for the others alone)
-        self._metrics = StepMetrics(self._at, self._known)
+        # not the bound _at: a cycle through it left a manager dropped unclosed (and its root
+        # locked) for the cyclic collector, which a quiet program may not run for long
+        self._metrics = StepMetrics(functools.partial(_step_at, self.storage, self.storage_class), self._known)
         self._remote_rewind: int | None = None  # a rewind's remote steps above this, for its upload to move
         self._remote_unseen = False  # the last restore could not list the remote tier: no rewind reaches it
         self.storage.prepare()
@@ -201,7 +205,7 @@ class CheckpointManager:
                     self.remote_retention,
                     self._metrics.of,
                     self.rank,
-                    functools.partial(retention.upload_ended, self),
+                    functools.partial(_upload_ended, weakref.ref(self)),  # no cycle (see _metrics)
                     owner=self._owner,
                     node_local=self._nodes is not None,
                     forget=self._metrics.forget,
@@ -226,9 +230,7 @@ class CheckpointManager:
         return target.root if isinstance(target, LocalStorage) else target.location
 
     def _at(self, step: int) -> Storage:
-        if isinstance(self.storage, LocalStorage):
-            return self.storage_class(self.storage.root / step_dir(step))
-        return self.storage.child(step_dir(step))
+        return _step_at(self.storage, self.storage_class, step)
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first. Saves in progress and crashed saves are not listed."""
@@ -346,6 +348,7 @@ class CheckpointManager:
         """Wait for this manager's saves, uploads and deletions; raise the first failure, if any
         (a save's first, then an upload's). A save's failure that its handle's ``wait()`` already
         raised (or ``exception()`` returned) is not raised again."""
+        self._check_process("wait")
         saving.wait_for(self)
 
     def close(self) -> None:
@@ -353,26 +356,44 @@ class CheckpointManager:
         came after the last :meth:`maybe_save` is raised again once the manager is closed."""
         if self._closed:
             return
+        if os.getpid() != self._pid:  # a forked child's copy: the parent's saves are its own to end
+            self._closed = True
+            return
         refuse_on_own_thread(self, "close")
-        pending = None
         try:
             self.wait()
-        finally:
-            if self._tier is not None:
-                self._tier.close()
-            if self._preemption is not None:
-                pending = self._preemption.close()
-            if self._nodes is not None:
-                self._nodes.close()
-            with self._lock:
-                self._closed = True
-            self._release()
-            if pending is not None:  # also when wait() raised: a failed save must not swallow the signal
-                log.warning(
-                    "stashpoint: %s came after the last maybe_save; the manager closed, it takes its course",
-                    signal_name(pending),
-                )
-                signal.raise_signal(pending)
+        except Exception:
+            self._shut()
+            raise
+        except BaseException:
+            # Ctrl-C: the root stays held and the manager open while saves are in flight, or
+            # another manager would take the step being written for a leftover and remove it;
+            # close() again, or the program's exit, ends them
+            log.warning(
+                "stashpoint: close() of the CheckpointManager on %s was interrupted; it stays open (and %s held) "
+                "until its saves end: call close() again",
+                self.root,
+                self.root,
+            )
+            raise
+        self._shut()
+
+    def _shut(self) -> None:
+        """close() once the waiting is over (also when it raised a save's failure)."""
+        if self._tier is not None:
+            self._tier.close()
+        pending = self._preemption.close() if self._preemption is not None else None
+        if self._nodes is not None:
+            self._nodes.close()
+        with self._lock:
+            self._closed = True
+        self._release()
+        if pending is not None:  # also when wait() raised: a failed save must not swallow the signal
+            log.warning(
+                "stashpoint: %s came after the last maybe_save; the manager closed, it takes its course",
+                signal_name(pending),
+            )
+            signal.raise_signal(pending)
 
     def _release(self) -> None:
         try:
@@ -384,6 +405,15 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"this CheckpointManager on {self.root} is closed; create a new one")
+        self._check_process("save")
+
+    def _check_process(self, what: str) -> None:
+        if os.getpid() != self._pid:
+            raise CheckpointError(
+                f"this CheckpointManager on {self.root} belongs to process {self._pid}, which this process was "
+                f"forked from: its saves run there, and this one cannot {what} with it; create a manager in this "
+                "process, on another root"
+            )
 
     def __enter__(self) -> CheckpointManager:
         self._check_open()
@@ -400,3 +430,16 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"<CheckpointManager {self.root} steps={self.steps()}>"
+
+
+def _step_at(storage: Storage, local: type[LocalStorage], step: int) -> Storage:
+    """The storage of ``step`` in the run root ``storage``."""
+    if isinstance(storage, LocalStorage):
+        return local(storage.root / step_dir(step))
+    return storage.child(step_dir(step))
+
+
+def _upload_ended(ref: weakref.ref[CheckpointManager]) -> None:
+    mgr = ref()
+    if mgr is not None:
+        retention.upload_ended(mgr)

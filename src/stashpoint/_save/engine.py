@@ -35,6 +35,7 @@ from stashpoint._storage import LocalStorage, Storage, path_problem, same_place,
 from stashpoint.errors import CheckpointError
 
 log = logging.getLogger("stashpoint")
+SAY_AFTER_S = 30.0  # a shutdown waiting longer for saves says so
 
 
 class _Engine:
@@ -56,7 +57,16 @@ class _Engine:
 
     def close(self) -> None:
         """Wait for the saves in flight (their errors stay with their handles), then stop the threads."""
-        cf.wait([h._future for h in list(self.inflight)])
+        inflight = [h for h in list(self.inflight) if not h.done()]
+        if cf.wait([h._future for h in inflight], timeout=SAY_AFTER_S).not_done:  # a program that seems to hang at exit
+            left = [h.path for h in inflight if not h.done()]
+            log.warning(
+                "stashpoint: shutting down (the program is ending, or stashpoint.shutdown()) waits for %d save(s) "
+                "still being written: %s",
+                len(left),
+                ", ".join(left[:3]) + (", ..." if len(left) > 3 else ""),
+            )
+        cf.wait([h._future for h in inflight])
         _overlap.wait_pending()
         self.copier.shutdown(wait=True)
         self.executor.shutdown(wait=True)
@@ -362,7 +372,17 @@ def save(state: Any, path: str | os.PathLike[str] | Storage, **options: Any) -> 
         raise TypeError(
             f"save() got an unexpected keyword argument {name!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
         )
-    return async_save(state, path, **options).wait()
+    handle = async_save(state, path, **options)
+    try:
+        return handle.wait()
+    except KeyboardInterrupt:
+        if not handle.done():  # it is not cancelled: a save again to the path finds it committed
+            log.warning(
+                "stashpoint: interrupted while the save to %s is written: it goes on in the background and commits "
+                "(the program's exit waits for it)",
+                handle.path,
+            )
+        raise
 
 
 def wait_staged(timeout: float | None = None) -> None:

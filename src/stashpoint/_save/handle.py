@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 from dataclasses import dataclass
 from typing import Protocol
+
+from stashpoint.errors import CheckpointError
 
 
 class _Copies(Protocol):
@@ -98,6 +101,16 @@ class SaveHandle:
         self.blocking_s = blocking_s
         self.staging_s = staging_s
         self._reported = False  # the failure reached the caller through wait() or exception()
+        self._pid = os.getpid()
+
+    def _check_process(self) -> None:
+        """A process forked while the save ran has none of the threads that end it: waiting
+        there would never return."""
+        if os.getpid() != self._pid and not self._future.done():
+            raise CheckpointError(
+                f"the save to {self.path} runs in process {self._pid}, which this process was forked from: it "
+                "cannot be waited for here (it goes on there)"
+            )
 
     def wait(self, timeout: float | None = None) -> SaveStats:
         """Block until the checkpoint is committed and durable; return its figures.
@@ -106,6 +119,7 @@ class SaveHandle:
         (or, with ``overlap=True``, a background copy) failed, and :class:`TimeoutError` if
         ``timeout`` seconds pass first.
         """
+        self._check_process()
         try:
             return self._future.result(timeout)
         except cf.TimeoutError:
@@ -130,6 +144,7 @@ class SaveHandle:
         :class:`TimeoutError` if ``timeout`` seconds pass first.
         """
         if self._copies is not None:
+            self._check_process()
             self._copies.wait(timeout)
 
     def staged(self) -> bool:
@@ -142,6 +157,7 @@ class SaveHandle:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The background failure, or None if the save succeeded (waits like :meth:`wait`)."""
+        self._check_process()
         try:
             exc = self._future.exception(timeout)
         except cf.TimeoutError:

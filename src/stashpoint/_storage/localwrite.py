@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import threading
 from pathlib import Path
 
 from stashpoint._storage.base import FileWriter
@@ -14,6 +15,36 @@ from stashpoint._storage.directio import ALIGN, address
 from stashpoint.errors import CheckpointError
 
 _BLOCK = 64 * 1024 * 1024
+
+# The descriptors of files being written. A child forked meanwhile (a DataLoader worker) would
+# hold them open, and with them the disk space of a step the retention deletes, as long as it
+# lives: the child closes its copies (a descriptor is forgotten here before it is closed).
+_writing: set[int] = set()
+_writing_lock = threading.Lock()
+
+
+def _track(*fds: int | None) -> None:
+    with _writing_lock:
+        _writing.update(fd for fd in fds if fd is not None and fd >= 0)
+
+
+def _forget(*fds: int) -> None:
+    with _writing_lock:
+        _writing.difference_update(fds)
+
+
+def _close_in_child() -> None:
+    global _writing_lock
+    _writing_lock = threading.Lock()  # another thread may have held it at the fork
+    for fd in _writing:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _writing.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 def _ident(fd: int) -> tuple[int, int]:
@@ -38,10 +69,12 @@ def link_new(src: Path, dst: Path) -> None:
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    _track(fd)
     try:
         os.fsync(fd)
     finally:
+        _forget(fd)
         os.close(fd)
 
 
@@ -69,8 +102,10 @@ class LocalWriter(FileWriter):
         self._pos = 0
         self._fd = self._dfd = -1
         cloexec = getattr(os, "O_CLOEXEC", 0)
+        _track(dir_fd)  # owned from here
         try:
             self._fd = os.open(self._name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | cloexec, 0o644, dir_fd=dir_fd)
+            _track(self._fd)
             if reserve and size > 0 and hasattr(os, "posix_fallocate"):
                 try:  # reserve the space up front: a full disk fails now, not half-way through
                     os.posix_fallocate(self._fd, 0, size)
@@ -81,11 +116,11 @@ class LocalWriter(FileWriter):
                 try:
                     nofollow = getattr(os, "O_NOFOLLOW", 0)
                     self._dfd = os.open(self._name, os.O_WRONLY | os.O_DIRECT | cloexec | nofollow, dir_fd=dir_fd)
+                    _track(self._dfd)
                 except OSError:  # e.g. tmpfs: no direct I/O, buffered writes only
                     self._dfd = -1
                 if self._dfd >= 0 and _ident(self._dfd) != _ident(self._fd):  # replaced in between: not ours
-                    os.close(self._dfd)
-                    self._dfd = -1
+                    self._forget_direct()
         except BaseException:
             if self._fd >= 0:
                 self.abort()
@@ -116,8 +151,7 @@ class LocalWriter(FileWriter):
                 except OSError as e:
                     if e.errno != errno.EINVAL:
                         raise
-                    os.close(self._dfd)  # this filesystem refuses the alignment: buffered from now on
-                    self._dfd = -1
+                    self._forget_direct()  # this filesystem refuses the alignment: buffered from now on
                     mv = mv[self._pos - start :]
         if len(mv):
             self._pwrite_all(self._fd, mv)
@@ -130,6 +164,11 @@ class LocalWriter(FileWriter):
             self._close_fds(keep_dir=True)  # an abort after a failed fsync still needs it
         self._close_fds()
 
+    def _forget_direct(self) -> None:
+        fd, self._dfd = self._dfd, -1
+        _forget(fd)
+        os.close(fd)
+
     def _close_fds(self, keep_dir: bool = False) -> None:
         # each descriptor is forgotten before it is closed: a failed close() has freed it
         # anyway, and closing its number again could close another thread's file
@@ -138,6 +177,7 @@ class LocalWriter(FileWriter):
         if self._at is not None and not keep_dir:
             fds.append(self._at)
             self._at = None
+        _forget(*fds)
         errors = []
         for fd in fds:
             if fd >= 0:

@@ -1,0 +1,94 @@
+"""Saves meeting the rest of a program's life: a Ctrl-C while a manager closes or a blocking
+save waits, a fork while a save is written (DataLoader workers), a shutdown that waits long,
+and a manager dropped without close(). Real signals and real forks, in fresh processes."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+import stashpoint
+from conftest import ROOT
+
+WORKER = Path(__file__).with_name("lifecycle_worker.py")
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or sys.platform != "linux", reason="fork, /proc")
+
+
+def _run(case: str, root: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(
+        [sys.executable, str(WORKER), case, str(root)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    return {**json.loads(res.stdout.strip().splitlines()[-1]), "log": res.stderr}
+
+
+def test_a_ctrl_c_while_a_manager_closes_keeps_the_root_until_its_saves_end(tmp_path):
+    """Before: close() released the root's lock though its save went on; a manager opened then
+    took the step being written for a leftover and removed it, and the save failed committing."""
+    out = _run("close_interrupted", tmp_path / "run")
+    assert out["interrupted"], out
+    assert "already owns" in out["second"], out  # refused while the save is written
+    assert "close() of the CheckpointManager" in out["log"] and "call close() again" in out["log"]
+    assert out["steps"] == [1, 2], out
+    assert "never committed" not in out["log"], out["log"]
+
+
+def test_a_ctrl_c_in_a_blocking_save_says_the_save_goes_on(tmp_path):
+    out = _run("save_interrupted", tmp_path)
+    assert out["interrupted"] and out["committed"], out
+    assert "goes on in the background and commits" in out["log"], out["log"]
+
+
+def test_a_child_forked_while_a_save_is_written_neither_waits_for_it_nor_holds_its_files(tmp_path):
+    """Before: the child's manager wait() and close() (the end of a with block) and the handle's
+    wait() never returned, its save() wrote into the parent's root without the root's lock, and
+    it held the shard being written open: the disk space of the step the retention deleted
+    stayed in use as long as the child (a persistent DataLoader worker) lived."""
+    out = _run("forked", tmp_path / "run")
+    child = out["child"]
+    assert "runs in process" in child["handle_wait"] and "cannot be waited for here" in child["handle_wait"], child
+    for what in ("mgr_wait", "mgr_save"):
+        assert "which this process was forked from" in child[what], child
+    assert child["close_s"] < 1.0, child
+    assert not [p for p in out["held"] if "step-" in p], out  # step 1's files, deleted by keep_last=1
+    assert out["exit"] == 0 and [s for s in out["steps"] if "step" in s] == ["step-00000003"], out
+
+
+def test_a_shutdown_waiting_long_for_saves_says_so(tmp_path, monkeypatch, caplog):
+    from stashpoint._save import engine
+
+    real = os.fsync
+    monkeypatch.setattr(engine, "SAY_AFTER_S", 0.05)
+    monkeypatch.setattr(os, "fsync", lambda fd: (__import__("time").sleep(0.3), real(fd))[1])
+    handle = stashpoint.async_save({"w": torch.ones(1 << 16)}, tmp_path / "ck")
+    with caplog.at_level(logging.WARNING, logger="stashpoint"):
+        stashpoint.shutdown()
+    assert handle.done() and handle.exception() is None
+    assert any("waits for 1 save(s) still being written" in r.getMessage() for r in caplog.records), caplog.text
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_manager_dropped_without_close_frees_its_root_at_once(tmp_path, remote):
+    """Before: a reference cycle kept it (and its root's lock) until the cyclic collector ran."""
+    options = {"remote_root": tmp_path / "remote"} if remote else {}
+    mgr = stashpoint.CheckpointManager(tmp_path / "run", **options)
+    mgr.save(1, {"w": torch.ones(4)}).wait()
+    mgr.wait()
+    dropped = weakref.ref(mgr)
+    gc.disable()
+    try:
+        del mgr
+        assert dropped() is None
+        stashpoint.CheckpointManager(tmp_path / "run", **options).close()
+    finally:
+        gc.enable()
