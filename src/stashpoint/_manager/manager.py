@@ -405,7 +405,7 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"this CheckpointManager on {self.root} is closed; create a new one")
-        self._check_process("save")
+        self._check_process("save or restore")
 
     def _check_process(self, what: str) -> None:
         if os.getpid() != self._pid:
