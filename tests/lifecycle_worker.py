@@ -29,11 +29,19 @@ def slow_fsync(fd: int) -> None:
     _fsync(fd)
 
 
-def ctrl_c_after(seconds: float) -> None:
-    """A real SIGINT to the main thread (the one Python raises KeyboardInterrupt in)."""
+def ctrl_c_after(seconds: float, event: threading.Event | None = None) -> None:
+    """A real SIGINT to the main thread (the one Python raises KeyboardInterrupt in), once
+    ``event`` is set (a shard's fsync began) and ``seconds`` more have passed."""
     main = threading.main_thread().ident
     assert main is not None
-    threading.Timer(seconds, signal.pthread_kill, (main, signal.SIGINT)).start()
+
+    def interrupt() -> None:
+        if event is not None:
+            event.wait(30)
+        time.sleep(seconds)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
 
 
 STATE = {"w": torch.arange(1 << 20, dtype=torch.float32)}
@@ -45,8 +53,8 @@ def close_interrupted(root: str) -> dict:
     mgr.save(1, STATE).wait()
     os.fsync = slow_fsync
     mgr.save(2, STATE)
-    ctrl_c_after(0.2)
     try:
+        ctrl_c_after(0.2)
         mgr.close()
         out["interrupted"] = False
     except KeyboardInterrupt:
@@ -64,8 +72,8 @@ def close_interrupted(root: str) -> dict:
 
 def save_interrupted(root: str) -> dict:
     os.fsync = slow_fsync
-    ctrl_c_after(0.2)
     try:
+        ctrl_c_after(0.1, syncing)  # the save is being written: the call waits for it
         stashpoint.save(STATE, f"{root}/ck")
         return {"interrupted": False}
     except KeyboardInterrupt:

@@ -290,6 +290,10 @@ def test_accelerates_own_checkpoints_are_named_not_written_beside_or_called_miss
     save_state(acc, tmp_path / "ours").wait()
     load_state(acc, tmp_path / "ours")
     assert model.weight.shape == (2, 2)
+    from stashpoint._storage import storage_for
+
+    save_state(acc, storage_for(tmp_path / "storage")).wait()  # a Storage given, as async_save takes one
+    load_state(acc, storage_for(tmp_path / "storage"))
 
 
 def test_automatic_naming_never_replaces_an_earlier_runs_checkpoint_nor_deletes_the_one_it_saved(tmp_path):

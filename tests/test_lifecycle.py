@@ -77,6 +77,41 @@ def test_a_shutdown_waiting_long_for_saves_says_so(tmp_path, monkeypatch, caplog
     assert any("waits for 1 save(s) still being written" in r.getMessage() for r in caplog.records), caplog.text
 
 
+def test_a_manager_dropped_while_its_upload_runs_keeps_its_root_until_the_upload_ends(tmp_path, monkeypatch):
+    """Before (with the cycle through the upload callback made weak): the root was freed
+    mid-upload, and the next manager removed the remote step being uploaded as a leftover."""
+    import threading
+
+    from stashpoint._manager import uploader
+
+    started, go = threading.Event(), threading.Event()
+    real = uploader.copy_file
+
+    def slow_copy(*args, **kwargs):
+        started.set()
+        go.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(uploader, "copy_file", slow_copy)
+    options = {"remote_root": tmp_path / "remote"}
+    mgr = stashpoint.CheckpointManager(tmp_path / "run", **options)
+    mgr.save(1, {"w": torch.ones(4)}).wait()
+    assert started.wait(30)
+    dropped = weakref.ref(mgr)
+    del mgr
+    with pytest.raises(stashpoint.CheckpointError, match=r"already owns"):
+        stashpoint.CheckpointManager(tmp_path / "run", **options)
+    go.set()
+    for _ in range(300):
+        if dropped() is None:
+            break
+        __import__("time").sleep(0.1)
+    assert dropped() is None  # the upload ended: nothing holds it, no cyclic collection needed
+    with stashpoint.CheckpointManager(tmp_path / "run", **options) as again:
+        assert again.steps() == [1]
+    assert (tmp_path / "remote" / "step-00000001" / "manifest.json").exists()
+
+
 @pytest.mark.parametrize("remote", [False, True])
 def test_a_manager_dropped_without_close_frees_its_root_at_once(tmp_path, remote):
     """Before: a reference cycle kept it (and its root's lock) until the cyclic collector ran."""
@@ -92,3 +127,29 @@ def test_a_manager_dropped_without_close_frees_its_root_at_once(tmp_path, remote
         stashpoint.CheckpointManager(tmp_path / "run", **options).close()
     finally:
         gc.enable()
+
+
+def test_a_child_forked_while_a_checkpoint_file_is_read_does_not_hold_it(tmp_path):
+    """An upload or a load reads a step's files: a child forked meanwhile closes its copies too
+    (a review of the writes' fix found the reads' left open)."""
+    from stashpoint._storage import storage_for
+
+    stashpoint.save({"w": torch.ones(1 << 10)}, tmp_path / "ck")
+    storage = storage_for(tmp_path / "ck").shared_reads()  # one descriptor for the whole file
+    name = next(n for n in storage.list() if n.startswith("shard-"))
+    with storage.reading(name):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report through the pipe only
+            held = []
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    held.append(os.readlink(f"/proc/self/fd/{fd}"))
+                except OSError:
+                    pass
+            os.write(w, json.dumps(held).encode())
+            os._exit(0)
+        os.close(w)
+        held = json.loads(os.fdopen(r).read())
+        os.waitpid(pid, 0)
+    assert not [p for p in held if name in p], held

@@ -168,10 +168,12 @@ def test_a_multisteplrs_milestones_come_back_a_counter_and_files_given_as_checkp
     multi = torch.optim.lr_scheduler.MultiStepLR(opt, [2, 6], 0.5)
     chained = torch.optim.lr_scheduler.ChainedScheduler([torch.optim.lr_scheduler.MultiStepLR(opt, [3])])
     io = StashpointCheckpointIO()
-    io.save_checkpoint({"lr_schedulers": [multi.state_dict(), chained.state_dict()]}, tmp_path / "a.ckpt")
+    own = {"milestones": {3: 0.01}, "base_lrs": [0.1], "last_epoch": 0}  # a user's scheduler: a dict stays
+    io.save_checkpoint({"lr_schedulers": [multi.state_dict(), chained.state_dict(), own]}, tmp_path / "a.ckpt")
     got = io.load_checkpoint(tmp_path / "a.ckpt")["lr_schedulers"]
     assert type(got[0]["milestones"]) is collections.Counter and got[0]["milestones"] == multi.milestones
     assert type(got[1]["_schedulers"][0]["milestones"]) is collections.Counter
+    assert type(got[2]["milestones"]) is dict and got[2] == own
     fresh = torch.optim.lr_scheduler.MultiStepLR(opt, [1], 0.5)
     fresh.load_state_dict(got[0])
     with pytest.warns(UserWarning):  # torch's deprecation of step(epoch); it worked

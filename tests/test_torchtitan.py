@@ -215,6 +215,28 @@ def test_the_manager_refuses_to_lose_work_rolls_back_on_request_and_reads_withou
         "step-00000002"
     ]
     mgr.close()
+    # the seed is not cast to export_dtype (it is a run's start, loaded into its model), and one
+    # that cannot load leaves the newer steps where they are
+    seed = tmp_path / "bf16-seed"
+    mgr, _, _ = _manager(seed, export_dtype="bfloat16")
+    assert mgr.save(0, last_step=True)
+    mgr.close()
+    folder = seed / "checkpoint"
+    assert stashpoint.read(folder / "model-step-00000000")["model"]["weight"].dtype == torch.float32
+    mgr, _, train = _manager(seed, export_dtype="bfloat16")
+    assert mgr.load()
+    train.step = 2
+    assert mgr.save(2)
+    mgr.close()
+    shard = next((folder / "model-step-00000000").glob("shard-*"))
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    mgr, _, _ = _manager(seed, export_dtype="bfloat16")
+    with pytest.raises(stashpoint.CorruptCheckpointError):
+        mgr.load(step=0)
+    mgr.close()
+    assert (folder / "step-00000002" / "manifest.json").exists()
     mgr, _, _ = _manager(tmp_path / "none")
     with pytest.raises(stashpoint.CheckpointNotFoundError, match=r"load_step 0 loads the seed checkpoint.*holds none"):
         mgr.load(step=0)

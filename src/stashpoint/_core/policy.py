@@ -41,6 +41,22 @@ def count_or_none(name: str, value: object) -> None:
         raise ValueError(f"{name} must be None or a positive integer, got {value!r}")
 
 
+def seconds_or_none(name: str, value: object, *, zero: bool = False) -> None:
+    """Refuse ``value`` for the option ``name`` unless it is None or a finite number of seconds
+    above 0 (or 0, with ``zero``): NaN or infinity broke the collectives' deadlines, a bool or
+    a string was taken as a number or failed deep inside."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if value is not None and not (ok and (value >= 0 if zero else value > 0)):  # type: ignore[operator]
+        bound = "0 or more" if zero else "above 0"
+        raise ValueError(f"{name} must be None or a finite number of seconds {bound}, got {value!r}")
+
+
+def flag(name: str, value: object) -> None:
+    """Refuse a yes/no option that is not a bool: ``allow_pickle="False"`` is true, and unpickled."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Retention:
     """Which committed steps to keep. The rules add up; the newest step is always kept.

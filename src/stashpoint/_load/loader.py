@@ -16,6 +16,7 @@ from stashpoint._core.format import Manifest
 from stashpoint._core.index import Head
 from stashpoint._core.nodeplan import merge
 from stashpoint._core.nodes import wrapper_hint
+from stashpoint._core.policy import flag, seconds_or_none
 from stashpoint._core.reshard import Box, intersect
 from stashpoint._core.sealed import short_of_memory
 from stashpoint._dist import group as _dist
@@ -97,6 +98,10 @@ def load(
 
     A save to ``path`` still in flight in this process (``async_save``) is waited for first.
     """
+    seconds_or_none("timeout", timeout)
+    for name, value in (("strict", strict), ("partial", partial), ("verify", verify), ("atomic", atomic)):
+        flag(name, value)
+    flag("allow_pickle", allow_pickle)
     # a process that never started a save has none in flight: a restarted one loads without
     # importing the save engine (22 ms, a tenth of its first load)
     saved = _runtime.peek("save.engine") is not None or _runtime.peek("save.overlap") is not None

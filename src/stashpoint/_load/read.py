@@ -11,6 +11,7 @@ import torch
 from stashpoint import _runtime
 from stashpoint._core.format import Manifest
 from stashpoint._core.nodes import Node, PickleRefused, decode_plain, escape, join, pickled_values
+from stashpoint._core.policy import flag
 from stashpoint._core.reshard import Box
 from stashpoint._load.manifest import as_changed, open_checkpoint
 from stashpoint._load.reads import execute_reads
@@ -62,6 +63,9 @@ def read(
             rank of the checkpoint.
         TypeError: ``rank`` is not an integer.
     """
+    flag("allow_pickle", allow_pickle)
+    if select is not None and not isinstance(select, str):
+        raise TypeError(f"select must be a key path such as 'model' or 'optim/state', not {select!r}")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():  # before anything is read, not at the first tensor
         raise ValueError(f"device={device!r}, but this process has no CUDA device; read to device='cpu'")

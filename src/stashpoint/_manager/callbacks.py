@@ -13,7 +13,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from stashpoint import _runtime
 from stashpoint._core.policy import Doubling
@@ -129,10 +129,7 @@ def settle(mgr: CheckpointManager, *, say_after: float | None = None) -> None:
         mgr._nodes.settled()
     start = time.monotonic()
     while True:
-        with mgr._lock:
-            pending = [a for _, a in mgr._handles] + mgr._refused + mgr._deletions
-        pending += mgr._tier.pending_futures() if mgr._tier is not None else []
-        pending = [f for f in pending if not f.done()]
+        pending = unfinished(mgr)
         if not pending:
             break
         left = None if say_after is None else start + say_after - time.monotonic()
@@ -146,6 +143,14 @@ def settle(mgr: CheckpointManager, *, say_after: float | None = None) -> None:
             mgr.root,
         )
         say_after = None
+
+
+def unfinished(mgr: CheckpointManager) -> list[cf.Future[Any]]:
+    """``mgr``'s saves, uploads, deletions and callbacks not ended yet."""
+    with mgr._lock:
+        pending = [a for _, a in mgr._handles] + mgr._refused + mgr._deletions
+    pending += mgr._tier.pending_futures() if mgr._tier is not None else []
+    return [f for f in pending if not f.done()]
 
 
 _open: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()

@@ -20,7 +20,7 @@ from stashpoint._core.naming import step_dir
 from stashpoint._core.policy import Retention, Schedule, count_or_none
 from stashpoint._dist.group import rank_of
 from stashpoint._manager import retention, saving
-from stashpoint._manager.callbacks import ON_SAVE_THREAD, Awaiting, refuse_on_own_thread, track
+from stashpoint._manager.callbacks import ON_SAVE_THREAD, Awaiting, refuse_on_own_thread, track, unfinished
 from stashpoint._manager.lock import Holding
 from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, signal_name
@@ -187,7 +187,7 @@ class CheckpointManager:
         self._known: set[int] = set()  # steps found committed in the root (steps() asks for the others alone)
         # not the bound _at: a cycle through it left a manager dropped unclosed (and its root
         # locked) for the cyclic collector, which a quiet program may not run for long
-        self._metrics = StepMetrics(functools.partial(_step_at, self.storage, self.storage_class), self._known)
+        self._metrics = StepMetrics(functools.partial(_step_at, weakref.ref(self)), self._known)
         self._remote_rewind: int | None = None  # a rewind's remote steps above this, for its upload to move
         self._remote_unseen = False  # the last restore could not list the remote tier: no rewind reaches it
         self.storage.prepare()
@@ -209,6 +209,7 @@ class CheckpointManager:
                     owner=self._owner,
                     node_local=self._nodes is not None,
                     forget=self._metrics.forget,
+                    keeper=weakref.ref(self),
                 )
             if self._preemption is not None:
                 self._preemption.install(self)
@@ -226,11 +227,13 @@ class CheckpointManager:
 
     def path(self, step: int) -> Path | str:
         """Where ``step`` lives: a directory under a local root, a URL under a remote one."""
-        target = self._at(step)
+        target = self._at(step_number(step))
         return target.root if isinstance(target, LocalStorage) else target.location
 
     def _at(self, step: int) -> Storage:
-        return _step_at(self.storage, self.storage_class, step)
+        if isinstance(self.storage, LocalStorage):
+            return self.storage_class(self.storage.root / step_dir(step))
+        return self.storage.child(step_dir(step))
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first. Saves in progress and crashed saves are not listed."""
@@ -255,6 +258,7 @@ class CheckpointManager:
                 "should_save and maybe_save need a schedule: pass every_steps and/or every_seconds to the "
                 "CheckpointManager, or call save() when a save is due"
             )
+        step = step_number(step)
         if step == self._resumed_at:  # a loop resuming with range(start, ...) passes it again
             return False
         return self.schedule.due(step, time.monotonic(), self._last_save_time)
@@ -291,6 +295,7 @@ class CheckpointManager:
         to the remote tier in the background.
         """
         self._check_open()
+        self._check_process("save with it")
         step, plain = step_number(step), saving.plain_metrics(metrics)
         saving.check_metrics(self, step, plain)
         return saving.start_save(self, step, state, plain, options)
@@ -348,7 +353,8 @@ class CheckpointManager:
         """Wait for this manager's saves, uploads and deletions; raise the first failure, if any
         (a save's first, then an upload's). A save's failure that its handle's ``wait()`` already
         raised (or ``exception()`` returned) is not raised again."""
-        self._check_process("wait")
+        if os.getpid() != self._pid and unfinished(self):
+            self._check_process("wait for them")
         saving.wait_for(self)
 
     def close(self) -> None:
@@ -405,14 +411,13 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"this CheckpointManager on {self.root} is closed; create a new one")
-        self._check_process("save or restore")
 
     def _check_process(self, what: str) -> None:
         if os.getpid() != self._pid:
             raise CheckpointError(
                 f"this CheckpointManager on {self.root} belongs to process {self._pid}, which this process was "
-                f"forked from: its saves run there, and this one cannot {what} with it; create a manager in this "
-                "process, on another root"
+                f"forked from: its saves run there, and this one cannot {what}; create a manager in this process, "
+                "on another root"
             )
 
     def __enter__(self) -> CheckpointManager:
@@ -428,15 +433,15 @@ class CheckpointManager:
         except CheckpointError as e:
             log.error("stashpoint: while closing the manager: %s", e)
 
-    def __repr__(self) -> str:
-        return f"<CheckpointManager {self.root} steps={self.steps()}>"
+    def __repr__(self) -> str:  # no listing: a debugger's repr must not read the storage (S3: requests)
+        return f"<CheckpointManager {self.root}{' closed' if self._closed else ''}>"
 
 
-def _step_at(storage: Storage, local: type[LocalStorage], step: int) -> Storage:
-    """The storage of ``step`` in the run root ``storage``."""
-    if isinstance(storage, LocalStorage):
-        return local(storage.root / step_dir(step))
-    return storage.child(step_dir(step))
+def _step_at(ref: weakref.ref[CheckpointManager], step: int) -> Storage:
+    mgr = ref()
+    if mgr is None:  # asked only through a live manager's retention
+        raise CheckpointError("the CheckpointManager is gone")
+    return mgr._at(step)
 
 
 def _upload_ended(ref: weakref.ref[CheckpointManager]) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
+from stashpoint._core.policy import seconds_or_none
 from stashpoint._dist import group as _dist
 from stashpoint._dist.gloo import tree_max
 from stashpoint._manager.preemptgroup import signal_context
@@ -43,8 +44,9 @@ class Preemption:
     handlers back and no wakeup pipe: its signals are its own, never the parent's."""
 
     def __init__(self, deadline_s: float, signals: Sequence[int], world: int, owner: str = "") -> None:
-        if not deadline_s > 0:
-            raise ValueError(f"preemption_deadline must be a positive number of seconds, got {deadline_s!r}")
+        if deadline_s is None:
+            raise ValueError("preemption_deadline must be a finite number of seconds above 0, got None")
+        seconds_or_none("preemption_deadline", deadline_s)
         if threading.current_thread() is not threading.main_thread():
             raise ValueError(
                 "preemption handling installs signal handlers, which Python allows only in the main thread: "

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from stashpoint._core.format import utc_stamp
 from stashpoint._core.naming import MANIFEST_NAME
-from stashpoint._core.policy import metric_problem
+from stashpoint._core.policy import flag, metric_problem
 from stashpoint._manager import retention
 from stashpoint._manager.aftersave import holds_manifest_or_unknown, out_of_space, say_room
 from stashpoint._manager.callbacks import call_on_save, refuse_on_own_thread, settle
@@ -105,6 +105,9 @@ def check_options(
         raise ValueError("on_busy='skip' would let ranks skip different saves in a distributed run; use 'wait'")
     if node_local and not isinstance(storage, LocalStorage):
         raise ValueError(f"node_local=True needs a local directory as root, not {storage.location}")
+    flag("node_local", node_local)
+    if isinstance(replicas, bool) or not isinstance(replicas, numbers.Integral) or replicas < 0:
+        raise ValueError(f"replicas must be a whole number of copies, 0 or more, got {replicas!r}")
     if replicas and not node_local:
         raise ValueError("replicas need node_local=True: they are copies of each node's files on other nodes")
 
@@ -114,6 +117,11 @@ def save_options(mgr: CheckpointManager, step: int, metrics: dict[str, float], o
     metrics in the metadata, the node-local plan, and the manager's defaults; raises
     ``ValueError`` for what a manager's save does not support."""
     meta = dict(options.pop("metadata", None) or {})
+    if METRICS_KEY in meta:  # it was replaced in silence
+        raise ValueError(
+            f"metadata key {METRICS_KEY!r} is the manager's own (the step's metrics): pass metrics=... or "
+            "name the key otherwise"
+        )
     meta[METRICS_KEY] = json.dumps(metrics)
     if "timeout" in options:
         options["timeout_s"] = options.pop("timeout")

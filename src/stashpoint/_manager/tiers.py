@@ -72,7 +72,11 @@ class RemoteTier:
         owner: bool = False,
         node_local: bool = False,
         forget: Callable[[int], None] | None = None,
+        keeper: Callable[[], Any] | None = None,
     ) -> None:
+        # keeper: a weak reference to the manager, held strongly while uploads are pending: a
+        # manager dropped unclosed keeps its root (the lock) until they end, as for its saves
+        self._keeper, self._kept = keeper, None
         self.local = local
         self.remote = storage_for(remote_root)
         if same_root(self.remote, local):
@@ -135,7 +139,13 @@ class RemoteTier:
             if problem is not None and owner:
                 self._failed.update(committed_steps(local))
             self._pending.update(todo)
+            self._hold()
         self._track(self.uploader.catch_up(todo))
+
+    def _hold(self) -> None:
+        """(Under the lock.) Keep the manager while uploads are pending."""
+        if self._pending and self._kept is None and self._keeper is not None:
+            self._kept = self._keeper()
 
     def _failed_to_retry(self) -> tuple[list[int], list[int]]:
         """(Rank 0, on the upload thread, as an upload is about to go up) the steps whose uploads
@@ -187,6 +197,7 @@ class RemoteTier:
     def submit(self, step: int, after: cf.Future[Any]) -> None:
         with self._lock:
             self._pending[step] += 1
+            self._hold()
             self._retried.pop(step, None)  # a new copy of the step (after a rewind): its own retries
             backlog = len(self._pending.keys() | self._failed)
             failed = len(self._failed - self._pending.keys())
@@ -245,6 +256,11 @@ class RemoteTier:
             )
         if self.on_ended is not None:
             self.on_ended()
+        kept = None
+        with self._lock:
+            if not self._pending:
+                kept, self._kept = self._kept, None
+        del kept  # the last upload ended: a manager dropped meanwhile goes now, outside the lock
 
     def _retain(self, step: int) -> None:
         """On the uploader thread, once ``step`` is committed remotely: the remote retention."""

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from stashpoint._core.policy import count_or_none, flag, seconds_or_none
 from stashpoint._save import writerproc as _writerproc
 
 DEFAULT_MAX_SHARD_BYTES = 256 << 20  # files small enough that a save has several to write at once
@@ -39,18 +40,24 @@ class SaveOptions:
             raise TypeError(f"metadata must be a dict of str to str, not {type(self.metadata).__name__}")
         for k, v in self.metadata.items():
             if not (isinstance(k, str) and isinstance(v, str)):
-                raise TypeError(
-                    f"metadata must map str to str: metadata[{k!r}] is a {type(v).__name__}; convert the values "
-                    "with str() or json.dumps()"
+                what = (
+                    f"its key {k!r} is a {type(k).__name__}"
+                    if not isinstance(k, str)
+                    else f"metadata[{k!r}] is a {type(v).__name__}"
                 )
+                raise TypeError(f"metadata must map str to str: {what}; convert them with str() or json.dumps()")
         if self.on_busy not in ("wait", "skip"):
             raise ValueError(f"on_busy must be 'wait' or 'skip', got {self.on_busy!r}")
-        if self.max_inflight < 1:
-            raise ValueError(f"max_inflight must be at least 1, got {self.max_inflight}")
+        for name in ("max_inflight", "max_shard_bytes"):
+            value = getattr(self, name)
+            if value is None:
+                raise ValueError(f"{name} must be a positive integer, got None")
+            count_or_none(name, value)
+        seconds_or_none("timeout", self.timeout_s)
+        for name in ("overwrite", "allow_pickle", "overlap"):
+            flag(name, getattr(self, name))
         if self.writer not in _writerproc.WRITERS:
             raise ValueError(f"writer must be 'thread' or 'process', got {self.writer!r}")
-        if self.max_shard_bytes < 1:
-            raise ValueError(f"max_shard_bytes must be positive, got {self.max_shard_bytes}")
 
 
 def copy_metadata(metadata: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -47,15 +48,19 @@ class StatefulSampler(Sampler[int]):
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
-        self.num_samples = data if isinstance(data, int) else len(data)
+        # checked here, as the load checks them: a value saved that no load takes loses the position
+        self.num_samples = _whole("data", data) if hasattr(data, "__index__") else len(data)
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
         self.shuffle = shuffle
-        self.seed = seed
+        self.seed = _whole("seed", seed)
         if rank is None or world_size is None:
             import torch.distributed as dist
 
             dist_on = dist.is_available() and dist.is_initialized()
             rank = rank if rank is not None else (dist.get_rank() if dist_on else 0)
             world_size = world_size if world_size is not None else (dist.get_world_size() if dist_on else 1)
+        rank, world_size = _whole("rank", rank), _whole("world_size", world_size)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank} world_size={world_size}")
         self.rank = rank
@@ -113,6 +118,7 @@ class StatefulSampler(Sampler[int]):
         Right after a restore at the start of the next epoch, ``epoch`` is the one just done: a
         save at an epoch's last batch finds the sampler past it when that batch was short (the
         loader asked for more), and a loop counting epochs itself names the epoch it was in."""
+        epoch = _whole("epoch", epoch)
         self._pass = None
         if self._restored and self.index == 0 and epoch == self.epoch - 1:
             self.epoch, self.index = epoch, self.num_samples  # that epoch's pass yields nothing more
@@ -128,8 +134,9 @@ class StatefulSampler(Sampler[int]):
         The count is of batches at this sampler's world size: after a restart on another number
         of ranks, where the batches before it were of another size, restore the sampler's saved
         position instead (exact with ``num_workers=0``)."""
-        if batches < 0 or batch_size < 1:
-            raise ValueError(f"seek needs batches >= 0 and batch_size >= 1, got {batches} and {batch_size}")
+        batches, batch_size = _whole("batches", batches), _whole("batch_size", batch_size)
+        if batch_size < 1:
+            raise ValueError(f"seek needs batch_size >= 1, got {batch_size}")
         if self._loaded_world not in (None, self.world_size):
             raise ValueError(
                 f"the position restored was saved on {self._loaded_world} rank(s) and seek counts batches on "
@@ -163,8 +170,8 @@ class StatefulSampler(Sampler[int]):
             return f"a sampler state has the keys {sorted(self.state_dict())}"
         for k in ("epoch", "index", "seed", "num_samples", "world_size"):
             v = state_dict[k]
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**62:
-                return f"the sampler's {k} must be a non-negative integer, not {str(v)[:40]!r}"
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < _BOUND:
+                return f"the sampler's {k} must be an integer from 0 to 2**62 - 1, not {str(v)[:40]!r}"
         if not isinstance(state_dict["shuffle"], bool):
             return "the sampler's shuffle must be a bool"
         if state_dict["num_samples"] != self.num_samples:
@@ -192,3 +199,17 @@ class StatefulSampler(Sampler[int]):
         self._restored = True
         self.seed = int(state_dict["seed"])
         self.shuffle = bool(state_dict["shuffle"])
+
+
+_BOUND = 2**62  # what a saved position holds: far past any dataset, epoch or seed
+
+
+def _whole(name: str, value: object) -> int:
+    """``value`` as an int (a NumPy or torch integer too) from 0 to 2**62 - 1, or an error naming
+    ``name``."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"StatefulSampler's {name} must be an integer, got {value!r}")
+    number = operator.index(value)
+    if not 0 <= number < _BOUND:
+        raise ValueError(f"StatefulSampler's {name} must be from 0 to 2**62 - 1, got {number}")
+    return number

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from stashpoint._core.naming import is_group_dir, partial_name, split_group
+from stashpoint._storage import fdtrack
 from stashpoint._storage.base import FileWriter, Storage, env_number
 from stashpoint._storage.directio import ALIGN, MIN_DIRECT_BYTES, BouncePool, drop_front, readv_direct
 from stashpoint._storage.localwrite import LocalWriter, fsync_dir, link_new, make_root
@@ -203,20 +204,25 @@ class LocalStorage(Storage):
             if e.errno == errno.ELOOP:
                 raise not_regular(path, "symbolic link") from None
             raise
+        fdtrack.track(fd)  # the caller closes it with fdtrack.close
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            os.close(fd)
+            fdtrack.close(fd)
             raise not_regular(path, file_kind(mode))
         return fd
 
     def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
-        with os.fdopen(self._open_read(name), "rb") as f:
-            f.seek(offset)
-            if length is None:
-                return f.read()
-            # a read allocates the length asked for first: asked no more than the file holds
-            # (and a byte, to see one grown meanwhile), a generous bound costs nothing
-            return f.read(max(0, min(length, os.fstat(f.fileno()).st_size - offset + 1)))
+        fd = self._open_read(name)
+        try:
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                f.seek(offset)
+                if length is None:
+                    return f.read()
+                # a read allocates the length asked for first: asked no more than the file holds
+                # (and a byte, to see one grown meanwhile), a generous bound costs nothing
+                return f.read(max(0, min(length, os.fstat(fd).st_size - offset + 1)))
+        finally:
+            fdtrack.close(fd)
 
     def readv(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
         pending = [b.cast("B") for b in buffers if len(b)]
@@ -225,7 +231,7 @@ class LocalStorage(Storage):
             try:
                 got = read_resident(fd, offset, pending)
             finally:
-                os.close(fd)
+                fdtrack.close(fd)
             offset += got
             pending = drop_front(pending, got)
         if self._direct_reads and sum(len(b) for b in pending) >= MIN_DIRECT_BYTES:
@@ -239,7 +245,7 @@ class LocalStorage(Storage):
         try:
             self._preadv_all(fd, name, offset, pending)
         finally:
-            os.close(fd)
+            fdtrack.close(fd)
 
     def _preadv_all(self, fd: int, name: str, pos: int, pending: list[memoryview]) -> None:
         while pending:
@@ -263,7 +269,7 @@ class LocalStorage(Storage):
         try:
             yield lambda offset, buffers: self._preadv_all(fd, name, offset, [b.cast("B") for b in buffers if len(b)])
         finally:
-            os.close(fd)
+            fdtrack.close(fd)
 
     def cached(self, name: str, offset: int) -> bool:
         return self._resident(name, lambda fd: resident_at(fd, offset))
@@ -281,7 +287,7 @@ class LocalStorage(Storage):
         try:
             return ask(fd)
         finally:
-            os.close(fd)
+            fdtrack.close(fd)
 
     def _plain(self) -> LocalStorage:
         """This storage reading without direct I/O: a copy, so that a subclass keeps its own
@@ -321,7 +327,7 @@ class LocalStorage(Storage):
             self._direct_reads = False
             return None
         finally:
-            os.close(fd)
+            fdtrack.close(fd)
 
     def size(self, name: str) -> int:
         with self._where(name) as (at, leaf):

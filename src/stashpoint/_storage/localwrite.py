@@ -7,44 +7,14 @@ from __future__ import annotations
 import errno
 import itertools
 import os
-import threading
 from pathlib import Path
 
+from stashpoint._storage import fdtrack
 from stashpoint._storage.base import FileWriter
 from stashpoint._storage.directio import ALIGN, address
 from stashpoint.errors import CheckpointError
 
 _BLOCK = 64 * 1024 * 1024
-
-# The descriptors of files being written. A child forked meanwhile (a DataLoader worker) would
-# hold them open, and with them the disk space of a step the retention deletes, as long as it
-# lives: the child closes its copies (a descriptor is forgotten here before it is closed).
-_writing: set[int] = set()
-_writing_lock = threading.Lock()
-
-
-def _track(*fds: int | None) -> None:
-    with _writing_lock:
-        _writing.update(fd for fd in fds if fd is not None and fd >= 0)
-
-
-def _forget(*fds: int) -> None:
-    with _writing_lock:
-        _writing.difference_update(fds)
-
-
-def _close_in_child() -> None:
-    global _writing_lock
-    _writing_lock = threading.Lock()  # another thread may have held it at the fork
-    for fd in _writing:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _writing.clear()
-
-
-os.register_at_fork(after_in_child=_close_in_child)
 
 
 def _ident(fd: int) -> tuple[int, int]:
@@ -70,11 +40,11 @@ def link_new(src: Path, dst: Path) -> None:
 
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
-    _track(fd)
+    fdtrack.track(fd)
     try:
         os.fsync(fd)
     finally:
-        _forget(fd)
+        fdtrack.forget(fd)
         os.close(fd)
 
 
@@ -102,10 +72,10 @@ class LocalWriter(FileWriter):
         self._pos = 0
         self._fd = self._dfd = -1
         cloexec = getattr(os, "O_CLOEXEC", 0)
-        _track(dir_fd)  # owned from here
+        fdtrack.track(dir_fd)  # owned from here
         try:
             self._fd = os.open(self._name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | cloexec, 0o644, dir_fd=dir_fd)
-            _track(self._fd)
+            fdtrack.track(self._fd)
             if reserve and size > 0 and hasattr(os, "posix_fallocate"):
                 try:  # reserve the space up front: a full disk fails now, not half-way through
                     os.posix_fallocate(self._fd, 0, size)
@@ -116,7 +86,7 @@ class LocalWriter(FileWriter):
                 try:
                     nofollow = getattr(os, "O_NOFOLLOW", 0)
                     self._dfd = os.open(self._name, os.O_WRONLY | os.O_DIRECT | cloexec | nofollow, dir_fd=dir_fd)
-                    _track(self._dfd)
+                    fdtrack.track(self._dfd)
                 except OSError:  # e.g. tmpfs: no direct I/O, buffered writes only
                     self._dfd = -1
                 if self._dfd >= 0 and _ident(self._dfd) != _ident(self._fd):  # replaced in between: not ours
@@ -166,7 +136,7 @@ class LocalWriter(FileWriter):
 
     def _forget_direct(self) -> None:
         fd, self._dfd = self._dfd, -1
-        _forget(fd)
+        fdtrack.forget(fd)
         os.close(fd)
 
     def _close_fds(self, keep_dir: bool = False) -> None:
@@ -177,7 +147,7 @@ class LocalWriter(FileWriter):
         if self._at is not None and not keep_dir:
             fds.append(self._at)
             self._at = None
-        _forget(*fds)
+        fdtrack.forget(*fds)
         errors = []
         for fd in fds:
             if fd >= 0:

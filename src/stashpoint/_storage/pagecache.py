@@ -26,6 +26,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from stashpoint._storage import fdtrack
 from stashpoint._storage.directio import drop_front, libc_calls
 
 log = logging.getLogger("stashpoint")
@@ -81,6 +82,7 @@ def _advise(paths: Sequence[Path], advice: int) -> None:
             fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
         except OSError:  # removed since (retention), or never there: nothing to advise
             continue
+        fdtrack.track(fd)
         try:
             if advice == os.POSIX_FADV_WILLNEED:
                 size = os.fstat(fd).st_size
@@ -91,7 +93,7 @@ def _advise(paths: Sequence[Path], advice: int) -> None:
         except OSError:
             pass
         finally:
-            os.close(fd)
+            fdtrack.close(fd)
 
 
 def keep_cached(checkpoint: Path, paths: Sequence[Path], *, beside: int | None = None) -> bool:

@@ -62,7 +62,7 @@ def held(step: Path) -> str | None:
 def accelerates_own(step: str | os.PathLike[str]) -> str | None:
     """The files of ``Accelerator.save_state``'s own checkpoint in the local directory ``step``
     (it always writes ``random_states_<process>.pkl``), shown; None where there are none."""
-    if "://" in str(step):
+    if not isinstance(step, (str, os.PathLike)) or "://" in str(step):  # a URL, a Storage given
         return None
     try:
         where = Path(user_path(step))
@@ -76,7 +76,7 @@ def accelerates_own(step: str | os.PathLike[str]) -> str | None:
 
 def only_accelerates_own(path: str | os.PathLike[str]) -> str | None:
     """:func:`accelerates_own`, where no stashpoint checkpoint is beside them (one is loaded)."""
-    own = accelerates_own(path)
+    own = accelerates_own(path)  # None for anything not a local path
     return own if own and not (Path(user_path(path)) / MANIFEST_NAME).exists() else None
 
 

@@ -42,6 +42,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from stashpoint._core.naming import MANIFEST_NAME, looks_like_shard
+from stashpoint._core.policy import seconds_or_none
 from stashpoint._dist.group import LOCAL
 from stashpoint._load.manifest import read_summary
 from stashpoint._load.read import read
@@ -99,6 +100,8 @@ class StashpointCheckpointIO(CheckpointIO):
         self.writer = writer
         self.max_shard_bytes = max_shard_bytes
         self.metadata = dict(metadata or {})
+        self._options()  # refused here, not at the first save (with last.ckpt moved aside)
+        seconds_or_none("timeout", timeout)
         self._saves: list[_Save] = []
         self._lock = threading.RLock()  # the saves' doomed lists, also used on the engine's thread
 
@@ -119,6 +122,7 @@ class StashpointCheckpointIO(CheckpointIO):
         if same:  # the same path again (last.ckpt): the saves up to its previous one first
             self._settle(keep=len(self._saves) - 1 - same[-1])
         self._settle(keep=_IN_FLIGHT - 1)
+        opts = self._options()
         aside = None
         if "://" not in target:
             where = Path(target)
@@ -129,15 +133,6 @@ class StashpointCheckpointIO(CheckpointIO):
                 log.warning("stashpoint: replacing the torch.save checkpoint %s by a stashpoint checkpoint", target)
                 aside = where.with_name(f"{where.name}.torch-save-{os.getpid()}")
                 where.rename(aside)
-        opts = SaveOptions(
-            overwrite=True,  # Lightning saves last.ckpt again and again at one path
-            allow_pickle=self.allow_pickle,
-            metadata={"framework": "lightning", **self.metadata},
-            max_shard_bytes=self.max_shard_bytes,
-            process_group=LOCAL,
-            writer=self.writer,
-            max_inflight=_IN_FLIGHT,
-        )
         try:
             if "://" not in target and not os.path.lexists(target):
                 # ModelCheckpoint(save_last="link") links last.ckpt to it as soon as this returns,
@@ -173,6 +168,17 @@ class StashpointCheckpointIO(CheckpointIO):
                     storage_for(path).remove_tree()
                 except Exception as e:
                     log.warning("stashpoint: could not remove %s: %s", path, e)
+
+    def _options(self) -> SaveOptions:
+        return SaveOptions(
+            overwrite=True,  # Lightning saves last.ckpt again and again at one path
+            allow_pickle=self.allow_pickle,
+            metadata={"framework": "lightning", **self.metadata},
+            max_shard_bytes=self.max_shard_bytes,
+            process_group=LOCAL,
+            writer=self.writer,
+            max_inflight=_IN_FLIGHT,
+        )
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The checkpoint at ``path`` as the dict Lightning saved (tensors on ``map_location``
@@ -276,13 +282,20 @@ def _read_checkpoint(target: str, map_location: Any, allow_pickle: bool) -> dict
 
 
 def _milestones_counted(state: Any) -> None:
-    """A scheduler's state as read (no live object to take types from): its ``milestones`` a
-    ``Counter`` again where it is a dict, as only a MultiStepLR's is (its ``step(epoch)`` calls
-    ``milestones.elements()``), in the schedulers a SequentialLR or ChainedScheduler holds too."""
+    """A scheduler's state as read (no live object to take types from): a MultiStepLR's
+    ``milestones`` a ``Counter`` again (its ``step(epoch)`` calls ``milestones.elements()``), in
+    the schedulers a SequentialLR or ChainedScheduler holds too. Only a state shaped as torch's
+    MultiStepLR's: a user's scheduler with a dict of milestones keeps its dict (a Counter's 0 for
+    a missing key would change its learning rate)."""
     if not isinstance(state, dict):
         return
-    if isinstance(state.get("milestones"), dict):
-        state["milestones"] = collections.Counter(state["milestones"])
+    milestones = state.get("milestones")
+    if (
+        isinstance(milestones, dict)
+        and {"gamma", "base_lrs", "last_epoch"} <= state.keys()
+        and all(type(k) is int and type(v) is int and v > 0 for k, v in milestones.items())
+    ):
+        state["milestones"] = collections.Counter(milestones)
     for inner in state.get("_schedulers") or ():
         _milestones_counted(inner)
 

@@ -167,8 +167,8 @@ class StashpointCheckpointManager(BaseCheckpointManager):
             # (step 0: torchtitan loads it model only, whatever last_save_model_only says); durable
             # before training returns
             self.manager.wait()
-            # a seed of a run that saves full states keeps its dtypes
-            dtype = _DTYPES[self.config.export_dtype] if self.config.last_save_model_only else None
+            # the seed keeps its dtypes: it is the next run's start, not an export
+            dtype = _DTYPES[self.config.export_dtype] if curr_step != 0 else None
             model = {k: _cast(v, dtype) for k, v in self.states[MODEL].state_dict().items()}
             where = self.root.child(_model_dir(curr_step))
             meta = {"torchtitan": _MODEL_ONLY}
@@ -211,9 +211,9 @@ class StashpointCheckpointManager(BaseCheckpointManager):
                     f"(--checkpoint.create_seed_checkpoint writes it); the committed steps there are "
                     f"{', '.join(map(str, steps)) or 'none'}"
                 )
-            if self.manager is not None:
-                self._roll_back_past(0)
             load(self._state({MODEL}), seed, **options)
+            if self.manager is not None:  # loaded: a seed that does not fit leaves the steps where they are
+                self._roll_back_past(0)
             self._loaded({MODEL}, seed.location, t0)
             return True
         if (steps[-1] if step == -1 and steps else step) == 0:
@@ -223,9 +223,7 @@ class StashpointCheckpointManager(BaseCheckpointManager):
             if chosen != -1:
                 load(self._state(full), self.root.child(step_dir(chosen)), **options)
         else:
-            if step != -1:
-                self._roll_back_past(step)
-            elif steps:
+            if step == -1 and steps:
                 self._refuse_a_finished_run()
             try:
                 restored = self.manager.restore(self._state(full), None if step == -1 else step, **options)
@@ -233,6 +231,8 @@ class StashpointCheckpointManager(BaseCheckpointManager):
                 raise CheckpointNotFoundError(
                     str(e).replace("restore(state) loads the newest", "--checkpoint.load_step -1 loads the newest")
                 ) from None
+            if step != -1:  # loaded: one that failed leaves the newer steps where they are
+                self._roll_back_past(step)
             chosen = -1 if restored is None else restored
         if chosen != -1:
             self._loaded(full, f"step {chosen} of {self.folder}", t0)
@@ -255,7 +255,8 @@ class StashpointCheckpointManager(BaseCheckpointManager):
     def _roll_back_past(self, step: int) -> None:
         """--checkpoint.load_step older than the newest step: training will reach the newer
         steps again, so they are moved aside (``step-N.rolled-back-<time>``), as DCP would
-        overwrite them; rank 0 does it before the load, whose collectives order it first."""
+        overwrite them; rank 0 does it once the step is loaded, before its first save (which the
+        other ranks' saves wait for)."""
         assert self.manager is not None
         newer = [s for s in self.manager.steps() if s > step]
         if newer and (step in self.manager.steps() or step == 0) and self.manager.rank == 0:  # 0: the seed
