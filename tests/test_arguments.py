@@ -117,3 +117,21 @@ def test_the_lightning_plugin_refuses_bad_options_when_made(tmp_path):
     for kwargs in ({"writer": "bogus"}, {"max_shard_bytes": 0}, {"metadata": {"a": 1}}, {"timeout": -1}):
         with pytest.raises((TypeError, ValueError)):
             StashpointCheckpointIO(**kwargs)
+
+
+def test_keep_best_metrics_signals_and_a_handles_timeout_are_named(tmp_path):
+    for k in (0, True, 1.5):
+        with pytest.raises(ValueError, match=r"keep_best's k \(how many best steps to keep\) must be"):
+            stashpoint.CheckpointManager(tmp_path / "run", keep_best=(k, "loss"))
+    stashpoint.CheckpointManager(tmp_path / "run", keep_best=(np.int64(2), "loss")).close()  # as keep_last takes
+    for signals in (15, "SIGTERM"):
+        with pytest.raises(TypeError, match=r"preemption_signals must be a sequence of signals"):
+            stashpoint.CheckpointManager(tmp_path / "run", preemption_deadline=5, preemption_signals=signals)
+    with stashpoint.CheckpointManager(tmp_path / "run") as mgr:
+        for metrics in ([("loss", 1.0)], 5):
+            with pytest.raises(TypeError, match=r"metrics must be a dict of names to numbers"):
+                mgr.save(1, STATE, metrics=metrics)
+        handle = mgr.save(1, STATE)
+        with pytest.raises(ValueError, match=r"timeout must be None or a finite number of seconds 0 or more"):
+            handle.wait(timeout="1")
+        handle.wait()

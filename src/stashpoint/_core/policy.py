@@ -79,9 +79,11 @@ class Retention:
         if keep_best is None:
             return cls(keep_last, keep_every)
         ok = isinstance(keep_best, tuple) and len(keep_best) in (2, 3)
-        if not (ok and isinstance(keep_best[0], int) and isinstance(keep_best[1], str)):
+        if not (ok and isinstance(keep_best[1], str)):
             raise ValueError(f"keep_best must be (k, 'metric') or (k, 'metric', 'min'|'max'), got {keep_best!r}")
-        return cls(keep_last, keep_every, keep_best[0], keep_best[1], keep_best[2] if len(keep_best) == 3 else "min")
+        count_or_none("keep_best's k (how many best steps to keep)", keep_best[0])
+        k = operator.index(keep_best[0])  # a NumPy integer as keep_last takes one
+        return cls(keep_last, keep_every, k, keep_best[1], keep_best[2] if len(keep_best) == 3 else "min")
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_every", "keep_best"):

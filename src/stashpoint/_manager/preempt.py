@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
@@ -61,6 +61,10 @@ class Preemption:
                 "per process may take preemption_deadline. Keep the models of one job in one manager's state "
                 "({'gen': G, 'disc': D, ...}), or give preemption_deadline to one manager and check its "
                 "`preempted` to save the other"
+            )
+        if isinstance(signals, (int, str)) or not isinstance(signals, Iterable):
+            raise TypeError(
+                f"preemption_signals must be a sequence of signals, e.g. (signal.SIGTERM,); got {signals!r}"
             )
         signals = tuple(signals)  # once: an iterator would be used up by the check
         for sig in signals:  # before anything is taken over: a handler refused half-way left SIGTERM ignored

@@ -46,6 +46,8 @@ def plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     scalar as the number it holds; raises ``TypeError`` naming the key of anything else (a
     tensor: its ``.item()`` is the caller's to take, as it waits for the GPU)."""
     out: dict[str, Any] = {}
+    if metrics is not None and not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a dict of names to numbers, e.g. {{'loss': 0.5}}; got {metrics!r}")
     for key, value in (metrics or {}).items():
         if not isinstance(key, str):
             raise TypeError(f"metrics keys must be strings, got {key!r}")

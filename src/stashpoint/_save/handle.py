@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Protocol
 
+from stashpoint._core.policy import seconds_or_none
 from stashpoint.errors import CheckpointError
 
 
@@ -119,6 +120,7 @@ class SaveHandle:
         (or, with ``overlap=True``, a background copy) failed, and :class:`TimeoutError` if
         ``timeout`` seconds pass first.
         """
+        seconds_or_none("timeout", timeout, zero=True)
         self._check_process()
         try:
             return self._future.result(timeout)
