@@ -91,7 +91,17 @@ def forked(root: str) -> dict:
     assert syncing.wait(30)  # the shard is written, its fsync under way: the file is open
     reply_r, reply_w = os.pipe()
     go_r, go_w = os.pipe()
+    held, forked_now = threading.Event(), threading.Event()
+
+    def hold_the_managers_lock() -> None:  # as its bookkeeping thread may at the fork
+        with mgr._lock:
+            held.set()
+            forked_now.wait(30)
+
+    threading.Thread(target=hold_the_managers_lock, daemon=True).start()
+    assert held.wait(30)
     pid = os.fork()
+    forked_now.set()
     if pid == 0:
         seen = {}
         for what, call in (

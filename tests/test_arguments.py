@@ -135,3 +135,31 @@ def test_keep_best_metrics_signals_and_a_handles_timeout_are_named(tmp_path):
         with pytest.raises(ValueError, match=r"timeout must be None or a finite number of seconds 0 or more"):
             handle.wait(timeout="1")
         handle.wait()
+
+
+def test_a_managers_save_refused_for_its_options_moves_nothing_aside(tmp_path):
+    """Before: the checks ran after the steps above a restored one were moved aside, and a
+    timeout of inf reached the ranks' collectives first (a distributed save failed, the next hung)."""
+    with stashpoint.CheckpointManager(tmp_path / "run", keep_last=None) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, STATE).wait()
+        mgr.restore({"w": torch.zeros(4)}, 1)
+        for options in ({"metadata": {"stashpoint.metrics": "{}"}}, {"timeout": math.inf}, {"allow_pickle": "no"}):
+            with pytest.raises((TypeError, ValueError)):
+                mgr.save(2, STATE, **options)
+        assert mgr.steps() == [1, 2, 3]
+        with pytest.raises(ValueError, match=r"timeout must be"):
+            mgr.restore({"w": torch.zeros(4)}, 1, timeout=math.nan)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("step")) == [
+        "step-00000001",
+        "step-00000002",
+        "step-00000003",
+    ]
+
+
+def test_a_sampler_over_an_array_or_a_tensor_counts_its_length():
+    from stashpoint import StatefulSampler
+
+    assert StatefulSampler(np.arange(100)).num_samples == 100  # NumPy arrays and tensors have __index__ too
+    assert StatefulSampler(torch.arange(100)).num_samples == 100
+    assert StatefulSampler(torch.tensor([7])).num_samples == 1

@@ -53,7 +53,7 @@ def seconds_or_none(name: str, value: object, *, zero: bool = False) -> None:
 
 def flag(name: str, value: object) -> None:
     """Refuse a yes/no option that is not a bool: ``allow_pickle="False"`` is true, and unpickled."""
-    if not isinstance(value, bool):
+    if not isinstance(value, bool) and type(value).__name__ != "bool_":  # NumPy's bools too
         raise TypeError(f"{name} must be True or False, got {value!r}")
 
 

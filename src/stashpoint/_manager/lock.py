@@ -54,7 +54,7 @@ def acquire_root_lock(root: Path) -> int:
             raise CheckpointError(f"another CheckpointManager already owns {root}: {unjoined_hint()}") from None
         raise CheckpointError(
             f"another CheckpointManager (in this or another process) already owns {root}; close it first "
-            "(mgr.close(), or a `with` block; a manager dropped without close() holds it until its saves and "
+            "(mgr.close(), or a `with` block; a manager dropped without close() holds it until its saves, uploads and "
             "callbacks end and it is collected, and in a notebook, which may still refer to it, until the kernel "
             "restarts), or give each run its own directory. To only read a step, stashpoint.load its step "
             "directory."

@@ -17,10 +17,10 @@ from types import TracebackType
 from typing import Any
 
 from stashpoint._core.naming import step_dir
-from stashpoint._core.policy import Retention, Schedule, count_or_none
+from stashpoint._core.policy import Retention, Schedule, count_or_none, seconds_or_none
 from stashpoint._dist.group import rank_of
 from stashpoint._manager import retention, saving
-from stashpoint._manager.callbacks import ON_SAVE_THREAD, Awaiting, refuse_on_own_thread, track, unfinished
+from stashpoint._manager.callbacks import ON_SAVE_THREAD, Awaiting, refuse_on_own_thread, track
 from stashpoint._manager.lock import Holding
 from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, signal_name
@@ -322,6 +322,9 @@ class CheckpointManager:
         that the retention and a later restart take the new run's steps for the newest.
         """
         self._check_open()
+        if self.world > 1:  # a forked child has none of the parent's place in the group
+            self._check_process("restore with it")
+        seconds_or_none("timeout", options.get("timeout"))  # before the ranks agree on what to read
         step = None if step is None else step_number(step)
         self._last_restore = r = restore_reported(self, state, step, strict, options)
         self._resumed_at = r.step
@@ -353,8 +356,10 @@ class CheckpointManager:
         """Wait for this manager's saves, uploads and deletions; raise the first failure, if any
         (a save's first, then an upload's). A save's failure that its handle's ``wait()`` already
         raised (or ``exception()`` returned) is not raised again."""
-        if os.getpid() != self._pid and unfinished(self):
-            self._check_process("wait for them")
+        if os.getpid() != self._pid:  # no lock taken: one held by a thread at the fork stays held here
+            if _unfinished_unlocked(self):
+                self._check_process("wait for them")
+            return
         saving.wait_for(self)
 
     def close(self) -> None:
@@ -448,3 +453,11 @@ def _upload_ended(ref: weakref.ref[CheckpointManager]) -> None:
     mgr = ref()
     if mgr is not None:
         retention.upload_ended(mgr)
+
+
+def _unfinished_unlocked(mgr: CheckpointManager) -> bool:
+    """(In a forked child.) Whether ``mgr`` had work in flight at the fork, read without the
+    locks (a future's own included) that a thread of the parent may have held then."""
+    pending = [a for _, a in list(mgr._handles)] + list(mgr._refused) + list(mgr._deletions)
+    pending += list(mgr._tier.futures) if mgr._tier is not None else []
+    return any(f._state not in ("FINISHED", "CANCELLED_AND_NOTIFIED") for f in pending)

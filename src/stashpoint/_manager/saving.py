@@ -90,6 +90,7 @@ def check_options(
     """Refuse, at the manager's creation, what its saves could not do (``ValueError``), and a
     checkpoint given as the run directory (every rank sees it: a local directory is shared or
     each node's own)."""
+    flag("node_local", node_local)
     if isinstance(storage, LocalStorage) and storage.exists(MANIFEST_NAME):
         raise CheckpointError(
             f"{storage.location} is a checkpoint (it holds {MANIFEST_NAME}), not a run directory: give "
@@ -107,7 +108,6 @@ def check_options(
         raise ValueError("on_busy='skip' would let ranks skip different saves in a distributed run; use 'wait'")
     if node_local and not isinstance(storage, LocalStorage):
         raise ValueError(f"node_local=True needs a local directory as root, not {storage.location}")
-    flag("node_local", node_local)
     if isinstance(replicas, bool) or not isinstance(replicas, numbers.Integral) or replicas < 0:
         raise ValueError(f"replicas must be a whole number of copies, 0 or more, got {replicas!r}")
     if replicas and not node_local:
@@ -215,6 +215,8 @@ def start_save(
             f"CheckpointManager.save() got unexpected option(s) {', '.join(map(repr, unknown))}; it takes "
             f"{', '.join(sorted(SAVE_OPTIONS))}"
         )
+    # the options checked before anything is moved aside or any collective waits on a timeout
+    save_options(mgr, step, metrics, {k: v for k, v in options.items() if k != "process_group"})
     if not mgr._shared_checked and mgr._nodes is None and isinstance(mgr.storage, LocalStorage):
         check_shared_root(mgr.storage.root, options.get("process_group"), options.get("timeout"))
         mgr._shared_checked = True

@@ -49,7 +49,8 @@ class StatefulSampler(Sampler[int]):
         world_size: int | None = None,
     ) -> None:
         # checked here, as the load checks them: a value saved that no load takes loses the position
-        self.num_samples = _whole("data", data) if hasattr(data, "__index__") else len(data)
+        # a Sized by its length (an array or a tensor has __index__ too), else a count
+        self.num_samples = _whole("len(data)", len(data)) if hasattr(data, "__len__") else _whole("data", data)
         if not isinstance(shuffle, bool):
             raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
         self.shuffle = shuffle

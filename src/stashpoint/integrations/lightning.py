@@ -101,7 +101,7 @@ class StashpointCheckpointIO(CheckpointIO):
         self.max_shard_bytes = max_shard_bytes
         self.metadata = dict(metadata or {})
         self._options()  # refused here, not at the first save (with last.ckpt moved aside)
-        seconds_or_none("timeout", timeout)
+        seconds_or_none("timeout", timeout, zero=True)  # 0: a save never waits for the previous one
         self._saves: list[_Save] = []
         self._lock = threading.RLock()  # the saves' doomed lists, also used on the engine's thread
 
