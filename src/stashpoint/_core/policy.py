@@ -51,6 +51,16 @@ def seconds_or_none(name: str, value: object, *, zero: bool = False) -> None:
         raise ValueError(f"{name} must be None or a finite number of seconds {bound}, got {value!r}")
 
 
+def usable_seconds(value: object) -> Any:
+    """``value`` where :func:`seconds_or_none` takes it, else None (the default): for the
+    collectives that fail a save refused for its timeout on every rank together."""
+    try:
+        seconds_or_none("timeout", value)
+    except ValueError:
+        return None
+    return value
+
+
 def flag(name: str, value: object) -> None:
     """Refuse a yes/no option that is not a bool: ``allow_pickle="False"`` is true, and unpickled."""
     if not isinstance(value, bool) and type(value).__name__ != "bool_":  # NumPy's bools too

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from stashpoint._core.format import utc_stamp
 from stashpoint._core.naming import MANIFEST_NAME
-from stashpoint._core.policy import flag, metric_problem
+from stashpoint._core.policy import flag, metric_problem, usable_seconds
 from stashpoint._manager import retention
 from stashpoint._manager.aftersave import holds_manifest_or_unknown, out_of_space, say_room
 from stashpoint._manager.callbacks import call_on_save, refuse_on_own_thread, settle
@@ -215,10 +215,15 @@ def start_save(
             f"CheckpointManager.save() got unexpected option(s) {', '.join(map(repr, unknown))}; it takes "
             f"{', '.join(sorted(SAVE_OPTIONS))}"
         )
-    # the options checked before anything is moved aside or any collective waits on a timeout
-    save_options(mgr, step, metrics, {k: v for k, v in options.items() if k != "process_group"})
+    # the options checked before anything is moved aside, and a collective never given their
+    # timeout unchecked (NaN or inf broke it, and the next save): refused below, with the others
+    try:
+        save_options(mgr, step, metrics, {k: v for k, v in options.items() if k != "process_group"})
+        bad = None
+    except (TypeError, ValueError) as e:
+        bad = e
     if not mgr._shared_checked and mgr._nodes is None and isinstance(mgr.storage, LocalStorage):
-        check_shared_root(mgr.storage.root, options.get("process_group"), options.get("timeout"))
+        check_shared_root(mgr.storage.root, options.get("process_group"), usable_seconds(options.get("timeout")))
         mgr._shared_checked = True
     target = mgr._at(step)
     if mgr._nodes is not None:  # the last restore's fetched files are in the node's directory first
@@ -228,6 +233,9 @@ def start_save(
             raise CheckpointError(
                 f"step {step} is still being saved to {target.location}; wait for that save (mgr.wait()) first"
             )
+    if bad is not None:
+        _refuse(mgr, step, target, options, bad)
+        raise bad
     resumed = mgr._resumed_at
     going_back, refused = set_aside_newer(mgr, step)
     there = (
@@ -279,21 +287,13 @@ def start_save(
         try:
             opts = save_options(mgr, step, metrics, {**options, "refused": refused, "refusal": refusal})
         except (TypeError, ValueError) as e:  # the others' save fails at once too, and is tracked below
-            refuse_together(target, options.get("process_group"), options.get("timeout"), e)
+            refuse_together(target, options.get("process_group"), usable_seconds(options.get("timeout")), e)
             raise
         handle = get_engine().submit(state, target, opts)
     except BaseException as e:
         if mgr._resumed_at is None:  # no step was saved: the next save is the first after the restore still
             mgr._resumed_at = resumed
-        # a save this rank refused still runs its collectives, to fail it on every rank: wait()
-        # and close() wait for them, so that a program ending on this error does not cut them
-        queued = [h._future for h in get_engine().inflight if h.path == target.location and not h.done()]
-        with mgr._lock:
-            mgr._refused = [f for f in mgr._refused if not f.done()] + queued
-        if mgr._tier is not None and mgr.world > 1:  # the other ranks queue this step's upload: so do we
-            failed: cf.Future[Any] = cf.Future()
-            failed.set_exception(e)
-            mgr._tier.submit(step, failed)
+        _track_refused(mgr, step, target, e)
         raise
     if handle.stats is not None and handle.stats.skipped:  # no save: every_seconds counts from the last one made
         mgr._last_save_time = last
@@ -311,6 +311,25 @@ def start_save(
     if mgr._tier is not None:
         mgr._tier.submit(step, handle._future)
     return handle
+
+
+def _refuse(mgr: CheckpointManager, step: int, target: Storage, options: dict[str, Any], error: Exception) -> None:
+    """This rank refuses the save of ``step`` for its options, nothing moved aside: the other
+    ranks' save fails at once too (as ``start_save``'s own refusals)."""
+    refuse_together(target, options.get("process_group"), usable_seconds(options.get("timeout")), error)
+    _track_refused(mgr, step, target, error)
+
+
+def _track_refused(mgr: CheckpointManager, step: int, target: Storage, error: BaseException) -> None:
+    """A save this rank refused still runs its collectives, to fail it on every rank: wait()
+    and close() wait for them, so that a program ending on this error does not cut them."""
+    queued = [h._future for h in get_engine().inflight if h.path == target.location and not h.done()]
+    with mgr._lock:
+        mgr._refused = [f for f in mgr._refused if not f.done()] + queued
+    if mgr._tier is not None and mgr.world > 1:  # the other ranks queue this step's upload: so do we
+        failed: cf.Future[Any] = cf.Future()
+        failed.set_exception(error)
+        mgr._tier.submit(step, failed)
 
 
 def wait_for(mgr: CheckpointManager) -> None:

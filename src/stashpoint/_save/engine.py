@@ -17,6 +17,7 @@ import torch
 from stashpoint import _runtime
 from stashpoint._core.naming import LOCK_NAME, MANIFEST_NAME, parse_step_dir
 from stashpoint._core.plan import SavePlan, TensorSpec, plan_files
+from stashpoint._core.policy import usable_seconds
 from stashpoint._dist import group as _dist
 from stashpoint._dist.group import DistContext
 from stashpoint._runtime import gc_paused
@@ -355,7 +356,9 @@ def refuse_together(storage: Storage, process_group: Any, timeout: float | None,
             return
         rank = _dist.rank_of(process_group)[0]
         why = f"rank {rank} refused the save: {type(error).__name__}: {error}"
-        opts = SaveOptions(process_group=process_group, timeout_s=timeout, refused=why, refusal="handle")
+        opts = SaveOptions(
+            process_group=process_group, timeout_s=usable_seconds(timeout), refused=why, refusal="handle"
+        )
         get_engine().submit(None, storage, opts)
     except Exception as e:  # a group that cannot be made either: the caller's error says enough
         log.debug("stashpoint: could not fail the save on the other ranks too: %s", e)
