@@ -56,7 +56,9 @@ def _run(cwd: Path, cmd: list[str]) -> str:
     return res.stderr + res.stdout
 
 
-@pytest.fixture(scope="module")
+# the session's: pytest ends a module's fixture when a test of another module runs between its
+# tests, which the workers' order allows (the job ran twice, 40 s each, in one CI run)
+@pytest.fixture(scope="session")
 def killed_and_resumed(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A two-rank job of 8 steps saving every 2 (keeping 2, the last step's save model-only),
     killed with ``kill -9`` once step 7 is logged, then the same command again: the logs, the loss
