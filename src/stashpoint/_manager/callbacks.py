@@ -145,12 +145,15 @@ def settle(mgr: CheckpointManager, *, say_after: float | None = None) -> None:
         say_after = None
 
 
-def unfinished(mgr: CheckpointManager) -> list[cf.Future[Any]]:
-    """``mgr``'s saves, uploads, deletions and callbacks not ended yet."""
-    with mgr._lock:
-        pending = [a for _, a in mgr._handles] + mgr._refused + mgr._deletions
-    pending += mgr._tier.pending_futures() if mgr._tier is not None else []
-    return [f for f in pending if not f.done()]
+def unfinished(mgr: CheckpointManager, *, locks: bool = True) -> list[cf.Future[Any]]:
+    """``mgr``'s saves, uploads, deletions and callbacks not ended yet. ``locks=False`` (a
+    forked child): read without the locks, a future's own included, that a thread of the
+    parent may have held at the fork (each list is copied whole, as the GIL allows)."""
+    pending = [a for _, a in list(mgr._handles)] + list(mgr._refused) + list(mgr._deletions)
+    pending += list(mgr._tier.futures) if mgr._tier is not None else []
+    if locks:
+        return [f for f in pending if not f.done()]
+    return [f for f in pending if f._state not in ("FINISHED", "CANCELLED_AND_NOTIFIED")]
 
 
 _open: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()

@@ -20,7 +20,7 @@ from stashpoint._core.naming import step_dir
 from stashpoint._core.policy import Retention, Schedule, count_or_none, seconds_or_none
 from stashpoint._dist.group import rank_of
 from stashpoint._manager import retention, saving
-from stashpoint._manager.callbacks import ON_SAVE_THREAD, Awaiting, refuse_on_own_thread, track
+from stashpoint._manager.callbacks import ON_SAVE_THREAD, Awaiting, refuse_on_own_thread, track, unfinished
 from stashpoint._manager.lock import Holding
 from stashpoint._manager.noderestore import NodeLocal
 from stashpoint._manager.preempt import Preemption, signal_name
@@ -357,7 +357,7 @@ class CheckpointManager:
         (a save's first, then an upload's). A save's failure that its handle's ``wait()`` already
         raised (or ``exception()`` returned) is not raised again."""
         if os.getpid() != self._pid:  # no lock taken: one held by a thread at the fork stays held here
-            if _unfinished_unlocked(self):
+            if unfinished(self, locks=False):
                 self._check_process("wait for them")
             return
         saving.wait_for(self)
@@ -453,11 +453,3 @@ def _upload_ended(ref: weakref.ref[CheckpointManager]) -> None:
     mgr = ref()
     if mgr is not None:
         retention.upload_ended(mgr)
-
-
-def _unfinished_unlocked(mgr: CheckpointManager) -> bool:
-    """(In a forked child.) Whether ``mgr`` had work in flight at the fork, read without the
-    locks (a future's own included) that a thread of the parent may have held then."""
-    pending = [a for _, a in list(mgr._handles)] + list(mgr._refused) + list(mgr._deletions)
-    pending += list(mgr._tier.futures) if mgr._tier is not None else []
-    return any(f._state not in ("FINISHED", "CANCELLED_AND_NOTIFIED") for f in pending)
